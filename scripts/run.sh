@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The main job: creates .venv if needed, then replays the bundled trace sample through the
+# engine on the bundled stories260K model and prints the metrics table (JSON into out/).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+py="$(bash scripts/bootstrap.sh | tail -n 1)"
+exec "$py" -m kvpage.cli replay "$@"

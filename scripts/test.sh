@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test command: creates .venv with pinned dependencies if needed, then lint, type-check
+# and the default test run (Hypothesis profile "ci"; GPU and slow tests excluded).
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k cache` or
+# `bash scripts/test.sh --hypothesis-profile=thorough`.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+py="$(bash scripts/bootstrap.sh | tail -n 1)"
+bin="$(dirname "$py")"
+echo "== ruff check"; "$bin/ruff" check src backends tests conformance benches
+echo "== ruff format --check"; "$bin/ruff" format --check src backends tests conformance benches
+echo "== mypy src/kvpage"; "$bin/mypy" src/kvpage
+echo "== pytest"
+export TRITON_INTERPRET=1 NUMBA_ENABLE_CUDASIM=1
+exec "$py" -m pytest -m "not slow and not gpu" -n 2 --dist loadgroup "$@"

@@ -1,0 +1,245 @@
+"""Per-step attention metadata and the per-layer KV cache container.
+
+One ``AttentionMetadata`` describes a batch of sequences for one forward step; it is
+built once per step (by the model runner) and shared by every layer. The same layout
+serves decode (every ``query_len == 1``) and prefill with cached context (chunked
+prefill, prefix-cache hits): for sequence ``i`` the step computes query tokens at
+absolute positions ``context_lens[i] .. seq_lens[i]-1`` and attends to keys
+``0 .. seq_lens[i]-1`` (causally, and within the layer's sliding window).
+
+Layout of a layer's cache (every built-in backend; see ``AttentionBackend.kv_cache_shape``):
+``kv``: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` — index 0 = K, 1 = V.
+Slot ``s`` is ``kv[:, s // block_size, s % block_size]``; the slot of the token at
+position ``p`` is ``block_table[p // block_size] * block_size + p % block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: storage dtype of the cache per CacheSpec.kv_dtype ("auto" = model dtype)
+KV_STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "int8": torch.int8,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+#: largest finite value of each fp8 format (OCP 8-bit floating point spec, 2023)
+FP8_MAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+#: int8 codes are symmetric in [-127, 127]
+INT8_MAX = 127.0
+
+MODEL_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass
+class KVCache:
+    """The paged K/V storage of one layer.
+
+    Attributes:
+        kv: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; dtype is the model
+            dtype (float32|float16|bfloat16) for ``kv_dtype="auto"``, else int8,
+            float8_e4m3fn or float8_e5m2.
+        token_scales: int8 only: ``[2, num_blocks, block_size, num_kv_heads]`` float32,
+            the dequantization scale of each stored token and head (K at 0, V at 1);
+            ``None`` otherwise.
+        k_scale: fp8 only: float32 ``[]`` (per tensor) or ``[num_kv_heads]`` (per head);
+            stored = fp8(clamp(k / k_scale)); dequantized = stored * k_scale.
+        v_scale: fp8 only: as ``k_scale`` for V.
+    """
+
+    kv: torch.Tensor
+    token_scales: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.kv.shape[1])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.kv.shape[2])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.kv.shape[3])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.kv.shape[4])
+
+    @property
+    def kv_dtype(self) -> str:
+        """``auto``, ``int8``, ``fp8_e4m3`` or ``fp8_e5m2``."""
+        for name, dt in KV_STORAGE_DTYPES.items():
+            if self.kv.dtype == dt:
+                return name
+        return "auto"
+
+
+def allocate_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype,
+    kv_dtype: str = "auto",
+    kv_scale_granularity: str = "per_tensor",
+    device: torch.device | str = "cpu",
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
+    fill: float | None = None,
+) -> KVCache:
+    """Allocate one layer's cache in the canonical layout.
+
+    Args:
+        dtype: the model dtype (used when ``kv_dtype == "auto"``).
+        kv_dtype: ``auto``, ``int8``, ``fp8_e4m3`` or ``fp8_e5m2``.
+        kv_scale_granularity: fp8 scales ``per_tensor`` (shape ``[]``) or ``per_head``.
+        k_scale, v_scale: initial fp8 scales (broadcast to the granularity's shape).
+        fill: value to fill K/V with (NaN for poisoning in tests); default zeros.
+
+    Returns:
+        A zero-filled (or ``fill``-filled) KVCache on ``device``.
+    """
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    store = KV_STORAGE_DTYPES.get(kv_dtype, dtype)
+    if fill is None:
+        kv = torch.zeros(shape, dtype=store, device=device)
+    elif store.is_floating_point:
+        kv = torch.full(shape, fill, dtype=torch.float32, device=device).to(store)
+    else:
+        kv = torch.full(shape, int(fill) if fill == fill else 0, dtype=store, device=device)
+    cache = KVCache(kv=kv)
+    if kv_dtype == "int8":
+        f = float("nan") if fill is not None and fill != fill else 0.0
+        cache.token_scales = torch.full(
+            (2, num_blocks, block_size, num_kv_heads), f, dtype=torch.float32, device=device
+        )
+    elif kv_dtype.startswith("fp8"):
+        sshape: tuple[int, ...] = () if kv_scale_granularity == "per_tensor" else (num_kv_heads,)
+        cache.k_scale = torch.broadcast_to(
+            torch.as_tensor(k_scale, dtype=torch.float32, device=device), sshape
+        ).clone()
+        cache.v_scale = torch.broadcast_to(
+            torch.as_tensor(v_scale, dtype=torch.float32, device=device), sshape
+        ).clone()
+    return cache
+
+
+@dataclass
+class AttentionMetadata:
+    """What one forward step computes, for every layer.
+
+    Attributes:
+        query_start_loc: ``[num_seqs + 1]`` int32, cumulative query tokens; sequence
+            ``i``'s new tokens are rows ``query_start_loc[i]:query_start_loc[i+1]``.
+        seq_lens: ``[num_seqs]`` int32, tokens in the KV cache for each sequence once
+            this step's K/V are written (context + new tokens).
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32 physical block ids;
+            entries past a sequence's last block are padding (any value, usually -1 or 0)
+            and are never read.
+        slot_mapping: ``[num_tokens]`` int64, the slot each new token's K/V is written
+            to; -1 = padding, never written.
+        max_query_len: max over sequences of the query length (1 for pure decode).
+        max_seq_len: max over sequences of ``seq_lens``.
+        query_lens_cpu / seq_lens_cpu: the same numbers as Python lists (host side),
+            so launchers need no device sync.
+        extras: per-backend plan data (filled by ``AttentionBackend.plan``).
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens_cpu))
+
+    @property
+    def context_lens_cpu(self) -> list[int]:
+        """Tokens already cached before this step, per sequence."""
+        return [s - q for s, q in zip(self.seq_lens_cpu, self.query_lens_cpu)]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        *,
+        device: torch.device | str = "cpu",
+        slot_mapping: list[int] | None = None,
+    ) -> AttentionMetadata:
+        """Build metadata from host lists; the slot mapping is derived from the block
+        tables unless given (``slot = block_table[p // block_size] * block_size +
+        p % block_size`` for the new positions ``seq_len - query_len .. seq_len - 1``).
+
+        Raises:
+            ShapeError: lengths disagree, a query is longer than its sequence, or a
+                block table is too short for its sequence.
+        """
+        from kvpage.errors import ShapeError
+
+        n = len(seq_lens)
+        if len(query_lens) != n or len(block_tables) != n:
+            raise ShapeError(
+                f"query_lens/block_tables: expected {n} entries each, got "
+                f"{len(query_lens)}/{len(block_tables)}"
+            )
+        slots: list[int] = []
+        for i in range(n):
+            q, s, bt = query_lens[i], seq_lens[i], block_tables[i]
+            if q < 0 or s < q:
+                raise ShapeError(f"query_lens[{i}]: expected 0 <= q <= seq_len={s}, got {q}")
+            need = -(-s // block_size)
+            if len(bt) < need:
+                raise ShapeError(
+                    f"block_tables[{i}]: expected >= {need} blocks for {s} tokens, got {len(bt)}"
+                )
+            if slot_mapping is None:
+                for p in range(s - q, s):
+                    slots.append(bt[p // block_size] * block_size + p % block_size)
+        if slot_mapping is not None:
+            slots = list(slot_mapping)
+        width = max([len(b) for b in block_tables] + [1])
+        bt_t = torch.full((n, width), -1, dtype=torch.int32)
+        for i, b in enumerate(block_tables):
+            if b:
+                bt_t[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        return cls(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=bt_t.to(device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+        )

@@ -1,0 +1,81 @@
+"""The one error hierarchy of kvpage.
+
+Every error a user can cause derives from :class:`KVPageError`. Messages read
+``"name: expected X, got Y"`` so that the offending argument is named first.
+``assert`` is used only for internal invariants, never for user input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+
+class KVPageError(Exception):
+    """Base class of every error kvpage raises on purpose."""
+
+
+class SpecError(KVPageError, ValueError):
+    """A model, cache or attention specification is invalid or unsupported."""
+
+
+class ShapeError(KVPageError, ValueError):
+    """A tensor or sequence has the wrong shape or length."""
+
+
+class DTypeError(KVPageError, TypeError):
+    """A tensor has a dtype the operation does not accept."""
+
+
+class IntegrityError(KVPageError, RuntimeError):
+    """Internal bookkeeping of the block pool or cache manager is inconsistent.
+
+    This signals a bug (in kvpage or in a caller that bypassed the manager); the
+    message carries the numbers that disagree.
+    """
+
+
+class AllocationError(KVPageError, RuntimeError):
+    """A block operation was used wrongly (double free, freeing the null block, ...)."""
+
+
+class RequestRejected(KVPageError, ValueError):
+    """A request was refused before it touched any state.
+
+    Attributes:
+        reason: short machine-readable reason, e.g. ``"empty_prompt"``,
+            ``"prompt_too_long"``, ``"exceeds_kv_capacity"``, ``"invalid_sampling_params"``.
+        request_id: the request's id when known.
+    """
+
+    def __init__(self, message: str, *, reason: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.request_id = request_id
+
+
+class BackendUnavailableError(KVPageError, RuntimeError):
+    """No attention backend (or not the requested one) can run the given spec on the device.
+
+    Attributes:
+        reasons: backend name -> list of reasons that backend refused.
+    """
+
+    def __init__(self, message: str, reasons: Mapping[str, Sequence[str]]) -> None:
+        lines = [message]
+        for name, why in reasons.items():
+            for r in why:
+                lines.append(f"  {name}: {r}")
+        super().__init__("\n".join(lines))
+        self.reasons: dict[str, list[str]] = {k: list(v) for k, v in reasons.items()}
+
+
+__all__ = [
+    "AllocationError",
+    "BackendUnavailableError",
+    "DTypeError",
+    "IntegrityError",
+    "KVPageError",
+    "RequestRejected",
+    "ShapeError",
+    "SpecError",
+]

@@ -1,0 +1,551 @@
+"""Declarative specifications: attention shape per layer and the paged KV-cache layout.
+
+Specs are frozen pydantic v2 models, JSON-serialisable, and hold no tensors. They are
+the input of backend selection, of the cache manager and of capacity planning.
+
+Sources of the conventions used here:
+
+* default softmax scale ``head_dim ** -0.5``: "Attention Is All You Need" (Vaswani
+  et al., 2017), eq. 1; Gemma-2 replaces it with ``query_pre_attn_scalar ** -0.5``
+  (HF ``Gemma2Attention``).
+* sliding window ``W``: a query at position ``i`` sees keys ``max(0, i-W+1) .. i`` — W
+  keys including itself — the convention of current HF transformers.
+* GQA head mapping: query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``
+  (consecutive groups, HF ``repeat_kv``).
+* int8 KV: one float32 scale per token per KV head, for K and for V separately.
+  fp8 KV: one float32 scale per tensor or per KV head per layer (not per token).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvpage.errors import SpecError
+
+KVCacheDType = Literal["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
+ModelDType = Literal["float32", "float16", "bfloat16"]
+ScaleGranularity = Literal["per_tensor", "per_head"]
+
+#: bytes per element of each model dtype
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: bytes per element of each quantized KV dtype
+KV_DTYPE_BYTES: dict[str, int] = {"int8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+#: bytes of one stored scale (float32)
+SCALE_BYTES = 4
+
+
+class AttentionSpec(BaseModel):
+    """Attention shape and semantics of one layer.
+
+    Attributes:
+        num_q_heads: query heads (>= 1).
+        num_kv_heads: key/value heads (>= 1, divides ``num_q_heads``; 1 = MQA).
+        head_dim: elements per head (>= 1).
+        scale: softmax scale applied to ``q . k``; default ``head_dim ** -0.5``.
+        sliding_window: W in tokens (a query sees W keys including itself), None = full.
+        logits_soft_cap: c in ``c * tanh(logits / c)`` before softmax (Gemma-2), None = off.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_q_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    scale: float = Field(default=0.0)
+    sliding_window: int | None = Field(default=None, ge=1)
+    logits_soft_cap: float | None = Field(default=None, gt=0.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_scale(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("scale") in (None, 0, 0.0):
+            d = dict(data)
+            hd = d.get("head_dim")
+            if isinstance(hd, int) and hd >= 1:
+                d["scale"] = float(hd) ** -0.5
+            return d
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> AttentionSpec:
+        if self.num_q_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_q_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, "
+                f"got {self.num_q_heads}"
+            )
+        if not (self.scale > 0.0):
+            raise ValueError(f"scale: expected > 0, got {self.scale}")
+        return self
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (1 = MHA, num_q_heads = MQA)."""
+        return self.num_q_heads // self.num_kv_heads
+
+
+class KVGroup(BaseModel):
+    """Layers that share one block table (same sliding window).
+
+    Attributes:
+        group_id: index into ``CacheSpec.kv_groups``.
+        layer_ids: the model layers in this group, ascending.
+        sliding_window: the group's window in tokens, None = full attention.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    group_id: int
+    layer_ids: tuple[int, ...]
+    sliding_window: int | None
+
+
+class CacheSpec(BaseModel):
+    """Layout of a paged KV cache for one model.
+
+    Attributes:
+        num_layers: attention layers.
+        block_size: tokens per block (>= 1).
+        num_blocks: blocks per KV group, including the reserved null block; 0 = not
+            yet sized (capacity planning decides).
+        dtype: model (activation) dtype.
+        kv_dtype: storage dtype of K/V; ``auto`` = the model dtype.
+        kv_scale_granularity: for fp8, one scale per tensor or per KV head.
+        layers: one AttentionSpec per layer.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_layers: int = Field(ge=1)
+    block_size: int = Field(default=16, ge=1)
+    num_blocks: int = Field(default=0, ge=0)
+    dtype: ModelDType = "float32"
+    kv_dtype: KVCacheDType = "auto"
+    kv_scale_granularity: ScaleGranularity = "per_tensor"
+    layers: tuple[AttentionSpec, ...]
+
+    @model_validator(mode="after")
+    def _check(self) -> CacheSpec:
+        if len(self.layers) != self.num_layers:
+            raise ValueError(
+                f"layers: expected num_layers={self.num_layers} specs, got {len(self.layers)}"
+            )
+        return self
+
+    # ---- derived -------------------------------------------------------------------
+    @property
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """Layers grouped by sliding window: the full-attention group first, then
+        sliding groups by ascending window. A model without sliding layers has one group."""
+        by_window: dict[int | None, list[int]] = {}
+        for i, layer in enumerate(self.layers):
+            by_window.setdefault(layer.sliding_window, []).append(i)
+        keys = sorted(by_window, key=lambda w: (w is not None, w or 0))
+        return tuple(
+            KVGroup(group_id=g, layer_ids=tuple(by_window[w]), sliding_window=w)
+            for g, w in enumerate(keys)
+        )
+
+    @property
+    def kv_element_bytes(self) -> int:
+        """Bytes of one stored K or V element."""
+        if self.kv_dtype == "auto":
+            return DTYPE_BYTES[self.dtype]
+        return KV_DTYPE_BYTES[self.kv_dtype]
+
+    def layer_bytes_per_token(self, layer_id: int) -> int:
+        """Bytes one token occupies in one layer: K and V, plus int8 per-token scales."""
+        a = self.layers[layer_id]
+        b = 2 * a.num_kv_heads * a.head_dim * self.kv_element_bytes
+        if self.kv_dtype == "int8":
+            b += 2 * a.num_kv_heads * SCALE_BYTES
+        return b
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies across all layers (K, V and per-token scales)."""
+        return sum(self.layer_bytes_per_token(i) for i in range(self.num_layers))
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all layers: ``block_size * bytes_per_token``."""
+        return self.block_size * self.bytes_per_token
+
+    @property
+    def fixed_scale_bytes(self) -> int:
+        """Bytes of fp8 per-tensor / per-head scales (independent of num_blocks)."""
+        if not self.kv_dtype.startswith("fp8"):
+            return 0
+        per = [
+            1 if self.kv_scale_granularity == "per_tensor" else a.num_kv_heads for a in self.layers
+        ]
+        return sum(2 * n * SCALE_BYTES for n in per)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the cache tensors of all layers occupy: ``num_blocks * bytes_per_block``
+        plus fp8 scales. For hybrid models each group's layers hold ``num_blocks`` blocks."""
+        return self.num_blocks * self.bytes_per_block + self.fixed_scale_bytes
+
+    @property
+    def max_sliding_window(self) -> int | None:
+        """The largest window over all layers; None if any layer is full attention."""
+        ws = [a.sliding_window for a in self.layers]
+        if any(w is None for w in ws):
+            return None
+        return max(w for w in ws if w is not None)
+
+    def with_blocks(self, num_blocks: int, block_size: int | None = None) -> CacheSpec:
+        """Return a copy sized to ``num_blocks`` (and optionally another block size)."""
+        data = self.model_dump()
+        data["num_blocks"] = num_blocks
+        if block_size is not None:
+            data["block_size"] = block_size
+        return _validated(CacheSpec, data)
+
+    def to_json(self) -> str:
+        """JSON text of this spec (round-trips through ``CacheSpec.model_validate_json``)."""
+        return self.model_dump_json()
+
+    # ---- constructors ----------------------------------------------------------------
+    @classmethod
+    def from_hf_config(
+        cls,
+        config: Any,
+        *,
+        block_size: int = 16,
+        num_blocks: int = 0,
+        kv_dtype: KVCacheDType = "auto",
+        dtype: ModelDType | None = None,
+        kv_scale_granularity: ScaleGranularity = "per_tensor",
+    ) -> CacheSpec:
+        """Lower a Hugging Face model config to a CacheSpec.
+
+        Args:
+            config: a ``transformers.PretrainedConfig``, or a mapping as in ``config.json``.
+                Supported ``model_type``: llama, mistral, qwen2, gemma2, gpt2.
+            block_size: tokens per block.
+            num_blocks: blocks per KV group (0 = not sized yet).
+            kv_dtype: KV storage dtype.
+            dtype: model dtype; default the config's ``torch_dtype``/``dtype`` or float32.
+            kv_scale_granularity: fp8 scale granularity.
+
+        Raises:
+            SpecError: unknown model_type or inconsistent sizes.
+
+        Layer rules (from HF modeling code): ``layer_types`` when the config has it;
+        otherwise Mistral's ``sliding_window`` applies to every layer; Qwen2 slides only
+        when ``use_sliding_window`` and ``layer >= max_window_layers``; Gemma-2 slides on
+        even layers, scale ``query_pre_attn_scalar ** -0.5``, soft cap
+        ``attn_logit_softcapping``; GPT-2 may scale by ``1/(layer+1)``.
+        """
+        cfg = _config_dict(config)
+        layers = attention_layers_from_hf(cfg)
+        if dtype is None:
+            dtype = _dtype_from_config(cfg)
+        return _validated(
+            cls,
+            dict(
+                num_layers=len(layers),
+                block_size=block_size,
+                num_blocks=num_blocks,
+                dtype=dtype,
+                kv_dtype=kv_dtype,
+                kv_scale_granularity=kv_scale_granularity,
+                layers=layers,
+            ),
+        )
+
+    @classmethod
+    def from_llama2c_header(
+        cls,
+        source: str | Path | bytes,
+        *,
+        block_size: int = 16,
+        num_blocks: int = 0,
+        kv_dtype: KVCacheDType = "auto",
+        dtype: ModelDType = "float32",
+    ) -> CacheSpec:
+        """Lower a llama2.c checkpoint header (7 little-endian int32: dim, hidden_dim,
+        n_layers, n_heads, n_kv_heads, vocab_size, seq_len) to a CacheSpec.
+
+        Args:
+            source: path of a ``.bin`` checkpoint, or at least its first 28 bytes.
+
+        Raises:
+            SpecError: short header or inconsistent sizes.
+        """
+        cfg = llama2c_header_to_hf(source)
+        return cls.from_hf_config(
+            cfg, block_size=block_size, num_blocks=num_blocks, kv_dtype=kv_dtype, dtype=dtype
+        )
+
+
+def _validated(model: type[BaseModel], data: Mapping[str, Any]) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(_format_validation(e, model.__name__)) from None
+
+
+def _format_validation(e: ValidationError, what: str) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or what
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg} (got {err.get('input')!r})" if "got" not in msg else msg)
+    return f"invalid {what}: " + "; ".join(parts)
+
+
+def make_attention_spec(**kwargs: Any) -> AttentionSpec:
+    """Build an AttentionSpec, raising SpecError (not pydantic's error) on bad input."""
+    return _validated(AttentionSpec, kwargs)  # type: ignore[no-any-return]
+
+
+def make_cache_spec(**kwargs: Any) -> CacheSpec:
+    """Build a CacheSpec, raising SpecError on bad input."""
+    return _validated(CacheSpec, kwargs)  # type: ignore[no-any-return]
+
+
+# ---- HF config lowering ----------------------------------------------------------------
+def _config_dict(config: Any) -> dict[str, Any]:
+    if isinstance(config, Mapping):
+        return dict(config)
+    if hasattr(config, "to_dict"):
+        d = dict(config.to_dict())
+        # attributes computed at init (e.g. layer_types) are in to_dict; keep head_dim too
+        for k in ("head_dim", "layer_types", "sliding_window"):
+            if hasattr(config, k) and k not in d:
+                d[k] = getattr(config, k)
+        return d
+    raise SpecError(f"config: expected a mapping or PretrainedConfig, got {type(config).__name__}")
+
+
+def _dtype_from_config(cfg: Mapping[str, Any]) -> ModelDType:
+    raw = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    name = str(raw).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        return "float32"
+    return name  # type: ignore[return-value]
+
+
+def _req(cfg: Mapping[str, Any], key: str) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise SpecError(f"config.{key}: expected a value, got nothing")
+    return cfg[key]
+
+
+def attention_layers_from_hf(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per-layer AttentionSpec fields from an HF ``config.json`` mapping (see
+    ``CacheSpec.from_hf_config`` for the rules)."""
+    mt = cfg.get("model_type")
+    if mt == "gpt2":
+        n_layers = int(_req(cfg, "n_layer"))
+        heads = int(_req(cfg, "n_head"))
+        hidden = int(_req(cfg, "n_embd"))
+        if hidden % heads:
+            raise SpecError(f"config.n_embd: expected a multiple of n_head={heads}, got {hidden}")
+        hd = hidden // heads
+        out = []
+        for i in range(n_layers):
+            scale = hd**-0.5 if cfg.get("scale_attn_weights", True) else 1.0
+            if cfg.get("scale_attn_by_inverse_layer_idx", False):
+                scale /= float(i + 1)
+            out.append(dict(num_q_heads=heads, num_kv_heads=heads, head_dim=hd, scale=scale))
+        return out
+    if mt not in ("llama", "mistral", "qwen2", "gemma2"):
+        raise SpecError(
+            f"config.model_type: expected one of llama, mistral, qwen2, gemma2, gpt2, got {mt!r}"
+        )
+    n_layers = int(_req(cfg, "num_hidden_layers"))
+    heads = int(_req(cfg, "num_attention_heads"))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    hidden = int(_req(cfg, "hidden_size"))
+    hd_raw = cfg.get("head_dim")
+    if hd_raw is None:
+        if hidden % heads:
+            raise SpecError(
+                f"config.hidden_size: expected a multiple of num_attention_heads={heads}, "
+                f"got {hidden}"
+            )
+        hd_raw = hidden // heads
+    hd = int(hd_raw)
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    sliding: list[bool]
+    if layer_types:
+        if len(layer_types) != n_layers:
+            raise SpecError(
+                f"config.layer_types: expected {n_layers} entries, got {len(layer_types)}"
+            )
+        sliding = [t == "sliding_attention" for t in layer_types]
+    elif mt == "mistral":
+        sliding = [window is not None] * n_layers
+    elif mt == "qwen2":
+        use = bool(cfg.get("use_sliding_window", False))
+        mwl = int(cfg.get("max_window_layers", n_layers) or n_layers)
+        sliding = [use and i >= mwl for i in range(n_layers)]
+    elif mt == "gemma2":
+        sliding = [i % 2 == 0 for i in range(n_layers)]
+    else:
+        sliding = [False] * n_layers
+    if any(sliding) and not window:
+        raise SpecError("config.sliding_window: expected a window for sliding layers, got None")
+    scale = None
+    cap = None
+    if mt == "gemma2":
+        scale = float(cfg.get("query_pre_attn_scalar") or hd) ** -0.5
+        cap = cfg.get("attn_logit_softcapping")
+    return [
+        dict(
+            num_q_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=hd,
+            scale=scale,
+            sliding_window=int(window) if s and window else None,
+            logits_soft_cap=float(cap) if cap else None,
+        )
+        for s in sliding
+    ]
+
+
+def llama2c_header_to_hf(source: str | Path | bytes) -> dict[str, Any]:
+    """Read a llama2.c header and return the equivalent HF Llama ``config.json`` fields.
+
+    The sign of ``vocab_size`` flags a separate classifier (negative) versus one tied to
+    the embedding (positive); ``tie_word_embeddings`` records it.
+    """
+    if isinstance(source, (str, Path)):
+        with open(source, "rb") as f:
+            raw = f.read(28)
+    else:
+        raw = bytes(source[:28])
+    if len(raw) < 28:
+        raise SpecError(f"llama2.c header: expected 28 bytes, got {len(raw)}")
+    dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len = struct.unpack("<7i", raw)
+    if min(dim, hidden, n_layers, n_heads, n_kv_heads, seq_len) <= 0 or vocab == 0:
+        raise SpecError(
+            "llama2.c header: expected positive sizes, got "
+            f"dim={dim} hidden_dim={hidden} n_layers={n_layers} n_heads={n_heads} "
+            f"n_kv_heads={n_kv_heads} vocab_size={vocab} seq_len={seq_len}"
+        )
+    return {
+        "model_type": "llama",
+        "hidden_size": dim,
+        "intermediate_size": hidden,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads,
+        "vocab_size": abs(vocab),
+        "max_position_embeddings": seq_len,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": vocab > 0,
+        "torch_dtype": "float32",
+    }
+
+
+# ---- presets -------------------------------------------------------------------------------
+class Preset(BaseModel):
+    """A named model preset from top-level ``specs/*.yaml``.
+
+    Attributes:
+        name: preset name (the file stem).
+        source: where the numbers come from (a config.json, a paper).
+        num_parameters: parameter count, for weight bytes in capacity planning.
+        max_model_len: the model's context length in tokens.
+        hf_config: HF ``config.json`` fields enough for ``CacheSpec.from_hf_config``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    source: str
+    num_parameters: int = Field(ge=1)
+    max_model_len: int = Field(ge=1)
+    hf_config: dict[str, Any]
+
+    def cache_spec(
+        self,
+        *,
+        block_size: int = 16,
+        num_blocks: int = 0,
+        kv_dtype: KVCacheDType = "auto",
+        dtype: ModelDType | None = None,
+    ) -> CacheSpec:
+        """The preset lowered to a CacheSpec (see ``CacheSpec.from_hf_config``)."""
+        return CacheSpec.from_hf_config(
+            self.hf_config,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_dtype=kv_dtype,
+            dtype=dtype,
+        )
+
+
+def _preset_dirs() -> list[Path]:
+    dirs: list[Path] = []
+    try:
+        packaged = resources.files("kvpage") / "presets"
+        if packaged.is_dir():
+            dirs.append(Path(str(packaged)))
+    except (ModuleNotFoundError, FileNotFoundError):  # pragma: no cover
+        pass
+    repo = Path(__file__).resolve().parents[2] / "specs"
+    if repo.is_dir():
+        dirs.append(repo)
+    return dirs
+
+
+def list_presets() -> list[str]:
+    """Names of the presets shipped with kvpage (sorted)."""
+    names: set[str] = set()
+    for d in _preset_dirs():
+        names.update(p.stem for p in d.glob("*.yaml"))
+    return sorted(names)
+
+
+def load_preset(name: str) -> Preset:
+    """Load a preset by name (``specs/<name>.yaml``) or from a YAML/JSON file path.
+
+    Raises:
+        SpecError: no such preset, or the file is invalid.
+    """
+    path = Path(name)
+    if not path.suffix or not path.exists():
+        path = Path()
+        for d in _preset_dirs():
+            if (d / f"{name}.yaml").exists():
+                path = d / f"{name}.yaml"
+                break
+        else:
+            raise SpecError(f"preset: expected one of {list_presets()}, got {name!r}")
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise SpecError(f"preset {path}: expected a mapping, got {type(data).__name__}")
+    data.setdefault("name", path.stem)
+    return _validated(Preset, data)  # type: ignore[no-any-return]
+
+
+__all__ = [
+    "AttentionSpec",
+    "CacheSpec",
+    "KVCacheDType",
+    "KVGroup",
+    "ModelDType",
+    "Preset",
+    "attention_layers_from_hf",
+    "list_presets",
+    "llama2c_header_to_hf",
+    "load_preset",
+    "make_attention_spec",
+    "make_cache_spec",
+]
