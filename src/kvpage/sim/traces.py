@@ -1,0 +1,384 @@
+"""Request traces: load real serving traces into one record type, and give them tokens.
+
+Formats (see ``src/kvpage/data/traces/ATTRIBUTION.md`` for sources and licenses):
+
+* **Azure LLM inference 2023** (Splitwise, CC-BY 4.0): CSV with header
+  ``TIMESTAMP,ContextTokens,GeneratedTokens``; ``TIMESTAMP`` is
+  ``YYYY-MM-DD HH:MM:SS.fffffff`` (7 fractional digits, no zone). Arrival times are
+  made relative to the first row. No prompt contents, so no prefix sharing.
+* **Mooncake FAST'25** (JSON lines): ``timestamp`` (ms since trace start),
+  ``input_length``, ``output_length`` (tokens) and ``hash_ids`` — one id per
+  512-token block of the prompt (``len(hash_ids) == ceil(input_length / 512)``). Two
+  requests with the same id at the same position share that block and every block
+  before it.
+
+Token ids (:func:`prompt_token_ids`) — the documented mapping from hash ids to tokens:
+
+* Hash block ``h`` (512 tokens) becomes the fixed run
+  ``numpy.random.default_rng([seed, 0, h]).integers(0, vocab_size, 512)``. It depends
+  only on ``(h, seed, vocab_size)``, so requests sharing a leading run of hash ids share
+  exactly the same leading tokens, in any process.
+* The last hash block of a prompt is usually partial: it contributes the first
+  ``input_length - 512 * (len(hash_ids) - 1)`` tokens of its run, so a shorter
+  request's tail is a prefix of a longer request's block with the same id.
+* At a simulated block size ``B`` that divides 512 (1, 2, 4, ..., 256, 512) each hash
+  block is ``512 / B`` simulated blocks; a prefix hit of ``k`` hash blocks is a hit of
+  ``k * 512 / B`` simulated blocks, and inside a shared partial last block the sub-blocks
+  that are full also hit (finer than the trace's own granularity, never coarser). When
+  ``B`` does not divide 512 a simulated block may straddle two hash blocks and hits only
+  if both are shared — the cache then hits fewer tokens than the trace would allow.
+* Requests without hash ids (Azure) get a run unique to the request:
+  ``default_rng([seed, 1, index])``. Generated (output) tokens use
+  ``default_rng([seed, 2, index])``; output tokens are never shared between requests.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from kvpage.errors import KVPageError
+
+#: tokens per Mooncake hash block (FAST'25 release README)
+MOONCAKE_BLOCK_TOKENS = 512
+
+#: short names of the bundled traces -> file names in ``kvpage/data/traces``
+BUNDLED_TRACES: dict[str, str] = {
+    "azure-conv": "azure_llm_conv_2023.csv",
+    "azure-code": "azure_llm_code_2023.csv",
+    "mooncake-conv": "mooncake_conversation_trace.jsonl",
+}
+
+
+class TraceError(KVPageError, ValueError):
+    """A trace file is missing, malformed, or not in a known format."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace.
+
+    Attributes:
+        index: 0-based row of the request in its trace file (after the header).
+        arrival_s: arrival time in seconds since the first request of the trace.
+        prompt_tokens: prompt length in tokens (>= 0).
+        output_tokens: generated length in tokens (>= 0).
+        hash_ids: Mooncake 512-token prefix block ids, or None when the trace has none.
+    """
+
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...] | None = None
+
+    @property
+    def request_id(self) -> str:
+        """A stable id: ``"r<index>"``."""
+        return f"r{self.index}"
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt plus output tokens: the final sequence length."""
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass
+class Trace:
+    """A loaded trace: requests in file order (arrival times non-decreasing).
+
+    Attributes:
+        name: the bundled name or the file stem.
+        path: the file it came from ("" for synthetic traces).
+        format: ``"azure"``, ``"mooncake"`` or ``"synthetic"``.
+        requests: the requests.
+        hash_block_tokens: tokens per hash id (512 for Mooncake).
+    """
+
+    name: str
+    path: str
+    format: str
+    requests: list[TraceRequest] = field(default_factory=list)
+    hash_block_tokens: int = MOONCAKE_BLOCK_TOKENS
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __iter__(self) -> Iterator[TraceRequest]:
+        return iter(self.requests)
+
+    @property
+    def has_hash_ids(self) -> bool:
+        """True when every request carries prefix hash ids."""
+        return bool(self.requests) and all(r.hash_ids is not None for r in self.requests)
+
+    @property
+    def duration_s(self) -> float:
+        """Last arrival minus first arrival, in seconds."""
+        if not self.requests:
+            return 0.0
+        return self.requests[-1].arrival_s - self.requests[0].arrival_s
+
+    def prompt_lens(self) -> np.ndarray:
+        """``[num_requests]`` int64 prompt lengths in tokens."""
+        return np.array([r.prompt_tokens for r in self.requests], dtype=np.int64)
+
+    def output_lens(self) -> np.ndarray:
+        """``[num_requests]`` int64 output lengths in tokens."""
+        return np.array([r.output_tokens for r in self.requests], dtype=np.int64)
+
+    def arrivals(self) -> np.ndarray:
+        """``[num_requests]`` float64 arrival times in seconds."""
+        return np.array([r.arrival_s for r in self.requests], dtype=np.float64)
+
+
+def bundled_trace_path(name: str) -> Path:
+    """Path of a bundled trace by short name (see :data:`BUNDLED_TRACES`).
+
+    Raises:
+        TraceError: unknown name.
+    """
+    if name not in BUNDLED_TRACES:
+        raise TraceError(f"trace: expected one of {sorted(BUNDLED_TRACES)}, got {name!r}")
+    return Path(str(resources.files("kvpage") / "data" / "traces" / BUNDLED_TRACES[name]))
+
+
+def _check_limit(limit: int | None) -> None:
+    if limit is not None and limit < 0:
+        raise TraceError(f"limit: expected None or >= 0, got {limit}")
+
+
+def _parse_azure_time(text: str, row: int) -> float:
+    """Seconds since the epoch (naive, as published) of ``YYYY-MM-DD HH:MM:SS[.f...]``."""
+    head, _, frac = text.strip().partition(".")
+    try:
+        base = datetime.strptime(head, "%Y-%m-%d %H:%M:%S")
+        f = float("0." + frac) if frac else 0.0
+    except ValueError:
+        raise TraceError(
+            f"TIMESTAMP (row {row}): expected YYYY-MM-DD HH:MM:SS.fffffff, got {text!r}"
+        ) from None
+    return (base - datetime(1970, 1, 1)).total_seconds() + f
+
+
+def load_azure_csv(path: str | Path, *, limit: int | None = None, name: str = "") -> Trace:
+    """Load an Azure LLM inference 2023 CSV.
+
+    Args:
+        path: the CSV file.
+        limit: keep only the first ``limit`` rows (None = all).
+        name: trace name (default the file stem).
+
+    Returns:
+        A Trace with ``format="azure"``, arrival times relative to the first row.
+
+    Raises:
+        TraceError: missing file, wrong header, bad or negative values.
+    """
+    _check_limit(limit)
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(f"path: expected an existing file, got {str(p)!r}")
+    reqs: list[TraceRequest] = []
+    with p.open(newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        want = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+        if header is None or [h.strip() for h in header] != want:
+            raise TraceError(f"{p.name} header: expected {want}, got {header}")
+        t0: float | None = None
+        for i, row in enumerate(reader):
+            if limit is not None and i >= limit:
+                break
+            if len(row) != 3:
+                raise TraceError(f"{p.name} row {i}: expected 3 columns, got {len(row)}")
+            t = _parse_azure_time(row[0], i)
+            try:
+                ctx, gen = int(row[1]), int(row[2])
+            except ValueError:
+                raise TraceError(
+                    f"{p.name} row {i}: expected integer token counts, got {row[1:]}"
+                ) from None
+            if ctx < 0 or gen < 0:
+                raise TraceError(f"{p.name} row {i}: expected token counts >= 0, got {ctx}, {gen}")
+            if t0 is None:
+                t0 = t
+            reqs.append(TraceRequest(i, round(t - t0, 7), ctx, gen))
+    return Trace(name or p.stem, str(p), "azure", reqs)
+
+
+def load_mooncake_jsonl(path: str | Path, *, limit: int | None = None, name: str = "") -> Trace:
+    """Load a Mooncake FAST'25 JSON-lines trace.
+
+    Args:
+        path: the ``.jsonl`` file.
+        limit: keep only the first ``limit`` rows (None = all).
+        name: trace name (default the file stem).
+
+    Returns:
+        A Trace with ``format="mooncake"``; ``arrival_s = timestamp / 1000``.
+
+    Raises:
+        TraceError: missing file, a row that is not JSON, missing keys, negative
+            values, or ``len(hash_ids) != ceil(input_length / 512)``.
+    """
+    _check_limit(limit)
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(f"path: expected an existing file, got {str(p)!r}")
+    reqs: list[TraceRequest] = []
+    with p.open() as f:
+        i = 0
+        for line in f:
+            if not line.strip():
+                continue
+            if limit is not None and i >= limit:
+                break
+            try:
+                d = json.loads(line)
+                ts, n_in, n_out = (
+                    float(d["timestamp"]),
+                    int(d["input_length"]),
+                    int(d["output_length"]),
+                )
+                hids = tuple(int(h) for h in d.get("hash_ids", []))
+            except (ValueError, KeyError, TypeError) as e:
+                raise TraceError(f"{p.name} row {i}: expected a Mooncake record, got {e}") from None
+            if n_in < 0 or n_out < 0 or ts < 0:
+                raise TraceError(f"{p.name} row {i}: expected values >= 0, got {d}")
+            want = -(-n_in // MOONCAKE_BLOCK_TOKENS)
+            if len(hids) != want:
+                raise TraceError(
+                    f"{p.name} row {i}: expected {want} hash_ids for {n_in} tokens, got {len(hids)}"
+                )
+            reqs.append(TraceRequest(i, ts / 1000.0, n_in, n_out, hids))
+            i += 1
+    return Trace(name or p.stem, str(p), "mooncake", reqs)
+
+
+def load_trace(source: str | Path, *, limit: int | None = None) -> Trace:
+    """Load a trace by bundled short name or by path (format from the suffix).
+
+    Args:
+        source: ``"azure-conv"``, ``"azure-code"``, ``"mooncake-conv"``, or a path
+            ending in ``.csv`` (Azure) or ``.jsonl`` (Mooncake).
+        limit: keep only the first ``limit`` rows.
+
+    Raises:
+        TraceError: unknown name, unknown suffix, or a malformed file.
+    """
+    name = ""
+    if isinstance(source, str) and source in BUNDLED_TRACES:
+        name = source
+        source = bundled_trace_path(source)
+    p = Path(source)
+    if p.suffix == ".csv":
+        return load_azure_csv(p, limit=limit, name=name)
+    if p.suffix in (".jsonl", ".json"):
+        return load_mooncake_jsonl(p, limit=limit, name=name)
+    raise TraceError(
+        f"trace: expected one of {sorted(BUNDLED_TRACES)} or a .csv/.jsonl path, got {str(source)!r}"
+    )
+
+
+class TokenMapper:
+    """Deterministic token ids for trace requests (see the module docstring).
+
+    Memoizes hash-block runs, so requests that share hash ids reuse one array.
+
+    Args:
+        seed: the mapping's seed (any int >= 0).
+        vocab_size: token ids are drawn from ``[0, vocab_size)``.
+        hash_block_tokens: tokens per hash id (512 for Mooncake).
+    """
+
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        vocab_size: int = 32000,
+        hash_block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    ) -> None:
+        if seed < 0:
+            raise TraceError(f"seed: expected >= 0, got {seed}")
+        if vocab_size < 2:
+            raise TraceError(f"vocab_size: expected >= 2, got {vocab_size}")
+        if hash_block_tokens < 1:
+            raise TraceError(f"hash_block_tokens: expected >= 1, got {hash_block_tokens}")
+        self.seed = seed
+        self.vocab_size = vocab_size
+        self.hash_block_tokens = hash_block_tokens
+        self._runs: dict[int, np.ndarray] = {}
+
+    def hash_block(self, hash_id: int) -> np.ndarray:
+        """``[hash_block_tokens]`` int64: the fixed token run of one hash id."""
+        run = self._runs.get(hash_id)
+        if run is None:
+            if hash_id < 0:
+                raise TraceError(f"hash_id: expected >= 0, got {hash_id}")
+            rng = np.random.default_rng([self.seed, 0, hash_id])
+            run = rng.integers(0, self.vocab_size, self.hash_block_tokens, dtype=np.int64)
+            self._runs[hash_id] = run
+        return run
+
+    def prompt(self, req: TraceRequest) -> list[int]:
+        """The request's ``prompt_tokens`` token ids.
+
+        Raises:
+            TraceError: the hash ids cannot cover the prompt.
+        """
+        n = req.prompt_tokens
+        if req.hash_ids is None:
+            rng = np.random.default_rng([self.seed, 1, req.index])
+            return rng.integers(0, self.vocab_size, n, dtype=np.int64).tolist()
+        hb = self.hash_block_tokens
+        if len(req.hash_ids) * hb < n:
+            raise TraceError(
+                f"hash_ids (request {req.index}): expected >= {-(-n // hb)} ids for {n} tokens, "
+                f"got {len(req.hash_ids)}"
+            )
+        parts = [self.hash_block(h) for h in req.hash_ids[: -(-n // hb)]]
+        if not parts:
+            return []
+        return np.concatenate(parts)[:n].tolist()
+
+    def output(self, req: TraceRequest) -> list[int]:
+        """The request's ``output_tokens`` generated token ids (unique per request)."""
+        rng = np.random.default_rng([self.seed, 2, req.index])
+        return rng.integers(0, self.vocab_size, req.output_tokens, dtype=np.int64).tolist()
+
+
+def prompt_token_ids(req: TraceRequest, *, seed: int = 0, vocab_size: int = 32000) -> list[int]:
+    """Token ids of one request's prompt (a one-off :class:`TokenMapper`)."""
+    return TokenMapper(seed=seed, vocab_size=vocab_size).prompt(req)
+
+
+def sim_blocks_per_hash_block(block_size: int) -> float:
+    """Simulated blocks per 512-token hash block (``512 / block_size``; fractional
+    when ``block_size`` does not divide 512 — see the module docstring)."""
+    if block_size < 1:
+        raise TraceError(f"block_size: expected >= 1, got {block_size}")
+    return MOONCAKE_BLOCK_TOKENS / block_size
+
+
+__all__ = [
+    "BUNDLED_TRACES",
+    "MOONCAKE_BLOCK_TOKENS",
+    "TokenMapper",
+    "Trace",
+    "TraceError",
+    "TraceRequest",
+    "bundled_trace_path",
+    "load_azure_csv",
+    "load_mooncake_jsonl",
+    "load_trace",
+    "prompt_token_ids",
+    "sim_blocks_per_hash_block",
+]
