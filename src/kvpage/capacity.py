@@ -1,0 +1,464 @@
+"""Capacity planning: where the memory of a paged KV cache goes, before anything runs.
+
+The simple formula most people use::
+
+    kv_bytes = layers x 2 x kv_heads x head_dim x tokens x bytes_per_element
+
+It is exact for a dense model with a ``float16``/``bfloat16``/``float32`` cache and a
+token count that is a multiple of the block size, and leaves out:
+
+* **block padding** — memory is handed out in blocks; a sequence of ``L`` tokens holds
+  ``ceil(L / block_size)`` blocks, so its last block wastes ``-L mod block_size`` slots;
+* **the reserved null block** — block id 0 of each pool is never handed out
+  (``KVCacheManager`` contract), so usable blocks = ``num_blocks - 1``;
+* **quantization scales** — int8 KV stores one float32 scale per token per KV head for K
+  and for V (``+ 2 x kv_heads x 4`` bytes per token per layer); fp8 stores one float32
+  scale per tensor or per KV head per layer (a fixed ``2 x 4 x {1|kv_heads}`` bytes per
+  layer, independent of tokens);
+* **per-layer shapes** — layers may differ (sliding-window layers; each layer of each KV
+  group still holds ``num_blocks`` blocks in the canonical layout, but a sliding group
+  needs only about ``W / block_size + 1`` blocks per sequence);
+* **tensor parallelism** — KV heads are sharded: each of ``tp`` ranks holds
+  ``num_kv_heads / tp`` heads; when ``tp > num_kv_heads`` heads must be replicated
+  (each rank holds one head; ``tp`` must then be a multiple of ``num_kv_heads``);
+* **everything that is not KV** — weights (``num_parameters x bytes`` / tp), activations,
+  CUDA graphs, allocator fragmentation and the framework's own buffers, which the
+  ``utilization`` fraction and ``overhead_bytes`` stand in for.
+
+Bytes here are computed from the spec the same way the canonical layout
+(``kvpage.attention.allocate_kv_cache``: ``[2, num_blocks, block_size, num_kv_heads,
+head_dim]`` per layer, plus scales) allocates them; the tests check equality against
+the summed ``tensor.nbytes`` of real allocations.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvpage.errors import SpecError
+from kvpage.specs import (
+    DTYPE_BYTES,
+    KV_DTYPE_BYTES,
+    SCALE_BYTES,
+    CacheSpec,
+    load_preset,
+    make_cache_spec,
+)
+
+GIB = 1 << 30
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """Parse a memory size: an int of bytes, or ``"80GiB"``, ``"80GB"``, ``"24 GiB"``,
+    ``"512MiB"``, ``"1.5e9"``. GiB/MiB/KiB are powers of 1024; GB/MB/KB powers of 1000.
+
+    Raises:
+        SpecError: unparsable or negative.
+    """
+    if isinstance(text, (int, float)):
+        val = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", str(text))
+        if not m:
+            raise SpecError(f"memory: expected e.g. 80GiB, 80GB or bytes, got {text!r}")
+        unit = m.group(2) or "B"
+        mult = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}.get(unit)
+        if mult is None:
+            mult = 1024 ** ("KMGT".index(unit[0]) + 1)
+        try:
+            val = float(m.group(1)) * mult
+        except ValueError:
+            raise SpecError(f"memory: expected a number, got {text!r}") from None
+    if not (val >= 0) or math.isinf(val):
+        raise SpecError(f"memory: expected >= 0 bytes, got {text!r}")
+    return int(val)
+
+
+def estimate_num_parameters(cfg: dict[str, Any]) -> int:
+    """Parameter count of a Llama-style decoder from its HF config (embeddings, q/k/v/o,
+    gated MLP with 3 matrices, 2 RMSNorms per layer, final norm, LM head unless tied).
+    Biases (Qwen2 q/k/v) are counted when ``model_type == "qwen2"``; Gemma-2 has four
+    norms per layer and ties the LM head by default. Matches the presets' published counts.
+
+    Raises:
+        SpecError: a required field is missing.
+    """
+    try:
+        h = int(cfg["hidden_size"])
+        n = int(cfg["num_hidden_layers"])
+        q = int(cfg["num_attention_heads"])
+        kv = int(cfg.get("num_key_value_heads") or q)
+        hd = int(cfg.get("head_dim") or h // q)
+        inter = int(cfg["intermediate_size"])
+        vocab = int(cfg["vocab_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpecError(
+            f"config: expected Llama-style fields to count parameters, got {e}"
+        ) from None
+    attn = h * q * hd + 2 * h * kv * hd + q * hd * h
+    if cfg.get("model_type") == "qwen2":
+        attn += q * hd + 2 * kv * hd
+    gemma = cfg.get("model_type") == "gemma2"
+    # Gemma-2: 4 RMSNorms per layer (pre/post attention and MLP), tied embeddings by default
+    per_layer = attn + 3 * h * inter + (4 if gemma else 2) * h
+    head = 0 if cfg.get("tie_word_embeddings", gemma) else vocab * h
+    return vocab * h + n * per_layer + h + head
+
+
+@dataclass
+class ModelSource:
+    """A resolved model: its config, parameter count and context length."""
+
+    name: str
+    hf_config: dict[str, Any]
+    num_parameters: int
+    max_model_len: int
+
+
+def resolve_model(model: str) -> ModelSource:
+    """Resolve a preset name (``specs/*.yaml``, e.g. ``llama-3-8b``, ``stories260K``),
+    a preset file, or an HF ``config.json`` path (or a directory holding one).
+
+    Raises:
+        SpecError: not found or not understood.
+    """
+    p = Path(model)
+    if p.is_dir() and (p / "config.json").is_file():
+        p = p / "config.json"
+    if p.is_file() and p.name.endswith("config.json"):
+        cfg = json.loads(p.read_text())
+        n = cfg.get("num_parameters") or estimate_num_parameters(cfg)
+        mml = int(cfg.get("max_position_embeddings") or 0)
+        return ModelSource(p.parent.name or p.stem, cfg, int(n), mml)
+    pr = load_preset(model)
+    return ModelSource(pr.name, dict(pr.hf_config), pr.num_parameters, pr.max_model_len)
+
+
+def shard_cache_spec(spec: CacheSpec, tp: int, *, replicate_kv_heads: bool = False) -> CacheSpec:
+    """The per-rank CacheSpec under tensor parallelism of degree ``tp``.
+
+    KV heads are split across ranks (Megatron-style head sharding, as in vLLM): each rank
+    holds ``num_kv_heads / tp`` KV heads and ``num_q_heads / tp`` query heads. When
+    ``tp > num_kv_heads`` a rank cannot hold a fraction of a head: with
+    ``replicate_kv_heads`` each rank holds one replicated KV head (``tp`` must be a
+    multiple of ``num_kv_heads``), otherwise this is refused.
+
+    Raises:
+        SpecError: ``tp < 1``; ``tp`` does not divide ``num_kv_heads`` (and heads may not
+            be replicated, or ``tp`` is not a multiple of it); ``tp`` does not divide
+            ``num_q_heads``.
+    """
+    if tp < 1:
+        raise SpecError(f"tp: expected >= 1, got {tp}")
+    layers = []
+    for i, a in enumerate(spec.layers):
+        if a.num_q_heads % tp:
+            raise SpecError(f"tp: expected a divisor of num_q_heads={a.num_q_heads}, got {tp}")
+        if a.num_kv_heads % tp == 0:
+            kv = a.num_kv_heads // tp
+        elif replicate_kv_heads and tp % a.num_kv_heads == 0:
+            kv = 1
+        else:
+            hint = " (or pass replicate_kv_heads with tp a multiple of it)"
+            raise SpecError(
+                f"tp: expected a divisor of num_kv_heads={a.num_kv_heads} (layer {i}){hint}, "
+                f"got {tp}"
+            )
+        d = a.model_dump()
+        d.update(num_q_heads=a.num_q_heads // tp, num_kv_heads=kv)
+        layers.append(d)
+    data = spec.model_dump()
+    data["layers"] = layers
+    return make_cache_spec(**data)
+
+
+def layer_bytes(spec: CacheSpec, layer_id: int, num_blocks: int) -> int:
+    """Bytes of one layer's cache tensors for ``num_blocks`` blocks in the canonical layout:
+    K/V data ``2*num_blocks*block_size*num_kv_heads*head_dim*elem`` plus int8 per-token
+    scales ``2*num_blocks*block_size*num_kv_heads*4`` or fp8 scales ``2*4*{1|num_kv_heads}``."""
+    a = spec.layers[layer_id]
+    slots = num_blocks * spec.block_size
+    elem = DTYPE_BYTES[spec.dtype] if spec.kv_dtype == "auto" else KV_DTYPE_BYTES[spec.kv_dtype]
+    b = 2 * slots * a.num_kv_heads * a.head_dim * elem
+    if spec.kv_dtype == "int8":
+        b += 2 * slots * a.num_kv_heads * SCALE_BYTES
+    elif spec.kv_dtype.startswith("fp8"):
+        per = 1 if spec.kv_scale_granularity == "per_tensor" else a.num_kv_heads
+        b += 2 * per * SCALE_BYTES
+    return b
+
+
+def kv_cache_bytes(spec: CacheSpec, num_blocks: int) -> int:
+    """Bytes of the whole cache (all layers) for ``num_blocks`` blocks per layer."""
+    return sum(layer_bytes(spec, i, num_blocks) for i in range(spec.num_layers))
+
+
+def simple_formula_bytes(spec: CacheSpec, tokens: int) -> int:
+    """``layers x 2 x kv_heads x head_dim x tokens x bytes_per_element`` (first layer's
+    shape for all layers; no padding, scales, null block)."""
+    a = spec.layers[0]
+    return spec.num_layers * 2 * a.num_kv_heads * a.head_dim * tokens * spec.kv_element_bytes
+
+
+def blocks_per_sequence(spec: CacheSpec, seq_len: np.ndarray | int) -> np.ndarray:
+    """Blocks one sequence of ``seq_len`` tokens holds in the most demanding KV group:
+    ``ceil(L / block_size)`` for full attention; for a sliding group of window W, with
+    sliding-window freeing, at most ``ceil((W - 1) / block_size) + 1`` blocks."""
+    L = np.asarray(seq_len, dtype=np.int64)
+    bs = spec.block_size
+    full = -(-L // bs)
+    worst = np.zeros_like(full)
+    for g in spec.kv_groups:
+        if g.sliding_window is None:
+            worst = np.maximum(worst, full)
+        else:
+            cap = -(-(g.sliding_window - 1) // bs) + 1
+            worst = np.maximum(worst, np.minimum(full, cap))
+    return worst
+
+
+@dataclass
+class Workload:
+    """Prompt and output lengths (tokens) of a workload, as samples.
+
+    Built from a trace (:meth:`from_trace`) or from percentiles (:meth:`from_percentiles`).
+    """
+
+    prompt: np.ndarray
+    output: np.ndarray
+    source: str = ""
+
+    @classmethod
+    def from_trace(cls, trace: Any) -> Workload:
+        """From a ``kvpage.sim.traces.Trace``."""
+        return cls(trace.prompt_lens(), trace.output_lens(), f"trace {trace.name}")
+
+    @classmethod
+    def from_percentiles(
+        cls, prompt: tuple[float, float, float], output: tuple[float, float, float], n: int = 2000
+    ) -> Workload:
+        """From (p50, p95, p99) of prompt and output lengths.
+
+        The quantile function is a lognormal fitted to p50 and p95
+        (``sigma = ln(p95/p50) / 1.6449``) up to the 95th percentile, linear from p95 to
+        p99, and constant (= p99) above: ``n`` samples at levels ``(i + 0.5) / n``. The
+        truncation at p99 understates the extreme tail; pass a trace when you have one.
+
+        Raises:
+            SpecError: percentiles not positive and non-decreasing.
+        """
+        return cls(_quantile_samples(prompt, n), _quantile_samples(output, n), "percentiles")
+
+
+def _quantile_samples(p: tuple[float, float, float], n: int) -> np.ndarray:
+    p50, p95, p99 = (float(x) for x in p)
+    if not (0 < p50 <= p95 <= p99):
+        raise SpecError(f"percentiles: expected 0 < p50 <= p95 <= p99, got {p}")
+    from statistics import NormalDist
+
+    u = (np.arange(n) + 0.5) / n
+    sigma = math.log(p95 / p50) / NormalDist().inv_cdf(0.95)
+    z = np.array([NormalDist().inv_cdf(float(x)) for x in u])
+    out = p50 * np.exp(sigma * z)
+    hi = u > 0.95
+    out[hi] = p95 + (np.minimum(u[hi], 0.99) - 0.95) / 0.04 * (p99 - p95)
+    return np.maximum(np.rint(out), 1).astype(np.int64)
+
+
+@dataclass
+class CapacityPlan:
+    """The result of :func:`plan_capacity` (all bytes per rank; tokens per rank = per model
+    replica, since every rank holds the same token positions)."""
+
+    model: str
+    tp: int
+    block_size: int
+    kv_dtype: str
+    dtype: str
+    device_bytes: int
+    utilization: float
+    weight_bytes: int
+    overhead_bytes: int
+    kv_budget_bytes: int
+    bytes_per_token: int
+    bytes_per_block: int
+    simple_bytes_per_token: int
+    fixed_bytes: int
+    num_blocks: int
+    usable_blocks: int
+    tokens: int
+    model_max_len: int
+    workload: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_capacity(
+    model: str,
+    *,
+    device_bytes: int | str,
+    utilization: float = 0.9,
+    weight_bytes: int | str | None = None,
+    weight_dtype: str | None = None,
+    overhead_bytes: int | str = 0,
+    tp: int = 1,
+    replicate_kv_heads: bool = False,
+    kv_dtype: str = "auto",
+    dtype: str | None = None,
+    block_size: int = 16,
+    workload: Workload | None = None,
+    num_seqs: int | None = None,
+) -> CapacityPlan:
+    """Size the KV cache of ``model`` on one device (one TP rank).
+
+    Budget: ``kv_budget = device_bytes x utilization - weight_bytes / tp - overhead_bytes``;
+    ``num_blocks = floor((kv_budget - fixed_scale_bytes) / bytes_per_block)`` (including the
+    reserved null block, so ``usable_blocks = num_blocks - 1``). ``weight_bytes`` defaults
+    to ``num_parameters x bytes(weight_dtype or dtype)``.
+
+    Workload answers (``workload`` given): expected concurrent sequences (paged: usable
+    slots / mean time-averaged blocks held per sequence, averaged over its decode; at final
+    length; contiguous max_model_len reservation), fragmentation (mean padding of the last
+    partial block per sequence, in bytes and % of held memory), and the largest
+    max_model_len that admits ``num_seqs`` sequences all at full length.
+
+    Raises:
+        SpecError: bad model, budget below zero, TP sharding refused, bad dtypes.
+    """
+    src = resolve_model(model)
+    if not (0 < utilization <= 1):
+        raise SpecError(f"utilization: expected 0 < u <= 1, got {utilization}")
+    full = CacheSpec.from_hf_config(
+        src.hf_config,
+        block_size=block_size,
+        kv_dtype=kv_dtype,  # type: ignore[arg-type]
+        dtype=dtype,  # type: ignore[arg-type]
+    )
+    spec = shard_cache_spec(full, tp, replicate_kv_heads=replicate_kv_heads)
+    dev = parse_bytes(device_bytes)
+    wdt = weight_dtype or spec.dtype
+    if wdt not in DTYPE_BYTES and wdt not in ("int8", "fp8", "int4"):
+        raise SpecError(
+            f"weight_dtype: expected float32/float16/bfloat16/int8/fp8/int4, got {wdt!r}"
+        )
+    wbytes_per = {"int8": 1.0, "fp8": 1.0, "int4": 0.5}.get(wdt) or float(DTYPE_BYTES[wdt])
+    wb = (
+        parse_bytes(weight_bytes)
+        if weight_bytes is not None
+        else int(src.num_parameters * wbytes_per)
+    )
+    ov = parse_bytes(overhead_bytes)
+    budget = int(dev * utilization) - -(-wb // tp) - ov
+    bpb = kv_cache_bytes(spec, 1) - kv_cache_bytes(spec, 0)
+    fixed = kv_cache_bytes(spec, 0)
+    if budget < fixed + 2 * bpb:
+        raise SpecError(
+            f"device_bytes: expected room for weights ({wb / tp / GIB:.2f} GiB/rank) and at least "
+            f"2 KV blocks, got {budget / GIB:.2f} GiB left for KV"
+        )
+    num_blocks = (budget - fixed) // bpb
+    plan = CapacityPlan(
+        model=src.name,
+        tp=tp,
+        block_size=block_size,
+        kv_dtype=spec.kv_dtype,
+        dtype=spec.dtype,
+        device_bytes=dev,
+        utilization=utilization,
+        weight_bytes=wb,
+        overhead_bytes=ov,
+        kv_budget_bytes=budget,
+        bytes_per_token=bpb // block_size,
+        bytes_per_block=bpb,
+        simple_bytes_per_token=simple_formula_bytes(spec, 1),
+        fixed_bytes=fixed,
+        num_blocks=int(num_blocks),
+        usable_blocks=int(num_blocks) - 1,
+        tokens=(int(num_blocks) - 1) * block_size,
+        model_max_len=src.max_model_len,
+    )
+    if workload is not None:
+        plan.workload = analyze_workload(
+            spec, plan.usable_blocks, workload, src.max_model_len, num_seqs
+        )
+    return plan
+
+
+def analyze_workload(
+    spec: CacheSpec,
+    usable_blocks: int,
+    wl: Workload,
+    max_model_len: int,
+    num_seqs: int | None = None,
+) -> dict[str, Any]:
+    """Workload answers for a pool of ``usable_blocks`` (see :func:`plan_capacity`).
+
+    A sequence with prompt P and output O holds ``blocks(P + t)`` blocks at decode step
+    t = 0..O (``blocks_per_sequence``); its time-averaged footprint is the mean over t.
+    Padding is ``blocks * block_size - live tokens`` for full-attention groups.
+    """
+    bs = spec.block_size
+    plen, olen = wl.prompt.astype(np.int64), np.maximum(wl.output.astype(np.int64), 1)
+    n = len(plen)
+    if n == 0:
+        raise SpecError("workload: expected at least one request, got 0")
+    # time average over t = 0..olen-1 of blocks(plen + t + 1), vectorised by sampling 16 points
+    steps = np.linspace(0.0, 1.0, 17)[None, :]
+    lens = plen[:, None] + np.maximum(1, np.rint(steps * olen[:, None])).astype(np.int64)
+    held_blocks = blocks_per_sequence(spec, lens).astype(np.float64)
+    live = np.minimum(lens, held_blocks * bs)
+    avg_blocks = held_blocks.mean(axis=1)
+    pad_slots = (held_blocks * bs - live).mean(axis=1)
+    final_blocks = blocks_per_sequence(spec, plen + olen).astype(np.float64)
+    mml = int(max_model_len) if max_model_len else int((plen + olen).max())
+    bpb = spec.bytes_per_block
+    out: dict[str, Any] = {
+        "source": wl.source,
+        "requests": n,
+        "prompt_p50_p95_p99": np.percentile(plen, [50, 95, 99]).round(1).tolist(),
+        "output_p50_p95_p99": np.percentile(olen, [50, 95, 99]).round(1).tolist(),
+        "concurrent_seqs_paged_avg": float(usable_blocks / avg_blocks.mean()),
+        "concurrent_seqs_paged_final_len": float(usable_blocks / final_blocks.mean()),
+        "concurrent_seqs_contiguous_max_model_len": int(
+            usable_blocks // int(blocks_per_sequence(spec, mml))
+        ),
+        "fragmentation_slots_per_seq": float(pad_slots.mean()),
+        "fragmentation_bytes_per_seq": float(pad_slots.mean() * bpb / bs),
+        "fragmentation_pct_of_held": float(100 * pad_slots.sum() / (avg_blocks.sum() * bs)),
+        "requests_too_long_for_pool": int((final_blocks > usable_blocks).sum()),
+    }
+    if num_seqs:
+        if num_seqs < 1:
+            raise SpecError(f"num_seqs: expected >= 1, got {num_seqs}")
+        per = usable_blocks // num_seqs
+        out["num_seqs"] = num_seqs
+        # a sliding-only model holds at most blocks_per_sequence(inf) blocks per sequence:
+        # if that fits, any length fits (None = unbounded by KV memory)
+        cap = int(blocks_per_sequence(spec, 1 << 40))
+        out["max_model_len_for_num_seqs"] = None if per >= cap else int(per * bs)
+    return out
+
+
+__all__ = [
+    "CapacityPlan",
+    "ModelSource",
+    "Workload",
+    "analyze_workload",
+    "blocks_per_sequence",
+    "estimate_num_parameters",
+    "kv_cache_bytes",
+    "layer_bytes",
+    "parse_bytes",
+    "plan_capacity",
+    "resolve_model",
+    "shard_cache_spec",
+    "simple_formula_bytes",
+]

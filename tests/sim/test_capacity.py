@@ -1,0 +1,210 @@
+"""Capacity planner: bytes equal real allocations; TP sharding; workload answers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kvpage.attention.metadata import MODEL_DTYPES, allocate_kv_cache
+from kvpage.capacity import (
+    Workload,
+    blocks_per_sequence,
+    estimate_num_parameters,
+    kv_cache_bytes,
+    parse_bytes,
+    plan_capacity,
+    resolve_model,
+    shard_cache_spec,
+    simple_formula_bytes,
+)
+from kvpage.errors import SpecError
+from kvpage.specs import CacheSpec, load_preset, make_cache_spec
+
+
+def _allocated_bytes(spec: CacheSpec, num_blocks: int) -> int:
+    """Sum of tensor.nbytes of the canonical cache of every layer."""
+    total = 0
+    for a in spec.layers:
+        c = allocate_kv_cache(
+            num_blocks,
+            spec.block_size,
+            a.num_kv_heads,
+            a.head_dim,
+            dtype=MODEL_DTYPES[spec.dtype],
+            kv_dtype=spec.kv_dtype,
+            kv_scale_granularity=spec.kv_scale_granularity,
+        )
+        for t in (c.kv, c.token_scales, c.k_scale, c.v_scale):
+            if t is not None:
+                total += t.nbytes
+    return total
+
+
+def _tiny(kv_heads: int, head_dim: int, layers: int = 3, window: int | None = None, **kw):
+    ls = [
+        dict(
+            num_q_heads=8,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            sliding_window=window if i % 2 == 0 else None,
+        )
+        for i in range(layers)
+    ]
+    return make_cache_spec(num_layers=layers, layers=ls, **kw)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        _tiny(8, 16, block_size=16, dtype="float32"),  # MHA
+        _tiny(2, 64, block_size=8, dtype="bfloat16"),  # GQA
+        _tiny(1, 80, block_size=1, dtype="float16"),  # MQA, odd head_dim
+        _tiny(4, 32, block_size=16, dtype="bfloat16", kv_dtype="int8"),
+        _tiny(4, 32, block_size=32, dtype="bfloat16", kv_dtype="fp8_e4m3"),
+        _tiny(
+            4,
+            32,
+            block_size=16,
+            dtype="float16",
+            kv_dtype="fp8_e5m2",
+            kv_scale_granularity="per_head",
+        ),
+        _tiny(2, 16, layers=4, window=8, block_size=4, dtype="float32"),  # hybrid sliding
+        load_preset("stories260K").cache_spec(block_size=16),
+    ],
+)
+@pytest.mark.parametrize("num_blocks", [1, 7])
+def test_planner_bytes_equal_allocated_bytes(spec, num_blocks):
+    assert kv_cache_bytes(spec, num_blocks) == _allocated_bytes(spec, num_blocks)
+    assert kv_cache_bytes(spec, num_blocks) == spec.with_blocks(num_blocks).total_bytes
+
+
+def test_planner_bytes_equal_torch_backend_allocation():
+    backends = pytest.importorskip("kvpage.backends")
+    try:
+        be = backends.get_backend("torch")
+    except Exception as e:  # backend not landed in this checkout
+        pytest.skip(f"torch backend unavailable: {e}")
+    alloc = getattr(be, "allocate_kv_cache", None)
+    if alloc is None:
+        pytest.skip("torch backend has no allocate_kv_cache")
+    spec = _tiny(2, 32, block_size=16, dtype="bfloat16", kv_dtype="int8").with_blocks(5)
+    caches = alloc(spec, "cpu")
+    total = 0
+    for c in caches:
+        for t in (c.kv, c.token_scales, c.k_scale, c.v_scale):
+            if isinstance(t, torch.Tensor):
+                total += t.nbytes
+    assert total == kv_cache_bytes(spec, 5)
+
+
+def test_simple_formula_and_what_it_leaves_out():
+    spec = load_preset("llama-3-8b").cache_spec(block_size=16)
+    # Llama-3-8B bf16: 32 layers * 2 * 8 heads * 128 * 2 B = 128 KiB per token
+    assert simple_formula_bytes(spec, 1) == 131072 == spec.bytes_per_token
+    q = load_preset("llama-3-8b").cache_spec(block_size=16, kv_dtype="int8")
+    assert simple_formula_bytes(q, 16) == 32 * 2 * 8 * 128 * 16
+    assert kv_cache_bytes(q, 1) == simple_formula_bytes(q, 16) + 32 * 2 * 8 * 4 * 16
+
+
+def test_plan_llama3_8b_on_80gib():
+    p = plan_capacity("llama-3-8b", device_bytes="80GiB", utilization=0.9)
+    weights = 8030261248 * 2
+    budget = int(80 * 2**30 * 0.9) - weights
+    assert p.weight_bytes == weights and p.kv_budget_bytes == budget
+    assert p.bytes_per_block == 16 * 131072
+    assert p.num_blocks == budget // p.bytes_per_block
+    assert p.tokens == (p.num_blocks - 1) * 16
+    assert kv_cache_bytes(load_preset("llama-3-8b").cache_spec(), p.num_blocks) <= budget
+    assert kv_cache_bytes(load_preset("llama-3-8b").cache_spec(), p.num_blocks + 1) > budget
+
+
+def test_tp_shards_kv_heads():
+    spec = load_preset("llama-3-8b").cache_spec()
+    assert shard_cache_spec(spec, 4).layers[0].num_kv_heads == 2
+    assert shard_cache_spec(spec, 8).layers[0].num_kv_heads == 1
+    with pytest.raises(SpecError, match="num_kv_heads=8"):
+        shard_cache_spec(spec, 16)
+    assert shard_cache_spec(spec, 16, replicate_kv_heads=True).layers[0].num_kv_heads == 1
+    with pytest.raises(SpecError):
+        shard_cache_spec(spec, 3)
+    p1 = plan_capacity("llama-3-8b", device_bytes="80GiB")
+    p2 = plan_capacity("llama-3-8b", device_bytes="80GiB", tp=2)
+    assert p2.bytes_per_token * 2 == p1.bytes_per_token
+    assert p2.weight_bytes == p1.weight_bytes and p2.kv_budget_bytes > p1.kv_budget_bytes
+
+
+def test_bad_budget_and_inputs():
+    with pytest.raises(SpecError, match="device_bytes"):
+        plan_capacity("llama-3-8b", device_bytes="16GiB")
+    with pytest.raises(SpecError):
+        plan_capacity("llama-3-8b", device_bytes="80GiB", utilization=1.5)
+    with pytest.raises(SpecError):
+        plan_capacity("no-such-model", device_bytes="80GiB")
+    with pytest.raises(SpecError):
+        parse_bytes("eighty gigs")
+    assert parse_bytes("1GiB") == 2**30 and parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes(123) == 123
+
+
+def test_parameter_counts_match_presets():
+    for name in ("llama-3-8b", "mistral-7b", "qwen2-7b", "gemma-2-9b", "stories260K"):
+        pr = load_preset(name)
+        assert estimate_num_parameters(pr.hf_config) == pr.num_parameters, name
+
+
+def test_hf_config_json(tmp_path):
+    cfg = dict(load_preset("llama-3-8b").hf_config)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    src = resolve_model(str(tmp_path))
+    assert src.num_parameters == 8030261248 and src.max_model_len == 8192
+    p = plan_capacity(str(tmp_path / "config.json"), device_bytes="80GiB")
+    assert p.bytes_per_token == 131072
+
+
+def test_stories260k_on_small_budget():
+    p = plan_capacity("stories260K", device_bytes="64MiB", utilization=1.0, block_size=16)
+    # 5 layers * 2 * 4 heads * 8 dim * 4 B = 1280 B/token
+    assert p.bytes_per_token == 1280
+    assert p.weight_bytes == 260032 * 4
+
+
+def test_workload_answers_by_hand():
+    spec = make_cache_spec(
+        num_layers=1,
+        block_size=4,
+        dtype="float32",
+        layers=[dict(num_q_heads=1, num_kv_heads=1, head_dim=1)],
+    )
+    wl = Workload(np.array([5]), np.array([3]))
+    from kvpage.capacity import analyze_workload
+
+    out = analyze_workload(spec, usable_blocks=20, wl=wl, max_model_len=16, num_seqs=3)
+    assert out["concurrent_seqs_paged_final_len"] == pytest.approx(20 / 2)  # 8 tokens = 2 blocks
+    assert out["concurrent_seqs_contiguous_max_model_len"] == 20 // 4
+    assert out["max_model_len_for_num_seqs"] == (20 // 3) * 4
+    # lengths 6..8 hold 2 blocks: padding 2, 1, 0 -> mean between 0 and 2
+    assert 0 < out["fragmentation_slots_per_seq"] < 2
+
+
+def test_sliding_window_caps_blocks():
+    spec = _tiny(2, 16, layers=2, window=8, block_size=4, dtype="float32")
+    assert int(blocks_per_sequence(spec, 100)) == 25  # full-attention layer binds
+    only_sliding = make_cache_spec(
+        num_layers=1,
+        block_size=4,
+        layers=[dict(num_q_heads=2, num_kv_heads=2, head_dim=4, sliding_window=8)],
+    )
+    assert int(blocks_per_sequence(only_sliding, 100)) == 3
+
+
+def test_percentile_workload():
+    wl = Workload.from_percentiles((1000, 4000, 4100), (100, 450, 600), n=4000)
+    np.testing.assert_allclose(
+        np.percentile(wl.prompt, [50, 95, 99]), [1000, 4000, 4100], rtol=0.02
+    )
+    with pytest.raises(SpecError):
+        Workload.from_percentiles((10, 5, 20), (1, 2, 3))
