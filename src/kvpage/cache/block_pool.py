@@ -1,0 +1,316 @@
+"""The block pool of one KV group: blocks, ref counts, the LRU free queue, the hash map.
+
+A pool owns ``num_blocks`` blocks with ids ``0 .. num_blocks-1``. Block 0 is the
+reserved *null block*: it is never allocated, never freed and never cached; block
+tables use it as a placeholder for blocks released by sliding-window freeing.
+
+Every other block is in exactly one of two states:
+
+* **used**: ``ref_cnt >= 1`` (held by that many block tables), not in the free queue;
+* **free**: ``ref_cnt == 0``, in the free queue. A free block may still carry a
+  ``block_hash`` (it is *cached*: its KV is intact and a prefix lookup can revive it).
+
+The free queue is a doubly linked list ordered for eviction (head = evicted first).
+Allocation pops the head; if that block is cached, its hash entry is removed in the
+same operation (eviction). Reviving a cached block removes it from the middle of the
+queue in O(1). This is the design of vLLM v1's ``FreeKVCacheBlockQueue`` (vLLM docs,
+"Prefix Caching"), re-implemented here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from kvpage.errors import AllocationError, IntegrityError
+
+NULL_BLOCK_ID = 0
+
+
+class KVBlock:
+    """One block's metadata (the KV data lives in the backend's cache tensors).
+
+    Attributes:
+        block_id: index into the cache tensors' ``num_blocks`` dimension.
+        ref_cnt: number of block tables holding this block.
+        block_hash: the chained hash of its contents once committed, else None.
+        prev_free, next_free: free-queue links (None when not in the queue).
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) append, appendleft, popleft and
+    removal from the middle (sentinel head and tail nodes, id -1 and -2)."""
+
+    def __init__(self, blocks: Sequence[KVBlock] = ()) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-2)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def __len__(self) -> int:
+        return self.num_free
+
+    def popleft(self) -> KVBlock:
+        """Remove and return the head (the next block to evict/reuse).
+
+        Raises:
+            AllocationError: the queue is empty.
+        """
+        b = self._head.next_free
+        if b is self._tail or b is None:
+            raise AllocationError("free queue: expected a free block, got none")
+        self.remove(b)
+        return b
+
+    def remove(self, b: KVBlock) -> None:
+        """Unlink ``b`` (must be in the queue) in O(1)."""
+        p, n = b.prev_free, b.next_free
+        assert p is not None and n is not None, f"{b!r} is not in the free queue"
+        p.next_free = n
+        n.prev_free = p
+        b.prev_free = b.next_free = None
+        self.num_free -= 1
+
+    def append(self, b: KVBlock) -> None:
+        """Insert ``b`` at the tail (evicted last)."""
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = b
+        b.prev_free = last
+        b.next_free = self._tail
+        self._tail.prev_free = b
+        self.num_free += 1
+
+    def appendleft(self, b: KVBlock) -> None:
+        """Insert ``b`` at the head (reused first)."""
+        first = self._head.next_free
+        assert first is not None
+        first.prev_free = b
+        b.next_free = first
+        b.prev_free = self._head
+        self._head.next_free = b
+        self.num_free += 1
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        b = self._head.next_free
+        while b is not None and b is not self._tail:
+            yield b
+            b = b.next_free
+
+    def ids(self) -> list[int]:
+        """Block ids from head (next to go) to tail."""
+        return [b.block_id for b in self]
+
+
+class BlockPool:
+    """All blocks of one KV group.
+
+    Args:
+        num_blocks: blocks including the null block (>= 2).
+        enable_caching: keep a hash -> block map for prefix caching.
+
+    Attributes:
+        blocks: ``blocks[i]`` is the KVBlock with id ``i``.
+        free_queue: the free blocks in eviction order.
+        cached: block hash -> the block holding that content.
+        num_evictions: cached blocks reused for other content so far.
+    """
+
+    def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise AllocationError(
+                f"num_blocks: expected >= 2 (block 0 is the null block), got {num_blocks}"
+            )
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[NULL_BLOCK_ID]
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached: dict[bytes, KVBlock] = {}
+        self.num_evictions = 0
+
+    # ---- queries ----------------------------------------------------------------------
+    @property
+    def num_usable(self) -> int:
+        """Blocks that can hold KV (all but the null block)."""
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        """Free blocks, cached-but-unreferenced ones included."""
+        return self.free_queue.num_free
+
+    @property
+    def num_used(self) -> int:
+        """Blocks with ``ref_cnt >= 1``."""
+        return self.num_blocks - 1 - self.free_queue.num_free
+
+    @property
+    def usage(self) -> float:
+        """``num_used / num_usable`` in [0, 1]."""
+        return self.num_used / (self.num_blocks - 1)
+
+    def get_cached(self, block_hash: bytes) -> KVBlock | None:
+        """The block holding ``block_hash``'s content, or None (no state change)."""
+        return self.cached.get(block_hash)
+
+    # ---- mutation ---------------------------------------------------------------------
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take ``n`` blocks from the head of the free queue, each with ``ref_cnt == 1``.
+
+        A cached block taken here is evicted: its hash entry is removed at once.
+
+        Raises:
+            AllocationError: fewer than ``n`` free blocks (nothing is taken).
+        """
+        fq = self.free_queue
+        if n > fq.num_free:
+            raise AllocationError(f"blocks: expected <= {fq.num_free} free, got request for {n}")
+        out = []
+        for _ in range(n):
+            b = fq.popleft()
+            h = b.block_hash
+            if h is not None:
+                if self.cached.get(h) is b:
+                    del self.cached[h]
+                b.block_hash = None
+                self.num_evictions += 1
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def touch(self, blocks: Sequence[KVBlock]) -> None:
+        """Add one holder to each block (reviving free cached blocks from the queue)."""
+        fq = self.free_queue
+        for b in blocks:
+            if b.ref_cnt == 0:
+                fq.remove(b)
+            b.ref_cnt += 1
+
+    def free(self, blocks: Sequence[KVBlock]) -> None:
+        """Drop one holder from each block, in the given order.
+
+        Blocks reaching ``ref_cnt == 0`` go to the free-queue tail if cached (so the
+        first freed is evicted first), or to the head if not (an empty block is reused
+        before any cached content is evicted). Callers free a sequence's blocks in
+        reverse order, so its last blocks are evicted first.
+
+        Raises:
+            AllocationError: a block is the null block, already free (double free), or
+                listed more often than it has holders; nothing is changed then.
+        """
+        counts: dict[int, int] = {}
+        for b in blocks:
+            counts[b.block_id] = counts.get(b.block_id, 0) + 1
+        for bid, c in counts.items():
+            if bid == NULL_BLOCK_ID:
+                raise AllocationError("block: expected a data block, got the null block 0")
+            ref = self.blocks[bid].ref_cnt
+            if c > ref:
+                raise AllocationError(
+                    f"block {bid}: expected at most {ref} frees (ref_cnt), got {c} (double free)"
+                )
+        self._free_unchecked(blocks)
+
+    def _free_unchecked(self, blocks: Sequence[KVBlock]) -> None:
+        fq = self.free_queue
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                if b.block_hash is None:
+                    fq.appendleft(b)
+                else:
+                    fq.append(b)
+
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Register ``block`` as holding ``block_hash``'s content.
+
+        Returns:
+            False (no change) if caching is off, the block already has a hash, or another
+            block already holds this content; True otherwise.
+        """
+        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
+            return False
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash if no block is used; returns False (no change) otherwise."""
+        if self.num_used:
+            return False
+        for b in self.cached.values():
+            b.block_hash = None
+        self.cached.clear()
+        return True
+
+    # ---- checking ---------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Verify the pool's invariants.
+
+        Raises:
+            IntegrityError: with the numbers that disagree (free-queue length vs links,
+                a used block in the queue, a free block missing from it, a hash entry
+                pointing to a block with another hash, ...).
+        """
+        seen: set[int] = set()
+        prev = self.free_queue._head
+        for b in self.free_queue:
+            if b.prev_free is not prev:
+                raise IntegrityError(f"free queue: broken back link at block {b.block_id}")
+            if b.block_id in seen:
+                raise IntegrityError(f"free queue: block {b.block_id} appears twice")
+            if b.block_id == NULL_BLOCK_ID:
+                raise IntegrityError("free queue: expected no null block, got block 0")
+            if b.ref_cnt != 0:
+                raise IntegrityError(
+                    f"free queue: block {b.block_id} expected ref_cnt 0, got {b.ref_cnt}"
+                )
+            seen.add(b.block_id)
+            prev = b
+        if len(seen) != self.free_queue.num_free:
+            raise IntegrityError(
+                f"free queue: expected length {self.free_queue.num_free}, "
+                f"got {len(seen)} linked blocks"
+            )
+        for b in self.blocks[1:]:
+            if b.ref_cnt < 0:
+                raise IntegrityError(f"block {b.block_id}: expected ref_cnt >= 0, got {b.ref_cnt}")
+            if b.ref_cnt == 0 and b.block_id not in seen:
+                raise IntegrityError(f"block {b.block_id}: ref_cnt 0 but not in the free queue")
+            if b.block_hash is not None and self.cached.get(b.block_hash) is not b:
+                raise IntegrityError(f"block {b.block_id}: has a hash but no matching entry")
+        nb = self.null_block
+        if nb.ref_cnt != 0 or nb.block_hash is not None or nb.prev_free is not None:
+            raise IntegrityError(f"null block: expected untouched, got {nb!r}")
+        for h, b in self.cached.items():
+            if b.block_hash != h:
+                raise IntegrityError(
+                    f"hash map: entry {h.hex()[:8]} points to block {b.block_id} "
+                    f"whose hash is {b.block_hash.hex()[:8] if b.block_hash else None}"
+                )
+        free = self.free_queue.num_free
+        used = sum(1 for b in self.blocks[1:] if b.ref_cnt > 0)
+        if free + used != self.num_usable:
+            raise IntegrityError(
+                f"blocks: expected free + used == {self.num_usable}, got {free} + {used}"
+            )
+
+
+__all__ = ["NULL_BLOCK_ID", "BlockPool", "FreeBlockQueue", "KVBlock"]

@@ -1,0 +1,492 @@
+"""KVCacheManager: the one allocator the scheduler sees.
+
+Per request and per KV group (``CacheSpec.kv_groups``) the manager keeps a block
+table: ``table[i]`` is the physical block holding positions ``i*block_size ..
+(i+1)*block_size - 1``. Each group has its own :class:`BlockPool`; all groups of a
+request cover the same positions, so hashes (which depend on tokens only) are shared.
+
+Block lifecycle (see docs/architecture.md): *allocate* (room for new tokens, a prefix
+hit revives cached blocks) -> the step *writes* K/V -> *commit* registers blocks that
+are full and written as prefix-cache entries (C04) -> *free* returns blocks to the free
+queue, still cached -> a later allocation *evicts* them (hash entry removed in the same
+operation). *Fork* shares blocks (ref counts); a write into a shared partial block is
+*copied* first (CoW, C06). In a sliding-window group, blocks wholly outside the window
+of the next query are released (table entry -> null block 0, C10).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from kvpage.cache.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
+from kvpage.cache.hashing import BlockHash, _hash, encode_extra_keys, root_hash
+from kvpage.cache.integrity import check_manager_integrity
+from kvpage.errors import AllocationError, SpecError
+from kvpage.specs import CacheSpec
+
+
+@dataclass
+class Allocation:
+    """What one ``allocate`` call did.
+
+    Attributes:
+        num_cached_tokens: prefix-hit tokens taken on this call (0 on later calls).
+        new_blocks: per group, block ids appended to that group's block table.
+        copies: per group, copy-on-write ``(src, dst)`` block pairs the backend must
+            copy (all layers of the group) BEFORE this step's K/V are written.
+    """
+
+    num_cached_tokens: int
+    new_blocks: list[list[int]]
+    copies: list[list[tuple[int, int]]]
+
+
+@dataclass
+class CacheStats:
+    """Counters since construction (tokens and blocks; evictions summed over groups).
+
+    Attributes:
+        prefix_queries_tokens: prompt tokens of first allocations (prefix lookups taken).
+        prefix_hits_tokens: of those, tokens served from the prefix cache.
+        prefix_queries: first allocations (requests).
+        prefix_hits: first allocations with a non-zero hit.
+        evictions: cached blocks whose hash entry was dropped to reuse the block.
+        allocation_failures: ``allocate`` calls that returned None.
+        allocations: ``allocate`` calls that succeeded.
+        blocks_allocated: new blocks handed out (CoW copies included).
+        cow_copies: copy-on-write block copies.
+        window_blocks_freed: blocks released by sliding-window freeing.
+    """
+
+    prefix_queries_tokens: int = 0
+    prefix_hits_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    evictions: int = 0
+    allocation_failures: int = 0
+    allocations: int = 0
+    blocks_allocated: int = 0
+    cow_copies: int = 0
+    window_blocks_freed: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """``prefix_hits_tokens / prefix_queries_tokens`` (0.0 before any query)."""
+        q = self.prefix_queries_tokens
+        return self.prefix_hits_tokens / q if q else 0.0
+
+
+@dataclass
+class _Request:
+    tables: list[list[int]]
+    num_tokens: int
+    extra: bytes
+    hashes: list[BlockHash] = field(default_factory=list)
+    num_committed: int = 0
+    freed: list[int] = field(default_factory=list)
+
+
+class KVCacheManager:
+    """Paged KV-cache bookkeeping for one model: prefix caching, CoW, sliding windows.
+
+    Args:
+        spec: the cache layout; ``spec.num_blocks`` blocks per KV group (>= 2, block 0
+            is the null block).
+        enable_prefix_caching: look up and register block hashes.
+        hash_seed: seed of the block-hash chain (see ``kvpage.cache.hashing``).
+
+    Attributes:
+        block_size: tokens per block.
+        num_groups: KV groups (one block table per group per request).
+        windows: per group, the sliding window in tokens (None = full attention).
+        max_request_tokens: tokens one request can hold when allocated in one call:
+            ``(num_blocks - 1) * block_size``.
+
+    Raises:
+        SpecError: ``spec.num_blocks < 2``.
+    """
+
+    def __init__(
+        self, spec: CacheSpec, *, enable_prefix_caching: bool = True, hash_seed: int = 0
+    ) -> None:
+        if spec.num_blocks < 2:
+            raise SpecError(
+                f"spec.num_blocks: expected >= 2 (block 0 is the null block), got {spec.num_blocks}"
+            )
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_seed = hash_seed
+        self.windows: list[int | None] = [g.sliding_window for g in spec.kv_groups]
+        self.num_groups = len(self.windows)
+        self.pools = [
+            BlockPool(spec.num_blocks, enable_caching=enable_prefix_caching)
+            for _ in range(self.num_groups)
+        ]
+        self._full = [g for g, w in enumerate(self.windows) if w is None]
+        self._sliding = [(g, w) for g, w in enumerate(self.windows) if w is not None]
+        self._root = root_hash(hash_seed)
+        self._reqs: dict[str, _Request] = {}
+        self._stats = CacheStats()
+        self.max_request_tokens = (spec.num_blocks - 1) * spec.block_size
+
+    # ---- queries ------------------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests, max over groups, in [0, 1]; cached
+        blocks nobody holds count as free."""
+        return max(p.usage for p in self.pools)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks (cached-but-unreferenced included), min over groups."""
+        return min(p.num_free for p in self.pools)
+
+    @property
+    def stats(self) -> CacheStats:
+        """A snapshot of the counters."""
+        return replace(self._stats, evictions=sum(p.num_evictions for p in self.pools))
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` holds blocks (allocated and not freed)."""
+        return request_id in self._reqs
+
+    @property
+    def num_requests(self) -> int:
+        """Requests holding blocks."""
+        return len(self._reqs)
+
+    def block_table(self, request_id: str, group: int = 0) -> list[int]:
+        """A copy of the request's block table in ``group`` (null block 0 marks blocks
+        released by sliding-window freeing). Raises AllocationError if unknown."""
+        return list(self._get(request_id).tables[group])
+
+    def num_allocated_tokens(self, request_id: str) -> int:
+        """Tokens the request has room for (cached + allocated)."""
+        return self._get(request_id).num_tokens
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks one request needs in each group to hold ``num_tokens`` allocated in one
+        call: ``ceil(num_tokens / block_size)`` (max over groups)."""
+        return -(-max(num_tokens, 0) // self.block_size)
+
+    def get_num_cached_tokens(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+    ) -> int:
+        """Prefix-cache hit for a new request, in tokens; changes no state or stats.
+
+        The hit is a multiple of ``block_size``, covers only committed blocks, and is at
+        most ``len(token_ids) - 1`` rounded down to a block (one token is always
+        computed, C05). Full-attention groups need blocks 0 .. hit-1 cached; a
+        sliding-window group needs only the blocks within the window of the first
+        computed token. Call it right before ``allocate`` (another allocation in
+        between may evict the blocks).
+        """
+        n = len(token_ids)
+        if not self.enable_prefix_caching or n <= self.block_size:
+            return 0
+        return self._longest_hit(token_ids, encode_extra_keys(cache_salt, adapter_id)) * (
+            self.block_size
+        )
+
+    def _longest_hit(self, token_ids: Sequence[int], extra: bytes) -> int:
+        bs = self.block_size
+        cap = (len(token_ids) - 1) // bs
+        full = [self.pools[g].cached for g in self._full]
+        hashes: list[BlockHash] = []
+        parent = self._root
+        for i in range(cap):
+            parent = _hash(parent, extra, token_ids[i * bs : (i + 1) * bs])
+            if any(parent not in c for c in full):
+                break
+            hashes.append(parent)
+        hb = len(hashes)
+        if not self._sliding or hb == 0:
+            return hb
+        runs = []
+        for g, _ in self._sliding:
+            cached, run, r = self.pools[g].cached, 0, []
+            for h in hashes:
+                run = run + 1 if h in cached else 0
+                r.append(run)
+            runs.append(r)
+        for nb in range(hb, 0, -1):
+            if all(
+                r[nb - 1] >= nb - max(0, nb * bs - w + 1) // bs
+                for r, (_, w) in zip(runs, self._sliding)
+            ):
+                return nb
+        return 0
+
+    # ---- allocation ---------------------------------------------------------------------
+    def allocate(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        *,
+        num_cached_tokens: int = 0,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+    ) -> Allocation | None:
+        """Make room for a request's next tokens.
+
+        First call for ``request_id``: takes the prefix hit ``num_cached_tokens`` (from
+        :meth:`get_num_cached_tokens`, counted in the prefix stats), then room for
+        positions ``[num_cached_tokens, num_cached_tokens + num_new_tokens)``. Later
+        calls: room for ``num_new_tokens`` more positions after those allocated, after
+        releasing sliding-window blocks no longer needed and copying a shared partial
+        last block (CoW). ``cache_salt``/``adapter_id`` are read on the first call only.
+
+        Args:
+            request_id: the request.
+            token_ids: all tokens of the request known so far (for hashing).
+            num_new_tokens: tokens to make room for (>= 1 on the first call, >= 0 after).
+            num_cached_tokens: first call only: the prefix hit to take.
+
+        Returns:
+            An :class:`Allocation`, or None when it does not fit in some group: then
+            nothing changed except ``stats.allocation_failures`` (+1).
+
+        Raises:
+            AllocationError: negative counts, or a ``num_cached_tokens`` that is not a
+                currently cached, block-aligned prefix leaving >= 1 token to compute.
+        """
+        req = self._reqs.get(request_id)
+        if req is None:
+            return self._allocate_first(
+                request_id, token_ids, num_new_tokens, num_cached_tokens, cache_salt, adapter_id
+            )
+        if num_new_tokens < 0:
+            raise AllocationError(f"num_new_tokens: expected >= 0, got {num_new_tokens}")
+        bs = self.block_size
+        start = req.num_tokens
+        end = start + num_new_tokens
+        need_blocks = -(-end // bs)
+        plans = []
+        for g in range(self.num_groups):
+            pool = self.pools[g]
+            table = req.tables[g]
+            blocks = pool.blocks
+            w = self.windows[g]
+            release: list[KVBlock] = []
+            target = 0
+            avail = pool.free_queue.num_free
+            if w is not None:
+                target = max(0, start - w + 1) // bs
+                for i in range(req.freed[g], target):
+                    if table[i] != NULL_BLOCK_ID:
+                        b = blocks[table[i]]
+                        release.append(b)
+                        if b.ref_cnt == 1:
+                            avail += 1
+            cow = 1 if start % bs and num_new_tokens and blocks[table[-1]].ref_cnt > 1 else 0
+            n_new = need_blocks - len(table)
+            if n_new < 0:
+                n_new = 0
+            if n_new + cow > avail:
+                self._stats.allocation_failures += 1
+                return None
+            plans.append((release, target, cow, n_new))
+        new_blocks: list[list[int]] = []
+        copies: list[list[tuple[int, int]]] = []
+        st = self._stats
+        for g, (release, target, cow, n_new) in enumerate(plans):
+            pool = self.pools[g]
+            table = req.tables[g]
+            if target > req.freed[g]:
+                if release:
+                    release.reverse()
+                    pool._free_unchecked(release)
+                    st.window_blocks_freed += len(release)
+                for i in range(req.freed[g], target):
+                    table[i] = NULL_BLOCK_ID
+                req.freed[g] = target
+            cp: list[tuple[int, int]] = []
+            if cow:
+                src = pool.blocks[table[-1]]
+                dst = pool.allocate(1)[0]
+                src.ref_cnt -= 1  # was > 1: stays used
+                table[-1] = dst.block_id
+                cp.append((src.block_id, dst.block_id))
+                st.cow_copies += 1
+                st.blocks_allocated += 1
+            ids: list[int] = []
+            if n_new:
+                ids = [b.block_id for b in pool.allocate(n_new)]
+                table.extend(ids)
+                st.blocks_allocated += n_new
+            new_blocks.append(ids)
+            copies.append(cp)
+        req.num_tokens = end
+        st.allocations += 1
+        return Allocation(0, new_blocks, copies)
+
+    def _allocate_first(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        num_cached_tokens: int,
+        cache_salt: str | None,
+        adapter_id: str | None,
+    ) -> Allocation | None:
+        bs = self.block_size
+        if num_new_tokens < 1:
+            raise AllocationError(
+                f"num_new_tokens: expected >= 1 on the first call, got {num_new_tokens}"
+            )
+        h = num_cached_tokens
+        extra = encode_extra_keys(cache_salt, adapter_id)
+        hb = h // bs
+        hit: list[list[int]] = [[] for _ in range(self.num_groups)]
+        hashes: list[BlockHash] = []
+        if h:
+            limit = (len(token_ids) - 1) // bs * bs if self.enable_prefix_caching else 0
+            if h < 0 or h % bs or h > limit:
+                raise AllocationError(
+                    f"num_cached_tokens: expected a multiple of block_size={bs} in [0, {limit}], "
+                    f"got {h}"
+                )
+            parent = self._root
+            for i in range(hb):
+                parent = _hash(parent, extra, token_ids[i * bs : (i + 1) * bs])
+                hashes.append(parent)
+            for g, w in enumerate(self.windows):
+                lo = 0 if w is None else max(0, h - w + 1) // bs
+                cached = self.pools[g].cached
+                ids = [NULL_BLOCK_ID] * lo
+                for i in range(lo, hb):
+                    b = cached.get(hashes[i])
+                    if b is None:
+                        raise AllocationError(
+                            f"num_cached_tokens: expected <= the tokens cached now, got {h} "
+                            f"(block {i} of group {g} is not cached; call "
+                            "get_num_cached_tokens right before allocate)"
+                        )
+                    ids.append(b.block_id)
+                hit[g] = ids
+        n_new = -(-(h + num_new_tokens) // bs) - hb
+        for g, pool in enumerate(self.pools):
+            blocks = pool.blocks
+            revive = sum(1 for b in hit[g] if b and blocks[b].ref_cnt == 0)
+            if n_new + revive > pool.free_queue.num_free:
+                self._stats.allocation_failures += 1
+                return None
+        tables: list[list[int]] = []
+        new_blocks: list[list[int]] = []
+        freed: list[int] = []
+        for g, pool in enumerate(self.pools):
+            blocks = pool.blocks
+            pool.touch([blocks[b] for b in hit[g] if b])
+            ids = [b.block_id for b in pool.allocate(n_new)]
+            tables.append(hit[g] + ids)
+            new_blocks.append(ids)
+            w = self.windows[g]
+            freed.append(0 if w is None else max(0, h - w + 1) // bs)
+        self._reqs[request_id] = _Request(tables, h + num_new_tokens, extra, hashes, hb, freed)
+        st = self._stats
+        st.prefix_queries += 1
+        st.prefix_queries_tokens += len(token_ids)
+        st.prefix_hits_tokens += h
+        st.prefix_hits += 1 if h else 0
+        st.allocations += 1
+        st.blocks_allocated += n_new * self.num_groups
+        return Allocation(h, new_blocks, [[] for _ in range(self.num_groups)])
+
+    def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register blocks fully inside ``[0, num_computed_tokens)`` as prefix-cache
+        entries (call after the step that wrote their K/V ran; C04).
+
+        A block whose content another block already holds stays unregistered (the
+        existing entry is kept). No-op when prefix caching is off.
+
+        Raises:
+            AllocationError: unknown request, or ``num_computed_tokens`` above the
+                allocated tokens or ``len(token_ids)``.
+        """
+        req = self._get(request_id)
+        if num_computed_tokens > req.num_tokens or num_computed_tokens > len(token_ids):
+            raise AllocationError(
+                f"num_computed_tokens: expected <= min(allocated={req.num_tokens}, "
+                f"len(token_ids)={len(token_ids)}), got {num_computed_tokens}"
+            )
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        nfull = num_computed_tokens // bs
+        i0 = req.num_committed
+        if nfull <= i0:
+            return
+        hashes = req.hashes
+        parent = hashes[-1] if hashes else self._root
+        extra = req.extra
+        tables = req.tables
+        pools = self.pools
+        for i in range(i0, nfull):
+            parent = _hash(parent, extra, token_ids[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+            for g in range(self.num_groups):
+                bid = tables[g][i]
+                if bid != NULL_BLOCK_ID:
+                    pool = pools[g]
+                    pool.cache_block(pool.blocks[bid], parent)
+        req.num_committed = nfull
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give ``child_id`` the parent's blocks (ref counts +1), hashes and token count.
+
+        Raises:
+            AllocationError: unknown parent or existing child.
+        """
+        p = self._get(parent_id)
+        if child_id in self._reqs:
+            raise AllocationError(f"child_id: expected a new request id, got {child_id!r}")
+        for g, pool in enumerate(self.pools):
+            pool.touch([pool.blocks[b] for b in p.tables[g] if b != NULL_BLOCK_ID])
+        self._reqs[child_id] = _Request(
+            [list(t) for t in p.tables],
+            p.num_tokens,
+            p.extra,
+            list(p.hashes),
+            p.num_committed,
+            list(p.freed),
+        )
+
+    def free(self, request_id: str) -> None:
+        """Release all of a request's blocks, last block first, to the free queue.
+
+        Raises:
+            AllocationError: unknown request (never allocated, or already freed).
+        """
+        req = self._get(request_id)
+        del self._reqs[request_id]
+        for g, pool in enumerate(self.pools):
+            blocks = pool.blocks
+            pool._free_unchecked([blocks[b] for b in reversed(req.tables[g]) if b])
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every hash entry if no request holds blocks; False (no change) otherwise."""
+        if any(p.num_used for p in self.pools):
+            return False
+        for p in self.pools:
+            p.reset_prefix_cache()
+        return True
+
+    def check_integrity(self) -> None:
+        """Verify pool and table invariants. Raises IntegrityError with the numbers."""
+        check_manager_integrity(self)
+
+    def _get(self, request_id: str) -> _Request:
+        req = self._reqs.get(request_id)
+        if req is None:
+            raise AllocationError(f"request_id: expected an allocated request, got {request_id!r}")
+        return req
+
+
+__all__ = ["Allocation", "CacheStats", "KVCacheManager"]
