@@ -1,0 +1,195 @@
+"""``kvpage plan``, ``kvpage profile`` and ``kvpage simulate`` subcommands.
+
+Each ``add_<name>_parser(subparsers)`` registers one subcommand on an argparse
+sub-parsers object and sets ``func`` to its handler (``handler(args) -> int`` exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvpage.errors import KVPageError
+
+
+def _table(title: str, rows: list[tuple[str, str]]) -> str:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # pragma: no cover
+        return title + "\n" + "\n".join(f"{k:40s} {v}" for k, v in rows)
+    t = Table(title=title)
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    for k, v in rows:
+        t.add_row(k, v)
+    c = Console(width=110, record=True)
+    with c.capture() as cap:
+        c.print(t)
+    return cap.get()
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:,.2f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+# ---- plan -----------------------------------------------------------------------------
+def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``kvpage plan``."""
+    p = subparsers.add_parser("plan", help="size a KV cache for a model on a device")
+    p.add_argument(
+        "--model", required=True, help="preset (llama-3-8b, stories260K, ...) or config.json"
+    )
+    p.add_argument("--memory", required=True, help="device memory: bytes, 80GiB, 80GB ...")
+    p.add_argument(
+        "--utilization", type=float, default=0.9, help="fraction of memory kvpage may use"
+    )
+    p.add_argument(
+        "--weight-bytes", default=None, help="weights per replica (default params x dtype)"
+    )
+    p.add_argument("--weight-dtype", default=None, help="float16/bfloat16/float32/int8/fp8/int4")
+    p.add_argument("--overhead", default="0", help="activations etc. to set aside per rank")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (shards KV heads)")
+    p.add_argument("--replicate-kv-heads", action="store_true", help="allow tp > num_kv_heads")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"])
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--trace", default=None, help="workload: bundled trace name or file")
+    p.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
+    p.add_argument("--prompt-pct", default=None, help="workload: prompt p50,p95,p99")
+    p.add_argument("--output-pct", default=None, help="workload: output p50,p95,p99")
+    p.add_argument("--num-seqs", type=int, default=None, help="N for the largest max_model_len")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run_plan)
+    return p
+
+
+def _triple(text: str, name: str) -> tuple[float, float, float]:
+    try:
+        a, b, c = (float(x) for x in text.split(","))
+    except ValueError:
+        raise KVPageError(f"{name}: expected p50,p95,p99, got {text!r}") from None
+    return a, b, c
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Handler of ``kvpage plan``."""
+    from kvpage.capacity import Workload, plan_capacity
+    from kvpage.sim.traces import load_trace
+
+    try:
+        wl = None
+        if args.trace:
+            wl = Workload.from_trace(load_trace(args.trace, limit=args.limit))
+        elif args.prompt_pct or args.output_pct:
+            if not (args.prompt_pct and args.output_pct):
+                raise KVPageError("--prompt-pct/--output-pct: expected both, got one")
+            wl = Workload.from_percentiles(
+                _triple(args.prompt_pct, "--prompt-pct"), _triple(args.output_pct, "--output-pct")
+            )
+        plan = plan_capacity(
+            args.model,
+            device_bytes=args.memory,
+            utilization=args.utilization,
+            weight_bytes=args.weight_bytes,
+            weight_dtype=args.weight_dtype,
+            overhead_bytes=args.overhead,
+            tp=args.tp,
+            replicate_kv_heads=args.replicate_kv_heads,
+            kv_dtype=args.kv_dtype,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            workload=wl,
+            num_seqs=args.num_seqs,
+        )
+    except KVPageError as e:
+        print(f"kvpage plan: {e}", file=sys.stderr)
+        return 2
+    d = plan.to_dict()
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    gib = 1 << 30
+    rows = [
+        (
+            "model / tp / block_size / kv dtype",
+            f"{d['model']} / {d['tp']} / {d['block_size']} / {d['kv_dtype']}",
+        ),
+        ("device memory", f"{d['device_bytes'] / gib:,.2f} GiB x {d['utilization']}"),
+        ("weights per rank", f"{d['weight_bytes'] / d['tp'] / gib:,.2f} GiB"),
+        ("KV budget per rank", f"{d['kv_budget_bytes'] / gib:,.2f} GiB"),
+        (
+            "bytes per token (exact / simple formula)",
+            f"{d['bytes_per_token']:,} / {d['simple_bytes_per_token']:,}",
+        ),
+        ("bytes per block", f"{d['bytes_per_block']:,}"),
+        ("KV blocks (incl. null block)", f"{d['num_blocks']:,}"),
+        ("tokens that fit", f"{d['tokens']:,}"),
+    ]
+    rows += [(k, _fmt(v)) for k, v in d["workload"].items()]
+    print(_table("kvpage plan", rows))
+    return 0
+
+
+# ---- profile --------------------------------------------------------------------------
+def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``kvpage profile``."""
+    p = subparsers.add_parser("profile", help="statistics and plots of a request trace")
+    p.add_argument("--trace", required=True, help="azure-conv, azure-code, mooncake-conv or a file")
+    p.add_argument("--limit", type=int, default=None, help="first N requests")
+    p.add_argument(
+        "--json", default=None, help="write the statistics as JSON to this file ('-' = stdout)"
+    )
+    p.add_argument("--plots", default=None, help="write PNG plots with this path prefix")
+    p.set_defaults(func=run_profile)
+    return p
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    """Handler of ``kvpage profile``."""
+    from kvpage.sim.profile import plot_profile, profile_trace, render_profile
+    from kvpage.sim.traces import load_trace
+
+    try:
+        trace = load_trace(args.trace, limit=args.limit)
+    except KVPageError as e:
+        print(f"kvpage profile: {e}", file=sys.stderr)
+        return 2
+    prof = profile_trace(trace)
+    if args.json == "-":
+        print(json.dumps(prof, indent=2))
+    else:
+        print(render_profile(prof))
+        if args.json:
+            Path(args.json).write_text(json.dumps(prof, indent=2))
+    if args.plots:
+        for path in plot_profile(trace, args.plots):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m kvpage.sim.cli``) with this module's subcommands."""
+    parser = argparse.ArgumentParser(prog="kvpage")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_plan_parser(sub)
+    add_profile_parser(sub)
+    try:
+        from kvpage.sim.simulate_cli import add_simulate_parser
+
+        add_simulate_parser(sub)
+    except ImportError:  # pragma: no cover - simulator not present
+        pass
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
