@@ -1,0 +1,163 @@
+"""Engine configuration and construction: model -> CacheSpec -> backend -> caches.
+
+Sizing rules (documented defaults):
+
+* ``max_model_len`` = the model's ``max_position_embeddings`` (512 for stories260K)
+  unless given.
+* ``num_blocks`` (per KV group, including the reserved null block):
+  given -> used as is; else ``kv_cache_memory_bytes`` given ->
+  ``(kv_cache_memory_bytes - fixed scale bytes) // bytes_per_block``; else enough for
+  every sequence at full length, ``ceil(max_num_seqs * max_model_len / block_size) + 1``,
+  capped at :data:`DEFAULT_KV_CACHE_BYTES_CAP` bytes of cache (and at least enough for
+  one full-length sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvpage.errors import SpecError
+from kvpage.specs import KVCacheDType, ModelDType
+
+#: most bytes the default (unsized) KV cache takes: 1 GiB
+DEFAULT_KV_CACHE_BYTES_CAP = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    """All knobs of ``LLM`` / ``LLMEngine.from_config`` (vLLM's names).
+
+    Attributes:
+        model: ``"stories260K"``, a Hugging Face model folder, or an in-memory
+            ``transformers`` model (anything ``kvpage.models.load_model`` takes).
+        block_size: tokens per block.
+        num_blocks: blocks per KV group (None = derived, see the module docstring).
+        kv_cache_memory_bytes: cache budget in bytes (used when num_blocks is None).
+        max_num_seqs: most sequences running at once.
+        max_num_batched_tokens: token budget per step (chunked prefill beyond it).
+        max_model_len: longest sequence in tokens (None = the model's).
+        enable_prefix_caching: reuse committed blocks across requests.
+        kv_cache_dtype: ``auto``, ``int8``, ``fp8_e4m3`` or ``fp8_e5m2``.
+        backend: ``"auto"`` or a backend name (``kvpage.backends``).
+        dtype: model dtype (float32, float16, bfloat16).
+        seed: engine seed (sampling of requests without their own seed).
+        device: ``"cpu"``, ``"cuda"``, ... (torch device string).
+    """
+
+    model: Any = "stories260K"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: KVCacheDType = "auto"
+    backend: str = "auto"
+    dtype: ModelDType = "float32"
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpecError(f"{name}: expected an int >= 1, got {v!r}")
+        for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise SpecError(f"{name}: expected None or an int >= 1, got {v!r}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise SpecError(
+                f"num_blocks: expected >= 2 (block 0 is the reserved null block), "
+                f"got {self.num_blocks}"
+            )
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise SpecError(f"dtype: expected float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3", "fp8_e5m2"):
+            raise SpecError(
+                f"kv_cache_dtype: expected auto, int8, fp8_e4m3 or fp8_e5m2, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise SpecError(f"seed: expected an int >= 0, got {self.seed!r}")
+
+
+def resolve_num_blocks(
+    config: EngineConfig, bytes_per_block: int, fixed_bytes: int, max_model_len: int
+) -> int:
+    """Blocks per KV group by the rules of the module docstring.
+
+    Raises:
+        SpecError: ``kv_cache_memory_bytes`` is too small for 2 blocks.
+    """
+    if config.num_blocks is not None:
+        return config.num_blocks
+    if config.kv_cache_memory_bytes is not None:
+        n = (config.kv_cache_memory_bytes - fixed_bytes) // bytes_per_block
+        if n < 2:
+            raise SpecError(
+                f"kv_cache_memory_bytes: expected >= {2 * bytes_per_block + fixed_bytes} "
+                f"(2 blocks of {bytes_per_block} bytes), got {config.kv_cache_memory_bytes}"
+            )
+        return int(n)
+    bs = config.block_size
+    want = -(-config.max_num_seqs * max_model_len // bs) + 1
+    cap = max(DEFAULT_KV_CACHE_BYTES_CAP // bytes_per_block, -(-max_model_len // bs) + 1)
+    return int(max(2, min(want, cap)))
+
+
+def build_components(config: EngineConfig) -> dict[str, Any]:
+    """Load the model, size and allocate the cache, pick the backend.
+
+    Returns:
+        ``{"model", "cache_spec", "backend", "kv_caches", "kv_cache_manager",
+        "scheduler", "runner", "max_model_len"}``.
+
+    Raises:
+        SpecError: bad sizes; BackendUnavailableError: no backend can run the spec.
+    """
+    from kvpage.backends import get_backend, select_backend
+    from kvpage.cache import KVCacheManager
+    from kvpage.engine.runner import ModelRunner
+    from kvpage.engine.scheduler import Scheduler
+    from kvpage.models import load_model
+
+    device = torch.device(config.device)
+    model = load_model(config.model, dtype=config.dtype, device=config.device)
+    cfg = model.config
+    mml = config.max_model_len or int(cfg.get("max_position_embeddings") or 2048)
+    probe = model.cache_spec(config.block_size, 0, config.kv_cache_dtype)
+    num_blocks = resolve_num_blocks(config, probe.bytes_per_block, probe.fixed_scale_bytes, mml)
+    spec = model.cache_spec(config.block_size, num_blocks, config.kv_cache_dtype)
+    if config.backend == "auto":
+        backend = select_backend(spec, device)
+    else:
+        backend = select_backend(spec, device, prefer=config.backend)
+        if getattr(backend, "name", config.backend) != config.backend:  # pragma: no cover
+            backend = get_backend(config.backend)
+    kv_caches = [backend.allocate_kv_cache(spec, i, device) for i in range(spec.num_layers)]
+    kvm = KVCacheManager(spec, enable_prefix_caching=config.enable_prefix_caching)
+    scheduler = Scheduler(
+        kvm,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=mml,
+    )
+    runner = ModelRunner(model, backend, kv_caches, spec, device)
+    return {
+        "model": model,
+        "cache_spec": spec,
+        "backend": backend,
+        "kv_caches": kv_caches,
+        "kv_cache_manager": kvm,
+        "scheduler": scheduler,
+        "runner": runner,
+        "max_model_len": mml,
+    }
+
+
+__all__ = ["DEFAULT_KV_CACHE_BYTES_CAP", "EngineConfig", "build_components", "resolve_num_blocks"]

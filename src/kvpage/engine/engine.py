@@ -1,0 +1,345 @@
+"""LLMEngine: requests in, tokens out, one step at a time, on the paged KV cache.
+
+``add_request`` validates and queues; ``step`` schedules, runs the model, samples and
+returns the outputs of every request that progressed. See ``kvpage.engine.LLM`` for the
+batch API and ``kvpage.engine.config`` for how the engine is built.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvpage.engine.config import EngineConfig, build_components
+from kvpage.engine.params import CompletionOutput, RequestOutput, SamplingParams
+from kvpage.engine.request import Request
+from kvpage.engine.sampler import Sampler, make_generator
+from kvpage.errors import RequestRejected
+
+#: names of the engine metrics (the server exports the same; Prometheus style)
+METRIC_NAMES = (
+    "kvpage:kv_cache_usage_perc",
+    "kvpage:num_requests_running",
+    "kvpage:num_requests_waiting",
+    "kvpage:prefix_cache_queries_total",
+    "kvpage:prefix_cache_hits_total",
+    "kvpage:num_preemptions_total",
+    "kvpage:block_allocation_failures_total",
+    "kvpage:evictions_total",
+    "kvpage:prompt_tokens_total",
+    "kvpage:generation_tokens_total",
+    "kvpage:requests_rejected_total",
+)
+
+
+@dataclass
+class _Group:
+    """Engine-side state of one user request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    arrival_order: int
+    generators: dict[int, torch.Generator | None] = field(default_factory=dict)
+    texts: dict[int, str] = field(default_factory=dict)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+class LLMEngine:
+    """The engine (see the module docstring). Build with :meth:`from_config`.
+
+    Attributes:
+        config: the resolved EngineConfig.
+        tokenizer: the model's tokenizer (None for a model without one).
+        cache_spec: the KV cache layout in use.
+        backend_name: the attention backend's name.
+        kv_cache_manager, scheduler, runner: the components (read-only use).
+        stream_text: when True, unfinished outputs carry decoded text too (costs a
+            decode per token); finished outputs always do.
+    """
+
+    def __init__(self, config: EngineConfig, components: Mapping[str, Any]) -> None:
+        self.config = config
+        self.model = components["model"]
+        self.tokenizer = getattr(self.model, "tokenizer", None)
+        self.cache_spec = components["cache_spec"]
+        self.backend = components["backend"]
+        self.backend_name: str = str(getattr(self.backend, "name", type(self.backend).__name__))
+        self.kv_cache_manager = components["kv_cache_manager"]
+        self.scheduler = components["scheduler"]
+        self.runner = components["runner"]
+        self.sampler = Sampler()
+        self.vocab_size = int(self.model.config.get("vocab_size", 0))
+        self.eos_token_id = getattr(self.tokenizer, "eos_id", None)
+        if self.eos_token_id is None:
+            eos = self.model.config.get("eos_token_id")
+            self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        self.stream_text = False
+        self._groups: dict[str, _Group] = {}
+        self._arrivals = 0
+        self._counters = {"prompt": 0, "generation": 0, "rejected": 0}
+
+    @classmethod
+    def from_config(cls, **kwargs: Any) -> LLMEngine:
+        """Build an engine from the ``LLM`` keyword arguments (see EngineConfig)."""
+        config = EngineConfig(**kwargs)
+        return cls(config, build_components(config))
+
+    # ---- requests -----------------------------------------------------------------------
+    def _parse_prompt(self, prompt: Any) -> tuple[str | None, list[int], str | None]:
+        text: str | None = None
+        salt = None
+        if isinstance(prompt, Mapping):
+            salt = prompt.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise RequestRejected(
+                    f"cache_salt: expected a string, got {salt!r}", reason="invalid_prompt"
+                )
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise RequestRejected(
+                    f"prompt: expected a dict with 'prompt_token_ids' or 'prompt', "
+                    f"got keys {sorted(prompt)}",
+                    reason="invalid_prompt",
+                )
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected(
+                    "prompt: expected token ids (this model has no tokenizer), got a string",
+                    reason="invalid_prompt",
+                )
+            text = prompt
+            ids = list(self.tokenizer.encode(prompt, bos=True)) if prompt else []
+        elif isinstance(prompt, (list, tuple)) or (
+            isinstance(prompt, torch.Tensor) and prompt.dim() == 1
+        ):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestRejected(
+                    f"prompt_token_ids: expected ids in [0, {self.vocab_size}), got {bad[:5]}",
+                    reason="invalid_prompt",
+                )
+        else:
+            raise RequestRejected(
+                f"prompt: expected a string, a list of token ids or a dict, "
+                f"got {type(prompt).__name__}",
+                reason="invalid_prompt",
+            )
+        return text, ids, salt
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict[str, Any],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request; it joins the batch at the next step.
+
+        Args:
+            request_id: unique among unfinished requests.
+            prompt: text, token ids, or ``{"prompt_token_ids": [...] | "prompt": str,
+                "cache_salt": str}``.
+            params: sampling parameters (default ``SamplingParams()``).
+            arrival_time: ``time.monotonic()`` seconds (default now).
+
+        Raises:
+            RequestRejected: with ``reason`` "invalid_prompt", "empty_prompt",
+                "prompt_too_long", "exceeds_kv_capacity", "invalid_sampling_params" or
+                "duplicate_request_id". No state changes (apart from the rejected-requests
+                counter).
+        """
+        try:
+            if params is None:
+                params = SamplingParams()
+            if not isinstance(params, SamplingParams):
+                raise RequestRejected(
+                    f"params: expected SamplingParams, got {type(params).__name__}",
+                    reason="invalid_sampling_params",
+                )
+            params.validate()
+            text, ids, salt = self._parse_prompt(prompt)
+            mml = self.scheduler.max_model_len
+            cap = mml - len(ids) if params.max_tokens is None else params.max_tokens
+            req = Request(
+                request_id=request_id,
+                group_id=request_id,
+                sample_index=0,
+                token_ids=list(ids),
+                num_prompt_tokens=len(ids),
+                params=params,
+                max_tokens=max(1, min(cap, mml - len(ids))),
+                eos_token_id=self.eos_token_id,
+                cache_salt=salt,
+                num_pending_samples=params.n - 1,
+                stop_token_set=frozenset(params.stop_token_ids or ()),
+            )
+            self.scheduler.add_request(req)
+        except RequestRejected as e:
+            e.request_id = request_id
+            self._counters["rejected"] += 1
+            raise
+        now = time.monotonic() if arrival_time is None else arrival_time
+        self._groups[request_id] = _Group(
+            request_id, text, list(ids), params, now, req.arrival_order
+        )
+        self._counters["prompt"] += len(ids)
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request: every sample stops and its blocks are freed at once.
+        Unknown or finished ids are ignored."""
+        if request_id not in self._groups:
+            return
+        self.scheduler.abort(request_id)
+        self.scheduler.release(request_id)
+        del self._groups[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ---- one step -----------------------------------------------------------------------
+    def _generator(self, grp: _Group, index: int) -> torch.Generator | None:
+        if grp.params.greedy:
+            return None
+        g = grp.generators.get(index)
+        if g is None:
+            g = make_generator(grp.params, self.config.seed, grp.arrival_order, index)
+            grp.generators[index] = g
+        return g
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step and the model.
+
+        Returns:
+            One RequestOutput per user request that progressed this step (got a token
+            or finished), ``finished=True`` on the step it completes.
+        """
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        logits = self.runner.execute(out)
+        rows: list[int] = []
+        params: list[SamplingParams] = []
+        gens: list[torch.Generator | None] = []
+        owners: list[tuple[str, int]] = []
+        r = 0
+        for s in out.scheduled:
+            if not s.samples:
+                continue
+            req = s.request
+            grp = self._groups[req.group_id]
+            for j in range(s.num_samples):
+                idx = req.sample_index if j == 0 else j
+                rows.append(r)
+                params.append(grp.params)
+                gens.append(self._generator(grp, idx))
+                owners.append((req.request_id, j))
+            r += 1
+        if len(rows) != int(logits.shape[0]):
+            rows_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+            logits = logits.index_select(0, rows_t)
+        tokens = self.sampler(logits, params, gens)
+        sampled: dict[str, list[int]] = {}
+        for (rid, _), tok in zip(owners, tokens):
+            sampled.setdefault(rid, []).append(tok)
+        progressed, _ = self.scheduler.update(out, sampled)
+        now = time.monotonic()
+        touched: dict[str, _Group] = {}
+        for seq in progressed:
+            grp = self._groups[seq.group_id]
+            touched[seq.group_id] = grp
+            if grp.first_token_time is None:
+                grp.first_token_time = now
+            if grp.params.stop and not seq.is_finished:
+                self._check_stop_strings(seq, grp)
+        self._counters["generation"] += len(progressed)
+        results = []
+        for gid, grp in touched.items():
+            done = self.scheduler.group_finished(gid)
+            if done:
+                grp.finish_time = now
+            results.append(self._make_output(grp, done))
+            if done:
+                self.scheduler.release(gid)
+                del self._groups[gid]
+        return results
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(ids))
+
+    def _check_stop_strings(self, seq: Request, grp: _Group) -> None:
+        text = self._decode(seq.output_token_ids)
+        for stop in grp.params.stop or ():
+            k = text.find(stop)
+            if k >= 0:
+                grp.texts[seq.sample_index] = text[:k]
+                self.scheduler.finish(seq, "stop")
+                return
+
+    def _make_output(self, grp: _Group, finished: bool) -> RequestOutput:
+        seqs = sorted(self.scheduler.groups[grp.request_id], key=lambda q: q.sample_index)
+        outs = []
+        for q in seqs:
+            text = grp.texts.get(q.sample_index)
+            if text is None and (finished or self.stream_text):
+                text = self._decode(q.output_token_ids)
+            outs.append(
+                CompletionOutput(
+                    index=q.sample_index,
+                    token_ids=q.output_token_ids,
+                    text=text or "",
+                    finish_reason=q.finish_reason if q.is_finished else None,
+                )
+            )
+        return RequestOutput(
+            request_id=grp.request_id,
+            prompt=grp.prompt,
+            prompt_token_ids=grp.prompt_token_ids,
+            num_cached_tokens=max(0, seqs[0].num_cached_tokens),
+            outputs=outs,
+            finished=finished,
+            arrival_time=grp.arrival_time,
+            first_token_time=grp.first_token_time,
+            finish_time=grp.finish_time,
+            num_preemptions=sum(q.num_preemptions for q in seqs),
+        )
+
+    # ---- metrics ------------------------------------------------------------------------
+    def get_metrics(self) -> dict[str, float]:
+        """Current values of :data:`METRIC_NAMES`: KV usage as a fraction in [0, 1]
+        (cached-but-unreferenced blocks count as free), running/waiting sequences, and
+        counters since the engine started (prefix cache queries/hits in tokens)."""
+        kv = self.kv_cache_manager
+        st = kv.stats
+        return {
+            "kvpage:kv_cache_usage_perc": float(kv.usage),
+            "kvpage:num_requests_running": float(self.scheduler.num_running),
+            "kvpage:num_requests_waiting": float(self.scheduler.num_waiting),
+            "kvpage:prefix_cache_queries_total": float(st.prefix_queries_tokens),
+            "kvpage:prefix_cache_hits_total": float(st.prefix_hits_tokens),
+            "kvpage:num_preemptions_total": float(self.scheduler.num_preemptions),
+            "kvpage:block_allocation_failures_total": float(st.allocation_failures),
+            "kvpage:evictions_total": float(st.evictions),
+            "kvpage:prompt_tokens_total": float(self._counters["prompt"]),
+            "kvpage:generation_tokens_total": float(self._counters["generation"]),
+            "kvpage:requests_rejected_total": float(self._counters["rejected"]),
+        }
+
+
+__all__ = ["METRIC_NAMES", "LLMEngine"]

@@ -1,0 +1,111 @@
+"""The batch API: ``LLM(model=...).generate(prompts, SamplingParams(...))`` (vLLM style)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvpage.engine.engine import LLMEngine
+from kvpage.engine.params import RequestOutput, SamplingParams
+from kvpage.errors import RequestRejected
+
+
+class LLM:
+    """Offline generation on the paged KV cache.
+
+    Args:
+        model: ``"stories260K"`` (bundled), a Hugging Face model folder, or an
+            in-memory ``transformers`` model.
+        **kwargs: the rest of :class:`kvpage.engine.config.EngineConfig` (block_size,
+            num_blocks, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,
+            max_model_len, enable_prefix_caching, kv_cache_dtype, backend, dtype, seed,
+            device).
+
+    Attributes:
+        llm_engine: the underlying :class:`LLMEngine`.
+    """
+
+    def __init__(self, model: Any = "stories260K", **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine.from_config(model=model, **kwargs)
+        self._counter = 0
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def get_metrics(self) -> dict[str, float]:
+        """The engine's ``kvpage:*`` metrics (see ``LLMEngine.get_metrics``)."""
+        return self.llm_engine.get_metrics()
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt, batched continuously.
+
+        Args:
+            prompts: one prompt or a list; a prompt is text, a list of token ids, or
+                ``{"prompt_token_ids": [...], "cache_salt": "..."}``.
+            sampling_params: one SamplingParams for all, or one per prompt
+                (default ``SamplingParams()``).
+
+        Returns:
+            One finished RequestOutput per prompt, in order. A prompt the engine rejects
+            (empty, too long, never fits the pool, invalid parameters) gets an output
+            with ``error`` set to its RequestRejected and no completions; the others
+            run normally.
+
+        Raises:
+            RequestRejected: ``sampling_params`` is a list of the wrong length.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            plist = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            plist = list(sampling_params)
+            if len(plist) != len(prompts):
+                raise RequestRejected(
+                    f"sampling_params: expected {len(prompts)} entries (one per prompt), "
+                    f"got {len(plist)}",
+                    reason="invalid_sampling_params",
+                )
+        eng = self.llm_engine
+        ids: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        for prompt, params in zip(prompts, plist):
+            rid = str(self._counter)
+            self._counter += 1
+            ids.append(rid)
+            try:
+                eng.add_request(rid, prompt, params)
+            except RequestRejected as e:
+                now = time.monotonic()
+                results[rid] = RequestOutput(
+                    request_id=rid,
+                    prompt=prompt if isinstance(prompt, str) else None,
+                    prompt_token_ids=[],
+                    num_cached_tokens=0,
+                    outputs=[],
+                    finished=True,
+                    arrival_time=now,
+                    finish_time=now,
+                    error=e,
+                )
+        pending = {r for r in ids if r not in results}
+        while pending:
+            for out in eng.step():
+                if out.finished and out.request_id in pending:
+                    results[out.request_id] = out
+                    pending.discard(out.request_id)
+            if pending and not eng.has_unfinished_requests():  # pragma: no cover
+                raise RuntimeError(f"engine stopped with unfinished requests {sorted(pending)}")
+        return [results[r] for r in ids]
+
+
+__all__ = ["LLM"]

@@ -1,0 +1,153 @@
+"""ModelRunner: turns a scheduler plan into tensors, runs the model, returns logits.
+
+Per step it builds, once, for every KV group an :class:`AttentionMetadata`
+(positions, slot mapping, seq_lens, block tables), calls ``backend.plan`` on it, runs
+the model's paged forward and returns the logits of the last token of every sequence
+that samples this step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpage.attention.metadata import AttentionMetadata, KVCache
+from kvpage.engine.scheduler import SchedulerOutput
+from kvpage.specs import CacheSpec
+
+
+class StepInputs:
+    """Host-side arrays of one step.
+
+    Attributes:
+        input_ids: ``[num_tokens]`` int64 token ids, sequences packed in batch order.
+        positions: ``[num_tokens]`` int64 absolute positions.
+        query_lens / seq_lens: ``[num_seqs]`` int64 new tokens / tokens after the step.
+        logits_indices: ``[num_sampling_seqs]`` int64 rows of the last token of each
+            sequence that samples.
+        block_tables: per KV group ``[num_seqs, max_blocks]`` int32, padded with 0 (the
+            reserved null block, so a stray read stays in bounds).
+        slot_mappings: per KV group ``[num_tokens]`` int64 slots (-1 = padding; none
+            here, every computed token has a slot).
+    """
+
+    def __init__(self, out: SchedulerOutput, block_size: int, num_groups: int) -> None:
+        sched = out.scheduled
+        n = len(sched)
+        starts = np.fromiter((s.start for s in sched), dtype=np.int64, count=n)
+        qlens = np.fromiter((s.num_tokens for s in sched), dtype=np.int64, count=n)
+        total = int(qlens.sum())
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(qlens, out=cu[1:])
+        seq_idx = np.repeat(np.arange(n, dtype=np.int64), qlens)
+        positions = np.arange(total, dtype=np.int64) - cu[seq_idx] + starts[seq_idx]
+        if all(s.num_tokens == 1 for s in sched):
+            ids = [s.token_ids[0] for s in sched]
+        else:
+            ids = [t for s in sched for t in s.token_ids]
+        self.input_ids = np.asarray(ids, dtype=np.int64)
+        self.positions = positions
+        self.query_lens = qlens
+        self.seq_lens = starts + qlens
+        self.query_start_loc = cu
+        last = cu[1:] - 1
+        self.logits_indices = last[[i for i, s in enumerate(sched) if s.samples]]
+        self.block_tables: list[np.ndarray] = []
+        self.slot_mappings: list[np.ndarray] = []
+        blk = positions // block_size
+        off = positions % block_size
+        for g in range(num_groups):
+            tables = [s.block_tables[g] for s in sched]
+            width = max((len(t) for t in tables), default=1) or 1
+            bt = np.zeros((n, width), dtype=np.int32)
+            for i, t in enumerate(tables):
+                bt[i, : len(t)] = t
+            self.block_tables.append(bt)
+            self.slot_mappings.append(bt[seq_idx, blk].astype(np.int64) * block_size + off)
+
+
+class ModelRunner:
+    """Runs a ``kvpage.models`` model over the paged caches.
+
+    Args:
+        model: a ``ModelRunnerModel`` (``forward(input_ids, positions, kv_caches,
+            meta_per_group, backend, logits_indices)``).
+        backend: the attention backend.
+        kv_caches: one KVCache per layer (mutated by the model's ``write_kv`` calls and
+            by :meth:`copy_blocks`).
+        cache_spec: the cache layout (block_size, KV groups).
+        device: where the tensors go.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        backend: Any,
+        kv_caches: list[KVCache],
+        cache_spec: CacheSpec,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.cache_spec = cache_spec
+        self.device = device
+        self.groups = cache_spec.kv_groups
+
+    def copy_blocks(self, copies: list[list[tuple[int, int]]]) -> None:
+        """Run copy-on-write block copies (per KV group) before the step's writes."""
+        for g, pairs in enumerate(copies):
+            if not pairs:
+                continue
+            caches = [self.kv_caches[layer] for layer in self.groups[g].layer_ids]
+            t = torch.tensor(pairs, dtype=torch.int64, device=self.device).reshape(-1, 2)
+            self.backend.copy_blocks(caches, t)
+
+    def build_metadata(self, inp: StepInputs) -> list[AttentionMetadata]:
+        """One planned AttentionMetadata per KV group (``backend.plan`` called on each)."""
+        dev = self.device
+        qsl = torch.from_numpy(inp.query_start_loc.astype(np.int32)).to(dev)
+        seq_lens = torch.from_numpy(inp.seq_lens.astype(np.int32)).to(dev)
+        qcpu = inp.query_lens.tolist()
+        scpu = inp.seq_lens.tolist()
+        metas = []
+        for g in range(len(self.groups)):
+            meta = AttentionMetadata(
+                query_start_loc=qsl,
+                seq_lens=seq_lens,
+                block_tables=torch.from_numpy(inp.block_tables[g]).to(dev),
+                slot_mapping=torch.from_numpy(inp.slot_mappings[g]).to(dev),
+                max_query_len=max(qcpu, default=0),
+                max_seq_len=max(scpu, default=0),
+                query_lens_cpu=qcpu,
+                seq_lens_cpu=scpu,
+            )
+            metas.append(self.backend.plan(meta))
+        return metas
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run one step.
+
+        Returns:
+            ``[num_sampling_seqs, vocab_size]`` logits (float, on ``device``), one row
+            per scheduled sequence with ``samples`` set, in batch order.
+        """
+        self.copy_blocks(out.copies)
+        inp = StepInputs(out, self.cache_spec.block_size, len(self.groups))
+        metas = self.build_metadata(inp)
+        dev = self.device
+        logits: torch.Tensor = self.model(
+            torch.from_numpy(inp.input_ids).to(dev),
+            torch.from_numpy(inp.positions).to(dev),
+            self.kv_caches,
+            metas,
+            self.backend,
+            torch.from_numpy(inp.logits_indices).to(dev),
+        )
+        return logits
+
+
+__all__ = ["ModelRunner", "StepInputs"]

@@ -1,0 +1,417 @@
+"""The scheduler: continuous batching with a per-step token budget (vLLM v1 style).
+
+Model-free: it sees token counts and token ids and the :class:`KVCacheManager`, never
+a tensor, so the simulator (``kvpage.sim``) drives it with a cost model and fake tokens.
+
+One step (:meth:`Scheduler.schedule`):
+
+1. Running sequences, oldest first, each get ``min(remaining, budget)`` tokens, where
+   ``remaining = num_tokens - num_computed_tokens`` (1 for a decode, the rest of the
+   prompt for a chunked prefill) — decode and chunked prefill are one path. If the
+   cache manager cannot allocate, the **newest** running sequence is preempted
+   (blocks freed, progress dropped: recompute) and the allocation retried; a sequence
+   that is itself the newest preempts itself.
+2. If nothing was preempted, waiting sequences (preempted ones first, then by arrival)
+   are admitted in order while the budget, ``max_num_seqs`` and the pool allow, each
+   taking its prefix-cache hit (only blocks committed by earlier steps, C04).
+
+After the model ran, :meth:`Scheduler.update` advances every scheduled sequence,
+commits its full blocks to the prefix cache, appends sampled tokens, forks parallel
+samples (``n > 1``) once the prompt is computed, and frees finished sequences.
+
+Progress guarantees: the oldest running sequence is never preempted by a newer one,
+and every admitted request fits the pool on its own (:meth:`Scheduler.check_capacity`),
+so the oldest always completes (no deadlock); preempted sequences go to the front of
+the queue and no new request is admitted in a step that preempted (no starvation).
+Source of the policy: vLLM v1 scheduler design (docs.vllm.ai, "vLLM V1" blog, 2025).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpage.engine.request import Request, RequestStatus, sample_id
+from kvpage.errors import RequestRejected, SpecError
+
+
+@dataclass
+class ScheduledRequest:
+    """What one sequence computes in a step.
+
+    Attributes:
+        request: the sequence (read its ids and params; the scheduler owns it).
+        start: absolute position of the first token computed (= tokens already cached).
+        num_tokens: tokens computed this step (>= 1); positions ``start .. start+n-1``.
+        token_ids: those tokens' ids.
+        block_tables: one block table per KV group (physical block ids).
+        samples: True when this step computes the last known token, so the model's
+            logits at it are sampled (False for a non-final prefill chunk).
+    """
+
+    request: Request
+    start: int
+    num_tokens: int
+    token_ids: list[int]
+    block_tables: list[list[int]]
+    samples: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens to sample for this sequence: ``n`` when it forks now, else 1 (0 when
+        it does not sample)."""
+        if not self.samples:
+            return 0
+        return 1 + self.request.num_pending_samples
+
+    def slot_mapping(self, group: int, block_size: int) -> list[int]:
+        """Slots of the computed tokens in KV group ``group``:
+        ``block_table[p // block_size] * block_size + p % block_size``."""
+        bt = self.block_tables[group]
+        return [
+            bt[p // block_size] * block_size + p % block_size
+            for p in range(self.start, self.start + self.num_tokens)
+        ]
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan.
+
+    Attributes:
+        scheduled: sequences to compute, in batch order.
+        copies: per KV group, copy-on-write ``(src, dst)`` block copies to run before
+            the step writes any K/V.
+        preempted: ids of sequences preempted while scheduling this step.
+        num_batched_tokens: tokens computed in this step (<= max_num_batched_tokens).
+    """
+
+    scheduled: list[ScheduledRequest]
+    copies: list[list[tuple[int, int]]]
+    preempted: list[str] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Continuous-batching scheduler over one :class:`KVCacheManager`.
+
+    Args:
+        kv_cache_manager: the allocator (``kvpage.cache.KVCacheManager`` contract).
+        max_num_seqs: most sequences running at once (>= 1).
+        max_num_batched_tokens: token budget of one step (>= 1).
+        max_model_len: longest sequence (prompt + output) in tokens (>= 1).
+
+    Raises:
+        SpecError: a limit is < 1.
+    """
+
+    def __init__(
+        self,
+        kv_cache_manager: Any,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int = 512,
+    ) -> None:
+        for name, v in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
+            if not isinstance(v, int) or v < 1:
+                raise SpecError(f"{name}: expected an int >= 1, got {v!r}")
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.num_groups: int = int(kv_cache_manager.num_groups)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.groups: dict[str, list[Request]] = {}
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self._arrivals = 0
+
+    # ---- admission ------------------------------------------------------------------
+    def check_capacity(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise unless one sequence of this size can ever fit the pool alone.
+
+        The formula: a sequence of ``P`` prompt and ``M`` generated tokens holds at most
+        ``P + M - 1`` tokens in the KV cache (the last sampled token is never computed),
+        so it is admitted iff ``P + M - 1 <= kv.max_request_tokens``.
+
+        Raises:
+            RequestRejected: reason ``"exceeds_kv_capacity"``.
+        """
+        need = num_prompt_tokens + max_tokens - 1
+        cap = int(self.kv.max_request_tokens)
+        if need > cap:
+            raise RequestRejected(
+                f"request: expected prompt + max_tokens - 1 <= {cap} tokens (the KV cache "
+                f"pool's capacity for one sequence), got {num_prompt_tokens} + {max_tokens} - 1"
+                f" = {need}",
+                reason="exceeds_kv_capacity",
+            )
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new user request (sample 0; its ``num_pending_samples`` forks later).
+
+        Raises:
+            RequestRejected: duplicate id (``"duplicate_request_id"``), empty prompt
+                (``"empty_prompt"``), more samples than
+                ``max_num_seqs`` (``"invalid_sampling_params"``), prompt not shorter
+                than ``max_model_len`` (``"prompt_too_long"``), or never fits the pool
+                (``"exceeds_kv_capacity"``). Nothing changes then.
+        """
+        gid = request.group_id
+        if gid in self.groups:
+            raise RequestRejected(
+                f"request_id: expected a new id, got {gid!r} (already running)",
+                reason="duplicate_request_id",
+                request_id=gid,
+            )
+        if request.num_pending_samples + 1 > self.max_num_seqs:
+            raise RequestRejected(
+                f"n: expected <= max_num_seqs={self.max_num_seqs}, "
+                f"got {request.num_pending_samples + 1}",
+                reason="invalid_sampling_params",
+                request_id=gid,
+            )
+        if request.num_prompt_tokens == 0:
+            raise RequestRejected(
+                "prompt: expected at least 1 token, got 0", reason="empty_prompt", request_id=gid
+            )
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise RequestRejected(
+                f"prompt: expected < max_model_len={self.max_model_len} tokens (room for "
+                f"one generated token), got {request.num_prompt_tokens}",
+                reason="prompt_too_long",
+                request_id=gid,
+            )
+        try:
+            self.check_capacity(request.num_prompt_tokens, request.max_tokens)
+        except RequestRejected as e:
+            e.request_id = gid
+            raise
+        request.arrival_order = self._arrivals
+        self._arrivals += 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.groups[gid] = [request]
+        self.waiting.append(request)
+
+    # ---- one step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step (see the module docstring). Mutates the running/waiting queues
+        and allocates blocks through the cache manager."""
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput([], [[] for _ in range(self.num_groups)])
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert n >= 1, f"running sequence {req.request_id} has nothing to compute"
+            alloc = self.kv.allocate(req.request_id, req.token_ids, n)
+            while alloc is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+                alloc = self.kv.allocate(req.request_id, req.token_ids, n)
+            if alloc is None:
+                break
+            self._emit(out, req, n, alloc)
+            budget -= n
+            i += 1
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                if len(self.running) + 1 + req.num_pending_samples > self.max_num_seqs:
+                    break
+                cached = 0
+                if not req.has_blocks:
+                    cached = self.kv.get_num_cached_tokens(req.token_ids, cache_salt=req.cache_salt)
+                n = min(req.num_tokens - cached, budget)
+                alloc = self.kv.allocate(
+                    req.request_id,
+                    req.token_ids,
+                    n,
+                    num_cached_tokens=cached,
+                    cache_salt=req.cache_salt,
+                )
+                if alloc is None:
+                    break
+                self.waiting.popleft()
+                req.has_blocks = True
+                req.num_computed_tokens = alloc.num_cached_tokens
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = alloc.num_cached_tokens
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                self._emit(out, req, n, alloc)
+                budget -= n
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        self.num_steps += 1
+        return out
+
+    def _emit(self, out: SchedulerOutput, req: Request, n: int, alloc: Any) -> None:
+        for g, pairs in enumerate(alloc.copies):
+            out.copies[g].extend(pairs)
+        start = req.num_computed_tokens
+        out.scheduled.append(
+            ScheduledRequest(
+                request=req,
+                start=start,
+                num_tokens=n,
+                token_ids=req.token_ids[start : start + n],
+                block_tables=[
+                    self.kv.block_table(req.request_id, g) for g in range(self.num_groups)
+                ],
+                samples=start + n == req.num_tokens,
+            )
+        )
+
+    def _preempt(self, req: Request) -> None:
+        """Free ``req``'s blocks and requeue it at the front (recompute later)."""
+        self.kv.free(req.request_id)
+        req.has_blocks = False
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(
+        self, out: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
+    ) -> tuple[list[Request], list[Request]]:
+        """Apply a step's results.
+
+        Args:
+            out: the plan that ran.
+            sampled: for each scheduled sequence with ``samples`` set, its
+                ``num_samples`` sampled token ids (sample 0's first, then one per forked
+                sample, by index).
+
+        Returns:
+            ``(progressed, finished)``: sequences that got a token this step (forked
+            samples included) and those that finished.
+        """
+        progressed: list[Request] = []
+        finished: list[Request] = []
+        for s in out.scheduled:
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted after scheduling
+            req.num_computed_tokens = s.start + s.num_tokens
+            self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
+            if not s.samples:
+                continue
+            toks = sampled[req.request_id]
+            if len(toks) != s.num_samples:
+                raise SpecError(
+                    f"sampled[{req.request_id!r}]: expected {s.num_samples} tokens, got {len(toks)}"
+                )
+            seqs = [req] + self._fork(req)
+            for seq, tok in zip(seqs, toks):
+                seq.token_ids.append(int(tok))
+                progressed.append(seq)
+                reason = seq.check_stop(int(tok))
+                if reason is not None:
+                    self.finish(seq, reason)
+                    finished.append(seq)
+        return progressed, finished
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """Create the parent's pending samples, sharing its blocks (copy-on-write)."""
+        k = parent.num_pending_samples
+        if k == 0:
+            return []
+        parent.num_pending_samples = 0
+        children = []
+        pos = self.running.index(parent) + 1
+        for idx in range(1, k + 1):
+            child = Request(
+                request_id=sample_id(parent.group_id, idx),
+                group_id=parent.group_id,
+                sample_index=idx,
+                token_ids=list(parent.token_ids),
+                num_prompt_tokens=parent.num_prompt_tokens,
+                params=parent.params,
+                max_tokens=parent.max_tokens,
+                eos_token_id=parent.eos_token_id,
+                cache_salt=parent.cache_salt,
+                arrival_order=parent.arrival_order,
+                status=RequestStatus.RUNNING,
+                num_computed_tokens=parent.num_computed_tokens,
+                num_cached_tokens=parent.num_cached_tokens,
+                has_blocks=True,
+                stop_token_set=parent.stop_token_set,
+            )
+            self.kv.fork(parent.request_id, child.request_id)
+            self.requests[child.request_id] = child
+            self.groups[parent.group_id].append(child)
+            children.append(child)
+        self.running[pos:pos] = children
+        return children
+
+    # ---- finishing ----------------------------------------------------------------------
+    def finish(self, req: Request, reason: str) -> None:
+        """Mark ``req`` finished with ``reason`` and free its blocks (idempotent)."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.has_blocks:
+            self.kv.free(req.request_id)
+            req.has_blocks = False
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+
+    def abort(self, group_id: str) -> list[Request]:
+        """Abort every sample of user request ``group_id`` and free their blocks now.
+
+        Returns the aborted sequences (empty for an unknown or finished id)."""
+        seqs = self.groups.get(group_id, [])
+        out = [r for r in seqs if not r.is_finished]
+        for r in out:
+            self.finish(r, "abort")
+            r.num_pending_samples = 0
+        return out
+
+    def group_finished(self, group_id: str) -> bool:
+        """True when every sample of ``group_id`` has finished (and none is pending)."""
+        seqs = self.groups[group_id]
+        return all(r.is_finished and r.num_pending_samples == 0 for r in seqs)
+
+    def release(self, group_id: str) -> None:
+        """Forget a finished user request (its sequences and ids)."""
+        for r in self.groups.pop(group_id, []):
+            self.requests.pop(r.request_id, None)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
