@@ -67,7 +67,7 @@ def gather_kv(
             else:
                 toks.append(stored.float())
         if toks:
-            out.append(torch.stack(toks).double())
+            out.append(torch.stack(toks).double().cpu())
         else:
             out.append(torch.zeros(0, cache.num_kv_heads, cache.head_dim, dtype=torch.float64))
     return out[0], out[1]

@@ -1,0 +1,220 @@
+"""The built-in torch backend: paged attention with vectorized torch ops, CPU and CUDA.
+
+Independent of the float64 reference (``kvpage.attention.reference``) and tested
+against it by the conformance suite. Quantization follows ``kvpage.attention.quant``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpage.attention.checks import check_attention, check_block_pairs, check_write_kv
+from kvpage.attention.metadata import (
+    MODEL_DTYPES,
+    AttentionMetadata,
+    KVCache,
+    allocate_kv_cache,
+)
+from kvpage.attention.protocol import BackendCapabilities
+from kvpage.attention.quant import quantize_fp8, quantize_int8
+from kvpage.backends.torch_backend.compute import attend_group
+from kvpage.backends.torch_backend.plan import TorchPlan
+from kvpage.errors import ShapeError
+from kvpage.specs import AttentionSpec, CacheSpec
+
+#: key of the plan in ``AttentionMetadata.extras``
+PLAN_KEY = "torch_plan"
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """A same-size integer view, so that 1-byte float8 tensors can be indexed and copied
+    bit-exactly on every device."""
+    return x.view(torch.uint8) if x.element_size() == 1 else x
+
+
+class TorchBackend:
+    """Paged attention in plain torch (see ``kvpage.attention.protocol.AttentionBackend``).
+
+    Decode and prefill share one path: sequences are grouped (``plan.TorchPlan``),
+    whole blocks are gathered per group, and attention runs through
+    ``torch.nn.functional.scaled_dot_product_attention`` (explicit float32 matmuls
+    when a logit soft cap is set). Unquantized caches compute in the cache dtype;
+    int8/fp8 caches are dequantized to float32.
+    """
+
+    name = "torch"
+    capabilities = BackendCapabilities(
+        devices=frozenset({"cpu", "cuda"}),
+        notes=("reference-grade semantics in vectorized torch; any head_dim and block_size",),
+    )
+
+    # ---- selection -------------------------------------------------------------------
+    def unsupported_reasons(self, spec: CacheSpec, device: torch.device) -> list[str]:
+        """Reasons this backend cannot run ``spec`` on ``device`` ([] = it can)."""
+        dev = torch.device(device)
+        why = []
+        if dev.type not in self.capabilities.devices:
+            why.append(f"device: expected cpu or cuda, got {dev.type}")
+        elif dev.type == "cuda" and not torch.cuda.is_available():
+            why.append("device: expected an available CUDA device, got none (torch.cuda)")
+        if spec.dtype not in self.capabilities.query_dtypes:
+            why.append(f"dtype: expected one of float32|float16|bfloat16, got {spec.dtype}")
+        if spec.kv_dtype not in self.capabilities.kv_dtypes:
+            why.append(f"kv_dtype: expected auto|int8|fp8_e4m3|fp8_e5m2, got {spec.kv_dtype}")
+        return why
+
+    def kv_cache_shape(self, spec: CacheSpec, layer_id: int) -> tuple[int, ...]:
+        """``(2, num_blocks, block_size, num_kv_heads, head_dim)`` of layer ``layer_id``."""
+        a = spec.layers[layer_id]
+        return (2, spec.num_blocks, spec.block_size, a.num_kv_heads, a.head_dim)
+
+    def allocate_kv_cache(self, spec: CacheSpec, layer_id: int, device: torch.device) -> KVCache:
+        """A zeroed cache of layer ``layer_id`` (fp8 scales start at 1.0)."""
+        a = spec.layers[layer_id]
+        return allocate_kv_cache(
+            spec.num_blocks,
+            spec.block_size,
+            a.num_kv_heads,
+            a.head_dim,
+            dtype=MODEL_DTYPES[spec.dtype],
+            kv_dtype=spec.kv_dtype,
+            kv_scale_granularity=spec.kv_scale_granularity,
+            device=device,
+        )
+
+    # ---- per step --------------------------------------------------------------------
+    def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Store a ``TorchPlan`` in ``meta.extras["torch_plan"]``; gather indices per
+        (block_size, window) are built by the first layer that needs them and reused by
+        the others. Returns ``meta``."""
+        meta.extras[PLAN_KEY] = TorchPlan.from_meta(meta)
+        return meta
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store K/V ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping``
+        (``[num_tokens]`` int64, -1 = skip), quantizing per ``kvpage.attention.quant``.
+
+        Mutates ``cache.kv`` (and ``cache.token_scales`` for int8) at the mapped slots
+        only; every other slot stays bit-identical. Slots must be distinct.
+
+        Raises:
+            ShapeError, DTypeError: see ``kvpage.attention.checks.check_write_kv``.
+        """
+        check_write_kv(key, value, cache, slot_mapping)
+        slots = slot_mapping.to(torch.int64)
+        if slots.numel() and bool((slots < 0).any()):
+            keep = torch.nonzero(slots >= 0).squeeze(1)
+            slots, key, value = slots[keep], key[keep], value[keep]
+        if slots.numel() == 0:
+            return
+        n = cache.num_blocks * cache.block_size
+        h, d = cache.num_kv_heads, cache.head_dim
+        flat = _bits(cache.kv).view(2, n, h, d)
+        for i, x in enumerate((key, value)):
+            kind = cache.kv_dtype
+            if kind == "auto":
+                stored = x.to(cache.kv.dtype)
+            elif kind == "int8":
+                stored, scales = quantize_int8(x)
+                assert cache.token_scales is not None
+                cache.token_scales.view(2, n, h)[i].index_copy_(0, slots, scales)
+            else:
+                s = cache.k_scale if i == 0 else cache.v_scale
+                assert s is not None
+                stored = quantize_fp8(x, s, cache.kv.dtype)
+            flat[i].index_copy_(0, slots, _bits(stored))
+
+    def _groups(self, cache: KVCache, meta: AttentionMetadata, spec: AttentionSpec) -> list:  # type: ignore[type-arg]
+        plan = meta.extras.get(PLAN_KEY)
+        if not isinstance(plan, TorchPlan):
+            plan = TorchPlan.from_meta(meta)
+            meta.extras[PLAN_KEY] = plan
+        groups = plan.groups(cache.block_size, spec.sliding_window)
+        for g in groups:
+            if g.min_block < 0 or g.max_block >= cache.num_blocks:
+                raise ShapeError(
+                    f"meta.block_tables: expected block ids in [0, {cache.num_blocks - 1}], "
+                    f"got [{g.min_block}, {g.max_block}]"
+                )
+        return groups
+
+    def _attention(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+        out: torch.Tensor | None,
+        decode: bool,
+    ) -> torch.Tensor:
+        check_attention(query, cache, meta, spec, out, decode=decode)
+        groups = self._groups(cache, meta, spec)
+        if out is None:
+            out = torch.empty_like(query)
+        for g in groups:
+            attend_group(query, cache, g, spec, out)
+        return out
+
+    def decode(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One query token per sequence; see ``AttentionBackend.decode``.
+
+        Args:
+            query: ``[num_seqs, num_q_heads, head_dim]`` float32|float16|bfloat16.
+            out: optional ``[num_seqs, num_q_heads, head_dim]`` buffer (query dtype).
+
+        Returns:
+            ``out`` (or a new tensor) in the query dtype.
+
+        Raises:
+            ShapeError, DTypeError: see ``kvpage.attention.checks.check_attention``.
+        """
+        return self._attention(query, cache, meta, spec, out, decode=True)
+
+    def prefill(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Varlen causal attention over cached context + new tokens (decode rows too);
+        see ``AttentionBackend.prefill``.
+
+        Args:
+            query: ``[num_tokens, num_q_heads, head_dim]``, packed by
+                ``meta.query_start_loc``.
+            out: optional ``[num_tokens, num_q_heads, head_dim]`` buffer (query dtype).
+
+        Raises:
+            ShapeError, DTypeError: see ``kvpage.attention.checks.check_attention``.
+        """
+        return self._attention(query, cache, meta, spec, out, decode=False)
+
+    def copy_blocks(self, caches: list[KVCache], pairs: torch.Tensor) -> None:
+        """``cache[:, dst] = cache[:, src]`` for each ``(src, dst)`` row of ``pairs``
+        (``[n, 2]`` int64) in every cache, int8 token scales included; bit-exact.
+
+        Raises:
+            ShapeError: bad ``pairs`` shape or a block id out of range (nothing copied).
+        """
+        for c in caches:
+            check_block_pairs(pairs, c.num_blocks)
+        if pairs.numel() == 0:
+            return
+        for c in caches:
+            p = pairs.to(device=c.kv.device, dtype=torch.int64)
+            src, dst = p[:, 0], p[:, 1]
+            kv = _bits(c.kv)
+            kv[:, dst] = kv[:, src]
+            if c.token_scales is not None:
+                c.token_scales[:, dst] = c.token_scales[:, src]
