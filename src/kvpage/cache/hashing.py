@@ -23,7 +23,7 @@ else ``b"\\x01" | uint32-LE byte length | UTF-8 bytes``.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from hashlib import sha256
 
 from kvpage.errors import SpecError
@@ -73,6 +73,32 @@ def _pack_tokens(token_ids: Sequence[int]) -> bytes:
 
 def _hash(parent: BlockHash, extra: bytes, token_ids: Sequence[int]) -> BlockHash:
     return sha256(_DOMAIN + parent + extra + _pack_tokens(token_ids)).digest()
+
+
+_CHUNK_BLOCKS = 32
+
+
+def iter_block_hashes(
+    parent: BlockHash,
+    extra: bytes,
+    token_ids: Sequence[int],
+    block_size: int,
+    first: int,
+    last: int,
+) -> Iterator[BlockHash]:
+    """Yield the chained hashes of blocks ``first .. last-1`` (all full) of ``token_ids``.
+
+    ``parent`` is the hash of block ``first - 1`` (the root hash when ``first == 0``).
+    Tokens are packed 32 blocks at a time, so stopping early (at the first prefix-cache
+    miss) costs little. Same bytes as :func:`hash_block_tokens`.
+    """
+    step = 8 * block_size
+    for c0 in range(first, last, _CHUNK_BLOCKS):
+        c1 = min(c0 + _CHUNK_BLOCKS, last)
+        packed = _pack_tokens(token_ids[c0 * block_size : c1 * block_size])
+        for off in range(0, (c1 - c0) * step, step):
+            parent = sha256(_DOMAIN + parent + extra + packed[off : off + step]).digest()
+            yield parent
 
 
 def hash_block_tokens(
@@ -133,12 +159,7 @@ def hash_request_blocks(
     if max_blocks is not None:
         n = min(n, max_blocks)
     extra = encode_extra_keys(cache_salt, adapter_id)
-    parent = root_hash(hash_seed)
-    out: list[BlockHash] = []
-    for i in range(n):
-        parent = _hash(parent, extra, token_ids[i * block_size : (i + 1) * block_size])
-        out.append(parent)
-    return out
+    return list(iter_block_hashes(root_hash(hash_seed), extra, token_ids, block_size, 0, n))
 
 
 __all__ = [
@@ -146,5 +167,6 @@ __all__ = [
     "encode_extra_keys",
     "hash_block_tokens",
     "hash_request_blocks",
+    "iter_block_hashes",
     "root_hash",
 ]

@@ -20,13 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from kvpage.cache.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
-from kvpage.cache.hashing import BlockHash, _hash, encode_extra_keys, root_hash
+from kvpage.cache.hashing import BlockHash, encode_extra_keys, iter_block_hashes, root_hash
 from kvpage.cache.integrity import check_manager_integrity
 from kvpage.errors import AllocationError, SpecError
 from kvpage.specs import CacheSpec
 
 
-@dataclass
+@dataclass(slots=True)
 class Allocation:
     """What one ``allocate`` call did.
 
@@ -126,6 +126,7 @@ class KVCacheManager:
         ]
         self._full = [g for g, w in enumerate(self.windows) if w is None]
         self._sliding = [(g, w) for g, w in enumerate(self.windows) if w is not None]
+        self._simple = self.windows == [None]
         self._root = root_hash(hash_seed)
         self._reqs: dict[str, _Request] = {}
         self._stats = CacheStats()
@@ -199,12 +200,10 @@ class KVCacheManager:
         cap = (len(token_ids) - 1) // bs
         full = [self.pools[g].cached for g in self._full]
         hashes: list[BlockHash] = []
-        parent = self._root
-        for i in range(cap):
-            parent = _hash(parent, extra, token_ids[i * bs : (i + 1) * bs])
-            if any(parent not in c for c in full):
+        for h in iter_block_hashes(self._root, extra, token_ids, bs, 0, cap):
+            if any(h not in c for c in full):
                 break
-            hashes.append(parent)
+            hashes.append(h)
         hb = len(hashes)
         if not self._sliding or hb == 0:
             return hb
@@ -268,6 +267,14 @@ class KVCacheManager:
         start = req.num_tokens
         end = start + num_new_tokens
         need_blocks = -(-end // bs)
+        if self._simple:  # fast path: one full-attention group, no new block, no CoW
+            table = req.tables[0]
+            if need_blocks <= len(table) and not (
+                start % bs and num_new_tokens and self.pools[0].blocks[table[-1]].ref_cnt > 1
+            ):
+                req.num_tokens = end
+                self._stats.allocations += 1
+                return Allocation(0, [[]], [[]])
         plans = []
         for g in range(self.num_groups):
             pool = self.pools[g]
@@ -353,10 +360,7 @@ class KVCacheManager:
                     f"num_cached_tokens: expected a multiple of block_size={bs} in [0, {limit}], "
                     f"got {h}"
                 )
-            parent = self._root
-            for i in range(hb):
-                parent = _hash(parent, extra, token_ids[i * bs : (i + 1) * bs])
-                hashes.append(parent)
+            hashes = list(iter_block_hashes(self._root, extra, token_ids, bs, 0, hb))
             for g, w in enumerate(self.windows):
                 lo = 0 if w is None else max(0, h - w + 1) // bs
                 cached = self.pools[g].cached
@@ -428,14 +432,13 @@ class KVCacheManager:
         extra = req.extra
         tables = req.tables
         pools = self.pools
-        for i in range(i0, nfull):
-            parent = _hash(parent, extra, token_ids[i * bs : (i + 1) * bs])
-            hashes.append(parent)
+        for i, h in enumerate(iter_block_hashes(parent, extra, token_ids, bs, i0, nfull), i0):
+            hashes.append(h)
             for g in range(self.num_groups):
                 bid = tables[g][i]
                 if bid != NULL_BLOCK_ID:
                     pool = pools[g]
-                    pool.cache_block(pool.blocks[bid], parent)
+                    pool.cache_block(pool.blocks[bid], h)
         req.num_committed = nfull
 
     def fork(self, parent_id: str, child_id: str) -> None:
