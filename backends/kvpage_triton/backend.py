@@ -1,0 +1,277 @@
+"""The Triton attention backend: ``TritonBackend`` (entry point ``triton`` of the
+``kvpage.backends`` group).
+
+Importing this module does not import triton; the kernels and launchers
+(``kvpage_triton.launch``) are imported on first use. On CPU the backend runs only
+under the Triton interpreter (``TRITON_INTERPRET=1`` set before the kernels are first
+imported); on CUDA it compiles the kernels for the device.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+from kvpage.attention.metadata import AttentionMetadata, KVCache, allocate_kv_cache
+from kvpage.attention.protocol import BackendCapabilities
+from kvpage.errors import BackendUnavailableError, DTypeError, ShapeError
+from kvpage.specs import AttentionSpec, CacheSpec
+from kvpage_triton.validate import check_attention, check_cache, check_write_kv
+
+#: largest head_dim: BLOCK_D is head_dim rounded up to a power of two (masked), and a
+#: 512-wide Q/K/V tile set does not fit in registers/shared memory at useful tile sizes
+MAX_HEAD_DIM = 256
+#: CUDA compute capability needed for fp8 KV (Triton's float8e4nv needs sm_89; Ada/Hopper)
+FP8_MIN_CC = (8, 9)
+#: CUDA compute capability for bfloat16 tensor-core dots (Ampere)
+BF16_MIN_CC = (8, 0)
+
+
+def interpreter_enabled() -> bool:
+    """Whether ``TRITON_INTERPRET`` is set to a true value in the environment."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+class TritonBackend:
+    """Paged attention with ``@triton.jit`` kernels (decode with split-KV, varlen
+    prefill with cached context, cache writes with int8/fp8 quantization, block copies).
+
+    Args:
+        num_splits: force this many KV splits in every attention launch (tests and
+            benchmarks); ``None`` lets the launcher decide (split only when the
+            sequences would leave the device idle).
+    """
+
+    name = "triton"
+    capabilities = BackendCapabilities(
+        devices=frozenset({"cuda", "cpu"}),
+        max_head_dim=MAX_HEAD_DIM,
+        min_compute_capability=(7, 0),
+        notes=(
+            "cpu only under TRITON_INTERPRET=1 (slow; for tests)",
+            "fp8 KV on CUDA needs compute capability >= 8.9",
+            "bfloat16 on CUDA needs compute capability >= 8.0",
+            "any head_dim <= 256 (padded to a power of two with masks), any block_size",
+        ),
+    )
+
+    def __init__(self, *, num_splits: int | None = None) -> None:
+        if num_splits is not None and num_splits < 1:
+            raise ShapeError(f"num_splits: expected >= 1 or None, got {num_splits}")
+        self.num_splits = num_splits
+        self._launch: ModuleType | None = None
+
+    # ---- selection -----------------------------------------------------------------
+    def unsupported_reasons(self, spec: CacheSpec, device: torch.device) -> list[str]:
+        """Why this backend cannot run ``spec`` on ``device`` (empty list = it can)."""
+        device = torch.device(device)
+        reasons: list[str] = []
+        if importlib.util.find_spec("triton") is None:
+            reasons.append("triton is not installed (pip install 'kvpage[triton]')")
+        if device.type == "cpu":
+            if not interpreter_enabled():
+                reasons.append(
+                    "device cpu: triton runs on CPU only under the interpreter "
+                    "(TRITON_INTERPRET=1), which is not set"
+                )
+        elif device.type == "cuda":
+            if not torch.cuda.is_available():
+                reasons.append("device cuda: torch.cuda.is_available() is False")
+            elif interpreter_enabled():
+                reasons.append("device cuda: TRITON_INTERPRET=1 is set (kernels would not compile)")
+            else:
+                cc = torch.cuda.get_device_capability(device)
+                if cc < (7, 0):
+                    reasons.append(f"compute capability: expected >= 7.0, got {cc[0]}.{cc[1]}")
+                if spec.kv_dtype.startswith("fp8") and cc < FP8_MIN_CC:
+                    reasons.append(
+                        f"kv_dtype {spec.kv_dtype}: expected compute capability >= 8.9, "
+                        f"got {cc[0]}.{cc[1]}"
+                    )
+                if spec.dtype == "bfloat16" and cc < BF16_MIN_CC:
+                    reasons.append(
+                        f"dtype bfloat16: expected compute capability >= 8.0, got {cc[0]}.{cc[1]}"
+                    )
+        else:
+            reasons.append(f"device: expected cuda (or cpu with TRITON_INTERPRET=1), got {device}")
+        for i, layer in enumerate(spec.layers):
+            if layer.head_dim > MAX_HEAD_DIM:
+                reasons.append(
+                    f"layers[{i}].head_dim: expected <= {MAX_HEAD_DIM}, got {layer.head_dim}"
+                )
+                break
+        return reasons
+
+    def _kernels(self, device: torch.device) -> ModuleType:
+        """Import the launcher (and triton) on first use; check the device can run it."""
+        if self._launch is None:
+            try:
+                self._launch = importlib.import_module("kvpage_triton.launch")
+            except ImportError as e:  # pragma: no cover - depends on the environment
+                raise BackendUnavailableError(
+                    "triton backend unavailable", {"triton": [f"import failed: {e}"]}
+                ) from e
+        interp = bool(self._launch.INTERPRET)
+        if device.type == "cpu" and not interp:
+            raise BackendUnavailableError(
+                "triton backend cannot run on cpu",
+                {
+                    "triton": [
+                        "device cpu: expected TRITON_INTERPRET=1 when kernels load, got unset"
+                    ]
+                },
+            )
+        if device.type == "cuda" and interp:
+            raise BackendUnavailableError(
+                "triton backend cannot run on cuda",
+                {"triton": ["device cuda: kernels were loaded with TRITON_INTERPRET=1"]},
+            )
+        if device.type not in ("cpu", "cuda"):
+            raise BackendUnavailableError(
+                "triton backend cannot run here",
+                {"triton": [f"device: expected cuda, got {device}"]},
+            )
+        return self._launch
+
+    # ---- cache ---------------------------------------------------------------------
+    def kv_cache_shape(self, spec: CacheSpec, layer_id: int) -> tuple[int, ...]:
+        """``(2, num_blocks, block_size, num_kv_heads, head_dim)`` of layer ``layer_id``."""
+        a = spec.layers[layer_id]
+        return (2, spec.num_blocks, spec.block_size, a.num_kv_heads, a.head_dim)
+
+    def allocate_kv_cache(self, spec: CacheSpec, layer_id: int, device: torch.device) -> KVCache:
+        """Zeroed canonical-layout cache of one layer (fp8 scales start at 1.0)."""
+        a = spec.layers[layer_id]
+        return allocate_kv_cache(
+            spec.num_blocks,
+            spec.block_size,
+            a.num_kv_heads,
+            a.head_dim,
+            dtype=getattr(torch, spec.dtype),
+            kv_dtype=spec.kv_dtype,
+            kv_scale_granularity=spec.kv_scale_granularity,
+            device=device,
+        )
+
+    def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Nothing is precomputed eagerly: query tile lists (which depend on the layer's
+        GQA group) are built on first use from host lists and cached in
+        ``meta.extras["triton_tiles_q<BLOCK_Q>"]``. Returns ``meta``."""
+        return meta
+
+    # ---- kernels -------------------------------------------------------------------
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store K/V ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping``
+        (int64, -1 = skip), quantizing per ``kvpage.attention.quant`` for int8/fp8.
+
+        Mutates ``cache.kv`` (and ``cache.token_scales`` for int8) at those slots only.
+
+        Raises:
+            ShapeError, DTypeError: invalid arguments (nothing is written).
+            BackendUnavailableError: the device cannot run the kernels.
+        """
+        check_write_kv(key, value, cache, slot_mapping)
+        launch = self._kernels(cache.kv.device)
+        launch.write_kv(key, value, cache, slot_mapping, cache.kv_dtype)
+
+    def _run(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+        out: torch.Tensor | None,
+        decode: bool,
+    ) -> torch.Tensor:
+        kind = check_attention(query, cache, meta, spec, out, decode=decode)
+        launch = self._kernels(query.device)
+        if out is None:
+            out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        return launch.attention(
+            query, cache, meta, spec, out, kind, decode=decode, force_splits=self.num_splits
+        )
+
+    def decode(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One new token per sequence attends to its whole (windowed) context.
+
+        Args:
+            query: ``[num_seqs, num_q_heads, head_dim]`` float32|float16|bfloat16.
+            cache: the layer's cache (already holding this step's K/V).
+            meta: every ``query_lens_cpu`` entry is 1.
+            spec: the layer's attention spec (scale, window, soft cap, GQA).
+            out: optional ``[num_seqs, num_q_heads, head_dim]`` buffer (query dtype).
+
+        Returns:
+            ``[num_seqs, num_q_heads, head_dim]`` in the query dtype (``out`` if given).
+
+        Raises:
+            ShapeError, DTypeError: invalid arguments. BackendUnavailableError: device.
+        """
+        return self._run(query, cache, meta, spec, out, decode=True)
+
+    def prefill(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Varlen causal attention of new tokens over cached context + themselves
+        (decode rows allowed; chunked prefill and prefix-cache hits alike).
+
+        Args:
+            query: ``[num_tokens, num_q_heads, head_dim]`` packed by
+                ``meta.query_start_loc``.
+            out: optional ``[num_tokens, num_q_heads, head_dim]`` buffer.
+
+        Returns:
+            ``[num_tokens, num_q_heads, head_dim]`` in the query dtype.
+
+        Raises:
+            ShapeError, DTypeError: invalid arguments. BackendUnavailableError: device.
+        """
+        return self._run(query, cache, meta, spec, out, decode=False)
+
+    def copy_blocks(self, caches: list[KVCache], pairs: torch.Tensor) -> None:
+        """For each row ``(src, dst)`` of ``pairs`` (``[n, 2]`` int64) copy block
+        ``src`` to ``dst`` in every cache (K, V and int8 token scales), bit-exactly.
+
+        Raises:
+            ShapeError: ``pairs`` not ``[n, 2]``, ids out of range, a non-contiguous cache.
+            DTypeError: ``pairs`` not int64.
+        """
+        if pairs.dim() != 2 or pairs.shape[1] != 2:
+            raise ShapeError(f"pairs: expected [n, 2], got {list(pairs.shape)}")
+        if pairs.dtype != torch.int64:
+            raise DTypeError(f"pairs.dtype: expected torch.int64, got {pairs.dtype}")
+        if pairs.shape[0] == 0 or not caches:
+            return
+        for i, c in enumerate(caches):
+            check_cache(c, f"caches[{i}]")
+            if not c.kv.is_contiguous():
+                raise ShapeError(
+                    f"caches[{i}].kv: expected contiguous, got strides {c.kv.stride()}"
+                )
+            if c.token_scales is not None and not c.token_scales.is_contiguous():
+                raise ShapeError(f"caches[{i}].token_scales: expected contiguous, got strided")
+        lo, hi = int(pairs.min()), int(pairs.max())
+        nb = min(c.num_blocks for c in caches)
+        if lo < 0 or hi >= nb:
+            raise ShapeError(f"pairs: expected block ids in [0, {nb}), got {lo if lo < 0 else hi}")
+        dev = caches[0].kv.device
+        launch = self._kernels(dev)
+        launch.copy_blocks(caches, pairs.to(dev))

@@ -1,0 +1,1 @@
+"""``@triton.jit`` kernels of the Triton backend (importing these imports triton)."""
