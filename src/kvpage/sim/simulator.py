@@ -1,0 +1,330 @@
+"""Discrete-event replay of a request trace through the real scheduler and cache manager.
+
+No weights and no kernels: the real ``kvpage.engine.Scheduler`` plans every step over the
+real ``kvpage.cache.KVCacheManager`` (or a contiguous-reservation allocator with the same
+interface, :mod:`kvpage.sim.contiguous`), and the step's duration comes from
+:class:`kvpage.sim.costmodel.StepCostModel`. Token ids come from
+:class:`kvpage.sim.traces.TokenMapper`, so Mooncake requests that share hash ids share
+exact prefixes and the prefix cache sees the trace's real reuse.
+
+Event loop: the clock jumps to the next arrival when nothing runs; arrivals up to the
+clock are submitted (rejections counted by reason); one ``schedule()`` -> cost model ->
+clock advances by the step time -> ``update()`` with each request's next trace output
+token (``ignore_eos``, ``max_tokens`` = the trace's output length). A request's first
+token time is the end of the step that sampled it.
+
+Policies (same slots for all; see :data:`POLICIES`): ``contiguous-max``,
+``contiguous-pow2``, ``contiguous-oracle`` (reserve max_model_len / next power of two /
+the true final length at admission), ``paged`` (on-demand blocks), ``paged-prefix``
+(on-demand blocks + prefix caching).
+
+Metrics: effective KV utilization = slots holding live tokens / slots reserved, averaged
+over steps weighted by step time (paged: reserved = used blocks x block_size, live =
+reserved minus the unwritten tail of each request's last block; contiguous: reserved =
+sum of reservations, live = allocated positions); peak KV usage (reserved / all slots);
+peak batch size; throughput (output tokens / makespan); TTFT and TPOT percentiles
+(TPOT = (finish - first token) / (outputs - 1)); preemptions; allocation failures;
+prefix hit ratio (hit tokens / looked-up prompt tokens, re-lookups after preemption
+included).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvpage.capacity import plan_capacity, resolve_model
+from kvpage.errors import RequestRejected, SpecError
+from kvpage.sim.contiguous import ContiguousAllocator
+from kvpage.sim.costmodel import StepCostModel, get_gpu
+from kvpage.sim.traces import TokenMapper, Trace, TraceRequest
+from kvpage.specs import CacheSpec
+
+POLICIES = ("contiguous-max", "contiguous-pow2", "contiguous-oracle", "paged", "paged-prefix")
+
+
+@dataclass
+class SimConfig:
+    """What to simulate.
+
+    Attributes:
+        model: preset name or config.json (see ``kvpage.capacity.resolve_model``).
+        gpu: GPU preset name (``kvpage.sim.costmodel.GPU_PRESETS``).
+        policy: one of :data:`POLICIES`.
+        block_size: tokens per block (paged policies).
+        kv_dtype: KV storage dtype.
+        utilization: fraction of GPU memory for weights + KV.
+        num_blocks: override the pool size (blocks incl. the null block); None = plan it
+            from the GPU memory with ``kvpage.capacity.plan_capacity``.
+        max_model_len: longest sequence; None = the model's.
+        max_num_seqs, max_num_batched_tokens: scheduler limits.
+        time_scale: arrival times are multiplied by this (< 1 = more load).
+        flops_efficiency, bandwidth_efficiency, step_overhead_s: cost-model knobs.
+        seed, vocab_size: the token mapping (``TokenMapper``).
+        max_steps: stop after this many steps (None = run to completion).
+    """
+
+    model: str = "llama-3-8b"
+    gpu: str = "H100-80GB"
+    policy: str = "paged-prefix"
+    block_size: int = 16
+    kv_dtype: str = "auto"
+    utilization: float = 0.9
+    num_blocks: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    time_scale: float = 1.0
+    flops_efficiency: float = 0.6
+    bandwidth_efficiency: float = 0.8
+    step_overhead_s: float = 0.002
+    seed: int = 0
+    vocab_size: int = 32000
+    max_steps: int | None = None
+
+
+@dataclass
+class SimResult:
+    """Outcome of one simulation (times in seconds, utilizations in %)."""
+
+    policy: str
+    block_size: int
+    num_slots: int
+    requests: int
+    finished: int
+    rejected: dict[str, int]
+    steps: int
+    makespan_s: float
+    throughput_tok_s: float
+    total_throughput_tok_s: float
+    effective_kv_util_pct: float
+    peak_kv_usage_pct: float
+    peak_batch: int
+    mean_batch: float
+    ttft_s: dict[str, float]
+    tpot_s: dict[str, float]
+    preemptions: int
+    allocation_failures: int
+    prefix_hit_pct: float
+    evictions: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _pct(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {"p50": float("nan"), "p95": float("nan"), "p99": float("nan"), "mean": float("nan")}
+    a = np.asarray(xs)
+    p = np.percentile(a, [50, 95, 99])
+    return {"p50": float(p[0]), "p95": float(p[1]), "p99": float(p[2]), "mean": float(a.mean())}
+
+
+def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
+    """Pool spec, cost model, max_model_len and pool slots for a config.
+
+    Raises:
+        SpecError: unknown policy/model/GPU or a pool that does not fit.
+    """
+    if cfg.policy not in POLICIES:
+        raise SpecError(f"policy: expected one of {POLICIES}, got {cfg.policy!r}")
+    src = resolve_model(cfg.model)
+    gpu = get_gpu(cfg.gpu)
+    spec = CacheSpec.from_hf_config(
+        src.hf_config,
+        block_size=cfg.block_size,
+        kv_dtype=cfg.kv_dtype,  # type: ignore[arg-type]
+    )
+    plan = plan_capacity(
+        cfg.model,
+        device_bytes=gpu.memory_bytes,
+        utilization=cfg.utilization,
+        kv_dtype=cfg.kv_dtype,
+        block_size=cfg.block_size,
+    )
+    nb = cfg.num_blocks if cfg.num_blocks is not None else plan.num_blocks
+    spec = spec.with_blocks(nb)
+    a = spec.layers[0]
+    cost = StepCostModel(
+        num_parameters=src.num_parameters,
+        weight_bytes=plan.weight_bytes,
+        num_layers=spec.num_layers,
+        num_q_heads=a.num_q_heads,
+        head_dim=a.head_dim,
+        kv_bytes_per_token=spec.bytes_per_token,
+        gpu=gpu,
+        flops_efficiency=cfg.flops_efficiency,
+        bandwidth_efficiency=cfg.bandwidth_efficiency,
+        step_overhead_s=cfg.step_overhead_s,
+    )
+    mml = cfg.max_model_len or src.max_model_len
+    return spec, cost, mml, (nb - 1) * cfg.block_size
+
+
+def _make_allocator(cfg: SimConfig, spec: CacheSpec, mml: int, slots: int, final: dict[str, int]):
+    if cfg.policy.startswith("contiguous"):
+        return ContiguousAllocator(slots, cfg.policy.split("-")[1], mml, final.__getitem__)
+    from kvpage.cache import KVCacheManager
+
+    return KVCacheManager(
+        spec, enable_prefix_caching=cfg.policy == "paged-prefix", hash_seed=cfg.seed
+    )
+
+
+def _reserved_live(kv: Any, running: list[Any], bs: int) -> tuple[int, int]:
+    if isinstance(kv, ContiguousAllocator):
+        return kv.reserved_slots, kv.live_tokens()
+    used = max(p.num_used for p in kv.pools)
+    reserved = used * bs
+    slack = 0
+    for r in running:
+        if r.has_blocks:
+            n = kv.num_allocated_tokens(r.request_id)
+            slack += -(-n // bs) * bs - r.num_computed_tokens
+    return reserved, reserved - slack
+
+
+def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
+    """Replay ``trace`` under ``cfg`` (see the module docstring).
+
+    Raises:
+        SpecError: bad config (see :func:`build_setup`).
+    """
+    from kvpage.engine.params import SamplingParams
+    from kvpage.engine.request import Request
+    from kvpage.engine.scheduler import Scheduler
+
+    reqs = list(trace.requests if isinstance(trace, Trace) else trace)
+    spec, cost, mml, slots = build_setup(cfg)
+    final = {r.request_id: r.prompt_tokens + max(r.output_tokens, 1) for r in reqs}
+    kv = _make_allocator(cfg, spec, mml, slots, final)
+    sched = Scheduler(
+        kv,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=mml,
+    )
+    mapper = TokenMapper(seed=cfg.seed, vocab_size=cfg.vocab_size)
+    bs = 1 if isinstance(kv, ContiguousAllocator) else cfg.block_size
+    arrivals = [(r.arrival_s * cfg.time_scale, i) for i, r in enumerate(reqs)]
+    heapq.heapify(arrivals)
+    by_id = {r.request_id: r for r in reqs}
+    arrival_t: dict[str, float] = {}
+    outputs: dict[str, list[int]] = {}
+    first_tok: dict[str, float] = {}
+    ttft: list[float] = []
+    tpot: list[float] = []
+    rejected: Counter[str] = Counter()
+    t = 0.0
+    steps = 0
+    busy = util_w = 0.0
+    peak_usage = peak_batch = 0
+    batch_sum = 0
+    out_tokens = prompt_tokens = 0
+    finished = 0
+    t_first = arrivals[0][0] if arrivals else 0.0
+    while arrivals or sched.has_unfinished():
+        if cfg.max_steps is not None and steps >= cfg.max_steps:
+            break
+        if not sched.has_unfinished() and arrivals and arrivals[0][0] > t:
+            t = arrivals[0][0]
+        while arrivals and arrivals[0][0] <= t:
+            at, i = heapq.heappop(arrivals)
+            tr = reqs[i]
+            n_out = max(tr.output_tokens, 1)
+            prompt = mapper.prompt(tr)
+            req = Request(
+                request_id=tr.request_id,
+                group_id=tr.request_id,
+                sample_index=0,
+                token_ids=prompt,
+                num_prompt_tokens=len(prompt),
+                params=SamplingParams(max_tokens=n_out, ignore_eos=True),
+                max_tokens=min(n_out, max(mml - len(prompt), 0)),
+            )
+            try:
+                sched.add_request(req)
+            except RequestRejected as e:
+                rejected[e.reason] += 1
+                continue
+            arrival_t[tr.request_id] = at
+        out = sched.schedule()
+        if out.is_empty:
+            if arrivals:
+                t = max(t, arrivals[0][0])
+                continue
+            if sched.waiting and not sched.running:  # cannot ever be admitted
+                r = sched.waiting[0]
+                sched.finish(r, "abort")
+                rejected["unschedulable"] += 1
+                continue
+            break
+        q = [s.num_tokens for s in out.scheduled]
+        c = [s.start for s in out.scheduled]
+        dt = cost.step_time(q, c)
+        t += dt
+        steps += 1
+        sampled: dict[str, list[int]] = {}
+        for s in out.scheduled:
+            if s.samples:
+                rid = s.request_id
+                toks = outputs.get(rid)
+                if toks is None:
+                    toks = outputs[rid] = mapper.output(by_id[rid])
+                sampled[rid] = [toks[min(s.request.num_output_tokens, len(toks) - 1)]]
+        _, done = sched.update(out, sampled)
+        for s in out.scheduled:
+            rid = s.request_id
+            if s.samples and rid not in first_tok:
+                first_tok[rid] = t
+                ttft.append(t - arrival_t[rid])
+        for r in done:
+            rid = r.request_id
+            n = r.num_output_tokens
+            out_tokens += n
+            prompt_tokens += r.num_prompt_tokens
+            finished += 1
+            if n > 1:
+                tpot.append((t - first_tok[rid]) / (n - 1))
+            outputs.pop(rid, None)
+            sched.release(r.group_id)
+        reserved, live = _reserved_live(kv, sched.running, bs)
+        if reserved:
+            util_w += dt * live / reserved
+            busy += dt
+        peak_usage = max(peak_usage, reserved)
+        peak_batch = max(peak_batch, len(q))
+        batch_sum += len(q)
+    makespan = max(t - t_first, 1e-12)
+    st = kv.stats
+    hit = st.prefix_hits_tokens / st.prefix_queries_tokens if st.prefix_queries_tokens else 0.0
+    return SimResult(
+        policy=cfg.policy,
+        block_size=cfg.block_size,
+        num_slots=slots,
+        requests=len(reqs),
+        finished=finished,
+        rejected=dict(rejected),
+        steps=steps,
+        makespan_s=makespan,
+        throughput_tok_s=out_tokens / makespan,
+        total_throughput_tok_s=(out_tokens + prompt_tokens) / makespan,
+        effective_kv_util_pct=100.0 * util_w / busy if busy else 0.0,
+        peak_kv_usage_pct=100.0 * peak_usage / slots,
+        peak_batch=peak_batch,
+        mean_batch=batch_sum / steps if steps else 0.0,
+        ttft_s=_pct(ttft),
+        tpot_s=_pct(tpot),
+        preemptions=sched.num_preemptions,
+        allocation_failures=st.allocation_failures,
+        prefix_hit_pct=100.0 * hit,
+        evictions=st.evictions,
+    )
+
+
+__all__ = ["POLICIES", "SimConfig", "SimResult", "build_setup", "simulate"]
