@@ -1,0 +1,242 @@
+"""Admission control by token budget: per-tenant token buckets and a KV-pressure budget.
+
+Everything here is plain Python, driven from the server's event loop (single thread);
+the clock is an argument (``now``, seconds, monotonic) so tests can drive it.
+
+* :class:`TokenBucket` — the classic token bucket (refill ``rate`` tokens/s up to
+  ``burst``); a request of cost C passes when the bucket holds at least C tokens.
+* :class:`TenantLimiter` — one bucket per tenant, created lazily from the config.
+* :class:`KVBudget` — reservations of KV blocks by admitted, unfinished requests;
+  ``projected_usage(extra)`` is the share of the pool they may hold at their maximum
+  length. Long-context requests that would push it over the high-water mark wait in a
+  bounded FIFO queue or are refused; short ones always pass this check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from kvpage.server.config import AdmissionConfig, TenantLimit
+
+__all__ = ["Decision", "KVBudget", "TenantLimiter", "TokenBucket"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Outcome of an admission check.
+
+    Attributes:
+        ok: admitted.
+        reason: machine-readable refusal reason (``"tenant_rate_limit"``,
+            ``"cost_exceeds_burst"``, ``"kv_pressure"``, ``"queue_full"``) or ``""``.
+        retry_after_s: whole seconds after which a retry may pass (None: never).
+        message: human-readable explanation ("name: expected X, got Y").
+    """
+
+    ok: bool
+    reason: str = ""
+    retry_after_s: int | None = None
+    message: str = ""
+
+
+class TokenBucket:
+    """A token bucket holding at most ``burst`` tokens, refilled at ``rate`` tokens/s.
+
+    Starts full. State: ``tokens`` (float) and the time of the last refill.
+    """
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        if rate <= 0 or burst <= 0:
+            raise ValueError(f"token bucket: expected rate > 0 and burst > 0, got {rate}, {burst}")
+        self.rate = float(rate)
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self._last = now
+
+    def _refill(self, now: float) -> None:
+        if now > self._last:
+            self.tokens = min(self.burst, self.tokens + (now - self._last) * self.rate)
+            self._last = now
+
+    def try_take(self, cost: float, now: float) -> Decision:
+        """Take ``cost`` tokens if available; otherwise change nothing but the refill.
+
+        Returns:
+            ``Decision(ok=True)`` or a refusal with ``retry_after_s`` = seconds until the
+            bucket holds ``cost`` tokens (``None`` when ``cost > burst``: never).
+        """
+        self._refill(now)
+        if cost > self.burst:
+            return Decision(
+                False,
+                "cost_exceeds_burst",
+                None,
+                f"request cost: expected at most the tenant burst of {self.burst:g} tokens, "
+                f"got {cost:g} (prompt tokens + n * max_tokens)",
+            )
+        if self.tokens >= cost:
+            self.tokens -= cost
+            return Decision(True)
+        wait = (cost - self.tokens) / self.rate
+        return Decision(
+            False,
+            "tenant_rate_limit",
+            max(1, math.ceil(wait)),
+            f"tenant token budget: expected {cost:g} tokens available, got {self.tokens:.0f} "
+            f"(refill {self.rate:g} tokens/s)",
+        )
+
+    def refund(self, cost: float, now: float) -> None:
+        """Give back ``cost`` tokens (a request admitted here was refused later)."""
+        self._refill(now)
+        self.tokens = min(self.burst, self.tokens + cost)
+
+
+class TenantLimiter:
+    """Per-tenant token buckets configured by :class:`AdmissionConfig`.
+
+    Tenants listed in ``config.tenants`` get their own limit; others get
+    ``config.default_limit``; with neither, a tenant is unlimited.
+    """
+
+    def __init__(self, config: AdmissionConfig) -> None:
+        self._config = config
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def _limit(self, tenant: str) -> TenantLimit | None:
+        return self._config.tenants.get(tenant, self._config.default_limit)
+
+    def try_take(self, tenant: str, cost: int, now: float) -> Decision:
+        """Charge ``cost`` tokens to ``tenant``'s bucket (see :meth:`TokenBucket.try_take`)."""
+        limit = self._limit(tenant)
+        if limit is None:
+            return Decision(True)
+        bucket = self._buckets.get(tenant)
+        if bucket is None:
+            bucket = self._buckets[tenant] = TokenBucket(limit.rate, limit.burst, now)
+        return bucket.try_take(cost, now)
+
+    def refund(self, tenant: str, cost: int, now: float) -> None:
+        """Refund ``cost`` tokens to ``tenant`` (no-op for unlimited tenants)."""
+        bucket = self._buckets.get(tenant)
+        if bucket is not None:
+            bucket.refund(cost, now)
+
+
+class KVBudget:
+    """Global admission budget tied to KV pressure.
+
+    Args:
+        num_blocks: usable blocks in the pool (the null block excluded).
+        block_size: tokens per block.
+        config: high-water mark, long-context threshold, queue policy.
+
+    State: ``reserved_blocks`` (sum of active reservations) and a FIFO of waiters.
+    All methods must be called from the event loop thread.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, config: AdmissionConfig) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"kv budget: expected num_blocks, block_size >= 1, got {num_blocks}, {block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.config = config
+        self.reserved_blocks = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def blocks_for(self, prompt_tokens: int, max_tokens: int, n: int) -> int:
+        """Upper bound of blocks a request may hold: ``n * ceil((prompt + max) / block_size)``."""
+        return n * -(-(prompt_tokens + max_tokens) // self.block_size)
+
+    def projected_usage(self, extra_blocks: int = 0) -> float:
+        """Share of the pool reserved if ``extra_blocks`` more were reserved."""
+        return (self.reserved_blocks + extra_blocks) / self.num_blocks
+
+    @property
+    def num_queued(self) -> int:
+        """Long-context requests waiting for KV budget."""
+        return sum(1 for w in self._waiters if not w.done())
+
+    def is_long(self, prompt_tokens: int) -> bool:
+        """Whether a prompt counts as long-context (``>= long_prompt_tokens``)."""
+        return prompt_tokens >= self.config.long_prompt_tokens
+
+    def _fits(self, blocks: int) -> bool:
+        # An empty server always admits (the engine itself refuses what can never fit).
+        return (
+            self.reserved_blocks == 0 or self.projected_usage(blocks) <= self.config.kv_high_water
+        )
+
+    async def acquire(self, prompt_tokens: int, blocks: int) -> Decision:
+        """Reserve ``blocks`` for a request, waiting or refusing under KV pressure.
+
+        Short requests reserve at once. A long request reserves at once if the projection
+        stays at or under the high-water mark (or nothing is reserved); otherwise it is
+        refused (``reject`` policy, full queue) or waits FIFO up to ``queue_timeout_s``.
+        A cancelled waiter reserves nothing.
+        """
+        cfg = self.config
+        if not self.is_long(prompt_tokens) or (not self._waiters and self._fits(blocks)):
+            self.reserved_blocks += blocks
+            return Decision(True)
+        refusal = Decision(
+            False,
+            "kv_pressure",
+            cfg.retry_after_s,
+            f"projected KV usage: expected at most {cfg.kv_high_water:.2f} for a long-context "
+            f"request, got {self.projected_usage(blocks):.2f}",
+        )
+        if cfg.kv_pressure_action == "reject" or cfg.queue_timeout_s <= 0:
+            return refusal
+        if self.num_queued >= cfg.max_queued:
+            return Decision(
+                False,
+                "queue_full",
+                cfg.retry_after_s,
+                f"long-context queue: expected fewer than {cfg.max_queued} waiting, "
+                f"got {self.num_queued}",
+            )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.queue_timeout_s
+        first = True
+        while True:
+            fut: asyncio.Future[None] = loop.create_future()
+            # FIFO: a woken waiter that still does not fit keeps its place at the head.
+            if first:
+                self._waiters.append(fut)
+            else:
+                self._waiters.appendleft(fut)
+            first = False
+            try:
+                await asyncio.wait_for(fut, timeout=max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return refusal
+            finally:
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+            if self._fits(blocks):
+                self.reserved_blocks += blocks
+                self._wake()  # the next waiter may fit too
+                return Decision(True)
+            if loop.time() >= deadline:
+                return refusal
+
+    def release(self, blocks: int) -> None:
+        """Return a reservation and wake the oldest waiter."""
+        self.reserved_blocks -= blocks
+        if self.reserved_blocks < 0:
+            raise AssertionError(
+                f"kv budget: reserved blocks went negative ({self.reserved_blocks})"
+            )
+        self._wake()
+
+    def _wake(self) -> None:
+        for w in self._waiters:
+            if not w.done():
+                w.set_result(None)
+                return

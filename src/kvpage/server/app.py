@@ -1,0 +1,295 @@
+"""FastAPI application: the OpenAI-compatible routes, /health and /metrics.
+
+``create_app(config, engine=..., sampling_params_cls=...)`` returns a FastAPI app whose
+lifespan starts the background engine loop and the degradation ticker and stops both on
+shutdown (aborting whatever is still running). ``build_engine(config)`` makes the real
+``kvpage.engine.LLMEngine`` from the config's engine section.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when
+``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every error is
+an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvpage.server import protocol as P
+from kvpage.server.config import ServerConfig
+from kvpage.server.service import APIError, ServingState, Usage
+
+__all__ = ["build_engine", "create_app"]
+
+logger = logging.getLogger("kvpage.server")
+
+
+def build_engine(config: ServerConfig) -> tuple[Any, Callable[..., Any]]:
+    """Build the real engine from ``config.engine``; return ``(engine, SamplingParams)``."""
+    from kvpage.engine import LLMEngine, SamplingParams
+
+    return LLMEngine.from_config(**config.engine.engine_kwargs()), SamplingParams
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(
+        P.error_body(e.message, type=e.type, param=e.param, code=e.code),
+        status_code=e.status,
+        headers=e.headers,
+    )
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    err = exc.errors()[0]
+    loc = ".".join(str(x) for x in err.get("loc", ()))
+    if err.get("type") == "json_invalid":
+        return f"body: expected valid JSON, got invalid JSON ({err.get('msg')})", None
+    got = err.get("input")
+    got_s = "missing" if err.get("type") == "missing" else f"{type(got).__name__} {got!r}"[:200]
+    msg = str(err.get("msg", "a valid value"))
+    msg = msg.removeprefix("Input should be ").removeprefix("Value error, ")
+    if err.get("type") == "missing":
+        msg = "a value (required field)"
+    return f"{loc or 'body'}: expected {msg}, got {got_s}", loc or None
+
+
+def _api_key(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        key = auth[7:].strip()
+        return key or None
+    return None
+
+
+def create_app(
+    config: ServerConfig,
+    engine: Any | None = None,
+    sampling_params_cls: Callable[..., Any] | None = None,
+) -> FastAPI:
+    """Create the server app.
+
+    Args:
+        config: server configuration (``config.engine`` is used only when ``engine`` is
+            None).
+        engine: an engine honouring the Engine contract; built with :func:`build_engine`
+            when None.
+        sampling_params_cls: the engine's ``SamplingParams``; required with ``engine``.
+
+    The serving state is available as ``app.state.serving`` (a :class:`ServingState`).
+    """
+    if engine is None:
+        engine, sampling_params_cls = build_engine(config)
+    if sampling_params_cls is None:
+        raise TypeError("sampling_params_cls: expected a SamplingParams class, got None")
+    state = ServingState(config, engine, sampling_params_cls)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop.start(asyncio.get_running_loop())
+        ticker = asyncio.create_task(_tick(state))
+        logger.info(
+            "kvpage serve: model %s, %d blocks x %d tokens, backend %s",
+            config.model_name,
+            engine.cache_spec.num_blocks,
+            engine.cache_spec.block_size,
+            getattr(engine, "backend_name", "?"),
+        )
+        try:
+            yield
+        finally:
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+            await asyncio.to_thread(state.loop.stop)
+
+    app = FastAPI(title="kvpage", lifespan=lifespan)
+    app.state.serving = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(
+            APIError(
+                exc.status_code, f"{request.url.path}: {exc.detail}", code=str(exc.status_code)
+            )
+        )
+
+    async def handle(request: Request, kind: str) -> Response:
+        endpoint = "chat" if kind == "chat" else "completions"
+        try:
+            resp = await _generate(state, request, kind)
+        except APIError as e:
+            state.metrics.rejected.labels(reason=e.reason).inc()
+            state.metrics.requests.labels(endpoint=endpoint, status=str(e.status)).inc()
+            return _error(e)
+        state.metrics.requests.labels(endpoint=endpoint, status=str(resp.status_code)).inc()
+        return resp
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, "chat")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "kvpage",
+                    "max_model_len": state.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = state.loop.running
+        return JSONResponse(
+            {
+                "status": "ok" if ok else "engine loop not running",
+                "degraded": state.degradation.degraded,
+            },
+            status_code=200 if ok else 503,
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.tick_gauges()
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _tick(state: ServingState) -> None:
+    interval = state.config.degradation.eval_interval_s
+    while True:  # ends when the lifespan cancels it
+        await asyncio.sleep(interval)
+        try:
+            state.tick()
+        except Exception:
+            logger.exception("kvpage serve: degradation tick failed")
+
+
+async def _generate(state: ServingState, request: Request, kind: str) -> Response:
+    raw = await request.body()
+    model_cls: type[P.CompletionRequest] | type[P.ChatCompletionRequest] = (
+        P.ChatCompletionRequest if kind == "chat" else P.CompletionRequest
+    )
+    try:
+        body = model_cls.model_validate_json(raw)
+    except ValidationError as exc:
+        msg, param = _validation_message(exc)
+        raise APIError(400, msg, param=param, reason="invalid_request") from None
+    req = state.prepare(kind, body, _api_key(request))
+    usage = Usage()
+    if not req.stream:
+        async with state.admitted(req):
+            texts = [""] * req.n
+            finishes: list[str | None] = [None] * req.n
+            gen = state.generate(req, usage)
+            async with contextlib.aclosing(gen):
+                async for d in _until_disconnect(gen, request):
+                    texts[d.index] += d.text
+                    finishes[d.index] = d.finish_reason or finishes[d.index]
+        choices = [P.choice(req, i, texts[i], finishes[i]) for i in range(req.n)]
+        return JSONResponse(P.completion_body(req, choices, usage.completion_tokens))
+
+    # Streaming: admission and the engine's accept/refuse happen before the 200 is sent,
+    # so refusals are plain 4xx; cleanup is tied to the response's life (see _Stream).
+    admission = state.admitted(req)
+    await admission.__aenter__()
+    gen = state.generate(req, usage)
+    try:
+        first: Any = await gen.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except BaseException as exc:
+        await gen.aclose()
+        await admission.__aexit__(type(exc), exc, exc.__traceback__)
+        raise
+
+    async def sse() -> AsyncIterator[str]:
+        started = [False] * req.n
+        pending = [first] if first is not None else []
+        while True:
+            for d in pending:
+                c = P.chunk(req, d.index, d.text, d.finish_reason, first=not started[d.index])
+                started[d.index] = True
+                yield "data: " + json.dumps(c) + "\n\n"
+            try:
+                pending = [await gen.__anext__()]
+            except StopAsyncIteration:
+                break
+            except APIError as e:
+                yield (
+                    "data: "
+                    + json.dumps(P.error_body(e.message, type=e.type, code=e.code))
+                    + "\n\n"
+                )
+                break
+        if req.include_usage:
+            yield "data: " + json.dumps(P.usage_chunk(req, usage.completion_tokens)) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def cleanup() -> None:
+        await gen.aclose()  # aborts the request if it is still running (client gone)
+        await admission.__aexit__(None, None, None)
+
+    return _Stream(sse(), cleanup)
+
+
+class _Stream(StreamingResponse):
+    """An SSE response that always runs ``cleanup`` when the response ends, however it
+    ends (completed, client disconnected before or during the stream, server stopping)."""
+
+    def __init__(self, content: AsyncIterator[str], cleanup: Callable[[], Any]) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._cleanup()
+
+
+async def _until_disconnect(gen: AsyncIterator[Any], request: Request) -> AsyncIterator[Any]:
+    """Iterate ``gen``; stop (closing it, which aborts the request) if the client leaves."""
+    it = gen.__aiter__()
+    while True:
+        nxt = asyncio.ensure_future(it.__anext__())
+        while True:
+            done, _ = await asyncio.wait({nxt}, timeout=0.25)
+            if done:
+                break
+            if await request.is_disconnected():
+                nxt.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await nxt
+                return
+        try:
+            yield nxt.result()
+        except StopAsyncIteration:
+            return

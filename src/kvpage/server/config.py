@@ -1,0 +1,175 @@
+"""Server configuration: one pydantic document that can be dumped, kept and restored.
+
+The whole effective configuration of ``kvpage serve`` (engine knobs, admission and
+degradation thresholds, bind address) is one :class:`ServerConfig`. ``kvpage serve
+--dump-config`` prints it as YAML; ``kvpage serve --config FILE`` (YAML or JSON) loads it
+back, so a known-good configuration can be kept in version control and restored to roll
+back a bad change. Command-line flags override values read from the file.
+
+This module imports only pydantic and pyyaml, so it is safe to import without the
+``server`` extra.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvpage.errors import SpecError
+
+__all__ = [
+    "AdmissionConfig",
+    "DegradationConfig",
+    "EngineConfig",
+    "ServerConfig",
+    "TenantLimit",
+    "dump_config",
+    "load_config",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EngineConfig(_Strict):
+    """Keyword arguments of ``LLMEngine.from_config`` (the ``LLM`` constructor's knobs).
+
+    Defaults are the engine's own (issue 4): block_size 16, max_num_seqs 256,
+    max_num_batched_tokens 2048, prefix caching on.
+    """
+
+    model: str = "stories260K"
+    block_size: int = Field(16, ge=1)
+    num_blocks: int | None = Field(None, ge=2)
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    backend: str = "auto"
+    dtype: str = "float32"
+    seed: int = 0
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Return the kwargs for ``LLMEngine.from_config`` (None values are dropped)."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class TenantLimit(_Strict):
+    """A token bucket: refills at ``rate`` tokens/s up to ``burst`` tokens."""
+
+    rate: float = Field(gt=0)
+    burst: float = Field(gt=0)
+
+
+class AdmissionConfig(_Strict):
+    """Admission by token budget.
+
+    A request costs ``prompt_tokens + n * max_tokens`` tokens (the OpenAI convention of
+    charging the maximum output up front). ``default_limit`` applies to every tenant not
+    listed in ``tenants``; ``None`` means unlimited. The tenant is the API key (Bearer
+    token) when one is sent, else the request's ``user`` field, else ``"anonymous"``.
+
+    KV pressure: the projected KV usage is the share of blocks that all admitted,
+    unfinished requests may hold at their maximum length (``n * ceil((prompt + max_tokens)
+    / block_size)`` blocks each, ignoring prefix sharing, so it is an upper bound). When
+    admitting a long-context request (``prompt_tokens >= long_prompt_tokens``) would push
+    it above ``kv_high_water``, the request waits in a bounded queue for up to
+    ``queue_timeout_s`` (``kv_pressure_action="queue"``) or is refused at once
+    (``"reject"``) with 429 and ``Retry-After: retry_after_s``. Short requests still flow.
+    """
+
+    default_limit: TenantLimit | None = None
+    tenants: dict[str, TenantLimit] = Field(default_factory=dict)
+    kv_high_water: float = Field(0.9, gt=0.0, le=1.0)
+    long_prompt_tokens: int = Field(128, ge=1)
+    kv_pressure_action: Literal["queue", "reject"] = "queue"
+    queue_timeout_s: float = Field(5.0, ge=0.0)
+    max_queued: int = Field(64, ge=0)
+    retry_after_s: int = Field(1, ge=1)
+
+
+class DegradationConfig(_Strict):
+    """Graceful degradation with hysteresis.
+
+    Every ``eval_interval_s`` the controller looks at the last ``window_s`` seconds: the
+    number of block allocation failures (engine counter delta) and the p99 TTFT of
+    requests that got their first token in the window. It enters the degraded state when
+    either reaches its ``enter_*`` threshold, and leaves it only when both are at or below
+    their (lower) ``exit_*`` thresholds and at least ``min_dwell_s`` have passed since the
+    last change (hysteresis: no flapping around one threshold). While degraded, new
+    requests get ``max_tokens`` capped at ``max_tokens_cap`` and long-context requests go
+    through a separate queue served ``long_context_concurrency`` at a time.
+    """
+
+    enabled: bool = True
+    eval_interval_s: float = Field(0.5, gt=0.0)
+    window_s: float = Field(10.0, gt=0.0)
+    enter_alloc_failures: int = Field(16, ge=1)
+    exit_alloc_failures: int = Field(0, ge=0)
+    enter_p99_ttft_s: float = Field(5.0, gt=0.0)
+    exit_p99_ttft_s: float = Field(2.0, ge=0.0)
+    min_dwell_s: float = Field(5.0, ge=0.0)
+    max_tokens_cap: int = Field(64, ge=1)
+    long_context_concurrency: int = Field(1, ge=1)
+
+
+class ServerConfig(_Strict):
+    """The complete configuration of ``kvpage serve``.
+
+    ``host`` defaults to loopback (127.0.0.1): exposing the server is a deliberate act.
+    ``served_model_name`` is the id ``/v1/models`` lists and requests must name; it
+    defaults to ``engine.model``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    served_model_name: str | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    degradation: DegradationConfig = Field(default_factory=DegradationConfig)
+
+    @property
+    def model_name(self) -> str:
+        """The model id clients must use."""
+        return self.served_model_name or self.engine.model
+
+
+def load_config(path: str | Path) -> ServerConfig:
+    """Read a :class:`ServerConfig` from a YAML or JSON file.
+
+    Args:
+        path: ``.json`` files are parsed as JSON, anything else as YAML.
+
+    Raises:
+        SpecError: the file is unreadable or does not validate (message names the field).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise SpecError(f"config: expected a readable YAML/JSON file, got {p} ({exc})") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError(f"config: expected a mapping at top level, got {type(data).__name__}")
+    try:
+        return ServerConfig.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(f"config: expected a valid ServerConfig in {p}, got {exc}") from exc
+
+
+def dump_config(config: ServerConfig, fmt: Literal["yaml", "json"] = "yaml") -> str:
+    """Serialise ``config`` completely (defaults included) so it can be restored exactly."""
+    data = config.model_dump(mode="json")
+    if fmt == "json":
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+    return str(yaml.safe_dump(data, sort_keys=True))

@@ -1,0 +1,157 @@
+"""Graceful degradation controller with hysteresis.
+
+Signals (over a sliding window of ``window_s`` seconds):
+
+* block allocation failures: the increase of the engine counter
+  ``kvpage:block_allocation_failures_total`` inside the window;
+* p99 TTFT of the requests whose first token arrived inside the window
+  (nearest-rank percentile).
+
+State machine: ``normal -> degraded`` when failures >= ``enter_alloc_failures`` or
+p99 TTFT >= ``enter_p99_ttft_s``; ``degraded -> normal`` only when failures <=
+``exit_alloc_failures`` and p99 TTFT <= ``exit_p99_ttft_s`` (or no TTFT samples) and at
+least ``min_dwell_s`` passed since the last change. Exit thresholds lower than the enter
+thresholds plus the dwell time are the hysteresis. Every change is logged and reported to
+an ``on_change`` callback (the server turns it into metrics).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpage.server.config import DegradationConfig
+
+__all__ = ["DegradationController", "DegradationSignals", "p99"]
+
+logger = logging.getLogger("kvpage.server.degradation")
+
+
+def p99(values: list[float]) -> float:
+    """Nearest-rank 99th percentile (``sorted(values)[ceil(0.99 n) - 1]``); 0.0 when empty."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[max(0, math.ceil(0.99 * len(s)) - 1)]
+
+
+@dataclass(frozen=True)
+class DegradationSignals:
+    """What the controller saw at its last evaluation."""
+
+    alloc_failures: float
+    p99_ttft_s: float
+    num_ttft_samples: int
+
+
+class DegradationController:
+    """Decides whether the server runs degraded.
+
+    Args:
+        config: thresholds and actions.
+        now: current monotonic time in seconds (the controller never reads a clock).
+        on_change: called as ``on_change(degraded, reason)`` after every state change.
+
+    Attributes:
+        degraded: current state.
+        transitions: number of state changes so far.
+        last_signals: the signals of the last :meth:`evaluate`.
+    """
+
+    def __init__(
+        self,
+        config: DegradationConfig,
+        now: float,
+        on_change: Callable[[bool, str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.degraded = False
+        self.transitions = 0
+        self._since = now
+        self._failures: deque[tuple[float, float]] = deque()  # (time, counter value)
+        self._ttfts: deque[tuple[float, float]] = deque()  # (time, ttft seconds)
+        self._on_change = on_change
+        self.last_signals = DegradationSignals(0.0, 0.0, 0)
+
+    def record_ttft(self, ttft_s: float, now: float) -> None:
+        """Record one request's TTFT (seconds) observed at ``now``."""
+        self._ttfts.append((now, ttft_s))
+
+    def record_alloc_failures_total(self, total: float, now: float) -> None:
+        """Record the engine's cumulative allocation failure counter at ``now``."""
+        self._failures.append((now, total))
+
+    def _trim(self, now: float) -> None:
+        horizon = now - self.config.window_s
+        while self._ttfts and self._ttfts[0][0] < horizon:
+            self._ttfts.popleft()
+        # Keep one sample at or before the horizon as the baseline of the window.
+        while len(self._failures) >= 2 and self._failures[1][0] <= horizon:
+            self._failures.popleft()
+
+    def signals(self, now: float) -> DegradationSignals:
+        """Compute the windowed signals at ``now`` (drops samples older than the window)."""
+        self._trim(now)
+        fails = self._failures[-1][1] - self._failures[0][1] if len(self._failures) >= 2 else 0.0
+        ttfts = [t for _, t in self._ttfts]
+        return DegradationSignals(max(0.0, fails), p99(ttfts), len(ttfts))
+
+    def evaluate(self, now: float) -> bool:
+        """Update the state from the signals at ``now``; return whether it changed."""
+        cfg = self.config
+        sig = self.last_signals = self.signals(now)
+        if not cfg.enabled:
+            return False
+        if not self.degraded:
+            reasons = []
+            if sig.alloc_failures >= cfg.enter_alloc_failures:
+                reasons.append(
+                    f"block allocation failures {sig.alloc_failures:g} >= "
+                    f"{cfg.enter_alloc_failures} in {cfg.window_s:g}s"
+                )
+            if sig.num_ttft_samples and sig.p99_ttft_s >= cfg.enter_p99_ttft_s:
+                reasons.append(f"p99 TTFT {sig.p99_ttft_s:.3f}s >= {cfg.enter_p99_ttft_s:g}s")
+            if reasons:
+                self._set(True, "; ".join(reasons), now)
+                return True
+            return False
+        calm = sig.alloc_failures <= cfg.exit_alloc_failures and (
+            sig.num_ttft_samples == 0 or sig.p99_ttft_s <= cfg.exit_p99_ttft_s
+        )
+        if calm and now - self._since >= cfg.min_dwell_s:
+            self._set(
+                False,
+                f"block allocation failures {sig.alloc_failures:g} <= {cfg.exit_alloc_failures}, "
+                f"p99 TTFT {sig.p99_ttft_s:.3f}s <= {cfg.exit_p99_ttft_s:g}s "
+                f"for {now - self._since:.1f}s",
+                now,
+            )
+            return True
+        return False
+
+    def _set(self, degraded: bool, reason: str, now: float) -> None:
+        self.degraded = degraded
+        self._since = now
+        self.transitions += 1
+        cfg = self.config
+        if degraded:
+            logger.warning(
+                "degradation: entering degraded mode (%s); max_tokens capped at %d, "
+                "long-context requests limited to %d at a time",
+                reason,
+                cfg.max_tokens_cap,
+                cfg.long_context_concurrency,
+            )
+        else:
+            logger.warning("degradation: back to normal mode (%s)", reason)
+        if self._on_change is not None:
+            self._on_change(degraded, reason)
+
+    def cap_max_tokens(self, max_tokens: int) -> int:
+        """``max_tokens`` for a new request under the current state."""
+        if self.degraded:
+            return min(max_tokens, self.config.max_tokens_cap)
+        return max_tokens

@@ -1,0 +1,268 @@
+"""The background engine loop: one thread owns the engine; HTTP handlers talk to it.
+
+The engine is not thread-safe, so exactly one thread (``kvpage-engine``) calls it.
+Handlers on the asyncio event loop send commands (add, abort, call) through a
+thread-safe queue; the engine thread applies all pending commands between steps, then
+runs ``engine.step()`` while any request is unfinished, and hands each
+``RequestOutput`` to the asyncio queue of its request with ``call_soon_threadsafe``.
+When idle it blocks on the command queue (with a timeout, so stopping is bounded).
+
+Aborts are fire-and-forget (:meth:`AsyncEngine.abort_nowait`) so that they can be sent
+from a cancelled task's ``finally`` (a client that disconnects mid-stream); the engine
+thread applies them before its next step, so the blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["AsyncEngine", "EngineFailure", "StepStats"]
+
+logger = logging.getLogger("kvpage.server.engine")
+
+
+class EngineFailure(RuntimeError):
+    """Delivered to a request's stream when an engine step raised."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One engine step as the loop saw it.
+
+    Attributes:
+        duration_s: wall time of ``engine.step()`` in seconds.
+        num_outputs: request outputs the step returned.
+        metrics: ``engine.get_metrics()`` right after the step.
+    """
+
+    duration_s: float
+    num_outputs: int
+    metrics: Mapping[str, float]
+
+
+@dataclass
+class _Command:
+    kind: str  # "add" | "abort" | "call"
+    request_id: str = ""
+    args: tuple[Any, ...] = ()
+    fn: Callable[[Any], Any] | None = None
+    future: concurrent.futures.Future[Any] | None = field(default=None)
+
+
+class AsyncEngine:
+    """Runs an ``LLMEngine`` in a background thread for asyncio handlers.
+
+    Args:
+        engine: an object with the Engine contract (``add_request``, ``abort_request``,
+            ``step``, ``has_unfinished_requests``, ``get_metrics``).
+        on_step: called on the engine thread after every step with a :class:`StepStats`
+            (keep it cheap and thread-safe).
+        idle_wait_s: how long the idle thread blocks waiting for a command before
+            re-checking the stop flag.
+
+    Attributes:
+        metrics_snapshot: the latest ``engine.get_metrics()`` (replaced atomically).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        on_step: Callable[[StepStats], None] | None = None,
+        idle_wait_s: float = 0.05,
+    ) -> None:
+        self.engine = engine
+        self._on_step = on_step
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[Any]] = {}  # touched on the event loop only
+        self._live: set[str] = set()  # touched on the engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.metrics_snapshot: Mapping[str, float] = dict(engine.get_metrics())
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the engine thread; outputs are delivered on ``loop``."""
+        if self._thread is not None:
+            raise RuntimeError("engine loop: expected a stopped loop, got a running one")
+        self._loop = loop
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="kvpage-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort every live request, stop the thread and wait for it (bounded)."""
+        if self._thread is None:
+            return
+        for rid in list(self._streams):
+            self.abort_nowait(rid)
+        self._stop.set()
+        self._commands.put(_Command("wake"))
+        self._thread.join(timeout_s)
+        self._thread = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---------------------------------------------------------------- handler API
+    async def add(self, request_id: str, prompt: Any, params: Any) -> asyncio.Queue[Any]:
+        """Add a request; return the queue its ``RequestOutput``s arrive on.
+
+        The queue receives each output the engine produces for the request (the last one
+        has ``finished=True``) or an :class:`EngineFailure`.
+
+        Raises:
+            RequestRejected: the engine refused the request (no state changed).
+            RuntimeError: the loop is not running.
+        """
+        if not self.running:
+            raise RuntimeError("engine loop: expected a running loop, got a stopped one")
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[request_id] = q
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put(_Command("add", request_id, (prompt, params), future=fut))
+        try:
+            await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            # Cancelled while the add was in flight: the add is either skipped or already
+            # applied; the abort queued behind it is a no-op in the first case.
+            self.abort_nowait(request_id)
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return q
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Ask the engine thread to abort ``request_id`` (no-op if it already finished).
+
+        Safe to call from anywhere, including a cancelled task; never blocks.
+        """
+        self._streams.pop(request_id, None)
+        self._commands.put(_Command("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort ``request_id`` and wait until the engine thread has freed its blocks."""
+        self._streams.pop(request_id, None)
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put(_Command("abort", request_id, future=fut))
+        await asyncio.wrap_future(fut)
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put(_Command("call", fn=fn, future=fut))
+        return await asyncio.wrap_future(fut)
+
+    # ---------------------------------------------------------------- engine thread
+    def _apply(self, cmd: _Command) -> None:
+        if cmd.future is not None and not cmd.future.set_running_or_notify_cancel():
+            return  # the caller gave up before the command ran: skip it
+        try:
+            if cmd.kind == "add":
+                self.engine.add_request(cmd.request_id, *cmd.args)
+                self._live.add(cmd.request_id)
+                result: Any = None
+            elif cmd.kind == "abort":
+                if cmd.request_id in self._live:
+                    self._live.discard(cmd.request_id)
+                    self.engine.abort_request(cmd.request_id)
+                result = None
+            elif cmd.kind == "call":
+                assert cmd.fn is not None
+                result = cmd.fn(self.engine)
+            else:
+                result = None
+        except BaseException as exc:  # delivered to the waiting handler
+            if cmd.future is not None:
+                cmd.future.set_exception(exc)
+            else:
+                logger.exception("engine loop: %s %s failed", cmd.kind, cmd.request_id)
+            return
+        if cmd.future is not None:
+            cmd.future.set_result(result)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = (
+                self._commands.get(timeout=self._idle_wait_s)
+                if block
+                else self._commands.get_nowait()
+            )
+        except queue.Empty:
+            return
+        self._apply(cmd)
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            self._apply(cmd)
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        # Runs on the event loop.
+        q = self._streams.get(request_id)
+        if q is not None:
+            q.put_nowait(item)
+            if isinstance(item, EngineFailure) or getattr(item, "finished", False):
+                self._streams.pop(request_id, None)
+
+    def _run(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        while not self._stop.is_set():
+            busy = self.engine.has_unfinished_requests()
+            self._drain(block=not busy)
+            if self._stop.is_set():
+                break
+            if not self.engine.has_unfinished_requests():
+                self.metrics_snapshot = dict(self.engine.get_metrics())
+                continue
+            t0 = time.perf_counter()
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                logger.exception("engine loop: step failed; failing all live requests")
+                for rid in list(self._live):
+                    try:
+                        self.engine.abort_request(rid)
+                    except Exception:
+                        logger.exception("engine loop: abort of %s failed", rid)
+                    loop.call_soon_threadsafe(self._deliver, rid, EngineFailure(str(exc)))
+                self._live.clear()
+                outputs = []
+                dt = time.perf_counter() - t0
+            else:
+                dt = time.perf_counter() - t0
+                for out in outputs:
+                    if out.finished:
+                        self._live.discard(out.request_id)
+                    loop.call_soon_threadsafe(self._deliver, out.request_id, out)
+            snap = dict(self.engine.get_metrics())
+            self.metrics_snapshot = snap
+            if self._on_step is not None:
+                try:
+                    self._on_step(StepStats(dt, len(outputs), snap))
+                except Exception:
+                    logger.exception("engine loop: on_step callback failed")
+        # Leaving: abort whatever is still live so the pool ends empty.
+        for rid in list(self._live):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                logger.exception("engine loop: abort of %s at shutdown failed", rid)
+        self._live.clear()
+        self._drain(block=False)
+        self.metrics_snapshot = dict(self.engine.get_metrics())

@@ -1,0 +1,183 @@
+"""Prometheus metrics of the server (``GET /metrics``).
+
+Each server owns its own ``CollectorRegistry`` (no process-global state), holding:
+
+* the engine's ``kvpage:*`` metrics (issue 4 names), read from the latest snapshot of
+  ``LLMEngine.get_metrics()``; names ending in ``_total`` are exported as counters, the
+  rest as gauges;
+* server histograms: TTFT, TPOT, end-to-end latency (seconds), prefill and decode
+  throughput per engine step (tokens/s);
+* gauges and counters: queue lengths, active sequences, prefix cache hit ratio, KV
+  memory utilization (actual and projected), cancellations, rejections by reason,
+  degradation state and transitions, max_tokens caps;
+* ``kvpage:cache_config`` info: block size, number of blocks, kv dtype, backend.
+
+Bucket bounds are chosen for a CPU-served tiny model up to large GPU deployments (1 ms to
+60 s); see docs/serving.md for what to alert on.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["ServerMetrics"]
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_THROUGHPUT_BUCKETS = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000)
+_NAME_OK = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+
+
+class _EngineCollector(Collector):
+    """Exports the latest engine metric snapshot under the engine's own names."""
+
+    def __init__(self, snapshot: Callable[[], Mapping[str, float]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        for name, value in sorted(self._snapshot().items()):
+            if not _NAME_OK.match(name):
+                continue
+            if name.endswith("_total"):
+                c = CounterMetricFamily(name[: -len("_total")], f"engine metric {name}")
+                c.add_metric([], float(value))
+                yield c
+            else:
+                g = GaugeMetricFamily(name, f"engine metric {name}")
+                g.add_metric([], float(value))
+                yield g
+
+
+class ServerMetrics:
+    """All metrics of one server, in a registry of their own.
+
+    Args:
+        engine_snapshot: returns the latest ``LLMEngine.get_metrics()`` dict (cheap; the
+            engine loop refreshes it after every step).
+    """
+
+    def __init__(self, engine_snapshot: Callable[[], Mapping[str, float]]) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        r.register(_EngineCollector(engine_snapshot))
+        self.ttft = Histogram(
+            "kvpage:time_to_first_token_seconds",
+            "Time from request arrival at the server to its first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "kvpage:time_per_output_token_seconds",
+            "Mean time between output tokens of a finished request (after the first)",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvpage:e2e_request_latency_seconds",
+            "Time from request arrival to its last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_tps = Histogram(
+            "kvpage:prefill_tokens_per_second",
+            "Prompt tokens computed per second of engine step time, per step with prefill",
+            buckets=_THROUGHPUT_BUCKETS,
+            registry=r,
+        )
+        self.decode_tps = Histogram(
+            "kvpage:decode_tokens_per_second",
+            "Tokens generated per second of engine step time, per step with generation",
+            buckets=_THROUGHPUT_BUCKETS,
+            registry=r,
+        )
+        self.queue_length = Gauge(
+            "kvpage:server_queue_length",
+            "Requests waiting: engine = scheduler waiting queue, kv_pressure = long-context "
+            "requests waiting for KV budget, long_context = degraded-mode long-context queue",
+            ["queue"],
+            registry=r,
+        )
+        self.active = Gauge(
+            "kvpage:server_active_sequences",
+            "Requests admitted by the server and not yet finished",
+            registry=r,
+        )
+        self.hit_ratio = Gauge(
+            "kvpage:prefix_cache_hit_ratio",
+            "Prefix cache hits / queries (tokens, cumulative); 0 before any query",
+            registry=r,
+        )
+        self.kv_util = Gauge(
+            "kvpage:kv_memory_utilization",
+            "Share of KV cache blocks in use (actual = engine; projected = reservations of "
+            "admitted requests at their maximum length)",
+            ["kind"],
+            registry=r,
+        )
+        self.cancellations = Counter(
+            "kvpage:request_cancellations",
+            "Requests aborted before finishing (client disconnect, server shutdown)",
+            ["cause"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvpage:server_requests_rejected",
+            "Requests refused by the server, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.requests = Counter(
+            "kvpage:server_requests",
+            "HTTP generation requests by endpoint and status code",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.degraded = Gauge(
+            "kvpage:degraded",
+            "1 while the server runs in degraded mode (max_tokens capped, long-context "
+            "requests queued separately), else 0",
+            registry=r,
+        )
+        self.degradation_transitions = Counter(
+            "kvpage:degradation_transitions",
+            "Changes of degradation state, by the state entered",
+            ["to"],
+            registry=r,
+        )
+        self.max_tokens_capped = Counter(
+            "kvpage:max_tokens_capped",
+            "Requests whose max_tokens was lowered by degraded mode",
+            registry=r,
+        )
+        self.step_failures = Counter(
+            "kvpage:engine_step_errors",
+            "Engine steps that raised (their requests were failed with 500)",
+            registry=r,
+        )
+        self.cache_config = Info(
+            "kvpage:cache_config",
+            "KV cache configuration: block size, number of blocks, kv dtype, backend",
+            registry=r,
+        )
+        for q in ("engine", "kv_pressure", "long_context"):
+            self.queue_length.labels(queue=q).set(0)
+        for k in ("actual", "projected"):
+            self.kv_util.labels(kind=k).set(0)
+        self.degraded.set(0)
+
+    def update_from_engine(self, snap: Mapping[str, float]) -> None:
+        """Refresh gauges derived from an engine snapshot."""
+        self.queue_length.labels(queue="engine").set(snap.get("kvpage:num_requests_waiting", 0.0))
+        self.kv_util.labels(kind="actual").set(snap.get("kvpage:kv_cache_usage_perc", 0.0))
+        q = snap.get("kvpage:prefix_cache_queries_total", 0.0)
+        h = snap.get("kvpage:prefix_cache_hits_total", 0.0)
+        self.hit_ratio.set(h / q if q > 0 else 0.0)
+
+    def set_degraded(self, degraded: bool) -> None:
+        """Record a degradation state change."""
+        self.degraded.set(1 if degraded else 0)
+        self.degradation_transitions.labels(to="degraded" if degraded else "normal").inc()

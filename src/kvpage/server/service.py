@@ -1,0 +1,475 @@
+"""The serving core: validation, admission, and turning engine outputs into responses.
+
+:class:`ServingState` is framework-free (no FastAPI import) apart from the types it is
+handed; ``kvpage.server.app`` wires it to HTTP routes. All methods run on the event loop.
+
+Request life: :meth:`ServingState.prepare` validates and tokenizes (400/404 on bad input,
+no state touched) -> :meth:`ServingState.admitted` charges the tenant bucket, reserves
+KV budget and, when degraded, takes a long-context slot (429 + Retry-After when refused;
+everything taken is given back on the way out) -> :meth:`ServingState.generate` adds the
+request to the engine and yields per-choice text deltas, applying stop strings; if the
+consumer goes away (client disconnect) the request is aborted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpage.errors import RequestRejected
+from kvpage.server.admission import Decision, KVBudget, TenantLimiter
+from kvpage.server.config import ServerConfig
+from kvpage.server.degradation import DegradationController
+from kvpage.server.engine_loop import AsyncEngine, EngineFailure, StepStats
+from kvpage.server.metrics import ServerMetrics
+from kvpage.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    new_request_id,
+    render_chat,
+)
+
+__all__ = ["APIError", "Delta", "ServingState", "Usage"]
+
+#: engine RequestRejected reasons answered with 429 (transient); all others get 400.
+_TRANSIENT_REASONS = frozenset({"queue_full", "too_many_requests", "overloaded"})
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body.
+
+    Attributes:
+        status: HTTP status code; type/code/param: the body's fields;
+        headers: extra response headers (``Retry-After``); reason: metric label.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        reason: str = "invalid_request",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+        self.reason = reason
+
+
+def _rate_limited(d: Decision) -> APIError:
+    headers = {"Retry-After": str(d.retry_after_s)} if d.retry_after_s is not None else {}
+    return APIError(
+        429, d.message, type="rate_limit_exceeded", code=d.reason, headers=headers, reason=d.reason
+    )
+
+
+@dataclass
+class Delta:
+    """New text for one choice. ``finish_reason`` is set on the choice's last delta."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+
+
+@dataclass
+class Usage:
+    """Token counts of one request, filled in by :meth:`ServingState.generate`."""
+
+    completion_tokens: int = 0
+
+
+@dataclass
+class _Choice:
+    text: str = ""  # text accepted so far (after stop-string truncation)
+    sent: int = 0  # characters of ``text`` already yielded
+    num_tokens: int = 0
+    finish: str | None = None
+
+
+class ServingState:
+    """Everything one server instance holds.
+
+    Args:
+        config: the server configuration.
+        engine: an engine with the Engine contract (``tokenizer``, ``cache_spec``,
+            ``backend_name`` and the request methods).
+        sampling_params_cls: ``SamplingParams`` class of that engine.
+        clock: monotonic clock in seconds (``time.monotonic``).
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        engine: Any,
+        sampling_params_cls: Callable[..., Any],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.params_cls = sampling_params_cls
+        self.clock = clock
+        spec = engine.cache_spec
+        sched = getattr(engine, "scheduler", None)
+        self.max_model_len = int(
+            getattr(sched, "max_model_len", None) or config.engine.max_model_len or 1 << 30
+        )
+        self.loop = AsyncEngine(engine, on_step=self._on_step)
+        self.metrics = ServerMetrics(lambda: self.loop.metrics_snapshot)
+        self.metrics.cache_config.info(
+            {
+                "block_size": str(spec.block_size),
+                "num_blocks": str(spec.num_blocks),
+                "kv_dtype": str(getattr(spec, "kv_dtype", "auto")),
+                "backend": str(getattr(engine, "backend_name", "unknown")),
+                "model": config.model_name,
+            }
+        )
+        self.limiter = TenantLimiter(config.admission)
+        self.kv_budget = KVBudget(max(1, spec.num_blocks - 1), spec.block_size, config.admission)
+        self.degradation = DegradationController(
+            config.degradation, clock(), on_change=lambda d, _r: self.metrics.set_degraded(d)
+        )
+        self.long_slots = asyncio.Semaphore(config.degradation.long_context_concurrency)
+        self.num_long_waiting = 0
+        self.num_active = 0
+        self._prev_snapshot: dict[str, float] = dict(self.loop.metrics_snapshot)
+
+    # ------------------------------------------------------------ engine thread hook
+    def _on_step(self, st: StepStats) -> None:
+        prev, cur = self._prev_snapshot, st.metrics
+        self._prev_snapshot = dict(cur)
+        if st.duration_s <= 0:
+            return
+        dp = cur.get("kvpage:prompt_tokens_total", 0.0) - prev.get(
+            "kvpage:prompt_tokens_total", 0.0
+        )
+        dg = cur.get("kvpage:generation_tokens_total", 0.0) - prev.get(
+            "kvpage:generation_tokens_total", 0.0
+        )
+        if dp > 0:
+            self.metrics.prefill_tps.observe(dp / st.duration_s)
+        if dg > 0:
+            self.metrics.decode_tps.observe(dg / st.duration_s)
+
+    # ------------------------------------------------------------ periodic control
+    def tick(self) -> None:
+        """Evaluate degradation and refresh gauges (called every ``eval_interval_s``)."""
+        now = self.clock()
+        snap = self.loop.metrics_snapshot
+        self.degradation.record_alloc_failures_total(
+            snap.get("kvpage:block_allocation_failures_total", 0.0), now
+        )
+        self.degradation.evaluate(now)
+        self.tick_gauges()
+
+    def tick_gauges(self) -> None:
+        """Refresh the gauges derived from the engine snapshot and the admission state."""
+        snap = self.loop.metrics_snapshot
+        m = self.metrics
+        m.update_from_engine(snap)
+        m.queue_length.labels(queue="kv_pressure").set(self.kv_budget.num_queued)
+        m.queue_length.labels(queue="long_context").set(self.num_long_waiting)
+        m.kv_util.labels(kind="projected").set(self.kv_budget.projected_usage())
+        m.active.set(self.num_active)
+
+    # ------------------------------------------------------------ validation
+    def prepare(
+        self, kind: str, body: CompletionRequest | ChatCompletionRequest, api_key: str | None
+    ) -> GenerationRequest:
+        """Validate a parsed request and tokenize its prompt.
+
+        Raises:
+            APIError: 404 unknown model, 400 anything else invalid. No state is touched.
+        """
+        bad = body.unsupported_fields()
+        if bad:
+            raise APIError(
+                400, f"{bad[0]}: expected unset, got a value (not supported)", param=bad[0]
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name) not in (None, 0.0):
+                raise APIError(
+                    400, f"{name}: expected 0 or unset, got a value (not supported)", param=name
+                )
+        if body.model != self.config.model_name:
+            raise APIError(
+                404,
+                f"model: expected {self.config.model_name!r}, got {body.model!r}",
+                code="model_not_found",
+                param="model",
+                reason="unknown_model",
+            )
+        if isinstance(body, ChatCompletionRequest):
+            ids = self.tokenizer.encode(render_chat(body.messages), bos=True)
+            max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
+        else:
+            ids = self._prompt_ids(body.prompt)
+            max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        n_prompt = len(ids)
+        if n_prompt >= self.max_model_len:
+            raise APIError(
+                400,
+                f"prompt: expected fewer than {self.max_model_len} tokens (max model length), "
+                f"got {n_prompt}",
+                code="context_length_exceeded",
+                param="prompt" if kind == "completion" else "messages",
+                reason="prompt_too_long",
+            )
+        if max_tokens is None:
+            max_tokens = self.max_model_len - n_prompt
+        if max_tokens < 1:
+            raise APIError(400, f"max_tokens: expected >= 1, got {max_tokens}", param="max_tokens")
+        if n_prompt + max_tokens > self.max_model_len:
+            raise APIError(
+                400,
+                f"max_tokens: expected prompt ({n_prompt}) + max_tokens <= {self.max_model_len} "
+                f"(max model length), got {n_prompt + max_tokens}",
+                code="context_length_exceeded",
+                param="max_tokens",
+                reason="prompt_too_long",
+            )
+        tenant = api_key or body.user or "anonymous"
+        return GenerationRequest(
+            kind=kind,  # type: ignore[arg-type]
+            request_id=new_request_id(kind),
+            model=self.config.model_name,
+            prompt_token_ids=ids,
+            max_tokens=max_tokens,
+            n=body.n,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed,
+            stop=body.stop_strings(),
+            ignore_eos=body.ignore_eos,
+            stream=body.stream,
+            include_usage=body.include_usage(),
+            tenant=tenant,
+        )
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(
+                    400,
+                    f"prompt: expected one prompt, got a batch of {len(prompt)}",
+                    param="prompt",
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, bos=True))
+        vocab = int(self.tokenizer.vocab_size)
+        if not prompt:
+            raise APIError(
+                400,
+                "prompt: expected at least one token id, got []",
+                param="prompt",
+                reason="empty_prompt",
+            )
+        for t in prompt:
+            if not 0 <= t < vocab:
+                raise APIError(
+                    400, f"prompt: expected token ids in [0, {vocab}), got {t}", param="prompt"
+                )
+        return list(prompt)
+
+    # ------------------------------------------------------------ admission
+    @contextlib.asynccontextmanager
+    async def admitted(self, req: GenerationRequest) -> AsyncIterator[None]:
+        """Admit ``req`` for the duration of the ``async with`` block.
+
+        Caps ``req.max_tokens`` when degraded, charges the tenant, reserves KV budget and
+        (degraded, long context) a long-context slot; gives back the reservation and slot
+        on exit, and refunds the tenant if the engine refuses the request.
+
+        Raises:
+            APIError: 429 with ``Retry-After`` when refused.
+        """
+        capped = self.degradation.cap_max_tokens(req.max_tokens)
+        if capped != req.max_tokens:
+            req.max_tokens = capped
+            self.metrics.max_tokens_capped.inc()
+        now = self.clock()
+        d = self.limiter.try_take(req.tenant, req.cost, now)
+        if not d.ok:
+            raise _rate_limited(d)
+        n_prompt = len(req.prompt_token_ids)
+        blocks = self.kv_budget.blocks_for(n_prompt, req.max_tokens, req.n)
+        try:
+            d = await self.kv_budget.acquire(n_prompt, blocks)
+        except BaseException:
+            self.limiter.refund(req.tenant, req.cost, self.clock())
+            raise
+        if not d.ok:
+            self.limiter.refund(req.tenant, req.cost, self.clock())
+            raise _rate_limited(d)
+        slot = False
+        try:
+            if self.degradation.degraded and self.kv_budget.is_long(n_prompt):
+                self.num_long_waiting += 1
+                try:
+                    await asyncio.wait_for(
+                        self.long_slots.acquire(), self.config.admission.queue_timeout_s
+                    )
+                    slot = True
+                except asyncio.TimeoutError:
+                    raise _rate_limited(
+                        Decision(
+                            False,
+                            "long_context_queue",
+                            self.config.admission.retry_after_s,
+                            "long-context queue (degraded mode): expected a free slot within "
+                            f"{self.config.admission.queue_timeout_s:g}s, got none",
+                        )
+                    ) from None
+                finally:
+                    self.num_long_waiting -= 1
+            self.num_active += 1
+            try:
+                yield
+            finally:
+                self.num_active -= 1
+        except APIError as e:
+            if e.status != 429 or e.reason == "long_context_queue" or e.code == "engine_rejected":
+                self.limiter.refund(req.tenant, req.cost, self.clock())
+            raise
+        finally:
+            if slot:
+                self.long_slots.release()
+            self.kv_budget.release(blocks)
+
+    # ------------------------------------------------------------ generation
+    async def generate(self, req: GenerationRequest, usage: Usage) -> AsyncGenerator[Delta, None]:
+        """Run ``req`` on the engine; yield text deltas per choice as tokens arrive.
+
+        ``usage.completion_tokens`` is updated as tokens arrive (summed over choices).
+
+        Stop strings are applied here (the text is cut before the stop string, which is
+        not returned, and the choice finishes with ``"stop"``); streamed text holds back
+        the last ``len(longest stop) - 1`` characters until they cannot start a stop string.
+        Closing the iterator early aborts the request in the engine at once.
+
+        Raises:
+            APIError: 400/429 when the engine refuses the request, 500 on engine failure.
+        """
+        arrival = self.clock()
+        params = self.params_cls(
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            n=req.n,
+            seed=req.seed,
+            ignore_eos=req.ignore_eos,
+            stop=req.stop or None,
+        )
+        try:
+            q = await self.loop.add(req.request_id, list(req.prompt_token_ids), params)
+        except RequestRejected as exc:
+            status = 429 if exc.reason in _TRANSIENT_REASONS else 400
+            raise APIError(
+                status,
+                str(exc),
+                type="rate_limit_exceeded" if status == 429 else "invalid_request_error",
+                code="engine_rejected",
+                reason=exc.reason,
+            ) from None
+        choices = [_Choice() for _ in range(req.n)]
+        hold = max((len(s) for s in req.stop), default=1) - 1
+        first_token_at: float | None = None
+        done = False
+        try:
+            while not done:
+                out = await q.get()
+                if isinstance(out, EngineFailure):
+                    done = True
+                    raise APIError(
+                        500,
+                        f"engine: step failed ({out})",
+                        type="server_error",
+                        reason="engine_error",
+                    )
+                done = bool(out.finished)
+                for comp in out.outputs:
+                    c = choices[comp.index]
+                    if c.finish is not None:
+                        continue
+                    usage.completion_tokens += len(comp.token_ids) - c.num_tokens
+                    c.num_tokens = len(comp.token_ids)
+                    # Finished outputs carry the engine's text (stop strings already cut);
+                    # running ones carry token ids only, so decode them here.
+                    full = (
+                        comp.text
+                        if comp.finish_reason is not None
+                        else self.tokenizer.decode(list(comp.token_ids))
+                    )
+                    if first_token_at is None and c.num_tokens > 0:
+                        first_token_at = self.clock()
+                        self.metrics.ttft.observe(first_token_at - arrival)
+                        self.degradation.record_ttft(first_token_at - arrival, first_token_at)
+                    cut = _find_stop(full, req.stop, c.text)
+                    if cut is not None:
+                        c.text, c.finish = full[:cut], "stop"
+                    else:
+                        c.text = full
+                        if comp.finish_reason is not None or out.finished:
+                            c.finish = comp.finish_reason or "length"
+                    end = len(c.text) if c.finish else _safe_end(c.text, hold)
+                    if end > c.sent or c.finish:
+                        yield Delta(comp.index, c.text[c.sent : end], c.finish)
+                        c.sent = max(c.sent, end)
+                if not done and all(c.finish is not None for c in choices):
+                    await self.loop.abort(req.request_id)  # every choice hit a stop string
+                    done = True
+        finally:
+            if not done:
+                self.loop.abort_nowait(req.request_id)
+                self.metrics.cancellations.labels(cause="client_disconnect").inc()
+            else:
+                self._finished(arrival, first_token_at, choices)
+        for c in choices:  # choices the engine ended without a final output (defensive)
+            if c.finish is None:
+                c.finish = "length"
+                yield Delta(choices.index(c), c.text[c.sent :], "length")
+
+    def _finished(self, arrival: float, first: float | None, choices: list[_Choice]) -> None:
+        now = self.clock()
+        self.metrics.e2e.observe(now - arrival)
+        longest = max((c.num_tokens for c in choices), default=0)
+        if first is not None and longest > 1:
+            self.metrics.tpot.observe((now - first) / (longest - 1))
+
+
+def _find_stop(full: str, stops: list[str], prev: str) -> int | None:
+    """Index where the earliest stop string starts in ``full`` (searching new text only)."""
+    if not stops:
+        return None
+    best: int | None = None
+    for s in stops:
+        k = full.find(s, max(0, len(prev) - len(s) + 1))
+        if k >= 0 and (best is None or k < best):
+            best = k
+    return best
+
+
+def _safe_end(text: str, hold: int) -> int:
+    """How much of ``text`` may be streamed: hold back ``hold`` chars and trailing U+FFFD."""
+    end = len(text) - hold
+    while end > 0 and text[end - 1] == "\ufffd":
+        end -= 1
+    return max(0, end)
