@@ -1,0 +1,36 @@
+"""Models that run on the paged KV cache: the bundled llama2.c ``stories260K``, Hugging
+Face Llama / Mistral / Qwen2 / Gemma-2 checkpoints, and their tokenizers.
+
+Entry point: ``load_model(name_or_path_or_hf_model, dtype="float32", device="cpu")``.
+"""
+
+from kvpage.models.config import SUPPORTED_MODEL_TYPES, ArchConfig, arch_from_hf
+from kvpage.models.llama2c import BUNDLED_MODEL, bundled_model_path, read_llama2c
+from kvpage.models.loader import load_model, to_transformers
+from kvpage.models.model import ModelRunnerModel
+from kvpage.models.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    IncrementalDecoder,
+    Llama2cTokenizer,
+    Tokenizer,
+    bundled_tokenizer_path,
+)
+
+__all__ = [
+    "BUNDLED_MODEL",
+    "SUPPORTED_MODEL_TYPES",
+    "ArchConfig",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "IncrementalDecoder",
+    "Llama2cTokenizer",
+    "ModelRunnerModel",
+    "Tokenizer",
+    "arch_from_hf",
+    "bundled_model_path",
+    "bundled_tokenizer_path",
+    "load_model",
+    "read_llama2c",
+    "to_transformers",
+]

@@ -1,0 +1,147 @@
+"""Architecture settings read from a Hugging Face ``config.json`` mapping.
+
+One ``ArchConfig`` covers the decoder families kvpage runs with its own model code:
+Llama (GQA), Mistral (sliding window), Qwen2 (q/k/v bias) and Gemma-2 (alternating
+sliding/global layers, soft caps, ``query_pre_attn_scalar``, ``(1 + w)`` RMSNorm,
+embedding scaled by ``sqrt(hidden_size)``, pre/post norms, tanh-approximated GELU).
+Each field's source is the corresponding HF modeling file (transformers 5.x).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpage.errors import SpecError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")
+#: activation name (HF ``ACT2FN`` key) -> our name
+ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu": "gelu",
+}
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """Normalised architecture of one decoder model.
+
+    Attributes:
+        model_type: ``llama`` | ``mistral`` | ``qwen2`` | ``gemma2``.
+        vocab_size, hidden_size, intermediate_size, num_layers: sizes.
+        num_q_heads, num_kv_heads, head_dim: attention shape (``head_dim`` defaults to
+            ``hidden_size // num_attention_heads``).
+        rms_norm_eps: RMSNorm epsilon.
+        rope_theta: RoPE base (``rope_parameters.rope_theta`` in transformers 5,
+            ``rope_theta`` before).
+        qkv_bias / o_bias / mlp_bias: which projections carry a bias (Qwen2: q, k, v
+            only; Llama: ``attention_bias`` for all four, ``mlp_bias``).
+        activation: ``silu`` | ``gelu_tanh`` | ``gelu`` (gate activation of the GLU MLP).
+        tie_word_embeddings: the classifier reuses the embedding matrix.
+        gemma_norm: RMSNorm multiplies by ``1 + w`` and computes in float32 (Gemma).
+        sandwich_norm: extra post-attention / pre- and post-feedforward norms (Gemma-2).
+        embed_scale: the embedding output is multiplied by this (Gemma: sqrt(hidden)).
+        final_logit_softcap: ``c * tanh(logits / c)`` on the logits, or None.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    activation: str
+    tie_word_embeddings: bool
+    gemma_norm: bool
+    sandwich_norm: bool
+    embed_scale: float | None
+    final_logit_softcap: float | None
+    max_position_embeddings: int
+
+
+def _req(cfg: Mapping[str, Any], key: str) -> Any:
+    if cfg.get(key) is None:
+        raise SpecError(f"config.{key}: expected a value, got nothing")
+    return cfg[key]
+
+
+def rope_theta_of(cfg: Mapping[str, Any]) -> float:
+    """RoPE base of an HF config; refuses scaled RoPE variants.
+
+    Raises:
+        SpecError: ``rope_scaling``/``rope_parameters`` ask for a rope type other than
+            ``default`` (linear, dynamic, yarn, llama3 ... are not implemented).
+    """
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    for src in (params, scaling):
+        if isinstance(src, Mapping):
+            kind = src.get("rope_type", src.get("type", "default"))
+            if kind not in (None, "default"):
+                raise SpecError(f"config.rope_scaling: expected rope_type 'default', got {kind!r}")
+    theta = params.get("rope_theta") if isinstance(params, Mapping) else None
+    if theta is None:
+        theta = cfg.get("rope_theta", 10000.0)
+    return float(theta)
+
+
+def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
+    """Read an HF ``config.json`` mapping.
+
+    Raises:
+        SpecError: unsupported ``model_type``, activation or rope type, or missing sizes.
+    """
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise SpecError(f"config.model_type: expected one of {SUPPORTED_MODEL_TYPES}, got {mt!r}")
+    hidden = int(_req(cfg, "hidden_size"))
+    heads = int(_req(cfg, "num_attention_heads"))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = cfg.get("head_dim") or hidden // heads
+    act_name = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if mt == "gemma2" and cfg.get("hidden_activation") is None:
+        act_name = "gelu_pytorch_tanh"  # HF Gemma2Config default
+    if act_name not in ACTIVATIONS:
+        raise SpecError(
+            f"config.hidden_act: expected one of {sorted(ACTIVATIONS)}, got {act_name!r}"
+        )
+    attn_bias = bool(cfg.get("attention_bias", False))
+    is_gemma = mt == "gemma2"
+    cap = cfg.get("final_logit_softcapping") if is_gemma else None
+    return ArchConfig(
+        model_type=mt,
+        vocab_size=int(_req(cfg, "vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(_req(cfg, "intermediate_size")),
+        num_layers=int(_req(cfg, "num_hidden_layers")),
+        num_q_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta_of(cfg),
+        qkv_bias=True if mt == "qwen2" else attn_bias,
+        o_bias=False if mt == "qwen2" else attn_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)) if mt == "llama" else False,
+        activation=ACTIVATIONS[act_name],
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma)),
+        gemma_norm=is_gemma,
+        sandwich_norm=is_gemma,
+        embed_scale=float(hidden) ** 0.5 if is_gemma else None,
+        final_logit_softcap=float(cap) if cap else None,
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+    )
+
+
+__all__ = ["ArchConfig", "SUPPORTED_MODEL_TYPES", "arch_from_hf", "rope_theta_of"]

@@ -1,0 +1,207 @@
+"""Building blocks of the decoder: RMSNorm, rotary embedding, GLU MLP and the paged
+attention layer. Parameter names equal Hugging Face's so a HF state dict loads as is.
+
+Sources: RMSNorm (Zhang & Sennrich, 2019; HF ``LlamaRMSNorm``, Gemma's ``1 + w``
+variant ``Gemma2RMSNorm``); RoPE (Su et al., 2021, "RoFormer"), in HF's rotate-half
+layout (dimension ``j`` pairs with ``j + head_dim/2``) with
+``inv_freq = 1 / theta ** (arange(0, head_dim, 2) / head_dim)``; SwiGLU / GeGLU MLP
+(Shazeer, 2020).
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpage.attention.metadata import AttentionMetadata, KVCache
+from kvpage.attention.protocol import AttentionBackend
+from kvpage.models.config import ArchConfig
+from kvpage.specs import AttentionSpec
+
+
+class RMSNorm(nn.Module):
+    """``y = x / sqrt(mean(x**2) + eps) * w`` (Llama) or ``* (1 + w)`` computed in
+    float32 (Gemma).
+
+    Args:
+        dim: hidden size.
+        eps: epsilon inside the square root.
+        gemma: use the Gemma ``1 + w`` form (weights initialised to 0 then).
+    """
+
+    def __init__(self, dim: int, eps: float, gemma: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.gemma = gemma
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[num_tokens, dim]``; returns the same shape and dtype."""
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Cos/sin tables of RoPE, grown on demand, float32 like HF.
+
+    Args:
+        head_dim: rotated dimensions per head (even).
+        theta: base.
+        max_positions: initial table length.
+    """
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int = 2048) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("cos_table", torch.empty(0), persistent=False)
+        self.register_buffer("sin_table", torch.empty(0), persistent=False)
+        self._build(max_positions)
+
+    def _build(self, n: int) -> None:
+        inv = cast(torch.Tensor, self.inv_freq)
+        pos = torch.arange(n, device=inv.device).float()
+        freqs = pos[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_table = emb.cos()
+        self.sin_table = emb.sin()
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: ``[num_tokens]`` int64 -> cos, sin ``[num_tokens, 1, head_dim]``."""
+        if positions.numel():
+            top = int(positions.max())
+            if top >= self.cos_table.shape[0]:
+                self._build(max(2 * self.cos_table.shape[0], top + 1))
+        cos = self.cos_table[positions].to(dtype)[:, None, :]
+        sin = self.sin_table[positions].to(dtype)[:, None, :]
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves: ``x * cos + rotate_half(x) * sin``; x ``[num_tokens, heads, head_dim]``."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class MLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        h, i, b = arch.hidden_size, arch.intermediate_size, arch.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+        self.activation = arch.activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate_proj(x)
+        if self.activation == "silu":
+            g = F.silu(g)
+        elif self.activation == "gelu_tanh":
+            g = F.gelu(g, approximate="tanh")
+        else:
+            g = F.gelu(g)
+        return self.down_proj(g * self.up_proj(x))
+
+
+class PagedAttention(nn.Module):
+    """Self-attention of one layer on the paged KV cache.
+
+    Args:
+        arch: the model architecture.
+        spec: this layer's AttentionSpec (scale, window, soft cap), from
+            ``CacheSpec.from_hf_config``.
+    """
+
+    def __init__(self, arch: ArchConfig, spec: AttentionSpec) -> None:
+        super().__init__()
+        h, d = arch.hidden_size, arch.head_dim
+        self.num_q_heads, self.num_kv_heads, self.head_dim = arch.num_q_heads, arch.num_kv_heads, d
+        self.q_proj = nn.Linear(h, arch.num_q_heads * d, bias=arch.qkv_bias)
+        self.k_proj = nn.Linear(h, arch.num_kv_heads * d, bias=arch.qkv_bias)
+        self.v_proj = nn.Linear(h, arch.num_kv_heads * d, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(arch.num_q_heads * d, h, bias=arch.o_bias)
+        self.spec = spec
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Project, rotate, write this step's K/V into ``cache`` and attend.
+
+        Args:
+            x: ``[num_tokens, hidden_size]`` normalised hidden states.
+            cos, sin: ``[num_tokens, 1, head_dim]`` RoPE tables at each token's position.
+            cache: the layer's cache; mutated at ``meta.slot_mapping``.
+            meta: the metadata of this layer's KV group (planned by the backend).
+            backend: the attention backend.
+
+        Returns:
+            ``[num_tokens, hidden_size]``.
+        """
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_q_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        backend.write_kv(k, v, cache, meta.slot_mapping)
+        if meta.is_pure_decode and meta.num_tokens == meta.num_seqs:
+            o = backend.decode(q, cache, meta, self.spec)
+        else:
+            o = backend.prefill(q, cache, meta, self.spec)
+        return self.o_proj(o.reshape(t, self.num_q_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention then MLP (Gemma-2 adds post norms)."""
+
+    def __init__(self, arch: ArchConfig, spec: AttentionSpec) -> None:
+        super().__init__()
+        eps, g = arch.rms_norm_eps, arch.gemma_norm
+        self.self_attn = PagedAttention(arch, spec)
+        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, eps, g)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, g)
+        self.sandwich = arch.sandwich_norm
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, g)
+            self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, g)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """x: ``[num_tokens, hidden_size]`` -> same; mutates ``cache`` (see PagedAttention)."""
+        a = self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, backend)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(a)
+            m = self.mlp(self.pre_feedforward_layernorm(x))
+            return x + self.post_feedforward_layernorm(m)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+__all__ = ["MLP", "DecoderLayer", "PagedAttention", "RMSNorm", "RotaryEmbedding", "apply_rope"]

@@ -1,0 +1,209 @@
+"""``load_model``: the bundled model, a llama2.c file, a Hugging Face folder or an
+in-memory ``transformers`` model, as a ``ModelRunnerModel``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpage.attention.metadata import MODEL_DTYPES
+from kvpage.errors import SpecError
+from kvpage.models.llama2c import BUNDLED_MODEL, bundled_model_path, read_llama2c
+from kvpage.models.model import ModelRunnerModel
+from kvpage.models.tokenizer import (
+    HFTokenizer,
+    Llama2cTokenizer,
+    Tokenizer,
+    bundled_tokenizer_path,
+)
+from kvpage.specs import ModelDType
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def load_model(
+    name_or_path_or_hf_model: Any = BUNDLED_MODEL,
+    *,
+    dtype: ModelDType = "float32",
+    device: str | torch.device = "cpu",
+    tokenizer: Tokenizer | Any | None = None,
+) -> ModelRunnerModel:
+    """Load a model to run on the paged KV cache.
+
+    Args:
+        name_or_path_or_hf_model: ``"stories260K"`` (bundled, with ``tok512.bin``); a
+            llama2.c ``.bin`` file (tokenizer: ``tokenizer.bin`` or ``tok<vocab>.bin``
+            beside it, else the bundled one when the vocabulary is 512); a folder with
+            ``config.json`` and ``*.safetensors`` (tokenizer from the folder via
+            ``AutoTokenizer`` when present); or an in-memory ``transformers``
+            ``PreTrainedModel`` (its weights are copied).
+        dtype: ``float32`` (default), ``float16`` or ``bfloat16``.
+        device: where the weights live.
+        tokenizer: override: a kvpage Tokenizer or a ``transformers`` tokenizer.
+            Without one, models that ship none get a ``ByteTokenizer``.
+
+    Returns:
+        The model in eval mode with gradients off.
+
+    Raises:
+        SpecError: unknown name, missing files, unsupported architecture or dtype,
+            weights that do not match the config.
+    """
+    if dtype not in MODEL_DTYPES:
+        raise SpecError(f"dtype: expected one of {sorted(MODEL_DTYPES)}, got {dtype!r}")
+    src = name_or_path_or_hf_model
+    tok = _as_tokenizer(tokenizer)
+    if hasattr(src, "state_dict") and hasattr(src, "config"):
+        cfg = _hf_config_dict(src.config)
+        sd = {k: v.detach() for k, v in src.state_dict().items()}
+        return _build(cfg, sd, tok, dtype, device)
+    if not isinstance(src, (str, Path)):
+        raise SpecError(
+            "model: expected 'stories260K', a path or a transformers model, got "
+            f"{type(src).__name__}"
+        )
+    if str(src) == BUNDLED_MODEL:
+        path = bundled_model_path()
+        cfg, sd = read_llama2c(path)
+        tok = tok or Llama2cTokenizer(bundled_tokenizer_path(), vocab_size=cfg["vocab_size"])
+        return _build(cfg, sd, tok, dtype, device)
+    path = Path(src)
+    if path.is_file() and path.suffix == ".bin":
+        cfg, sd = read_llama2c(path)
+        tok = tok or _llama2c_tokenizer_for(path, cfg["vocab_size"])
+        return _build(cfg, sd, tok, dtype, device)
+    if path.is_dir():
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise SpecError(f"model folder {str(path)!r}: expected a config.json, got none")
+        cfg = json.loads(cfg_path.read_text())
+        sd = _read_weights(path)
+        if tok is None and any((path / f).is_file() for f in _TOKENIZER_FILES):
+            tok = HFTokenizer.from_pretrained(
+                path, bos_id=cfg.get("bos_token_id"), eos_id=_first_id(cfg.get("eos_token_id"))
+            )
+        return _build(cfg, sd, tok, dtype, device)
+    raise SpecError(
+        f"model: expected {BUNDLED_MODEL!r}, a llama2.c .bin file or an HF model folder, "
+        f"got {str(src)!r}"
+    )
+
+
+def to_transformers(model: ModelRunnerModel) -> Any:
+    """The equivalent ``transformers`` ``*ForCausalLM`` (same weights, float32, eager
+    attention), e.g. to compare against HF ``generate``.
+
+    Raises:
+        SpecError: transformers is not installed.
+    """
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover
+        raise SpecError("to_transformers: expected transformers installed, got ImportError") from e
+    cfg = dict(model.config)
+    mt = cfg["model_type"]
+    names = {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "gemma2": "Gemma2ForCausalLM",
+    }
+    config_cls = transformers.AutoConfig.for_model(mt).__class__
+    keep = {k: v for k, v in cfg.items() if k not in ("model_type", "torch_dtype", "dtype")}
+    hf_cfg = config_cls(**keep)
+    hf_cfg._attn_implementation = "eager"
+    hf = getattr(transformers, names[mt])(hf_cfg)
+    missing, unexpected = hf.load_state_dict(
+        {k: v.float() for k, v in model.hf_state_dict().items()}, strict=False
+    )
+    if [m for m in missing if "rotary" not in m] or unexpected:
+        raise SpecError(f"to_transformers: expected matching weights, got {missing} {unexpected}")
+    return hf.eval()
+
+
+# ---- helpers -----------------------------------------------------------------------------
+def _build(
+    cfg: dict[str, Any],
+    sd: Mapping[str, torch.Tensor],
+    tok: Tokenizer | None,
+    dtype: ModelDType,
+    device: str | torch.device,
+) -> ModelRunnerModel:
+    model = ModelRunnerModel(cfg, tok, dtype=dtype)
+    weights = dict(sd)
+    if model.lm_head is None:
+        weights.pop("lm_head.weight", None)
+    weights = {k: v for k, v in weights.items() if "rotary_emb" not in k}
+    own = model.state_dict()
+    missing = sorted(k for k in own if k not in weights and not k.startswith("rotary."))
+    unexpected = sorted(k for k in weights if k not in own)
+    if missing or unexpected:
+        raise SpecError(
+            f"weights: expected the keys of a {cfg.get('model_type')} model, got "
+            f"missing={missing[:5]} unexpected={unexpected[:5]}"
+        )
+    for k, v in weights.items():
+        if tuple(v.shape) != tuple(own[k].shape):
+            raise SpecError(
+                f"weights[{k}]: expected shape {tuple(own[k].shape)}, got {tuple(v.shape)}"
+            )
+    model.load_state_dict(weights, strict=False)
+    target = MODEL_DTYPES[dtype]
+    for p in model.parameters():
+        p.data = p.data.to(device=device, dtype=target)
+    model.rotary.to(device)
+    return model.eval()
+
+
+def _as_tokenizer(tok: Any) -> Tokenizer | None:
+    if tok is None or hasattr(tok, "incremental_decoder"):
+        return tok
+    if hasattr(tok, "encode") and hasattr(tok, "decode"):
+        return HFTokenizer(tok)
+    raise SpecError(f"tokenizer: expected a tokenizer, got {type(tok).__name__}")
+
+
+def _first_id(x: Any) -> int | None:
+    if isinstance(x, (list, tuple)):
+        return int(x[0]) if x else None
+    return None if x is None else int(x)
+
+
+def _hf_config_dict(config: Any) -> dict[str, Any]:
+    d = dict(config.to_dict())
+    for k in ("head_dim", "layer_types", "sliding_window", "rope_parameters"):
+        if getattr(config, k, None) is not None:
+            d[k] = getattr(config, k)
+    return d
+
+
+def _llama2c_tokenizer_for(path: Path, vocab_size: int) -> Tokenizer | None:
+    for cand in (path.parent / "tokenizer.bin", path.parent / f"tok{vocab_size}.bin"):
+        if cand.is_file():
+            return Llama2cTokenizer(cand, vocab_size=vocab_size)
+    if vocab_size == 512:
+        return Llama2cTokenizer(bundled_tokenizer_path(), vocab_size=512)
+    return None
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        sd: dict[str, torch.Tensor] = {}
+        for f in files:
+            sd.update(load_file(str(f)))
+        return sd
+    pt = folder / "pytorch_model.bin"
+    if pt.is_file():
+        loaded = torch.load(pt, map_location="cpu", weights_only=True)
+        return dict(loaded)
+    raise SpecError(f"model folder {str(folder)!r}: expected *.safetensors, got none")
+
+
+__all__ = ["load_model", "to_transformers"]

@@ -1,0 +1,194 @@
+"""``ModelRunnerModel``: a decoder-only transformer that runs on the paged KV cache.
+
+The model is kvpage's own PyTorch code (no HF modeling code at run time); its
+parameter names equal Hugging Face ``*ForCausalLM`` state-dict keys, so weights of
+Llama, Mistral, Qwen2 and Gemma-2 checkpoints load unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvpage.attention.metadata import MODEL_DTYPES, AttentionMetadata, KVCache
+from kvpage.attention.protocol import AttentionBackend
+from kvpage.errors import ShapeError, SpecError
+from kvpage.models.config import ArchConfig, arch_from_hf
+from kvpage.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from kvpage.models.tokenizer import ByteTokenizer, Tokenizer
+from kvpage.specs import CacheSpec, KVCacheDType, ModelDType, ScaleGranularity
+
+
+class _Backbone(nn.Module):
+    def __init__(self, arch: ArchConfig, spec: CacheSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(arch, spec.layers[i]) for i in range(arch.num_layers)]
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norm)
+
+
+class ModelRunnerModel(nn.Module):
+    """A causal LM (Llama / Mistral / Qwen2 / Gemma-2 family) on the paged KV cache.
+
+    Args:
+        config: HF ``config.json`` fields (``model_type`` in llama, mistral, qwen2, gemma2).
+        tokenizer: the model's tokenizer; default a ``ByteTokenizer`` over the vocabulary.
+        dtype: parameter/activation dtype name (float32, float16, bfloat16).
+
+    Attributes:
+        config: the HF-style config dict.
+        arch: the normalised ``ArchConfig``.
+        tokenizer: ``encode``/``decode``/``bos_id``/``eos_id``/``vocab_size``.
+        layer_groups: ``[num_layers]`` index of each layer's KV group in
+            ``cache_spec(...).kv_groups`` (the metadata ``forward`` uses for that layer).
+        dtype_name: the model dtype's name.
+
+    Parameters start uninitialised-to-defaults; loaders fill them with ``load_state_dict``.
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        tokenizer: Tokenizer | None = None,
+        dtype: ModelDType = "float32",
+    ) -> None:
+        super().__init__()
+        if dtype not in MODEL_DTYPES:
+            raise SpecError(f"dtype: expected one of {sorted(MODEL_DTYPES)}, got {dtype!r}")
+        self.config = dict(config)
+        self.arch = arch_from_hf(self.config)
+        self.dtype_name: ModelDType = dtype
+        spec = self.cache_spec(block_size=16, num_blocks=0)
+        self.layer_groups = [0] * spec.num_layers
+        for g in spec.kv_groups:
+            for lid in g.layer_ids:
+                self.layer_groups[lid] = g.group_id
+        self.num_kv_groups = len(spec.kv_groups)
+        self.model = _Backbone(self.arch, spec)
+        self.rotary = RotaryEmbedding(
+            self.arch.head_dim, self.arch.rope_theta, min(self.arch.max_position_embeddings, 8192)
+        )
+        self.lm_head: nn.Linear | None = None
+        if not self.arch.tie_word_embeddings:
+            self.lm_head = nn.Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
+        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer(
+            self.arch.vocab_size,
+            self.config.get("bos_token_id"),
+            _first(self.config.get("eos_token_id")),
+        )
+        self.requires_grad_(False)
+
+    # ---- specs --------------------------------------------------------------------------
+    def cache_spec(
+        self,
+        block_size: int = 16,
+        num_blocks: int = 0,
+        kv_dtype: KVCacheDType = "auto",
+        kv_scale_granularity: ScaleGranularity = "per_tensor",
+    ) -> CacheSpec:
+        """``CacheSpec.from_hf_config(self.config, ...)`` with this model's dtype.
+
+        Raises:
+            SpecError: invalid sizes.
+        """
+        return CacheSpec.from_hf_config(
+            self.config,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_dtype=kv_dtype,
+            dtype=self.dtype_name,
+            kv_scale_granularity=kv_scale_granularity,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.arch.num_layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under HF ``*ForCausalLM`` names (``lm_head.weight`` included even when
+        tied), for building the equivalent ``transformers`` model."""
+        sd = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
+        if self.lm_head is None:
+            sd["lm_head.weight"] = self.model.embed_tokens.weight
+        return sd
+
+    # ---- forward ------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta_per_group: list[AttentionMetadata],
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """One step over a packed batch of new tokens.
+
+        Args:
+            input_ids: ``[num_tokens]`` int64 token ids, sequences packed as in the metadata.
+            positions: ``[num_tokens]`` int64 absolute position of each token.
+            kv_caches: one KVCache per layer; mutated: this step's K/V are written at the
+                slot mapping of the layer's group.
+            meta_per_group: one AttentionMetadata per KV group (``layer_groups``), already
+                passed through ``backend.plan``.
+            backend: the attention backend (``write_kv`` then ``decode``/``prefill``).
+            logits_indices: ``[num_seqs]`` int64 rows (of the ``num_tokens``) to compute
+                logits for (usually each sequence's last new token).
+
+        Returns:
+            ``[num_seqs, vocab_size]`` logits in float32 (the Gemma-2 final soft cap
+            applied).
+
+        Raises:
+            ShapeError: list lengths or token counts disagree.
+        """
+        n = input_ids.shape[0]
+        if positions.shape[0] != n:
+            raise ShapeError(f"positions: expected {n} entries, got {positions.shape[0]}")
+        if len(kv_caches) != self.arch.num_layers:
+            raise ShapeError(f"kv_caches: expected {self.arch.num_layers}, got {len(kv_caches)}")
+        if len(meta_per_group) != self.num_kv_groups:
+            raise ShapeError(
+                f"meta_per_group: expected {self.num_kv_groups} (one per KV group), "
+                f"got {len(meta_per_group)}"
+            )
+        x = self.model.embed_tokens(input_ids)
+        if self.arch.embed_scale is not None:
+            x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
+        for lid, layer in enumerate(self.model.layers):
+            meta = meta_per_group[self.layer_groups[lid]]
+            x = layer(x, cos, sin, kv_caches[lid], meta, backend)
+        x = self.model.norm(x[logits_indices])
+        w = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        logits = torch.nn.functional.linear(x, w).float()
+        cap = self.arch.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def _first(x: Any) -> int | None:
+    if isinstance(x, (list, tuple)):
+        return int(x[0]) if x else None
+    return None if x is None else int(x)
+
+
+__all__ = ["ModelRunnerModel"]

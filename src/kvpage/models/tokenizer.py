@@ -1,0 +1,345 @@
+"""Tokenizers behind one small interface: llama2.c's ``tokenizer.bin`` format and an
+adapter for Hugging Face tokenizers.
+
+Every tokenizer has ``encode(text, bos=True) -> list[int]``, ``decode(ids) -> str``,
+``bos_id``, ``eos_id``, ``stop_token_ids`` and ``vocab_size``, plus
+``incremental_decoder(prefix_ids)`` for streaming output that never splits a UTF-8
+character.
+
+llama2.c format (Karpathy, ``llama2.c/tokenizer.py`` ``export`` and ``run.c``): an int32
+``max_token_length``, then per token a float32 score, an int32 byte length and the raw
+bytes. Id 0 is ``<unk>``, 1 BOS, 2 EOS, ids 3..258 the byte-fallback tokens
+``<0x00>``..``<0xFF>`` (id = byte + 3), the rest BPE merges with SentencePiece's ``▁``
+already turned into a space.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Iterable, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from kvpage.errors import SpecError
+
+_BYTE_PIECE = re.compile(rb"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the engine needs from a tokenizer.
+
+    Attributes:
+        bos_id: id prepended by ``encode(..., bos=True)``; None if the vocabulary has none.
+        eos_id: the end-of-sequence id; None if none.
+        stop_token_ids: ids that end generation by default (includes ``eos_id``).
+        vocab_size: number of ids.
+    """
+
+    bos_id: int | None
+    eos_id: int | None
+    stop_token_ids: tuple[int, ...]
+    vocab_size: int
+
+    def encode(self, text: str, bos: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def incremental_decoder(self, prefix_ids: Sequence[int] = ()) -> IncrementalDecoder: ...
+
+
+class IncrementalDecoder:
+    """Streaming decode: feed ids one at a time, get only text that is final.
+
+    Text is produced by decoding ``prefix_ids + ids`` and subtracting the text of
+    ``prefix_ids``; a trailing U+FFFD (an incomplete UTF-8 sequence) is held back until
+    the next id completes it, or until ``flush``.
+
+    Args:
+        tokenizer: anything with ``decode_bytes``-free ``decode(ids) -> str``.
+        prefix_ids: ids already shown (e.g. the prompt); they give context (leading
+            space after BOS, byte pieces) but their text is not emitted.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prefix_ids: Sequence[int] = ()) -> None:
+        self._tok = tokenizer
+        self._ids = list(prefix_ids)
+        self._emitted = len(tokenizer.decode(self._ids))
+
+    def step(self, token_id: int) -> str:
+        """Append one id; return the newly final text (maybe ``""``)."""
+        self._ids.append(int(token_id))
+        text = self._tok.decode(self._ids)
+        end = len(text)
+        while end > self._emitted and text[end - 1] == "\ufffd":
+            end -= 1
+        if end <= self._emitted:
+            return ""
+        out = text[self._emitted : end]
+        self._emitted = end
+        return out
+
+    def flush(self) -> str:
+        """Return whatever is held back (replacement characters included)."""
+        text = self._tok.decode(self._ids)
+        out = text[self._emitted :]
+        self._emitted = len(text)
+        return out
+
+
+class Llama2cTokenizer:
+    """The llama2.c BPE tokenizer (``tokenizer.bin`` format), pure Python.
+
+    Encoding follows ``run.c``'s ``encode``: a leading space is put before non-empty text
+    (SentencePiece's dummy prefix), each UTF-8 character is looked up as a piece, bytes
+    of characters that are not pieces become byte tokens (id = byte + 3), then the
+    adjacent pair whose concatenation is a piece with the highest score is merged
+    (leftmost on ties) until nothing merges. Control and byte-fallback pieces (ids
+    0..258) are never produced by lookup. Decoding follows ``run.c``'s ``decode``: the
+    first piece after BOS loses its leading space, ``<0xHH>`` pieces become raw bytes,
+    BOS/EOS/UNK produce no text.
+
+    Stopping: llama2.c's ``generate`` stops when the model emits BOS (id 1) — the
+    TinyStories models end a story with BOS, not EOS — so ``stop_token_ids`` is
+    ``(eos_id, bos_id)`` = ``(2, 1)``.
+
+    Args:
+        path: a ``tokenizer.bin`` file.
+        vocab_size: number of records to read (the file does not store it; llama2.c takes
+            it from the model header). Default: read records until the file ends.
+
+    Raises:
+        SpecError: the file is truncated or has fewer than 259 records.
+    """
+
+    unk_id = 0
+    bos_id: int | None = 1
+    eos_id: int | None = 2
+    num_byte_tokens = 256
+    byte_offset = 3
+
+    def __init__(self, path: str | Path, vocab_size: int | None = None) -> None:
+        raw = Path(path).read_bytes()
+        if len(raw) < 4:
+            raise SpecError(f"tokenizer {path}: expected >= 4 bytes, got {len(raw)}")
+        (self.max_token_length,) = struct.unpack_from("<i", raw, 0)
+        pieces: list[bytes] = []
+        scores: list[float] = []
+        off = 4
+        while off < len(raw) and (vocab_size is None or len(pieces) < vocab_size):
+            if off + 8 > len(raw):
+                raise SpecError(f"tokenizer {path}: expected a record at byte {off}, got EOF")
+            score, n = struct.unpack_from("<fi", raw, off)
+            off += 8
+            if n < 0 or off + n > len(raw):
+                raise SpecError(f"tokenizer {path}: expected {n} piece bytes at {off}, got EOF")
+            pieces.append(raw[off : off + n])
+            scores.append(score)
+            off += n
+        if vocab_size is not None and len(pieces) != vocab_size:
+            raise SpecError(f"tokenizer {path}: expected {vocab_size} records, got {len(pieces)}")
+        first = self.byte_offset + self.num_byte_tokens
+        if len(pieces) < first:
+            raise SpecError(f"tokenizer {path}: expected >= {first} records, got {len(pieces)}")
+        self.pieces = pieces
+        self.scores = scores
+        self.vocab_size = len(pieces)
+        self.stop_token_ids: tuple[int, ...] = (2, 1)
+        # lookup of mergeable pieces only (never control or byte-fallback ids)
+        self._lookup: dict[bytes, int] = {}
+        for i in range(first, len(pieces)):
+            self._lookup.setdefault(pieces[i], i)
+        self._piece_bytes = [self._bytes_of(i) for i in range(len(pieces))]
+
+    def _bytes_of(self, i: int) -> bytes:
+        if i in (self.unk_id, self.bos_id, self.eos_id):
+            return b""
+        m = _BYTE_PIECE.match(self.pieces[i])
+        if m and self.byte_offset <= i < self.byte_offset + self.num_byte_tokens:
+            return bytes([int(m.group(1), 16)])
+        return self.pieces[i]
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        """Token ids of ``text``.
+
+        Args:
+            text: any Python string (encoded as UTF-8).
+            bos: prepend BOS (id 1).
+            eos: append EOS (id 2).
+
+        Returns:
+            The ids, each in ``[0, vocab_size)``.
+        """
+        if not isinstance(text, str):
+            raise SpecError(f"text: expected str, got {type(text).__name__}")
+        ids: list[int] = []
+        if text:
+            for ch in " " + text:
+                b = ch.encode("utf-8", errors="surrogatepass")
+                tid = self._lookup.get(b)
+                if tid is not None:
+                    ids.append(tid)
+                else:
+                    ids.extend(x + self.byte_offset for x in b)
+        ids = self._merge(ids)
+        if bos:
+            ids.insert(0, 1)
+        if eos:
+            ids.append(2)
+        return ids
+
+    def _merge(self, ids: list[int]) -> list[int]:
+        pieces = self.pieces
+        while len(ids) > 1:
+            best_score = float("-inf")
+            best_i = -1
+            best_id = -1
+            for i in range(len(ids) - 1):
+                tid = self._lookup.get(pieces[ids[i]] + pieces[ids[i + 1]])
+                if tid is not None and self.scores[tid] > best_score:
+                    best_score, best_i, best_id = self.scores[tid], i, tid
+            if best_i < 0:
+                break
+            ids[best_i : best_i + 2] = [best_id]
+        return ids
+
+    def decode_bytes(self, ids: Iterable[int], prev_id: int | None = None) -> bytes:
+        """Raw bytes of ``ids`` (see class doc); ``prev_id`` is the id before them."""
+        out = bytearray()
+        prev = prev_id
+        for raw_id in ids:
+            i = int(raw_id)
+            if not 0 <= i < self.vocab_size:
+                raise SpecError(f"token id: expected 0 <= id < {self.vocab_size}, got {i}")
+            piece = self._piece_bytes[i]
+            if prev == self.bos_id and piece.startswith(b" "):
+                piece = piece[1:]
+            out += piece
+            prev = i
+        return bytes(out)
+
+    def decode(self, ids: Sequence[int], prev_id: int | None = None) -> str:
+        """Text of ``ids`` (invalid UTF-8 becomes U+FFFD).
+
+        Args:
+            ids: token ids.
+            prev_id: the id just before ``ids`` (e.g. the last prompt id) — a leading
+                space is dropped when it is BOS, as in llama2.c.
+
+        Raises:
+            SpecError: an id is outside the vocabulary.
+        """
+        return self.decode_bytes(ids, prev_id).decode("utf-8", errors="replace")
+
+    def id_to_piece(self, token_id: int) -> str:
+        """The stored piece text of one id (e.g. ``"<0x0A>"``, ``" the"``)."""
+        return self.pieces[token_id].decode("utf-8", errors="replace")
+
+    def incremental_decoder(self, prefix_ids: Sequence[int] = ()) -> IncrementalDecoder:
+        """A streaming decoder that starts after ``prefix_ids`` (see IncrementalDecoder)."""
+        return IncrementalDecoder(self, prefix_ids)
+
+
+def bundled_tokenizer_path() -> Path:
+    """Path of the bundled ``tok512.bin`` (works from a wheel via importlib.resources)."""
+    return Path(str(resources.files("kvpage.models") / "data" / "tok512.bin"))
+
+
+class HFTokenizer:
+    """Adapter giving a ``transformers`` tokenizer the kvpage interface.
+
+    Args:
+        tokenizer: a ``PreTrainedTokenizerBase`` (e.g. from ``AutoTokenizer``).
+        eos_id / bos_id: override the tokenizer's special ids (e.g. from config.json).
+    """
+
+    def __init__(
+        self, tokenizer: Any, *, bos_id: int | None = None, eos_id: int | None = None
+    ) -> None:
+        self.hf = tokenizer
+        self.bos_id = bos_id if bos_id is not None else tokenizer.bos_token_id
+        self.eos_id = eos_id if eos_id is not None else tokenizer.eos_token_id
+        self.vocab_size = len(tokenizer)
+        self.stop_token_ids: tuple[int, ...] = () if self.eos_id is None else (int(self.eos_id),)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> HFTokenizer:
+        """Load with ``transformers.AutoTokenizer.from_pretrained(path)`` (local only).
+
+        Raises:
+            SpecError: transformers is missing or the folder has no tokenizer.
+        """
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:  # pragma: no cover - transformers is an extra
+            raise SpecError("tokenizer: expected transformers installed, got ImportError") from e
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+            raise SpecError(f"tokenizer {path}: expected a loadable tokenizer, got {e}") from e
+        return cls(tok, **kwargs)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        """Ids of ``text`` without the tokenizer's own specials; BOS prepended if asked."""
+        ids = list(self.hf.encode(text, add_special_tokens=False))
+        if bos and self.bos_id is not None:
+            ids.insert(0, int(self.bos_id))
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens skipped."""
+        return str(self.hf.decode(list(ids), skip_special_tokens=True))
+
+    def incremental_decoder(self, prefix_ids: Sequence[int] = ()) -> IncrementalDecoder:
+        return IncrementalDecoder(self, prefix_ids)
+
+
+class ByteTokenizer:
+    """Fallback for models without a tokenizer (e.g. random-weight test models): ids
+    0..255 are UTF-8 bytes, other ids produce no text.
+
+    Args:
+        vocab_size: the model's vocabulary size (>= 1).
+        bos_id / eos_id: from the model config (may be None).
+    """
+
+    def __init__(self, vocab_size: int, bos_id: int | None = None, eos_id: int | None = None):
+        self.vocab_size = int(vocab_size)
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.stop_token_ids: tuple[int, ...] = () if eos_id is None else (int(eos_id),)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        """UTF-8 bytes of ``text`` as ids (BOS first if asked).
+
+        Raises:
+            SpecError: the vocabulary is smaller than 256.
+        """
+        if self.vocab_size < 256:
+            raise SpecError(
+                f"ByteTokenizer.vocab_size: expected >= 256 to encode text, got {self.vocab_size}"
+            )
+        ids = list(text.encode("utf-8"))
+        if bos and self.bos_id is not None:
+            ids.insert(0, int(self.bos_id))
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        specials = {self.bos_id, self.eos_id}
+        data = bytes(int(i) for i in ids if 0 <= int(i) < 256 and int(i) not in specials)
+        return data.decode("utf-8", errors="replace")
+
+    def incremental_decoder(self, prefix_ids: Sequence[int] = ()) -> IncrementalDecoder:
+        return IncrementalDecoder(self, prefix_ids)
+
+
+__all__ = [
+    "ByteTokenizer",
+    "HFTokenizer",
+    "IncrementalDecoder",
+    "Llama2cTokenizer",
+    "Tokenizer",
+    "bundled_tokenizer_path",
+]
