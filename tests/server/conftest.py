@@ -1,0 +1,50 @@
+"""Fixtures of the server tests: real uvicorn servers on free loopback ports.
+
+Each server runs the real engine (stories260K, CPU) in its background loop; the
+``serve`` factory checks at teardown that the server left nothing behind: every block
+free, running = waiting = 0 (seen through /metrics while it still runs, and on the
+engine itself after it stopped), and the cache manager's integrity check passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from srv_helpers import ENGINE, assert_engine_clean, wait_idle
+
+from kvpage.server.app import create_app
+from kvpage.server.config import ServerConfig
+from kvpage.server.runner import BackgroundServer
+
+
+@pytest.fixture(scope="module")
+def serve() -> Iterator[Callable[..., BackgroundServer]]:
+    """Factory: ``serve(**config_overrides)`` starts a server; all are checked and stopped
+    when the module ends."""
+    servers: list[BackgroundServer] = []
+
+    def start(**overrides: Any) -> BackgroundServer:
+        data: dict[str, Any] = {"engine": dict(ENGINE), "log_level": "warning"}
+        for k, v in overrides.items():
+            if isinstance(v, dict) and isinstance(data.get(k), dict):
+                data[k].update(v)
+            else:
+                data[k] = v
+        cfg = ServerConfig.model_validate(data)
+        srv = BackgroundServer(create_app(cfg)).start()
+        servers.append(srv)
+        return srv
+
+    yield start
+    for srv in servers:
+        try:
+            wait_idle(srv.base_url)
+        finally:
+            srv.stop()
+        state = srv.app.state.serving
+        assert not state.loop.running
+        assert_engine_clean(state.engine)
+        assert state.kv_budget.reserved_blocks == 0
+        assert state.num_active == 0

@@ -1,0 +1,276 @@
+"""The server against real clients: openai (streaming and not) and httpx."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from srv_helpers import ENGINE, metrics_dict, wait_idle
+
+from kvpage.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.xdist_group("server_http")
+
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park", "One day"]
+
+
+@pytest.fixture(scope="module")
+def server(serve):
+    return serve()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="test-key", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy texts from the offline API with the same engine configuration."""
+    llm = LLM(model="stories260K", **ENGINE)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
+    return {p: o.outputs[0].text for p, o in zip(PROMPTS, outs)} | {
+        ("len", p): len(o.prompt_token_ids) for p, o in zip(PROMPTS, outs)
+    }
+
+
+def test_completion_greedy_equals_llm_generate(client, reference):
+    for p in PROMPTS[:2]:
+        r = client.completions.create(model="stories260K", prompt=p, max_tokens=12, temperature=0)
+        assert r.choices[0].text == reference[p]
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == 12
+        assert r.usage.prompt_tokens == reference[("len", p)]
+
+
+def test_completion_streaming_equals_llm_generate(client, reference):
+    p = PROMPTS[2]
+    stream = client.completions.create(
+        model="stories260K", prompt=p, max_tokens=12, temperature=0, stream=True
+    )
+    parts, finishes = [], []
+    for ch in stream:
+        parts.append(ch.choices[0].text)
+        finishes.append(ch.choices[0].finish_reason)
+    assert "".join(parts) == reference[p]
+    assert len(parts) >= 2  # really streamed
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+
+
+def test_concurrent_requests_share_the_batch(server, reference):
+    """Several clients at once: each greedy text equals its offline reference."""
+
+    def one(p):
+        r = httpx.post(
+            server.base_url + "/v1/completions",
+            json={"model": "stories260K", "prompt": p, "max_tokens": 12, "temperature": 0},
+            timeout=60,
+        )
+        return r.status_code, r.json()["choices"][0]["text"]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(one, PROMPTS * 2))
+    assert got == [(200, reference[p]) for p in PROMPTS * 2]
+
+
+def test_chat_streaming_and_not(client):
+    msgs = [{"role": "user", "content": "Tell me a story about a cat."}]
+    r = client.chat.completions.create(
+        model="stories260K", messages=msgs, max_tokens=8, temperature=0
+    )
+    text = r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant" and len(text) > 0
+    assert r.usage.completion_tokens == 8
+    stream = client.chat.completions.create(
+        model="stories260K",
+        messages=msgs,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_n_seed_and_sampling_params(client):
+    kw = dict(
+        model="stories260K",
+        prompt="Once upon a time",
+        max_tokens=10,
+        temperature=1.0,
+        top_p=0.9,
+        n=3,
+        seed=1234,
+        user="alice",
+    )
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded
+    assert a.usage.completion_tokens == 30
+    assert len({c.text for c in a.choices}) > 1  # independent samples
+
+
+def test_stop_string(client, reference):
+    p = PROMPTS[0]
+    full = reference[p]
+    stop = full[6:10]  # a piece of the greedy continuation
+    assert stop and stop not in full[:6]
+    r = client.completions.create(
+        model="stories260K", prompt=p, max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].text == full[: full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    s = client.completions.create(
+        model="stories260K", prompt=p, max_tokens=12, temperature=0, stop=stop, stream=True
+    )
+    chunks = list(s)
+    assert "".join(c.choices[0].text for c in chunks) == full[: full.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_models_health_metrics(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["stories260K"]
+    h = httpx.get(server.base_url + "/health")
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    text = httpx.get(server.base_url + "/metrics").text
+    for name in (
+        "kvpage:kv_cache_usage_perc",
+        "kvpage:num_requests_running",
+        "kvpage:num_requests_waiting",
+        "kvpage:prefix_cache_queries_total",
+        "kvpage:prefix_cache_hits_total",
+        "kvpage:num_preemptions_total",
+        "kvpage:block_allocation_failures_total",
+        "kvpage:evictions_total",
+        "kvpage:prompt_tokens_total",
+        "kvpage:generation_tokens_total",
+        "kvpage:requests_rejected_total",
+        "kvpage:time_to_first_token_seconds_bucket",
+        "kvpage:time_per_output_token_seconds_bucket",
+        "kvpage:e2e_request_latency_seconds_bucket",
+        "kvpage:prefill_tokens_per_second_bucket",
+        "kvpage:decode_tokens_per_second_bucket",
+        'kvpage:server_queue_length{queue="engine"}',
+        "kvpage:server_active_sequences",
+        "kvpage:prefix_cache_hit_ratio",
+        'kvpage:kv_memory_utilization{kind="actual"}',
+        "kvpage:degraded",
+        "kvpage:cache_config_info{",
+    ):
+        assert name in text, name
+    assert 'block_size="16"' in text and 'num_blocks="65"' in text and 'backend="torch"' in text
+
+
+BAD = [
+    ("{not json", 400, None),
+    ('{"model": "gpt-4", "prompt": "hi"}', 404, "model"),
+    ('{"model": "stories260K", "prompt": "hi", "max_tokens": -3}', 400, "max_tokens"),
+    ('{"model": "stories260K", "prompt": "hi", "max_tokens": "5"}', 400, "max_tokens"),
+    ('{"model": "stories260K", "prompt": "hi", "temperature": "hot"}', 400, "temperature"),
+    ('{"model": "stories260K", "prompt": "hi", "n": 0}', 400, "n"),
+    ('{"model": "stories260K"}', 400, "prompt"),
+    ('{"model": "stories260K", "prompt": []}', 400, "prompt"),
+    ('{"model": "stories260K", "prompt": [1, 99999]}', 400, "prompt"),
+    ('{"model": "stories260K", "prompt": ["a", "b"]}', 400, "prompt"),
+    ('{"model": "stories260K", "prompt": "hi", "logprobs": 2}', 400, "logprobs"),
+    ('{"model": "stories260K", "prompt": "hi", "max_tokens": 600}', 400, "max_tokens"),
+    ("[1, 2]", 400, None),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD)
+def test_bad_requests_get_openai_errors(server, body, status, param):
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and ": expected " in err["message"]
+
+
+def test_prompt_too_long_and_chat_errors(server, client):
+    long_prompt = list(range(1, 100)) * 6  # 594 tokens > max model length 512
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model="stories260K", prompt=long_prompt, max_tokens=4)
+    assert ei.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    r = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json={"model": "stories260K", "messages": "hello"},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+    r = httpx.get(server.base_url + "/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_bad_requests_leave_pool_and_metrics_consistent(server):
+    before = wait_idle(server.base_url)
+    for body, _, _ in BAD:
+        httpx.post(
+            server.base_url + "/v1/completions",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
+    after = wait_idle(server.base_url)
+    for k in (
+        "kvpage:prompt_tokens_total",
+        "kvpage:generation_tokens_total",
+        "kvpage:prefix_cache_queries_total",
+    ):
+        assert after[k] == before[k], k  # nothing reached the engine
+
+    def rejected(m):
+        pre = "kvpage:server_requests_rejected_total{"
+        return {k: v for k, v in m.items() if k.startswith(pre)}
+
+    delta = {k: v - rejected(before).get(k, 0.0) for k, v in rejected(after).items()}
+    assert sum(delta.values()) == len(BAD)  # every bad request counted once, by reason
+    assert delta['kvpage:server_requests_rejected_total{reason="unknown_model"}'] == 1
+    assert delta['kvpage:server_requests_rejected_total{reason="empty_prompt"}'] == 1
+    assert after['kvpage:kv_memory_utilization{kind="projected"}'] == 0.0
+
+
+def test_disconnect_mid_stream_frees_blocks_at_once(server):
+    base = wait_idle(server.base_url)
+    body = {
+        "model": "stories260K",
+        "prompt": "Once upon a time",
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=30) as c,
+        c.stream("POST", server.base_url + "/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+        m = metrics_dict(httpx.get(server.base_url + "/metrics").text)
+        assert m["kvpage:kv_cache_usage_perc"] > 0.0  # the request holds blocks
+    t0 = time.monotonic()
+    m = wait_idle(server.base_url, timeout_s=10)
+    freed_after = time.monotonic() - t0
+    generated = m["kvpage:generation_tokens_total"] - base["kvpage:generation_tokens_total"]
+    assert generated < 400, "the request ran to completion instead of being aborted"
+    assert freed_after < 5.0
+    c = 'kvpage:request_cancellations_total{cause="client_disconnect"}'
+    assert m[c] - base.get(c, 0.0) == 1
