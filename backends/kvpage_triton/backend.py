@@ -256,7 +256,7 @@ class TritonBackend:
         """
         if pairs.dim() != 2 or pairs.shape[1] != 2:
             raise ShapeError(f"pairs: expected [n, 2], got {list(pairs.shape)}")
-        if pairs.dtype != torch.int64:
+        if pairs.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
             raise DTypeError(f"pairs.dtype: expected torch.int64, got {pairs.dtype}")
         if pairs.shape[0] == 0 or not caches:
             return
@@ -273,5 +273,8 @@ class TritonBackend:
         if lo < 0 or hi >= nb:
             raise ShapeError(f"pairs: expected block ids in [0, {nb}), got {lo if lo < 0 else hi}")
         dev = caches[0].kv.device
+        for i, c in enumerate(caches):
+            if c.kv.device != dev:
+                raise DTypeError(f"caches[{i}].kv.device: expected {dev}, got {c.kv.device}")
         launch = self._kernels(dev)
-        launch.copy_blocks(caches, pairs.to(dev))
+        launch.copy_blocks(caches, pairs.to(device=dev, dtype=torch.int64))

@@ -1,13 +1,17 @@
 """Launcher-side validation of the Triton backend (pure torch; no triton import).
 
 Kernels never check anything: every argument is checked here, before any state changes,
-and errors read ``"name: expected X, got Y"`` (``kvpage.errors``).
+and errors read ``"name: expected X, got Y"`` (``kvpage.errors``). The checks shared by
+every backend (``kvpage.attention.checks``) run first, so backends agree on which error a
+bad call raises; the checks here add what raw-pointer kernels need (unit inner strides,
+index dtypes, devices of every tensor, block ids in range).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvpage.attention import checks as shared
 from kvpage.attention.metadata import FP8_MAX, KV_STORAGE_DTYPES, AttentionMetadata, KVCache
 from kvpage.errors import DTypeError, ShapeError
 from kvpage.specs import AttentionSpec
@@ -75,6 +79,7 @@ def check_write_kv(
         ShapeError / DTypeError: as named in the message; a slot out of range raises
         ShapeError (checked on the host copy when the slot mapping is on the CPU).
     """
+    shared.check_write_kv(key, value, cache, slot_mapping)
     kind = check_cache(cache)
     kv = cache.kv
     _, nb, bs, hk, hd = kv.shape
@@ -92,7 +97,7 @@ def check_write_kv(
         raise ShapeError(f"value.shape[0]: expected {key.shape[0]}, got {value.shape[0]}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
         raise ShapeError(f"slot_mapping: expected [{key.shape[0]}], got {list(slot_mapping.shape)}")
-    if slot_mapping.dtype != torch.int64:
+    if slot_mapping.dtype not in (torch.int64, torch.int32):
         raise DTypeError(f"slot_mapping.dtype: expected int64, got {slot_mapping.dtype}")
     check_device("slot_mapping", slot_mapping, kv.device)
     if slot_mapping.device.type == "cpu" and slot_mapping.numel():
@@ -119,6 +124,7 @@ def check_attention(
         DTypeError: unsupported dtypes, a model-dtype cache whose dtype is not the
             query's, tensors on different devices.
     """
+    shared.check_attention(query, cache, meta, spec, out, decode=decode)
     kind = check_cache(cache)
     kv = cache.kv
     _, nb, bs, hk, hd = kv.shape
@@ -164,13 +170,13 @@ def check_attention(
     ):
         if list(t.shape) != shape:
             raise ShapeError(f"{name}: expected {shape}, got {list(t.shape)}")
-        if t.dtype != dt:
+        if t.dtype not in (torch.int32, torch.int64):
             raise DTypeError(f"{name}.dtype: expected {dt}, got {t.dtype}")
         check_device(name, t, dev)
     bt = meta.block_tables
     if bt.dim() != 2 or bt.shape[0] != n:
         raise ShapeError(f"meta.block_tables: expected [{n}, max_blocks], got {list(bt.shape)}")
-    if bt.dtype != torch.int32:
+    if bt.dtype not in (torch.int32, torch.int64):
         raise DTypeError(f"meta.block_tables.dtype: expected torch.int32, got {bt.dtype}")
     check_device("meta.block_tables", bt, dev)
     need = -(-max(meta.seq_lens_cpu, default=0) // bs)
