@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvpage.errors import SpecError
 
@@ -34,6 +34,13 @@ __all__ = [
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Validate the whole model with the new value first, so that a refused assignment
+        # (e.g. one breaking a cross-field rule) leaves the config unchanged.
+        if name in type(self).model_fields:
+            type(self).model_validate({**self.model_dump(), name: value})
+        super().__setattr__(name, value)
 
 
 class EngineConfig(_Strict):
@@ -118,6 +125,21 @@ class DegradationConfig(_Strict):
     min_dwell_s: float = Field(5.0, ge=0.0)
     max_tokens_cap: int = Field(64, ge=1)
     long_context_concurrency: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _hysteresis(self) -> DegradationConfig:
+        # Exit thresholds above the enter thresholds would make the state flap every tick.
+        if self.exit_p99_ttft_s > self.enter_p99_ttft_s:
+            raise ValueError(
+                f"exit_p99_ttft_s: expected <= enter_p99_ttft_s ({self.enter_p99_ttft_s}), "
+                f"got {self.exit_p99_ttft_s}"
+            )
+        if self.exit_alloc_failures >= self.enter_alloc_failures:
+            raise ValueError(
+                f"exit_alloc_failures: expected < enter_alloc_failures "
+                f"({self.enter_alloc_failures}), got {self.exit_alloc_failures}"
+            )
+        return self
 
 
 class ServerConfig(_Strict):
