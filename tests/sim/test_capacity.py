@@ -82,23 +82,36 @@ def test_planner_bytes_equal_allocated_bytes(spec, num_blocks):
     assert kv_cache_bytes(spec, num_blocks) == spec.with_blocks(num_blocks).total_bytes
 
 
-def test_planner_bytes_equal_torch_backend_allocation():
+@pytest.mark.parametrize(
+    "spec",
+    [
+        _tiny(2, 32, block_size=16, dtype="bfloat16", kv_dtype="int8"),
+        _tiny(
+            4,
+            32,
+            block_size=8,
+            dtype="float16",
+            kv_dtype="fp8_e4m3",
+            kv_scale_granularity="per_head",
+        ),
+        _tiny(2, 16, layers=4, window=8, block_size=4, dtype="float32"),
+        load_preset("llama-3-8b").cache_spec(block_size=16),
+    ],
+)
+def test_planner_bytes_equal_torch_backend_allocation(spec):
     backends = pytest.importorskip("kvpage.backends")
     try:
         be = backends.get_backend("torch")
     except Exception as e:  # backend not landed in this checkout
         pytest.skip(f"torch backend unavailable: {e}")
-    alloc = getattr(be, "allocate_kv_cache", None)
-    if alloc is None:
-        pytest.skip("torch backend has no allocate_kv_cache")
-    spec = _tiny(2, 32, block_size=16, dtype="bfloat16", kv_dtype="int8").with_blocks(5)
-    caches = alloc(spec, "cpu")
+    spec = spec.with_blocks(3)
     total = 0
-    for c in caches:
+    for layer in range(spec.num_layers):
+        c = be.allocate_kv_cache(spec, layer, torch.device("cpu"))
         for t in (c.kv, c.token_scales, c.k_scale, c.v_scale):
             if isinstance(t, torch.Tensor):
                 total += t.nbytes
-    assert total == kv_cache_bytes(spec, 5)
+    assert total == kv_cache_bytes(spec, 3)
 
 
 def test_simple_formula_and_what_it_leaves_out():
