@@ -49,13 +49,20 @@ def fp8_encode(y: float, mbits: int, bias: int) -> int:
         return sign | 127
     a = abs(y)
     emin = 1 - bias
-    if a < math.ldexp(1.0, emin):
-        # subnormal: units of 2^(emin - mbits); q == 2^mbits is the smallest normal,
-        # whose code is also 2^mbits (exponent field 1, mantissa 0)
-        q = round_half_even(math.ldexp(a, mbits - emin))
+    sub = a < math.ldexp(1.0, emin)
+    # subnormals count in units of 2^(emin - mbits); normals in 2^(e - mbits)
+    e = emin if sub else math.frexp(a)[1] - 1
+    v = math.ldexp(a, mbits - e)
+    # round half to even, inline (this function is compiled as a CUDA device function,
+    # which cannot call a plain Python helper)
+    f = math.floor(v)
+    q = int(f)
+    r = v - f
+    if r > 0.5 or (r == 0.5 and (q & 1) == 1):
+        q += 1
+    if sub:
+        # q == 2^mbits is the smallest normal, whose code is also 2^mbits
         return sign | q
-    e = math.frexp(a)[1] - 1
-    q = round_half_even(math.ldexp(a, mbits - e))
     if q == (2 << mbits):
         e += 1
         q = 1 << mbits

@@ -1,6 +1,7 @@
 """``@numba.cuda.jit`` kernels of the numba backend (imported lazily: imports numba).
 
-Kernels take raw arrays, strides come with the arrays, sizes are arguments; every check
+Kernels take raw arrays (no builtin ``min``/``max``: their numba overloads compile as
+device functions for the current device, which needs a driver even for ``compile_ptx``), strides come with the arrays, sizes are arguments; every check
 is in the launcher (``kvpage_numba.backend``). Element kinds are compile-time choices:
 each ``*_kernel(...)`` factory closes over small device functions for one storage kind
 and is cached, so a kernel never branches on a dtype at run time.
@@ -169,7 +170,11 @@ def write_kv_pyfunc(src_kind: str, dst_kind: str, mbits: int = 3, bias: int = 7)
                 code = 0
                 if scale > 0:
                     y = np.float32(load(src, t, h, d) / scale)
-                    code = min(max(_rne_signed(y), -127), 127)
+                    code = _rne_signed(y)
+                    if code > 127:
+                        code = 127
+                    elif code < -127:
+                        code = -127
                 kv[w, b, o, h, d] = code
             tsc[w, b, o, h] = scale
 
@@ -181,7 +186,10 @@ def write_kv_pyfunc(src_kind: str, dst_kind: str, mbits: int = 3, bias: int = 7)
             for d in range(src.shape[2]):
                 y = np.float32(load(src, t, h, d) / sc)
                 if y == y:
-                    y = min(max(y, -fmax), fmax)
+                    if y > fmax:
+                        y = fmax
+                    elif y < -fmax:
+                        y = -fmax
                 kv[w, b, o, h, d] = _fp8_encode(y, mbits, bias)
 
     def kernel(key: Any, value: Any, kv: Any, tsc: Any, fsc: Any, slots: Any, block_size: Any, fmax: Any) -> None:  # fmt: skip
@@ -241,9 +249,13 @@ def attention_pyfunc(q_kind: str, kv_kind: str) -> Any:
         p = token_pos[t]
         lo = 0
         if window > 0:
-            lo = max(0, p - window + 1)
+            lo = p - window + 1
+            if lo < 0:
+                lo = 0
         start = lo + z * chunk
-        end = min(p + 1, start + chunk)
+        end = start + chunk
+        if end > p + 1:
+            end = p + 1
 
         qv = cuda.local.array(MAX_HEAD_DIM, numba.float32)
         acc = cuda.local.array(MAX_HEAD_DIM, numba.float32)
@@ -286,7 +298,8 @@ def attention_pyfunc(q_kind: str, kv_kind: str) -> Any:
         cuda.syncthreads()
         big = _NEG_INF
         for i in range(T):
-            big = max(big, sm_m[i])
+            if sm_m[i] > big:
+                big = sm_m[i]
         total = np.float32(0.0)
         if big > _NEG_INF:
             for i in range(T):
@@ -324,7 +337,8 @@ def split_reduce(part_out: Any, part_lse: Any, out: Any) -> None:
     D = out.shape[2]
     big = _NEG_INF
     for z in range(Z):
-        big = max(big, part_lse[t, h, z])
+        if part_lse[t, h, z] > big:
+            big = part_lse[t, h, z]
     for d in range(cuda.threadIdx.x, D, cuda.blockDim.x):
         num = np.float32(0.0)
         den = np.float32(0.0)
