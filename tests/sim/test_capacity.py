@@ -221,3 +221,46 @@ def test_percentile_workload():
     )
     with pytest.raises(SpecError):
         Workload.from_percentiles((10, 5, 20), (1, 2, 3))
+
+
+@pytest.mark.parametrize(
+    "block_size, kv_dtype, num_blocks", [(16, "auto", 9), (8, "int8", 5), (32, "fp8_e4m3", 4)]
+)
+def test_planner_bytes_equal_engine_allocation(block_size, kv_dtype, num_blocks):
+    engine_mod = pytest.importorskip("kvpage.engine.engine")
+    try:
+        eng = engine_mod.LLMEngine.from_config(
+            model="stories260K",
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_dtype=kv_dtype,
+            backend="torch",
+        )
+    except Exception as e:  # engine or model not landed in this checkout
+        pytest.skip(f"engine unavailable: {e}")
+    total = 0
+    for c in eng.runner.kv_caches:
+        for t in (c.kv, c.token_scales, c.k_scale, c.v_scale):
+            if isinstance(t, torch.Tensor):
+                total += t.nbytes
+    spec = load_preset("stories260K").cache_spec(block_size=block_size, kv_dtype=kv_dtype)
+    assert total == kv_cache_bytes(spec, num_blocks)
+    # and the planner sizes a budget to the same block count the engine derives from it
+    budget = kv_cache_bytes(spec, num_blocks) + spec.bytes_per_block - 1
+    eng2 = engine_mod.LLMEngine.from_config(
+        model="stories260K",
+        block_size=block_size,
+        kv_cache_memory_bytes=budget,
+        kv_cache_dtype=kv_dtype,
+        backend="torch",
+    )
+    assert eng2.cache_spec.num_blocks == num_blocks
+    p = plan_capacity(
+        "stories260K",
+        device_bytes=budget,
+        utilization=1.0,
+        weight_bytes=0,
+        block_size=block_size,
+        kv_dtype=kv_dtype,
+    )
+    assert p.num_blocks == num_blocks
