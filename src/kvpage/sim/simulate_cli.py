@@ -1,0 +1,116 @@
+"""``kvpage simulate``: replay a trace under several allocation policies / block sizes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from kvpage.errors import KVPageError
+
+#: columns of the result table: (header, key or (key, subkey), format)
+COLUMNS: list[tuple[str, Any, str]] = [
+    ("policy", "policy", "{}"),
+    ("block", "block_size", "{}"),
+    ("done", "finished", "{}"),
+    ("eff. KV util %", "effective_kv_util_pct", "{:.1f}"),
+    ("peak KV %", "peak_kv_usage_pct", "{:.1f}"),
+    ("peak batch", "peak_batch", "{}"),
+    ("out tok/s", "throughput_tok_s", "{:,.0f}"),
+    ("TTFT p50/p95/p99 s", ("ttft_s", ("p50", "p95", "p99")), "{:.2f}"),
+    ("TPOT p50/p95/p99 ms", ("tpot_s", ("p50", "p95", "p99")), "ms"),
+    ("preempt", "preemptions", "{}"),
+    ("alloc fail", "allocation_failures", "{}"),
+    ("prefix hit %", "prefix_hit_pct", "{:.1f}"),
+]
+
+
+def format_row(d: dict[str, Any]) -> list[str]:
+    """One result dict (``SimResult.to_dict()``) as table cells."""
+    cells = []
+    for _, key, fmt in COLUMNS:
+        if isinstance(key, tuple):
+            sub = d[key[0]]
+            if fmt == "ms":
+                cells.append("/".join(f"{1000 * sub[k]:.1f}" for k in key[1]))
+            else:
+                cells.append("/".join(fmt.format(sub[k]) for k in key[1]))
+        else:
+            cells.append(fmt.format(d[key]))
+    return cells
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """Results as a GitHub markdown table."""
+    head = [c[0] for c in COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(format_row(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``kvpage simulate``."""
+    from kvpage.sim.simulator import POLICIES
+
+    p = subparsers.add_parser("simulate", help="trace-driven simulation without weights")
+    p.add_argument("--trace", required=True, help="azure-conv, azure-code, mooncake-conv or a file")
+    p.add_argument("--limit", type=int, default=1000, help="first N requests (default 1000)")
+    p.add_argument("--model", default="llama-3-8b")
+    p.add_argument("--gpu", default="H100-80GB", help="A100-80GB, H100-80GB, H200, L4")
+    p.add_argument("--policies", default="all", help=f"comma list of {', '.join(POLICIES)} or all")
+    p.add_argument("--block-sizes", default="16", help="comma list, e.g. 1,8,16,32,64,128,256")
+    p.add_argument("--num-blocks", type=int, default=None, help="pool size at block 16 (scaled)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--time-scale", type=float, default=1.0, help="< 1 compresses arrivals")
+    p.add_argument("--kv-dtype", default="auto")
+    p.add_argument("--json", default=None, help="write results as JSON here ('-' = stdout)")
+    p.set_defaults(func=run_simulate)
+    return p
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Handler of ``kvpage simulate``: every policy x block size on the same trace."""
+    from kvpage.sim.simulator import POLICIES, SimConfig, simulate
+    from kvpage.sim.traces import load_trace
+
+    try:
+        trace = load_trace(args.trace, limit=args.limit)
+        pols = list(POLICIES) if args.policies == "all" else args.policies.split(",")
+        sizes = [int(x) for x in args.block_sizes.split(",")]
+        base = SimConfig(
+            model=args.model,
+            gpu=args.gpu,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            time_scale=args.time_scale,
+            kv_dtype=args.kv_dtype,
+        )
+        rows = []
+        for bs in sizes:
+            nb = None if args.num_blocks is None else (args.num_blocks - 1) * 16 // bs + 1
+            for pol in pols:
+                if pol.startswith("contiguous") and bs != sizes[0]:
+                    continue  # block size does not apply
+                cfg = replace(base, policy=pol, block_size=bs, num_blocks=nb)
+                rows.append(simulate(trace, cfg).to_dict())
+                print(f"done {pol} block {bs}", file=sys.stderr)
+    except (KVPageError, ValueError) as e:
+        print(f"kvpage simulate: {e}", file=sys.stderr)
+        return 2
+    if args.json == "-":
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"trace {trace.name}: {len(trace)} requests, model {args.model}, GPU {args.gpu}")
+    print(markdown_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+__all__ = ["add_simulate_parser", "markdown_table", "run_simulate"]
