@@ -37,13 +37,10 @@ class ReferenceAdapter:
 
 
 def get_test_backend() -> Any:
-    """The torch backend when it is importable, else the reference adapter."""
-    try:
-        from kvpage.backends import get_backend
+    """The built-in torch backend (what the engine runs on CPU)."""
+    from kvpage.backends import get_backend
 
-        return get_backend("torch")
-    except Exception:  # noqa: BLE001 - backend not landed yet
-        return ReferenceAdapter()
+    return get_backend("torch")
 
 
 @dataclass

@@ -6,7 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from models_harness import PagedGreedyDriver, get_test_backend, hf_teacher_forced_logits
+from models_harness import (
+    PagedGreedyDriver,
+    ReferenceAdapter,
+    get_test_backend,
+    hf_teacher_forced_logits,
+)
 
 from kvpage.errors import SpecError
 from kvpage.models import (
@@ -88,13 +93,15 @@ def test_greedy_from_bos_is_golden(stories: ModelRunnerModel) -> None:
     assert text == GOLDEN
 
 
-def test_paged_mixed_batch_equals_transformers(stories: ModelRunnerModel) -> None:
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_paged_mixed_batch_equals_transformers(stories: ModelRunnerModel, backend: str) -> None:
     pytest.importorskip("transformers")
     from kvpage.models import to_transformers
 
     hf = to_transformers(stories)
     tok = stories.tokenizer
-    d = PagedGreedyDriver(stories, get_test_backend(), block_size=4, num_blocks=160, seed=7)
+    be = get_test_backend() if backend == "torch" else ReferenceAdapter()
+    d = PagedGreedyDriver(stories, be, block_size=4, num_blocks=160, seed=7)
     d.add(tok.encode("Once upon a time, there was a boy"), chunk=3)
     d.add(tok.encode("Lily liked cats."), arrival=4)
     d.add([1])

@@ -12,6 +12,7 @@ import torch
 
 from kvpage.attention.metadata import MODEL_DTYPES
 from kvpage.errors import SpecError
+from kvpage.models.config import arch_from_hf
 from kvpage.models.llama2c import BUNDLED_MODEL, bundled_model_path, read_llama2c
 from kvpage.models.model import ModelRunnerModel
 from kvpage.models.tokenizer import (
@@ -81,6 +82,7 @@ def load_model(
         if not cfg_path.is_file():
             raise SpecError(f"model folder {str(path)!r}: expected a config.json, got none")
         cfg = json.loads(cfg_path.read_text())
+        arch_from_hf(cfg)  # refuse an unsupported architecture before reading weights
         sd = _read_weights(path)
         if tok is None and any((path / f).is_file() for f in _TOKENIZER_FILES):
             tok = HFTokenizer.from_pretrained(
