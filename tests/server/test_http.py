@@ -274,3 +274,23 @@ def test_disconnect_mid_stream_frees_blocks_at_once(server):
     assert freed_after < 5.0
     c = 'kvpage:request_cancellations_total{cause="client_disconnect"}'
     assert m[c] - base.get(c, 0.0) == 1
+
+
+def test_disconnect_while_waiting_non_streamed_aborts(server):
+    base = wait_idle(server.base_url)
+    body = {
+        "model": "stories260K",
+        "prompt": "One day",
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(
+            server.base_url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5)
+        )
+    m = wait_idle(server.base_url, timeout_s=10)
+    generated = m["kvpage:generation_tokens_total"] - base["kvpage:generation_tokens_total"]
+    assert 0 < generated < 400
+    c = 'kvpage:request_cancellations_total{cause="client_disconnect"}'
+    assert m[c] - base.get(c, 0.0) == 1

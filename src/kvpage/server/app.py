@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvpage.server import protocol as P
 from kvpage.server.config import ServerConfig
 from kvpage.server.service import APIError, ServingState, Usage
+from kvpage.server.validation import prepare_request
 
 __all__ = ["build_engine", "create_app"]
 
@@ -200,7 +201,14 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
     except ValidationError as exc:
         msg, param = _validation_message(exc)
         raise APIError(400, msg, param=param, reason="invalid_request") from None
-    req = state.prepare(kind, body, _api_key(request))
+    req = prepare_request(
+        kind,
+        body,
+        _api_key(request),
+        model_name=state.config.model_name,
+        tokenizer=state.tokenizer,
+        max_model_len=state.max_model_len,
+    )
     usage = Usage()
     if not req.stream:
         async with state.admitted(req):
@@ -275,20 +283,30 @@ class _Stream(StreamingResponse):
             await self._cleanup()
 
 
-async def _until_disconnect(gen: AsyncIterator[Any], request: Request) -> AsyncIterator[Any]:
-    """Iterate ``gen``; stop (closing it, which aborts the request) if the client leaves."""
+async def _until_disconnect(
+    gen: AsyncIterator[Any], request: Request, every_s: float = 0.25
+) -> AsyncIterator[Any]:
+    """Iterate ``gen``; stop (closing it, which aborts the request) if the client leaves.
+
+    The connection is checked at least every ``every_s`` seconds, whether or not ``gen``
+    is producing items.
+    """
+    loop = asyncio.get_running_loop()
     it = gen.__aiter__()
+    next_check = loop.time() + every_s
     while True:
         nxt = asyncio.ensure_future(it.__anext__())
         while True:
-            done, _ = await asyncio.wait({nxt}, timeout=0.25)
+            done, _ = await asyncio.wait({nxt}, timeout=max(0.0, next_check - loop.time()))
+            if loop.time() >= next_check:
+                next_check = loop.time() + every_s
+                if await request.is_disconnected():
+                    nxt.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                        await nxt
+                    return
             if done:
                 break
-            if await request.is_disconnected():
-                nxt.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                    await nxt
-                return
         try:
             yield nxt.result()
         except StopAsyncIteration:

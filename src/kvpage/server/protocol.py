@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "APIError",
     "UNSUPPORTED_FIELDS",
     "ChatCompletionRequest",
     "ChatMessage",
@@ -240,3 +241,32 @@ def usage_chunk(req: GenerationRequest, completion_tokens: int) -> dict[str, Any
         "choices": [],
         "usage": usage(req, completion_tokens),
     }
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body.
+
+    Attributes:
+        status: HTTP status code; type/code/param: the body's fields;
+        headers: extra response headers (``Retry-After``); reason: metric label.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        reason: str = "invalid_request",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+        self.reason = reason

@@ -26,47 +26,12 @@ from kvpage.server.config import ServerConfig
 from kvpage.server.degradation import DegradationController
 from kvpage.server.engine_loop import AsyncEngine, EngineFailure, StepStats
 from kvpage.server.metrics import ServerMetrics
-from kvpage.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerationRequest,
-    new_request_id,
-    render_chat,
-)
+from kvpage.server.protocol import APIError, GenerationRequest
 
 __all__ = ["APIError", "Delta", "ServingState", "Usage"]
 
 #: engine RequestRejected reasons answered with 429 (transient); all others get 400.
 _TRANSIENT_REASONS = frozenset({"queue_full", "too_many_requests", "overloaded"})
-
-
-class APIError(Exception):
-    """An error answered with an OpenAI-style body.
-
-    Attributes:
-        status: HTTP status code; type/code/param: the body's fields;
-        headers: extra response headers (``Retry-After``); reason: metric label.
-    """
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-        reason: str = "invalid_request",
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-        self.headers = headers or {}
-        self.reason = reason
 
 
 def _rate_limited(d: Decision) -> APIError:
@@ -186,107 +151,6 @@ class ServingState:
         m.queue_length.labels(queue="long_context").set(self.num_long_waiting)
         m.kv_util.labels(kind="projected").set(self.kv_budget.projected_usage())
         m.active.set(self.num_active)
-
-    # ------------------------------------------------------------ validation
-    def prepare(
-        self, kind: str, body: CompletionRequest | ChatCompletionRequest, api_key: str | None
-    ) -> GenerationRequest:
-        """Validate a parsed request and tokenize its prompt.
-
-        Raises:
-            APIError: 404 unknown model, 400 anything else invalid. No state is touched.
-        """
-        bad = body.unsupported_fields()
-        if bad:
-            raise APIError(
-                400, f"{bad[0]}: expected unset, got a value (not supported)", param=bad[0]
-            )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(body, name) not in (None, 0.0):
-                raise APIError(
-                    400, f"{name}: expected 0 or unset, got a value (not supported)", param=name
-                )
-        if body.model != self.config.model_name:
-            raise APIError(
-                404,
-                f"model: expected {self.config.model_name!r}, got {body.model!r}",
-                code="model_not_found",
-                param="model",
-                reason="unknown_model",
-            )
-        if isinstance(body, ChatCompletionRequest):
-            ids = self.tokenizer.encode(render_chat(body.messages), bos=True)
-            max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
-        else:
-            ids = self._prompt_ids(body.prompt)
-            max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        n_prompt = len(ids)
-        if n_prompt >= self.max_model_len:
-            raise APIError(
-                400,
-                f"prompt: expected fewer than {self.max_model_len} tokens (max model length), "
-                f"got {n_prompt}",
-                code="context_length_exceeded",
-                param="prompt" if kind == "completion" else "messages",
-                reason="prompt_too_long",
-            )
-        if max_tokens is None:
-            max_tokens = self.max_model_len - n_prompt
-        if max_tokens < 1:
-            raise APIError(400, f"max_tokens: expected >= 1, got {max_tokens}", param="max_tokens")
-        if n_prompt + max_tokens > self.max_model_len:
-            raise APIError(
-                400,
-                f"max_tokens: expected prompt ({n_prompt}) + max_tokens <= {self.max_model_len} "
-                f"(max model length), got {n_prompt + max_tokens}",
-                code="context_length_exceeded",
-                param="max_tokens",
-                reason="prompt_too_long",
-            )
-        tenant = api_key or body.user or "anonymous"
-        return GenerationRequest(
-            kind=kind,  # type: ignore[arg-type]
-            request_id=new_request_id(kind),
-            model=self.config.model_name,
-            prompt_token_ids=ids,
-            max_tokens=max_tokens,
-            n=body.n,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            seed=body.seed,
-            stop=body.stop_strings(),
-            ignore_eos=body.ignore_eos,
-            stream=body.stream,
-            include_usage=body.include_usage(),
-            tenant=tenant,
-        )
-
-    def _prompt_ids(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(
-                    400,
-                    f"prompt: expected one prompt, got a batch of {len(prompt)}",
-                    param="prompt",
-                )
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, bos=True))
-        vocab = int(self.tokenizer.vocab_size)
-        if not prompt:
-            raise APIError(
-                400,
-                "prompt: expected at least one token id, got []",
-                param="prompt",
-                reason="empty_prompt",
-            )
-        for t in prompt:
-            if not 0 <= t < vocab:
-                raise APIError(
-                    400, f"prompt: expected token ids in [0, {vocab}), got {t}", param="prompt"
-                )
-        return list(prompt)
 
     # ------------------------------------------------------------ admission
     @contextlib.asynccontextmanager

@@ -1,0 +1,139 @@
+"""Request validation: a parsed OpenAI request -> a :class:`GenerationRequest`.
+
+Everything here is pure (no state is touched), so a refused request leaves the pool,
+the buckets and the metrics exactly as they were (apart from the rejection counter the
+caller increments).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpage.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    new_request_id,
+    render_chat,
+)
+
+__all__ = ["prepare_request"]
+
+
+def prepare_request(
+    kind: str,
+    body: CompletionRequest | ChatCompletionRequest,
+    api_key: str | None,
+    *,
+    model_name: str,
+    tokenizer: Any,
+    max_model_len: int,
+) -> GenerationRequest:
+    """Validate a parsed request and tokenize its prompt.
+
+    Args:
+        kind: ``"completion"`` or ``"chat"``.
+        body: the parsed request.
+        api_key: the Bearer token, if any (the tenant; else ``user``, else "anonymous").
+        model_name: the served model id.
+        tokenizer: ``encode(text, bos=True) -> list[int]``, ``vocab_size``.
+        max_model_len: longest sequence (prompt + output) in tokens.
+
+    Returns:
+        The request with token ids and ``max_tokens`` resolved (completions default 16;
+        chat defaults to the room left in the context).
+
+    Raises:
+        APIError: 404 unknown model, 400 anything else invalid. No state is touched.
+    """
+    bad = body.unsupported_fields()
+    if bad:
+        raise APIError(400, f"{bad[0]}: expected unset, got a value (not supported)", param=bad[0])
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) not in (None, 0.0):
+            raise APIError(
+                400, f"{name}: expected 0 or unset, got a value (not supported)", param=name
+            )
+    if body.model != model_name:
+        raise APIError(
+            404,
+            f"model: expected {model_name!r}, got {body.model!r}",
+            code="model_not_found",
+            param="model",
+            reason="unknown_model",
+        )
+    if isinstance(body, ChatCompletionRequest):
+        ids = tokenizer.encode(render_chat(body.messages), bos=True)
+        max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
+    else:
+        ids = _prompt_ids(body.prompt, tokenizer)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    n_prompt = len(ids)
+    if n_prompt >= max_model_len:
+        raise APIError(
+            400,
+            f"prompt: expected fewer than {max_model_len} tokens (max model length), "
+            f"got {n_prompt}",
+            code="context_length_exceeded",
+            param="prompt" if kind == "completion" else "messages",
+            reason="prompt_too_long",
+        )
+    if max_tokens is None:
+        max_tokens = max_model_len - n_prompt
+    if max_tokens < 1:
+        raise APIError(400, f"max_tokens: expected >= 1, got {max_tokens}", param="max_tokens")
+    if n_prompt + max_tokens > max_model_len:
+        raise APIError(
+            400,
+            f"max_tokens: expected prompt ({n_prompt}) + max_tokens <= {max_model_len} "
+            f"(max model length), got {n_prompt + max_tokens}",
+            code="context_length_exceeded",
+            param="max_tokens",
+            reason="prompt_too_long",
+        )
+    tenant = api_key or body.user or "anonymous"
+    return GenerationRequest(
+        kind=kind,  # type: ignore[arg-type]
+        request_id=new_request_id(kind),
+        model=model_name,
+        prompt_token_ids=ids,
+        max_tokens=max_tokens,
+        n=body.n,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stop=body.stop_strings(),
+        ignore_eos=body.ignore_eos,
+        stream=body.stream,
+        include_usage=body.include_usage(),
+        tenant=tenant,
+    )
+
+
+def _prompt_ids(prompt: Any, tokenizer: Any) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(
+                400,
+                f"prompt: expected one prompt, got a batch of {len(prompt)}",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt, bos=True))
+    vocab = int(tokenizer.vocab_size)
+    if not prompt:
+        raise APIError(
+            400,
+            "prompt: expected at least one token id, got []",
+            param="prompt",
+            reason="empty_prompt",
+        )
+    for t in prompt:
+        if not 0 <= t < vocab:
+            raise APIError(
+                400, f"prompt: expected token ids in [0, {vocab}), got {t}", param="prompt"
+            )
+    return list(prompt)
