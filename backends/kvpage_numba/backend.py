@@ -49,8 +49,9 @@ class NumbaBackend:
             into chunks of 32 keys (at most 4) so small tests exercise the reduce.
 
     Attributes:
-        sim_max_threads: a budget hint for shared test suites: the number of simulated
-            threads one call should stay under on CPU (tests size shapes by it).
+        test_budget: the conformance-suite hook (``kvpage.testing.budget_for``): small
+            shapes under the simulator (every simulated thread is a Python thread; a
+            launch costs about 1 ms per block here), the default budget on a GPU.
     """
 
     name = "numba"
@@ -62,7 +63,24 @@ class NumbaBackend:
             "bfloat16 carried as int16 bits; fp8 encoded with integer arithmetic",
         ),
     )
-    sim_max_threads = 512
+
+    def test_budget(self, device: torch.device) -> dict[str, Any] | None:
+        """Shape and example limits for shared test suites on ``device`` (None = the
+        suite's default). Under the simulator: at most 2 sequences of 24 tokens, 4 query
+        heads, head_dim 64, so one call stays within a few hundred simulated threads."""
+        if torch.device(device).type != "cpu":
+            return None
+        return dict(
+            example_fraction=0.5,
+            max_head_dim=64,
+            max_q_heads=4,
+            max_kv_heads=2,
+            max_seq_len=24,
+            max_seqs=2,
+            max_block_size=16,
+            huge_pools=False,
+            max_pool_bytes=2**20,
+        )
 
     def __init__(self, *, threads: int | None = None, num_splits: int | None = None) -> None:
         if threads is not None and not 1 <= threads <= 128:

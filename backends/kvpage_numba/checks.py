@@ -2,13 +2,17 @@
 
 Pure Python + torch (no numba, no cupy): the kernels trust their inputs, so every
 check lives here and raises a ``kvpage.errors`` error reading "name: expected X, got Y"
-before anything is launched or written.
+before anything is launched or written. The checks every backend shares
+(``kvpage.attention.checks``) run first, so all backends raise the same error for the
+same bad call; these add what raw-array kernels need (scale dtypes and devices, the
+cache dtype for ``kv_dtype="auto"``, block-table dtype and ids, independent copies).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvpage.attention import checks as shared
 from kvpage.attention.metadata import MODEL_DTYPES, AttentionMetadata, KVCache
 from kvpage.errors import DTypeError, ShapeError
 from kvpage.specs import AttentionSpec
@@ -66,6 +70,7 @@ def check_write(
         DTypeError: key/value not a model dtype, differing, or (``kv_dtype == "auto"``)
             not the cache dtype; slot_mapping not an integer tensor.
     """
+    shared.check_write_kv(key, value, cache, slot_mapping)
     check_cache(cache)
     dev = cache.kv.device
     want = (key.shape[0] if key.dim() else 0, cache.num_kv_heads, cache.head_dim)
@@ -108,6 +113,7 @@ def check_attention(
             with a query length other than 1; block tables too narrow.
         DTypeError: query not float32|float16|bfloat16, out not the query dtype.
     """
+    shared.check_attention(query, cache, meta, spec, out, decode=decode)
     check_cache(cache)
     dev = cache.kv.device
     hq, hd = spec.num_q_heads, spec.head_dim
@@ -173,6 +179,8 @@ def check_pairs(caches: list[KVCache], pairs: torch.Tensor) -> torch.Tensor:
             destination, or a destination that is also a source.
         DTypeError: not an integer tensor.
     """
+    for c in caches:
+        shared.check_block_pairs(pairs, c.num_blocks)
     if pairs.dim() != 2 or pairs.shape[1] != 2:
         raise ShapeError(f"pairs: expected [n, 2], got {tuple(pairs.shape)}")
     if pairs.dtype not in (torch.int64, torch.int32):

@@ -198,7 +198,7 @@ def test_write_kv_rejects_bad_input_without_writing():
     dev = mine.kv.device
     bad_slots = full.slot_mapping.clone()
     bad_slots[0] = mine.num_blocks * mine.block_size
-    with pytest.raises(ShapeError, match="slot_mapping: expected slots in"):
+    with pytest.raises(ShapeError, match="slot_mapping: expected values in"):
         be.write_kv(key.to(dev), value.to(dev), mine, bad_slots.to(dev))
     with pytest.raises(ShapeError, match="key: expected"):
         be.write_kv(key[:, :1].to(dev), value.to(dev), mine, full.slot_mapping.to(dev))
@@ -356,7 +356,7 @@ def test_copy_blocks_bit_exact(kv_dtype):
             assert torch.equal(c.token_scales[:, 4], ts0[:, 1])
     snapshot = _raw(caches[0].kv).clone()
     for bad, msg in (
-        (torch.tensor([[1, 6]]), r"block ids in \[0, 6\)"),
+        (torch.tensor([[1, 6]]), r"block ids in \[0, 5\]"),
         (torch.tensor([[1, 3], [2, 3]]), "distinct destination"),
         (torch.tensor([[1, 3], [3, 4]]), "both source and destination"),
         (torch.tensor([1, 3]), r"expected \[n, 2\]"),
