@@ -1,0 +1,263 @@
+"""Bounded load test of ``kvpage serve`` (a script, not a default test).
+
+Starts a real uvicorn server (stories260K, CPU) on a free loopback port in this process
+and drives it with ``--clients`` concurrent asyncio httpx clients that share a queue of
+``--requests`` requests. Request lengths come from the bundled Azure LLM conversation
+trace (2023), scaled to the 512-token model and to a bounded run:
+
+    prompt_tokens = clip(ContextTokens // 8, 1, 256)
+    max_tokens    = clip(GeneratedTokens // 4, 1, min(128, 512 - prompt_tokens))
+
+(random prompt token ids, seeded; ``ignore_eos`` so every completion has a known length;
+the trace's arrival times are not replayed: the clients are closed-loop). A seeded mix:
+``--cancel-frac`` of the requests are streamed and dropped after 1-3 chunks,
+``--malformed-frac`` are malformed (bad JSON, unknown model, negative max_tokens, bad
+types); half of the rest stream. Clients belong to 4 tenants (API keys).
+
+Checks (exit status 1 if any fails): every valid request completes (finish_reason
+"length", 1 <= completion tokens <= max_tokens) or is refused with 429 + Retry-After;
+every malformed request gets a 4xx; no request is lost (no other status, no transport
+error); afterwards the engine holds no block and running = waiting = 0.
+
+Prints a JSON summary (requests/s, completion tokens/s, TTFT and end-to-end latency
+percentiles) and writes it to ``--out`` when given.
+
+    .venv/bin/python benches/bench_server_load.py --requests 320 --clients 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+import numpy as np
+
+from kvpage.server.app import create_app
+from kvpage.server.config import ServerConfig
+from kvpage.server.runner import BackgroundServer
+from kvpage.sim.traces import bundled_trace_path, load_trace
+
+MODEL = "stories260K"
+MALFORMED: list[tuple[str, bytes]] = [
+    ("bad_json", b'{"model": "stories260K", "prompt": "x",'),
+    ("unknown_model", b'{"model": "gpt-9", "prompt": "hello"}'),
+    ("negative_max_tokens", b'{"model": "stories260K", "prompt": "hi", "max_tokens": -5}'),
+    ("bad_type", b'{"model": "stories260K", "prompt": "hi", "temperature": "warm"}'),
+    ("empty_prompt", b'{"model": "stories260K", "prompt": []}'),
+]
+
+
+def build_workload(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The seeded list of request specs (kind: valid | cancel | malformed)."""
+    trace = load_trace(bundled_trace_path("azure-conv"), limit=args.requests)
+    rng = random.Random(args.seed)
+    specs = []
+    for i, tr in enumerate(trace.requests):
+        p = int(np.clip(tr.prompt_tokens // 8, 1, 256))
+        m = int(np.clip(tr.output_tokens // 4, 1, min(128, 512 - p)))
+        u = rng.random()
+        kind = (
+            "malformed"
+            if u < args.malformed_frac
+            else "cancel"
+            if u < args.malformed_frac + args.cancel_frac
+            else "valid"
+        )
+        specs.append(
+            {
+                "i": i,
+                "kind": kind,
+                "prompt": [rng.randrange(3, 512) for _ in range(p)],
+                "max_tokens": m,
+                "stream": kind == "cancel" or rng.random() < 0.5,
+                "tenant": f"tenant-{i % 4}",
+                "malformed": MALFORMED[i % len(MALFORMED)],
+                "cancel_after": rng.randint(1, 3),
+            }
+        )
+    return specs
+
+
+async def run_one(c: httpx.AsyncClient, spec: dict[str, Any]) -> dict[str, Any]:
+    """Send one request; return what happened (status, tokens, timings, verdict)."""
+    headers = {"Authorization": f"Bearer {spec['tenant']}"}
+    t0 = time.perf_counter()
+    res: dict[str, Any] = {"i": spec["i"], "kind": spec["kind"]}
+    try:
+        if spec["kind"] == "malformed":
+            name, body = spec["malformed"]
+            r = await c.post(
+                "/v1/completions",
+                content=body,
+                headers={**headers, "content-type": "application/json"},
+            )
+            res.update(status=r.status_code, ok=400 <= r.status_code < 500 and "error" in r.json())
+            return res
+        body = {
+            "model": MODEL,
+            "prompt": spec["prompt"],
+            "max_tokens": spec["max_tokens"],
+            "temperature": 0.8,
+            "seed": spec["i"],
+            "ignore_eos": True,
+            "stream": spec["stream"],
+        }
+        if not spec["stream"]:
+            r = await c.post("/v1/completions", json=body, headers=headers)
+            res["status"] = r.status_code
+            if r.status_code == 200:
+                j = r.json()
+                n = j["usage"]["completion_tokens"]
+                res.update(tokens=n, e2e=time.perf_counter() - t0)
+                res["ok"] = (
+                    j["choices"][0]["finish_reason"] == "length" and 1 <= n <= spec["max_tokens"]
+                )
+            else:
+                res["ok"] = r.status_code == 429 and "retry-after" in r.headers
+            return res
+        async with c.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+            res["status"] = r.status_code
+            if r.status_code != 200:
+                await r.aread()
+                res["ok"] = r.status_code == 429 and "retry-after" in r.headers
+                return res
+            chunks, finish = 0, None
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ch = json.loads(line[6:])
+                chunks += 1
+                if chunks == 1:
+                    res["ttft"] = time.perf_counter() - t0
+                finish = ch["choices"][0]["finish_reason"] or finish
+                if spec["kind"] == "cancel" and chunks >= spec["cancel_after"]:
+                    res.update(ok=True, cancelled=True)
+                    return res  # leaving the block closes the connection mid-stream
+            res["e2e"] = time.perf_counter() - t0
+            res["ok"] = finish == "length" or spec["kind"] == "cancel"
+            return res
+    except httpx.HTTPError as exc:
+        res.update(status=None, ok=False, error=repr(exc))
+        return res
+
+
+async def drive(base_url: str, specs: list[dict[str, Any]], clients: int) -> list[dict[str, Any]]:
+    """``clients`` workers pull from one queue until it is empty."""
+    q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    for s in specs:
+        q.put_nowait(s)
+    results: list[dict[str, Any]] = []
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as c:
+
+        async def worker() -> None:
+            while True:
+                try:
+                    s = q.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                results.append(await run_one(c, s))
+
+        await asyncio.gather(*(worker() for _ in range(clients)))
+    return results
+
+
+def pct(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
+    """Percentiles in seconds (numpy linear interpolation); empty -> {}."""
+    if not values:
+        return {}
+    return {f"p{q}": round(float(np.percentile(values, q)), 4) for q in qs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--requests", type=int, default=320)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--cancel-frac", type=float, default=0.1)
+    ap.add_argument("--malformed-frac", type=float, default=0.05)
+    ap.add_argument("--num-blocks", type=int, default=257, help="KV pool (incl. null block)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="write the JSON summary here")
+    args = ap.parse_args(argv)
+
+    specs = build_workload(args)
+    cfg = ServerConfig.model_validate(
+        {
+            "log_level": "warning",
+            "engine": {"num_blocks": args.num_blocks, "block_size": 16, "max_num_seqs": 64},
+            "admission": {
+                "default_limit": {"rate": 2000.0, "burst": 20000.0},
+                "kv_high_water": 0.9,
+                "long_prompt_tokens": 128,
+                "kv_pressure_action": "queue",
+                "queue_timeout_s": 2.0,
+            },
+        }
+    )
+    srv = BackgroundServer(create_app(cfg)).start()
+    state = srv.app.state.serving
+    try:
+        t0 = time.perf_counter()
+        results = asyncio.run(drive(srv.base_url, specs, args.clients))
+        wall = time.perf_counter() - t0
+        deadline = time.monotonic() + 30
+        while state.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        snap = dict(state.loop.metrics_snapshot)
+    finally:
+        srv.stop()
+    eng = state.engine
+    kv = eng.kv_cache_manager
+    kv.check_integrity()
+    clean = {
+        "free_blocks": kv.num_free_blocks,
+        "usable_blocks": eng.cache_spec.num_blocks - 1,
+        "running": eng.scheduler.num_running,
+        "waiting": eng.scheduler.num_waiting,
+        "kv_reserved_blocks": state.kv_budget.reserved_blocks,
+    }
+    by = Counter((r["kind"], r.get("status")) for r in results)
+    bad = [r for r in results if not r.get("ok")]
+    done = [r for r in results if r["kind"] == "valid" and r.get("status") == 200]
+    tokens = sum(r.get("tokens", 0) for r in done if "tokens" in r)
+    # streamed completions report no usage; count their tokens from the engine counter
+    gen_total = snap.get("kvpage:generation_tokens_total", 0.0)
+    summary = {
+        "requests": len(results),
+        "outcomes": {f"{k}:{s}": n for (k, s), n in sorted(by.items(), key=str)},
+        "lost_or_wrong": len(bad),
+        "wall_s": round(wall, 2),
+        "completed_requests_per_s": round(len(done) / wall, 2),
+        "generated_tokens_per_s_engine": round(gen_total / wall, 1),
+        "non_streamed_completion_tokens": tokens,
+        "ttft_s_streamed": pct(
+            [r["ttft"] for r in results if "ttft" in r and r["kind"] == "valid"]
+        ),
+        "e2e_s": pct([r["e2e"] for r in done if "e2e" in r]),
+        "engine": {k: v for k, v in snap.items() if k.endswith("_total")},
+        "after_run": clean,
+    }
+    print(json.dumps(summary, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=2)
+    ok = (
+        not bad
+        and len(results) == len(specs)
+        and clean["free_blocks"] == clean["usable_blocks"]
+        and clean["running"] == clean["waiting"] == clean["kv_reserved_blocks"] == 0
+    )
+    if bad:
+        print("FAILED requests:", bad[:10], file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
