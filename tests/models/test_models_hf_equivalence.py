@@ -52,10 +52,10 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def make_hf_model(arch: str, seed: int = 0) -> Any:
+def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
     cfg_name, model_name, extra = ARCHS[arch]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, cfg_name)(**{**COMMON, **extra})
+    cfg = getattr(transformers, cfg_name)(**{**COMMON, **extra, **overrides})
     cfg._attn_implementation = "eager"
     model = getattr(transformers, model_name)(cfg).eval()
     with torch.no_grad():
@@ -134,6 +134,47 @@ def test_cache_spec_from_config(arch: str) -> None:
         assert all(a.sliding_window == 6 for a in spec.layers)
 
 
+ROPES = {
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,  # puts head_dim 16's bands on all 3 sides
+        "rope_theta": 500.0,
+    },
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_scaled_rope_equals_transformers(rope: str) -> None:
+    hf = make_hf_model("llama", seed=4, rope_parameters=dict(ROPES[rope]))
+    model = load_model(hf)
+    assert model.arch.rope_scaling is not None
+    assert model.arch.rope_scaling["rope_type"] == rope
+    d = PagedGreedyDriver(model, get_test_backend(), block_size=8, num_blocks=24, seed=2)
+    d.add(PROMPTS[2], chunk=6)
+    d.add(PROMPTS[0])
+    d.run(40)  # positions up to 60
+    for s in d.seqs:
+        ref = hf_teacher_forced_logits(hf, s.tokens, s.prompt_len)
+        torch.testing.assert_close(torch.stack(s.logits), ref, atol=1e-4, rtol=0)
+
+
+def test_rope_config_forms() -> None:
+    from kvpage.models.config import rope_of
+
+    assert rope_of({"rope_theta": 5e5, "rope_scaling": None}) == (5e5, None)
+    assert rope_of({"rope_parameters": {"rope_type": "default", "rope_theta": 7.0}}) == (7.0, None)
+    theta, sc = rope_of({"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert theta == 1e4 and sc == {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(SpecError, match="factor"):
+        rope_of({"rope_scaling": {"rope_type": "linear"}})
+    with pytest.raises(SpecError, match="partial_rotary_factor"):
+        rope_of({"partial_rotary_factor": 0.5})
+
+
 def test_hf_folder_round_trip(tmp_path: Path) -> None:
     hf = make_hf_model("llama", seed=1)
     hf.save_pretrained(tmp_path)
@@ -158,7 +199,7 @@ def test_hf_folder_with_tokenizer(tmp_path: Path) -> None:
 
 def test_unsupported_configs_are_refused(tmp_path: Path) -> None:
     hf = make_hf_model("llama")
-    hf.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    hf.config.rope_parameters = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}
     with pytest.raises(SpecError, match="rope"):
         load_model(hf)
     (tmp_path / "config.json").write_text('{"model_type": "gpt_neox"}')

@@ -39,6 +39,7 @@ class ArchConfig:
         rms_norm_eps: RMSNorm epsilon.
         rope_theta: RoPE base (``rope_parameters.rope_theta`` in transformers 5,
             ``rope_theta`` before).
+        rope_scaling: None, or ``linear`` / ``llama3`` scaling parameters (``rope_of``).
         qkv_bias / o_bias / mlp_bias: which projections carry a bias (Qwen2: q, k, v
             only; Llama: ``attention_bias`` for all four, ``mlp_bias``).
         activation: ``silu`` | ``gelu_tanh`` | ``gelu`` (gate activation of the GLU MLP).
@@ -69,6 +70,7 @@ class ArchConfig:
     embed_scale: float | None
     final_logit_softcap: float | None
     max_position_embeddings: int
+    rope_scaling: dict[str, Any] | None = None
 
 
 def _req(cfg: Mapping[str, Any], key: str) -> Any:
@@ -77,24 +79,56 @@ def _req(cfg: Mapping[str, Any], key: str) -> Any:
     return cfg[key]
 
 
-def rope_theta_of(cfg: Mapping[str, Any]) -> float:
-    """RoPE base of an HF config; refuses scaled RoPE variants.
+#: RoPE variants implemented (HF ``rope_type`` names)
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_of(cfg: Mapping[str, Any]) -> tuple[float, dict[str, float] | None]:
+    """RoPE base and scaling of an HF config (transformers 5 ``rope_parameters`` or the
+    older top-level ``rope_theta`` + ``rope_scaling``).
+
+    Returns:
+        ``(theta, scaling)``; ``scaling`` is None for plain RoPE, else a dict with
+        ``rope_type`` (``linear`` | ``llama3``) and its parameters.
 
     Raises:
-        SpecError: ``rope_scaling``/``rope_parameters`` ask for a rope type other than
-            ``default`` (linear, dynamic, yarn, llama3 ... are not implemented).
+        SpecError: a rope type other than default/linear/llama3 (dynamic, yarn, longrope
+            ... are not implemented), or ``partial_rotary_factor`` != 1.
     """
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
-    for src in (params, scaling):
-        if isinstance(src, Mapping):
-            kind = src.get("rope_type", src.get("type", "default"))
-            if kind not in (None, "default"):
-                raise SpecError(f"config.rope_scaling: expected rope_type 'default', got {kind!r}")
     theta = params.get("rope_theta") if isinstance(params, Mapping) else None
     if theta is None:
         theta = cfg.get("rope_theta", 10000.0)
-    return float(theta)
+    found: dict[str, Any] | None = None
+    for src in (params, scaling):
+        if not isinstance(src, Mapping):
+            continue
+        kind = src.get("rope_type", src.get("type", "default")) or "default"
+        if kind not in ROPE_TYPES:
+            raise SpecError(
+                f"config.rope_scaling: expected rope_type in {ROPE_TYPES}, got {kind!r}"
+            )
+        if kind != "default" and found is None:
+            found = {k: v for k, v in src.items() if k not in ("type", "rope_theta")}
+            found["rope_type"] = kind
+    prf = (params.get("partial_rotary_factor") if isinstance(params, Mapping) else None) or cfg.get(
+        "partial_rotary_factor", 1.0
+    )
+    if float(prf) != 1.0:
+        raise SpecError(f"config.partial_rotary_factor: expected 1.0, got {prf}")
+    if found is not None and found.get("factor") is None:
+        raise SpecError(f"config.rope_scaling.factor: expected a number, got {found!r}")
+    if found is not None and found["rope_type"] == "llama3":
+        found.setdefault(
+            "original_max_position_embeddings", cfg.get("max_position_embeddings") or 8192
+        )
+    return float(theta), found
+
+
+def rope_theta_of(cfg: Mapping[str, Any]) -> float:
+    """RoPE base of an HF config (see ``rope_of``)."""
+    return rope_of(cfg)[0]
 
 
 def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
@@ -120,6 +154,7 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
     attn_bias = bool(cfg.get("attention_bias", False))
     is_gemma = mt == "gemma2"
     cap = cfg.get("final_logit_softcapping") if is_gemma else None
+    rope = rope_of(cfg)
     return ArchConfig(
         model_type=mt,
         vocab_size=int(_req(cfg, "vocab_size")),
@@ -130,7 +165,8 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
         num_kv_heads=kv_heads,
         head_dim=int(head_dim),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta_of(cfg),
+        rope_theta=rope[0],
+        rope_scaling=rope[1],
         qkv_bias=True if mt == "qwen2" else attn_bias,
         o_bias=False if mt == "qwen2" else attn_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)) if mt == "llama" else False,
@@ -144,4 +180,11 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
     )
 
 
-__all__ = ["ArchConfig", "SUPPORTED_MODEL_TYPES", "arch_from_hf", "rope_theta_of"]
+__all__ = [
+    "ROPE_TYPES",
+    "SUPPORTED_MODEL_TYPES",
+    "ArchConfig",
+    "arch_from_hf",
+    "rope_of",
+    "rope_theta_of",
+]

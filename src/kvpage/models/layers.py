@@ -10,7 +10,8 @@ layout (dimension ``j`` pairs with ``j + head_dim/2``) with
 
 from __future__ import annotations
 
-from typing import cast
+import math
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,34 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None = None
+) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` float32 of RoPE.
+
+    Plain: ``1 / theta ** (2j / head_dim)`` (RoFormer). ``linear``: divided by
+    ``factor`` (position interpolation, Chen et al., 2023). ``llama3`` (Meta's Llama 3.1
+    reference code): wavelengths ``2*pi/f`` shorter than
+    ``original_max_position_embeddings / high_freq_factor`` are kept, longer than
+    ``original / low_freq_factor`` divided by ``factor``, and in between blended with
+    ``s = (original / wavelen - low) / (high - low)``: ``(1 - s) * f / factor + s * f``.
+    """
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv / factor
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    smooth = (old / wavelen - low) / (high - low)
+    out = torch.where(wavelen > old / low, inv / factor, inv)
+    mid = (wavelen <= old / low) & (wavelen >= old / high)
+    return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, out)
+
+
 class RotaryEmbedding(nn.Module):
     """Cos/sin tables of RoPE, grown on demand, float32 like HF.
 
@@ -54,13 +83,20 @@ class RotaryEmbedding(nn.Module):
         head_dim: rotated dimensions per head (even).
         theta: base.
         max_positions: initial table length.
+        scaling: optional ``linear`` / ``llama3`` parameters (see ``rope_inv_freq``).
     """
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int = 2048) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        max_positions: int = 2048,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv = rope_inv_freq(head_dim, theta, scaling)
         self.register_buffer("inv_freq", inv, persistent=False)
         self.register_buffer("cos_table", torch.empty(0), persistent=False)
         self.register_buffer("sin_table", torch.empty(0), persistent=False)
@@ -204,4 +240,12 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-__all__ = ["MLP", "DecoderLayer", "PagedAttention", "RMSNorm", "RotaryEmbedding", "apply_rope"]
+__all__ = [
+    "rope_inv_freq",
+    "MLP",
+    "DecoderLayer",
+    "PagedAttention",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "apply_rope",
+]

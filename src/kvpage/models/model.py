@@ -70,7 +70,10 @@ class ModelRunnerModel(nn.Module):
         self.num_kv_groups = len(spec.kv_groups)
         self.model = _Backbone(self.arch, spec)
         self.rotary = RotaryEmbedding(
-            self.arch.head_dim, self.arch.rope_theta, min(self.arch.max_position_embeddings, 8192)
+            self.arch.head_dim,
+            self.arch.rope_theta,
+            min(self.arch.max_position_embeddings, 8192),
+            self.arch.rope_scaling,
         )
         self.lm_head: nn.Linear | None = None
         if not self.arch.tie_word_embeddings:
