@@ -294,3 +294,44 @@ def test_disconnect_while_waiting_non_streamed_aborts(server):
     assert 0 < generated < 400
     c = 'kvpage:request_cancellations_total{cause="client_disconnect"}'
     assert m[c] - base.get(c, 0.0) == 1
+
+
+def test_engine_refusal_and_step_failure(serve):
+    """A request the pool can never hold gets the engine's 400; an engine step that
+    raises fails its requests with 500, frees their blocks, and the server keeps serving."""
+    small = serve(engine={"num_blocks": 17})  # 16 usable blocks = 256 tokens
+    url = small.base_url + "/v1/completions"
+    body = {"model": "stories260K", "prompt": list(range(3, 203)), "max_tokens": 100}
+    r = httpx.post(url, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "engine_rejected"
+    m = wait_idle(small.base_url)
+    assert m['kvpage:server_requests_rejected_total{reason="exceeds_kv_capacity"}'] == 1
+    assert m["kvpage:requests_rejected_total"] == 1  # the engine's own counter
+
+    engine = small.app.state.serving.engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    engine.step = flaky_step
+    try:
+        r = httpx.post(
+            url,
+            json={"model": "stories260K", "prompt": "Once", "max_tokens": 20, "ignore_eos": True},
+            timeout=30,
+        )
+        assert r.status_code == 500 and "injected step failure" in r.json()["error"]["message"]
+        m = wait_idle(small.base_url)
+        assert m["kvpage:engine_step_errors_total"] == 1
+        ok = httpx.post(
+            url, json={"model": "stories260K", "prompt": "Once", "max_tokens": 4}, timeout=30
+        )
+        assert ok.status_code == 200
+    finally:
+        del engine.step

@@ -41,11 +41,13 @@ class StepStats:
         duration_s: wall time of ``engine.step()`` in seconds.
         num_outputs: request outputs the step returned.
         metrics: ``engine.get_metrics()`` right after the step.
+        failed: the step raised (its requests were failed and aborted).
     """
 
     duration_s: float
     num_outputs: int
     metrics: Mapping[str, float]
+    failed: bool = False
 
 
 @dataclass
@@ -101,11 +103,10 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Abort every live request, stop the thread and wait for it (bounded)."""
+        """Stop the thread and wait for it (bounded); it aborts every live request and
+        fails every waiting handler with :class:`EngineFailure` on its way out."""
         if self._thread is None:
             return
-        for rid in list(self._streams):
-            self.abort_nowait(rid)
         self._stop.set()
         self._commands.put(_Command("wake"))
         self._thread.join(timeout_s)
@@ -219,50 +220,66 @@ class AsyncEngine:
             if isinstance(item, EngineFailure) or getattr(item, "finished", False):
                 self._streams.pop(request_id, None)
 
-    def _run(self) -> None:
-        loop = self._loop
-        assert loop is not None
-        while not self._stop.is_set():
-            busy = self.engine.has_unfinished_requests()
-            self._drain(block=not busy)
-            if self._stop.is_set():
-                break
-            if not self.engine.has_unfinished_requests():
-                self.metrics_snapshot = dict(self.engine.get_metrics())
-                continue
-            t0 = time.perf_counter()
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:
-                logger.exception("engine loop: step failed; failing all live requests")
-                for rid in list(self._live):
-                    try:
-                        self.engine.abort_request(rid)
-                    except Exception:
-                        logger.exception("engine loop: abort of %s failed", rid)
-                    loop.call_soon_threadsafe(self._deliver, rid, EngineFailure(str(exc)))
-                self._live.clear()
-                outputs = []
-                dt = time.perf_counter() - t0
-            else:
-                dt = time.perf_counter() - t0
-                for out in outputs:
-                    if out.finished:
-                        self._live.discard(out.request_id)
-                    loop.call_soon_threadsafe(self._deliver, out.request_id, out)
-            snap = dict(self.engine.get_metrics())
-            self.metrics_snapshot = snap
-            if self._on_step is not None:
-                try:
-                    self._on_step(StepStats(dt, len(outputs), snap))
-                except Exception:
-                    logger.exception("engine loop: on_step callback failed")
-        # Leaving: abort whatever is still live so the pool ends empty.
+    def _fail_all(self, message: str) -> None:
+        # Runs on the event loop: every waiting handler gets an EngineFailure.
+        for rid in list(self._streams):
+            self._deliver(rid, EngineFailure(message))
+
+    def _abort_live(self, why: str) -> None:
         for rid in list(self._live):
             try:
                 self.engine.abort_request(rid)
             except Exception:
-                logger.exception("engine loop: abort of %s at shutdown failed", rid)
+                logger.exception("engine loop: abort of %s (%s) failed", rid, why)
         self._live.clear()
-        self._drain(block=False)
-        self.metrics_snapshot = dict(self.engine.get_metrics())
+
+    def _run(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_unfinished_requests()
+                self._drain(block=not busy)
+                if self._stop.is_set():
+                    break
+                if not self.engine.has_unfinished_requests():
+                    self.metrics_snapshot = dict(self.engine.get_metrics())
+                    continue
+                self._step(loop)
+        except BaseException:
+            logger.exception("engine loop: crashed; failing all requests")
+            raise
+        finally:
+            # Leaving (stop or crash): abort whatever is still live so the pool ends empty,
+            # and fail every handler still waiting so none hangs.
+            self._abort_live("shutdown")
+            self._drain(block=False)
+            self._abort_live("shutdown")
+            self.metrics_snapshot = dict(self.engine.get_metrics())
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self._fail_all, "engine loop stopped")
+
+    def _step(self, loop: asyncio.AbstractEventLoop) -> None:
+        t0 = time.perf_counter()
+        failed = False
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine loop: step failed; failing its requests")
+            failed = True
+            outputs = []
+            for rid in list(self._live):
+                loop.call_soon_threadsafe(self._deliver, rid, EngineFailure(str(exc)))
+            self._abort_live("step failure")
+        dt = time.perf_counter() - t0
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+            loop.call_soon_threadsafe(self._deliver, out.request_id, out)
+        snap = dict(self.engine.get_metrics())
+        self.metrics_snapshot = snap
+        if self._on_step is not None:
+            try:
+                self._on_step(StepStats(dt, len(outputs), snap, failed))
+            except Exception:
+                logger.exception("engine loop: on_step callback failed")

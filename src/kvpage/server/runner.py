@@ -25,7 +25,13 @@ def run_server(config: ServerConfig, app: Any | None = None) -> None:
         from kvpage.server.app import create_app
 
         app = create_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        timeout_graceful_shutdown=30,  # in-flight streams get 30 s to finish, then are cut
+    )
 
 
 class BackgroundServer:

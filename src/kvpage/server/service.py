@@ -116,6 +116,8 @@ class ServingState:
 
     # ------------------------------------------------------------ engine thread hook
     def _on_step(self, st: StepStats) -> None:
+        if st.failed:
+            self.metrics.step_failures.inc()
         prev, cur = self._prev_snapshot, st.metrics
         self._prev_snapshot = dict(cur)
         if st.duration_s <= 0:
