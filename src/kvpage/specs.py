@@ -296,11 +296,16 @@ def _validated(model: type[BaseModel], data: Mapping[str, Any]) -> Any:
 
 
 def _format_validation(e: ValidationError, what: str) -> str:
-    parts = []
+    parts: list[str] = []
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or what
+        loc = ".".join(str(x) for x in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg} (got {err.get('input')!r})" if "got" not in msg else msg)
+        if "got" in msg:  # our own "name: expected X, got Y" (a model validator)
+            part = f"{loc}: {msg}" if loc else msg
+        else:
+            part = f"{loc or what}: {msg} (got {err.get('input')!r})"
+        if part not in parts:  # the same fault in many layers is reported once per layer
+            parts.append(part)
     return f"invalid {what}: " + "; ".join(parts)
 
 
