@@ -1,0 +1,396 @@
+"""The CuPy backend: raw CUDA C kernels (``kernels/*.cu``) loaded with ``cupy.RawModule``.
+
+cupy is imported lazily (inside methods): importing this module needs only torch. Torch
+tensors reach the kernels zero-copy as raw device pointers (``data_ptr``) plus element
+strides, on torch's current stream (``cupy.cuda.ExternalStream``), so no tensor is ever
+copied or converted to a cupy array. Templates are instantiated per call signature by
+NVRTC (``name_expressions``) and cached per process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from functools import cache
+from typing import Any
+
+import numpy as np
+import torch
+from kvpage_numba import checks
+
+from kvpage.attention.metadata import FP8_MAX, MODEL_DTYPES, AttentionMetadata, KVCache
+from kvpage.attention.metadata import allocate_kv_cache as _allocate
+from kvpage.attention.protocol import BackendCapabilities
+from kvpage.errors import ShapeError
+from kvpage.specs import AttentionSpec, CacheSpec
+from kvpage_cupy import templates
+
+#: the attention kernel's threads per block (NUM_WARPS * 32 in attention.cu)
+ATTENTION_THREADS = 128
+
+
+@cache
+def _function(source: str, expr: str, options: tuple[str, ...]) -> Any:
+    """Compile (once per process) and return the kernel named by ``expr``."""
+    import cupy
+
+    mod = cupy.RawModule(
+        code=templates.read_source(source), options=options, name_expressions=[expr]
+    )
+    return mod.get_function(expr)
+
+
+def _i64(x: int) -> Any:
+    return np.int64(x)
+
+
+def _i32(x: int) -> Any:
+    return np.int32(x)
+
+
+def _f32(x: float) -> Any:
+    return np.float32(x)
+
+
+def _ptr(t: torch.Tensor) -> Any:
+    return np.uint64(t.data_ptr())
+
+
+class CupyBackend:
+    """Paged attention with raw CUDA C kernels through CuPy (CUDA GPUs, sm_80+).
+
+    Args:
+        num_splits: force this many KV splits for attention; ``None`` = split when
+            ``num_tokens * num_q_heads / GT`` blocks would not fill twice the SM count,
+            into chunks of at least 256 keys (at most 64 splits).
+    """
+
+    name = "cupy"
+    capabilities = BackendCapabilities(
+        devices=frozenset({"cuda"}),
+        max_head_dim=templates.MAX_HEAD_DIM,
+        min_compute_capability=(8, 0),
+        notes=("head_dim templated per size (NVRTC instance per head_dim)",),
+    )
+
+    def __init__(self, *, num_splits: int | None = None) -> None:
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
+        self.num_splits = num_splits
+
+    # ---- capability -------------------------------------------------------------------
+    def unsupported_reasons(self, spec: CacheSpec, device: torch.device | str) -> list[str]:
+        """Why this backend cannot run ``spec`` on ``device`` (empty = it can)."""
+        dev = torch.device(device)
+        reasons: list[str] = []
+        if importlib.util.find_spec("cupy") is None:
+            reasons.append("cupy is not installed (pip install kvpage[cupy])")
+        elif dev.type != "cuda":
+            reasons.append(f"device: expected cuda, got {dev.type}")
+        else:
+            reasons.extend(_cuda_reasons(dev))
+        for i, layer in enumerate(spec.layers):
+            if layer.head_dim > templates.MAX_HEAD_DIM:
+                reasons.append(
+                    f"layers[{i}].head_dim: expected <= {templates.MAX_HEAD_DIM}, "
+                    f"got {layer.head_dim}"
+                )
+                break
+        return reasons
+
+    def kv_cache_shape(self, spec: CacheSpec, layer_id: int) -> tuple[int, ...]:
+        """``(2, num_blocks, block_size, num_kv_heads, head_dim)`` (the canonical layout)."""
+        a = spec.layers[layer_id]
+        return (2, spec.num_blocks, spec.block_size, a.num_kv_heads, a.head_dim)
+
+    def allocate_kv_cache(
+        self, spec: CacheSpec, layer_id: int, device: torch.device | str
+    ) -> KVCache:
+        """A zeroed cache for layer ``layer_id`` (fp8 scales 1.0) on ``device``."""
+        _, _, bs, h, d = self.kv_cache_shape(spec, layer_id)
+        return _allocate(
+            spec.num_blocks,
+            bs,
+            h,
+            d,
+            dtype=MODEL_DTYPES[spec.dtype],
+            kv_dtype=spec.kv_dtype,
+            kv_scale_granularity=spec.kv_scale_granularity,
+            device=device,
+        )
+
+    def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Store the row -> (sequence, position) map as int32 device tensors in
+        ``meta.extras["cupy"]`` (from host lists: no sync). Returns ``meta``."""
+        seq, pos = checks.plan_token_map(meta)
+        dev = meta.seq_lens.device
+        meta.extras["cupy"] = (
+            torch.tensor(seq, dtype=torch.int32, device=dev),
+            torch.tensor(pos, dtype=torch.int32, device=dev),
+        )
+        return meta
+
+    # ---- launching -------------------------------------------------------------------------
+    def _run(self, fn: Any, grid: tuple[int, ...], block: int, args: tuple, dev: torch.device) -> None:  # fmt: skip
+        import cupy
+
+        with cupy.cuda.Device(dev.index or 0):
+            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream)
+            with stream:
+                fn(grid, (block,), args)
+
+    @staticmethod
+    def _kernel(source: str, expr: str) -> Any:
+        import cupy
+
+        return _function(source, expr, templates.compile_options(cupy.cuda.get_cuda_path()))
+
+    @staticmethod
+    def _require_cuda(t: torch.Tensor) -> None:
+        """The kernels take CUDA memory with a unit innermost stride."""
+        if t.device.type != "cuda":
+            raise ShapeError(f"cache.kv.device: expected cuda, got {t.device}")
+        if t.stride(-1) != 1:
+            raise ShapeError(f"cache.kv.stride(-1): expected 1, got {t.stride(-1)}")
+
+    @staticmethod
+    def _fp8_scales(cache: KVCache) -> torch.Tensor:
+        h = cache.num_kv_heads
+        if cache.k_scale is None or cache.v_scale is None:
+            return torch.ones((2, h), dtype=torch.float32, device=cache.kv.device)
+        return torch.stack([cache.k_scale.expand(h), cache.v_scale.expand(h)]).contiguous()
+
+    # ---- write -------------------------------------------------------------------------------
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store K/V at their slots (``AttentionBackend.write_kv``; formulas in
+        ``kvpage.attention.quant``). Mutates ``cache.kv`` (and int8 ``token_scales``).
+
+        Raises:
+            ShapeError, DTypeError: see ``kvpage_numba.checks.check_write``; a cache
+                not on a CUDA device.
+        """
+        checks.check_write(key, value, cache, slot_mapping)
+        self._require_cuda(cache.kv)
+        n = key.shape[0]
+        if n == 0:
+            return
+        dev = cache.kv.device
+        key = key if key.stride(-1) == 1 else key.contiguous()
+        value = value if value.stride(-1) == 1 else value.contiguous()
+        slots = slot_mapping.to(torch.int64).contiguous()
+        ts = cache.token_scales
+        if ts is None:
+            ts = torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=dev)
+        fsc = self._fp8_scales(cache)
+        src, expr = templates.write_instance(key.dtype, cache.kv_dtype)
+        args = write_args(key, value, cache, slots, ts, fsc)
+        self._run(self._kernel(src, expr), (n, 2, cache.num_kv_heads), 32, args, dev)
+
+    # ---- attention ------------------------------------------------------------------------
+    def decode(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One query token per sequence (``AttentionBackend.decode``); split-KV when few
+        sequences would leave SMs idle.
+
+        Raises:
+            ShapeError, DTypeError: see ``kvpage_numba.checks.check_attention``.
+        """
+        checks.check_attention(query, cache, meta, spec, out, decode=True)
+        return self._attend(query, cache, meta, spec, out)
+
+    def prefill(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Varlen causal attention over cached context + new tokens
+        (``AttentionBackend.prefill``); decode rows may be mixed in.
+
+        Raises:
+            ShapeError, DTypeError: see ``kvpage_numba.checks.check_attention``.
+        """
+        checks.check_attention(query, cache, meta, spec, out, decode=False)
+        return self._attend(query, cache, meta, spec, out)
+
+    def choose_splits(self, blocks: int, max_keys: int, sms: int) -> int:
+        """KV splits for ``blocks`` (token, head-group) blocks of at most ``max_keys``
+        keys on a GPU with ``sms`` multiprocessors."""
+        if self.num_splits is not None:
+            return max(1, min(self.num_splits, max_keys))
+        if blocks >= 2 * sms:
+            return 1
+        return max(1, min(-(-2 * sms // blocks), max_keys // 256, 64))
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        self._require_cuda(cache.kv)
+        if out is None:
+            out = torch.empty_like(query)
+        n, hq, hd = query.shape
+        if n == 0:
+            return out
+        dev = cache.kv.device
+        if "cupy" not in meta.extras:
+            self.plan(meta)
+        token_seq, token_pos = meta.extras["cupy"]
+        q = query if query.stride(-1) == 1 else query.contiguous()
+        src, expr, gt = templates.attention_instance(
+            query.dtype, cache.kv_dtype, cache.kv.dtype, hd, spec.group_size
+        )
+        blocks = n * (hq // gt)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        max_keys = checks.max_keys_per_query(meta, spec)
+        splits = self.choose_splits(blocks, max_keys, sms)
+        chunk = -(-max_keys // splits)
+        o = out if out.is_contiguous() else torch.empty_like(query)
+        if splits > 1:
+            part_out = torch.empty((n, hq, splits, hd), dtype=torch.float32, device=dev)
+            part_lse = torch.empty((n, hq, splits), dtype=torch.float32, device=dev)
+        else:
+            part_out = part_lse = torch.empty(1, dtype=torch.float32, device=dev)
+        ts = cache.token_scales
+        if ts is None:
+            ts = torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=dev)
+        fsc = self._fp8_scales(cache)
+        bt = meta.block_tables.to(dev, torch.int32).contiguous()
+        args = attention_args(q, cache, ts, fsc, bt, token_seq, token_pos, o, part_out, part_lse, spec, chunk, splits)  # fmt: skip
+        grid = (n, hq // gt, splits)
+        self._run(self._kernel(src, expr), grid, ATTENTION_THREADS, args, dev)
+        if splits > 1:
+            rsrc, rexpr = templates.reduce_instance(query.dtype)
+            rargs = reduce_args(part_out, part_lse, o, splits, hd)
+            block = min(256, max(32, -(-hd // 32) * 32))
+            self._run(self._kernel(rsrc, rexpr), (n * hq,), block, rargs, dev)
+        if o is not out:
+            out.copy_(o)
+        return out
+
+    # ---- copy ---------------------------------------------------------------------------------
+    def copy_blocks(self, caches: list[KVCache], pairs: torch.Tensor) -> None:
+        """``cache[:, dst] = cache[:, src]`` for each pair in every cache, int8 token
+        scales included, bit-exact (raw words). Mutates ``caches``.
+
+        Raises:
+            ShapeError, DTypeError: see ``kvpage_numba.checks.check_pairs``; a cache not
+                contiguous or not on a CUDA device.
+        """
+        host = checks.check_pairs(caches, pairs)
+        for i, c in enumerate(caches):
+            self._require_cuda(c.kv)
+            for t in [c.kv] + ([c.token_scales] if c.token_scales is not None else []):
+                if not t.is_contiguous():
+                    raise ShapeError(f"caches[{i}]: expected contiguous tensors, got strides {t.stride()}")  # fmt: skip
+        if host.shape[0] == 0:
+            return
+        for c in caches:
+            dev = c.kv.device
+            p = host.to(dev).contiguous()
+            for t in [c.kv] + ([c.token_scales] if c.token_scales is not None else []):
+                block_bytes = t[0, 0].numel() * t.element_size()
+                src, expr, word = templates.copy_instance(block_bytes)
+                args = copy_args(t, word, p)
+                self._run(self._kernel(src, expr), (host.shape[0], 2), 256, args, dev)
+
+
+# ---- kernel arguments (in the order and C types of the kernels' parameter lists) ----------
+def write_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: KVCache,
+    slots: torch.Tensor,
+    ts: torch.Tensor,
+    fsc: torch.Tensor,
+) -> tuple[Any, ...]:
+    """Arguments of ``kvpage::write_kv`` (write_kv.cu)."""
+    kv = cache.kv
+    return (
+        _ptr(key), _i64(key.stride(0)), _i64(key.stride(1)),
+        _ptr(value), _i64(value.stride(0)), _i64(value.stride(1)),
+        _ptr(kv), *(_i64(s) for s in kv.stride()[:4]),
+        _ptr(ts), *(_i64(s) for s in ts.stride()),
+        _ptr(fsc), _ptr(slots),
+        _i32(cache.num_kv_heads), _i32(cache.head_dim), _i32(cache.block_size),
+        _f32(FP8_MAX.get(kv.dtype, 0.0)),
+    )  # fmt: skip
+
+
+def attention_args(
+    q: torch.Tensor,
+    cache: KVCache,
+    ts: torch.Tensor,
+    fsc: torch.Tensor,
+    bt: torch.Tensor,
+    token_seq: torch.Tensor,
+    token_pos: torch.Tensor,
+    o: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    spec: AttentionSpec,
+    chunk: int,
+    splits: int,
+) -> tuple[Any, ...]:
+    """Arguments of ``kvpage::paged_attention`` (attention.cu)."""
+    kv = cache.kv
+    return (
+        _ptr(q), _i64(q.stride(0)), _i64(q.stride(1)),
+        _ptr(kv), *(_i64(s) for s in kv.stride()[:4]),
+        _ptr(ts), *(_i64(s) for s in ts.stride()),
+        _ptr(fsc), _ptr(bt), _i64(bt.stride(0)),
+        _ptr(token_seq), _ptr(token_pos),
+        _ptr(o), _ptr(part_out), _ptr(part_lse),
+        _i32(spec.num_q_heads), _i32(spec.num_kv_heads), _i32(cache.block_size),
+        _f32(spec.scale), _i32(spec.sliding_window or 0),
+        _f32(spec.logits_soft_cap or 0.0), _i32(chunk), _i32(splits),
+    )  # fmt: skip
+
+
+def reduce_args(
+    part_out: torch.Tensor, part_lse: torch.Tensor, o: torch.Tensor, splits: int, hd: int
+) -> tuple[Any, ...]:
+    """Arguments of ``kvpage::split_reduce`` (attention.cu)."""
+    return (_ptr(part_out), _ptr(part_lse), _ptr(o), _i32(splits), _i32(hd))
+
+
+def copy_args(t: torch.Tensor, word: int, pairs: torch.Tensor) -> tuple[Any, ...]:
+    """Arguments of ``kvpage::copy_blocks`` (copy_blocks.cu) for contiguous ``t``
+    ``[2, num_blocks, ...]`` copied in ``word``-byte units."""
+    words = t[0, 0].numel() * t.element_size() // word
+    return (
+        _ptr(t), _i64(t.stride(0) * t.element_size() // word), _i64(words), _i64(words),
+        _ptr(pairs),
+    )  # fmt: skip
+
+
+def _cuda_reasons(dev: torch.device) -> list[str]:
+    """Reasons a CUDA device cannot run the kernels (no driver/device, compute < 8.0)."""
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # driver missing or too old: a reason, never a crash
+        return [f"cupy cannot reach a CUDA device: {type(e).__name__}: {e}"]
+    idx = dev.index or 0
+    if idx >= count:
+        return [f"device: expected a CUDA device index < {count}, got {idx}"]
+    cc = int(cupy.cuda.Device(idx).compute_capability)  # e.g. "90"
+    if cc < 80:
+        return [
+            f"compute capability: expected >= 8.0 (bf16/fp8 conversions), got {cc // 10}.{cc % 10}"
+        ]
+    return []
