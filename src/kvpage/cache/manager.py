@@ -414,7 +414,9 @@ class KVCacheManager:
             AllocationError: unknown request, or ``num_computed_tokens`` above the
                 allocated tokens or ``len(token_ids)``.
         """
-        req = self._get(request_id)
+        req = self._reqs.get(request_id)
+        if req is None:
+            req = self._get(request_id)  # raises
         if num_computed_tokens > req.num_tokens or num_computed_tokens > len(token_ids):
             raise AllocationError(
                 f"num_computed_tokens: expected <= min(allocated={req.num_tokens}, "
