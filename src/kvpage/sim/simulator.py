@@ -209,7 +209,8 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=mml,
     )
-    mapper = TokenMapper(seed=cfg.seed, vocab_size=cfg.vocab_size)
+    hb = trace.hash_block_tokens if isinstance(trace, Trace) else 512
+    mapper = TokenMapper(seed=cfg.seed, vocab_size=cfg.vocab_size, hash_block_tokens=hb)
     bs = 1 if isinstance(kv, ContiguousAllocator) else cfg.block_size
     arrivals = [(r.arrival_s * cfg.time_scale, i) for i, r in enumerate(reqs)]
     heapq.heapify(arrivals)
