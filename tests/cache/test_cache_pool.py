@@ -1,0 +1,95 @@
+"""BlockPool / FreeBlockQueue behaviour and the integrity checks' error messages."""
+
+from __future__ import annotations
+
+import pytest
+from cache_helpers import make_spec
+
+from kvpage.cache import BlockPool, FreeBlockQueue, KVBlock, KVCacheManager
+from kvpage.errors import AllocationError, IntegrityError
+
+
+def test_free_queue_o1_removal_keeps_order() -> None:
+    blocks = [KVBlock(i) for i in range(1, 6)]
+    q = FreeBlockQueue(blocks)
+    q.remove(blocks[2])  # from the middle
+    assert q.ids() == [1, 2, 4, 5] and len(q) == 4
+    q.remove(blocks[0])  # the head
+    q.remove(blocks[4])  # the tail
+    assert q.ids() == [2, 4]
+    q.appendleft(blocks[0])
+    q.append(blocks[4])
+    assert q.ids() == [1, 2, 4, 5]
+    assert q.popleft() is blocks[0] and q.ids() == [2, 4, 5]
+    assert blocks[0].prev_free is None and blocks[0].next_free is None
+    for _ in range(3):
+        q.popleft()
+    with pytest.raises(AllocationError):
+        q.popleft()
+
+
+def test_pool_rejects_too_few_blocks() -> None:
+    with pytest.raises(AllocationError, match="num_blocks"):
+        BlockPool(1)
+    pool = BlockPool(3)
+    with pytest.raises(AllocationError):
+        pool.allocate(3)  # only 2 usable: nothing taken
+    assert pool.num_free == 2
+
+
+def test_eviction_order_lru_last_blocks_first() -> None:
+    mgr = KVCacheManager(make_spec(9, 2))  # 8 usable blocks
+    pool = mgr.pools[0]
+    a, b = list(range(6)), list(range(100, 106))
+    for rid, toks in (("a", a), ("b", b)):
+        assert mgr.allocate(rid, toks, 6) is not None
+        mgr.commit(rid, toks, 6)
+    ta, tb = mgr.block_table("a"), mgr.block_table("b")
+    mgr.free("a")
+    mgr.free("b")
+    # 2 never-used blocks first, then a's blocks last-first, then b's
+    order = pool.free_queue.ids()
+    assert order[2:] == ta[::-1] + tb[::-1]
+    assert all(pool.blocks[x].block_hash is None for x in order[:2])
+    # a partial (uncached) block goes to the head: reused before any cached block
+    assert mgr.allocate("c", [7, 7, 7], 3) is not None
+    tc = mgr.block_table("c")
+    mgr.commit("c", [7, 7, 7], 3)  # block 0 of c is cached, block 1 (partial) is not
+    mgr.free("c")
+    assert pool.free_queue.ids()[0] == tc[1]
+    assert pool.free_queue.ids()[-1] == tc[0]
+    # a hit revives a's first block from the middle of the queue
+    assert mgr.get_num_cached_tokens(a) == 4
+    before = mgr.stats.evictions
+    assert mgr.allocate("d", a, 2, num_cached_tokens=4) is not None
+    assert mgr.block_table("d")[:2] == ta[:2]
+    assert mgr.stats.evictions == before  # the uncached head block served the new one
+    mgr.check_integrity()
+
+
+def test_integrity_errors_carry_numbers() -> None:
+    mgr = KVCacheManager(make_spec(6, 2))
+    assert mgr.allocate("a", [1, 2, 3], 3) is not None
+    mgr.commit("a", [1, 2, 3], 3)
+    mgr.check_integrity()
+    pool = mgr.pools[0]
+    b = pool.blocks[mgr.block_table("a")[0]]
+    b.ref_cnt += 1
+    with pytest.raises(IntegrityError, match=r"ref_cnt 2 but 1 block tables hold it"):
+        mgr.check_integrity()
+    b.ref_cnt -= 1
+    h = b.block_hash
+    assert h is not None
+    pool.cached[h] = pool.blocks[5]
+    with pytest.raises(IntegrityError, match="hash"):
+        mgr.check_integrity()
+    pool.cached[h] = b
+    pool.free_queue.num_free += 1
+    with pytest.raises(IntegrityError, match=r"expected length 4, got 3"):
+        mgr.check_integrity()
+    pool.free_queue.num_free -= 1
+    mgr._reqs["a"].num_tokens = 9
+    with pytest.raises(IntegrityError, match=r"expected 5 blocks for 9 tokens, got 2"):
+        mgr.check_integrity()
+    mgr._reqs["a"].num_tokens = 3
+    mgr.check_integrity()
