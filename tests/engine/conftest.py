@@ -9,19 +9,14 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from engine_harness import hf_greedy  # noqa: E402
+from engine_harness import hf_greedy, one_torch_thread  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _one_torch_thread() -> Any:
-    """The models here are tiny: on a shared 2-core machine torch's intra-op threads
-    cost far more than they save (measured 30x on a 256x64 matmul under load)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    """Every engine test runs with one torch thread (see ``one_torch_thread``)."""
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="session")
