@@ -207,3 +207,19 @@ def test_unsupported_configs_are_refused(tmp_path: Path) -> None:
         load_model(tmp_path)
     with pytest.raises(SpecError, match="config.json"):
         load_model(tmp_path / "..")
+
+
+def test_hf_folder_bare_tokenizer_json_and_eos_list(tmp_path: Path) -> None:
+    from test_models_tokenizer import _tiny_hf_tokenizer
+
+    hf = make_hf_model("llama", seed=2, eos_token_id=[2, 3])
+    hf.save_pretrained(tmp_path)
+    _tiny_hf_tokenizer().backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    model = load_model(tmp_path)
+    tok = model.tokenizer
+    assert isinstance(tok, HFTokenizer)
+    assert tok.eos_id == 2 and tok.stop_token_ids == (2, 3)
+    assert tok.decode(tok.encode("a cat", bos=False)) == "a cat"
+    # without a tokenizer: bytes, and every EOS id of the config stops
+    byte_tok = load_model(hf).tokenizer
+    assert isinstance(byte_tok, ByteTokenizer) and byte_tok.stop_token_ids == (2, 3)

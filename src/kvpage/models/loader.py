@@ -86,7 +86,7 @@ def load_model(
         sd = _read_weights(path)
         if tok is None and any((path / f).is_file() for f in _TOKENIZER_FILES):
             tok = HFTokenizer.from_pretrained(
-                path, bos_id=cfg.get("bos_token_id"), eos_id=_first_id(cfg.get("eos_token_id"))
+                path, bos_id=cfg.get("bos_token_id"), eos_id=cfg.get("eos_token_id")
             )
         return _build(cfg, sd, tok, dtype, device)
     raise SpecError(
@@ -167,12 +167,6 @@ def _as_tokenizer(tok: Any) -> Tokenizer | None:
     if hasattr(tok, "encode") and hasattr(tok, "decode"):
         return HFTokenizer(tok)
     raise SpecError(f"tokenizer: expected a tokenizer, got {type(tok).__name__}")
-
-
-def _first_id(x: Any) -> int | None:
-    if isinstance(x, (list, tuple)):
-        return int(x[0]) if x else None
-    return None if x is None else int(x)
 
 
 def _hf_config_dict(config: Any) -> dict[str, Any]:

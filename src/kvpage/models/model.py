@@ -81,7 +81,7 @@ class ModelRunnerModel(nn.Module):
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer(
             self.arch.vocab_size,
             self.config.get("bos_token_id"),
-            _first(self.config.get("eos_token_id")),
+            self.config.get("eos_token_id"),
         )
         self.requires_grad_(False)
 
@@ -186,12 +186,6 @@ class ModelRunnerModel(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-
-def _first(x: Any) -> int | None:
-    if isinstance(x, (list, tuple)):
-        return int(x[0]) if x else None
-    return None if x is None else int(x)
 
 
 __all__ = ["ModelRunnerModel"]

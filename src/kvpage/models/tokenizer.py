@@ -252,17 +252,24 @@ class HFTokenizer:
 
     Args:
         tokenizer: a ``PreTrainedTokenizerBase`` (e.g. from ``AutoTokenizer``).
-        eos_id / bos_id: override the tokenizer's special ids (e.g. from config.json).
+        bos_id / eos_id: override the tokenizer's special ids (e.g. from config.json;
+            a list of EOS ids, as Llama 3 configs have, is allowed: the first is
+            ``eos_id`` and all of them are ``stop_token_ids``).
     """
 
     def __init__(
-        self, tokenizer: Any, *, bos_id: int | None = None, eos_id: int | None = None
+        self,
+        tokenizer: Any,
+        *,
+        bos_id: int | None = None,
+        eos_id: int | Sequence[int] | None = None,
     ) -> None:
         self.hf = tokenizer
         self.bos_id = bos_id if bos_id is not None else tokenizer.bos_token_id
-        self.eos_id = eos_id if eos_id is not None else tokenizer.eos_token_id
+        stops = _id_list(eos_id) or _id_list(tokenizer.eos_token_id)
+        self.eos_id: int | None = stops[0] if stops else None
         self.vocab_size = len(tokenizer)
-        self.stop_token_ids: tuple[int, ...] = () if self.eos_id is None else (int(self.eos_id),)
+        self.stop_token_ids: tuple[int, ...] = tuple(stops)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs: Any) -> HFTokenizer:
@@ -278,7 +285,13 @@ class HFTokenizer:
         try:
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as e:  # noqa: BLE001 - transformers raises many kinds
-            raise SpecError(f"tokenizer {path}: expected a loadable tokenizer, got {e}") from e
+            tok_json = Path(path) / "tokenizer.json"
+            if not tok_json.is_file():
+                raise SpecError(f"tokenizer {path}: expected a loadable tokenizer, got {e}") from e
+            # a bare tokenizer.json (no tokenizer_config.json): load it as it is
+            from transformers import PreTrainedTokenizerFast
+
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_json))
         return cls(tok, **kwargs)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
@@ -296,20 +309,32 @@ class HFTokenizer:
         return IncrementalDecoder(self, prefix_ids)
 
 
+def _id_list(x: Any) -> list[int]:
+    if x is None:
+        return []
+    if isinstance(x, (list, tuple)):
+        return [int(i) for i in x]
+    return [int(x)]
+
+
 class ByteTokenizer:
     """Fallback for models without a tokenizer (e.g. random-weight test models): ids
     0..255 are UTF-8 bytes, other ids produce no text.
 
     Args:
         vocab_size: the model's vocabulary size (>= 1).
-        bos_id / eos_id: from the model config (may be None).
+        bos_id / eos_id: from the model config (may be None; ``eos_id`` may be a list,
+            see HFTokenizer).
     """
 
-    def __init__(self, vocab_size: int, bos_id: int | None = None, eos_id: int | None = None):
+    def __init__(
+        self, vocab_size: int, bos_id: int | None = None, eos_id: int | Sequence[int] | None = None
+    ):
         self.vocab_size = int(vocab_size)
         self.bos_id = bos_id
-        self.eos_id = eos_id
-        self.stop_token_ids: tuple[int, ...] = () if eos_id is None else (int(eos_id),)
+        stops = _id_list(eos_id)
+        self.eos_id: int | None = stops[0] if stops else None
+        self.stop_token_ids: tuple[int, ...] = tuple(stops)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         """UTF-8 bytes of ``text`` as ids (BOS first if asked).
@@ -327,7 +352,7 @@ class ByteTokenizer:
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        specials = {self.bos_id, self.eos_id}
+        specials = {self.bos_id, *self.stop_token_ids}
         data = bytes(int(i) for i in ids if 0 <= int(i) < 256 and int(i) not in specials)
         return data.decode("utf-8", errors="replace")
 
