@@ -17,74 +17,15 @@ of the next query are released (table entry -> null block 0, C10).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
+from kvpage.cache.allocation import Allocation, CacheStats, RequestBlocks
 from kvpage.cache.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 from kvpage.cache.hashing import BlockHash, encode_extra_keys, iter_block_hashes, root_hash
 from kvpage.cache.integrity import check_manager_integrity
+from kvpage.cache.prefix import hit_blocks, longest_hit
 from kvpage.errors import AllocationError, SpecError
 from kvpage.specs import CacheSpec
-
-
-@dataclass(slots=True)
-class Allocation:
-    """What one ``allocate`` call did.
-
-    Attributes:
-        num_cached_tokens: prefix-hit tokens taken on this call (0 on later calls).
-        new_blocks: per group, block ids appended to that group's block table.
-        copies: per group, copy-on-write ``(src, dst)`` block pairs the backend must
-            copy (all layers of the group) BEFORE this step's K/V are written.
-    """
-
-    num_cached_tokens: int
-    new_blocks: list[list[int]]
-    copies: list[list[tuple[int, int]]]
-
-
-@dataclass
-class CacheStats:
-    """Counters since construction (tokens and blocks; evictions summed over groups).
-
-    Attributes:
-        prefix_queries_tokens: prompt tokens of first allocations (prefix lookups taken).
-        prefix_hits_tokens: of those, tokens served from the prefix cache.
-        prefix_queries: first allocations (requests).
-        prefix_hits: first allocations with a non-zero hit.
-        evictions: cached blocks whose hash entry was dropped to reuse the block.
-        allocation_failures: ``allocate`` calls that returned None.
-        allocations: ``allocate`` calls that succeeded.
-        blocks_allocated: new blocks handed out (CoW copies included).
-        cow_copies: copy-on-write block copies.
-        window_blocks_freed: blocks released by sliding-window freeing.
-    """
-
-    prefix_queries_tokens: int = 0
-    prefix_hits_tokens: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    evictions: int = 0
-    allocation_failures: int = 0
-    allocations: int = 0
-    blocks_allocated: int = 0
-    cow_copies: int = 0
-    window_blocks_freed: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """``prefix_hits_tokens / prefix_queries_tokens`` (0.0 before any query)."""
-        q = self.prefix_queries_tokens
-        return self.prefix_hits_tokens / q if q else 0.0
-
-
-@dataclass
-class _Request:
-    tables: list[list[int]]
-    num_tokens: int
-    extra: bytes
-    hashes: list[BlockHash] = field(default_factory=list)
-    num_committed: int = 0
-    freed: list[int] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -124,11 +65,9 @@ class KVCacheManager:
             BlockPool(spec.num_blocks, enable_caching=enable_prefix_caching)
             for _ in range(self.num_groups)
         ]
-        self._full = [g for g, w in enumerate(self.windows) if w is None]
-        self._sliding = [(g, w) for g, w in enumerate(self.windows) if w is not None]
         self._simple = self.windows == [None]
         self._root = root_hash(hash_seed)
-        self._reqs: dict[str, _Request] = {}
+        self._reqs: dict[str, RequestBlocks] = {}
         self._stats = CacheStats()
         self.max_request_tokens = (spec.num_blocks - 1) * spec.block_size
 
@@ -191,36 +130,9 @@ class KVCacheManager:
         n = len(token_ids)
         if not self.enable_prefix_caching or n <= self.block_size:
             return 0
-        return self._longest_hit(token_ids, encode_extra_keys(cache_salt, adapter_id)) * (
-            self.block_size
-        )
-
-    def _longest_hit(self, token_ids: Sequence[int], extra: bytes) -> int:
-        bs = self.block_size
-        cap = (len(token_ids) - 1) // bs
-        full = [self.pools[g].cached for g in self._full]
-        hashes: list[BlockHash] = []
-        for h in iter_block_hashes(self._root, extra, token_ids, bs, 0, cap):
-            if any(h not in c for c in full):
-                break
-            hashes.append(h)
-        hb = len(hashes)
-        if not self._sliding or hb == 0:
-            return hb
-        runs = []
-        for g, _ in self._sliding:
-            cached, run, r = self.pools[g].cached, 0, []
-            for h in hashes:
-                run = run + 1 if h in cached else 0
-                r.append(run)
-            runs.append(r)
-        for nb in range(hb, 0, -1):
-            if all(
-                r[nb - 1] >= nb - max(0, nb * bs - w + 1) // bs
-                for r, (_, w) in zip(runs, self._sliding)
-            ):
-                return nb
-        return 0
+        extra = encode_extra_keys(cache_salt, adapter_id)
+        nb = longest_hit(self.pools, self.windows, self._root, extra, token_ids, self.block_size)
+        return nb * self.block_size
 
     # ---- allocation ---------------------------------------------------------------------
     def allocate(
@@ -361,20 +273,13 @@ class KVCacheManager:
                     f"got {h}"
                 )
             hashes = list(iter_block_hashes(self._root, extra, token_ids, bs, 0, hb))
-            for g, w in enumerate(self.windows):
-                lo = 0 if w is None else max(0, h - w + 1) // bs
-                cached = self.pools[g].cached
-                ids = [NULL_BLOCK_ID] * lo
-                for i in range(lo, hb):
-                    b = cached.get(hashes[i])
-                    if b is None:
-                        raise AllocationError(
-                            f"num_cached_tokens: expected <= the tokens cached now, got {h} "
-                            f"(block {i} of group {g} is not cached; call "
-                            "get_num_cached_tokens right before allocate)"
-                        )
-                    ids.append(b.block_id)
-                hit[g] = ids
+            found = hit_blocks(self.pools, self.windows, hashes, h, bs)
+            if isinstance(found, str):
+                raise AllocationError(
+                    f"num_cached_tokens: expected <= the tokens cached now, got {h} ({found}; "
+                    "call get_num_cached_tokens right before allocate)"
+                )
+            hit = found
         n_new = -(-(h + num_new_tokens) // bs) - hb
         for g, pool in enumerate(self.pools):
             blocks = pool.blocks
@@ -393,7 +298,7 @@ class KVCacheManager:
             new_blocks.append(ids)
             w = self.windows[g]
             freed.append(0 if w is None else max(0, h - w + 1) // bs)
-        self._reqs[request_id] = _Request(tables, h + num_new_tokens, extra, hashes, hb, freed)
+        self._reqs[request_id] = RequestBlocks(tables, h + num_new_tokens, extra, hashes, hb, freed)
         st = self._stats
         st.prefix_queries += 1
         st.prefix_queries_tokens += len(token_ids)
@@ -454,7 +359,7 @@ class KVCacheManager:
             raise AllocationError(f"child_id: expected a new request id, got {child_id!r}")
         for g, pool in enumerate(self.pools):
             pool.touch([pool.blocks[b] for b in p.tables[g] if b != NULL_BLOCK_ID])
-        self._reqs[child_id] = _Request(
+        self._reqs[child_id] = RequestBlocks(
             [list(t) for t in p.tables],
             p.num_tokens,
             p.extra,
@@ -487,7 +392,7 @@ class KVCacheManager:
         """Verify pool and table invariants. Raises IntegrityError with the numbers."""
         check_manager_integrity(self)
 
-    def _get(self, request_id: str) -> _Request:
+    def _get(self, request_id: str) -> RequestBlocks:
         req = self._reqs.get(request_id)
         if req is None:
             raise AllocationError(f"request_id: expected an allocated request, got {request_id!r}")
