@@ -37,6 +37,42 @@ METRIC_NAMES = (
 
 
 @dataclass
+class StepStats:
+    """Cumulative timing and token counts of ``LLMEngine.step`` (wall seconds from
+    ``time.perf_counter``).
+
+    Attributes:
+        schedule_s: in ``Scheduler.schedule`` (admission, allocation, preemption).
+        model_s: in ``ModelRunner.execute`` (metadata tensors, plan, forward).
+        sample_s: in the sampler.
+        update_s: in ``Scheduler.update`` (commit, append, fork, free) and building
+            the outputs.
+        prefill_tokens / decode_tokens: tokens computed as prompt (or recompute) chunks
+            and as single decode tokens.
+    """
+
+    num_steps: int = 0
+    num_seqs: int = 0
+    schedule_s: float = 0.0
+    model_s: float = 0.0
+    sample_s: float = 0.0
+    update_s: float = 0.0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    last_batch_size: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.model_s + self.sample_s + self.update_s
+
+    @property
+    def bookkeeping_share(self) -> float:
+        """Share of step time in scheduling and block bookkeeping (schedule + update)."""
+        t = self.total_s
+        return (self.schedule_s + self.update_s) / t if t > 0 else 0.0
+
+
+@dataclass
 class _Group:
     """Engine-side state of one user request."""
 
@@ -82,6 +118,7 @@ class LLMEngine:
             eos = self.model.config.get("eos_token_id")
             self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.stream_text = False
+        self.step_stats = StepStats()
         self._groups: dict[str, _Group] = {}
         self._arrivals = 0
         self._counters = {"prompt": 0, "generation": 0, "rejected": 0}
@@ -228,10 +265,14 @@ class LLMEngine:
             One RequestOutput per user request that progressed this step (got a token
             or finished), ``finished=True`` on the step it completes.
         """
+        st = self.step_stats
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        t1 = time.perf_counter()
         logits = self.runner.execute(out)
+        t2 = time.perf_counter()
         rows: list[int] = []
         params: list[SamplingParams] = []
         gens: list[torch.Generator | None] = []
@@ -253,6 +294,7 @@ class LLMEngine:
             rows_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
             logits = logits.index_select(0, rows_t)
         tokens = self.sampler(logits, params, gens)
+        t3 = time.perf_counter()
         sampled: dict[str, list[int]] = {}
         for (rid, _), tok in zip(owners, tokens):
             sampled.setdefault(rid, []).append(tok)
@@ -276,6 +318,19 @@ class LLMEngine:
             if done:
                 self.scheduler.release(gid)
                 del self._groups[gid]
+        t4 = time.perf_counter()
+        st.num_steps += 1
+        st.schedule_s += t1 - t0
+        st.model_s += t2 - t1
+        st.sample_s += t3 - t2
+        st.update_s += t4 - t3
+        st.num_seqs += len(out.scheduled)
+        for s in out.scheduled:
+            if s.num_tokens == 1 and s.start >= s.request.num_prompt_tokens:
+                st.decode_tokens += 1
+            else:
+                st.prefill_tokens += s.num_tokens
+        st.last_batch_size = len(out.scheduled)
         return results
 
     def _decode(self, ids: list[int]) -> str:
@@ -342,4 +397,4 @@ class LLMEngine:
         }
 
 
-__all__ = ["METRIC_NAMES", "LLMEngine"]
+__all__ = ["METRIC_NAMES", "LLMEngine", "StepStats"]

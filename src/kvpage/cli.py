@@ -1,0 +1,70 @@
+"""The ``kvpage`` command line (also ``python -m kvpage.cli`` and ``python -m kvpage``).
+
+Subcommands are registered from :data:`SUBCOMMANDS`: each entry names a function
+``add_<name>_parser(subparsers) -> argparse.ArgumentParser`` that adds one subcommand
+and sets ``func`` (``func(args) -> int`` exit code) as its default. Entries are imported
+lazily, so ``kvpage --help`` works when an optional part (e.g. the server's fastapi) is
+missing: such a subcommand is listed and explains what to install. To add one, append
+a ``"module:function"`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Any
+
+#: "module:function" of every subcommand registrar, in help order
+SUBCOMMANDS: list[str] = [
+    "kvpage.engine.cli:add_generate_parser",
+    "kvpage.engine.cli:add_replay_parser",
+    "kvpage.server.cli:add_serve_parser",
+    "kvpage.sim.cli:add_plan_parser",
+    "kvpage.sim.cli:add_profile_parser",
+    "kvpage.sim.simulate_cli:add_simulate_parser",
+]
+
+
+def _unavailable(subparsers: Any, target: str, error: Exception) -> None:
+    name = target.rsplit(":", 1)[1].removeprefix("add_").removesuffix("_parser")
+    p = subparsers.add_parser(name, help=f"(unavailable: {error})")
+
+    def run(args: argparse.Namespace) -> int:
+        print(f"kvpage {name}: unavailable here: {error}", file=sys.stderr)
+        return 2
+
+    p.set_defaults(func=run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every registered subcommand."""
+    from kvpage import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="kvpage",
+        description="Paged KV-cache LLM inference: generate, replay traces, serve, plan.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvpage {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for target in SUBCOMMANDS:
+        module, func = target.split(":")
+        try:
+            registrar = getattr(importlib.import_module(module), func)
+        except (ImportError, AttributeError) as e:
+            if isinstance(e, ModuleNotFoundError) and e.name and module.startswith(e.name):
+                continue  # that part of kvpage is not in this build at all
+            _unavailable(sub, target, e)
+            continue
+        registrar(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``kvpage`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

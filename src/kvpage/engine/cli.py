@@ -1,0 +1,286 @@
+"""``kvpage generate`` and ``kvpage replay`` (registered by ``kvpage.cli``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvpage.errors import KVPageError
+
+DEFAULT_TRACE = "azure-conv"
+DEFAULT_NUM_REQUESTS = 200
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="stories260K", help="stories260K (bundled) or an HF folder")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    g.add_argument(
+        "--num-blocks", type=int, default=None, help="blocks in the pool (default: sized)"
+    )
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most running sequences")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
+    )
+    g.add_argument("--backend", default="auto", help="attention backend (auto, torch, ...)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    g.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    g.add_argument("--seed", type=int, default=0, help="engine seed")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: the bundled model is tiny and extra threads "
+        "cost more than they save on a shared machine; 0 = torch's default)",
+    )
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    import torch
+
+    from kvpage.engine import LLMEngine
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    return LLMEngine.from_config(
+        model=args.model,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
+        backend=args.backend,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+    )
+
+
+# ---- generate -------------------------------------------------------------------------------
+def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``kvpage generate``."""
+    p = subparsers.add_parser("generate", help="generate text from prompts with the bundled model")
+    p.add_argument("prompts", nargs="*", default=["Once upon a time"], help="prompt text(s)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate per sample")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("-n", "--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    _add_engine_args(p)
+    p.set_defaults(func=generate_main)
+    return p
+
+
+def generate_main(args: argparse.Namespace) -> int:
+    """Handler of ``kvpage generate``."""
+    from kvpage.engine import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            n=args.n,
+            seed=args.sample_seed,
+            ignore_eos=args.ignore_eos,
+            stop=args.stop,
+        )
+        llm = LLM.__new__(LLM)
+        llm.llm_engine, llm._counter = _engine(args), 0
+        t0 = time.perf_counter()
+        outs = llm.generate(list(args.prompts), params)
+        dt = time.perf_counter() - t0
+    except KVPageError as e:
+        print(f"kvpage generate: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        rows = [
+            {
+                "prompt": o.prompt,
+                "error": str(o.error) if o.error else None,
+                "num_cached_tokens": o.num_cached_tokens,
+                "completions": [
+                    {
+                        "index": c.index,
+                        "text": c.text,
+                        "token_ids": c.token_ids,
+                        "finish_reason": c.finish_reason,
+                    }
+                    for c in o.outputs
+                ],
+            }
+            for o in outs
+        ]
+        print(json.dumps(rows, indent=2))
+    else:
+        for o in outs:
+            if o.error is not None:
+                print(f"[rejected] {o.error}", file=sys.stderr)
+                continue
+            for c in o.outputs:
+                head = f"--- sample {c.index} ---\n" if len(o.outputs) > 1 else ""
+                print(f"{head}{o.prompt or ''}{c.text}")
+    ntok = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    print(
+        f"[{ntok} tokens in {dt:.2f} s, {ntok / dt if dt else 0:.0f} tokens/s, "
+        f"backend {llm.llm_engine.backend_name}]",
+        file=sys.stderr,
+    )
+    return 1 if any(o.error is not None for o in outs) else 0
+
+
+# ---- replay ---------------------------------------------------------------------------------
+def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``kvpage replay``."""
+    p = subparsers.add_parser(
+        "replay",
+        help="replay a serving trace through the engine and report latency/KV metrics",
+        description="Replays a request trace (Azure LLM CSV or Mooncake JSONL) through the "
+        "engine at its arrival times, with lengths scaled into the model's context (see "
+        "kvpage.engine.replay), then prints a table and writes JSON.",
+    )
+    p.add_argument(
+        "--trace",
+        default=DEFAULT_TRACE,
+        help="azure-conv (default), azure-code, mooncake-conv, or a .csv/.jsonl path",
+    )
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=DEFAULT_NUM_REQUESTS,
+        help=f"replay the first N requests (default {DEFAULT_NUM_REQUESTS}; 0 = all)",
+    )
+    p.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
+    p.add_argument("--prompt-scale", type=float, default=None, help="default: 8 Azure, 32 Mooncake")
+    p.add_argument("--output-scale", type=float, default=1.0, help="divide output lengths by this")
+    p.add_argument("--output", default="out/replay.json", help="JSON summary path ('' = none)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_engine_args(p)
+    p.set_defaults(func=replay_main)
+    return p
+
+
+def _rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    def pct(k: str) -> str:
+        d = s[k]
+        return f"{d['p50']:,.1f} / {d['p95']:,.1f} / {d['p99']:,.1f}"
+
+    rej = f"{s['rejected']}" + (f" ({', '.join(s['rejected_reasons'])})" if s["rejected"] else "")
+    return [
+        ("requests (completed / replayed)", f"{s['completed']} / {s['requests']}"),
+        ("prompt tokens", f"{s['prompt_tokens']:,}"),
+        ("generated tokens", f"{s['generated_tokens']:,}"),
+        ("TTFT p50 / p95 / p99 (ms)", pct("ttft_ms")),
+        ("TPOT p50 / p95 / p99 (ms)", pct("tpot_ms")),
+        ("end-to-end p50 / p95 / p99 (ms)", pct("e2e_ms")),
+        ("prefill tokens/s", f"{s['prefill_tokens_per_s']:,.0f}"),
+        ("decode tokens/s", f"{s['decode_tokens_per_s']:,.0f}"),
+        ("KV cache usage peak / mean", f"{s['kv_usage_peak']:.1%} / {s['kv_usage_mean']:.1%}"),
+        (
+            "prefix cache hit ratio",
+            f"{s['prefix_hit_ratio']:.1%} ({s['prefix_hit_tokens']:,} tokens)",
+        ),
+        ("preemptions", f"{s['preemptions']}"),
+        ("block allocation failures", f"{s['allocation_failures']}"),
+        ("rejected requests", rej),
+        ("engine steps / wall time", f"{s['steps']:,} / {s['duration_s']:.1f} s"),
+    ]
+
+
+def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # pragma: no cover
+        print(title)
+        for k, v in rows:
+            print(f"  {k:36s} {v}")
+        return
+    t = Table(title=title)
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for k, v in rows:
+        t.add_row(k, v)
+    Console().print(t)
+
+
+def replay_main(args: argparse.Namespace) -> int:
+    """Handler of ``kvpage replay``."""
+    from kvpage.engine.replay import fit_trace, replay
+    from kvpage.sim.traces import load_trace
+
+    try:
+        limit = None if args.num_requests <= 0 else args.num_requests
+        trace = load_trace(args.trace, limit=limit)
+        eng = _engine(args)
+        reqs = fit_trace(
+            trace,
+            max_model_len=eng.scheduler.max_model_len,
+            vocab_size=eng.vocab_size,
+            prompt_scale=args.prompt_scale,
+            output_scale=args.output_scale,
+            seed=args.seed,
+        )
+    except (KVPageError, ValueError) as e:
+        print(f"kvpage replay: {e}", file=sys.stderr)
+        return 2
+    cap = "" if limit is None else f" (the first {len(reqs)}; --num-requests 0 for all)"
+    print(
+        f"Replaying {len(reqs)} requests of trace {trace.name}{cap} over "
+        f"{trace.duration_s / args.speedup:.1f} s of arrivals (speedup {args.speedup:g}) on "
+        f"{args.model}, backend {eng.backend_name}, {eng.cache_spec.num_blocks} blocks x "
+        f"{eng.cache_spec.block_size} tokens; lengths scaled per kvpage.engine.replay.",
+        file=sys.stderr,
+    )
+    bar: Any = None
+    if not args.no_progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(reqs), unit="req", desc="replay", file=sys.stderr)
+        except ImportError:  # pragma: no cover
+            bar = None
+    res = replay(
+        eng, reqs, speedup=args.speedup, on_finish=(lambda _o: bar.update(1)) if bar else None
+    )
+    if bar is not None:
+        bar.close()
+    s = dict(res.summary)
+    s.update(
+        trace=trace.name,
+        trace_path=trace.path,
+        model=args.model,
+        backend=eng.backend_name,
+        block_size=eng.cache_spec.block_size,
+        num_blocks=eng.cache_spec.num_blocks,
+        max_model_len=eng.scheduler.max_model_len,
+        prompt_scale=args.prompt_scale,
+        output_scale=args.output_scale,
+        bookkeeping_share=eng.step_stats.bookkeeping_share,
+    )
+    _print_table(f"kvpage replay: {trace.name}, {s['completed']} requests", _rows(s))
+    if args.output:
+        path = Path(args.output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(s, indent=2))
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+__all__ = ["add_generate_parser", "add_replay_parser", "generate_main", "replay_main"]

@@ -1,0 +1,199 @@
+"""Replay a serving trace through the engine in real time and summarize it.
+
+Length rule (how a production trace is fitted into a small model's context):
+
+* prompt length ``P = clamp(ceil(input_tokens / prompt_scale), 1, max_model_len // 2)``;
+* output length ``M = clamp(ceil(output_tokens / output_scale), 1, max_model_len - P)``,
+  generated with ``ignore_eos`` so the trace's output length is honoured;
+* defaults: Azure ``prompt_scale = 8``, ``output_scale = 1``; Mooncake ``prompt_scale =
+  32`` (one 512-token hash block becomes 16 tokens, exactly one block at block_size
+  16), ``output_scale = 1``.
+* prompt token ids: Azure prompts are seeded random ids unique per request; a
+  Mooncake hash id maps to a fixed run of ``512 / prompt_scale`` token ids
+  (``kvpage.sim.traces.TokenMapper``), so requests that share leading hash ids share
+  exactly those leading tokens and hit the prefix cache.
+
+Arrival times are the trace's, divided by ``speedup``; a request's TTFT and latency are
+measured from its scheduled arrival, so queueing delay counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvpage.engine.engine import LLMEngine
+from kvpage.engine.params import RequestOutput, SamplingParams
+from kvpage.errors import RequestRejected
+
+#: default prompt scale per trace format (see the module docstring)
+DEFAULT_PROMPT_SCALE = {"azure": 8, "mooncake": 32, "synthetic": 8}
+
+
+@dataclass
+class ReplayRequest:
+    """One request ready for the engine: arrival (s after start), prompt ids, max_tokens."""
+
+    request_id: str
+    arrival_s: float
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def fit_trace(
+    trace: Any,
+    *,
+    max_model_len: int,
+    vocab_size: int,
+    prompt_scale: float | None = None,
+    output_scale: float = 1.0,
+    seed: int = 0,
+) -> list[ReplayRequest]:
+    """Scale a ``kvpage.sim.traces.Trace`` into the model's context (module docstring).
+
+    Raises:
+        ValueError: a scale is not > 0.
+    """
+    from kvpage.sim.traces import MOONCAKE_BLOCK_TOKENS, TokenMapper
+
+    ps = float(prompt_scale or DEFAULT_PROMPT_SCALE.get(trace.format, 8))
+    if ps <= 0 or output_scale <= 0:
+        raise ValueError(f"prompt_scale/output_scale: expected > 0, got {ps}/{output_scale}")
+    hb = max(1, int(round(MOONCAKE_BLOCK_TOKENS / ps)))
+    mapper = TokenMapper(seed=seed, vocab_size=vocab_size, hash_block_tokens=hb)
+    max_prompt = max(1, max_model_len // 2)
+    out = []
+    for r in trace.requests:
+        p = min(max(1, math.ceil(r.prompt_tokens / ps)), max_prompt)
+        m = min(max(1, math.ceil(r.output_tokens / output_scale)), max_model_len - p)
+        scaled = dataclasses.replace(r, prompt_tokens=p, output_tokens=m)
+        if r.hash_ids is not None:
+            need = -(-p // hb)
+            if len(r.hash_ids) < need:  # rounding of the scale: pad with private ids
+                extra = tuple(10**9 + r.index * 1000 + k for k in range(need - len(r.hash_ids)))
+                scaled = dataclasses.replace(scaled, hash_ids=r.hash_ids + extra)
+        out.append(ReplayRequest(r.request_id, r.arrival_s, mapper.prompt(scaled), m))
+    return out
+
+
+def _pcts(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {"p50": float("nan"), "p95": float("nan"), "p99": float("nan"), "mean": float("nan")}
+    a = np.asarray(xs, dtype=np.float64) * 1000.0
+    return {
+        "p50": float(np.percentile(a, 50)),
+        "p95": float(np.percentile(a, 95)),
+        "p99": float(np.percentile(a, 99)),
+        "mean": float(a.mean()),
+    }
+
+
+@dataclass
+class ReplayResult:
+    """Summary of a replay (times in milliseconds, rates per second of wall time)."""
+
+    summary: dict[str, Any] = field(default_factory=dict)
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+
+def replay(
+    engine: LLMEngine,
+    requests: list[ReplayRequest],
+    *,
+    speedup: float = 1.0,
+    on_finish: Callable[[RequestOutput], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> ReplayResult:
+    """Feed ``requests`` to ``engine`` at their (sped-up) arrival times and step it
+    until all finish.
+
+    Args:
+        engine: the engine (its counters are read before and after).
+        requests: sorted by ``arrival_s``.
+        speedup: arrival times are divided by it (> 0).
+        on_finish: called with each finished output (progress bars).
+
+    Returns:
+        A ReplayResult whose ``summary`` has: requests, completed, rejected, prompt and
+        generated tokens, TTFT/TPOT/e2e percentiles (ms), prefill and decode tokens per
+        second (tokens computed / wall time of the run), output tokens/s, peak and mean
+        (over steps) KV usage, prefix hit ratio (hit / queried prompt tokens),
+        preemptions, allocation failures, steps, duration.
+
+    Raises:
+        ValueError: ``speedup <= 0``.
+    """
+    if speedup <= 0:
+        raise ValueError(f"speedup: expected > 0, got {speedup}")
+    m0 = engine.get_metrics()
+    st = engine.step_stats
+    pre0, dec0, steps0 = st.prefill_tokens, st.decode_tokens, st.num_steps
+    done: list[RequestOutput] = []
+    rejected: dict[str, str] = {}
+    usage: list[float] = []
+    t0 = time.monotonic()
+    i = 0
+    n = len(requests)
+    while i < n or engine.has_unfinished_requests():
+        now = time.monotonic() - t0
+        while i < n and requests[i].arrival_s / speedup <= now:
+            r = requests[i]
+            params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
+            try:
+                engine.add_request(
+                    r.request_id, r.prompt_token_ids, params, t0 + r.arrival_s / speedup
+                )
+            except RequestRejected as e:
+                rejected[r.request_id] = e.reason
+            i += 1
+        if not engine.has_unfinished_requests():
+            if i < n:
+                sleep(max(0.0, requests[i].arrival_s / speedup - (time.monotonic() - t0)))
+            continue
+        for out in engine.step():
+            if out.finished:
+                done.append(out)
+                if on_finish is not None:
+                    on_finish(out)
+        usage.append(engine.kv_cache_manager.usage)
+    wall = time.monotonic() - t0
+    m1 = engine.get_metrics()
+
+    def delta(name: str) -> float:
+        return m1[f"kvpage:{name}"] - m0[f"kvpage:{name}"]
+
+    q, h = delta("prefix_cache_queries_total"), delta("prefix_cache_hits_total")
+    gen = sum(len(c.token_ids) for o in done for c in o.outputs)
+    summary: dict[str, Any] = {
+        "requests": n,
+        "completed": len(done),
+        "rejected": len(rejected),
+        "rejected_reasons": sorted(set(rejected.values())),
+        "prompt_tokens": sum(len(o.prompt_token_ids) for o in done),
+        "generated_tokens": gen,
+        "ttft_ms": _pcts([o.ttft for o in done if o.ttft is not None]),
+        "tpot_ms": _pcts([o.tpot for o in done if o.tpot is not None]),
+        "e2e_ms": _pcts([o.e2e_latency for o in done if o.e2e_latency is not None]),
+        "prefill_tokens_per_s": (st.prefill_tokens - pre0) / wall if wall > 0 else 0.0,
+        "decode_tokens_per_s": (st.decode_tokens - dec0) / wall if wall > 0 else 0.0,
+        "output_tokens_per_s": gen / wall if wall > 0 else 0.0,
+        "kv_usage_peak": max(usage, default=0.0),
+        "kv_usage_mean": float(np.mean(usage)) if usage else 0.0,
+        "prefix_hit_ratio": h / q if q > 0 else 0.0,
+        "prefix_hit_tokens": int(h),
+        "preemptions": int(delta("num_preemptions_total")),
+        "allocation_failures": int(delta("block_allocation_failures_total")),
+        "steps": st.num_steps - steps0,
+        "duration_s": wall,
+        "speedup": speedup,
+    }
+    return ReplayResult(summary, done)
+
+
+__all__ = ["DEFAULT_PROMPT_SCALE", "ReplayRequest", "ReplayResult", "fit_trace", "replay"]
