@@ -136,7 +136,9 @@ class CacheMachine(RuleBasedStateMachine):
     def add(self, prompt: list[int], salt: str | None, chunk: int, run: bool) -> Any:
         rid = f"r{self.next_id}"
         self.next_id += 1
+        before = snapshot(self.mgr, ignore_failures=False)
         hit = self.mgr.get_num_cached_tokens(prompt, cache_salt=salt)
+        assert snapshot(self.mgr, ignore_failures=False) == before  # a peek changes nothing
         assert hit % self.bs == 0 and 0 <= hit <= max(0, len(prompt) - 1)
         n = min(chunk, len(prompt) - hit)
         alloc = self._try(
@@ -213,6 +215,14 @@ class CacheMachine(RuleBasedStateMachine):
         self.mgr.free(rid)
         del self.model[rid]
         assert not self.mgr.has_request(rid)
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        busy = any(p.num_used for p in self.mgr.pools)
+        assert self.mgr.reset_prefix_cache() is (not busy)
+        if not busy:
+            assert all(not p.cached for p in self.mgr.pools)
+            assert all(b.block_hash is None for p in self.mgr.pools for b in p.blocks)
 
     # ---- invariants ----------------------------------------------------------------------
     @invariant()
