@@ -34,13 +34,14 @@ from kvpage.sim.traces import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
 
 WORKLOADS = ("short-short", "long-prompt", "long-output", "long-long", "multi-turn", "rag")
 #: default arrival rate (req/s; sessions/s for multi-turn) at gpu scale
+#: (chosen to load one H100 serving Llama-3-8B: near its prefill capacity or its KV capacity)
 DEFAULT_RATES = {
-    "short-short": 20.0,
-    "long-prompt": 4.0,
-    "long-output": 2.0,
-    "long-long": 1.0,
-    "multi-turn": 1.0,
-    "rag": 5.0,
+    "short-short": 200.0,
+    "long-prompt": 6.0,
+    "long-output": 20.0,
+    "long-long": 4.0,
+    "multi-turn": 10.0,
+    "rag": 20.0,
 }
 _RANGES = {
     "short-short": ((64, 256), (32, 128)),
