@@ -91,6 +91,19 @@ def test_greedy_from_bos_is_golden(stories: ModelRunnerModel) -> None:
         "in the park."
     )
     assert text == GOLDEN
+    pytest.importorskip("transformers")
+    from kvpage.models import to_transformers
+
+    # transformers' own generate (contiguous cache) on the converted weights agrees
+    hf = to_transformers(stories)
+    out = hf.generate(
+        torch.tensor([ids[:1]]),
+        max_new_tokens=199,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    assert out[0].tolist() == ids
 
 
 @pytest.mark.parametrize("backend", ["torch", "reference"])
