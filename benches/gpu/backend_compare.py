@@ -224,6 +224,31 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def merge(parts: list[Path]) -> dict[str, Any]:
+    """One result from per-backend runs (each run in its own process, so that a crash or
+    a CUDA error of one backend cannot spoil the others): device, bandwidth and the SDPA
+    rows come from the first part that has them; refusals and rows are united."""
+    results = [json.loads((p / "backend_compare.json").read_text()) for p in parts if (p / "backend_compare.json").is_file()]  # fmt: skip
+    if not results:
+        raise SystemExit(f"--merge: expected backend_compare.json in {parts}, found none")
+    merged = dict(results[0])
+    merged["refused"] = {}
+    merged["rows"] = []
+    seen: set[tuple[Any, ...]] = set()
+    for r in results:
+        merged["refused"].update(r["refused"])
+        for row in r["rows"]:
+            k = (row["mode"], row["kv"], row["batch"], row["context"], row.get("backend"))
+            if k not in seen:
+                seen.add(k)
+                merged["rows"].append(row)
+    order = {"decode": 0, "prefill": 1}
+    merged["rows"].sort(key=lambda r: (order[r["mode"]], r["kv"], r["batch"], r["context"]))
+    merged["wall_seconds"] = sum(r["wall_seconds"] for r in results)
+    merged["parts"] = [str(p) for p in parts]
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output folder")
@@ -234,12 +259,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem-cap-gib", type=float, default=90.0, help="device memory cap per case")
     p.add_argument("--flop-cap", type=float, default=2e14, help="skip bigger prefill steps")
     p.add_argument("--iters", type=int, default=5, help="timed iterations per call (GPU)")
+    p.add_argument("--merge", nargs="+", default=None, help="combine these output folders")
     args = p.parse_args(argv)
+    out = Path(args.out)
+    if args.merge:
+        result = merge([Path(m) for m in args.merge])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "backend_compare.json").write_text(json.dumps(result, indent=1, default=str))
+        (out / "backend_compare.md").write_text(markdown(result))
+        print(f"[compare] merged {len(args.merge)} runs into {out}/backend_compare.json and .md")
+        return 0
     if not args.dry_run and not torch.cuda.is_available():
         print("[compare] no CUDA device: use --dry-run for the CPU check", flush=True)
         return 2
     result = run(args)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "backend_compare.json").write_text(json.dumps(result, indent=1, default=str))
     (out / "backend_compare.md").write_text(markdown(result))
