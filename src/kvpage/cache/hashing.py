@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator, Sequence
+from functools import lru_cache
 from hashlib import sha256
 
 from kvpage.errors import SpecError
@@ -62,9 +63,14 @@ def encode_extra_keys(cache_salt: str | None = None, adapter_id: str | None = No
     return bytes(out)
 
 
+@lru_cache(maxsize=64)
+def _packer(n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}q")
+
+
 def _pack_tokens(token_ids: Sequence[int]) -> bytes:
     try:
-        return struct.pack(f"<{len(token_ids)}q", *token_ids)
+        return _packer(len(token_ids)).pack(*token_ids)
     except struct.error:
         raise SpecError(
             f"token_ids: expected int64 token ids, got {list(token_ids)[:8]!r}..."

@@ -21,7 +21,13 @@ from dataclasses import replace
 
 from kvpage.cache.allocation import Allocation, CacheStats, RequestBlocks
 from kvpage.cache.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
-from kvpage.cache.hashing import BlockHash, encode_extra_keys, iter_block_hashes, root_hash
+from kvpage.cache.hashing import (
+    BlockHash,
+    _hash,
+    encode_extra_keys,
+    iter_block_hashes,
+    root_hash,
+)
 from kvpage.cache.integrity import check_manager_integrity
 from kvpage.cache.prefix import hit_blocks, longest_hit
 from kvpage.errors import AllocationError, SpecError
@@ -339,7 +345,11 @@ class KVCacheManager:
         extra = req.extra
         tables = req.tables
         pools = self.pools
-        for i, h in enumerate(iter_block_hashes(parent, extra, token_ids, bs, i0, nfull), i0):
+        if nfull - i0 == 1:  # decode: one block filled up, skip the generator
+            new_hashes = [_hash(parent, extra, token_ids[i0 * bs : nfull * bs])]
+        else:
+            new_hashes = list(iter_block_hashes(parent, extra, token_ids, bs, i0, nfull))
+        for i, h in enumerate(new_hashes, i0):
             hashes.append(h)
             for g in range(self.num_groups):
                 bid = tables[g][i]
