@@ -223,3 +223,26 @@ def test_hf_folder_bare_tokenizer_json_and_eos_list(tmp_path: Path) -> None:
     # without a tokenizer: bytes, and every EOS id of the config stops
     byte_tok = load_model(hf).tokenizer
     assert isinstance(byte_tok, ByteTokenizer) and byte_tok.stop_token_ids == (2, 3)
+
+
+def test_weights_are_copied_and_forward_checks_inputs() -> None:
+    from kvpage.attention.metadata import AttentionMetadata
+    from kvpage.errors import ShapeError
+
+    hf = make_hf_model("gemma2", seed=6)
+    model = load_model(hf)
+    before = model.model.embed_tokens.weight.clone()
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.add_(1.0)
+    assert torch.equal(model.model.embed_tokens.weight, before)
+    d = PagedGreedyDriver(model, get_test_backend(), block_size=4, num_blocks=8, seed=0)
+    meta = AttentionMetadata.build([2], [2], [[1]], 4)
+    args = (torch.tensor([3, 4]), torch.tensor([0, 1]), d.caches)
+    with pytest.raises(ShapeError, match="meta_per_group"):
+        model(*args, [meta], get_test_backend(), torch.tensor([1]))  # gemma2 has 2 groups
+    with pytest.raises(ShapeError, match="kv_caches"):
+        model(args[0], args[1], d.caches[:1], [meta, meta], get_test_backend(), torch.tensor([1]))
+    with pytest.raises(ShapeError, match="positions"):
+        model(args[0], args[1][:1], d.caches, [meta, meta], get_test_backend(), torch.tensor([1]))
+    # nothing was written by the refused calls
+    assert all(torch.isnan(c.kv).all() for c in d.caches)
