@@ -188,6 +188,10 @@ def _run_case(mode, kv, batch, ctx, cfg, backends, copy_gbps, last, args, flops)
     return rows
 
 
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The result as a markdown report (one table per mode and KV dtype)."""
     info, bw = result["info"], result["copy_bandwidth"]
@@ -213,11 +217,9 @@ def markdown(result: dict[str, Any]) -> str:
                 s = r.get("seconds")
                 cells = [
                     r["batch"], r["context"], r.get("backend", "-"),
-                    f"{s * 1e3:.4g}" if s else "-", f"{r['kv_gbps']:.4g}" if s else "-",
-                    f"{r['pct_copy_bw']:.3g}" if s else "-",
-                    f"{r['vs_sdpa']:.2f}" if "vs_sdpa" in r else "-",
-                    f"{r['max_abs_err']:.2e}" if "max_abs_err" in r else "-",
-                    r.get("skipped") or r.get("error") or "",
+                    f"{s * 1e3:.4g}" if s else "-", _fmt(r.get("kv_gbps"), ".4g"),
+                    _fmt(r.get("pct_copy_bw"), ".3g"), _fmt(r.get("vs_sdpa"), ".2f"),
+                    _fmt(r.get("max_abs_err"), ".2e"), r.get("skipped") or r.get("error") or "",
                 ]  # fmt: skip
                 lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines.append("")

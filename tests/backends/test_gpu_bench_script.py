@@ -73,3 +73,28 @@ def test_run_all_dry_run(tmp_path):
     summary = (tmp_path / "summary.txt").read_text()
     assert "exit 1" not in summary and "backend comparison: exit 0" in summary
     assert (tmp_path / "backend_compare.md").is_file()
+
+
+def test_merge_unites_per_backend_runs(tmp_path):
+    drv = _driver()
+    base = dict(
+        date="2026-11-29", info={"device": "cuda", "name": "X"}, shape={"head_dim": 128},
+        copy_bandwidth={"gbps": 100.0, "bytes": 1.0, "seconds": 1.0}, dry_run=False,
+        wall_seconds=10.0,
+    )  # fmt: skip
+    case = dict(mode="decode", kv="bf16", batch=1, context=512, query_len=1, kv_bytes=1000)
+    sdpa = dict(case, backend="sdpa_contiguous", seconds=1e-5, kv_gbps=0.1, pct_copy_bw=0.1)
+    parts = []
+    for name, extra in (("cupy", {"seconds": 2e-5}), ("numba", {"error": "boom"})):
+        d = tmp_path / name
+        d.mkdir()
+        row = dict(case, backend=name, seconds=extra.get("seconds"), **{k: v for k, v in extra.items() if k == "error"})  # fmt: skip
+        res = dict(base, refused={} if name == "cupy" else {"triton": ["x"]}, rows=[sdpa, row])
+        (d / "backend_compare.json").write_text(json.dumps(res))
+        parts.append(str(d))
+    assert drv.main(["--out", str(tmp_path / "all"), "--merge", *parts]) == 0
+    merged = json.loads((tmp_path / "all" / "backend_compare.json").read_text())
+    assert [r["backend"] for r in merged["rows"]] == ["sdpa_contiguous", "cupy", "numba"]
+    assert merged["refused"] == {"triton": ["x"]} and merged["wall_seconds"] == 20.0
+    md = (tmp_path / "all" / "backend_compare.md").read_text()
+    assert "| 1 | 512 | numba | - |" in md and "boom" in md
