@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from cache_helpers import make_spec, snapshot
 
-from kvpage.cache import BlockPool, KVCacheManager, slot_mapping
+from kvpage.cache import BlockPool, KVCacheManager, hash_request_blocks, slot_mapping
 from kvpage.errors import AllocationError
 
 
@@ -350,3 +350,29 @@ def test_bad_input_raises_and_changes_nothing() -> None:
     with pytest.raises(AllocationError):
         mgr.block_table("zz")
     assert snapshot(mgr, ignore_failures=False) == before
+
+
+def test_hybrid_hit_is_the_longest_prefix_every_group_can_serve() -> None:
+    mgr = KVCacheManager(make_spec(32, 2, windows=(None, 4)))
+    assert mgr.windows == [None, 4]
+    prompt = list(range(10))
+    run_request(mgr, "a", prompt, 1)
+    assert mgr.get_num_cached_tokens(prompt) == 8  # capped at len - 1, block aligned
+    # evict the sliding group's copy of block 3 (positions 6, 7) only
+    sliding = mgr.pools[1]
+    key = hash_request_blocks(prompt, 2)[3]
+    blk = sliding.cached[key]
+    sliding.free_queue.remove(blk)
+    sliding.free_queue.appendleft(blk)
+    taken = sliding.allocate(1)
+    assert key not in sliding.cached and key in mgr.pools[0].cached
+    # 8 tokens would need keys 5..7 in the sliding group (block 3 is gone); 6 tokens
+    # need keys 3..5 (blocks 1, 2): still cached
+    assert mgr.get_num_cached_tokens(prompt) == 6
+    a = mgr.allocate("b", prompt, 4, num_cached_tokens=6)
+    assert a is not None and a.num_cached_tokens == 6
+    assert mgr.block_table("b", 1)[:1] == [0] and 0 not in mgr.block_table("b", 0)
+    with pytest.raises(AllocationError, match="not cached"):
+        mgr.allocate("c", prompt, 2, num_cached_tokens=8)
+    sliding.free(taken)
+    mgr.check_integrity()
