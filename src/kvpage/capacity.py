@@ -316,6 +316,7 @@ def plan_capacity(
     block_size: int = 16,
     workload: Workload | None = None,
     num_seqs: int | None = None,
+    max_model_len: int | None = None,
 ) -> CapacityPlan:
     """Size the KV cache of ``model`` on one device (one TP rank).
 
@@ -329,6 +330,7 @@ def plan_capacity(
     length; contiguous max_model_len reservation), fragmentation (mean padding of the last
     partial block per sequence, in bytes and % of held memory), and the largest
     max_model_len that admits ``num_seqs`` sequences all at full length.
+    ``max_model_len`` (default: the model's context) sizes the contiguous reservation.
 
     Raises:
         SpecError: bad model, budget below zero, TP sharding refused, bad dtypes.
@@ -383,7 +385,7 @@ def plan_capacity(
         num_blocks=int(num_blocks),
         usable_blocks=int(num_blocks) - 1,
         tokens=(int(num_blocks) - 1) * block_size,
-        model_max_len=src.max_model_len,
+        model_max_len=max_model_len or src.max_model_len,
     )
     if workload is not None:
         plan.workload = analyze_workload(
@@ -434,6 +436,7 @@ def analyze_workload(
         "fragmentation_bytes_per_seq": float(pad_slots.mean() * bpb / bs),
         "fragmentation_pct_of_held": float(100 * pad_slots.sum() / (avg_blocks.sum() * bs)),
         "requests_too_long_for_pool": int((final_blocks > usable_blocks).sum()),
+        "requests_over_max_model_len": int((plen + olen > mml).sum()),
     }
     if num_seqs:
         if num_seqs < 1:

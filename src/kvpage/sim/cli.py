@@ -66,6 +66,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prompt-pct", default=None, help="workload: prompt p50,p95,p99")
     p.add_argument("--output-pct", default=None, help="workload: output p50,p95,p99")
     p.add_argument("--num-seqs", type=int, default=None, help="N for the largest max_model_len")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_plan)
     return p
@@ -108,6 +109,7 @@ def run_plan(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             workload=wl,
             num_seqs=args.num_seqs,
+            max_model_len=args.max_model_len,
         )
     except KVPageError as e:
         print(f"kvpage plan: {e}", file=sys.stderr)
