@@ -166,3 +166,19 @@ def test_half_precision_load(stories: ModelRunnerModel) -> None:
     d.add(m.tokenizer.encode("Once upon a time"))
     d.run(4)
     assert torch.isfinite(torch.stack(d.seqs[0].logits)).all()
+
+
+def test_rotary_tables_grow_on_demand() -> None:
+    from kvpage.models.layers import RotaryEmbedding
+
+    rot = RotaryEmbedding(8, 10000.0, max_positions=4)
+    pos = torch.tensor([0, 3, 9])
+    cos, sin = rot(pos, torch.float32, 9)
+    assert rot.cos_table.shape[0] >= 10
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 8, 2).float() / 8)
+    ang = pos[:, None].float() * torch.cat([inv, inv])[None, :]
+    assert cos.shape == (3, 1, 8)
+    torch.testing.assert_close(cos[:, 0], ang.cos())
+    torch.testing.assert_close(sin[:, 0], ang.sin())
+    cos2, _ = RotaryEmbedding(8, 10000.0, max_positions=4)(pos, torch.float32)  # bound from data
+    torch.testing.assert_close(cos2, cos)

@@ -114,11 +114,22 @@ class RotaryEmbedding(nn.Module):
         self.sin_table = emb.sin()
 
     def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: ``[num_tokens]`` int64 -> cos, sin ``[num_tokens, 1, head_dim]``."""
+        """Tables at ``positions``.
+
+        Args:
+            positions: ``[num_tokens]`` int64.
+            dtype: dtype of the returned tables.
+            max_position: an upper bound of ``positions`` known on the host (e.g. the
+                step's ``max_seq_len - 1``), so that no device sync is needed; default
+                ``positions.max()``.
+
+        Returns:
+            cos, sin: ``[num_tokens, 1, head_dim]``.
+        """
         if positions.numel():
-            top = int(positions.max())
+            top = int(positions.max()) if max_position is None else max_position
             if top >= self.cos_table.shape[0]:
                 self._build(max(2 * self.cos_table.shape[0], top + 1))
         cos = self.cos_table[positions].to(dtype)[:, None, :]

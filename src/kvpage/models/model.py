@@ -175,7 +175,9 @@ class ModelRunnerModel(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if self.arch.embed_scale is not None:
             x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
-        cos, sin = self.rotary(positions, x.dtype)
+        # positions < seq_len of their sequence: a host-side bound, no device sync
+        top = max(m.max_seq_len for m in meta_per_group) - 1
+        cos, sin = self.rotary(positions, x.dtype, max(top, 0))
         for lid, layer in enumerate(self.model.layers):
             meta = meta_per_group[self.layer_groups[lid]]
             x = layer(x, cos, sin, kv_caches[lid], meta, backend)
