@@ -185,7 +185,7 @@ class CupyBackend:
         fsc = self._fp8_scales(cache)
         src, expr = templates.write_instance(key.dtype, cache.kv_dtype)
         args = write_args(key, value, cache, slots, ts, fsc)
-        self._run(self._kernel(src, expr), (n, 2, cache.num_kv_heads), 32, args, dev)
+        self._run(self._kernel(src, expr), (n, 2 * cache.num_kv_heads), 32, args, dev)
 
     # ---- attention ------------------------------------------------------------------------
     def decode(
@@ -225,8 +225,8 @@ class CupyBackend:
     def choose_splits(self, blocks: int, max_keys: int, sms: int) -> int:
         """KV splits for ``blocks`` (token, head-group) blocks of at most ``max_keys``
         keys on a GPU with ``sms`` multiprocessors."""
-        if self.num_splits is not None:
-            return max(1, min(self.num_splits, max_keys))
+        if self.num_splits is not None:  # grid.z is at most 64 on every CUDA GPU
+            return max(1, min(self.num_splits, max_keys, 64))
         if blocks >= 2 * sms:
             return 1
         return max(1, min(-(-2 * sms // blocks), max_keys // 256, 64))
@@ -249,6 +249,7 @@ class CupyBackend:
         if "cupy" not in meta.extras:
             self.plan(meta)
         token_seq, token_pos = meta.extras["cupy"]
+        token_seq, token_pos = token_seq.to(dev), token_pos.to(dev)
         q = query if query.stride(-1) == 1 else query.contiguous()
         src, expr, gt = templates.attention_instance(
             query.dtype, cache.kv_dtype, cache.kv.dtype, hd, spec.group_size

@@ -135,13 +135,22 @@ def read_source(name: str) -> str:
 def include_dirs(cuda_path: str | None = None) -> list[str]:
     """Include directories for NVRTC/nvcc: the kernel folder, then the CUDA toolkit's
     ``include`` (for ``cuda_fp16.h``, ``cuda_bf16.h``, ``cuda_fp8.h``) when found via
-    ``cuda_path``, ``$CUDA_PATH`` / ``$CUDA_HOME`` or ``/usr/local/cuda``."""
+    ``cuda_path``, ``$CUDA_PATH`` / ``$CUDA_HOME``, ``/usr/local/cuda``, or
+    ``cuda.pathfinder`` (which also finds pip-installed NVIDIA headers)."""
     dirs = [str(KERNEL_DIR)]
     roots = [cuda_path, os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]  # fmt: skip
     for r in roots:
         if r and (Path(r) / "include" / "cuda_fp8.h").is_file():
             dirs.append(str(Path(r) / "include"))
-            break
+            return dirs
+    try:
+        from cuda import pathfinder
+
+        found = pathfinder.find_nvidia_header_directory("cudart")
+    except Exception:  # not installed or nothing found: NVRTC's built-in headers remain
+        found = None
+    if found and (Path(found) / "cuda_fp8.h").is_file():
+        dirs.append(str(found))
     return dirs
 
 

@@ -261,8 +261,8 @@ class NumbaBackend:
 
     def choose_splits(self, rows: int, max_keys: int, dev: torch.device) -> int:
         """KV splits for ``rows`` (query token, head) pairs of at most ``max_keys`` keys."""
-        if self.num_splits is not None:
-            return max(1, min(self.num_splits, max_keys))
+        if self.num_splits is not None:  # grid.z is at most 64 on every CUDA GPU
+            return max(1, min(self.num_splits, max_keys, 64))
         if dev.type == "cpu":
             return max(1, min(4, -(-max_keys // 32)))
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -289,6 +289,7 @@ class NumbaBackend:
         if "numba" not in meta.extras:
             self.plan(meta)
         token_seq, token_pos = meta.extras["numba"]
+        token_seq, token_pos = token_seq.to(dev), token_pos.to(dev)
         max_keys = checks.max_keys_per_query(meta, spec)
         splits = self.choose_splits(n * hq, max_keys, dev)
         chunk = -(-max_keys // splits)

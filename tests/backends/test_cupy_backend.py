@@ -155,6 +155,7 @@ def test_split_heuristic():
     assert be.choose_splits(blocks=8, max_keys=32768, sms=132) == 33
     assert be.choose_splits(blocks=8, max_keys=300, sms=132) == 1
     assert CupyBackend(num_splits=4).choose_splits(blocks=2048, max_keys=3, sms=132) == 3
+    assert CupyBackend(num_splits=500).choose_splits(blocks=1, max_keys=10**6, sms=132) == 64
     with pytest.raises(ValueError, match="num_splits"):
         CupyBackend(num_splits=0)
 

@@ -1,7 +1,8 @@
 // write_kv of the kvpage CuPy backend: store each new token's K and V at its slot,
 // quantizing for int8 / fp8 caches exactly as kvpage.attention.quant specifies.
 //
-// Grid (num_tokens, 2 [K, V], num_kv_heads), one warp per block; lanes stride head_dim.
+// Grid (num_tokens, 2 * num_kv_heads) (block y = w * num_kv_heads + h, w = 0 for K, 1 for V;
+// grid.z would cap heads at 64), one warp per block; lanes stride head_dim.
 // Template arguments: SRC (float, __half, __nv_bfloat16), DST (storage: SRC itself for
 // KIND_PLAIN, signed char for int8, unsigned char for fp8), KIND (kvpage_common.cuh).
 //   int8: scale = absmax / 127 (0 for an all-zero token); code = clamp(rint(x / scale),
@@ -23,8 +24,8 @@ __global__ void write_kv(const SRC* __restrict__ key, long long k_s0, long long 
                          const long long* __restrict__ slots, int num_kv_heads, int head_dim,
                          int block_size, float fmax) {
   const int t = blockIdx.x;
-  const int w = blockIdx.y;
-  const int h = blockIdx.z;
+  const int w = blockIdx.y / num_kv_heads;
+  const int h = blockIdx.y % num_kv_heads;
   const int lane = threadIdx.x;
   const long long slot = slots[t];
   if (slot < 0) return;
