@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from cache_helpers import make_spec, snapshot
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -260,3 +262,10 @@ class CacheMachine(RuleBasedStateMachine):
 
 # example counts come from the Hypothesis profile in conftest.py (ci / thorough)
 TestCacheMachine = CacheMachine.TestCase
+
+
+@pytest.mark.slow
+class TestCacheMachineLong(CacheMachine.TestCase):  # type: ignore[name-defined,misc]
+    """Longer runs (``-m slow``): more examples and more steps per example."""
+
+    settings = settings(max_examples=400, stateful_step_count=80, deadline=None)
