@@ -258,8 +258,12 @@ class LLMEngine:
             grp.generators[index] = g
         return g
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
         """Run one scheduler step and the model.
+
+        Args:
+            finished_only: return only the requests that finished this step (skips
+                building outputs of running requests; for offline batch use).
 
         Returns:
             One RequestOutput per user request that progressed this step (got a token
@@ -314,6 +318,8 @@ class LLMEngine:
             done = self.scheduler.group_finished(gid)
             if done:
                 grp.finish_time = now
+            elif finished_only:
+                continue
             results.append(self._make_output(grp, done))
             if done:
                 self.scheduler.release(gid)

@@ -99,7 +99,7 @@ class LLM:
                 )
         pending = {r for r in ids if r not in results}
         while pending:
-            for out in eng.step():
+            for out in eng.step(finished_only=True):
                 if out.finished and out.request_id in pending:
                     results[out.request_id] = out
                     pending.discard(out.request_id)

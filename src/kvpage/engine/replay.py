@@ -156,7 +156,7 @@ def replay(
             if i < n:
                 sleep(max(0.0, requests[i].arrival_s / speedup - (time.monotonic() - t0)))
             continue
-        for out in engine.step():
+        for out in engine.step(finished_only=True):
             if out.finished:
                 done.append(out)
                 if on_finish is not None:

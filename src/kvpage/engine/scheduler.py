@@ -37,7 +37,7 @@ from kvpage.engine.request import Request, RequestStatus, sample_id
 from kvpage.errors import RequestRejected, SpecError
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """What one sequence computes in a step.
 
@@ -267,20 +267,22 @@ class Scheduler:
         return out
 
     def _emit(self, out: SchedulerOutput, req: Request, n: int, alloc: Any) -> None:
-        for g, pairs in enumerate(alloc.copies):
-            out.copies[g].extend(pairs)
+        copies = alloc.copies
+        if copies and any(copies):
+            for g, pairs in enumerate(copies):
+                out.copies[g].extend(pairs)
         start = req.num_computed_tokens
+        rid = req.request_id
+        toks = req.token_ids
+        end = start + n
+        block_table = self.kv.block_table
+        tables = (
+            [block_table(rid, 0)]
+            if self.num_groups == 1
+            else [block_table(rid, g) for g in range(self.num_groups)]
+        )
         out.scheduled.append(
-            ScheduledRequest(
-                request=req,
-                start=start,
-                num_tokens=n,
-                token_ids=req.token_ids[start : start + n],
-                block_tables=[
-                    self.kv.block_table(req.request_id, g) for g in range(self.num_groups)
-                ],
-                samples=start + n == req.num_tokens,
-            )
+            ScheduledRequest(req, start, n, toks[start:end], tables, end == len(toks))
         )
 
     def _preempt(self, req: Request) -> None:
