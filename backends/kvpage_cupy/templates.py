@@ -25,7 +25,7 @@ SOURCES = ("attention.cu", "write_kv.cu", "copy_blocks.cu")
 #: largest head_dim the attention kernel is instantiated for (register budget)
 MAX_HEAD_DIM = 256
 #: most per-lane accumulator registers (GT * ceil(head_dim / 32)) an instance may use
-MAX_LANE_ELEMS = 32
+MAX_LANE_ELEMS = 16
 
 C_TYPES: dict[torch.dtype, str] = {
     torch.float32: "float",

@@ -98,13 +98,18 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention(
         vs[u] = row_scale<KIND>(tsc, ts_s0 + tr, fsc, num_kv_heads + kh);
       }
     }
+    // K and V of the KEYS_PER_ITER keys are all requested before any is used, so each
+    // warp keeps 2 * KEYS_PER_ITER rows of loads in flight (memory-level parallelism)
     float kr[KEYS_PER_ITER][E];
+    float vr[KEYS_PER_ITER][E];
 #pragma unroll
     for (int u = 0; u < KEYS_PER_ITER; ++u)
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         const int d = lane + 32 * e;
-        kr[u][e] = (valid[u] && d < HEAD_DIM) ? load_kv<KV, KIND>(kv + row[u] + d) : 0.0f;
+        const bool ok = valid[u] && d < HEAD_DIM;
+        kr[u][e] = ok ? load_kv<KV, KIND>(kv + row[u] + d) : 0.0f;
+        vr[u][e] = ok ? load_kv<KV, KIND>(kv + kv_s0 + row[u] + d) : 0.0f;
       }
     float logit[KEYS_PER_ITER][GT];
 #pragma unroll
@@ -117,15 +122,6 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention(
         dot = warp_sum(dot) * ks[u];
         if (soft_cap > 0.0f) dot = soft_cap * tanhf(dot / soft_cap);
         logit[u][g] = valid[u] ? dot : -INFINITY;
-      }
-    // V loads reuse the K registers
-#pragma unroll
-    for (int u = 0; u < KEYS_PER_ITER; ++u)
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const int d = lane + 32 * e;
-        kr[u][e] =
-            (valid[u] && d < HEAD_DIM) ? load_kv<KV, KIND>(kv + kv_s0 + row[u] + d) : 0.0f;
       }
 #pragma unroll
     for (int g = 0; g < GT; ++g) {
@@ -142,7 +138,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention(
         l[g] += pw;
         const float pv = pw * vs[u];
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[g][e] += pv * kr[u][e];
+        for (int e = 0; e < E; ++e) acc[g][e] += pv * vr[u][e];
       }
       m[g] = mn;
     }
