@@ -1,0 +1,129 @@
+"""``kvpage generate`` / ``kvpage replay`` and the trace length rule."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpage.cli import SUBCOMMANDS, build_parser, main
+from kvpage.engine import LLMEngine
+from kvpage.engine.replay import fit_trace, replay
+from kvpage.sim.traces import load_trace
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine.from_config(block_size=16, num_blocks=512)
+
+
+def test_parser_lists_engine_subcommands() -> None:
+    assert SUBCOMMANDS[0] == "kvpage.engine.cli:add_generate_parser"
+    help_text = build_parser().format_help()
+    assert "generate" in help_text and "replay" in help_text
+
+
+def test_generate_prints_the_story(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        [
+            "generate",
+            "--threads",
+            "0",
+            "--max-tokens",
+            "20",
+            "--num-blocks",
+            "64",
+            "Once upon a time",
+        ]
+    )
+    out = capsys.readouterr()
+    assert rc == 0
+    assert out.out.startswith("Once upon a time, there was a little girl named Lily")
+    assert "tokens/s" in out.err
+
+
+def test_generate_json_and_rejection(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        [
+            "generate",
+            "--json",
+            "--max-tokens",
+            "5",
+            "--num-blocks",
+            "64",
+            "-n",
+            "2",
+            "--temperature",
+            "1.0",
+            "--sample-seed",
+            "3",
+            "Hi",
+            "",
+        ]
+    )
+    rows = json.loads(capsys.readouterr().out)
+    assert rc == 1  # the empty prompt was rejected
+    assert len(rows[0]["completions"]) == 2 and rows[1]["error"].startswith("prompt:")
+    assert main(["generate", "--threads", "0", "--temperature", "-1", "x"]) == 2
+
+
+def test_fit_trace_azure_rule(engine: LLMEngine) -> None:
+    trace = load_trace("azure-conv", limit=50)
+    reqs = fit_trace(trace, max_model_len=512, vocab_size=512)
+    for tr, r in zip(trace.requests, reqs):
+        p = len(r.prompt_token_ids)
+        assert p == min(max(1, -(-tr.prompt_tokens // 8)), 256)
+        assert r.max_tokens == min(max(1, tr.output_tokens), 512 - p)
+        assert r.arrival_s == tr.arrival_s
+    assert len({tuple(r.prompt_token_ids[:8]) for r in reqs}) == len(reqs)
+
+
+def test_fit_trace_mooncake_shared_hash_ids_share_tokens() -> None:
+    trace = load_trace("mooncake-conv", limit=40)
+    reqs = fit_trace(trace, max_model_len=512, vocab_size=512)
+    a, b = trace.requests[0], trace.requests[1]
+    assert a.hash_ids is not None and b.hash_ids is not None and a.hash_ids[0] == b.hash_ids[0]
+    assert reqs[0].prompt_token_ids[:16] == reqs[1].prompt_token_ids[:16]  # hash id 0
+    assert reqs[0].prompt_token_ids[16:32] != reqs[1].prompt_token_ids[16:32]
+    assert all(len(r.prompt_token_ids) <= 256 for r in reqs)
+
+
+def test_replay_summary_counts(engine: LLMEngine) -> None:
+    trace = load_trace("mooncake-conv", limit=12)
+    reqs = fit_trace(trace, max_model_len=512, vocab_size=512, output_scale=16)
+    res = replay(engine, reqs, speedup=1000.0)
+    s = res.summary
+    assert s["completed"] == 12 and s["rejected"] == 0
+    assert s["generated_tokens"] == sum(r.max_tokens for r in reqs)
+    assert s["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in reqs)
+    assert s["prefix_hit_ratio"] > 0  # requests share hash id 0
+    assert 0 < s["kv_usage_peak"] <= 1 and s["kv_usage_mean"] <= s["kv_usage_peak"]
+    for k in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        assert s[k]["p50"] <= s[k]["p95"] <= s[k]["p99"]
+    assert engine.get_metrics()["kvpage:kv_cache_usage_perc"] == 0.0
+
+
+def test_replay_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    rc = main(
+        [
+            "replay",
+            "--num-requests",
+            "6",
+            "--speedup",
+            "1000",
+            "--output-scale",
+            "20",
+            "--no-progress",
+            "--num-blocks",
+            "256",
+            "--output",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    s = json.loads(out.read_text())
+    assert s["completed"] == 6 and s["trace"] == "azure-conv"
+    err = capsys.readouterr()
+    assert "the first 6" in err.err and "TTFT" in err.out
