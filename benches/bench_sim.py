@@ -143,7 +143,7 @@ def plot_policies(rows: list[dict[str, Any]]) -> str:
 
     traces = list(dict.fromkeys(r["trace"] for r in rows))
     pols = list(dict.fromkeys(r["policy"] for r in rows))
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(9, 4.8))
     w = 0.8 / len(pols)
     for j, pol in enumerate(pols):
         vals = [
@@ -160,7 +160,7 @@ def plot_policies(rows: list[dict[str, Any]]) -> str:
     ax.set_ylabel("effective KV utilization (%)")
     ax.set_ylim(0, 110)
     ax.set_title("Live-token share of reserved KV slots, Llama-3-8B on H100-80GB (simulated)")
-    ax.legend(fontsize=7, loc="lower right", ncol=2)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=4)
     fig.tight_layout()
     path = DOCS / "sim_policies_kv_util.png"
     fig.savefig(path, dpi=110)
@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="/tmp/kvpage_sim", help="folder for JSON results")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--replot", action="store_true", help="redraw figures from --out JSON")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -248,8 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     for sec in args.sections.split(","):
         run, plot = runners[sec]
         t0 = time.perf_counter()
-        rows = run(args.quick)
-        (out / f"{sec}.json").write_text(json.dumps(rows, indent=1))
+        if args.replot:
+            rows = json.loads((out / f"{sec}.json").read_text())
+        else:
+            rows = run(args.quick)
+            (out / f"{sec}.json").write_text(json.dumps(rows, indent=1))
         if plot is not None and not args.no_plots:
             _log(f"wrote {plot(rows)}")
         print(f"\n### {sec} ({time.perf_counter() - t0:.0f} s)\n")
