@@ -65,6 +65,24 @@ class TritonBackend:
         self.num_splits = num_splits
         self._launch: ModuleType | None = None
 
+    def test_budget(self, device: torch.device) -> dict[str, object] | None:
+        """Conformance-suite budget hook (``kvpage.testing.budget_for``): under the
+        interpreter (CPU) draw small shapes and about half the profile's examples (one
+        interpreted example costs ~0.1-1 s); on CUDA the default budget (None)."""
+        if torch.device(device).type != "cpu":
+            return None
+        return {
+            "example_fraction": 0.5,
+            "max_head_dim": 256,
+            "max_q_heads": 8,
+            "max_kv_heads": 2,
+            "max_seq_len": 48,
+            "max_seqs": 3,
+            "max_block_size": 32,
+            "huge_pools": True,
+            "max_pool_bytes": 4 * 2**20,
+        }
+
     # ---- selection -----------------------------------------------------------------
     def unsupported_reasons(self, spec: CacheSpec, device: torch.device) -> list[str]:
         """Why this backend cannot run ``spec`` on ``device`` (empty list = it can)."""
