@@ -44,24 +44,8 @@ def test_generate_prints_the_story(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_generate_json_and_rejection(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(
-        [
-            "generate",
-            "--json",
-            "--max-tokens",
-            "5",
-            "--num-blocks",
-            "64",
-            "-n",
-            "2",
-            "--temperature",
-            "1.0",
-            "--sample-seed",
-            "3",
-            "Hi",
-            "",
-        ]
-    )
+    argv = "generate --threads 0 --json --max-tokens 5 --num-blocks 64 -n 2 --temperature 1.0"
+    rc = main(argv.split() + ["--sample-seed", "3", "Hi", ""])
     rows = json.loads(capsys.readouterr().out)
     assert rc == 1  # the empty prompt was rejected
     assert len(rows[0]["completions"]) == 2 and rows[1]["error"].startswith("prompt:")
@@ -106,22 +90,8 @@ def test_replay_summary_counts(engine: LLMEngine) -> None:
 
 def test_replay_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.json"
-    rc = main(
-        [
-            "replay",
-            "--num-requests",
-            "6",
-            "--speedup",
-            "1000",
-            "--output-scale",
-            "20",
-            "--no-progress",
-            "--num-blocks",
-            "256",
-            "--output",
-            str(out),
-        ]
-    )
+    argv = "replay --threads 0 --num-requests 6 --speedup 1000 --output-scale 20 --no-progress"
+    rc = main(argv.split() + ["--num-blocks", "256", "--output", str(out)])
     assert rc == 0
     s = json.loads(out.read_text())
     assert s["completed"] == 6 and s["trace"] == "azure-conv"
