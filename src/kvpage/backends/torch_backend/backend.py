@@ -18,7 +18,7 @@ from kvpage.attention.metadata import (
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.attention.quant import quantize_fp8, quantize_int8
 from kvpage.backends.torch_backend.compute import attend_group
-from kvpage.backends.torch_backend.plan import TorchPlan
+from kvpage.backends.torch_backend.plan import STREAM_MIN_BYTES, TorchPlan
 from kvpage.errors import ShapeError
 from kvpage.specs import AttentionSpec, CacheSpec
 
@@ -47,6 +47,15 @@ class TorchBackend:
         devices=frozenset({"cpu", "cuda"}),
         notes=("reference-grade semantics in vectorized torch; any head_dim and block_size",),
     )
+
+    def __init__(self, *, stream_min_bytes: int = STREAM_MIN_BYTES) -> None:
+        """Args:
+        stream_min_bytes: sequences whose K rows in the key range take at least this
+            many bytes are computed alone from a whole-block gather (see
+            ``plan.py``); smaller ones are batched with padding. 0 streams every
+            sequence; a huge value batches every sequence (both are tested).
+        """
+        self.stream_min_bytes = stream_min_bytes
 
     # ---- selection -------------------------------------------------------------------
     def unsupported_reasons(self, spec: CacheSpec, device: torch.device) -> list[str]:
@@ -131,7 +140,10 @@ class TorchBackend:
         if not isinstance(plan, TorchPlan):
             plan = TorchPlan.from_meta(meta)
             meta.extras[PLAN_KEY] = plan
-        groups = plan.groups(cache.block_size, spec.sliding_window)
+        row_bytes = cache.num_kv_heads * cache.head_dim * cache.kv.element_size()
+        groups = plan.groups(
+            cache.block_size, spec.sliding_window, row_bytes, self.stream_min_bytes
+        )
         for g in groups:
             if g.min_block < 0 or g.max_block >= cache.num_blocks:
                 raise ShapeError(

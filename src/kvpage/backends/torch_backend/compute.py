@@ -1,9 +1,10 @@
 """Attention math of the torch backend: gather, dequantize, attend (vectorized).
 
-Each padded group (see ``plan.py``) is computed with whole tensors: K/V blocks are
-gathered with one ``index_select`` per tensor, dequantized, masked positions zeroed,
-and attention runs either through ``torch.nn.functional.scaled_dot_product_attention``
-(no soft cap) or through explicit float32 matmuls (soft cap, which SDPA lacks).
+Groups come from ``plan.py``. Streamed groups (one long sequence) gather whole blocks
+with one ``index_select`` and attend with batched matmuls over the KV heads (decode,
+soft cap) or ``scaled_dot_product_attention`` (prefill); padded groups (many short
+sequences) gather per slot into ``[n, max_keys]`` and use SDPA with a key mask, or
+explicit float32 matmuls when a logit soft cap is set (SDPA has none).
 """
 
 from __future__ import annotations
@@ -15,50 +16,96 @@ from kvpage.attention.metadata import KVCache
 from kvpage.backends.torch_backend.plan import GroupIndex
 from kvpage.specs import AttentionSpec
 
-#: query rows per chunk of the explicit path are chosen so that the float32 logits
-#: of one chunk stay under this many bytes
+#: the float32 logits of one chunk of query rows stay under this many bytes
 LOGITS_BUDGET_BYTES = 64 * 2**20
 
 
-def compute_dtype(cache: KVCache, query_dtype: torch.dtype) -> torch.dtype:
-    """The dtype attention runs in: the cache's for unquantized caches, else float32."""
-    return cache.kv.dtype if cache.kv_dtype == "auto" else torch.float32
+def compute_dtype(cache: KVCache, streamed: bool) -> torch.dtype:
+    """Unquantized caches attend in the cache dtype (streamed groups on the CPU in
+    float32, which the buffer conversion makes free); int8/fp8 caches in float32."""
+    if cache.kv_dtype != "auto":
+        return torch.float32
+    if streamed and cache.kv.device.type == "cpu":
+        return torch.float32
+    return cache.kv.dtype
 
 
-def gather_group(
-    cache: KVCache, g: GroupIndex, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the group's gathered blocks, ``[n, num_keys, num_kv_heads, head_dim]``
-    in ``dtype``, dequantized, zero at invalid key positions."""
-    n, nb = g.blocks.shape
+def _rows(x: torch.Tensor, rows_per_entry: int) -> torch.Tensor:
+    """``x`` (one K or V tensor ``[num_blocks, ...]``) as 2-D rows for index_select,
+    1-byte types as uint8 (fp8 index_select is not implemented everywhere)."""
+    y = x.view(torch.uint8) if x.element_size() == 1 else x
+    return y.reshape(-1, rows_per_entry)
+
+
+def _gather(
+    cache: KVCache, i: int, index: torch.Tensor, per_block: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """K (``i`` = 0) or V (1) rows at ``index`` (blocks or slots), dequantized, as
+    ``[num_rows, num_kv_heads, head_dim]`` in ``dtype``."""
     bs, h, d = cache.block_size, cache.num_kv_heads, cache.head_dim
-    idx = g.blocks.reshape(-1)
-    out = []
-    for i in (0, 1):
-        raw = cache.kv[i].index_select(0, idx)
-        kind = cache.kv_dtype
-        if kind == "auto":
-            x = raw if raw.dtype == dtype else raw.to(dtype)
-        elif kind == "int8":
-            assert cache.token_scales is not None
-            sc = cache.token_scales[i].index_select(0, idx)
-            x = raw.to(dtype) * sc.unsqueeze(-1).to(dtype)
-        else:
-            s = cache.k_scale if i == 0 else cache.v_scale
-            assert s is not None
-            s = s.to(dtype)
-            x = raw.to(dtype) * (s.unsqueeze(-1) if s.dim() == 1 else s)
-        x = x.view(n, nb * bs, h, d)
-        if g.key_valid is not None:
-            x = x.masked_fill(~g.key_valid[:, :, None, None], 0)
-        out.append(x)
-    return out[0], out[1]
+    width = (bs if per_block else 1) * h * d
+    raw = _rows(cache.kv[i], width).index_select(0, index)
+    if cache.kv.element_size() == 1:
+        raw = raw.view(cache.kv.dtype)
+    raw = raw.view(-1, h, d)
+    kind = cache.kv_dtype
+    if kind == "auto":
+        return raw if raw.dtype == dtype else raw.to(dtype)
+    if kind == "int8":
+        assert cache.token_scales is not None
+        sw = (bs if per_block else 1) * h
+        sc = cache.token_scales[i].reshape(-1, sw).index_select(0, index).view(-1, h, 1)
+        return raw.to(dtype) * sc.to(dtype)
+    s = cache.k_scale if i == 0 else cache.v_scale
+    assert s is not None
+    s = s.to(dtype)
+    return raw.to(dtype) * (s.view(h, 1) if s.dim() == 1 else s)
 
 
-def _attend_sdpa(
+def _explicit_heads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spec: AttentionSpec,
+    mask: torch.Tensor | None,
+    causal: bool,
+) -> torch.Tensor:
+    """Batched over a leading dim ``n``: q ``[n, Lq, Hq, D]``, k/v ``[n, L, Hkv, D]``,
+    mask broadcastable to ``[n, 1, Lq, L]`` -> ``[n, Lq, Hq, D]``; float32 matmuls
+    per KV head, soft cap ``c * tanh(logits / c)`` (Gemma-2), chunked over query rows.
+    """
+    n, lq, hq, d = q.shape
+    hkv = spec.num_kv_heads
+    grp = hq // hkv
+    L = k.shape[1]
+    kt = k.transpose(1, 2).unsqueeze(2).transpose(-1, -2)  # [n, Hkv, 1, D, L]
+    vt = v.transpose(1, 2).unsqueeze(2)  # [n, Hkv, 1, L, D]
+    qh = q.view(n, lq, hkv, grp, d).permute(0, 2, 3, 1, 4)  # [n, Hkv, G, Lq, D]
+    rows = max(1, LOGITS_BUDGET_BYTES // max(1, 4 * n * hq * L))
+    outs = []
+    for a in range(0, lq, rows):
+        b = min(lq, a + rows)
+        logits = torch.matmul(qh[:, :, :, a:b], kt) * spec.scale  # [n, Hkv, G, r, L]
+        if spec.logits_soft_cap is not None:
+            c = spec.logits_soft_cap
+            logits = torch.tanh(logits / c) * c
+        m = None
+        if mask is not None:
+            m = mask[:, :, a:b] if mask.shape[2] > 1 else mask
+            m = m.unsqueeze(2)
+        elif causal:
+            m = torch.ones(b - a, L, dtype=torch.bool, device=q.device).tril(a)
+        if m is not None:
+            logits = logits.masked_fill(~m, float("-inf"))
+        outs.append(torch.matmul(torch.softmax(logits, dim=-1), vt))  # [n, Hkv, G, r, D]
+    o = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
+    return o.permute(0, 3, 1, 2, 4).reshape(n, lq, hq, d)
+
+
+def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupIndex, spec: AttentionSpec
 ) -> torch.Tensor:
-    """q ``[n, max_q, Hq, D]``, k/v ``[n, L, Hkv, D]`` -> ``[n, max_q, Hq, D]``."""
+    """q ``[n, Lq, Hq, D]``, k/v ``[n, L, Hkv, D]`` -> ``[n, Lq, Hq, D]``."""
     res = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
@@ -71,48 +118,34 @@ def _attend_sdpa(
     return res.transpose(1, 2)
 
 
-def _attend_explicit(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupIndex, spec: AttentionSpec
-) -> torch.Tensor:
-    """The same contract as ``_attend_sdpa`` with float32 matmuls and the soft cap
-    ``c * tanh(logits / c)`` (Gemma-2), chunked over query rows."""
-    n, max_q, hq, d = q.shape
-    hkv = spec.num_kv_heads
-    grp = hq // hkv
-    L = k.shape[1]
-    kt = k.float().permute(0, 2, 3, 1).unsqueeze(2)  # [n, Hkv, 1, D, L]
-    vt = v.float().permute(0, 2, 1, 3).unsqueeze(2)  # [n, Hkv, 1, L, D]
-    qh = q.float().view(n, max_q, hkv, grp, d).permute(0, 2, 3, 1, 4)  # [n, Hkv, G, q, D]
-    rows = max(1, LOGITS_BUDGET_BYTES // max(1, 4 * n * hq * L))
-    mask = g.attn_mask
-    if mask is None and g.is_causal and max_q > 1:
-        mask = torch.ones(max_q, L, dtype=torch.bool, device=q.device).tril()[None, None]
-    outs = []
-    for a in range(0, max_q, rows):
-        b = min(max_q, a + rows)
-        logits = torch.matmul(qh[:, :, :, a:b], kt) * spec.scale  # [n, Hkv, G, r, L]
-        if spec.logits_soft_cap is not None:
-            c = spec.logits_soft_cap
-            logits = torch.tanh(logits / c) * c
-        if mask is not None:
-            m = mask[:, :, a:b] if mask.shape[2] > 1 else mask
-            logits = logits.masked_fill(~m.unsqueeze(2), float("-inf"))
-        outs.append(torch.matmul(torch.softmax(logits, dim=-1), vt))  # [n, Hkv, G, r, D]
-    o = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
-    return o.permute(0, 3, 1, 2, 4).reshape(n, max_q, hq, d)
-
-
-def attend_group(
-    query: torch.Tensor,
-    cache: KVCache,
-    g: GroupIndex,
-    spec: AttentionSpec,
-    out: torch.Tensor,
+def _attend_streamed(
+    query: torch.Tensor, cache: KVCache, g: GroupIndex, spec: AttentionSpec, out: torch.Tensor
 ) -> None:
-    """Compute one group and write its real rows into ``out`` ``[num_tokens, Hq, D]``."""
-    dtype = compute_dtype(cache, query.dtype)
-    k, v = gather_group(cache, g, dtype)
+    dtype = compute_dtype(cache, streamed=True)
+    a, b = g.key_offset, g.key_offset + g.num_keys
+    k = _gather(cache, 0, g.index, True, dtype)[a:b].unsqueeze(0)
+    v = _gather(cache, 1, g.index, True, dtype)[a:b].unsqueeze(0)
+    q = query[g.q_start : g.q_start + g.max_q].unsqueeze(0)
+    if q.dtype != dtype:
+        q = q.to(dtype)
+    if g.max_q == 1 or spec.logits_soft_cap is not None:
+        res = _explicit_heads(q.float(), k.float(), v.float(), spec, g.attn_mask, g.is_causal)
+    else:
+        res = _sdpa(q, k, v, g, spec)
+    out[g.q_start : g.q_start + g.max_q] = res[0]
+
+
+def _attend_padded(
+    query: torch.Tensor, cache: KVCache, g: GroupIndex, spec: AttentionSpec, out: torch.Tensor
+) -> None:
+    dtype = compute_dtype(cache, streamed=False)
     n, max_q = g.q_rows.shape
+    k = _gather(cache, 0, g.index.reshape(-1), False, dtype).view(
+        n, g.num_keys, cache.num_kv_heads, cache.head_dim
+    )
+    v = _gather(cache, 1, g.index.reshape(-1), False, dtype).view(
+        n, g.num_keys, cache.num_kv_heads, cache.head_dim
+    )
     if g.identity_rows:
         q = query.view(n, 1, *query.shape[1:])
     else:
@@ -120,9 +153,9 @@ def attend_group(
     if q.dtype != dtype:
         q = q.to(dtype)
     if spec.logits_soft_cap is None:
-        res = _attend_sdpa(q, k, v, g, spec)
+        res = _sdpa(q, k, v, g, spec)
     else:
-        res = _attend_explicit(q, k, v, g, spec)
+        res = _explicit_heads(q.float(), k.float(), v.float(), spec, g.attn_mask, g.is_causal)
     res = res.reshape(n * max_q, *res.shape[2:])
     if g.identity_rows:
         out.copy_(res)
@@ -130,3 +163,14 @@ def attend_group(
     if g.q_valid is not None:
         res = res[g.q_valid]
     out.index_copy_(0, g.out_rows, res.to(out.dtype))
+
+
+def attend_group(
+    query: torch.Tensor, cache: KVCache, g: GroupIndex, spec: AttentionSpec, out: torch.Tensor
+) -> None:
+    """Compute one group and write its real rows into ``out`` ``[num_tokens, Hq, D]``
+    (rows of other groups untouched)."""
+    if g.streamed:
+        _attend_streamed(query, cache, g, spec, out)
+    else:
+        _attend_padded(query, cache, g, spec, out)

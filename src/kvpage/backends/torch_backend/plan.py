@@ -1,19 +1,22 @@
 """Per-step gather plans of the torch backend, shared by every layer of a step.
 
-A plan splits the step's sequences into *groups* that are padded together. For each
-group it holds the physical blocks to gather (block granular: whole blocks are copied,
-which is a contiguous ``index_select``), the padded query rows, and the masks. Decode
-is the special case where every query length is 1 (one group).
-
 Key range of sequence ``i`` (absolute positions): ``lo_i .. seq_len_i - 1`` with
 ``lo_i = max(0, context_len_i - W + 1)`` for a sliding window ``W`` (the earliest key
 its first new token sees; ``kvpage.specs``: W keys including the current one), else 0.
-The gathered keys start at the block boundary ``(lo_i // block_size) * block_size``;
-keys before ``lo_i`` or at/after ``seq_len_i`` are masked and zeroed (they may hold
-anything, NaN included).
 
-Everything depending on the cache's block size or the layer's window is built on first
-use and memoized in the plan (all layers of one KV group share both).
+Sequences are split into two kinds of groups:
+
+* **streamed** (one sequence, long key range): its whole blocks are gathered into a
+  buffer with one contiguous ``index_select`` and the key range is a slice of it, so
+  no padding and, for decode, no mask. The buffer is consumed right away, while it is
+  still in cache — this is what makes paged decode as fast as attention over a
+  contiguous cache.
+* **padded** (many short sequences): per-slot gather into ``[n, max_keys]``; padding
+  points at the sequence's last key (always written, so finite) and is masked out of
+  the softmax, so the gathered tensors never need a cleaning pass.
+
+Everything depending on the cache's block size, the layer's window or the row size
+is built on first use and memoized (all layers of one KV group share them).
 """
 
 from __future__ import annotations
@@ -24,39 +27,48 @@ import torch
 
 from kvpage.attention.metadata import AttentionMetadata
 
-#: a group may hold up to this factor more padded (query x key) work than real work
+#: a padded group may hold this factor more (query x key) work than real work ...
 PAD_FACTOR = 1.5
 #: ... plus this much slack, so that many tiny sequences still share one group
 PAD_SLACK = 64 * 1024
+#: sequences whose K rows of the key range exceed this many bytes are streamed alone
+STREAM_MIN_BYTES = 256 * 1024
 
 
 @dataclass
 class GroupIndex:
-    """Gather and mask data of one padded group (all tensors on the step's device).
+    """Gather and mask data of one group (tensors on the step's device).
 
     Attributes:
-        seqs: sequence indices of the group (host list), group order.
-        blocks: ``[n, num_gather_blocks]`` int64 physical block ids to gather.
-        key_valid: ``[n, num_gather_blocks * block_size]`` bool, or None when every
-            gathered key is in range.
+        seqs: sequence indices of the group (host list).
+        streamed: True for a single streamed sequence (see module docstring).
+        index: padded: ``[n, max_keys]`` int64 slots; streamed: ``[num_blocks]`` int64
+            physical blocks covering the key range.
+        key_offset / num_keys: streamed: the key range is rows
+            ``key_offset .. key_offset + num_keys - 1`` of the gathered blocks.
         q_rows: ``[n, max_q]`` int64 token row of each padded query (clamped).
         q_valid: ``[n * max_q]`` bool of real query rows, or None when all are real.
-        out_rows: ``[num_real]`` int64 token rows receiving the group's outputs, in the
-            order of ``q_valid``'s True entries.
-        attn_mask: ``[n, 1, max_q, num_keys]`` bool (True = attend) or None.
-        is_causal: True when a plain top-left causal mask is exact (no mask tensor).
+        out_rows: ``[num_real]`` int64 token rows receiving the outputs.
+        attn_mask: ``[n, 1, max_q, max_keys]`` bool (True = attend) or None.
+        is_causal: True when a top-left causal mask (query j sees keys 0..j) is exact.
         max_q: padded query length.
+        q_start: first token row (streamed groups: rows are contiguous).
+        identity_rows: the group's outputs are exactly rows 0..n-1 in order.
+        min_block / max_block: range of physical block ids read (validated per cache).
     """
 
     seqs: list[int]
-    blocks: torch.Tensor
-    key_valid: torch.Tensor | None
+    streamed: bool
+    index: torch.Tensor
+    key_offset: int
+    num_keys: int
     q_rows: torch.Tensor
     q_valid: torch.Tensor | None
     out_rows: torch.Tensor
     attn_mask: torch.Tensor | None
     is_causal: bool
     max_q: int
+    q_start: int = 0
     identity_rows: bool = False
     min_block: int = 0
     max_block: int = 0
@@ -64,15 +76,15 @@ class GroupIndex:
 
 @dataclass
 class TorchPlan:
-    """Host copies of the step's lengths and a memo of group indices per
-    ``(block_size, sliding_window)``."""
+    """Host copies of the step's lengths and a memo of groups per
+    ``(block_size, sliding_window, bytes per key row)``."""
 
     device: torch.device
     block_tables: torch.Tensor  # host int64 [num_seqs, width]
     query_lens: list[int]
     seq_lens: list[int]
     query_starts: list[int]
-    memo: dict[tuple[int, int | None], list[GroupIndex]] = field(default_factory=dict)
+    memo: dict[tuple[int, int | None, int, int], list[GroupIndex]] = field(default_factory=dict)
 
     @classmethod
     def from_meta(cls, meta: AttentionMetadata) -> TorchPlan:
@@ -87,11 +99,19 @@ class TorchPlan:
             query_starts=qs,
         )
 
-    def groups(self, block_size: int, window: int | None) -> list[GroupIndex]:
-        """The padded groups for caches of ``block_size`` and a layer window."""
-        key = (block_size, window)
+    def groups(
+        self,
+        block_size: int,
+        window: int | None,
+        row_bytes: int,
+        stream_min_bytes: int = STREAM_MIN_BYTES,
+    ) -> list[GroupIndex]:
+        """The groups for caches of ``block_size``, a layer window and ``row_bytes``
+        bytes per key (num_kv_heads * head_dim * element size); sequences whose key
+        range holds at least ``stream_min_bytes`` are streamed alone."""
+        key = (block_size, window, row_bytes, stream_min_bytes)
         if key not in self.memo:
-            self.memo[key] = self._build(block_size, window)
+            self.memo[key] = self._build(block_size, window, row_bytes, stream_min_bytes)
         return self.memo[key]
 
     # ---- construction -------------------------------------------------------------
@@ -100,76 +120,126 @@ class TorchPlan:
         lo = 0 if window is None else max(0, s - q - window + 1)
         return lo, s
 
-    def _partition(self, block_size: int, window: int | None) -> list[list[int]]:
-        """Greedy grouping: sequences sorted by query length (then key span); a group
-        grows while its padded work stays within PAD_FACTOR of the real work."""
+    def _build(
+        self, bs: int, window: int | None, row_bytes: int, stream_min: int
+    ) -> list[GroupIndex]:
         live = [i for i in range(len(self.seq_lens)) if self.query_lens[i] > 0]
+        spans = {i: self._key_range(i, window) for i in live}
+        big = [i for i in live if (spans[i][1] - spans[i][0]) * row_bytes >= stream_min]
+        small = [i for i in live if i not in set(big)]
+        out = [self._streamed(i, bs, window) for i in big]
+        for seqs in self._partition(small, spans):
+            out.append(self._padded(seqs, bs, window))
+        return out
 
-        def span(i: int) -> int:
-            lo, hi = self._key_range(i, window)
-            return -(-hi // block_size) * block_size - (lo // block_size) * block_size
-
-        live.sort(key=lambda i: (self.query_lens[i], span(i)), reverse=True)
+    def _partition(self, live: list[int], spans: dict[int, tuple[int, int]]) -> list[list[int]]:
+        """Greedy: sorted by query length then key span, a group grows while its padded
+        work stays within PAD_FACTOR of the real work (plus PAD_SLACK)."""
+        order = sorted(live, key=lambda i: (self.query_lens[i], spans[i][1] - spans[i][0]))
+        order.reverse()
         groups: list[list[int]] = []
         cur: list[int] = []
         real = max_q = max_k = 0
-        for i in live:
-            q, k = self.query_lens[i], span(i)
+        for i in order:
+            q, k = self.query_lens[i], spans[i][1] - spans[i][0]
             nq, nk, nreal = max(max_q, q), max(max_k, k), real + q * k
             if cur and (len(cur) + 1) * nq * nk > PAD_FACTOR * nreal + PAD_SLACK:
                 groups.append(cur)
-                cur, real, nq, nk, nreal = [], 0, q, k, q * k
+                cur, nq, nk, nreal = [], q, k, q * k
             cur.append(i)
             max_q, max_k, real = nq, nk, nreal
         if cur:
             groups.append(cur)
         return groups
 
-    def _build(self, block_size: int, window: int | None) -> list[GroupIndex]:
-        out = []
-        for seqs in self._partition(block_size, window):
-            out.append(self._group(seqs, block_size, window))
-        return out
+    def _masks(
+        self, kpos: torch.Tensor, qpos: torch.Tensor, key_valid: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
+        """``[n, max_q, max_keys]`` bool: key valid, causal, inside the window."""
+        allowed = key_valid[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])
+        if window is not None:
+            allowed &= kpos[:, None, :] > (qpos[:, :, None] - window)
+        return allowed
 
-    def _group(self, seqs: list[int], bs: int, window: int | None) -> GroupIndex:
+    def _streamed(self, i: int, bs: int, window: int | None) -> GroupIndex:
+        lo, hi = self._key_range(i, window)
+        q, qs = self.query_lens[i], self.query_starts[i]
+        first, last = lo // bs, (hi - 1) // bs
+        blocks = self.block_tables[i, first : last + 1]
+        n_keys = hi - lo
+        rows = torch.arange(qs, qs + q, dtype=torch.int64)
+        mask = None
+        is_causal = False
+        if q > 1:
+            ctx = hi - q
+            if ctx == 0 and (window is None or window >= hi) and lo == 0:
+                is_causal = True
+            else:
+                kpos = torch.arange(lo, hi)[None]
+                qpos = torch.arange(ctx, hi)[None]
+                valid = torch.ones_like(kpos, dtype=torch.bool)
+                mask = self._masks(kpos, qpos, valid, window)[:, None]
+        dev = self.device
+        return GroupIndex(
+            seqs=[i],
+            streamed=True,
+            index=blocks.to(dev),
+            key_offset=lo - first * bs,
+            num_keys=n_keys,
+            q_rows=rows.view(1, q).to(dev),
+            q_valid=None,
+            out_rows=rows.to(dev),
+            attn_mask=None if mask is None else mask.to(dev),
+            is_causal=is_causal,
+            max_q=q,
+            q_start=qs,
+            min_block=int(blocks.min()),
+            max_block=int(blocks.max()),
+        )
+
+    def _padded(self, seqs: list[int], bs: int, window: int | None) -> GroupIndex:
         dev = self.device
         lo = torch.tensor([self._key_range(i, window)[0] for i in seqs], dtype=torch.int64)
         hi = torch.tensor([self.seq_lens[i] for i in seqs], dtype=torch.int64)
         ql = torch.tensor([self.query_lens[i] for i in seqs], dtype=torch.int64)
         qs = torch.tensor([self.query_starts[i] for i in seqs], dtype=torch.int64)
-        first = lo // bs
-        nblk = (hi + bs - 1) // bs - first
-        nb, max_q = int(nblk.max()), int(ql.max())
-        col = first[:, None] + torch.arange(nb)[None, :]
-        col = torch.minimum(col, (first + nblk - 1)[:, None])
-        blocks = self.block_tables[seqs].gather(1, col)
-        kpos = (first * bs)[:, None] + torch.arange(nb * bs)[None, :]
-        key_valid = (kpos >= lo[:, None]) & (kpos < hi[:, None])
+        max_k, max_q = int((hi - lo).max()), int(ql.max())
+        t = torch.arange(max_k)[None, :]
+        kpos = lo[:, None] + t
+        key_valid = kpos < hi[:, None]
+        pos = torch.minimum(kpos, (hi - 1)[:, None])  # padding -> the last (written) key
+        tables = self.block_tables[seqs]
+        blocks = tables.gather(1, pos // bs)
+        slots = blocks * bs + pos % bs
         j = torch.arange(max_q)[None, :]
         q_valid = j < ql[:, None]
         q_rows = qs[:, None] + torch.minimum(j, (ql - 1)[:, None])
         qpos = (hi - ql)[:, None] + j
-        all_keys = bool(key_valid.all())
-        all_q = bool(q_valid.all())
-        ctx_zero = bool(((hi - ql) == 0).all())
-        no_window = window is None or window >= int(hi.max())
-        is_causal = all_keys and all_q and ctx_zero and no_window and max_q == nb * bs
+        all_keys, all_q = bool(key_valid.all()), bool(q_valid.all())
         mask: torch.Tensor | None = None
-        if max_q == 1:
-            # a single query at seq_len - 1 sees exactly [lo, seq_len): the key range
+        is_causal = False
+        if max_q == 1:  # the single query at seq_len - 1 sees exactly [lo, seq_len)
             mask = None if all_keys else key_valid[:, None, None, :]
-        elif not is_causal:
-            allowed = key_valid[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])
-            if window is not None:
-                allowed &= kpos[:, None, :] > (qpos[:, :, None] - window)
-            mask = allowed[:, None]
+        elif (
+            all_keys
+            and all_q
+            and bool((lo == 0).all())
+            and bool((hi == ql).all())
+            and max_q == max_k
+            and (window is None or window >= max_k)
+        ):
+            is_causal = True
+        else:
+            mask = self._masks(kpos, qpos, key_valid, window)[:, None]
         flat_valid = q_valid.reshape(-1)
         out_rows = q_rows.reshape(-1)[flat_valid]
         identity = max_q == 1 and all_q and out_rows.tolist() == list(range(self.query_starts[-1]))
         return GroupIndex(
             seqs=seqs,
-            blocks=blocks.to(dev),
-            key_valid=None if all_keys else key_valid.to(dev),
+            streamed=False,
+            index=slots.to(dev),
+            key_offset=0,
+            num_keys=max_k,
             q_rows=q_rows.to(dev),
             q_valid=None if all_q else flat_valid.to(dev),
             out_rows=out_rows.to(dev),
