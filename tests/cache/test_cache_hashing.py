@@ -12,6 +12,8 @@ import sys
 import numpy as np
 import pytest
 from cache_helpers import make_spec
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvpage.cache import (
     KVCacheManager,
@@ -135,3 +137,28 @@ def test_slot_mapping_and_batch_tables() -> None:
     assert bt.tolist() == [[1, 2, 3], [-1, -1, -1], [4, -1, -1]]
     assert batch_block_tables([]).shape == (0, 0)
     assert batch_block_tables([[5]], pad=0).tolist() == [[5]]
+
+
+@given(
+    block_size=st.integers(1, 8),
+    table=st.lists(st.integers(0, 1000), min_size=1, max_size=12, unique=True),
+    data=st.data(),
+)
+def test_slot_mapping_matches_the_formula(
+    block_size: int, table: list[int], data: st.DataObject
+) -> None:
+    cap = len(table) * block_size
+    start = data.draw(st.integers(0, cap - 1))
+    n = data.draw(st.integers(0, cap - start))
+    got = slot_mapping(table, start, n, block_size)
+    want = [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+    assert got.dtype == np.int64 and got.tolist() == want
+    # chunking the positions never changes the slots (C07)
+    mid = data.draw(st.integers(start, start + n))
+    parts = np.concatenate(
+        [
+            slot_mapping(table, start, mid - start, block_size),
+            slot_mapping(table, mid, start + n - mid, block_size),
+        ]
+    )
+    assert parts.tolist() == want

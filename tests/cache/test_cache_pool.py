@@ -93,3 +93,20 @@ def test_integrity_errors_carry_numbers() -> None:
         mgr.check_integrity()
     mgr._reqs["a"].num_tokens = 3
     mgr.check_integrity()
+
+
+def test_hybrid_usage_is_the_binding_group() -> None:
+    mgr = KVCacheManager(make_spec(11, 2, windows=(None, 2)))  # 10 usable blocks per group
+    toks = list(range(8))
+    assert mgr.allocate("a", toks, 8) is not None
+    mgr.commit("a", toks, 8)
+    for p in range(8, 12):  # decode: the sliding group releases, the full group grows
+        toks.append(p)
+        assert mgr.allocate("a", toks, 1) is not None
+        mgr.commit("a", toks, p + 1)
+    full, sliding = mgr.pools
+    assert full.num_used == 6 and sliding.num_used == 1  # query 11 sees keys 10, 11
+    assert mgr.usage == pytest.approx(0.6)  # max over groups
+    assert mgr.num_free_blocks == 4  # min over groups
+    assert mgr.stats.window_blocks_freed == 5
+    mgr.check_integrity()
