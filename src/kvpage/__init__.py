@@ -16,13 +16,31 @@ from kvpage.specs import AttentionSpec, CacheSpec, load_preset
 
 __version__ = "0.1.0"
 
+#: the user API, imported on first use (``from kvpage import LLM, SamplingParams``) so
+#: that ``import kvpage`` stays light
+_ENGINE_EXPORTS = ("LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput")
+
+
+def __getattr__(name: str) -> object:
+    if name in _ENGINE_EXPORTS:
+        import kvpage.engine
+
+        return getattr(kvpage.engine, name)
+    raise AttributeError(f"module 'kvpage' has no attribute {name!r}")
+
+
 __all__ = [
     "AttentionSpec",
     "BackendUnavailableError",
     "CacheSpec",
+    "CompletionOutput",
     "IntegrityError",
     "KVPageError",
+    "LLM",
+    "LLMEngine",
+    "RequestOutput",
     "RequestRejected",
+    "SamplingParams",
     "ShapeError",
     "SpecError",
     "__version__",
