@@ -330,6 +330,41 @@ def test_out_buffer_and_validation():
         be.prefill(query[:, :2].to(dev), mine, m, spec)
 
 
+@needs_device
+@pytest.mark.parametrize("hd", [80, 112])
+def test_odd_head_sizes_and_default_scale_case_c13(hd):
+    """GQA 4:1, block_size 16, context 37 (partial last block); no explicit scale means
+    1/sqrt(head_dim)."""
+    spec = make_attention_spec(num_q_heads=4, num_kv_heads=1, head_dim=hd)
+    assert spec.scale == pytest.approx(hd**-0.5)
+    spec_, (mine, ref), full, key, value, meta, query = _scenario(
+        hq=4, hkv=1, hd=hd, bs=16, query_lens=(1,), seq_lens=(37,)
+    )
+    reference_write_kv(key, value, ref, full.slot_mapping)
+    dev = mine.kv.device
+    be = NumbaBackend(threads=2)
+    be.write_kv(key.to(dev), value.to(dev), mine, full.slot_mapping.to(dev))
+    got = _attend(be, query, mine, meta, spec, decode=True)
+    torch.testing.assert_close(got.double(), reference_attention(query, ref, meta, spec), atol=2e-5, rtol=2e-5)  # fmt: skip
+
+
+@needs_device
+def test_selection_follows_the_model():
+    """An explicit numba request for a head size it lacks fails with numba's reason."""
+    from kvpage.backends import select_backend
+    from kvpage.errors import BackendUnavailableError
+
+    spec = make_cache_spec(
+        num_layers=2, num_blocks=4,
+        layers=[dict(num_q_heads=4, num_kv_heads=2, head_dim=64), dict(num_q_heads=4, num_kv_heads=2, head_dim=320)],
+    )  # fmt: skip
+    with pytest.raises(BackendUnavailableError, match="head_dim: expected <= 256, got 320"):
+        select_backend(spec, DEVICE, prefer="numba")
+    small = spec.model_copy(update={"layers": spec.layers[:1], "num_layers": 1})
+    if SIM:
+        assert select_backend(small, DEVICE, prefer="numba").name == "numba"
+
+
 # ---- copy_blocks ---------------------------------------------------------------------------
 @needs_device
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8_e4m3"])
@@ -373,11 +408,11 @@ def _have_nvvm() -> bool:
 
 @pytest.mark.skipif(not _have_nvvm(), reason="no CUDA toolkit (NVVM) on this machine")
 @pytest.mark.parametrize("cc", ["8.0", pytest.param("9.0", marks=pytest.mark.slow)])
-def test_every_kernel_variant_compiles_to_ptx(cc):
+def test_every_kernel_variant_compiles_to_ptx(cc, tmp_path):
     """numba.cuda.compile_ptx type-checks each kernel for a real GPU (the simulator just
     runs Python and would not see a typing error)."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    env["NUMBA_CACHE_DIR"] = str(ROOT / ".nonexistent")  # no cache writes outside tmp
+    env["NUMBA_CACHE_DIR"] = str(tmp_path)  # nothing is cached outside the tmp dir
     res = subprocess.run(
         [sys.executable, "-m", "kvpage_numba.ptx_check", cc],
         capture_output=True, text=True, env=env, timeout=600,
