@@ -241,3 +241,47 @@ def test_gpu_matches_reference(dtype, kv_dtype, hd, window, splits):
     want = reference_attention(q, ref, AttentionMetadata.build(qlens, seq_lens, tables, 16), spec)
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+class _FakeProps:
+    multi_processor_count = 132
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8_e5m2"])
+def test_launcher_flow_with_recorded_launches(monkeypatch, kv_dtype):
+    """The launcher code between validation and the kernel (planning, template choice,
+    splits, grids, buffers), run on CPU tensors with the launch recorded instead."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(CupyBackend, "_require_cuda", staticmethod(lambda t: None))
+    monkeypatch.setattr(CupyBackend, "_kernel", staticmethod(lambda src, expr: expr))
+    monkeypatch.setattr(
+        CupyBackend,
+        "_run",
+        lambda self, fn, grid, block, args, dev: calls.append((fn, grid, block, args)),  # fmt: skip
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: _FakeProps())
+    dtype = torch.bfloat16
+    spec = make_attention_spec(num_q_heads=8, num_kv_heads=2, head_dim=64, sliding_window=9)
+    cache = allocate_kv_cache(8, 4, 2, 64, dtype=dtype, kv_dtype=kv_dtype)
+    be = CupyBackend(num_splits=3)
+    meta = be.plan(AttentionMetadata.build([3, 1], [10, 6], [[1, 2, 3], [4, 5]], 4))
+    be.write_kv(torch.randn(4, 2, 64).to(dtype), torch.randn(4, 2, 64).to(dtype), cache, meta.slot_mapping)  # fmt: skip
+    fn, grid, block, args = calls[-1]
+    assert grid == (4, 4) and block == 32 and fn.startswith("kvpage::write_kv<__nv_bfloat16")
+    out = torch.full((4, 8, 64), float("nan"), dtype=dtype)
+    res = be.prefill(torch.randn(4, 8, 64).to(dtype), cache, meta, spec, out=out)
+    assert res is out
+    (afn, agrid, ablock, aargs), (rfn, rgrid, _, rargs) = calls[-2:]
+    assert afn.endswith(", 64, 4>") and agrid == (4, 2, 3) and ablock == 128
+    assert int(aargs[-1]) == 3 and int(aargs[-2]) == 3  # splits, chunk = ceil(9 / 3)
+    assert rfn == "kvpage::split_reduce<__nv_bfloat16>" and rgrid == (32,)
+    assert int(rargs[2]) == out.data_ptr()  # the reduce writes the caller's buffer
+    calls.clear()
+    dmeta = be.plan(AttentionMetadata.build([1, 1], [10, 6], [[1, 2, 3], [4, 5]], 4))
+    wide = torch.zeros((2, 8, 70), dtype=dtype)
+    be.decode(torch.randn(2, 8, 64).to(dtype), cache, dmeta, spec, out=wide[..., :64])
+    assert calls[0][1] == (2, 2, 3)  # non-contiguous out: computed into a temporary
+    assert int(calls[-1][3][2]) != wide.data_ptr() and torch.equal(wide[..., 64:], torch.zeros(2, 8, 6, dtype=dtype))  # fmt: skip
+    calls.clear()
+    be.copy_blocks([cache], torch.tensor([[1, 6], [2, 7]]))
+    assert [c[1] for c in calls] == [(2, 2)] * (2 if kv_dtype == "int8" else 1)
