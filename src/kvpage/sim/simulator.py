@@ -23,7 +23,9 @@ over steps weighted by step time (paged: reserved = used blocks x block_size, li
 reserved minus the unwritten tail of each request's last block; contiguous: reserved =
 sum of reservations, live = allocated positions); peak KV usage (reserved / all slots);
 peak batch size; throughput (output tokens / makespan); TTFT and TPOT percentiles
-(TPOT = (finish - first token) / (outputs - 1)); preemptions; allocation failures;
+(TPOT = (finish - first token) / (outputs - 1)); preemptions; allocation failures
+(``allocate`` calls that returned None, including admission attempts the scheduler retries
+each step while the queue head does not fit);
 prefix hit ratio (hit tokens / looked-up prompt tokens, re-lookups after preemption
 included).
 """
