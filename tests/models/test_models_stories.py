@@ -54,6 +54,8 @@ def test_bundled_files_and_config(stories: ModelRunnerModel) -> None:
     )
     assert stories.lm_head is None  # positive vocab_size: classifier tied to the embedding
     assert isinstance(stories.tokenizer, Llama2cTokenizer)
+    tensors = [*stories.parameters(), *stories.buffers()]
+    assert all(t.device.type == "cpu" and not t.requires_grad for t in tensors)
     n_params = sum(p.numel() for p in stories.parameters())
     assert n_params == 260_032  # README: parameters counting the tied embedding once
 

@@ -13,6 +13,7 @@ import torch
 from kvpage.attention.metadata import MODEL_DTYPES
 from kvpage.errors import SpecError
 from kvpage.models.config import arch_from_hf
+from kvpage.models.layers import RotaryEmbedding
 from kvpage.models.llama2c import BUNDLED_MODEL, bundled_model_path, read_llama2c
 from kvpage.models.model import ModelRunnerModel
 from kvpage.models.tokenizer import (
@@ -135,13 +136,15 @@ def _build(
     dtype: ModelDType,
     device: str | torch.device,
 ) -> ModelRunnerModel:
-    model = ModelRunnerModel(cfg, tok, dtype=dtype)
+    # build on the meta device (no init, no memory), then adopt copies of the weights
+    with torch.device("meta"):
+        model = ModelRunnerModel(cfg, tok, dtype=dtype)
     weights = dict(sd)
     if model.lm_head is None:
         weights.pop("lm_head.weight", None)
     weights = {k: v for k, v in weights.items() if "rotary_emb" not in k}
     own = model.state_dict()
-    missing = sorted(k for k in own if k not in weights and not k.startswith("rotary."))
+    missing = sorted(k for k in own if k not in weights)
     unexpected = sorted(k for k in weights if k not in own)
     if missing or unexpected:
         raise SpecError(
@@ -153,11 +156,13 @@ def _build(
             raise SpecError(
                 f"weights[{k}]: expected shape {tuple(own[k].shape)}, got {tuple(v.shape)}"
             )
-    model.load_state_dict(weights, strict=False)
     target = MODEL_DTYPES[dtype]
-    for p in model.parameters():
-        p.data = p.data.to(device=device, dtype=target)
-    model.rotary.to(device)
+    copies = {k: v.detach().to(device=device, dtype=target, copy=True) for k, v in weights.items()}
+    model.load_state_dict(copies, strict=True, assign=True)
+    a = model.arch
+    model.rotary = RotaryEmbedding(
+        a.head_dim, a.rope_theta, min(a.max_position_embeddings, 8192), a.rope_scaling
+    ).to(device)
     return model.eval()
 
 
