@@ -285,3 +285,14 @@ def test_launcher_flow_with_recorded_launches(monkeypatch, kv_dtype):
     calls.clear()
     be.copy_blocks([cache], torch.tensor([[1, 6], [2, 7]]))
     assert [c[1] for c in calls] == [(2, 2)] * (2 if kv_dtype == "int8" else 1)
+
+
+def test_sources_avoid_what_nvrtc_lacks():
+    """NVRTC (what cupy.RawModule uses) has no host headers and does not guarantee the
+    <math.h> macros that nvcc brings along, so the nvcc test alone would not catch them."""
+    for name in (*templates.SOURCES, "kvpage_common.cuh"):
+        text = re.sub(r"//[^\n]*", "", (templates.KERNEL_DIR / name).read_text())
+        includes = re.findall(r'#include\s*[<"]([^>"]+)[>"]', text)
+        assert set(includes) <= {"cuda_bf16.h", "cuda_fp16.h", "cuda_fp8.h", "kvpage_common.cuh"}, name  # fmt: skip
+        for word in ("INFINITY", "NAN", "isnan", "isinf", "signbit", "printf", "assert("):
+            assert word not in text, f"{name} uses {word}"

@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention(
   float l[GT];
 #pragma unroll
   for (int g = 0; g < GT; ++g) {
-    m[g] = -INFINITY;
+    m[g] = neg_inf();
     l[g] = 0.0f;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention(
         for (int e = 0; e < E; ++e) dot += qr[g][e] * kr[u][e];
         dot = warp_sum(dot) * ks[u];
         if (soft_cap > 0.0f) dot = soft_cap * tanhf(dot / soft_cap);
-        logit[u][g] = valid[u] ? dot : -INFINITY;
+        logit[u][g] = valid[u] ? dot : neg_inf();
       }
 #pragma unroll
     for (int g = 0; g < GT; ++g) {
@@ -160,15 +160,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention(
   for (int idx = threadIdx.x; idx < GT * HEAD_DIM; idx += NUM_WARPS * 32) {
     const int g = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
-    float big = -INFINITY;
+    float big = neg_inf();
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) big = fmaxf(big, sm_m[w][g]);
     float total = 0.0f;
     float val = 0.0f;
-    if (big > -INFINITY) {
+    if (big > neg_inf()) {
 #pragma unroll
       for (int w = 0; w < NUM_WARPS; ++w) {
-        if (sm_m[w][g] > -INFINITY) {
+        if (sm_m[w][g] > neg_inf()) {
           const float f = expf(sm_m[w][g] - big);
           total += sm_l[w][g] * f;
           val += sm_acc[w][g][d] * f;
@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention(
       out[hrow * HEAD_DIM + d] = from_float<Q>(val / total);
     } else {
       part_out[(hrow * num_splits + z) * HEAD_DIM + d] = total > 0.0f ? val / total : 0.0f;
-      if (d == 0) part_lse[hrow * num_splits + z] = total > 0.0f ? big + logf(total) : -INFINITY;
+      if (d == 0) part_lse[hrow * num_splits + z] = total > 0.0f ? big + logf(total) : neg_inf();
     }
   }
 }
@@ -192,14 +192,14 @@ __global__ void split_reduce(const float* __restrict__ part_out,
                              const float* __restrict__ part_lse, Q* __restrict__ out,
                              int num_splits, int head_dim) {
   const long long r = blockIdx.x;
-  float big = -INFINITY;
+  float big = neg_inf();
   for (int z = 0; z < num_splits; ++z) big = fmaxf(big, part_lse[r * num_splits + z]);
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float num = 0.0f;
     float den = 0.0f;
     for (int z = 0; z < num_splits; ++z) {
       const float lse = part_lse[r * num_splits + z];
-      if (lse > -INFINITY) {
+      if (lse > neg_inf()) {
         const float w = expf(lse - big);
         num += w * part_out[(r * num_splits + z) * head_dim + d];
         den += w;

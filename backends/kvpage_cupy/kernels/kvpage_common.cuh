@@ -14,6 +14,9 @@ constexpr int KIND_INT8 = 1;      // int8 codes * per-token, per-head float32 sc
 constexpr int KIND_FP8_E4M3 = 2;  // fp8 bytes * per-tensor/per-head float32 scale
 constexpr int KIND_FP8_E5M2 = 3;
 
+// -inf without <math.h> (NVRTC does not guarantee the INFINITY macro)
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -42,7 +45,7 @@ __device__ __forceinline__ float fp8_to_float(unsigned char b) {
 // out-of-range saturates on every backend); NaN keeps its sign as sign|0x7F (torch).
 template <int KIND>
 __device__ __forceinline__ unsigned char float_to_fp8(float y, float fmax) {
-  if (isnan(y)) return signbit(y) ? 0xFF : 0x7F;
+  if (y != y) return (__float_as_uint(y) >> 31) ? 0xFF : 0x7F;  // NaN keeps its sign
   y = fminf(fmaxf(y, -fmax), fmax);
   const __nv_fp8_interpretation_t fmt = (KIND == KIND_FP8_E4M3) ? __NV_E4M3 : __NV_E5M2;
   return static_cast<unsigned char>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, fmt));
