@@ -78,26 +78,30 @@ def _explicit_heads(
     hkv = spec.num_kv_heads
     grp = hq // hkv
     L = k.shape[1]
-    kt = k.transpose(1, 2).unsqueeze(2).transpose(-1, -2)  # [n, Hkv, 1, D, L]
-    vt = v.transpose(1, 2).unsqueeze(2)  # [n, Hkv, 1, L, D]
+    kt = k.permute(0, 2, 3, 1)  # [n, Hkv, D, L]: a strided view, no copy when n == 1
+    vt = v.permute(0, 2, 1, 3)  # [n, Hkv, L, D]
     qh = q.view(n, lq, hkv, grp, d).permute(0, 2, 3, 1, 4)  # [n, Hkv, G, Lq, D]
     rows = max(1, LOGITS_BUDGET_BYTES // max(1, 4 * n * hq * L))
     outs = []
     for a in range(0, lq, rows):
         b = min(lq, a + rows)
-        logits = torch.matmul(qh[:, :, :, a:b], kt) * spec.scale  # [n, Hkv, G, r, L]
+        r = b - a
+        qc = qh[:, :, :, a:b].reshape(n, hkv, grp * r, d)
+        logits = torch.matmul(qc, kt).mul_(spec.scale)  # [n, Hkv, G*r, L]
         if spec.logits_soft_cap is not None:
             c = spec.logits_soft_cap
             logits = torch.tanh(logits / c) * c
         m = None
         if mask is not None:
             m = mask[:, :, a:b] if mask.shape[2] > 1 else mask
-            m = m.unsqueeze(2)
+            m = m.unsqueeze(2)  # [n, 1, 1, r or 1, L]
         elif causal:
-            m = torch.ones(b - a, L, dtype=torch.bool, device=q.device).tril(a)
+            m = torch.ones(r, L, dtype=torch.bool, device=q.device).tril(a)
         if m is not None:
-            logits = logits.masked_fill(~m, float("-inf"))
-        outs.append(torch.matmul(torch.softmax(logits, dim=-1), vt))  # [n, Hkv, G, r, D]
+            logits = logits.view(n, hkv, grp, r, L).masked_fill(~m, float("-inf"))
+            logits = logits.view(n, hkv, grp * r, L)
+        o = torch.matmul(torch.softmax(logits, dim=-1), vt)  # [n, Hkv, G*r, D]
+        outs.append(o.view(n, hkv, grp, r, d))
     o = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
     return o.permute(0, 3, 1, 2, 4).reshape(n, lq, hq, d)
 
