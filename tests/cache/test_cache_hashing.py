@@ -162,3 +162,21 @@ def test_slot_mapping_matches_the_formula(
         ]
     )
     assert parts.tolist() == want
+
+
+def test_allocate_never_reuses_hashes_of_another_peek() -> None:
+    mgr = KVCacheManager(make_spec(32, 4))
+    a, b = list(range(10)), list(range(50, 60))
+    for rid, toks, salt in (("a", a, None), ("b", b, None), ("as", a, "s")):
+        assert mgr.allocate(rid, toks, 10, cache_salt=salt) is not None
+        mgr.commit(rid, toks, 10)
+    assert mgr.get_num_cached_tokens(a) == 8  # the peek remembers a's hashes
+    got = mgr.allocate("b2", b, 2, num_cached_tokens=8)  # ... but b is allocated
+    assert got is not None and mgr.block_table("b2")[:2] == mgr.block_table("b")[:2]
+    assert mgr.get_num_cached_tokens(a) == 8
+    got = mgr.allocate("as2", a, 2, num_cached_tokens=8, cache_salt="s")  # other salt
+    assert got is not None and mgr.block_table("as2")[:2] == mgr.block_table("as")[:2]
+    assert mgr.get_num_cached_tokens(a) == 8
+    assert mgr.allocate("a2", a, 2, num_cached_tokens=8) is not None  # the memo itself
+    assert mgr.block_table("a2")[:2] == mgr.block_table("a")[:2]
+    mgr.check_integrity()

@@ -75,6 +75,8 @@ class KVCacheManager:
         self._root = root_hash(hash_seed)
         self._reqs: dict[str, RequestBlocks] = {}
         self._stats = CacheStats()
+        # hashes of the last get_num_cached_tokens: (extra keys, tokens, hashes)
+        self._peek_memo: tuple[bytes, list[int], list[BlockHash]] | None = None
         self.max_request_tokens = (spec.num_blocks - 1) * spec.block_size
 
     # ---- queries ------------------------------------------------------------------------
@@ -137,7 +139,10 @@ class KVCacheManager:
         if not self.enable_prefix_caching or n <= self.block_size:
             return 0
         extra = encode_extra_keys(cache_salt, adapter_id)
-        nb = longest_hit(self.pools, self.windows, self._root, extra, token_ids, self.block_size)
+        bs = self.block_size
+        nb, hashes = longest_hit(self.pools, self.windows, self._root, extra, token_ids, bs)
+        # remember the hashes for the allocate that normally follows (keyed by content)
+        self._peek_memo = (extra, list(token_ids[: len(hashes) * bs]), hashes)
         return nb * self.block_size
 
     # ---- allocation ---------------------------------------------------------------------
@@ -278,7 +283,16 @@ class KVCacheManager:
                     f"num_cached_tokens: expected a multiple of block_size={bs} in [0, {limit}], "
                     f"got {h}"
                 )
-            hashes = list(iter_block_hashes(self._root, extra, token_ids, bs, 0, hb))
+            memo = self._peek_memo
+            if (
+                memo is not None
+                and memo[0] == extra
+                and len(memo[2]) >= hb
+                and memo[1][: hb * bs] == list(token_ids[: hb * bs])
+            ):
+                hashes = memo[2][:hb]  # same tokens and keys as the peek: same hashes
+            else:
+                hashes = list(iter_block_hashes(self._root, extra, token_ids, bs, 0, hb))
             found = hit_blocks(self.pools, self.windows, hashes, h, bs)
             if isinstance(found, str):
                 raise AllocationError(

@@ -23,11 +23,15 @@ def longest_hit(
     extra: bytes,
     token_ids: Sequence[int],
     block_size: int,
-) -> int:
+) -> tuple[int, list[BlockHash]]:
     """Blocks of the longest usable prefix hit, leaving >= 1 token to compute.
 
     Hashes are computed lazily and stop at the first miss of a full group. No state
     changes.
+
+    Returns:
+        ``(nb, hashes)``: the hit in blocks, and the chained hashes computed on the way
+        (at least ``nb`` of them; reusable by the allocation that takes the hit).
     """
     bs = block_size
     cap = (len(token_ids) - 1) // bs
@@ -40,7 +44,7 @@ def longest_hit(
         hashes.append(h)
     hb = len(hashes)
     if not sliding or hb == 0:
-        return hb
+        return hb, hashes
     runs = []  # per sliding group: length of the cached run ending at each block
     for cached, _ in sliding:
         run, r = 0, []
@@ -50,8 +54,8 @@ def longest_hit(
         runs.append(r)
     for nb in range(hb, 0, -1):
         if all(r[nb - 1] >= nb - max(0, nb * bs - w + 1) // bs for r, (_, w) in zip(runs, sliding)):
-            return nb
-    return 0
+            return nb, hashes
+    return 0, hashes
 
 
 def hit_blocks(
