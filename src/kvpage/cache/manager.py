@@ -126,7 +126,8 @@ class KVCacheManager:
         cache_salt: str | None = None,
         adapter_id: str | None = None,
     ) -> int:
-        """Prefix-cache hit for a new request, in tokens; changes no state or stats.
+        """Prefix-cache hit for a new request, in tokens; changes no block, table or
+        stat (it only remembers the hashes it computed, for the ``allocate`` that follows).
 
         The hit is a multiple of ``block_size``, covers only committed blocks, and is at
         most ``len(token_ids) - 1`` rounded down to a block (one token is always
