@@ -376,3 +376,19 @@ def test_hybrid_hit_is_the_longest_prefix_every_group_can_serve() -> None:
         mgr.allocate("c", prompt, 2, num_cached_tokens=8)
     sliding.free(taken)
     mgr.check_integrity()
+
+
+def test_c11_bookkeeping_window_is_per_layer() -> None:
+    # layer 0 sliding W 4, layer 1 full; block_size 4; 16-token prompt
+    spec = make_spec(16, 4, windows=(4, None))
+    assert [(g.layer_ids, g.sliding_window) for g in spec.kv_groups] == [((1,), None), ((0,), 4)]
+    mgr = KVCacheManager(spec)
+    toks = list(range(16))
+    assert mgr.allocate("r", toks, 16) is not None
+    mgr.commit("r", toks, 16)
+    toks.append(16)
+    assert mgr.allocate("r", toks, 1) is not None  # query 16: W 4 sees keys 13..16
+    full, sliding = mgr.block_table("r", 0), mgr.block_table("r", 1)
+    assert len(full) == len(sliding) == 5 and 0 not in full  # layer 1 keeps all 16 keys
+    assert sliding[:3] == [0, 0, 0] and 0 not in sliding[3:]  # keys 12..15 kept
+    mgr.check_integrity()
