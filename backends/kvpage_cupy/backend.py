@@ -62,6 +62,9 @@ class CupyBackend:
         num_splits: force this many KV splits for attention; ``None`` = split when
             ``num_tokens * num_q_heads / GT`` blocks would not fill twice the SM count,
             into chunks of at least 256 keys (at most 64 splits).
+        prefill_kernel: ``auto`` (one warp per query row when the step has a query
+            longer than 1 and no KV split, else one block per row), ``rows`` or
+            ``block`` to force one (tests use it).
     """
 
     name = "cupy"
@@ -72,10 +75,13 @@ class CupyBackend:
         notes=("head_dim templated per size (NVRTC instance per head_dim)",),
     )
 
-    def __init__(self, *, num_splits: int | None = None) -> None:
+    def __init__(self, *, num_splits: int | None = None, prefill_kernel: str = "auto") -> None:
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
+        if prefill_kernel not in ("auto", "rows", "block"):
+            raise ValueError(f"prefill_kernel: expected auto, rows or block, got {prefill_kernel!r}")  # fmt: skip
         self.num_splits = num_splits
+        self.prefill_kernel = prefill_kernel
 
     # ---- capability -------------------------------------------------------------------
     def unsupported_reasons(self, spec: CacheSpec, device: torch.device | str) -> list[str]:
@@ -251,13 +257,19 @@ class CupyBackend:
         token_seq, token_pos = meta.extras["cupy"]
         token_seq, token_pos = token_seq.to(dev), token_pos.to(dev)
         q = query if query.stride(-1) == 1 else query.contiguous()
-        src, expr, gt = templates.attention_instance(
-            query.dtype, cache.kv_dtype, cache.kv.dtype, hd, spec.group_size
-        )
+        gt = templates.heads_per_block(spec.group_size, hd)
         blocks = n * (hq // gt)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         max_keys = checks.max_keys_per_query(meta, spec)
         splits = self.choose_splits(blocks, max_keys, sms)
+        use_rows = self.prefill_kernel == "rows" or (
+            self.prefill_kernel == "auto" and meta.max_query_len > 1 and splits == 1
+        )
+        if use_rows:
+            splits = 1
+        src, expr, gt = templates.attention_instance(
+            query.dtype, cache.kv_dtype, cache.kv.dtype, hd, spec.group_size, rows=use_rows
+        )
         chunk = -(-max_keys // splits)
         o = out if out.is_contiguous() else torch.empty_like(query)
         if splits > 1:
@@ -271,7 +283,12 @@ class CupyBackend:
         fsc = self._fp8_scales(cache)
         bt = meta.block_tables.to(dev, torch.int32).contiguous()
         args = attention_args(q, cache, ts, fsc, bt, token_seq, token_pos, o, part_out, part_lse, spec, chunk, splits)  # fmt: skip
-        grid = (n, hq // gt, splits)
+        if use_rows:
+            warps = ATTENTION_THREADS // 32
+            grid: tuple[int, ...] = (-(-n // warps), hq // gt)
+            args = (*args, _i32(n))
+        else:
+            grid = (n, hq // gt, splits)
         self._run(self._kernel(src, expr), grid, ATTENTION_THREADS, args, dev)
         if splits > 1:
             rsrc, rexpr = templates.reduce_instance(query.dtype)

@@ -74,6 +74,8 @@ def attention_instance(
     cache_dtype: torch.dtype,
     head_dim: int,
     group: int,
+    *,
+    rows: bool = False,
 ) -> tuple[str, str, int]:
     """The attention kernel for a call.
 
@@ -83,6 +85,8 @@ def attention_instance(
         cache_dtype: ``cache.kv.dtype`` (the model dtype for ``auto``).
         head_dim: exact head size, 1..``MAX_HEAD_DIM``.
         group: query heads per KV head.
+        rows: the prefill kernel with one warp per query row (``paged_attention_rows``)
+            instead of one block per row with optional KV splits (``paged_attention``).
 
     Returns:
         ``(source file, name expression, GT)``.
@@ -96,7 +100,8 @@ def attention_instance(
     q = _c_type(query_dtype, "query.dtype")
     kv = storage_type(kv_dtype, cache_dtype)
     gt = heads_per_block(group, head_dim)
-    expr = f"kvpage::paged_attention<{q}, {kv}, {KV_KINDS[kv_dtype]}, {head_dim}, {gt}>"
+    name = "paged_attention_rows" if rows else "paged_attention"
+    expr = f"kvpage::{name}<{q}, {kv}, {KV_KINDS[kv_dtype]}, {head_dim}, {gt}>"
     return "attention.cu", expr, gt
 
 
@@ -175,8 +180,9 @@ def representative_instances() -> list[tuple[str, str]]:
         (f16, "fp8_e5m2", torch.float8_e5m2, 256, 8),
         (f32, "fp8_e4m3", torch.float8_e4m3fn, 16, 32),
     ):
-        src, expr, _ = attention_instance(q, kv_dtype, cache, hd, group)
-        out.append((src, expr))
+        for rows in (False, True):
+            src, expr, _ = attention_instance(q, kv_dtype, cache, hd, group, rows=rows)
+            out.append((src, expr))
     for q in (f32, f16, bf16):
         out.append(reduce_instance(q))
         for kv_dtype in KV_KINDS:

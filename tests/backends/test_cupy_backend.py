@@ -140,6 +140,7 @@ def test_launcher_arguments_match_kernel_signatures(kv_dtype):
     part = torch.zeros(1)
     args = attention_args(q, cache, ts, fsc, bt, i32, i32, q, part, part, spec, 16, 1)
     _assert_abi(args, "attention.cu", "paged_attention")
+    _assert_abi((*args, np.int32(3)), "attention.cu", "paged_attention_rows")
     _assert_abi(reduce_args(part, part, q, 2, 8), "attention.cu", "split_reduce")
     pairs = torch.zeros(1, 2, dtype=torch.int64)
     _assert_abi(copy_args(cache.kv, 4, pairs), "copy_blocks.cu", "copy_blocks")
@@ -158,6 +159,8 @@ def test_split_heuristic():
     assert CupyBackend(num_splits=500).choose_splits(blocks=1, max_keys=10**6, sms=132) == 64
     with pytest.raises(ValueError, match="num_splits"):
         CupyBackend(num_splits=0)
+    with pytest.raises(ValueError, match="prefill_kernel"):
+        CupyBackend(prefill_kernel="tiles")
 
 
 # ---- capability and validation, before cupy is touched -------------------------------------
@@ -212,6 +215,7 @@ def _gpu_ok() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_ok(), reason="needs a CUDA GPU that cupy can use")
+@pytest.mark.parametrize("prefill_kernel", ["rows", "block"])
 @pytest.mark.parametrize(
     ("dtype", "kv_dtype", "hd", "window", "splits"),
     [
@@ -221,10 +225,10 @@ def _gpu_ok() -> bool:
         (torch.float32, "fp8_e5m2", 96, None, None),
     ],
 )
-def test_gpu_matches_reference(dtype, kv_dtype, hd, window, splits):
+def test_gpu_matches_reference(dtype, kv_dtype, hd, window, splits, prefill_kernel):
     dev = torch.device("cuda")
     spec = make_attention_spec(num_q_heads=8, num_kv_heads=2, head_dim=hd, sliding_window=window)
-    be = CupyBackend(num_splits=splits)
+    be = CupyBackend(num_splits=splits, prefill_kernel=prefill_kernel)
     tables = [[3, 0, 5], [1, 4]]
     seq_lens, qlens = [37, 20], [5, 1]
     full = AttentionMetadata.build(seq_lens, seq_lens, tables, 16)
@@ -282,6 +286,10 @@ def test_launcher_flow_with_recorded_launches(monkeypatch, kv_dtype):
     be.decode(torch.randn(2, 8, 64).to(dtype), cache, dmeta, spec, out=wide[..., :64])
     assert calls[0][1] == (2, 2, 3)  # non-contiguous out: computed into a temporary
     assert int(calls[-1][3][2]) != wide.data_ptr() and torch.equal(wide[..., 64:], torch.zeros(2, 8, 6, dtype=dtype))  # fmt: skip
+    calls.clear()
+    CupyBackend().prefill(torch.randn(4, 8, 64).to(dtype), cache, meta, spec)
+    assert len(calls) == 1 and "paged_attention_rows<" in calls[0][0]
+    assert calls[0][1] == (1, 2) and int(calls[0][3][-1]) == 4  # 4 rows in one block
     calls.clear()
     be.copy_blocks([cache], torch.tensor([[1, 6], [2, 7]]))
     assert [c[1] for c in calls] == [(2, 2)] * (2 if kv_dtype == "int8" else 1)

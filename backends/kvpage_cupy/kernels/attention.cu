@@ -1,5 +1,6 @@
 // Paged attention (decode and varlen prefill with cached context) and the split-KV
-// reduction of the kvpage CuPy backend.
+// reduction of the kvpage CuPy backend. paged_attention (below) serves decode and any
+// step with few rows; paged_attention_rows serves prefill with enough rows.
 //
 // One thread block (NUM_WARPS warps) per (query token, group of GT query heads sharing
 // one KV head, KV split): K/V rows are read once for the GT heads (GQA). Each warp takes
@@ -30,6 +31,83 @@ __device__ __forceinline__ float row_scale(const float* __restrict__ tsc, long l
     return fsc[fsc_index];
   } else {
     return 1.0f;
+  }
+}
+
+// One tile of KEYS_PER_ITER keys j0.. (< end) for one warp: K and V of the whole tile are
+// requested before any is used, so each warp keeps 2 * KEYS_PER_ITER rows of loads in
+// flight; then the GT dot products (warp reductions) and the online-softmax update of the
+// warp's state (m, l, acc), identical in every lane.
+template <typename KV, int KIND, int HEAD_DIM, int GT, int E>
+__device__ __forceinline__ void attend_tile(
+    int j0, int end, int lane, const int* __restrict__ table, int block_size,
+    const KV* __restrict__ kv, long long kv_s0, long long kv_s1, long long kv_s2,
+    long long kv_s3, const float* __restrict__ tsc, long long ts_s0, long long ts_s1,
+    long long ts_s2, long long ts_s3, const float* __restrict__ fsc, int kh,
+    int num_kv_heads, float soft_cap, const float (&qr)[GT][E], float (&acc)[GT][E],
+    float (&m)[GT], float (&l)[GT]) {
+  long long row[KEYS_PER_ITER];
+  float ks[KEYS_PER_ITER];
+  float vs[KEYS_PER_ITER];
+  bool valid[KEYS_PER_ITER];
+#pragma unroll
+  for (int u = 0; u < KEYS_PER_ITER; ++u) {
+    const int j = j0 + u;
+    valid[u] = j < end;
+    row[u] = 0;
+    ks[u] = vs[u] = 0.0f;
+    if (valid[u]) {
+      const long long blk = table[j / block_size];
+      const long long off = j % block_size;
+      row[u] = blk * kv_s1 + off * kv_s2 + kh * kv_s3;
+      const long long tr = blk * ts_s1 + off * ts_s2 + kh * ts_s3;
+      ks[u] = row_scale<KIND>(tsc, tr, fsc, kh);
+      vs[u] = row_scale<KIND>(tsc, ts_s0 + tr, fsc, num_kv_heads + kh);
+    }
+  }
+  // K and V of the KEYS_PER_ITER keys are all requested before any is used, so each
+  // warp keeps 2 * KEYS_PER_ITER rows of loads in flight (memory-level parallelism)
+  float kr[KEYS_PER_ITER][E];
+  float vr[KEYS_PER_ITER][E];
+#pragma unroll
+  for (int u = 0; u < KEYS_PER_ITER; ++u)
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int d = lane + 32 * e;
+      const bool ok = valid[u] && d < HEAD_DIM;
+      kr[u][e] = ok ? load_kv<KV, KIND>(kv + row[u] + d) : 0.0f;
+      vr[u][e] = ok ? load_kv<KV, KIND>(kv + kv_s0 + row[u] + d) : 0.0f;
+    }
+  float logit[KEYS_PER_ITER][GT];
+#pragma unroll
+  for (int u = 0; u < KEYS_PER_ITER; ++u)
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) dot += qr[g][e] * kr[u][e];
+      dot = warp_sum(dot) * ks[u];
+      if (soft_cap > 0.0f) dot = soft_cap * tanhf(dot / soft_cap);
+      logit[u][g] = valid[u] ? dot : neg_inf();
+    }
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    float mn = m[g];
+#pragma unroll
+    for (int u = 0; u < KEYS_PER_ITER; ++u) mn = fmaxf(mn, logit[u][g]);
+    const float corr = expf(m[g] - mn);  // m = -inf -> 0
+    l[g] *= corr;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[g][e] *= corr;
+#pragma unroll
+    for (int u = 0; u < KEYS_PER_ITER; ++u) {
+      const float pw = valid[u] ? expf(logit[u][g] - mn) : 0.0f;
+      l[g] += pw;
+      const float pv = pw * vs[u];
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[g][e] += pv * vr[u][e];
+    }
+    m[g] = mn;
   }
 }
 
@@ -79,69 +157,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention(
   const int* table = block_tables + s * bt_s0;
 
   for (int j0 = start + warp * KEYS_PER_ITER; j0 < end; j0 += NUM_WARPS * KEYS_PER_ITER) {
-    long long row[KEYS_PER_ITER];
-    float ks[KEYS_PER_ITER];
-    float vs[KEYS_PER_ITER];
-    bool valid[KEYS_PER_ITER];
-#pragma unroll
-    for (int u = 0; u < KEYS_PER_ITER; ++u) {
-      const int j = j0 + u;
-      valid[u] = j < end;
-      row[u] = 0;
-      ks[u] = vs[u] = 0.0f;
-      if (valid[u]) {
-        const long long blk = table[j / block_size];
-        const long long off = j % block_size;
-        row[u] = blk * kv_s1 + off * kv_s2 + kh * kv_s3;
-        const long long tr = blk * ts_s1 + off * ts_s2 + kh * ts_s3;
-        ks[u] = row_scale<KIND>(tsc, tr, fsc, kh);
-        vs[u] = row_scale<KIND>(tsc, ts_s0 + tr, fsc, num_kv_heads + kh);
-      }
-    }
-    // K and V of the KEYS_PER_ITER keys are all requested before any is used, so each
-    // warp keeps 2 * KEYS_PER_ITER rows of loads in flight (memory-level parallelism)
-    float kr[KEYS_PER_ITER][E];
-    float vr[KEYS_PER_ITER][E];
-#pragma unroll
-    for (int u = 0; u < KEYS_PER_ITER; ++u)
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const int d = lane + 32 * e;
-        const bool ok = valid[u] && d < HEAD_DIM;
-        kr[u][e] = ok ? load_kv<KV, KIND>(kv + row[u] + d) : 0.0f;
-        vr[u][e] = ok ? load_kv<KV, KIND>(kv + kv_s0 + row[u] + d) : 0.0f;
-      }
-    float logit[KEYS_PER_ITER][GT];
-#pragma unroll
-    for (int u = 0; u < KEYS_PER_ITER; ++u)
-#pragma unroll
-      for (int g = 0; g < GT; ++g) {
-        float dot = 0.0f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) dot += qr[g][e] * kr[u][e];
-        dot = warp_sum(dot) * ks[u];
-        if (soft_cap > 0.0f) dot = soft_cap * tanhf(dot / soft_cap);
-        logit[u][g] = valid[u] ? dot : neg_inf();
-      }
-#pragma unroll
-    for (int g = 0; g < GT; ++g) {
-      float mn = m[g];
-#pragma unroll
-      for (int u = 0; u < KEYS_PER_ITER; ++u) mn = fmaxf(mn, logit[u][g]);
-      const float corr = expf(m[g] - mn);  // m = -inf -> 0
-      l[g] *= corr;
-#pragma unroll
-      for (int e = 0; e < E; ++e) acc[g][e] *= corr;
-#pragma unroll
-      for (int u = 0; u < KEYS_PER_ITER; ++u) {
-        const float pw = valid[u] ? expf(logit[u][g] - mn) : 0.0f;
-        l[g] += pw;
-        const float pv = pw * vs[u];
-#pragma unroll
-        for (int e = 0; e < E; ++e) acc[g][e] += pv * vr[u][e];
-      }
-      m[g] = mn;
-    }
+    attend_tile<KV, KIND, HEAD_DIM, GT, E>(j0, end, lane, table, block_size, kv, kv_s0, kv_s1,
+                                           kv_s2, kv_s3, tsc, ts_s0, ts_s1, ts_s2, ts_s3, fsc,
+                                           kh, num_kv_heads, soft_cap, qr, acc, m, l);
   }
 
   __shared__ float sm_m[NUM_WARPS][GT];
@@ -181,6 +199,67 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention(
     } else {
       part_out[(hrow * num_splits + z) * HEAD_DIM + d] = total > 0.0f ? val / total : 0.0f;
       if (d == 0) part_lse[hrow * num_splits + z] = total > 0.0f ? big + logf(total) : neg_inf();
+    }
+  }
+}
+
+// Varlen prefill, one warp per (query row, group of GT heads): NUM_WARPS consecutive rows
+// per block (usually neighbouring positions of one sequence, so their K/V reads hit L1),
+// each warp walking all of its row's keys; no cross-warp merge, no KV split. Same
+// parameters as paged_attention (chunk and the split buffers unused) plus num_tokens.
+template <typename Q, typename KV, int KIND, int HEAD_DIM, int GT>
+__global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention_rows(
+    const Q* __restrict__ q, long long q_s0, long long q_s1,
+    const KV* __restrict__ kv, long long kv_s0, long long kv_s1, long long kv_s2,
+    long long kv_s3,
+    const float* __restrict__ tsc, long long ts_s0, long long ts_s1, long long ts_s2,
+    long long ts_s3,
+    const float* __restrict__ fsc,
+    const int* __restrict__ block_tables, long long bt_s0,
+    const int* __restrict__ token_seq, const int* __restrict__ token_pos,
+    Q* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_lse,
+    int num_q_heads, int num_kv_heads, int block_size, float scale, int window,
+    float soft_cap, int chunk, int num_splits, int num_tokens) {
+  constexpr int E = (HEAD_DIM + 31) / 32;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int t = blockIdx.x * NUM_WARPS + warp;
+  if (t >= num_tokens) return;  // warp-uniform; no block-wide barrier follows
+  const int h0 = blockIdx.y * GT;
+  const int kh = h0 / (num_q_heads / num_kv_heads);
+  const int s = token_seq[t];
+  const int p = token_pos[t];
+  const int start = window > 0 ? max(0, p - window + 1) : 0;
+  const int end = p + 1;
+
+  float qr[GT][E];
+  float acc[GT][E];
+  float m[GT];
+  float l[GT];
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    m[g] = neg_inf();
+    l[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int d = lane + 32 * e;
+      qr[g][e] = d < HEAD_DIM ? to_float(q[t * q_s0 + (h0 + g) * q_s1 + d]) * scale : 0.0f;
+      acc[g][e] = 0.0f;
+    }
+  }
+  const int* table = block_tables + s * bt_s0;
+  for (int j0 = start; j0 < end; j0 += KEYS_PER_ITER) {
+    attend_tile<KV, KIND, HEAD_DIM, GT, E>(j0, end, lane, table, block_size, kv, kv_s0, kv_s1,
+                                           kv_s2, kv_s3, tsc, ts_s0, ts_s1, ts_s2, ts_s3, fsc,
+                                           kh, num_kv_heads, soft_cap, qr, acc, m, l);
+  }
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    const long long hrow = static_cast<long long>(t) * num_q_heads + h0 + g;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int d = lane + 32 * e;
+      if (d < HEAD_DIM) out[hrow * HEAD_DIM + d] = from_float<Q>(acc[g][e] / l[g]);
     }
   }
 }
