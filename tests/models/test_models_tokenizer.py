@@ -75,6 +75,16 @@ def test_decode_drops_space_only_after_bos(tok: Llama2cTokenizer) -> None:
         tok.decode([512])
 
 
+def test_decode_continuation(tok: Llama2cTokenizer) -> None:
+    from kvpage.models import decode_continuation
+
+    story = tok.encode("Once upon a time")
+    assert decode_continuation(tok, story[:1], story[1:]) == "Once upon a time"
+    assert decode_continuation(tok, story[:3], story[3:]) == " a time"
+    emoji = tok.encode("🙂", bos=False)  # " " then four byte pieces
+    assert decode_continuation(tok, [1, *emoji[:2]], emoji[2:]) == "🙂"
+
+
 def test_incremental_decoder_holds_partial_utf8(tok: Llama2cTokenizer) -> None:
     ids = tok.encode("a🙂b")
     dec = tok.incremental_decoder(ids[:1])

@@ -15,6 +15,7 @@ from kvpage.models.tokenizer import (
     Llama2cTokenizer,
     Tokenizer,
     bundled_tokenizer_path,
+    decode_continuation,
 )
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "arch_from_hf",
     "bundled_model_path",
     "bundled_tokenizer_path",
+    "decode_continuation",
     "load_model",
     "read_llama2c",
     "to_transformers",

@@ -89,6 +89,24 @@ class IncrementalDecoder:
         return out
 
 
+def decode_continuation(
+    tokenizer: Tokenizer, prompt_ids: Sequence[int], output_ids: Sequence[int]
+) -> str:
+    """Text of ``output_ids`` as it reads after ``prompt_ids``.
+
+    ``decode(prompt + output)`` minus ``decode(prompt)``: the prompt gives the context
+    that a lone ``decode(output_ids)`` lacks (llama2.c drops the leading space of the
+    first piece after BOS, so a story generated from a BOS-only prompt starts "Once",
+    not " Once"; a character whose UTF-8 bytes straddle the boundary is output text).
+    """
+    # an incomplete character at the end of the prompt belongs to the output that ends it
+    head = tokenizer.decode(list(prompt_ids)).rstrip("\ufffd")
+    full = tokenizer.decode([*prompt_ids, *output_ids])
+    if full.startswith(head):
+        return full[len(head) :]
+    return tokenizer.decode(list(output_ids))  # decoding was not prefix-stable
+
+
 class Llama2cTokenizer:
     """The llama2.c BPE tokenizer (``tokenizer.bin`` format), pure Python.
 
@@ -367,4 +385,5 @@ __all__ = [
     "Llama2cTokenizer",
     "Tokenizer",
     "bundled_tokenizer_path",
+    "decode_continuation",
 ]
