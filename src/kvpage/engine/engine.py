@@ -45,8 +45,8 @@ class StepStats:
         schedule_s: in ``Scheduler.schedule`` (admission, allocation, preemption).
         model_s: in ``ModelRunner.execute`` (metadata tensors, plan, forward).
         sample_s: in the sampler.
-        update_s: in ``Scheduler.update`` (commit, append, fork, free) and building
-            the outputs.
+        update_s: in ``Scheduler.update`` (commit, append, stop checks, fork, free).
+        output_s: building the RequestOutputs (timings, stop strings, text).
         prefill_tokens / decode_tokens: tokens computed as prompt (or recompute) chunks
             and as single decode tokens.
     """
@@ -57,17 +57,20 @@ class StepStats:
     model_s: float = 0.0
     sample_s: float = 0.0
     update_s: float = 0.0
+    output_s: float = 0.0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     last_batch_size: int = 0
 
     @property
     def total_s(self) -> float:
-        return self.schedule_s + self.model_s + self.sample_s + self.update_s
+        return self.schedule_s + self.model_s + self.sample_s + self.update_s + self.output_s
 
     @property
     def bookkeeping_share(self) -> float:
-        """Share of step time in scheduling and block bookkeeping (schedule + update)."""
+        """Share of step time in scheduling and block bookkeeping: ``Scheduler.schedule``
+        (admission, allocation, preemption) plus ``Scheduler.update`` (commit, append,
+        free), over all step time."""
         t = self.total_s
         return (self.schedule_s + self.update_s) / t if t > 0 else 0.0
 
@@ -280,19 +283,22 @@ class LLMEngine:
         rows: list[int] = []
         params: list[SamplingParams] = []
         gens: list[torch.Generator | None] = []
-        owners: list[tuple[str, int]] = []
+        owners: list[str] = []
+        groups = self._groups
         r = 0
         for s in out.scheduled:
             if not s.samples:
                 continue
             req = s.request
-            grp = self._groups[req.group_id]
-            for j in range(s.num_samples):
-                idx = req.sample_index if j == 0 else j
+            grp = groups[req.group_id]
+            k = 1 + req.num_pending_samples
+            for j in range(k):
                 rows.append(r)
                 params.append(grp.params)
-                gens.append(self._generator(grp, idx))
-                owners.append((req.request_id, j))
+                gens.append(
+                    None if grp.params.greedy else self._generator(grp, j or req.sample_index)
+                )
+                owners.append(req.request_id)
             r += 1
         if len(rows) != int(logits.shape[0]):
             rows_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
@@ -300,13 +306,18 @@ class LLMEngine:
         tokens = self.sampler(logits, params, gens)
         t3 = time.perf_counter()
         sampled: dict[str, list[int]] = {}
-        for (rid, _), tok in zip(owners, tokens):
-            sampled.setdefault(rid, []).append(tok)
+        for rid, tok in zip(owners, tokens):
+            got = sampled.get(rid)
+            if got is None:
+                sampled[rid] = [tok]
+            else:
+                got.append(tok)
         progressed, _ = self.scheduler.update(out, sampled)
+        t4 = time.perf_counter()
         now = time.monotonic()
         touched: dict[str, _Group] = {}
         for seq in progressed:
-            grp = self._groups[seq.group_id]
+            grp = groups[seq.group_id]
             touched[seq.group_id] = grp
             if grp.first_token_time is None:
                 grp.first_token_time = now
@@ -323,13 +334,14 @@ class LLMEngine:
             results.append(self._make_output(grp, done))
             if done:
                 self.scheduler.release(gid)
-                del self._groups[gid]
-        t4 = time.perf_counter()
+                del groups[gid]
+        t5 = time.perf_counter()
         st.num_steps += 1
         st.schedule_s += t1 - t0
         st.model_s += t2 - t1
         st.sample_s += t3 - t2
         st.update_s += t4 - t3
+        st.output_s += t5 - t4
         st.num_seqs += len(out.scheduled)
         for s in out.scheduled:
             if s.num_tokens == 1 and s.start >= s.request.num_prompt_tokens:
@@ -354,7 +366,7 @@ class LLMEngine:
                 return
 
     def _make_output(self, grp: _Group, finished: bool) -> RequestOutput:
-        seqs = sorted(self.scheduler.groups[grp.request_id], key=lambda q: q.sample_index)
+        seqs = self.scheduler.groups[grp.request_id]  # sample-index order (forks append)
         outs = []
         for q in seqs:
             text = grp.texts.get(q.sample_index)

@@ -312,24 +312,27 @@ class Scheduler:
         """
         progressed: list[Request] = []
         finished: list[Request] = []
+        running = RequestStatus.RUNNING
+        commit = self.kv.commit
         for s in out.scheduled:
             req = s.request
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # aborted after scheduling
-            req.num_computed_tokens = s.start + s.num_tokens
-            self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
+            req.num_computed_tokens = n_done = s.start + s.num_tokens
+            commit(req.request_id, req.token_ids, n_done)
             if not s.samples:
                 continue
             toks = sampled[req.request_id]
-            if len(toks) != s.num_samples:
+            if len(toks) != 1 + req.num_pending_samples:
                 raise SpecError(
                     f"sampled[{req.request_id!r}]: expected {s.num_samples} tokens, got {len(toks)}"
                 )
-            seqs = [req] + self._fork(req)
+            seqs = [req] + self._fork(req) if req.num_pending_samples else [req]
             for seq, tok in zip(seqs, toks):
-                seq.token_ids.append(int(tok))
+                tok = int(tok)
+                seq.token_ids.append(tok)
                 progressed.append(seq)
-                reason = seq.check_stop(int(tok))
+                reason = seq.check_stop(tok)
                 if reason is not None:
                     self.finish(seq, reason)
                     finished.append(seq)
