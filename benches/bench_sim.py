@@ -50,12 +50,14 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_policies(quick: bool) -> list[dict[str, Any]]:
+def run_policies(quick: bool, traces: list[str] | None = None) -> list[dict[str, Any]]:
     from kvpage.sim.simulator import POLICIES, SimConfig, simulate
     from kvpage.sim.traces import load_trace
 
     rows = []
     for name, limit, ts, mml in POLICY_RUNS:
+        if traces and name not in traces:
+            continue
         trace = load_trace(name, limit=150 if quick else limit)
         for pol in POLICIES:
             t0 = time.perf_counter()
@@ -235,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--replot", action="store_true", help="redraw figures from --out JSON")
+    ap.add_argument("--traces", default=None, help="policies: only these traces (comma list)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -252,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.replot:
             rows = json.loads((out / f"{sec}.json").read_text())
         else:
-            rows = run(args.quick)
+            if sec == "policies" and args.traces:
+                rows = run_policies(args.quick, args.traces.split(","))
+            else:
+                rows = run(args.quick)
             (out / f"{sec}.json").write_text(json.dumps(rows, indent=1))
         if plot is not None and not args.no_plots:
             _log(f"wrote {plot(rows)}")

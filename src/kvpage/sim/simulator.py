@@ -26,8 +26,10 @@ peak batch size; throughput (output tokens / makespan); TTFT and TPOT percentile
 (TPOT = (finish - first token) / (outputs - 1)); preemptions; allocation failures
 (``allocate`` calls that returned None, including admission attempts the scheduler retries
 each step while the queue head does not fit);
-prefix hit ratio (hit tokens / looked-up prompt tokens, re-lookups after preemption
-included).
+prefix hit ratio (prompt tokens served from the prefix cache at each request's *first*
+admission / prompt tokens of finished requests — comparable to the traces' "causal" hit
+ratio; ``extra["prefix_hit_pct_incl_readmissions"]`` is the cache manager's own counter,
+which also counts a preempted request re-finding its own blocks).
 """
 
 from __future__ import annotations
@@ -229,6 +231,7 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
     peak_usage = peak_batch = 0
     batch_sum = 0
     out_tokens = prompt_tokens = 0
+    first_hit = first_query = 0
     finished = 0
     t_first = arrivals[0][0] if arrivals else 0.0
     while arrivals or sched.has_unfinished():
@@ -291,6 +294,8 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
             n = r.num_output_tokens
             out_tokens += n
             prompt_tokens += r.num_prompt_tokens
+            first_hit += max(0, r.num_cached_tokens)
+            first_query += r.num_prompt_tokens
             finished += 1
             if n > 1:
                 tpot.append((t - first_tok[rid]) / (n - 1))
@@ -305,7 +310,7 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
         batch_sum += len(q)
     makespan = max(t - t_first, 1e-12)
     st = kv.stats
-    hit = st.prefix_hits_tokens / st.prefix_queries_tokens if st.prefix_queries_tokens else 0.0
+    hit_all = st.prefix_hits_tokens / st.prefix_queries_tokens if st.prefix_queries_tokens else 0.0
     return SimResult(
         policy=cfg.policy,
         block_size=cfg.block_size,
@@ -325,8 +330,9 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
         tpot_s=_pct(tpot),
         preemptions=sched.num_preemptions,
         allocation_failures=st.allocation_failures,
-        prefix_hit_pct=100.0 * hit,
+        prefix_hit_pct=100.0 * first_hit / first_query if first_query else 0.0,
         evictions=st.evictions,
+        extra={"prefix_hit_pct_incl_readmissions": 100.0 * hit_all},
     )
 
 
