@@ -200,10 +200,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"engine skipped: {err}", file=sys.stderr)
         notes[name] = observe(s, e)
         print(f"{name}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+        if args.out:  # save as we go: a long run keeps what it finished
+            with open(args.out, "w") as f:
+                json.dump({"rows": rows, "notes": notes}, f, indent=1)
     print(table(rows, notes))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"rows": rows, "notes": notes}, f, indent=1)
     return 0
 
 
