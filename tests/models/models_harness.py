@@ -155,3 +155,17 @@ def hf_teacher_forced_logits(hf: Any, tokens: list[int], prompt_len: int) -> tor
             r = hf(torch.tensor([[tokens[p]]]), past_key_values=r.past_key_values, use_cache=True)
             out.append(r.logits[0, -1])
     return torch.stack(out).float()
+
+
+def hf_full_forward_logits(hf: Any, tokens: list[int], prompt_len: int) -> torch.Tensor:
+    """HF logits of one no-cache forward over all of ``tokens``, at the positions that
+    predict ``tokens[prompt_len:]``: ``[len(tokens) - prompt_len, vocab]``.
+
+    Same function as ``hf_teacher_forced_logits`` but through HF's masks only: HF's
+    sliding-window cache layer keeps ``keys[-window + 1:]``, which for window 1 is
+    ``keys[0:]`` (every key), so its cached decode is wrong for window 1 while the
+    masked full forward is right (transformers 5.23).
+    """
+    with torch.no_grad():
+        out = hf(torch.tensor([tokens]), use_cache=False).logits[0]
+    return out[prompt_len - 1 : len(tokens) - 1].float()
