@@ -197,7 +197,7 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--contexts", nargs="+", type=int, default=[512, 2048, 8192])
-    p.add_argument("--prefill-contexts", nargs="+", type=int, default=[512, 2048])
+    p.add_argument("--prefill-contexts", nargs="*", type=int, default=[512, 2048])
     p.add_argument("--json", default=None, help="append JSON lines here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 
-from kvpage.backends.torch_backend import TorchBackend
+from kvpage.backends.torch_backend import TorchBackend, compute
 from kvpage.testing import (
     AttentionCase,
     TestBudget,
@@ -15,13 +15,15 @@ from kvpage.testing import (
     check_chunking_invariance,
 )
 
-PATHS = {"streamed": 0, "padded": 2**62}
+PATHS = {"streamed": 0, "streamed-1-block-chunks": 0, "padded": 2**62}
 BUDGET = TestBudget(max_seq_len=48, max_seqs=3)
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-def test_torch_path_matches_reference(path: str) -> None:
+def test_torch_path_matches_reference(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     backend = TorchBackend(stream_min_bytes=PATHS[path])
+    if path.endswith("chunks"):  # streamed decode: one block per gathered chunk
+        monkeypatch.setattr(compute, "DECODE_CHUNK_BYTES", 1)
 
     @settings(max_examples=max(1, settings().max_examples // 2))
     @given(case=attention_cases(BUDGET, backend.capabilities))

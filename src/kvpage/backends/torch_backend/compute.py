@@ -18,6 +18,9 @@ from kvpage.specs import AttentionSpec
 
 #: the float32 logits of one chunk of query rows stay under this many bytes
 LOGITS_BUDGET_BYTES = 64 * 2**20
+#: streamed decode gathers at most this many bytes of float32 K (or V) at a time, so
+#: the gathered chunk is still in cache (L2) when the matmul reads it
+DECODE_CHUNK_BYTES = 2 * 2**20
 
 
 def compute_dtype(cache: KVCache, streamed: bool) -> torch.dtype:
@@ -122,9 +125,44 @@ def _sdpa(
     return res.transpose(1, 2)
 
 
+def _decode_streamed(
+    query: torch.Tensor, cache: KVCache, g: GroupIndex, spec: AttentionSpec, out: torch.Tensor
+) -> None:
+    """One query token over one long key range, in two passes over block chunks of at
+    most DECODE_CHUNK_BYTES: logits chunk by chunk (all of them are small), one float32
+    softmax, then ``P @ V`` chunk by chunk. Each chunk is gathered and consumed while it
+    is in cache, so the cache is read from memory once."""
+    bs, hkv, d = cache.block_size, spec.num_kv_heads, spec.head_dim
+    grp = spec.group_size
+    per = max(1, DECODE_CHUNK_BYTES // (bs * hkv * d * 4))
+    nblk = int(g.index.numel())
+    a0, n = g.key_offset, g.num_keys
+    q = query[g.q_start].float().view(hkv, grp, d)
+    logits = torch.empty(hkv, grp, n, dtype=torch.float32, device=query.device)
+    spans = []
+    for c in range(0, nblk, per):
+        lo, hi = max(c * bs, a0), min((c + per) * bs, a0 + n)
+        spans.append((c, lo, hi))
+        kc = _gather(cache, 0, g.index[c : c + per], True, torch.float32)[lo - c * bs : hi - c * bs]
+        logits[:, :, lo - a0 : hi - a0] = torch.matmul(q, kc.permute(1, 2, 0))
+    logits.mul_(spec.scale)
+    if spec.logits_soft_cap is not None:
+        cap = spec.logits_soft_cap
+        logits = torch.tanh(logits / cap) * cap
+    p = torch.softmax(logits, dim=-1)
+    acc = torch.zeros(hkv, grp, d, dtype=torch.float32, device=query.device)
+    for c, lo, hi in spans:
+        vc = _gather(cache, 1, g.index[c : c + per], True, torch.float32)[lo - c * bs : hi - c * bs]
+        acc += torch.matmul(p[:, :, lo - a0 : hi - a0], vc.transpose(0, 1))
+    out[g.q_start] = acc.view(spec.num_q_heads, d)
+
+
 def _attend_streamed(
     query: torch.Tensor, cache: KVCache, g: GroupIndex, spec: AttentionSpec, out: torch.Tensor
 ) -> None:
+    if g.max_q == 1:
+        _decode_streamed(query, cache, g, spec, out)
+        return
     dtype = compute_dtype(cache, streamed=True)
     a, b = g.key_offset, g.key_offset + g.num_keys
     k = _gather(cache, 0, g.index, True, dtype)[a:b].unsqueeze(0)
@@ -132,7 +170,7 @@ def _attend_streamed(
     q = query[g.q_start : g.q_start + g.max_q].unsqueeze(0)
     if q.dtype != dtype:
         q = q.to(dtype)
-    if g.max_q == 1 or spec.logits_soft_cap is not None:
+    if spec.logits_soft_cap is not None:
         res = _explicit_heads(q.float(), k.float(), v.float(), spec, g.attn_mask, g.is_causal)
     else:
         res = _sdpa(q, k, v, g, spec)
