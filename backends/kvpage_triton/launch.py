@@ -6,6 +6,7 @@ Imports triton (the backend imports this module lazily). Arguments are assumed v
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -45,11 +46,17 @@ def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
 def _target_programs(device: torch.device) -> int:
     """Programs that keep the device busy: 2 per SM on CUDA; a small fixed number under
     the interpreter so that long sequences exercise the split path in tests."""
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return 2 * _sm_count(idx)
     return 8
 
 
@@ -271,9 +278,9 @@ def write_kv(
     ks, vs, fs_stride = _scale_args(cache, kind)
     fmax, mant, min_exp = fp8_format(kv.dtype) if quant == 2 else (0.0, 0, 0)
     block_h = _pow2(hk)
-    # rows per program: one token per program on GPU (hk * hd elements is plenty);
-    # under the interpreter, batch tokens to cut per-program overhead
-    block_t = 1 if not INTERPRET else max(1, 64 // block_h)
+    # rows (token x KV head) per program: >= 16 on GPU; 64 under the interpreter, where
+    # per-program overhead dominates
+    block_t = max(1, (64 if INTERPRET else 16) // block_h)
     write_kv_kernel[(triton.cdiv(n, block_t),)](
         key,
         value,
@@ -307,6 +314,7 @@ def write_kv(
         BLOCK_H=block_h,
         BLOCK_D=_pow2(hd),
         num_warps=4,
+        enable_fp_fusion=False,  # keep the rounding arithmetic exactly as written
     )
 
 
