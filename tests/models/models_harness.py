@@ -60,10 +60,18 @@ class PagedGreedyDriver:
     a random permutation per KV group (block 0 = null, never used)."""
 
     def __init__(
-        self, model: ModelRunnerModel, backend: Any, block_size: int, num_blocks: int, seed: int
+        self,
+        model: ModelRunnerModel,
+        backend: Any,
+        block_size: int,
+        num_blocks: int,
+        seed: int,
+        kv_dtype: Any = "auto",
     ) -> None:
         self.model, self.backend, self.block_size = model, backend, block_size
-        self.spec = model.cache_spec(block_size=block_size, num_blocks=num_blocks)
+        self.spec = model.cache_spec(
+            block_size=block_size, num_blocks=num_blocks, kv_dtype=kv_dtype
+        )
         rng = random.Random(seed)
         self.free: list[list[int]] = []
         for _ in self.spec.kv_groups:
@@ -77,6 +85,7 @@ class PagedGreedyDriver:
                 a.num_kv_heads,
                 a.head_dim,
                 dtype=model.dtype,
+                kv_dtype=kv_dtype,
                 fill=float("nan"),
             )
             for a in self.spec.layers
