@@ -277,6 +277,12 @@ class ServingState:
                         continue
                     usage.completion_tokens += len(comp.token_ids) - c.num_tokens
                     c.num_tokens = len(comp.token_ids)
+                    if first_token_at is None and c.num_tokens > 0:
+                        first_token_at = self.clock()
+                        self.metrics.ttft.observe(first_token_at - arrival)
+                        self.degradation.record_ttft(first_token_at - arrival, first_token_at)
+                    if comp.finish_reason is None and not req.stream:
+                        continue  # not streamed: only the final text matters
                     # Finished outputs carry the engine's text (stop strings already cut);
                     # running ones carry token ids only, so decode them here.
                     full = (
@@ -284,10 +290,6 @@ class ServingState:
                         if comp.finish_reason is not None
                         else self.tokenizer.decode(list(comp.token_ids))
                     )
-                    if first_token_at is None and c.num_tokens > 0:
-                        first_token_at = self.clock()
-                        self.metrics.ttft.observe(first_token_at - arrival)
-                        self.degradation.record_ttft(first_token_at - arrival, first_token_at)
                     cut = _find_stop(full, req.stop, c.text)
                     if cut is not None:
                         c.text, c.finish = full[:cut], "stop"
