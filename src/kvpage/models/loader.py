@@ -73,7 +73,7 @@ def load_model(
         cfg, sd = read_llama2c(path)
         tok = tok or Llama2cTokenizer(bundled_tokenizer_path(), vocab_size=cfg["vocab_size"])
         return _build(cfg, sd, tok, dtype, device)
-    path = Path(src)
+    path = Path(src).expanduser()
     if path.is_file() and path.suffix == ".bin":
         cfg, sd = read_llama2c(path)
         tok = tok or _llama2c_tokenizer_for(path, cfg["vocab_size"])
