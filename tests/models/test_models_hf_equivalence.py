@@ -246,3 +246,15 @@ def test_weights_are_copied_and_forward_checks_inputs() -> None:
         model(args[0], args[1][:1], d.caches, [meta, meta], get_test_backend(), torch.tensor([1]))
     # nothing was written by the refused calls
     assert all(torch.isnan(c.kv).all() for c in d.caches)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_to_transformers_round_trip(arch: str) -> None:
+    from kvpage.models import to_transformers
+
+    hf = make_hf_model(arch, seed=8)
+    back = to_transformers(load_model(hf))
+    assert type(back) is type(hf)
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=1e-5, rtol=0)
