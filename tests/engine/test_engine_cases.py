@@ -228,3 +228,15 @@ def test_abort_and_metric_names(engine: LLMEngine) -> None:
     assert not engine.has_unfinished_requests()
     m = engine.get_metrics()
     assert tuple(m) == METRIC_NAMES and all(isinstance(v, float) for v in m.values())
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_kv_cache_runs_end_to_end(kv_dtype: str) -> None:
+    p = SamplingParams(max_tokens=20)
+    ref = LLM("stories260K", num_blocks=32).generate(["Once upon a time"], p)[0]
+    llm = LLM("stories260K", num_blocks=32, kv_cache_dtype=kv_dtype)  # type: ignore[arg-type]
+    (out,) = llm.generate(["Once upon a time"], p)
+    assert llm.llm_engine.cache_spec.kv_dtype == kv_dtype
+    # quantization error is far below this trained model's top-1 margins early on
+    assert out.outputs[0].token_ids[:10] == ref.outputs[0].token_ids[:10]
+    assert llm.get_metrics()["kvpage:kv_cache_usage_perc"] == 0.0
