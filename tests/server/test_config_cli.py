@@ -89,3 +89,70 @@ def test_bad_config_is_a_clear_error(tmp_path, capsys):
     args = _parser().parse_args(["serve", "--tenant-rate", "5"])
     with pytest.raises(SpecError, match="both or neither"):
         config_from_args(args)
+
+
+def test_kvpage_cli_dump_config(capsys):
+    from kvpage.cli import main
+
+    assert main(["serve", "--dump-config", "--max-num-seqs", "7"]) == 0
+    cfg = ServerConfig.model_validate(yaml.safe_load(capsys.readouterr().out))
+    assert cfg.engine.max_num_seqs == 7 and cfg.host == "127.0.0.1"
+
+
+def test_kvpage_serve_process_serves_and_stops_on_sigint(tmp_path):
+    """`kvpage serve` as a real process: restored from a config file, answers, and shuts
+    down cleanly on SIGINT (bounded waits throughout)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = ServerConfig.model_validate({"port": port, "engine": {"num_blocks": 33}})
+    path = tmp_path / "serve.yaml"
+    path.write_text(dump_config(cfg))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvpage.cli",
+            "serve",
+            "--config",
+            str(path),
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.1)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": "stories260K", "prompt": "Once", "max_tokens": 3},
+            timeout=30,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        info = httpx.get(url + "/metrics", timeout=10).text
+        assert 'num_blocks="33"' in info
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
