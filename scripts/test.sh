@@ -12,5 +12,5 @@ echo "== ruff check"; "$bin/ruff" check src backends tests conformance benches
 echo "== ruff format --check"; "$bin/ruff" format --check src backends tests conformance benches
 echo "== mypy src/kvpage"; "$bin/mypy" src/kvpage
 echo "== pytest"
-export TRITON_INTERPRET=1 NUMBA_ENABLE_CUDASIM=1
+export TRITON_INTERPRET=1 NUMBA_ENABLE_CUDASIM=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$py" -m pytest -m "not slow and not gpu" -n 2 --dist loadgroup "$@"
