@@ -151,8 +151,12 @@ def observe(sim: dict[str, Any], eng: dict[str, Any] | None) -> str:
         notes.append(f"prefix cache serves {sim['hit_pct']:.0f}% of prompt tokens")
     ratio = sim["ttft_s"]["p99"] / max(sim["tpot_s"]["p50"], 1e-9)
     notes.append(f"TTFT p99 = {ratio:.0f} decode steps")
-    if eng is not None and eng["preemptions"]:
-        notes.append(f"engine preempted {eng['preemptions']}x in a 4096-token pool")
+    if eng is not None:
+        if eng["preemptions"]:
+            notes.append(f"engine preempted {eng['preemptions']}x in a 4096-token pool")
+        if eng["hit_pct"] > 1:
+            notes.append(f"engine prefix hit {eng['hit_pct']:.0f}%")
+        notes.append(f"engine peak KV {eng['peak_kv_pct']:.0f}%")
     return "; ".join(notes)
 
 
@@ -184,7 +188,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-engine", action="store_true")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--out", default=None, help="write all rows as JSON here")
+    ap.add_argument("--render", default=None, help="only print the table of a saved JSON")
     args = ap.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            saved = json.load(f)
+        rows = saved["rows"]
+        sims = {r["workload"]: r for r in rows if r["where"].startswith("sim")}
+        engs = {r["workload"]: r for r in rows if r["where"].startswith("engine")}
+        print(table(rows, {w: observe(s, engs.get(w)) for w, s in sims.items()}))
+        return 0
     rows = []
     notes = {}
     for name in args.workloads.split(","):
