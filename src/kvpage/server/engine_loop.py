@@ -118,8 +118,12 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # ---------------------------------------------------------------- handler API
-    async def add(self, request_id: str, prompt: Any, params: Any) -> asyncio.Queue[Any]:
+    async def add(
+        self, request_id: str, prompt: Any, params: Any, arrival_time: float | None = None
+    ) -> asyncio.Queue[Any]:
         """Add a request; return the queue its ``RequestOutput``s arrive on.
+
+        ``arrival_time`` (``time.monotonic()`` seconds) is passed to the engine.
 
         The queue receives each output the engine produces for the request (the last one
         has ``finished=True``) or an :class:`EngineFailure`.
@@ -133,7 +137,7 @@ class AsyncEngine:
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = q
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.put(_Command("add", request_id, (prompt, params), future=fut))
+        self._commands.put(_Command("add", request_id, (prompt, params, arrival_time), future=fut))
         try:
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:

@@ -142,6 +142,8 @@ class GenerationRequest(BaseModel):
     include_usage: bool
     tenant: str
     created: int = Field(default_factory=lambda: int(time.time()))
+    #: ``time.monotonic()`` seconds when the server received the request (TTFT/e2e start)
+    arrival_s: float = Field(default_factory=time.monotonic)
 
     @property
     def cost(self) -> int:

@@ -73,7 +73,8 @@ class ServingState:
         engine: an engine with the Engine contract (``tokenizer``, ``cache_spec``,
             ``backend_name`` and the request methods).
         sampling_params_cls: ``SamplingParams`` class of that engine.
-        clock: monotonic clock in seconds (``time.monotonic``).
+        clock: monotonic clock in seconds; must agree with ``time.monotonic`` (request
+            arrival times are taken with it).
     """
 
     def __init__(
@@ -233,7 +234,7 @@ class ServingState:
         Raises:
             APIError: 400/429 when the engine refuses the request, 500 on engine failure.
         """
-        arrival = self.clock()
+        arrival = req.arrival_s
         params = self.params_cls(
             max_tokens=req.max_tokens,
             temperature=req.temperature,
@@ -245,7 +246,9 @@ class ServingState:
             stop=req.stop or None,
         )
         try:
-            q = await self.loop.add(req.request_id, list(req.prompt_token_ids), params)
+            q = await self.loop.add(
+                req.request_id, list(req.prompt_token_ids), params, arrival_time=arrival
+            )
         except RequestRejected as exc:
             status = 429 if exc.reason in _TRANSIENT_REASONS else 400
             raise APIError(
