@@ -253,7 +253,7 @@ def replay_main(args: argparse.Namespace) -> int:
         try:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(reqs), unit="req", desc="replay", file=sys.stderr)
+            bar = tqdm(total=len(reqs), unit="req", desc="replay", file=sys.stderr, mininterval=1.0)
         except ImportError:  # pragma: no cover
             bar = None
     res = replay(
