@@ -62,9 +62,6 @@ def compile_attention(
     group: int = 4,
     head_dim: int = 128,
     decode: bool = True,
-    split: bool = False,
-    soft_cap: bool = False,
-    window: bool = False,
 ) -> Any:
     """Compile ``paged_attention_kernel`` as the launcher would for these settings on
     a CUDA device of compute capability ``arch`` (e.g. 90). Returns the compiled kernel."""
@@ -82,9 +79,6 @@ def compile_attention(
         BLOCK_D=block_d,
         DIRECT_TILES=decode,
         KV_QUANT={"auto": 0, "int8": 1}.get(kv_dtype, 2),
-        USE_SOFTCAP=soft_cap,
-        USE_WINDOW=window,
-        SPLIT=split,
         DOT_FP32=dtype == "float32",
     )
     ptrs = {
@@ -162,8 +156,8 @@ def _run_jobs(jobs: list[tuple[str, Any]]) -> int:
 
 
 QUICK: list[tuple[str, Any]] = [
-    ("sm_90 attention bf16/fp8_e4m3 decode split", lambda: compile_attention(90, "bfloat16", "fp8_e4m3", split=True)),
-    ("sm_80 attention fp16/int8 prefill cap+window", lambda: compile_attention(80, "float16", "int8", decode=False, soft_cap=True, window=True)),
+    ("sm_90 attention bf16/fp8_e4m3 decode", lambda: compile_attention(90, "bfloat16", "fp8_e4m3")),
+    ("sm_80 attention fp16/int8 prefill", lambda: compile_attention(80, "float16", "int8", decode=False)),
     ("sm_90 write_kv bf16/fp8_e5m2", lambda: compile_write_kv(90, "bfloat16", "fp8_e5m2")),
     ("sm_80 write_kv fp16/int8", lambda: compile_write_kv(80, "float16", "int8")),
     ("sm_80 reduce", lambda: compile_reduce(80)),
@@ -186,10 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         kvs = ["auto", "int8"] + (["fp8_e4m3", "fp8_e5m2"] if arch >= 89 else [])
         for dt, kv in itertools.product(["float32", "float16", "bfloat16"], kvs):
             jobs.append((f"write_kv {dt}/{kv}", lambda a=arch, d=dt, k=kv: compile_write_kv(a, d, k)))  # fmt: skip
-        for dt, kv, dec, sp in itertools.product(["bfloat16", "float32"], kvs, [True, False], [False, True]):  # fmt: skip
-            name = f"attention {dt}/{kv} {'decode' if dec else 'prefill'} split={sp}"
-            jobs.append((name, lambda a=arch, d=dt, k=kv, de=dec, s=sp: compile_attention(a, d, k, decode=de, split=s)))  # fmt: skip
-        jobs.append(("attention bf16 cap+window hd=256", lambda a=arch: compile_attention(a, soft_cap=True, window=True, head_dim=256, decode=False)))  # fmt: skip
+        for dt, kv, dec in itertools.product(["bfloat16", "float16", "float32"], kvs, [True, False]):  # fmt: skip
+            name = f"attention {dt}/{kv} {'decode' if dec else 'prefill'}"
+            jobs.append((name, lambda a=arch, d=dt, k=kv, de=dec: compile_attention(a, d, k, decode=de)))  # fmt: skip
+        jobs.append(("attention bf16 prefill hd=256 MQA", lambda a=arch: compile_attention(a, head_dim=256, group=8, decode=False)))  # fmt: skip
         jobs.append(("reduce", lambda a=arch: compile_reduce(a)))
         jobs.append(("copy", lambda a=arch: compile_copy(a)))
         failures += _run_jobs([(f"sm_{arch} {name}", job) for name, job in jobs])

@@ -25,6 +25,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on
 MAX_HEADS_PER_PROG = 64
 #: cap on KV splits per tile
 MAX_SPLITS = 64
+#: window passed for full attention (any window >= every position sees all keys)
+NO_WINDOW = 2**30
 
 
 @dataclass(frozen=True)
@@ -81,12 +83,11 @@ def choose_config(
     chunks = -(-group // hpp)
     block_d = max(16, _pow2(spec.head_dim))
     gpu = device.type == "cuda"
-    if decode:
+    if decode or meta.max_query_len <= 1:  # pure decode rows: the decode variant
         block_q = 1
     else:
         target_rows = 64 if gpu else 16
         block_q = max(1, target_rows // hpp)
-        block_q = min(block_q, max(1, meta.max_query_len))
     block_m = max(16, _pow2(block_q * hpp))
     if gpu:
         block_n = 64 if spec.head_dim <= 128 else 32
@@ -221,7 +222,7 @@ def attention(
         lse.stride(1),
         float(spec.scale),
         float(spec.logits_soft_cap or 0.0),
-        int(spec.sliding_window or 0),
+        int(spec.sliding_window or NO_WINDOW),
         kv.shape[2],
         spec.head_dim,
         cfg.num_splits,
@@ -234,9 +235,6 @@ def attention(
         BLOCK_D=cfg.block_d,
         DIRECT_TILES=direct,
         KV_QUANT=quant,
-        USE_SOFTCAP=spec.logits_soft_cap is not None,
-        USE_WINDOW=spec.sliding_window is not None,
-        SPLIT=split,
         DOT_FP32=dot_fp32,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -10,7 +10,7 @@ group is small), so every K/V element it loads is reused by ``BLOCK_Q * HEADS_PE
 query rows (rows = token-major, head-minor, padded to ``BLOCK_M``). Keys are walked in
 tiles of ``BLOCK_N`` *positions*; each position is mapped through the block table to its
 slot (``block_table[p // block_size] * block_size + p % block_size``), so any block_size
-works. Online softmax in base 2 (FlashAttention-2, Dao 2023). With ``SPLIT`` the key
+works. Online softmax in base 2 (FlashAttention-2, Dao 2023). With ``num_splits > 1`` the key
 range of a tile is divided among ``num_splits`` programs that each write a normalised
 partial output and its log-sum-exp (FlashDecoding, Dao et al. 2023; vLLM
 paged-attention v2); ``reduce_splits_kernel`` merges them.
@@ -46,7 +46,7 @@ def _tanh(x):
     return tl.where(x < 0, -t, t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_pt", "stride_ph", "stride_ps", "stride_lt", "stride_lh"])  # fmt: skip
 def paged_attention_kernel(
     q_ptr,
     kv_ptr,
@@ -95,14 +95,14 @@ def paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     DIRECT_TILES: tl.constexpr,
     KV_QUANT: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     """KV_QUANT: 0 = model dtype, 1 = int8 + per-token scales, 2 = fp8 + per-tensor/head
-    scales. DOT_FP32: upcast dot operands to float32 (float32 queries, and bfloat16 under
-    the interpreter whose bf16 tl.dot is wrong); otherwise dots run on the query dtype."""
+    scales. Soft cap (``soft_cap > 0``), window (``window``; 2**30 = none) and split
+    (``num_splits > 1``) are runtime values, not constexprs, to keep the number of
+    compiled variants small (each costs seconds of compile on first use). DOT_FP32: upcast dot operands to float32 (float32
+    queries, and bfloat16 under the interpreter whose bf16 tl.dot is wrong); otherwise
+    dots run on the query dtype."""
     tile = tl.program_id(0)
     hc = tl.program_id(1)
     split = tl.program_id(2)
@@ -142,10 +142,7 @@ def paged_attention_kernel(
 
     # key range of this tile (and of this split)
     kv_hi = tl.where(n_tok > 0, first_pos + n_tok, 0)
-    kv_lo = kv_hi * 0
-    if USE_WINDOW:
-        kv_lo = tl.maximum(first_pos - window + 1, 0)
-    kv_lo = tl.minimum(kv_lo, kv_hi)
+    kv_lo = tl.minimum(tl.maximum(first_pos - window + 1, 0), kv_hi)
     t_lo = kv_lo // BLOCK_N
     t_hi = (kv_hi + BLOCK_N - 1) // BLOCK_N
     per_split = (t_hi - t_lo + num_splits - 1) // num_splits
@@ -183,14 +180,13 @@ def paged_attention_kernel(
             s = s * ks[None, :]
         if KV_QUANT == 2:
             s = s * k_fp8_scale
-        if USE_SOFTCAP:
+        if soft_cap > 0.0:
             s = soft_cap * _tanh(s * (sm_scale / soft_cap))
             s = s * LOG2E
         else:
             s = s * (sm_scale * LOG2E)
         ok = k_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            ok = ok & (pos[None, :] > q_pos[:, None] - window)
+        ok = ok & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -211,7 +207,7 @@ def paged_attention_kernel(
     if KV_QUANT == 2:
         res = res * v_fp8_scale
     st_mask = row_ok[:, None] & d_ok[None, :]
-    if SPLIT:
+    if num_splits > 1:
         head64 = q_head.to(tl.int64)
         base = tok * stride_pt + head64 * stride_ph + split * stride_ps
         tl.store(part_ptr + base[:, None] + d[None, :], res, mask=st_mask)
