@@ -168,6 +168,9 @@ def test_models_health_metrics(client, server):
     ):
         assert name in text, name
     assert 'block_size="16"' in text and 'num_blocks="65"' in text and 'backend="torch"' in text
+    m = metrics_dict(text)
+    spec = server.app.state.serving.engine.cache_spec
+    assert m['kvpage:kv_cache_memory_bytes{kind="total"}'] == spec.total_bytes > 0
 
 
 BAD = [

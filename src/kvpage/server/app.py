@@ -128,6 +128,13 @@ def create_app(
             )
         )
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("kvpage serve: unhandled error on %s", request.url.path)
+        return _error(
+            APIError(500, f"server: internal error ({type(exc).__name__})", type="server_error")
+        )
+
     async def handle(request: Request, kind: str) -> Response:
         endpoint = "chat" if kind == "chat" else "completions"
         try:

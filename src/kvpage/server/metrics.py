@@ -59,10 +59,14 @@ class ServerMetrics:
     Args:
         engine_snapshot: returns the latest ``LLMEngine.get_metrics()`` dict (cheap; the
             engine loop refreshes it after every step).
+        kv_total_bytes: bytes of the whole KV pool (``CacheSpec.total_bytes``).
     """
 
-    def __init__(self, engine_snapshot: Callable[[], Mapping[str, float]]) -> None:
+    def __init__(
+        self, engine_snapshot: Callable[[], Mapping[str, float]], kv_total_bytes: float = 0.0
+    ) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self.kv_total_bytes = float(kv_total_bytes)
         r.register(_EngineCollector(engine_snapshot))
         self.ttft = Histogram(
             "kvpage:time_to_first_token_seconds",
@@ -118,6 +122,13 @@ class ServerMetrics:
             ["kind"],
             registry=r,
         )
+        self.kv_bytes = Gauge(
+            "kvpage:kv_cache_memory_bytes",
+            "KV cache memory in bytes: total = the allocated pool (all layers), used = "
+            "actual utilization x total",
+            ["kind"],
+            registry=r,
+        )
         self.cancellations = Counter(
             "kvpage:request_cancellations",
             "Requests aborted before finishing (client disconnect, server shutdown)",
@@ -168,11 +179,15 @@ class ServerMetrics:
         for k in ("actual", "projected"):
             self.kv_util.labels(kind=k).set(0)
         self.degraded.set(0)
+        self.kv_bytes.labels(kind="total").set(self.kv_total_bytes)
+        self.kv_bytes.labels(kind="used").set(0)
 
     def update_from_engine(self, snap: Mapping[str, float]) -> None:
         """Refresh gauges derived from an engine snapshot."""
         self.queue_length.labels(queue="engine").set(snap.get("kvpage:num_requests_waiting", 0.0))
-        self.kv_util.labels(kind="actual").set(snap.get("kvpage:kv_cache_usage_perc", 0.0))
+        usage = snap.get("kvpage:kv_cache_usage_perc", 0.0)
+        self.kv_util.labels(kind="actual").set(usage)
+        self.kv_bytes.labels(kind="used").set(usage * self.kv_total_bytes)
         q = snap.get("kvpage:prefix_cache_queries_total", 0.0)
         h = snap.get("kvpage:prefix_cache_hits_total", 0.0)
         self.hit_ratio.set(h / q if q > 0 else 0.0)

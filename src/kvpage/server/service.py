@@ -95,7 +95,10 @@ class ServingState:
             getattr(sched, "max_model_len", None) or config.engine.max_model_len or 1 << 30
         )
         self.loop = AsyncEngine(engine, on_step=self._on_step)
-        self.metrics = ServerMetrics(lambda: self.loop.metrics_snapshot)
+        total = getattr(spec, "total_bytes", 0)
+        self.metrics = ServerMetrics(
+            lambda: self.loop.metrics_snapshot, float(total() if callable(total) else total)
+        )
         self.metrics.cache_config.info(
             {
                 "block_size": str(spec.block_size),
