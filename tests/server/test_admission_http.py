@@ -19,7 +19,10 @@ LONG = list(range(10, 110))  # a 100-token prompt (>= long_prompt_tokens)
 def server(serve):
     return serve(
         admission={
-            "tenants": {"limited-key": {"rate": 1.0, "burst": 100.0}},
+            "tenants": {
+                "limited-key": {"rate": 1.0, "burst": 100.0},
+                "bob": {"rate": 1.0, "burst": 30.0},
+            },
             "kv_high_water": 0.5,
             "long_prompt_tokens": 64,
             "kv_pressure_action": "reject",
@@ -58,8 +61,15 @@ def test_tenant_token_bucket_429_with_retry_after(server):
     r2 = _post(server, {"prompt": "Once", "max_tokens": 200}, key="limited-key")
     assert r2.status_code == 429 and "Retry-After" not in r2.headers
     assert r2.json()["error"]["code"] == "cost_exceeds_burst"
+    # without an API key the `user` field names the tenant
+    anon = {"model": "stories260K", "prompt": "Once", "max_tokens": 20, "user": "bob"}
+    url = server.base_url + "/v1/completions"
+    assert httpx.post(url, json=anon, timeout=60).status_code == 200  # cost 22 <= 30
+    r3 = httpx.post(url, json=anon, timeout=60)
+    assert r3.status_code == 429 and r3.json()["error"]["code"] == "tenant_rate_limit"
+    assert httpx.post(url, json={**anon, "user": "carol"}, timeout=60).status_code == 200
     m = _metrics(server)
-    assert m['kvpage:server_requests_rejected_total{reason="tenant_rate_limit"}'] == 1
+    assert m['kvpage:server_requests_rejected_total{reason="tenant_rate_limit"}'] == 2
     assert m['kvpage:server_requests_rejected_total{reason="cost_exceeds_burst"}'] == 1
 
 

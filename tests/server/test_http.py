@@ -338,3 +338,19 @@ def test_engine_refusal_and_step_failure(serve):
         assert ok.status_code == 200
     finally:
         del engine.step
+
+
+def test_prefix_cache_hits_show_in_metrics(server):
+    base = wait_idle(server.base_url)
+    prompt = list(range(5, 70))  # 65 tokens: 4 full blocks of 16
+    for _ in range(2):
+        r = httpx.post(
+            server.base_url + "/v1/completions",
+            json={"model": "stories260K", "prompt": prompt, "max_tokens": 2},
+            timeout=30,
+        )
+        assert r.status_code == 200
+    m = wait_idle(server.base_url)
+    hits = m["kvpage:prefix_cache_hits_total"] - base["kvpage:prefix_cache_hits_total"]
+    assert hits == 64  # the second request reuses the 4 committed blocks
+    assert 0 < m["kvpage:prefix_cache_hit_ratio"] <= 1
