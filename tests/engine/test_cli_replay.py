@@ -97,3 +97,29 @@ def test_replay_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert s["completed"] == 6 and s["trace"] == "azure-conv"
     err = capsys.readouterr()
     assert "the first 6" in err.err and "TTFT" in err.out
+
+
+def test_registry_skips_missing_parts_and_stubs_broken_ones(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+    import types
+
+    import kvpage.cli as cli
+
+    broken = types.ModuleType("kvpage_test_broken_cli")
+    monkeypatch.setitem(sys.modules, "kvpage_test_broken_cli", broken)  # no registrar in it
+    monkeypatch.setattr(
+        cli,
+        "SUBCOMMANDS",
+        [
+            *cli.SUBCOMMANDS,
+            "kvpage.not_a_module.cli:add_x_parser",
+            "kvpage_test_broken_cli:add_broken_parser",
+        ],
+    )
+    parser = cli.build_parser()
+    text = parser.format_help()
+    assert "broken" in text and " x " not in text
+    assert cli.main(["broken"]) == 2
+    assert "unavailable" in capsys.readouterr().err
