@@ -13,6 +13,7 @@ import importlib
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -193,6 +194,18 @@ def test_odd_head_dims_c13(hd: int) -> None:
 def test_quantized_kv(kv_dtype: str, dtype: str) -> None:
     case = make_case((9, 40), (4, 1), kv_dtype=kv_dtype, dtype=dtype, seed=9)
     check(case)
+
+
+def test_int8_small_values_float16() -> None:
+    """float16 queries over an int8 cache of tiny values (per-token scales ~1e-5): the
+    error relative to max|output| stays within the float16 tolerance."""
+    case = replace(
+        make_case((40,), (1,), hq=8, hk=2, kv_dtype="int8", dtype="float16", seed=14),
+        magnitude=0.001,
+    )
+    out, ref = run_case(case, use_decode=True)
+    vmax = float(ref.abs().max())
+    assert_close(out, ref, tolerance_for(torch.float16), what="int8/fp16 small", scale=vmax)
 
 
 def test_fp8_per_head_scales_decode_split() -> None:

@@ -194,7 +194,9 @@ def paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if KV_QUANT == 1:
-            p = p * vs[None, :]
+            # dequantize V rows (float32) before narrowing: scaling P instead would push
+            # small weights into float16 subnormals
+            v = v.to(tl.float32) * vs[:, None]
         if DOT_FP32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
