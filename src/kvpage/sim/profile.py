@@ -197,6 +197,7 @@ def plot_profile(trace: Trace, out_prefix: str) -> list[str]:
         ax.step(edges[: len(counts)] / 60.0, counts / 60.0, where="post", color="#aa3377")
     ax.set_xlabel("minutes since trace start")
     ax.set_ylabel("arrivals (req/s, per minute)")
+    ax.set_ylim(bottom=0)
     ax.set_title(f"{trace.name}: arrival rate over time")
     fig.tight_layout()
     paths.append(f"{out_prefix}_arrivals.png")
