@@ -71,9 +71,16 @@ def test_concurrent_requests_share_the_batch(server, reference):
         )
         return r.status_code, r.json()["choices"][0]["text"]
 
+    def multi_seq_steps():
+        m = metrics_dict(httpx.get(server.base_url + "/metrics").text)
+        le1 = m['kvpage:step_running_sequences_bucket{le="1.0"}']
+        return m["kvpage:step_running_sequences_count"] - le1
+
+    before = multi_seq_steps()
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
         got = list(ex.map(one, PROMPTS * 2))
     assert got == [(200, reference[p]) for p in PROMPTS * 2]
+    assert multi_seq_steps() > before  # steps that ran several requests together
 
 
 def test_chat_streaming_and_not(client):
@@ -163,6 +170,8 @@ def test_models_health_metrics(client, server):
         "kvpage:prefix_cache_hit_ratio",
         'kvpage:kv_memory_utilization{kind="actual"}',
         "kvpage:degraded",
+        "kvpage:step_running_sequences_bucket",
+        "kvpage:step_waiting_requests_bucket",
         "kvpage:cache_config_info{",
     ):
         assert name in text, name

@@ -30,6 +30,7 @@ __all__ = ["ServerMetrics"]
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _THROUGHPUT_BUCKETS = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000)
+_COUNT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _NAME_OK = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 
 
@@ -96,6 +97,18 @@ class ServerMetrics:
             "kvpage:decode_tokens_per_second",
             "Tokens generated per second of engine step time, per step with generation",
             buckets=_THROUGHPUT_BUCKETS,
+            registry=r,
+        )
+        self.step_running = Histogram(
+            "kvpage:step_running_sequences",
+            "Running sequences (batch size) after each engine step",
+            buckets=_COUNT_BUCKETS,
+            registry=r,
+        )
+        self.step_waiting = Histogram(
+            "kvpage:step_waiting_requests",
+            "Scheduler waiting-queue length after each engine step",
+            buckets=_COUNT_BUCKETS,
             registry=r,
         )
         self.queue_length = Gauge(

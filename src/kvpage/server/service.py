@@ -124,6 +124,8 @@ class ServingState:
             self.metrics.step_failures.inc()
         prev, cur = self._prev_snapshot, st.metrics
         self._prev_snapshot = dict(cur)
+        self.metrics.step_running.observe(cur.get("kvpage:num_requests_running", 0.0))
+        self.metrics.step_waiting.observe(cur.get("kvpage:num_requests_waiting", 0.0))
         if st.duration_s <= 0:
             return
         dp = cur.get("kvpage:prompt_tokens_total", 0.0) - prev.get(
