@@ -1,0 +1,105 @@
+"""OpenAI request models, the chat template and request validation (no server)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from kvpage.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    render_chat,
+)
+from kvpage.server.validation import prepare_request
+
+
+class _Tok:
+    """A byte-level stand-in tokenizer: BOS = 1, token = byte + 3."""
+
+    vocab_size = 259
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return ([1] if bos else []) + [b + 3 for b in text.encode()]
+
+
+def _prep(body, kind="completion", key=None, mml=64):
+    return prepare_request(kind, body, key, model_name="m", tokenizer=_Tok(), max_model_len=mml)
+
+
+def test_chat_template_is_plain_text():
+    msgs = [
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content=[{"type": "text", "text": "Hi"}, {"type": "image"}]),
+    ]
+    assert render_chat(msgs) == "system: Be brief.\nuser: Hi\nassistant:"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"model": "m", "prompt": "x", "max_tokens": true}',
+        '{"model": "m", "prompt": "x", "max_tokens": 2.0}',
+        '{"model": "m", "prompt": "x", "n": "2"}',
+        '{"model": "m", "prompt": "x", "top_p": 0}',
+        '{"model": "m", "prompt": "x", "temperature": 3}',
+        '{"model": "m", "prompt": {"a": 1}}',
+        '{"model": 5, "prompt": "x"}',
+    ],
+)
+def test_strict_types(body):
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate_json(body)
+
+
+def test_prepare_resolves_defaults_cost_and_tenant():
+    r = _prep(CompletionRequest.model_validate_json('{"model": "m", "prompt": "abc", "n": 2}'))
+    assert r.prompt_token_ids == [1, 100, 101, 102] and r.max_tokens == 16
+    assert r.cost == 4 + 2 * 16 and r.tenant == "anonymous"
+    r = _prep(
+        CompletionRequest.model_validate_json('{"model": "m", "prompt": [[5, 6]], "user": "u"}')
+    )
+    assert r.prompt_token_ids == [5, 6] and r.tenant == "u"
+    assert _prep(CompletionRequest(model="m", prompt="a", user="u"), key="k").tenant == "k"
+    chat = ChatCompletionRequest.model_validate_json(
+        '{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    )
+    r = _prep(chat, kind="chat")
+    assert r.max_tokens == 64 - len(r.prompt_token_ids)  # room left in the context
+    r = _prep(chat.model_copy(update={"max_completion_tokens": 5}), kind="chat")
+    assert r.max_tokens == 5
+
+
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ('{"model": "other", "prompt": "a"}', 404, "model"),
+        ('{"model": "m", "prompt": "a", "max_tokens": 0}', 400, "max_tokens"),
+        ('{"model": "m", "prompt": "a", "echo": true}', 400, "echo"),
+        ('{"model": "m", "prompt": "a", "presence_penalty": 0.5}', 400, "presence_penalty"),
+        ('{"model": "m", "prompt": [300]}', 400, "prompt"),
+        ('{"model": "m", "prompt": [[1], [2]]}', 400, "prompt"),
+        ('{"model": "m", "prompt": []}', 400, "prompt"),
+        ('{"model": "m", "prompt": "' + "x" * 63 + '"}', 400, "prompt"),
+        ('{"model": "m", "prompt": "abc", "max_tokens": 61}', 400, "max_tokens"),
+    ],
+)
+def test_prepare_refusals(body, status, param):
+    with pytest.raises(APIError) as ei:
+        _prep(CompletionRequest.model_validate_json(body))
+    assert ei.value.status == status and ei.value.param == param
+    assert ": expected " in ei.value.message
+
+
+def test_limits_are_inclusive():
+    ok = _prep(
+        CompletionRequest.model_validate_json('{"model": "m", "prompt": "abc", "max_tokens": 60}')
+    )
+    assert len(ok.prompt_token_ids) + ok.max_tokens == 64
+    ok = _prep(
+        CompletionRequest.model_validate_json(
+            '{"model": "m", "prompt": "' + "x" * 62 + '", "max_tokens": 1}'
+        )
+    )
+    assert len(ok.prompt_token_ids) == 63
