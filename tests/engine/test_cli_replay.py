@@ -123,3 +123,16 @@ def test_registry_skips_missing_parts_and_stubs_broken_ones(
     assert "broken" in text and " x " not in text
     assert cli.main(["broken"]) == 2
     assert "unavailable" in capsys.readouterr().err
+
+
+def test_replay_ctrl_c_summarizes_and_frees(engine: LLMEngine) -> None:
+    trace = load_trace("azure-conv", limit=8)
+    reqs = fit_trace(trace, max_model_len=512, vocab_size=512, output_scale=8)
+
+    def stop(_out: object) -> None:
+        raise KeyboardInterrupt
+
+    res = replay(engine, reqs, speedup=1000.0, on_finish=stop)
+    assert res.summary["interrupted"] and res.summary["completed"] == 1
+    assert not engine.has_unfinished_requests()
+    assert engine.get_metrics()["kvpage:kv_cache_usage_perc"] == 0.0

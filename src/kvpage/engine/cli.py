@@ -274,7 +274,8 @@ def replay_main(args: argparse.Namespace) -> int:
         output_scale=args.output_scale,
         bookkeeping_share=eng.step_stats.bookkeeping_share,
     )
-    _print_table(f"kvpage replay: {trace.name}, {s['completed']} requests", _rows(s))
+    stop = " (interrupted)" if s["interrupted"] else ""
+    _print_table(f"kvpage replay: {trace.name}, {s['completed']} requests{stop}", _rows(s))
     if args.output:
         path = Path(args.output)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -124,7 +124,8 @@ def replay(
         generated tokens, TTFT/TPOT/e2e percentiles (ms), prefill and decode tokens per
         second (tokens computed / wall time of the run), output tokens/s, peak and mean
         (over steps) KV usage, prefix hit ratio (hit / queried prompt tokens),
-        preemptions, allocation failures, steps, duration.
+        preemptions, allocation failures, steps, duration, and ``interrupted`` (True
+        when Ctrl-C stopped the run early; unfinished requests are aborted).
 
     Raises:
         ValueError: ``speedup <= 0``.
@@ -140,28 +141,34 @@ def replay(
     t0 = time.monotonic()
     i = 0
     n = len(requests)
-    while i < n or engine.has_unfinished_requests():
-        now = time.monotonic() - t0
-        while i < n and requests[i].arrival_s / speedup <= now:
-            r = requests[i]
-            params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
-            try:
-                engine.add_request(
-                    r.request_id, r.prompt_token_ids, params, t0 + r.arrival_s / speedup
-                )
-            except RequestRejected as e:
-                rejected[r.request_id] = e.reason
-            i += 1
-        if not engine.has_unfinished_requests():
-            if i < n:
-                sleep(max(0.0, requests[i].arrival_s / speedup - (time.monotonic() - t0)))
-            continue
-        for out in engine.step(finished_only=True):
-            if out.finished:
-                done.append(out)
-                if on_finish is not None:
-                    on_finish(out)
-        usage.append(engine.kv_cache_manager.usage)
+    interrupted = False
+    try:
+        while i < n or engine.has_unfinished_requests():
+            now = time.monotonic() - t0
+            while i < n and requests[i].arrival_s / speedup <= now:
+                r = requests[i]
+                params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
+                try:
+                    engine.add_request(
+                        r.request_id, r.prompt_token_ids, params, t0 + r.arrival_s / speedup
+                    )
+                except RequestRejected as e:
+                    rejected[r.request_id] = e.reason
+                i += 1
+            if not engine.has_unfinished_requests():
+                if i < n:
+                    sleep(max(0.0, requests[i].arrival_s / speedup - (time.monotonic() - t0)))
+                continue
+            for out in engine.step(finished_only=True):
+                if out.finished:
+                    done.append(out)
+                    if on_finish is not None:
+                        on_finish(out)
+            usage.append(engine.kv_cache_manager.usage)
+    except KeyboardInterrupt:  # Ctrl-C: summarize what finished, free the rest
+        interrupted = True
+        for r in requests[:i]:
+            engine.abort_request(r.request_id)
     wall = time.monotonic() - t0
     m1 = engine.get_metrics()
 
@@ -192,6 +199,7 @@ def replay(
         "steps": st.num_steps - steps0,
         "duration_s": wall,
         "speedup": speedup,
+        "interrupted": interrupted,
     }
     return ReplayResult(summary, done)
 
