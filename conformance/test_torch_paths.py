@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 
 from kvpage.backends.torch_backend import TorchBackend, compute
+from kvpage.specs import make_attention_spec
 from kvpage.testing import (
     AttentionCase,
     TestBudget,
@@ -43,3 +44,40 @@ def test_torch_path_chunking(path: str) -> None:
         check_chunking_invariance(backend, case, [[q] for q in case.query_lens])
 
     prop()
+
+
+@pytest.mark.parametrize("path", ["streamed", "padded"])
+def test_torch_accepts_non_contiguous_inputs(path: str) -> None:
+    """query/key/value may be strided views (e.g. slices of a fused QKV projection):
+    the same result as with contiguous copies (writes: the same bits)."""
+    import torch
+
+    from kvpage.testing import materialize, poisoned_cache
+
+    backend = TorchBackend(stream_min_bytes=PATHS[path])
+    case = AttentionCase(
+        spec=make_attention_spec(num_q_heads=4, num_kv_heads=2, head_dim=16, sliding_window=5),
+        dtype="float32",
+        kv_dtype="auto",
+        block_size=4,
+        num_blocks=12,
+        seq_lens=(9, 13),
+        query_lens=(3, 1),
+        block_tables=((3, 7, 1), (2, 9, 11, 5)),
+    )
+    m = materialize(case)
+    wide_q = torch.randn(m.query.shape[0], 4, 40)
+    wide_q[..., 3:19] = m.query
+    q = wide_q[..., 3:19]
+    assert not q.is_contiguous()
+    backend.plan(m.meta)
+    a = backend.prefill(q, m.cache, m.meta, case.spec)
+    b = backend.prefill(m.query.contiguous(), m.cache, m.meta, case.spec)
+    assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    fused = torch.cat([m.new_keys, m.new_values], dim=-1)  # [tokens, Hkv, 2 * D]
+    k, v = fused[..., :16], fused[..., 16:]
+    assert not k.is_contiguous()
+    c1, c2 = poisoned_cache(case, "cpu"), poisoned_cache(case, "cpu")
+    backend.write_kv(k, v, c1, m.slot_mapping)
+    backend.write_kv(k.contiguous(), v.contiguous(), c2, m.slot_mapping)
+    assert torch.equal(c1.kv.nan_to_num(7.0), c2.kv.nan_to_num(7.0))

@@ -83,7 +83,7 @@ def _explicit_heads(
     L = k.shape[1]
     kt = k.permute(0, 2, 3, 1)  # [n, Hkv, D, L]: a strided view, no copy when n == 1
     vt = v.permute(0, 2, 1, 3)  # [n, Hkv, L, D]
-    qh = q.view(n, lq, hkv, grp, d).permute(0, 2, 3, 1, 4)  # [n, Hkv, G, Lq, D]
+    qh = q.reshape(n, lq, hkv, grp, d).permute(0, 2, 3, 1, 4)  # [n, Hkv, G, Lq, D]
     rows = max(1, LOGITS_BUDGET_BYTES // max(1, 4 * n * hq * L))
     outs = []
     for a in range(0, lq, rows):
@@ -137,7 +137,7 @@ def _decode_streamed(
     per = max(1, DECODE_CHUNK_BYTES // (bs * hkv * d * 4))
     nblk = int(g.index.numel())
     a0, n = g.key_offset, g.num_keys
-    q = query[g.q_start].float().view(hkv, grp, d)
+    q = query[g.q_start].float().reshape(hkv, grp, d)
     logits = torch.empty(hkv, grp, n, dtype=torch.float32, device=query.device)
     spans = []
     for c in range(0, nblk, per):
@@ -189,7 +189,7 @@ def _attend_padded(
         n, g.num_keys, cache.num_kv_heads, cache.head_dim
     )
     if g.identity_rows:
-        q = query.view(n, 1, *query.shape[1:])
+        q = query.reshape(n, 1, *query.shape[1:])
     else:
         q = query.index_select(0, g.q_rows.reshape(-1)).view(n, max_q, *query.shape[1:])
     if q.dtype != dtype:
