@@ -156,3 +156,17 @@ def test_kvpage_serve_process_serves_and_stops_on_sigint(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_docs_example_config_is_valid():
+    """The example in docs/serving.md stays a loadable, complete config."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    block = re.search(r"```yaml\n(host:.*?)```", text, re.S)
+    assert block is not None
+    data = yaml.safe_load(block.group(1))
+    cfg = ServerConfig.model_validate(data)
+    assert set(data) == set(ServerConfig.model_fields)  # every top-level field shown
+    assert set(data["engine"]) == set(cfg.engine.model_dump())
