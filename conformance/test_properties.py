@@ -113,3 +113,30 @@ def test_block_size_and_permutation_invariance(ctx) -> None:  # type: ignore[no-
         check_layout_invariance(ctx.backend, case, bs, tables, nb, ctx.device)
 
     prop()
+
+
+def test_block_ids_above_16_bits(ctx) -> None:  # type: ignore[no-untyped-def]
+    """Pinned: a pool of 70,000 blocks with block ids around 2**16 and at the very top
+    (a kernel storing ids or slots in 16 bits reads the wrong block)."""
+    from kvpage.specs import make_attention_spec
+
+    if not ctx.budget.huge_pools:
+        import pytest
+
+        pytest.skip(f"{ctx.name}: huge pools outside the backend's test budget")
+    tables = ((65_535, 69_999, 65_536), (65_537, 1, 69_998, 40_000, 69_997))
+    for dtype, kv in (("float32", "auto"), ("float16", "int8"), ("bfloat16", "fp8_e4m3")):
+        case = AttentionCase(
+            spec=make_attention_spec(num_q_heads=4, num_kv_heads=1, head_dim=8),
+            dtype=dtype,
+            kv_dtype=kv,
+            block_size=2,
+            num_blocks=70_000,
+            seq_lens=(6, 9),
+            query_lens=(6, 1),
+            block_tables=tables,
+        )
+        if ctx.backend.unsupported_reasons(case.cache_spec(), ctx.device):
+            continue
+        check_write_kv_case(ctx.backend, case, ctx.device)
+        check_attention_case(ctx.backend, case, ctx.device)
