@@ -6,10 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-pytest.importorskip("transformers")
-
-from engine_harness import hf_greedy, one_torch_thread  # noqa: E402
+from engine_harness import hf_greedy, one_torch_thread
 
 
 @pytest.fixture(autouse=True)
@@ -22,6 +19,7 @@ def _one_torch_thread() -> Any:
 @pytest.fixture(scope="session")
 def stories_hf() -> Any:
     """stories260K as a transformers LlamaForCausalLM (same weights)."""
+    pytest.importorskip("transformers")
     from kvpage.models import load_model, to_transformers
 
     hf = to_transformers(load_model("stories260K"))

@@ -6,9 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from engine_harness import HF_ARCHS, HF_PROMPTS, NUM_NEW, hf_greedy, make_hf_model
 
-from kvpage.engine import LLM, SamplingParams
+pytest.importorskip("transformers")
+
+from engine_harness import HF_ARCHS, HF_PROMPTS, NUM_NEW, hf_greedy, make_hf_model  # noqa: E402
+
+from kvpage.engine import LLM, SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 
