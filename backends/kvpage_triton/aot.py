@@ -62,6 +62,7 @@ def compile_attention(
     group: int = 4,
     head_dim: int = 128,
     decode: bool = True,
+    soft_cap: bool = False,
 ) -> Any:
     """Compile ``paged_attention_kernel`` as the launcher would for these settings on
     a CUDA device of compute capability ``arch`` (e.g. 90). Returns the compiled kernel."""
@@ -79,6 +80,7 @@ def compile_attention(
         BLOCK_D=block_d,
         DIRECT_TILES=decode,
         KV_QUANT={"auto": 0, "int8": 1}.get(kv_dtype, 2),
+        USE_SOFTCAP=soft_cap,
         DOT_FP32=dtype == "float32",
     )
     ptrs = {
@@ -157,7 +159,7 @@ def _run_jobs(jobs: list[tuple[str, Any]]) -> int:
 
 QUICK: list[tuple[str, Any]] = [
     ("sm_90 attention bf16/fp8_e4m3 decode", lambda: compile_attention(90, "bfloat16", "fp8_e4m3")),
-    ("sm_80 attention fp16/int8 prefill", lambda: compile_attention(80, "float16", "int8", decode=False)),
+    ("sm_80 attention fp16/int8 prefill soft cap", lambda: compile_attention(80, "float16", "int8", decode=False, soft_cap=True)),
     ("sm_90 write_kv bf16/fp8_e5m2", lambda: compile_write_kv(90, "bfloat16", "fp8_e5m2")),
     ("sm_80 write_kv fp16/int8", lambda: compile_write_kv(80, "float16", "int8")),
     ("sm_80 reduce", lambda: compile_reduce(80)),
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         for dt, kv, dec in itertools.product(["bfloat16", "float16", "float32"], kvs, [True, False]):  # fmt: skip
             name = f"attention {dt}/{kv} {'decode' if dec else 'prefill'}"
             jobs.append((name, lambda a=arch, d=dt, k=kv, de=dec: compile_attention(a, d, k, decode=de)))  # fmt: skip
-        jobs.append(("attention bf16 prefill hd=256 MQA", lambda a=arch: compile_attention(a, head_dim=256, group=8, decode=False)))  # fmt: skip
+        jobs.append(("attention bf16 prefill hd=256 MQA soft cap", lambda a=arch: compile_attention(a, head_dim=256, group=8, decode=False, soft_cap=True)))  # fmt: skip
         jobs.append(("reduce", lambda a=arch: compile_reduce(a)))
         jobs.append(("copy", lambda a=arch: compile_copy(a)))
         failures += _run_jobs([(f"sm_{arch} {name}", job) for name, job in jobs])

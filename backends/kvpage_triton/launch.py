@@ -235,6 +235,7 @@ def attention(
         BLOCK_D=cfg.block_d,
         DIRECT_TILES=direct,
         KV_QUANT=quant,
+        USE_SOFTCAP=spec.logits_soft_cap is not None,
         DOT_FP32=dot_fp32,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

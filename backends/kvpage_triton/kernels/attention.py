@@ -95,12 +95,14 @@ def paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     DIRECT_TILES: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     """KV_QUANT: 0 = model dtype, 1 = int8 + per-token scales, 2 = fp8 + per-tensor/head
-    scales. Soft cap (``soft_cap > 0``), window (``window``; 2**30 = none) and split
-    (``num_splits > 1``) are runtime values, not constexprs, to keep the number of
-    compiled variants small (each costs seconds of compile on first use). DOT_FP32: upcast dot operands to float32 (float32
+    scales. USE_SOFTCAP: apply ``soft_cap`` (a constexpr, so that the hot loop has no
+    branch). The window (``window``; 2**30 = none) and the split count are runtime
+    values, to keep the number of compiled variants small (each costs seconds of
+    compile on first use). DOT_FP32: upcast dot operands to float32 (float32
     queries, and bfloat16 under the interpreter whose bf16 tl.dot is wrong); otherwise
     dots run on the query dtype."""
     tile = tl.program_id(0)
@@ -180,7 +182,7 @@ def paged_attention_kernel(
             s = s * ks[None, :]
         if KV_QUANT == 2:
             s = s * k_fp8_scale
-        if soft_cap > 0.0:
+        if USE_SOFTCAP:
             s = soft_cap * _tanh(s * (sm_scale / soft_cap))
             s = s * LOG2E
         else:
