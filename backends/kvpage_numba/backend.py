@@ -161,7 +161,7 @@ class NumbaBackend:
         elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             t = t.view(torch.uint8)
         if t.device.type == "cpu":
-            return t.numpy()
+            return _SimArray(t.numpy())
         return self._cuda().as_cuda_array(t)
 
     def _launch(self, kernel: Any, grid: tuple[int, ...], block: int, dev: torch.device) -> Any:
@@ -316,7 +316,10 @@ class NumbaBackend:
         if bt.dtype != torch.int32 or bt.device != dev:
             bt = bt.to(dev, torch.int32)
         kern = kernels.attention_kernel(q_kind, kv_kind)
-        self._launch(kern, (n, hq, splits), threads, dev)(
+        # heads per block: 1 on a GPU (parallelism); all of a token's heads under the
+        # simulator, whose cost is per block (thread start-up and polling)
+        hb = hq if dev.type == "cpu" else 1
+        self._launch(kern, (n, -(-hq // hb), splits), threads, dev)(
             self._arr(query),
             self._arr(cache.kv),
             self._arr(tsc),
@@ -334,11 +337,12 @@ class NumbaBackend:
             _f32(spec.logits_soft_cap or 0.0),
             chunk,
             splits,
+            hb,
         )
         if splits > 1:
             red = min(hd, 4 if dev.type == "cpu" else 128)
-            self._launch(kernels.split_reduce_kernel, (n, hq), red, dev)(
-                self._arr(part_out), self._arr(part_lse), self._arr(o32)
+            self._launch(kernels.split_reduce_kernel, (n, -(-hq // hb)), red, dev)(
+                self._arr(part_out), self._arr(part_lse), self._arr(o32), hb
             )
         if o32 is not out:
             out.copy_(o32)
@@ -371,18 +375,36 @@ class NumbaBackend:
                 )
 
 
+class _SimArray:
+    """A numpy array handed to a simulated kernel as-is. The simulator wraps ndarray
+    arguments in two proxy layers (about 5 us per element access, measured); the kernels
+    only index arrays and read ``.shape``, which this thin proxy forwards (0.4 us)."""
+
+    __slots__ = ("a", "shape")
+
+    def __init__(self, a: Any) -> None:
+        self.a = a
+        self.shape = a.shape
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.a[i]
+
+    def __setitem__(self, i: Any, v: Any) -> None:
+        self.a[i] = v
+
+
 class _SimLaunch:
     """Runs a simulated launch with a short GIL switch interval (restored after): the
-    simulator's scheduler thread busy-polls its worker threads, and at the default 5 ms
-    interval most of a launch is spent waiting for the GIL (measured: 2.3 s -> 0.6 s for
-    a 52-block prefill)."""
+    simulator's scheduler thread busy-polls its worker threads and competes with them
+    for the GIL; at the default 5 ms most of a launch is spent waiting (measured on a
+    13-token prefill: 1.65 s at 5 ms, 0.15 s at 0.05 ms; benches/gpu/bench_simulator.py)."""
 
     def __init__(self, configured: Any) -> None:
         self.configured = configured
 
     def __call__(self, *args: Any) -> None:
         old = sys.getswitchinterval()
-        sys.setswitchinterval(2e-4)
+        sys.setswitchinterval(5e-5)
         try:
             self.configured(*args)
         finally:

@@ -231,93 +231,100 @@ def attention_pyfunc(q_kind: str, kv_kind: str) -> Any:
     [num_tokens, Hq, D]`` float32, ``part_out [num_tokens, Hq, splits, D]`` and
     ``part_lse [num_tokens, Hq, splits]`` float32 (used when ``num_splits > 1``), then
     scalars ``block_size, scale, window (0 = none), soft_cap (0 = none), chunk,
-    num_splits``. Grid ``(num_tokens, Hq, num_splits)``, block ``(T,)``, T <= 128.
+    num_splits, heads_per_block``. Grid ``(num_tokens, ceil(Hq / heads_per_block),
+    num_splits)``, block ``(T,)``, T <= 128.
     """
     load_q = _src_loader(q_kind)
     load_kv = _loader(kv_kind)
     row_scale = _row_scale(kv_kind)
 
-    def kernel(q: Any, kv: Any, tsc: Any, fsc: Any, lut: Any, bt: Any, token_seq: Any, token_pos: Any, out: Any, part_out: Any, part_lse: Any, block_size: Any, scale: Any, window: Any, soft_cap: Any, chunk: Any, num_splits: Any) -> None:  # fmt: skip
-        t = cuda.blockIdx.x
-        h = cuda.blockIdx.y
-        z = cuda.blockIdx.z
-        tid = cuda.threadIdx.x
-        T = cuda.blockDim.x
-        D = q.shape[2]
-        kh = h // (q.shape[1] // kv.shape[3])
-        s = token_seq[t]
-        p = token_pos[t]
-        lo = 0
-        if window > 0:
-            lo = p - window + 1
-            if lo < 0:
-                lo = 0
-        start = lo + z * chunk
-        end = start + chunk
-        if end > p + 1:
-            end = p + 1
-
-        qv = cuda.local.array(MAX_HEAD_DIM, numba.float32)
-        acc = cuda.local.array(MAX_HEAD_DIM, numba.float32)
-        for d in range(D):
-            qv[d] = np.float32(load_q(q, t, h, d) * scale)
-            acc[d] = np.float32(0.0)
-        m = _NEG_INF
-        ssum = np.float32(0.0)
-        j = start + tid
-        while j < end:
-            blk = bt[s, j // block_size]
-            off = j % block_size
-            dot = np.float32(0.0)
-            for d in range(D):
-                dot += qv[d] * load_kv(kv, 0, blk, off, kh, d, lut)
-            dot = np.float32(dot * row_scale(tsc, fsc, 0, blk, off, kh))
-            if soft_cap > 0:
-                dot = np.float32(soft_cap * math.tanh(dot / soft_cap))
-            if dot > m:
-                corr = np.float32(math.exp(m - dot))
-                ssum = np.float32(ssum * corr)
-                for d in range(D):
-                    acc[d] = np.float32(acc[d] * corr)
-                m = dot
-            pw = np.float32(math.exp(dot - m))
-            ssum = np.float32(ssum + pw)
-            pv = np.float32(pw * row_scale(tsc, fsc, 1, blk, off, kh))
-            for d in range(D):
-                acc[d] += pv * load_kv(kv, 1, blk, off, kh, d, lut)
-            j += T
-
-        # merge the threads' states
+    def kernel(q: Any, kv: Any, tsc: Any, fsc: Any, lut: Any, bt: Any, token_seq: Any, token_pos: Any, out: Any, part_out: Any, part_lse: Any, block_size: Any, scale: Any, window: Any, soft_cap: Any, chunk: Any, num_splits: Any, heads_per_block: Any) -> None:  # fmt: skip
+        # one block serves heads_per_block query heads in turn (1 on a GPU; all heads of a
+        # token under the simulator, whose cost is per block)
         sm_m = cuda.shared.array(MAX_THREADS, numba.float32)
         sm_l = cuda.shared.array(MAX_THREADS, numba.float32)
         sm_acc = cuda.shared.array(MAX_HEAD_DIM, numba.float32)
-        sm_m[tid] = m
-        sm_l[tid] = ssum
-        for d in range(tid, D, T):
-            sm_acc[d] = np.float32(0.0)
-        cuda.syncthreads()
-        big = _NEG_INF
-        for i in range(T):
-            if sm_m[i] > big:
-                big = sm_m[i]
-        total = np.float32(0.0)
-        if big > _NEG_INF:
-            for i in range(T):
-                if sm_m[i] > _NEG_INF:
-                    total += np.float32(sm_l[i] * math.exp(sm_m[i] - big))
-            if m > _NEG_INF:
-                f = np.float32(math.exp(m - big))
+        for hh in range(heads_per_block):
+            h = cuda.blockIdx.y * heads_per_block + hh
+            if h >= q.shape[1]:
+                break
+            t = cuda.blockIdx.x
+            z = cuda.blockIdx.z
+            tid = cuda.threadIdx.x
+            T = cuda.blockDim.x
+            D = q.shape[2]
+            kh = h // (q.shape[1] // kv.shape[3])
+            s = token_seq[t]
+            p = token_pos[t]
+            lo = 0
+            if window > 0:
+                lo = p - window + 1
+                if lo < 0:
+                    lo = 0
+            start = lo + z * chunk
+            end = start + chunk
+            if end > p + 1:
+                end = p + 1
+
+            qv = cuda.local.array(MAX_HEAD_DIM, numba.float32)
+            acc = cuda.local.array(MAX_HEAD_DIM, numba.float32)
+            for d in range(D):
+                qv[d] = np.float32(load_q(q, t, h, d) * scale)
+                acc[d] = np.float32(0.0)
+            m = _NEG_INF
+            ssum = np.float32(0.0)
+            j = start + tid
+            while j < end:
+                blk = bt[s, j // block_size]
+                off = j % block_size
+                dot = np.float32(0.0)
                 for d in range(D):
-                    cuda.atomic.add(sm_acc, d, np.float32(acc[d] * f))
-        cuda.syncthreads()
-        if num_splits == 1:
+                    dot += qv[d] * load_kv(kv, 0, blk, off, kh, d, lut)
+                dot = np.float32(dot * row_scale(tsc, fsc, 0, blk, off, kh))
+                if soft_cap > 0:
+                    dot = np.float32(soft_cap * math.tanh(dot / soft_cap))
+                if dot > m:
+                    corr = np.float32(math.exp(m - dot))
+                    ssum = np.float32(ssum * corr)
+                    for d in range(D):
+                        acc[d] = np.float32(acc[d] * corr)
+                    m = dot
+                pw = np.float32(math.exp(dot - m))
+                ssum = np.float32(ssum + pw)
+                pv = np.float32(pw * row_scale(tsc, fsc, 1, blk, off, kh))
+                for d in range(D):
+                    acc[d] += pv * load_kv(kv, 1, blk, off, kh, d, lut)
+                j += T
+
+            # merge the threads' states
+            sm_m[tid] = m
+            sm_l[tid] = ssum
             for d in range(tid, D, T):
-                out[t, h, d] = sm_acc[d] / total
-        else:
-            for d in range(tid, D, T):
-                part_out[t, h, z, d] = sm_acc[d] / total if total > 0 else np.float32(0.0)
-            if tid == 0:
-                part_lse[t, h, z] = big + math.log(total) if total > 0 else _NEG_INF
+                sm_acc[d] = np.float32(0.0)
+            cuda.syncthreads()
+            big = _NEG_INF
+            for i in range(T):
+                if sm_m[i] > big:
+                    big = sm_m[i]
+            total = np.float32(0.0)
+            if big > _NEG_INF:
+                for i in range(T):
+                    if sm_m[i] > _NEG_INF:
+                        total += np.float32(sm_l[i] * math.exp(sm_m[i] - big))
+                if m > _NEG_INF:
+                    f = np.float32(math.exp(m - big))
+                    for d in range(D):
+                        cuda.atomic.add(sm_acc, d, np.float32(acc[d] * f))
+            cuda.syncthreads()
+            if num_splits == 1:
+                for d in range(tid, D, T):
+                    out[t, h, d] = sm_acc[d] / total
+            else:
+                for d in range(tid, D, T):
+                    part_out[t, h, z, d] = sm_acc[d] / total if total > 0 else np.float32(0.0)
+                if tid == 0:
+                    part_lse[t, h, z] = big + math.log(total) if total > 0 else _NEG_INF
+            cuda.syncthreads()  # shared state is reused by the next head
 
     return kernel
 
@@ -328,27 +335,31 @@ def attention_kernel(q_kind: str, kv_kind: str) -> Any:
     return cuda.jit(attention_pyfunc(q_kind, kv_kind))
 
 
-def split_reduce(part_out: Any, part_lse: Any, out: Any) -> None:
+def split_reduce(part_out: Any, part_lse: Any, out: Any, heads_per_block: Any) -> None:
     """Merge KV-split partials: ``out[t, h] = sum_z w_z part_out[t, h, z] / sum_z w_z``
-    with ``w_z = exp(lse_z - max lse)``. Grid ``(num_tokens, Hq)``, any block size."""
+    with ``w_z = exp(lse_z - max lse)``. Grid ``(num_tokens, ceil(Hq / heads_per_block))``,
+    any block size."""
     t = cuda.blockIdx.x
-    h = cuda.blockIdx.y
     Z = part_lse.shape[2]
     D = out.shape[2]
-    big = _NEG_INF
-    for z in range(Z):
-        if part_lse[t, h, z] > big:
-            big = part_lse[t, h, z]
-    for d in range(cuda.threadIdx.x, D, cuda.blockDim.x):
-        num = np.float32(0.0)
-        den = np.float32(0.0)
+    for hh in range(heads_per_block):
+        h = cuda.blockIdx.y * heads_per_block + hh
+        if h >= out.shape[1]:
+            break
+        big = _NEG_INF
         for z in range(Z):
-            lse = part_lse[t, h, z]
-            if lse > _NEG_INF:
-                w = np.float32(math.exp(lse - big))
-                num += w * part_out[t, h, z, d]
-                den += w
-        out[t, h, d] = num / den
+            if part_lse[t, h, z] > big:
+                big = part_lse[t, h, z]
+        for d in range(cuda.threadIdx.x, D, cuda.blockDim.x):
+            num = np.float32(0.0)
+            den = np.float32(0.0)
+            for z in range(Z):
+                lse = part_lse[t, h, z]
+                if lse > _NEG_INF:
+                    w = np.float32(math.exp(lse - big))
+                    num += w * part_out[t, h, z, d]
+                    den += w
+            out[t, h, d] = num / den
 
 
 split_reduce_kernel = cuda.jit(split_reduce)

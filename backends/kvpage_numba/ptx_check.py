@@ -32,7 +32,7 @@ def variants() -> Iterator[tuple[str, Any, str]]:
                     f"void({qt}{a}, {kt}[:, :, :, :, :], float32[:, :, :, :], float32[:, :], "
                     f"float32[:], int32[:, :], int32[:], int32[:], float32{a}, "
                     "float32[:, :, :, :], float32[:, :, :], int64, float32, int64, float32, "
-                    "int64, int64)"
+                    "int64, int64, int64)"
                 )
                 yield f"attention[{qk},{kk},{qt}]", kernels.attention_pyfunc(qk, kk), sig
     for sk, sts in _SRC_TYPES.items():
@@ -52,7 +52,7 @@ def variants() -> Iterator[tuple[str, Any, str]]:
     yield (
         "split_reduce",
         kernels.split_reduce,
-        "void(float32[:, :, :, :], float32[:, :, :], float32[:, :, :])",
+        "void(float32[:, :, :, :], float32[:, :, :], float32[:, :, :], int64)",
     )
     for it in ("uint8", "int16", "int32"):
         yield f"copy_blocks[{it}]", kernels.copy_blocks, f"void({it}[:, :, :], int64[:, :])"
