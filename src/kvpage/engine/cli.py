@@ -91,7 +91,12 @@ def generate_main(args: argparse.Namespace) -> int:
     from kvpage.engine import LLM, SamplingParams
 
     try:
+        engine = _engine(args)
+        # The tokenizer's stop ids end a completion by default (TinyStories models end a
+        # story with BOS, not EOS, as llama2.c's run.c does); --ignore-eos turns that off.
+        stops = getattr(engine.tokenizer, "stop_token_ids", ())
         params = SamplingParams(
+            stop_token_ids=None if args.ignore_eos else list(stops) or None,
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
@@ -102,7 +107,7 @@ def generate_main(args: argparse.Namespace) -> int:
             stop=args.stop,
         )
         llm = LLM.__new__(LLM)
-        llm.llm_engine, llm._counter = _engine(args), 0
+        llm.llm_engine, llm._counter = engine, 0
         t0 = time.perf_counter()
         outs = llm.generate(list(args.prompts), params)
         dt = time.perf_counter() - t0
