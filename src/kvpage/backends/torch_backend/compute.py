@@ -34,8 +34,8 @@ def compute_dtype(cache: KVCache, streamed: bool) -> torch.dtype:
 
 
 def _rows(x: torch.Tensor, rows_per_entry: int) -> torch.Tensor:
-    """``x`` (one K or V tensor ``[num_blocks, ...]``) as 2-D rows for index_select,
-    1-byte types as uint8 (fp8 index_select is not implemented everywhere)."""
+    """``x`` (one K or V tensor ``[num_blocks, ...]``) as 2-D rows for a row gather,
+    1-byte types as uint8 (fp8 gathers are not implemented everywhere)."""
     y = x.view(torch.uint8) if x.element_size() == 1 else x
     return y.reshape(-1, rows_per_entry)
 
@@ -47,7 +47,7 @@ def _gather(
     ``[num_rows, num_kv_heads, head_dim]`` in ``dtype``."""
     bs, h, d = cache.block_size, cache.num_kv_heads, cache.head_dim
     width = (bs if per_block else 1) * h * d
-    raw = _rows(cache.kv[i], width).index_select(0, index)
+    raw = F.embedding(index, _rows(cache.kv[i], width))  # a row gather, faster than index_select
     if cache.kv.element_size() == 1:
         raw = raw.view(cache.kv.dtype)
     raw = raw.view(-1, h, d)
@@ -57,7 +57,7 @@ def _gather(
     if kind == "int8":
         assert cache.token_scales is not None
         sw = (bs if per_block else 1) * h
-        sc = cache.token_scales[i].reshape(-1, sw).index_select(0, index).view(-1, h, 1)
+        sc = F.embedding(index, cache.token_scales[i].reshape(-1, sw)).view(-1, h, 1)
         return raw.to(dtype) * sc.to(dtype)
     s = cache.k_scale if i == 0 else cache.v_scale
     assert s is not None
