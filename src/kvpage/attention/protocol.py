@@ -52,7 +52,9 @@ class AttentionBackend(Protocol):
     Tensor conventions (glossary names): ``num_tokens`` new tokens in the step,
     ``num_seqs`` sequences, ``num_q_heads``/``num_kv_heads``/``head_dim`` from the
     layer's AttentionSpec. Query/key/value are in the model dtype
-    (float32|float16|bfloat16) on the cache's device.
+    (float32|float16|bfloat16) on the cache's device; they may be strided views (e.g.
+    slices of a fused QKV projection): a kernel that needs contiguous memory calls
+    ``.contiguous()`` itself.
     """
 
     name: str

@@ -18,7 +18,7 @@ from kvpage.attention.metadata import (
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.attention.quant import quantize_fp8, quantize_int8
 from kvpage.backends.torch_backend.compute import attend_group
-from kvpage.backends.torch_backend.plan import STREAM_MIN_BYTES, TorchPlan
+from kvpage.backends.torch_backend.plan import STREAM_MIN_BYTES, GroupIndex, TorchPlan
 from kvpage.errors import ShapeError
 from kvpage.specs import AttentionSpec, CacheSpec
 
@@ -135,7 +135,9 @@ class TorchBackend:
                 stored = quantize_fp8(x, s, cache.kv.dtype)
             flat[i].index_copy_(0, slots, _bits(stored))
 
-    def _groups(self, cache: KVCache, meta: AttentionMetadata, spec: AttentionSpec) -> list:  # type: ignore[type-arg]
+    def _groups(
+        self, cache: KVCache, meta: AttentionMetadata, spec: AttentionSpec
+    ) -> list[GroupIndex]:
         plan = meta.extras.get(PLAN_KEY)
         if not isinstance(plan, TorchPlan):
             plan = TorchPlan.from_meta(meta)
