@@ -186,10 +186,20 @@ def plot_blocks(rows: list[dict[str, Any]]) -> str:
     axes[0].set_ylabel("effective KV utilization (%)")
     axes[0].set_title("azure-conv, paged")
     axes[0].legend(fontsize=8)
-    axes[1].plot([r["block_size"] for r in m], [r["prefix_hit_pct"] for r in m], "o-", color="C2")
+    bsm = [r["block_size"] for r in m]
+    axes[1].plot(bsm, [r["prefix_hit_pct"] for r in m], "o-", color="C2", label="first admission")
+    axes[1].plot(
+        bsm,
+        [r["extra"]["prefix_hit_pct_incl_readmissions"] for r in m],
+        "s--",
+        color="C1",
+        label="incl. re-admission after preemption",
+    )
+    axes[1].set_ylim(0, None)
+    axes[1].legend(fontsize=8)
     axes[1].set_xscale("log", base=2)
     axes[1].set_xlabel("block size (tokens)")
-    axes[1].set_ylabel("prefix hit ratio (% of prompt tokens)")
+    axes[1].set_ylabel("prefix hit ratio (% of looked-up tokens)")
     axes[1].set_title("mooncake-conv, paged + prefix caching")
     fig.tight_layout()
     path = DOCS / "sim_block_size_sweep.png"
