@@ -71,12 +71,12 @@ def _scenario(
         n = -(-s // bs)
         tables.append(perm[k : k + n])
         k += n
-    caches = [
+    caches = [  # the backend's cache on its device, the reference's on the host
         allocate_kv_cache(
             nb, bs, hkv, hd, dtype=dtype, kv_dtype=kv_dtype, k_scale=0.25, v_scale=0.5,
-            fill=float("nan"), device=DEVICE or "cpu",
+            fill=float("nan"), device=dev,
         )
-        for _ in range(2)
+        for dev in (DEVICE or "cpu", "cpu")
     ]  # fmt: skip
     full = AttentionMetadata.build(list(seq_lens), list(seq_lens), tables, bs)
     key = (torch.randn(full.num_tokens, hkv, hd, generator=g) * 2).to(dtype)
