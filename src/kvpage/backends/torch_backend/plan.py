@@ -7,7 +7,7 @@ its first new token sees; ``kvpage.specs``: W keys including the current one), e
 Sequences are split into two kinds of groups:
 
 * **streamed** (one sequence, long key range): its whole blocks are gathered into a
-  buffer with one contiguous ``index_select`` and the key range is a slice of it, so
+  buffer with one row gather per chunk and the key range is a slice of it, so
   no padding and, for decode, no mask. The buffer is consumed right away, while it is
   still in cache — this is what makes paged decode as fast as attention over a
   contiguous cache.
