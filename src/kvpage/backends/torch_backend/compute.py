@@ -1,10 +1,10 @@
 """Attention math of the torch backend: gather, dequantize, attend (vectorized).
 
 Groups come from ``plan.py``. Streamed groups (one long sequence) gather whole blocks
-with one row gather (``F.embedding``) per chunk and attend with batched matmuls over the KV heads (decode,
-soft cap) or ``scaled_dot_product_attention`` (prefill); padded groups (many short
-sequences) gather per slot into ``[n, max_keys]`` and use SDPA with a key mask, or
-explicit float32 matmuls when a logit soft cap is set (SDPA has none).
+with one row gather (``F.embedding``) per chunk and attend with batched matmuls over
+the KV heads (decode, soft cap) or ``scaled_dot_product_attention`` (prefill); padded
+groups (many short sequences) gather per slot into ``[n, max_keys]`` and use SDPA with
+a key mask, or explicit float32 matmuls when a logit soft cap is set (SDPA has none).
 """
 
 from __future__ import annotations
