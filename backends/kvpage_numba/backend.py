@@ -11,7 +11,6 @@ backend then runs on device ``cpu`` and nowhere else.
 from __future__ import annotations
 
 import importlib.util
-import sys
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from kvpage.attention.protocol import BackendCapabilities
 from kvpage.errors import ShapeError
 from kvpage.specs import AttentionSpec, CacheSpec
 from kvpage_numba import checks
+from kvpage_numba.simulator import SimArray, SimLaunch
 
 _FP8_FORMATS = {"fp8_e4m3": (3, 7), "fp8_e5m2": (2, 15)}
 _RAW_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -164,14 +164,14 @@ class NumbaBackend:
         elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             t = t.view(torch.uint8)
         if t.device.type == "cpu":
-            return _SimArray(t.numpy())
+            return SimArray(t.numpy())
         return self._cuda().as_cuda_array(t)
 
     def _launch(self, kernel: Any, grid: tuple[int, ...], block: int, dev: torch.device) -> Any:
         if dev.type == "cuda":
             stream = self._cuda().external_stream(torch.cuda.current_stream(dev).cuda_stream)
             return kernel[grid, block, stream]
-        return _SimLaunch(kernel[grid, block])
+        return SimLaunch(kernel[grid, block])
 
     # ---- write ---------------------------------------------------------------------------------
     def write_kv(
@@ -376,42 +376,6 @@ class NumbaBackend:
                 self._launch(kernels.copy_blocks_kernel, (host.shape[0], 2), block, dev)(
                     self._arr(raw), p
                 )
-
-
-class _SimArray:
-    """A numpy array handed to a simulated kernel as-is. The simulator wraps ndarray
-    arguments in two proxy layers (about 5 us per element access, measured); the kernels
-    only index arrays and read ``.shape``, which this thin proxy forwards (0.4 us)."""
-
-    __slots__ = ("a", "shape")
-
-    def __init__(self, a: Any) -> None:
-        self.a = a
-        self.shape = a.shape
-
-    def __getitem__(self, i: Any) -> Any:
-        return self.a[i]
-
-    def __setitem__(self, i: Any, v: Any) -> None:
-        self.a[i] = v
-
-
-class _SimLaunch:
-    """Runs a simulated launch with a short GIL switch interval (restored after): the
-    simulator's scheduler thread busy-polls its worker threads and competes with them
-    for the GIL; at the default 5 ms most of a launch is spent waiting (measured on a
-    13-token prefill: 1.65 s at 5 ms, 0.15 s at 0.05 ms; benches/gpu/bench_simulator.py)."""
-
-    def __init__(self, configured: Any) -> None:
-        self.configured = configured
-
-    def __call__(self, *args: Any) -> None:
-        old = sys.getswitchinterval()
-        sys.setswitchinterval(5e-5)
-        try:
-            self.configured(*args)
-        finally:
-            sys.setswitchinterval(old)
 
 
 def _f32(x: float) -> Any:

@@ -12,8 +12,7 @@ import sys
 import time
 
 import torch
-from kvpage_numba import NumbaBackend
-from kvpage_numba import backend as numba_backend
+from kvpage_numba import NumbaBackend, simulator
 
 from kvpage.attention.metadata import AttentionMetadata, allocate_kv_cache
 from kvpage.specs import make_attention_spec
@@ -36,16 +35,16 @@ def _prefill_seconds(reps: int) -> float:
 
 def main() -> None:
     fast = _prefill_seconds(5)
-    original = numba_backend._SimLaunch.__call__
+    original = simulator.SimLaunch.__call__
 
     def default_interval(self, *args):  # type: ignore[no-untyped-def]
         self.configured(*args)
 
-    numba_backend._SimLaunch.__call__ = default_interval  # type: ignore[method-assign]
+    simulator.SimLaunch.__call__ = default_interval  # type: ignore[method-assign]
     try:
         slow = _prefill_seconds(5)
     finally:
-        numba_backend._SimLaunch.__call__ = original  # type: ignore[method-assign]
+        simulator.SimLaunch.__call__ = original  # type: ignore[method-assign]
     print(f"switch interval default {sys.getswitchinterval() * 1e3:.1f} ms: {slow:.3f} s")
     print(f"switch interval 0.05 ms (backend): {fast:.3f} s; speed-up {slow / fast:.2f}x")
 
