@@ -5,7 +5,7 @@
 #   3. runs the backend comparison (benches/gpu/backend_compare.py), one process per
 #      backend with BENCH_S_PER_BACKEND seconds each, merged into one report;
 #   4. runs the conformance suite on CUDA for torch, triton, cupy and numba in the time
-#      left (short profile), then the plugin unit tests on CUDA.
+#      left (short profile), then the plugin unit tests (cupy, numba, triton) on CUDA.
 # Results land in OUTDIR: run_all.log, backend_compare.{json,md} (+ compare_<backend>/),
 # conformance_<backend>.xml, plugin_tests.xml, summary.txt (exit status of every step).
 #
@@ -121,8 +121,9 @@ if [[ $dry == 0 ]]; then
   left=$(( total - ($(date +%s) - start) ))
   if (( left > 30 )); then
     step "plugin unit tests on cuda" timeout -s INT -k 10 $(( left - 10 )) "$py" -m pytest \
-      tests/backends/test_cupy_backend.py tests/backends/test_numba_backend.py -q \
-      -k "not nvcc and not ptx and not compile_test" --junitxml "$out/plugin_tests.xml"
+      tests/backends/test_cupy_backend.py tests/backends/test_numba_backend.py \
+      tests/backends/test_triton_backend.py -q --junitxml "$out/plugin_tests.xml" -k \
+      "(test_triton_backend and not compile) or (not test_triton_backend and not nvcc and not ptx and not compile_test)"
   else
     say "plugin unit tests on cuda: skipped (time budget spent)"
     echo "plugin unit tests on cuda: skipped (time)" >> "$out/summary.txt"
