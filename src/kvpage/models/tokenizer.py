@@ -15,6 +15,7 @@ already turned into a space.
 
 from __future__ import annotations
 
+import heapq
 import re
 import struct
 from collections.abc import Iterable, Sequence
@@ -209,19 +210,64 @@ class Llama2cTokenizer:
         return ids
 
     def _merge(self, ids: list[int]) -> list[int]:
-        pieces = self.pieces
-        while len(ids) > 1:
-            best_score = float("-inf")
-            best_i = -1
-            best_id = -1
-            for i in range(len(ids) - 1):
-                tid = self._lookup.get(pieces[ids[i]] + pieces[ids[i + 1]])
-                if tid is not None and self.scores[tid] > best_score:
-                    best_score, best_i, best_id = self.scores[tid], i, tid
-            if best_i < 0:
-                break
-            ids[best_i : best_i + 2] = [best_id]
-        return ids
+        """Greedy BPE: repeatedly merge the adjacent pair whose concatenation is a piece
+        with the highest score, leftmost on ties (llama2.c ``run.c`` ``encode``).
+
+        Same result as rescanning all pairs after every merge, in O(n log n): the
+        symbols form a doubly linked list indexed by their start position, and a heap
+        holds candidate pairs keyed by ``(-score, left start)``. A merge bumps the
+        version of the merged node and kills its right node; heap entries naming an old
+        version or a dead node are skipped when popped (lazy invalidation). Merging keeps the left node's start,
+        so start order is list order and "smallest start" is "leftmost". Pairs whose
+        score is not ``> -inf`` (NaN or -inf) never merge, as in the rescan.
+        """
+        n = len(ids)
+        if n < 2:
+            return ids
+        pieces, scores, lookup = self.pieces, self.scores, self._lookup
+        tok = list(ids)
+        nxt = list(range(1, n + 1))  # n = end of list
+        prv = list(range(-1, n - 1))  # -1 = start of list
+        ver = [0] * n
+        alive = [True] * n
+        heap: list[tuple[float, int, int, int, int, int]] = []
+        neg_inf = float("-inf")
+
+        def push(i: int) -> None:
+            j = nxt[i]
+            if j >= n:
+                return
+            tid = lookup.get(pieces[tok[i]] + pieces[tok[j]])
+            if tid is None:
+                return
+            score = scores[tid]
+            if not score > neg_inf:  # NaN or -inf: never the best in a rescan
+                return
+            heapq.heappush(heap, (-score, i, ver[i], j, ver[j], tid))
+
+        for i in range(n - 1):
+            push(i)
+        while heap:
+            _, i, vi, j, vj, tid = heapq.heappop(heap)
+            if not (alive[i] and alive[j] and ver[i] == vi and ver[j] == vj and nxt[i] == j):
+                continue  # stale: one side was merged since this entry was pushed
+            tok[i] = tid
+            ver[i] += 1
+            alive[j] = False
+            k = nxt[j]
+            nxt[i] = k
+            if k < n:
+                prv[k] = i
+            p = prv[i]
+            if p >= 0:
+                push(p)  # (p, i) entries with i's old version are now stale
+            push(i)
+        out: list[int] = []
+        i = 0
+        while i < n:
+            out.append(tok[i])
+            i = nxt[i]
+        return out
 
     def decode_bytes(self, ids: Iterable[int], prev_id: int | None = None) -> bytes:
         """Raw bytes of ``ids`` (see class doc); ``prev_id`` is the id before them."""
