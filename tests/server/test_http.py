@@ -359,3 +359,42 @@ def test_prefix_cache_hits_show_in_metrics(server):
     hits = m["kvpage:prefix_cache_hits_total"] - base["kvpage:prefix_cache_hits_total"]
     assert hits == 64  # the second request reuses the 4 committed blocks
     assert 0 < m["kvpage:prefix_cache_hit_ratio"] <= 1
+
+
+def test_n_gt_1_under_preemption_matches_llm_generate(serve):
+    """n=16 x 100 tokens on the 64-block pool forces preemption (recompute) and choices
+    finishing on different steps; every choice's text, streamed or not, must equal the
+    offline API's (finding: choices finished before their siblings came back as "")."""
+    body = {
+        "model": "stories260K",
+        "prompt": "hi",
+        "max_tokens": 100,
+        "n": 16,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "seed": 7,
+    }
+    llm = LLM(model="stories260K", **ENGINE)
+    (ref,) = llm.generate(
+        ["hi"], SamplingParams(max_tokens=100, n=16, ignore_eos=True, temperature=1.0, seed=7)
+    )
+    assert ref.num_preemptions > 0  # the scenario really preempts
+    want = {c.index: c.text for c in ref.outputs}
+    assert all(want.values())
+
+    server = serve(degradation={"enabled": False})  # no max_tokens cap after the failures
+    r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    got = {c["index"]: c["text"] for c in r.json()["choices"]}
+    assert got == want
+    assert r.json()["usage"]["completion_tokens"] == 1600
+
+    parts: dict[int, str] = {}
+    with httpx.stream(
+        "POST", server.base_url + "/v1/completions", json=body | {"stream": True}, timeout=120
+    ) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                for ch in json.loads(line[6:])["choices"]:
+                    parts[ch["index"]] = parts.get(ch["index"], "") + ch["text"]
+    assert parts == want

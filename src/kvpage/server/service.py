@@ -291,12 +291,15 @@ class ServingState:
                         self.degradation.record_ttft(first_token_at - arrival, first_token_at)
                     if comp.finish_reason is None and not req.stream:
                         continue  # not streamed: only the final text matters
-                    # Finished outputs carry the engine's text (stop strings already cut);
-                    # running ones carry token ids only, so decode them here.
+                    # Only the request's final output carries the engine's text (stop
+                    # strings already cut). A choice that ends before its siblings (n > 1,
+                    # e.g. after a preemption) arrives with finish_reason set but text ""
+                    # on a not-yet-finished output, so decode its token ids here (stop
+                    # strings are re-applied below).
                     full = (
                         comp.text
-                        if comp.finish_reason is not None
-                        else self.tokenizer.decode(list(comp.token_ids))
+                        if out.finished
+                        else str(self.tokenizer.decode(list(comp.token_ids)))
                     )
                     cut = _find_stop(full, req.stop, c.text)
                     if cut is not None:
