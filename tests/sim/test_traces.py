@@ -42,7 +42,9 @@ def test_mooncake_hash_ids_cover_prompt_and_limit():
     for r in t:
         assert r.hash_ids is not None
         assert len(r.hash_ids) == -(-r.prompt_tokens // MOONCAKE_BLOCK_TOKENS)
-    assert load_trace("azure-conv", limit=0).requests == []
+    # limit is None (all) or >= 1; 0 would be an empty trace, which is refused
+    with pytest.raises(TraceError, match="limit: expected None"):
+        load_trace("azure-conv", limit=0)
 
 
 def test_azure_time_parsing(tmp_path):
@@ -115,3 +117,51 @@ def test_token_mapping_rejects_short_hash_ids():
     with pytest.raises(TraceError):
         TokenMapper(vocab_size=1)
     assert sim_blocks_per_hash_block(16) == 32 and sim_blocks_per_hash_block(512) == 1
+
+
+def test_out_of_order_timestamps_are_sorted_stably(tmp_path):
+    # finding: out-of-order rows were kept unsorted (negative span / "-1.7 s of arrivals")
+    p = tmp_path / "ooo.csv"
+    p.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 00:00:02.0,1,1\n"
+        "2023-11-16 00:00:00.5,2,1\n"
+        "2023-11-16 00:00:02.0,3,1\n"
+        "2023-11-16 00:00:01.0,4,1\n"
+    )
+    t = load_azure_csv(p)
+    assert [r.index for r in t] == [1, 3, 0, 2]  # equal timestamps keep file order
+    assert [r.arrival_s for r in t] == [0.0, 0.5, 1.5, 1.5]
+    assert [r.prompt_tokens for r in t] == [2, 4, 1, 3]
+    assert t.duration_s == 1.5
+    # limit = the first rows of the file, then sorted
+    assert [r.index for r in load_azure_csv(p, limit=2)] == [1, 0]
+    q = tmp_path / "ooo.jsonl"
+    q.write_text(
+        '{"timestamp": 3000, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n'
+        '{"timestamp": 1000, "input_length": 1, "output_length": 1, "hash_ids": [2]}\n'
+    )
+    m = load_mooncake_jsonl(q)
+    assert [r.index for r in m] == [1, 0] and [r.arrival_s for r in m] == [1.0, 3.0]
+    assert m.duration_s == 2.0
+
+
+def test_header_only_and_empty_traces_are_refused(tmp_path):
+    p = tmp_path / "empty.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    with pytest.raises(TraceError, match="no requests"):
+        load_trace(p)
+    q = tmp_path / "empty.jsonl"
+    q.write_text("\n")
+    with pytest.raises(TraceError, match="no requests"):
+        load_trace(q)
+
+
+def test_mooncake_missing_key_message(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"input_length": 1, "output_length": 1, "hash_ids": [1]}\n')
+    with pytest.raises(TraceError, match="got a record without timestamp"):
+        load_mooncake_jsonl(p)
+    p.write_text("[1, 2]\n")
+    with pytest.raises(TraceError, match="got a JSON list"):
+        load_mooncake_jsonl(p)

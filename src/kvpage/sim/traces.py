@@ -5,12 +5,20 @@ Formats (see ``src/kvpage/data/traces/ATTRIBUTION.md`` for sources and licenses)
 * **Azure LLM inference 2023** (Splitwise, CC-BY 4.0): CSV with header
   ``TIMESTAMP,ContextTokens,GeneratedTokens``; ``TIMESTAMP`` is
   ``YYYY-MM-DD HH:MM:SS.fffffff`` (7 fractional digits, no zone). Arrival times are
-  made relative to the first row. No prompt contents, so no prefix sharing.
+  made relative to the earliest row. No prompt contents, so no prefix sharing.
 * **Mooncake FAST'25** (JSON lines): ``timestamp`` (ms since trace start),
   ``input_length``, ``output_length`` (tokens) and ``hash_ids`` — one id per
   512-token block of the prompt (``len(hash_ids) == ceil(input_length / 512)``). Two
   requests with the same id at the same position share that block and every block
   before it.
+
+Row order: a file whose timestamps are out of order is accepted and its requests are
+sorted by arrival time with a *stable* sort (rows with equal timestamps keep their file
+order); ``TraceRequest.index`` stays the 0-based row in the file, so request ids and
+token ids do not depend on the sort. ``limit`` keeps the first ``limit`` rows of the file
+(before sorting). A trace with no requests (e.g. a header-only CSV) is refused with a
+``TraceError`` ("no requests"), since every consumer (plan, profile, simulate, replay)
+would otherwise report all-zero statistics.
 
 Token ids (:func:`prompt_token_ids`) — the documented mapping from hash ids to tokens:
 
@@ -92,7 +100,8 @@ class TraceRequest:
 
 @dataclass
 class Trace:
-    """A loaded trace: requests in file order (arrival times non-decreasing).
+    """A loaded trace: requests sorted by arrival time (non-decreasing; loaders sort
+    stably, so equal timestamps keep file order).
 
     Attributes:
         name: the bundled name or the file stem.
@@ -151,8 +160,25 @@ def bundled_trace_path(name: str) -> Path:
 
 
 def _check_limit(limit: int | None) -> None:
-    if limit is not None and limit < 0:
-        raise TraceError(f"limit: expected None or >= 0, got {limit}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise TraceError(f"limit: expected None (all rows) or an int >= 1, got {limit!r}")
+
+
+def _finish(name: str, path: str, fmt: str, reqs: list[TraceRequest], *, relative: bool) -> Trace:
+    """Refuse an empty trace; sort by arrival (stable); with ``relative`` make times
+    relative to the earliest request."""
+    if not reqs:
+        raise TraceError(f"{Path(path).name}: expected at least 1 request, got no requests")
+    reqs.sort(key=lambda r: r.arrival_s)  # stable: equal timestamps keep file order
+    t0 = reqs[0].arrival_s
+    if relative:
+        reqs = [
+            TraceRequest(
+                r.index, round(r.arrival_s - t0, 7), r.prompt_tokens, r.output_tokens, r.hash_ids
+            )
+            for r in reqs
+        ]
+    return Trace(name, path, fmt, reqs)
 
 
 def _parse_azure_time(text: str, row: int) -> float:
@@ -173,14 +199,15 @@ def load_azure_csv(path: str | Path, *, limit: int | None = None, name: str = ""
 
     Args:
         path: the CSV file.
-        limit: keep only the first ``limit`` rows (None = all).
+        limit: keep only the first ``limit`` rows of the file (None = all; >= 1).
         name: trace name (default the file stem).
 
     Returns:
-        A Trace with ``format="azure"``, arrival times relative to the first row.
+        A Trace with ``format="azure"``, requests sorted by arrival (stable), arrival
+        times relative to the earliest row.
 
     Raises:
-        TraceError: missing file, wrong header, bad or negative values.
+        TraceError: missing file, wrong header, bad or negative values, no rows.
     """
     _check_limit(limit)
     p = Path(path)
@@ -193,7 +220,6 @@ def load_azure_csv(path: str | Path, *, limit: int | None = None, name: str = ""
         want = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
         if header is None or [h.strip() for h in header] != want:
             raise TraceError(f"{p.name} header: expected {want}, got {header}")
-        t0: float | None = None
         for i, row in enumerate(reader):
             if limit is not None and i >= limit:
                 break
@@ -208,10 +234,8 @@ def load_azure_csv(path: str | Path, *, limit: int | None = None, name: str = ""
                 ) from None
             if ctx < 0 or gen < 0:
                 raise TraceError(f"{p.name} row {i}: expected token counts >= 0, got {ctx}, {gen}")
-            if t0 is None:
-                t0 = t
-            reqs.append(TraceRequest(i, round(t - t0, 7), ctx, gen))
-    return Trace(name or p.stem, str(p), "azure", reqs)
+            reqs.append(TraceRequest(i, t, ctx, gen))
+    return _finish(name or p.stem, str(p), "azure", reqs, relative=True)
 
 
 def load_mooncake_jsonl(path: str | Path, *, limit: int | None = None, name: str = "") -> Trace:
@@ -219,15 +243,16 @@ def load_mooncake_jsonl(path: str | Path, *, limit: int | None = None, name: str
 
     Args:
         path: the ``.jsonl`` file.
-        limit: keep only the first ``limit`` rows (None = all).
+        limit: keep only the first ``limit`` rows of the file (None = all; >= 1).
         name: trace name (default the file stem).
 
     Returns:
-        A Trace with ``format="mooncake"``; ``arrival_s = timestamp / 1000``.
+        A Trace with ``format="mooncake"``, requests sorted by arrival (stable);
+        ``arrival_s = timestamp / 1000`` (the trace's own origin).
 
     Raises:
         TraceError: missing file, a row that is not JSON, missing keys, negative
-            values, or ``len(hash_ids) != ceil(input_length / 512)``.
+            values, ``len(hash_ids) != ceil(input_length / 512)``, or no rows.
     """
     _check_limit(limit)
     p = Path(path)
@@ -243,12 +268,22 @@ def load_mooncake_jsonl(path: str | Path, *, limit: int | None = None, name: str
                 break
             try:
                 d = json.loads(line)
+                if not isinstance(d, dict):
+                    raise TypeError(f"a JSON {type(d).__name__}")
+                missing = [k for k in ("timestamp", "input_length", "output_length") if k not in d]
+                if missing:
+                    raise TraceError(
+                        f"{p.name} row {i}: expected keys timestamp, input_length, "
+                        f"output_length, got a record without {', '.join(missing)}"
+                    )
                 ts, n_in, n_out = (
                     float(d["timestamp"]),
                     int(d["input_length"]),
                     int(d["output_length"]),
                 )
                 hids = tuple(int(h) for h in d.get("hash_ids", []))
+            except TraceError:
+                raise
             except (ValueError, KeyError, TypeError) as e:
                 raise TraceError(f"{p.name} row {i}: expected a Mooncake record, got {e}") from None
             if n_in < 0 or n_out < 0 or ts < 0:
@@ -260,7 +295,7 @@ def load_mooncake_jsonl(path: str | Path, *, limit: int | None = None, name: str
                 )
             reqs.append(TraceRequest(i, ts / 1000.0, n_in, n_out, hids))
             i += 1
-    return Trace(name or p.stem, str(p), "mooncake", reqs)
+    return _finish(name or p.stem, str(p), "mooncake", reqs, relative=False)
 
 
 def load_trace(source: str | Path, *, limit: int | None = None) -> Trace:
@@ -269,10 +304,10 @@ def load_trace(source: str | Path, *, limit: int | None = None) -> Trace:
     Args:
         source: ``"azure-conv"``, ``"azure-code"``, ``"mooncake-conv"``, or a path
             ending in ``.csv`` (Azure) or ``.jsonl`` (Mooncake).
-        limit: keep only the first ``limit`` rows.
+        limit: keep only the first ``limit`` rows of the file (None = all; >= 1).
 
     Raises:
-        TraceError: unknown name, unknown suffix, or a malformed file.
+        TraceError: unknown name, unknown suffix, a malformed file, or no requests.
     """
     name = ""
     if isinstance(source, str) and source in BUNDLED_TRACES:
