@@ -398,3 +398,69 @@ def test_n_gt_1_under_preemption_matches_llm_generate(serve):
                 for ch in json.loads(line[6:])["choices"]:
                     parts[ch["index"]] = parts.get(ch["index"], "") + ch["text"]
     assert parts == want
+
+
+def _rejected_and_400(m):
+    return (
+        sum(v for k, v in m.items() if k.startswith("kvpage:server_requests_rejected_total{")),
+        m.get('kvpage:server_requests_total{endpoint="completions",status="400"}', 0.0),
+    )
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 2**64, 99999999999999999999999])
+def test_bad_seed_is_a_400_for_that_request_only(server, seed):
+    """Finding: seed -1 -> 500 (uncounted); a huge seed failed every in-flight request."""
+    base = wait_idle(server.base_url)
+    url = server.base_url + "/v1/completions"
+    ok_body = {"model": "stories260K", "prompt": "Once", "max_tokens": 40, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        others = [ex.submit(httpx.post, url, json=ok_body, timeout=60) for _ in range(3)]
+        bad = httpx.post(url, json=ok_body | {"seed": seed, "temperature": 1.0}, timeout=60)
+        oks = [f.result() for f in others]
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["param"] == "seed"
+    assert bad.json()["error"]["message"].startswith("seed: expected ")
+    assert [r.status_code for r in oks] == [200] * 3
+    assert all(r.json()["usage"]["completion_tokens"] == 40 for r in oks)
+    m = wait_idle(server.base_url)
+    r0, b0 = _rejected_and_400(base)
+    r1, b1 = _rejected_and_400(m)
+    assert (r1 - r0, b1 - b0) == (1, 1)
+    assert m.get("kvpage:engine_step_errors_total", 0.0) == base.get(
+        "kvpage:engine_step_errors_total", 0.0
+    )
+
+
+def test_seed_plus_n_must_fit_signed_64_bits(server):
+    url = server.base_url + "/v1/completions"
+    body = {"model": "stories260K", "prompt": "Once", "max_tokens": 2, "temperature": 1.0}
+    r = httpx.post(url, json=body | {"seed": 2**63 - 1, "n": 2}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    r = httpx.post(url, json=body | {"seed": 2**63 - 2, "n": 2}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_request_rejected_from_the_engine_maps_to_400_with_param(server, monkeypatch):
+    """Any RequestRejected the engine raises at add time is a counted 400 naming the
+    field, not a 500; the server keeps serving."""
+    from kvpage.errors import RequestRejected
+
+    engine = server.app.state.serving.engine
+
+    def refuse(*a, **k):
+        raise RequestRejected("top_k: expected -1 or an int >= 1, got 0", reason="invalid_x")
+
+    base = wait_idle(server.base_url)
+    monkeypatch.setattr(engine, "add_request", refuse)
+    url = server.base_url + "/v1/completions"
+    body = {"model": "stories260K", "prompt": "Once", "max_tokens": 2}
+    for stream in (False, True):
+        r = httpx.post(url, json=body | {"stream": stream}, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "top_k" and err["code"] == "engine_rejected"
+    monkeypatch.undo()
+    m = wait_idle(server.base_url)
+    assert m['kvpage:server_requests_rejected_total{reason="invalid_x"}'] == 2
+    assert _rejected_and_400(m)[1] - _rejected_and_400(base)[1] == 2
+    assert httpx.post(url, json=body, timeout=30).status_code == 200

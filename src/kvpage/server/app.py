@@ -25,9 +25,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvpage.errors import RequestRejected
 from kvpage.server import protocol as P
 from kvpage.server.config import ServerConfig
-from kvpage.server.service import APIError, ServingState, Usage
+from kvpage.server.service import APIError, ServingState, Usage, rejection_error
 from kvpage.server.validation import prepare_request
 
 __all__ = ["build_engine", "create_app"]
@@ -138,11 +139,17 @@ def create_app(
     async def handle(request: Request, kind: str) -> Response:
         endpoint = "chat" if kind == "chat" else "completions"
         try:
-            resp = await _generate(state, request, kind)
+            try:
+                resp = await _generate(state, request, kind)
+            except RequestRejected as exc:  # defensive: every refusal is a 4xx
+                raise rejection_error(exc) from None
         except APIError as e:
             state.metrics.rejected.labels(reason=e.reason).inc()
             state.metrics.requests.labels(endpoint=endpoint, status=str(e.status)).inc()
             return _error(e)
+        except Exception:
+            state.metrics.requests.labels(endpoint=endpoint, status="500").inc()
+            raise  # answered by the generic 500 handler
         state.metrics.requests.labels(endpoint=endpoint, status=str(resp.status_code)).inc()
         return resp
 

@@ -28,7 +28,7 @@ from kvpage.server.engine_loop import AsyncEngine, EngineFailure, StepStats
 from kvpage.server.metrics import ServerMetrics
 from kvpage.server.protocol import APIError, GenerationRequest
 
-__all__ = ["APIError", "Delta", "ServingState", "Usage"]
+__all__ = ["APIError", "Delta", "ServingState", "Usage", "rejection_error"]
 
 #: engine RequestRejected reasons answered with 429 (transient); all others get 400.
 _TRANSIENT_REASONS = frozenset({"queue_full", "too_many_requests", "overloaded"})
@@ -240,29 +240,22 @@ class ServingState:
             APIError: 400/429 when the engine refuses the request, 500 on engine failure.
         """
         arrival = req.arrival_s
-        params = self.params_cls(
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            n=req.n,
-            seed=req.seed,
-            ignore_eos=req.ignore_eos,
-            stop=req.stop or None,
-        )
         try:
+            params = self.params_cls(
+                max_tokens=req.max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                n=req.n,
+                seed=req.seed,
+                ignore_eos=req.ignore_eos,
+                stop=req.stop or None,
+            )
             q = await self.loop.add(
                 req.request_id, list(req.prompt_token_ids), params, arrival_time=arrival
             )
         except RequestRejected as exc:
-            status = 429 if exc.reason in _TRANSIENT_REASONS else 400
-            raise APIError(
-                status,
-                str(exc),
-                type="rate_limit_exceeded" if status == 429 else "invalid_request_error",
-                code="engine_rejected",
-                reason=exc.reason,
-            ) from None
+            raise rejection_error(exc) from None
         choices = [_Choice() for _ in range(req.n)]
         hold = max((len(s) for s in req.stop), default=1) - 1
         first_token_at: float | None = None
@@ -332,6 +325,27 @@ class ServingState:
         longest = max((c.num_tokens for c in choices), default=0)
         if first is not None and longest > 1:
             self.metrics.tpot.observe((now - first) / (longest - 1))
+
+
+def rejection_error(exc: RequestRejected) -> APIError:
+    """The API error for an engine refusal: 429 for transient reasons, else 400.
+
+    ``param`` is the field the message names (``"seed: expected ..."`` -> ``"seed"``),
+    mapped to the OpenAI field name where they differ, or None.
+    """
+    status = 429 if exc.reason in _TRANSIENT_REASONS else 400
+    head, sep, _ = str(exc).partition(":")
+    param = head.strip() if sep and head.strip().isidentifier() else None
+    if param in ("prompt_token_ids", "request_id"):
+        param = "prompt" if param == "prompt_token_ids" else None
+    return APIError(
+        status,
+        str(exc),
+        type="rate_limit_exceeded" if status == 429 else "invalid_request_error",
+        code="engine_rejected",
+        param=param,
+        reason=exc.reason,
+    )
 
 
 def _find_stop(full: str, stops: list[str], prev: str) -> int | None:

@@ -20,6 +20,10 @@ from kvpage.server.protocol import (
 
 __all__ = ["prepare_request"]
 
+#: largest seed of any choice (choice i samples with seed + i): a signed 64-bit int, the
+#: range the engine's SamplingParams accepts and every torch.Generator takes
+_MAX_SEED = 2**63 - 1
+
 
 def prepare_request(
     kind: str,
@@ -91,6 +95,15 @@ def prepare_request(
             code="context_length_exceeded",
             param="max_tokens",
             reason="prompt_too_long",
+        )
+    if body.seed is not None and not 0 <= body.seed <= _MAX_SEED - (body.n - 1):
+        # choice i samples with seed + i, which must fit a signed 64-bit seed
+        raise APIError(
+            400,
+            f"seed: expected None or an int in [0, {_MAX_SEED - (body.n - 1)}] "
+            f"(seed + n - 1 <= 2**63 - 1), got {body.seed}",
+            param="seed",
+            reason="invalid_sampling_params",
         )
     tenant = api_key or body.user or "anonymous"
     return GenerationRequest(
