@@ -464,3 +464,44 @@ def test_request_rejected_from_the_engine_maps_to_400_with_param(server, monkeyp
     assert m['kvpage:server_requests_rejected_total{reason="invalid_x"}'] == 2
     assert _rejected_and_400(m)[1] - _rejected_and_400(base)[1] == 2
     assert httpx.post(url, json=body, timeout=30).status_code == 200
+
+
+def test_tokenization_does_not_block_the_event_loop(server, monkeypatch):
+    """Finding: encode ran on the event loop, so a long prompt stalled /health. Here the
+    encode blocks until released; /health must answer meanwhile (it could not if encode
+    ran on the loop), then the request completes normally."""
+    import threading
+
+    state = server.app.state.serving
+    real_encode = state.tokenizer.encode
+    entered, release = threading.Event(), threading.Event()
+
+    def blocking_encode(text, bos=True):
+        entered.set()
+        release.wait(30)
+        return real_encode(text, bos=bos)
+
+    monkeypatch.setattr(state.tokenizer, "encode", blocking_encode)
+    body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 3}
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(httpx.post, server.base_url + "/v1/completions", json=body, timeout=60)
+        try:
+            assert entered.wait(30)
+            h = httpx.get(server.base_url + "/health", timeout=10)
+            assert h.status_code == 200 and not fut.done()
+        finally:
+            release.set()
+        r = fut.result()
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_huge_text_prompt_is_refused_without_tokenizing(server):
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        json={"model": "stories260K", "prompt": "Once upon a time " * 1000, "max_tokens": 4},
+        timeout=30,
+    )
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    assert "got at least" in err["message"]

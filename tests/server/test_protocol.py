@@ -103,3 +103,52 @@ def test_limits_are_inclusive():
         )
     )
     assert len(ok.prompt_token_ids) == 63
+
+
+def test_overlong_text_is_refused_before_encoding():
+    """Finding: a 12 KB prompt was tokenized (seconds) before being found too long. With
+    a known bytes-per-token bound the refusal needs no encode; near the bound it encodes."""
+    from kvpage.models.tokenizer import Llama2cTokenizer, bundled_tokenizer_path
+    from kvpage.server.validation import max_token_bytes, min_prompt_tokens
+
+    tok = Llama2cTokenizer(bundled_tokenizer_path())
+    bound = max_token_bytes(tok)
+    assert bound == max(len(p) for p in tok.pieces)
+    assert max_token_bytes(_Tok()) is None  # no pieces: no pre-check
+    for text in ["", "a", "Once upon a time", "héllo wörld 🙂 ok", "the " * 50, "\u00e9" * 40]:
+        assert min_prompt_tokens(text, bound) <= len(tok.encode(text, bos=True)), text
+
+    class _NoEncode(_Tok):
+        def encode(self, text: str, bos: bool = True) -> list[int]:
+            raise AssertionError("encode must not run for a provably too long text")
+
+    for kind, body in [
+        ("completion", CompletionRequest(model="m", prompt="x" * 12_000)),
+        (
+            "chat",
+            ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "y" * 12_000}]),
+        ),
+    ]:
+        with pytest.raises(APIError) as ei:
+            prepare_request(
+                kind,
+                body,
+                None,
+                model_name="m",
+                tokenizer=_NoEncode(),
+                max_model_len=512,
+                max_bytes_per_token=bound,
+            )
+        assert ei.value.code == "context_length_exceeded"
+        assert ei.value.param == ("prompt" if kind == "completion" else "messages")
+    # within the bound: encoded as usual
+    r = prepare_request(
+        "completion",
+        CompletionRequest(model="m", prompt="x" * 100),
+        None,
+        model_name="m",
+        tokenizer=_Tok(),
+        max_model_len=512,
+        max_bytes_per_token=bound,
+    )
+    assert len(r.prompt_token_ids) == 101

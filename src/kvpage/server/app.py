@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -113,6 +114,7 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await ticker
             await asyncio.to_thread(state.loop.stop)
+            state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvpage", lifespan=lifespan)
     app.state.serving = state
@@ -215,13 +217,20 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
     except ValidationError as exc:
         msg, param = _validation_message(exc)
         raise APIError(400, msg, param=param, reason="invalid_request") from None
-    req = prepare_request(
-        kind,
-        body,
-        _api_key(request),
-        model_name=state.config.model_name,
-        tokenizer=state.tokenizer,
-        max_model_len=state.max_model_len,
+    # Tokenizing a long text takes long (and the tokenizer is pure Python): run it on the
+    # tokenize pool so /health and the other requests are never blocked behind it.
+    req = await asyncio.get_running_loop().run_in_executor(
+        state.tokenize_pool,
+        functools.partial(
+            prepare_request,
+            kind,
+            body,
+            _api_key(request),
+            model_name=state.config.model_name,
+            tokenizer=state.tokenizer,
+            max_model_len=state.max_model_len,
+            max_bytes_per_token=state.max_bytes_per_token,
+        ),
     )
     usage = Usage()
     if not req.stream:

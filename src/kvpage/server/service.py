@@ -14,6 +14,7 @@ consumer goes away (client disconnect) the request is aborted at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -27,6 +28,7 @@ from kvpage.server.degradation import DegradationController
 from kvpage.server.engine_loop import AsyncEngine, EngineFailure, StepStats
 from kvpage.server.metrics import ServerMetrics
 from kvpage.server.protocol import APIError, GenerationRequest
+from kvpage.server.validation import max_token_bytes
 
 __all__ = ["APIError", "Delta", "ServingState", "Usage", "rejection_error"]
 
@@ -87,6 +89,12 @@ class ServingState:
         self.config = config
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        #: bytes of text one token covers at most (None: unknown), for the pre-encode check
+        self.max_bytes_per_token = max_token_bytes(self.tokenizer)
+        #: validation + tokenization run here, off the event loop (encode can be slow)
+        self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="kvpage-tokenize"
+        )
         self.params_cls = sampling_params_cls
         self.clock = clock
         spec = engine.cache_spec

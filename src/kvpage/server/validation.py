@@ -7,6 +7,7 @@ caller increments).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kvpage.server.protocol import (
@@ -18,11 +19,56 @@ from kvpage.server.protocol import (
     render_chat,
 )
 
-__all__ = ["prepare_request"]
+__all__ = ["max_token_bytes", "min_prompt_tokens", "prepare_request"]
 
 #: largest seed of any choice (choice i samples with seed + i): a signed 64-bit int, the
 #: range the engine's SamplingParams accepts and every torch.Generator takes
 _MAX_SEED = 2**63 - 1
+
+
+def max_token_bytes(tokenizer: Any) -> int | None:
+    """Most UTF-8 bytes of text one token of ``tokenizer`` can cover, if knowable.
+
+    Known for tokenizers that list their vocabulary as ``pieces`` (bytes or str, e.g.
+    ``Llama2cTokenizer``): a token's text is its piece (control and byte-fallback pieces
+    such as ``"<0x0A>"`` are longer than the bytes they stand for, which only loosens the
+    bound). None otherwise (no pre-check is made).
+    """
+    pieces = getattr(tokenizer, "pieces", None)
+    if not isinstance(pieces, (list, tuple)) or not pieces:
+        return None
+    if not all(isinstance(p, (bytes, str)) for p in pieces):
+        return None
+    return max(1, max(len(p if isinstance(p, bytes) else p.encode("utf-8")) for p in pieces))
+
+
+def min_prompt_tokens(text: str, max_bytes_per_token: int) -> int:
+    """A proven lower bound on ``len(tokenizer.encode(text, bos=True))``.
+
+    The text is UTF-8 encoded (with one leading space, as SentencePiece-style tokenizers
+    add it); every token covers at most ``max_bytes_per_token`` of those bytes, so at
+    least ``ceil(bytes / max_bytes_per_token)`` tokens are needed, plus BOS. Costs O(len)
+    and no tokenization, so over-long prompts are refused before the (slow) encode.
+    """
+    if not text:
+        return 1
+    n = 1 + len(text.encode("utf-8", errors="surrogatepass"))
+    return 1 + math.ceil(n / max_bytes_per_token)
+
+
+def _check_text_fits(text: str, bound: int | None, max_model_len: int, param: str) -> None:
+    if bound is None:
+        return
+    lo = min_prompt_tokens(text, bound)
+    if lo >= max_model_len:
+        raise APIError(
+            400,
+            f"{param}: expected fewer than {max_model_len} tokens (max model length), got at "
+            f"least {lo} (text of {len(text)} characters, at most {bound} bytes per token)",
+            code="context_length_exceeded",
+            param=param,
+            reason="prompt_too_long",
+        )
 
 
 def prepare_request(
@@ -33,6 +79,7 @@ def prepare_request(
     model_name: str,
     tokenizer: Any,
     max_model_len: int,
+    max_bytes_per_token: int | None = None,
 ) -> GenerationRequest:
     """Validate a parsed request and tokenize its prompt.
 
@@ -43,6 +90,8 @@ def prepare_request(
         model_name: the served model id.
         tokenizer: ``encode(text, bos=True) -> list[int]``, ``vocab_size``.
         max_model_len: longest sequence (prompt + output) in tokens.
+        max_bytes_per_token: :func:`max_token_bytes` of ``tokenizer``; when given, text
+            that provably cannot fit ``max_model_len`` is refused before encoding.
 
     Returns:
         The request with token ids and ``max_tokens`` resolved (completions default 16;
@@ -68,10 +117,12 @@ def prepare_request(
             reason="unknown_model",
         )
     if isinstance(body, ChatCompletionRequest):
-        ids = tokenizer.encode(render_chat(body.messages), bos=True)
+        text = render_chat(body.messages)
+        _check_text_fits(text, max_bytes_per_token, max_model_len, "messages")
+        ids = tokenizer.encode(text, bos=True)
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
     else:
-        ids = _prompt_ids(body.prompt, tokenizer)
+        ids = _prompt_ids(body.prompt, tokenizer, max_bytes_per_token, max_model_len)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
     n_prompt = len(ids)
     if n_prompt >= max_model_len:
@@ -125,7 +176,7 @@ def prepare_request(
     )
 
 
-def _prompt_ids(prompt: Any, tokenizer: Any) -> list[int]:
+def _prompt_ids(prompt: Any, tokenizer: Any, bound: int | None, max_model_len: int) -> list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise APIError(
@@ -135,6 +186,7 @@ def _prompt_ids(prompt: Any, tokenizer: Any) -> list[int]:
             )
         prompt = prompt[0]
     if isinstance(prompt, str):
+        _check_text_fits(prompt, bound, max_model_len, "prompt")
         return list(tokenizer.encode(prompt, bos=True))
     vocab = int(tokenizer.vocab_size)
     if not prompt:
