@@ -195,6 +195,14 @@ BAD = [
     ('{"model": "stories260K", "prompt": "hi", "logprobs": 2}', 400, "logprobs"),
     ('{"model": "stories260K", "prompt": "hi", "max_tokens": 600}', 400, "max_tokens"),
     ("[1, 2]", 400, None),
+    ('{"model": "stories260K", "prompt": [1, "2"]}', 400, "prompt"),
+    ('{"model": "stories260K", "prompt": ""}', 400, "prompt"),
+    ('{"model": "stories260K", "prompt": "hi", "stop": ""}', 400, "stop"),
+    (
+        '{"model": "stories260K", "prompt": "hi", "stream_options": {"include_usage": "x"}}',
+        400,
+        "stream_options.include_usage",
+    ),
 ]
 
 
@@ -225,6 +233,27 @@ def test_prompt_too_long_and_chat_errors(server, client):
         timeout=30,
     )
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+    for messages, param, expect in [
+        ([], "messages", "messages: expected at least 1 item, got 0"),
+        ([{"role": "user"}], "messages.0.content", "messages.0.content: expected a value"),
+    ]:
+        r = httpx.post(
+            server.base_url + "/v1/chat/completions",
+            json={"model": "stories260K", "messages": messages},
+            timeout=30,
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+        assert r.json()["error"]["message"].startswith(expect)
+    r = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json={
+            "model": "stories260K",
+            "messages": [{"role": "user", "content": "x"}],
+            "max_completion_tokens": 0,
+        },
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
     r = httpx.get(server.base_url + "/v1/nothing-here")
     assert r.status_code == 404 and "error" in r.json()
 
@@ -253,7 +282,7 @@ def test_bad_requests_leave_pool_and_metrics_consistent(server):
     delta = {k: v - rejected(before).get(k, 0.0) for k, v in rejected(after).items()}
     assert sum(delta.values()) == len(BAD)  # every bad request counted once, by reason
     assert delta['kvpage:server_requests_rejected_total{reason="unknown_model"}'] == 1
-    assert delta['kvpage:server_requests_rejected_total{reason="empty_prompt"}'] == 1
+    assert delta['kvpage:server_requests_rejected_total{reason="empty_prompt"}'] == 2
     assert after['kvpage:kv_memory_utilization{kind="projected"}'] == 0.0
 
 

@@ -152,3 +152,58 @@ def test_overlong_text_is_refused_before_encoding():
         max_bytes_per_token=bound,
     )
     assert len(r.prompt_token_ids) == 101
+
+
+@pytest.mark.parametrize(
+    "kind,body,param",
+    [
+        ("completion", '{"model": "m", "prompt": ""}', "prompt"),
+        ("completion", '{"model": "m", "prompt": [""]}', "prompt"),
+        ("completion", '{"model": "m", "prompt": "a", "stop": ""}', "stop"),
+        ("completion", '{"model": "m", "prompt": "a", "stop": ["x", ""]}', "stop"),
+        (
+            "chat",
+            '{"model": "m", "messages": [{"role": "user", "content": "a"}], "stop": ""}',
+            "stop",
+        ),
+        (
+            "chat",
+            '{"model": "m", "messages": [{"role": "user", "content": "a"}], '
+            '"max_completion_tokens": 0}',
+            "max_completion_tokens",
+        ),
+        (
+            "chat",
+            '{"model": "m", "messages": [{"role": "user", "content": "a"}], '
+            '"max_completion_tokens": 100}',
+            "max_completion_tokens",
+        ),
+    ],
+)
+def test_empty_prompt_and_stop_refused_param_names_exact(kind, body, param):
+    """Findings 5-6: "" prompt / "" stop were accepted (LLM/SamplingParams refuse them);
+    max_completion_tokens errors were reported as max_tokens."""
+    cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    with pytest.raises(APIError) as ei:
+        _prep(cls.model_validate_json(body), kind=kind)
+    assert ei.value.status == 400 and ei.value.param == param
+    assert ei.value.message.startswith(param + ": expected ")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"model": "m", "messages": [{"role": "user"}]}',
+        '{"model": "m", "messages": [{"role": "user", "content": null}]}',
+        '{"model": "m", "messages": [{"role": "user", "content": "a"}], '
+        '"stream_options": {"include_usage": "x"}}',
+    ],
+)
+def test_chat_content_required_and_stream_options_typed(body):
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate_json(body)
+    ok = ChatCompletionRequest.model_validate_json(
+        '{"model": "m", "messages": [{"role": "assistant", "content": null}, '
+        '{"role": "user", "content": "a"}], "stream_options": {"include_usage": true}}'
+    )
+    assert ok.include_usage()

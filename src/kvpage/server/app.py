@@ -52,17 +52,47 @@ def _error(e: APIError) -> JSONResponse:
     )
 
 
+#: what a field accepts, for union-typed fields (pydantic reports one error per branch)
+_ACCEPTS = {
+    "prompt": "a string, a list of token ids (ints), or a list of exactly one of those",
+    "stop": "a non-empty string or a list of them",
+    "content": "a string or a list of text parts",
+}
+
+
+def _clean_loc(loc: Any) -> list[str]:
+    # drop pydantic's union-branch tags ("str", "list[int]", "function-after[...]")
+    out = []
+    for x in loc:
+        s = str(x)
+        if isinstance(x, str) and ("[" in s or s in {"str", "int", "float", "bool", "dict"}):
+            continue
+        out.append(s)
+    return out
+
+
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0]
-    loc = ".".join(str(x) for x in err.get("loc", ()))
+    errors = exc.errors()
+    err = errors[0]
     if err.get("type") == "json_invalid":
         return f"body: expected valid JSON, got invalid JSON ({err.get('msg')})", None
+    parts = _clean_loc(err.get("loc", ()))
+    loc = ".".join(parts)
     got = err.get("input")
     got_s = "missing" if err.get("type") == "missing" else f"{type(got).__name__} {got!r}"[:200]
     msg = str(err.get("msg", "a valid value"))
     msg = msg.removeprefix("Input should be ").removeprefix("Value error, ")
+    ctx = err.get("ctx") or {}
+    field = parts[-1] if parts else ""
     if err.get("type") == "missing":
         msg = "a value (required field)"
+    elif err.get("type") == "too_short":
+        n = ctx.get("min_length", 1)
+        msg = f"at least {n} item{'s' if n != 1 else ''}"
+        got_s = f"{ctx.get('actual_length', len(got) if hasattr(got, '__len__') else '?')}"
+    elif field in _ACCEPTS and (len(errors) > 1 or "[" in str(err.get("loc", ""))):
+        msg = _ACCEPTS[field]
+        got_s = f"{type(got).__name__} {got!r}"[:200]
     return f"{loc or 'body'}: expected {msg}, got {got_s}", loc or None
 
 

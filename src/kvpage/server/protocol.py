@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 __all__ = [
     "APIError",
@@ -27,6 +27,7 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "GenerationRequest",
+    "StreamOptions",
     "error_body",
     "render_chat",
 ]
@@ -45,6 +46,14 @@ UNSUPPORTED_FIELDS = (
 )
 
 
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` (a bool) asks for a final usage chunk."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -57,22 +66,21 @@ class _Request(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
 
     def stop_strings(self) -> list[str]:
-        """The stop strings as a list (empty strings dropped)."""
+        """The stop strings as a list (``prepare_request`` refuses empty ones)."""
         if self.stop is None:
             return []
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        return [s for s in stops if s]
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk (``stream_options``)."""
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def unsupported_fields(self) -> list[str]:
         """Names of requested-but-unsupported features (non-null, non-false values)."""
@@ -93,7 +101,14 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]] | None  # required; null only for "assistant"
+
+    @field_validator("content")
+    @classmethod
+    def _content_present(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None and info.data.get("role") != "assistant":
+            raise ValueError("a string or a list of text parts (null only for role assistant)")
+        return v
 
     def text(self) -> str:
         """The message's text (text parts concatenated)."""

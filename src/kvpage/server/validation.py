@@ -108,6 +108,13 @@ def prepare_request(
             raise APIError(
                 400, f"{name}: expected 0 or unset, got a value (not supported)", param=name
             )
+    stops = body.stop_strings()
+    if any(not x for x in stops):
+        raise APIError(
+            400,
+            f"stop: expected a non-empty string or a list of them, got {body.stop!r}",
+            param="stop",
+        )
     if body.model != model_name:
         raise APIError(
             404,
@@ -120,9 +127,11 @@ def prepare_request(
         text = render_chat(body.messages)
         _check_text_fits(text, max_bytes_per_token, max_model_len, "messages")
         ids = tokenizer.encode(text, bos=True)
+        max_name = "max_completion_tokens" if body.max_tokens is None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
     else:
         ids = _prompt_ids(body.prompt, tokenizer, max_bytes_per_token, max_model_len)
+        max_name = "max_tokens"
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
     n_prompt = len(ids)
     if n_prompt >= max_model_len:
@@ -137,14 +146,14 @@ def prepare_request(
     if max_tokens is None:
         max_tokens = max_model_len - n_prompt
     if max_tokens < 1:
-        raise APIError(400, f"max_tokens: expected >= 1, got {max_tokens}", param="max_tokens")
+        raise APIError(400, f"{max_name}: expected >= 1, got {max_tokens}", param=max_name)
     if n_prompt + max_tokens > max_model_len:
         raise APIError(
             400,
-            f"max_tokens: expected prompt ({n_prompt}) + max_tokens <= {max_model_len} "
+            f"{max_name}: expected prompt ({n_prompt}) + {max_name} <= {max_model_len} "
             f"(max model length), got {n_prompt + max_tokens}",
             code="context_length_exceeded",
-            param="max_tokens",
+            param=max_name,
             reason="prompt_too_long",
         )
     if body.seed is not None and not 0 <= body.seed <= _MAX_SEED - (body.n - 1):
@@ -168,7 +177,7 @@ def prepare_request(
         top_p=body.top_p,
         top_k=body.top_k,
         seed=body.seed,
-        stop=body.stop_strings(),
+        stop=stops,
         ignore_eos=body.ignore_eos,
         stream=body.stream,
         include_usage=body.include_usage(),
@@ -186,6 +195,13 @@ def _prompt_ids(prompt: Any, tokenizer: Any, bound: int | None, max_model_len: i
             )
         prompt = prompt[0]
     if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(
+                400,
+                "prompt: expected a non-empty string, got ''",
+                param="prompt",
+                reason="empty_prompt",
+            )
         _check_text_fits(prompt, bound, max_model_len, "prompt")
         return list(tokenizer.encode(prompt, bos=True))
     vocab = int(tokenizer.vocab_size)
