@@ -64,11 +64,14 @@ def test_write_kv_rejects_bad_input_and_changes_nothing(ctx, kv_dtype) -> None: 
     bad = [
         (torch.randn(3, 2, 7, device=dev), k, torch.tensor([1, 2, 3], device=dev)),  # head_dim
         (k, k, torch.tensor([1, 2], device=dev)),  # slot count
-        (k, k, torch.tensor([1, 2, 6 * 4], device=dev)),  # slot out of range
-        (k, k, torch.tensor([1, -2, 3], device=dev)),  # negative other than -1
         (k, k[:2], torch.tensor([1, 2, 3], device=dev)),  # value count
         (k.to(torch.int32), k, torch.tensor([1, 2, 3], device=dev)),  # dtype
     ]
+    if torch.device(dev).type == "cpu":  # slot ranges: checked on the host only (no sync)
+        bad += [
+            (k, k, torch.tensor([1, 2, 6 * 4], device=dev)),  # slot out of range
+            (k, k, torch.tensor([1, -2, 3], device=dev)),  # negative other than -1
+        ]
     for key, value, slots in bad:
         with pytest.raises(KVPageError):
             ctx.backend.write_kv(key, value, cache, slots)

@@ -15,10 +15,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvpage_numba import checks
 
-from kvpage.attention.metadata import FP8_MAX, MODEL_DTYPES, AttentionMetadata, KVCache
-from kvpage.attention.metadata import allocate_kv_cache as _allocate
+from kvpage.attention import checks
+from kvpage.attention.canonical import (
+    CanonicalLayoutBackend,
+    fp8_scale_table,
+    head_dim_reasons,
+    max_keys_per_query,
+    token_map,
+)
+from kvpage.attention.metadata import FP8_MAX, AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.errors import ShapeError
 from kvpage.specs import AttentionSpec, CacheSpec
@@ -55,7 +61,7 @@ def _ptr(t: torch.Tensor) -> Any:
     return np.uint64(t.data_ptr())
 
 
-class CupyBackend:
+class CupyBackend(CanonicalLayoutBackend):
     """Paged attention with raw CUDA C kernels through CuPy (CUDA GPUs, sm_80+).
 
     Args:
@@ -94,45 +100,14 @@ class CupyBackend:
             reasons.append(f"device: expected cuda, got {dev.type}")
         else:
             reasons.extend(_cuda_reasons(dev))
-        for i, layer in enumerate(spec.layers):
-            if layer.head_dim > templates.MAX_HEAD_DIM:
-                reasons.append(
-                    f"layers[{i}].head_dim: expected <= {templates.MAX_HEAD_DIM}, "
-                    f"got {layer.head_dim}"
-                )
-                break
-        return reasons
+        return reasons + head_dim_reasons(spec, templates.MAX_HEAD_DIM)
 
-    def kv_cache_shape(self, spec: CacheSpec, layer_id: int) -> tuple[int, ...]:
-        """``(2, num_blocks, block_size, num_kv_heads, head_dim)`` (the canonical layout)."""
-        a = spec.layers[layer_id]
-        return (2, spec.num_blocks, spec.block_size, a.num_kv_heads, a.head_dim)
-
-    def allocate_kv_cache(
-        self, spec: CacheSpec, layer_id: int, device: torch.device | str
-    ) -> KVCache:
-        """A zeroed cache for layer ``layer_id`` (fp8 scales 1.0) on ``device``."""
-        _, _, bs, h, d = self.kv_cache_shape(spec, layer_id)
-        return _allocate(
-            spec.num_blocks,
-            bs,
-            h,
-            d,
-            dtype=MODEL_DTYPES[spec.dtype],
-            kv_dtype=spec.kv_dtype,
-            kv_scale_granularity=spec.kv_scale_granularity,
-            device=device,
-        )
-
+    # kv_cache_shape / allocate_kv_cache: CanonicalLayoutBackend (the canonical layout)
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Store the row -> (sequence, position) map as int32 device tensors in
-        ``meta.extras["cupy"]`` (from host lists: no sync). Returns ``meta``."""
-        seq, pos = checks.plan_token_map(meta)
-        dev = meta.seq_lens.device
-        meta.extras["cupy"] = (
-            torch.tensor(seq, dtype=torch.int32, device=dev),
-            torch.tensor(pos, dtype=torch.int32, device=dev),
-        )
+        ``meta.extras["cupy"]`` (``kvpage.attention.canonical.token_map``; from host
+        lists: no sync). Returns ``meta``."""
+        meta.extras["cupy"] = token_map(meta)
         return meta
 
     # ---- launching -------------------------------------------------------------------------
@@ -158,13 +133,6 @@ class CupyBackend:
         if t.stride(-1) != 1:
             raise ShapeError(f"cache.kv.stride(-1): expected 1, got {t.stride(-1)}")
 
-    @staticmethod
-    def _fp8_scales(cache: KVCache) -> torch.Tensor:
-        h = cache.num_kv_heads
-        if cache.k_scale is None or cache.v_scale is None:
-            return torch.ones((2, h), dtype=torch.float32, device=cache.kv.device)
-        return torch.stack([cache.k_scale.expand(h), cache.v_scale.expand(h)]).contiguous()
-
     # ---- write -------------------------------------------------------------------------------
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
@@ -172,11 +140,14 @@ class CupyBackend:
         """Store K/V at their slots (``AttentionBackend.write_kv``; formulas in
         ``kvpage.attention.quant``). Mutates ``cache.kv`` (and int8 ``token_scales``).
 
+        The slot range is checked for a CPU slot mapping only: on CUDA the caller
+        guarantees ``-1 <= slot < num_blocks * block_size`` (the kernel skips -1).
+
         Raises:
-            ShapeError, DTypeError: see ``kvpage_numba.checks.check_write``; a cache
-                not on a CUDA device.
+            ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_write``
+                (key and value in one dtype); a cache not on a CUDA device.
         """
-        checks.check_write(key, value, cache, slot_mapping)
+        checks.check_launch_write(key, value, cache, slot_mapping, same_dtype=True)
         self._require_cuda(cache.kv)
         n = key.shape[0]
         if n == 0:
@@ -188,7 +159,7 @@ class CupyBackend:
         ts = cache.token_scales
         if ts is None:
             ts = torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=dev)
-        fsc = self._fp8_scales(cache)
+        fsc = fp8_scale_table(cache)
         src, expr = templates.write_instance(key.dtype, cache.kv_dtype)
         args = write_args(key, value, cache, slots, ts, fsc)
         self._run(self._kernel(src, expr), (n, 2 * cache.num_kv_heads), 32, args, dev)
@@ -206,9 +177,9 @@ class CupyBackend:
         sequences would leave SMs idle.
 
         Raises:
-            ShapeError, DTypeError: see ``kvpage_numba.checks.check_attention``.
+            ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_attention``.
         """
-        checks.check_attention(query, cache, meta, spec, out, decode=True)
+        checks.check_launch_attention(query, cache, meta, spec, out, decode=True)
         return self._attend(query, cache, meta, spec, out)
 
     def prefill(
@@ -223,9 +194,9 @@ class CupyBackend:
         (``AttentionBackend.prefill``); decode rows may be mixed in.
 
         Raises:
-            ShapeError, DTypeError: see ``kvpage_numba.checks.check_attention``.
+            ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_attention``.
         """
-        checks.check_attention(query, cache, meta, spec, out, decode=False)
+        checks.check_launch_attention(query, cache, meta, spec, out, decode=False)
         return self._attend(query, cache, meta, spec, out)
 
     def choose_splits(self, blocks: int, max_keys: int, sms: int) -> int:
@@ -260,7 +231,7 @@ class CupyBackend:
         gt = templates.heads_per_block(spec.group_size, hd)
         blocks = n * (hq // gt)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        max_keys = checks.max_keys_per_query(meta, spec)
+        max_keys = max_keys_per_query(meta, spec)
         splits = self.choose_splits(blocks, max_keys, sms)
         use_rows = self.prefill_kernel == "rows" or (
             self.prefill_kernel == "auto" and meta.max_query_len > 1 and splits == 1
@@ -280,7 +251,7 @@ class CupyBackend:
         ts = cache.token_scales
         if ts is None:
             ts = torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=dev)
-        fsc = self._fp8_scales(cache)
+        fsc = fp8_scale_table(cache)
         bt = meta.block_tables.to(dev, torch.int32).contiguous()
         args = attention_args(q, cache, ts, fsc, bt, token_seq, token_pos, o, part_out, part_lse, spec, chunk, splits)  # fmt: skip
         if use_rows:
@@ -305,10 +276,11 @@ class CupyBackend:
         scales included, bit-exact (raw words). Mutates ``caches``.
 
         Raises:
-            ShapeError, DTypeError: see ``kvpage_numba.checks.check_pairs``; a cache not
+            ShapeError, DTypeError: see
+                ``kvpage.attention.checks.check_independent_pairs``; a cache not
                 contiguous or not on a CUDA device.
         """
-        host = checks.check_pairs(caches, pairs)
+        host = checks.check_independent_pairs(caches, pairs)
         for i, c in enumerate(caches):
             self._require_cuda(c.kv)
             for t in [c.kv] + ([c.token_scales] if c.token_scales is not None else []):

@@ -15,12 +15,18 @@ from typing import Any
 
 import torch
 
-from kvpage.attention.metadata import FP8_MAX, MODEL_DTYPES, AttentionMetadata, KVCache
-from kvpage.attention.metadata import allocate_kv_cache as _allocate
+from kvpage.attention import checks
+from kvpage.attention.canonical import (
+    CanonicalLayoutBackend,
+    fp8_scale_table,
+    head_dim_reasons,
+    max_keys_per_query,
+    token_map,
+)
+from kvpage.attention.metadata import FP8_MAX, AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.errors import ShapeError
 from kvpage.specs import AttentionSpec, CacheSpec
-from kvpage_numba import checks
 from kvpage_numba.simulator import SimArray, SimLaunch
 
 _FP8_FORMATS = {"fp8_e4m3": (3, 7), "fp8_e5m2": (2, 15)}
@@ -36,7 +42,7 @@ def _numba_state() -> tuple[bool, bool]:
     return True, bool(numba.config.ENABLE_CUDASIM)
 
 
-class NumbaBackend:
+class NumbaBackend(CanonicalLayoutBackend):
     """Paged attention with Numba CUDA kernels (GPU, or CPU under the CUDA simulator).
 
     Args:
@@ -112,42 +118,14 @@ class NumbaBackend:
                 reasons.append("device cuda: numba.cuda.is_available() is False (no driver/device)")
         elif dev.type not in ("cpu", "cuda"):
             reasons.append(f"device: expected cpu or cuda, got {dev.type}")
-        for i, layer in enumerate(spec.layers):
-            if layer.head_dim > 256:
-                reasons.append(f"layers[{i}].head_dim: expected <= 256, got {layer.head_dim}")
-                break
-        return reasons
+        return reasons + head_dim_reasons(spec, self.capabilities.max_head_dim)
 
-    def kv_cache_shape(self, spec: CacheSpec, layer_id: int) -> tuple[int, ...]:
-        """``(2, num_blocks, block_size, num_kv_heads, head_dim)`` (the canonical layout)."""
-        a = spec.layers[layer_id]
-        return (2, spec.num_blocks, spec.block_size, a.num_kv_heads, a.head_dim)
-
-    def allocate_kv_cache(
-        self, spec: CacheSpec, layer_id: int, device: torch.device | str
-    ) -> KVCache:
-        """A zeroed cache for layer ``layer_id`` (fp8 scales 1.0) on ``device``."""
-        _, _, bs, h, d = self.kv_cache_shape(spec, layer_id)
-        return _allocate(
-            spec.num_blocks,
-            bs,
-            h,
-            d,
-            dtype=MODEL_DTYPES[spec.dtype],
-            kv_dtype=spec.kv_dtype,
-            kv_scale_granularity=spec.kv_scale_granularity,
-            device=device,
-        )
-
+    # kv_cache_shape / allocate_kv_cache: CanonicalLayoutBackend (the canonical layout)
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Store the row -> (sequence, position) map as int32 tensors in
-        ``meta.extras["numba"]`` (host lists only: no device sync). Returns ``meta``."""
-        seq, pos = checks.plan_token_map(meta)
-        dev = meta.seq_lens.device
-        meta.extras["numba"] = (
-            torch.tensor(seq, dtype=torch.int32, device=dev),
-            torch.tensor(pos, dtype=torch.int32, device=dev),
-        )
+        ``meta.extras["numba"]`` (``kvpage.attention.canonical.token_map``; host lists
+        only: no device sync). Returns ``meta``."""
+        meta.extras["numba"] = token_map(meta)
         return meta
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -180,10 +158,14 @@ class NumbaBackend:
         """Store K/V at their slots (see ``AttentionBackend.write_kv``; formulas in
         ``kvpage.attention.quant``). Mutates ``cache.kv`` (and ``token_scales``).
 
+        The slot range is checked for a CPU slot mapping only: on CUDA the caller
+        guarantees ``-1 <= slot < num_blocks * block_size`` (the kernel skips -1).
+
         Raises:
-            ShapeError, DTypeError: see ``checks.check_write``.
+            ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_write``
+                (key and value in one dtype).
         """
-        checks.check_write(key, value, cache, slot_mapping)
+        checks.check_launch_write(key, value, cache, slot_mapping, same_dtype=True)
         n = key.shape[0]
         if n == 0:
             return
@@ -201,7 +183,7 @@ class NumbaBackend:
             mbits, bias = _FP8_FORMATS[kind]
             kern = kernels.write_kv_kernel(src, "fp8", mbits, bias)
         tsc = cache.token_scales if cache.token_scales is not None else self._dummy(4, dev)
-        fsc = self._fp8_scales(cache)
+        fsc = fp8_scale_table(cache)
         fmax = float(FP8_MAX.get(cache.kv.dtype, 0.0))
         block = 2 * h if dev.type == "cpu" else max(32, -(-2 * h // 32) * 32)
         self._launch(kern, (n,), block, dev)(
@@ -219,14 +201,6 @@ class NumbaBackend:
     def _dummy(rank: int, dev: torch.device) -> torch.Tensor:
         return torch.zeros((1,) * rank, dtype=torch.float32, device=dev)
 
-    @staticmethod
-    def _fp8_scales(cache: KVCache) -> torch.Tensor:
-        """``[2, num_kv_heads]`` float32: K and V scales per head (ones if not fp8)."""
-        h = cache.num_kv_heads
-        if cache.k_scale is None or cache.v_scale is None:
-            return torch.ones((2, h), dtype=torch.float32, device=cache.kv.device)
-        return torch.stack([cache.k_scale.expand(h), cache.v_scale.expand(h)]).contiguous()
-
     # ---- attention --------------------------------------------------------------------------------
     def decode(
         self,
@@ -240,9 +214,9 @@ class NumbaBackend:
         few sequences would leave the GPU idle.
 
         Raises:
-            ShapeError, DTypeError: see ``checks.check_attention``.
+            ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_attention``.
         """
-        checks.check_attention(query, cache, meta, spec, out, decode=True)
+        checks.check_launch_attention(query, cache, meta, spec, out, decode=True)
         return self._attend(query, cache, meta, spec, out)
 
     def prefill(
@@ -257,9 +231,9 @@ class NumbaBackend:
         ``AttentionBackend.prefill``); decode rows may be mixed in.
 
         Raises:
-            ShapeError, DTypeError: see ``checks.check_attention``.
+            ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_attention``.
         """
-        checks.check_attention(query, cache, meta, spec, out, decode=False)
+        checks.check_launch_attention(query, cache, meta, spec, out, decode=False)
         return self._attend(query, cache, meta, spec, out)
 
     def choose_splits(self, rows: int, max_keys: int, dev: torch.device) -> int:
@@ -293,7 +267,7 @@ class NumbaBackend:
             self.plan(meta)
         token_seq, token_pos = meta.extras["numba"]
         token_seq, token_pos = token_seq.to(dev), token_pos.to(dev)
-        max_keys = checks.max_keys_per_query(meta, spec)
+        max_keys = max_keys_per_query(meta, spec)
         splits = self.choose_splits(n * hq, max_keys, dev)
         chunk = -(-max_keys // splits)
         o32 = out if out.dtype == torch.float32 and out.is_contiguous() else None
@@ -326,7 +300,7 @@ class NumbaBackend:
             self._arr(query),
             self._arr(cache.kv),
             self._arr(tsc),
-            self._arr(self._fp8_scales(cache)),
+            self._arr(fp8_scale_table(cache)),
             self._arr(lut),
             self._arr(bt),
             self._arr(token_seq),
@@ -357,9 +331,11 @@ class NumbaBackend:
         scales included, bit-exact (copied as raw integers). Mutates ``caches``.
 
         Raises:
-            ShapeError, DTypeError: see ``checks.check_pairs``; a non-contiguous cache.
+            ShapeError, DTypeError: see
+                ``kvpage.attention.checks.check_independent_pairs``; a non-contiguous
+                cache.
         """
-        host = checks.check_pairs(caches, pairs)
+        host = checks.check_independent_pairs(caches, pairs)
         if host.shape[0] == 0:
             return
         from kvpage_numba import kernels

@@ -16,7 +16,9 @@ from types import ModuleType
 
 import torch
 
-from kvpage.attention.metadata import AttentionMetadata, KVCache, allocate_kv_cache
+from kvpage.attention.canonical import CanonicalLayoutBackend, head_dim_reasons
+from kvpage.attention.checks import check_block_pairs
+from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.errors import BackendUnavailableError, DTypeError, ShapeError
 from kvpage.specs import AttentionSpec, CacheSpec
@@ -36,7 +38,7 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-class TritonBackend:
+class TritonBackend(CanonicalLayoutBackend):
     """Paged attention with ``@triton.jit`` kernels (decode with split-KV, varlen
     prefill with cached context, cache writes with int8/fp8 quantization, block copies).
 
@@ -116,13 +118,7 @@ class TritonBackend:
                     )
         else:
             reasons.append(f"device: expected cuda (or cpu with TRITON_INTERPRET=1), got {device}")
-        for i, layer in enumerate(spec.layers):
-            if layer.head_dim > MAX_HEAD_DIM:
-                reasons.append(
-                    f"layers[{i}].head_dim: expected <= {MAX_HEAD_DIM}, got {layer.head_dim}"
-                )
-                break
-        return reasons
+        return reasons + head_dim_reasons(spec, MAX_HEAD_DIM)
 
     def _kernels(self, device: torch.device) -> ModuleType:
         """Import the launcher (and triton) on first use; check the device can run it."""
@@ -155,26 +151,7 @@ class TritonBackend:
             )
         return self._launch
 
-    # ---- cache ---------------------------------------------------------------------
-    def kv_cache_shape(self, spec: CacheSpec, layer_id: int) -> tuple[int, ...]:
-        """``(2, num_blocks, block_size, num_kv_heads, head_dim)`` of layer ``layer_id``."""
-        a = spec.layers[layer_id]
-        return (2, spec.num_blocks, spec.block_size, a.num_kv_heads, a.head_dim)
-
-    def allocate_kv_cache(self, spec: CacheSpec, layer_id: int, device: torch.device) -> KVCache:
-        """Zeroed canonical-layout cache of one layer (fp8 scales start at 1.0)."""
-        a = spec.layers[layer_id]
-        return allocate_kv_cache(
-            spec.num_blocks,
-            spec.block_size,
-            a.num_kv_heads,
-            a.head_dim,
-            dtype=getattr(torch, spec.dtype),
-            kv_dtype=spec.kv_dtype,
-            kv_scale_granularity=spec.kv_scale_granularity,
-            device=device,
-        )
-
+    # ---- per step (kv_cache_shape / allocate_kv_cache: CanonicalLayoutBackend) ------
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Nothing is precomputed eagerly: query tile lists (which depend on the layer's
         GQA group) are built on first use from host lists and cached in
@@ -286,10 +263,8 @@ class TritonBackend:
                 )
             if c.token_scales is not None and not c.token_scales.is_contiguous():
                 raise ShapeError(f"caches[{i}].token_scales: expected contiguous, got strided")
-        lo, hi = int(pairs.min()), int(pairs.max())
-        nb = min(c.num_blocks for c in caches)
-        if lo < 0 or hi >= nb:
-            raise ShapeError(f"pairs: expected block ids in [0, {nb}), got {lo if lo < 0 else hi}")
+        for c in caches:
+            check_block_pairs(pairs, c.num_blocks)
         dev = caches[0].kv.device
         for i, c in enumerate(caches):
             if c.kv.device != dev:

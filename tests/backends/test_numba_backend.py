@@ -198,8 +198,9 @@ def test_write_kv_rejects_bad_input_without_writing():
     dev = mine.kv.device
     bad_slots = full.slot_mapping.clone()
     bad_slots[0] = mine.num_blocks * mine.block_size
-    with pytest.raises(ShapeError, match="slot_mapping: expected values in"):
-        be.write_kv(key.to(dev), value.to(dev), mine, bad_slots.to(dev))
+    if dev.type == "cpu":  # slot ranges are checked on the host only (no device sync)
+        with pytest.raises(ShapeError, match="slot_mapping: expected values in"):
+            be.write_kv(key.to(dev), value.to(dev), mine, bad_slots.to(dev))
     with pytest.raises(ShapeError, match="key: expected"):
         be.write_kv(key[:, :1].to(dev), value.to(dev), mine, full.slot_mapping.to(dev))
     with pytest.raises(DTypeError, match="key: expected the cache dtype"):

@@ -2,38 +2,48 @@
 
 Each check raises a ``kvpage.errors`` exception with a "name: expected X, got Y"
 message *before* any state is touched, so a rejected call changes nothing.
+
+``check_write_kv``, ``check_attention`` and ``check_block_pairs`` are what every backend
+runs. The ``check_launch_*`` functions run them first and add what kernels that take raw
+memory need (storage and scale dtypes, index dtypes, devices of every tensor, block ids
+in range, independent block copies); the triton, cupy and numba plugins use them.
+Checks that would read device memory (min/max of a CUDA tensor) are done for CPU tensors
+only, so that validation never synchronizes a GPU.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvpage.attention.metadata import AttentionMetadata, KVCache
+from kvpage.attention.metadata import KV_STORAGE_DTYPES, AttentionMetadata, KVCache
 from kvpage.errors import DTypeError, ShapeError
 from kvpage.specs import AttentionSpec
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: dtypes kernels accept for slot mappings, block tables and block pairs
+INDEX_DTYPES = (torch.int64, torch.int32)
 
 
-def check_cache(cache: KVCache) -> None:
-    """The cache's tensors agree with its kv dtype (scales present, shapes right)."""
+def check_cache(cache: KVCache, name: str = "cache") -> None:
+    """The cache's tensors agree with its kv dtype (scales present, shapes right);
+    ``name`` prefixes the messages."""
     kv = cache.kv
     if kv.dim() != 5 or kv.shape[0] != 2:
         raise ShapeError(
-            f"cache.kv: expected [2, num_blocks, block_size, num_kv_heads, head_dim], got {list(kv.shape)}"
+            f"{name}.kv: expected [2, num_blocks, block_size, num_kv_heads, head_dim], got {list(kv.shape)}"
         )
     if cache.kv_dtype == "int8":
         ts = cache.token_scales
         if ts is None or tuple(ts.shape) != tuple(kv.shape[:4]):
             raise ShapeError(
-                f"cache.token_scales: expected {list(kv.shape[:4])}, got "
+                f"{name}.token_scales: expected {list(kv.shape[:4])}, got "
                 f"{None if ts is None else list(ts.shape)}"
             )
     elif cache.kv_dtype.startswith("fp8"):
-        for name, s in (("k_scale", cache.k_scale), ("v_scale", cache.v_scale)):
+        for sname, s in (("k_scale", cache.k_scale), ("v_scale", cache.v_scale)):
             if s is None or s.dim() > 1 or (s.dim() == 1 and s.shape[0] != kv.shape[3]):
                 raise ShapeError(
-                    f"cache.{name}: expected [] or [{kv.shape[3]}], got "
+                    f"{name}.{sname}: expected [] or [{kv.shape[3]}], got "
                     f"{None if s is None else list(s.shape)}"
                 )
 
@@ -43,8 +53,14 @@ def check_write_kv(
 ) -> None:
     """Validate ``write_kv`` arguments (see ``AttentionBackend.write_kv``).
 
+    The slot range is checked only for a slot mapping on the CPU: on CUDA, reading its
+    min/max would synchronize the device on every ``write_kv`` of every layer. There the
+    caller guarantees the precondition (every slot in ``[-1, num_blocks * block_size)``,
+    as ``kvpage.cache.slot_mapping`` produces) and kernels skip slot -1.
+
     Raises:
-        ShapeError: shapes disagree, or a slot is outside ``[-1, num_blocks * block_size)``.
+        ShapeError: shapes disagree, or (CPU slot mapping) a slot is outside
+            ``[-1, num_blocks * block_size)``.
         DTypeError: key/value not float32|float16|bfloat16, or slot_mapping not integer.
     """
     check_cache(cache)
@@ -64,7 +80,7 @@ def check_write_kv(
         raise DTypeError(f"slot_mapping: expected int64, got {slot_mapping.dtype}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
         raise ShapeError(f"slot_mapping: expected [{key.shape[0]}], got {list(slot_mapping.shape)}")
-    if slot_mapping.numel():
+    if slot_mapping.device.type == "cpu" and slot_mapping.numel():
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
         n = cache.num_blocks * cache.block_size
         if lo < -1 or hi >= n:
@@ -129,3 +145,147 @@ def check_block_pairs(pairs: torch.Tensor, num_blocks: int) -> None:
             raise ShapeError(
                 f"pairs: expected block ids in [0, {num_blocks - 1}], got [{lo}, {hi}]"
             )
+
+
+# ---- launcher checks (kernels that take raw memory) ------------------------------------
+def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    """Raise ShapeError if ``t`` is not on ``device``."""
+    if t.device != device:
+        raise ShapeError(f"{name}.device: expected {device}, got {t.device}")
+
+
+def check_launch_cache(cache: KVCache, name: str = "cache") -> str:
+    """``check_cache``, plus: the storage dtype is a model or kv storage dtype, and the
+    scales are float32 on the cache's device. Returns ``cache.kv_dtype``.
+
+    Raises:
+        ShapeError: bad layout or scale shapes; a scale on another device.
+        DTypeError: unsupported storage dtype, or scales not float32.
+    """
+    check_cache(cache, name)
+    kv = cache.kv
+    if kv.dtype not in FLOAT_DTYPES and kv.dtype not in KV_STORAGE_DTYPES.values():
+        raise DTypeError(
+            f"{name}.kv.dtype: expected float32|float16|bfloat16|int8|float8_e4m3fn|"
+            f"float8_e5m2, got {kv.dtype}"
+        )
+    scales = {"token_scales": cache.token_scales, "k_scale": cache.k_scale, "v_scale": cache.v_scale}  # fmt: skip
+    for sname, s in scales.items():
+        if s is None:
+            continue
+        if s.dtype != torch.float32:
+            raise DTypeError(f"{name}.{sname}.dtype: expected float32, got {s.dtype}")
+        check_device(f"{name}.{sname}", s, kv.device)
+    return cache.kv_dtype
+
+
+def check_launch_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: KVCache,
+    slot_mapping: torch.Tensor,
+    *,
+    same_dtype: bool = False,
+) -> str:
+    """``check_write_kv`` and ``check_launch_cache``, plus: key and value in the cache
+    dtype when ``kv_dtype == "auto"``, slot_mapping int64|int32 on the cache's device.
+    Returns ``cache.kv_dtype``. The slot range is checked for a CPU slot mapping only
+    (see ``check_write_kv``).
+
+    Args:
+        same_dtype: also require ``value.dtype == key.dtype`` (for kernels specialized
+            on one source dtype).
+
+    Raises:
+        ShapeError, DTypeError: as named in the message.
+    """
+    check_write_kv(key, value, cache, slot_mapping)
+    kind = check_launch_cache(cache)
+    kv = cache.kv
+    if same_dtype and value.dtype != key.dtype:
+        raise DTypeError(f"value: expected {key.dtype} (the key dtype), got {value.dtype}")
+    if kind == "auto":
+        for name, x in (("key", key), ("value", value)):
+            if x.dtype != kv.dtype:
+                raise DTypeError(f"{name}: expected the cache dtype {kv.dtype}, got {x.dtype}")
+    if slot_mapping.dtype not in INDEX_DTYPES:
+        raise DTypeError(f"slot_mapping: expected int64, got {slot_mapping.dtype}")
+    check_device("slot_mapping", slot_mapping, kv.device)
+    return kind
+
+
+def check_launch_attention(
+    query: torch.Tensor,
+    cache: KVCache,
+    meta: AttentionMetadata,
+    spec: AttentionSpec,
+    out: torch.Tensor | None,
+    *,
+    decode: bool,
+) -> str:
+    """``check_attention`` and ``check_launch_cache``, plus: ``out`` on the cache's
+    device, one query length per sequence with ``0 <= query_len <= seq_len``, block
+    tables ``[num_seqs, >= needed]`` int32|int64, and (all on the CPU) every block id
+    a sequence reads inside the pool. Returns ``cache.kv_dtype``.
+
+    Raises:
+        ShapeError, DTypeError: as named in the message.
+    """
+    check_attention(query, cache, meta, spec, out, decode=decode)
+    kind = check_launch_cache(cache)
+    dev = cache.kv.device
+    if out is not None:
+        check_device("out", out, dev)
+    n = meta.num_seqs
+    if len(meta.query_lens_cpu) != n:
+        raise ShapeError(
+            f"meta.query_lens_cpu: expected {n} entries, got {len(meta.query_lens_cpu)}"
+        )
+    for i, (q, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        if q < 0 or q > s:
+            raise ShapeError(f"meta.query_lens_cpu[{i}]: expected 0 <= q <= {s}, got {q}")
+    bt = meta.block_tables
+    if bt.dim() != 2 or bt.shape[0] != n:
+        raise ShapeError(f"meta.block_tables: expected [{n}, max_blocks], got {list(bt.shape)}")
+    bs, nb = cache.block_size, cache.num_blocks
+    need = -(-max(meta.seq_lens_cpu, default=0) // bs)
+    if bt.shape[1] < need:
+        raise ShapeError(f"meta.block_tables: expected >= {need} columns, got {bt.shape[1]}")
+    if bt.dtype not in INDEX_DTYPES:
+        raise DTypeError(f"meta.block_tables: expected int32, got {bt.dtype}")
+    if bt.device.type == "cpu" and dev.type == "cpu":
+        for i, s in enumerate(meta.seq_lens_cpu):
+            used = bt[i, : -(-s // bs)]
+            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= nb):
+                raise ShapeError(
+                    f"meta.block_tables[{i}]: expected ids in [0, {nb}), got {used.tolist()}"
+                )
+    return kind
+
+
+def check_independent_pairs(caches: list[KVCache], pairs: torch.Tensor) -> torch.Tensor:
+    """``check_block_pairs`` against every cache and ``check_launch_cache`` of each,
+    plus: int64|int32 pairs whose destinations are distinct and never a source, so the
+    copies do not depend on their order (what a parallel kernel does). Returns the pairs
+    as a CPU int64 ``[n, 2]`` tensor (one host copy).
+
+    Raises:
+        ShapeError: not ``[n, 2]``, an id outside a cache's pool, a repeated
+            destination, or a destination that is also a source.
+        DTypeError: not int64|int32; a cache's storage or scale dtype.
+    """
+    for c in caches:
+        check_block_pairs(pairs, c.num_blocks)
+    if pairs.dtype not in INDEX_DTYPES:
+        raise DTypeError(f"pairs: expected int64, got {pairs.dtype}")
+    host = pairs.detach().to("cpu", torch.int64)
+    rows = host.tolist()
+    dsts = [d for _, d in rows]
+    if len(set(dsts)) != len(dsts):
+        raise ShapeError(f"pairs[:, 1]: expected distinct destination blocks, got {dsts}")
+    overlap = set(dsts) & {s for s, _ in rows}
+    if overlap:
+        raise ShapeError(f"pairs: expected no block as both source and destination, got {sorted(overlap)}")  # fmt: skip
+    for i, c in enumerate(caches):
+        check_launch_cache(c, f"caches[{i}]")
+    return host

@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from kvpage.attention.canonical import CanonicalLayoutBackend
 from kvpage.attention.checks import check_attention, check_block_pairs, check_write_kv
-from kvpage.attention.metadata import (
-    MODEL_DTYPES,
-    AttentionMetadata,
-    KVCache,
-    allocate_kv_cache,
-)
+from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.attention.quant import quantize_fp8, quantize_int8
 from kvpage.backends.torch_backend.compute import attend_group
@@ -32,7 +28,7 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8) if x.element_size() == 1 else x
 
 
-class TorchBackend:
+class TorchBackend(CanonicalLayoutBackend):
     """Paged attention in plain torch (see ``kvpage.attention.protocol.AttentionBackend``).
 
     Decode and prefill share one path: sequences are grouped (``plan.TorchPlan``),
@@ -72,24 +68,7 @@ class TorchBackend:
             why.append(f"kv_dtype: expected auto|int8|fp8_e4m3|fp8_e5m2, got {spec.kv_dtype}")
         return why
 
-    def kv_cache_shape(self, spec: CacheSpec, layer_id: int) -> tuple[int, ...]:
-        """``(2, num_blocks, block_size, num_kv_heads, head_dim)`` of layer ``layer_id``."""
-        a = spec.layers[layer_id]
-        return (2, spec.num_blocks, spec.block_size, a.num_kv_heads, a.head_dim)
-
-    def allocate_kv_cache(self, spec: CacheSpec, layer_id: int, device: torch.device) -> KVCache:
-        """A zeroed cache of layer ``layer_id`` (fp8 scales start at 1.0)."""
-        a = spec.layers[layer_id]
-        return allocate_kv_cache(
-            spec.num_blocks,
-            spec.block_size,
-            a.num_kv_heads,
-            a.head_dim,
-            dtype=MODEL_DTYPES[spec.dtype],
-            kv_dtype=spec.kv_dtype,
-            kv_scale_granularity=spec.kv_scale_granularity,
-            device=device,
-        )
+    # kv_cache_shape / allocate_kv_cache: CanonicalLayoutBackend (the canonical layout)
 
     # ---- per step --------------------------------------------------------------------
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
