@@ -126,16 +126,29 @@ def resolve_model(model: str) -> ModelSource:
     a preset file, or an HF ``config.json`` path (or a directory holding one).
 
     Raises:
-        SpecError: not found or not understood.
+        SpecError: not found or not understood (e.g. a ``.csv`` file, invalid JSON).
     """
     p = Path(model)
     if p.is_dir() and (p / "config.json").is_file():
         p = p / "config.json"
     if p.is_file() and p.name.endswith("config.json"):
-        cfg = json.loads(p.read_text())
+        try:
+            cfg = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise SpecError(f"model {model}: expected a readable JSON config, got {e}") from None
+        if not isinstance(cfg, dict):
+            raise SpecError(
+                f"model {model}: expected a JSON object (HF config.json), "
+                f"got a JSON {type(cfg).__name__}"
+            )
         n = cfg.get("num_parameters") or estimate_num_parameters(cfg)
         mml = int(cfg.get("max_position_embeddings") or 0)
         return ModelSource(p.parent.name or p.stem, cfg, int(n), mml)
+    if p.exists() and p.suffix not in (".yaml", ".yml", ".json"):
+        raise SpecError(
+            f"model: expected a preset name, a preset .yaml/.json file, an HF config.json or a "
+            f"folder holding one, got {model!r}"
+        )
     pr = load_preset(model)
     return ModelSource(pr.name, dict(pr.hf_config), pr.num_parameters, pr.max_model_len)
 
@@ -270,6 +283,10 @@ def plan_capacity(
         SpecError: bad model, budget below zero, TP sharding refused, bad dtypes.
     """
     src = resolve_model(model)
+    if num_seqs is not None and (isinstance(num_seqs, bool) or num_seqs < 1):
+        raise SpecError(f"num_seqs: expected None or an int >= 1, got {num_seqs!r}")
+    if max_model_len is not None and (isinstance(max_model_len, bool) or max_model_len < 1):
+        raise SpecError(f"max_model_len: expected None or an int >= 1, got {max_model_len!r}")
     if not (0 < utilization <= 1):
         raise SpecError(f"utilization: expected 0 < u <= 1, got {utilization}")
     full = CacheSpec.from_hf_config(
@@ -323,7 +340,7 @@ def plan_capacity(
     )
     if workload is not None:
         plan.workload = analyze_workload(
-            spec, plan.usable_blocks, workload, src.max_model_len, num_seqs
+            spec, plan.usable_blocks, workload, plan.model_max_len, num_seqs
         )
     return plan
 

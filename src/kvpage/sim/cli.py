@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from kvpage.errors import KVPageError
+from kvpage.sim.cli_util import prepare_output, trace_limit
 
 
 def _table(title: str, rows: list[tuple[str, str]]) -> str:
@@ -62,10 +62,14 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--trace", default=None, help="workload: bundled trace name or file")
-    p.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
+    p.add_argument(
+        "--limit", type=int, default=None, help="first N requests of the trace (0 or omitted = all)"
+    )
     p.add_argument("--prompt-pct", default=None, help="workload: prompt p50,p95,p99")
     p.add_argument("--output-pct", default=None, help="workload: output p50,p95,p99")
-    p.add_argument("--num-seqs", type=int, default=None, help="N for the largest max_model_len")
+    p.add_argument(
+        "--num-seqs", type=int, default=None, help="N (>= 1) for the largest max_model_len"
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_plan)
@@ -88,7 +92,7 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         wl = None
         if args.trace:
-            wl = Workload.from_trace(load_trace(args.trace, limit=args.limit))
+            wl = Workload.from_trace(load_trace(args.trace, limit=trace_limit(args.limit)))
         elif args.prompt_pct or args.output_pct:
             if not (args.prompt_pct and args.output_pct):
                 raise KVPageError("--prompt-pct/--output-pct: expected both, got one")
@@ -145,7 +149,7 @@ def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``kvpage profile``."""
     p = subparsers.add_parser("profile", help="statistics and plots of a request trace")
     p.add_argument("--trace", required=True, help="azure-conv, azure-code, mooncake-conv or a file")
-    p.add_argument("--limit", type=int, default=None, help="first N requests")
+    p.add_argument("--limit", type=int, default=None, help="first N requests (0 or omitted = all)")
     p.add_argument(
         "--json", default=None, help="write the statistics as JSON to this file ('-' = stdout)"
     )
@@ -160,7 +164,10 @@ def run_profile(args: argparse.Namespace) -> int:
     from kvpage.sim.traces import load_trace
 
     try:
-        trace = load_trace(args.trace, limit=args.limit)
+        json_path = prepare_output(args.json, "--json") if args.json not in (None, "-") else None
+        if args.plots:  # files <prefix>_lengths.png, <prefix>_arrivals.png
+            prepare_output(f"{args.plots}_lengths.png", "--plots")
+        trace = load_trace(args.trace, limit=trace_limit(args.limit))
     except KVPageError as e:
         print(f"kvpage profile: {e}", file=sys.stderr)
         return 2
@@ -169,8 +176,8 @@ def run_profile(args: argparse.Namespace) -> int:
         print(json.dumps(prof, indent=2))
     else:
         print(render_profile(prof))
-        if args.json:
-            Path(args.json).write_text(json.dumps(prof, indent=2))
+        if json_path is not None:
+            json_path.write_text(json.dumps(prof, indent=2))
     if args.plots:
         for path in plot_profile(trace, args.plots):
             print(f"wrote {path}", file=sys.stderr)

@@ -1,4 +1,10 @@
-"""``kvpage simulate``: replay a trace under several allocation policies / block sizes."""
+"""``kvpage simulate``: replay a trace under several allocation policies / block sizes.
+
+``--limit N`` keeps the first N rows of the trace (default 1000; 0 = all, as
+``kvpage replay --num-requests 0``). Requests the scheduler refuses (empty prompt, prompt
+longer than ``--max-model-len``) are not simulated: the ``rejected`` column counts them
+and their reasons are printed to stderr.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +12,17 @@ import argparse
 import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from kvpage.errors import KVPageError
+from kvpage.sim.cli_util import parse_int_list, prepare_output, trace_limit
 
 #: columns of the result table: (header, key or (key, subkey), format)
 COLUMNS: list[tuple[str, Any, str]] = [
     ("policy", "policy", "{}"),
     ("block", "block_size", "{}"),
     ("done", "finished", "{}"),
+    ("rejected", "rejected", "sum"),
     ("eff. KV util %", "effective_kv_util_pct", "{:.1f}"),
     ("peak KV %", "peak_kv_usage_pct", "{:.1f}"),
     ("peak batch", "peak_batch", "{}"),
@@ -38,6 +45,8 @@ def format_row(d: dict[str, Any]) -> list[str]:
                 cells.append("/".join(f"{1000 * sub[k]:.1f}" for k in key[1]))
             else:
                 cells.append("/".join(fmt.format(sub[k]) for k in key[1]))
+        elif fmt == "sum":
+            cells.append(str(sum(d[key].values())))
         else:
             cells.append(fmt.format(d[key]))
     return cells
@@ -57,16 +66,20 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser("simulate", help="trace-driven simulation without weights")
     p.add_argument("--trace", required=True, help="azure-conv, azure-code, mooncake-conv or a file")
-    p.add_argument("--limit", type=int, default=1000, help="first N requests (default 1000)")
+    p.add_argument(
+        "--limit", type=int, default=1000, help="first N requests (default 1000; 0 = all)"
+    )
     p.add_argument("--model", default="llama-3-8b")
     p.add_argument("--gpu", default="H100-80GB", help="A100-80GB, H100-80GB, H200, L4")
     p.add_argument("--policies", default="all", help=f"comma list of {', '.join(POLICIES)} or all")
     p.add_argument("--block-sizes", default="16", help="comma list, e.g. 1,8,16,32,64,128,256")
-    p.add_argument("--num-blocks", type=int, default=None, help="pool size at block 16 (scaled)")
+    p.add_argument(
+        "--num-blocks", type=int, default=None, help="pool size (>= 2) at block 16 (scaled)"
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--time-scale", type=float, default=1.0, help="< 1 compresses arrivals")
+    p.add_argument("--time-scale", type=float, default=1.0, help="> 0; < 1 compresses arrivals")
     p.add_argument("--kv-dtype", default="auto")
     p.add_argument("--utilization", type=float, default=0.9, help="GPU memory fraction")
     p.add_argument("--flops-efficiency", type=float, default=0.6, help="achieved/peak FLOP/s")
@@ -83,9 +96,20 @@ def run_simulate(args: argparse.Namespace) -> int:
     from kvpage.sim.traces import load_trace
 
     try:
-        trace = load_trace(args.trace, limit=args.limit)
+        json_path = prepare_output(args.json, "--json") if args.json not in (None, "-") else None
         pols = list(POLICIES) if args.policies == "all" else args.policies.split(",")
-        sizes = [int(x) for x in args.block_sizes.split(",")]
+        bad = [x for x in pols if x not in POLICIES]
+        if bad:
+            raise KVPageError(
+                f"--policies: expected 'all' or a comma list of {POLICIES}, got {bad}"
+            )
+        sizes = parse_int_list(args.block_sizes, "--block-sizes")
+        if args.num_blocks is not None and args.num_blocks < 2:
+            raise KVPageError(
+                f"--num-blocks: expected an int >= 2 (the null block + 1 usable), "
+                f"got {args.num_blocks}"
+            )
+        trace = load_trace(args.trace, limit=trace_limit(args.limit))
         base = SimConfig(
             model=args.model,
             gpu=args.gpu,
@@ -102,12 +126,23 @@ def run_simulate(args: argparse.Namespace) -> int:
         rows = []
         for bs in sizes:
             nb = None if args.num_blocks is None else (args.num_blocks - 1) * 16 // bs + 1
+            if nb is not None and nb < 2:
+                raise KVPageError(
+                    f"--num-blocks: {args.num_blocks} blocks of 16 tokens scale to {nb} block(s) "
+                    f"of {bs}; expected >= 2, got {nb} (raise --num-blocks)"
+                )
             for pol in pols:
                 if pol.startswith("contiguous") and bs != sizes[0]:
                     continue  # block size does not apply
                 cfg = replace(base, policy=pol, block_size=bs, num_blocks=nb)
-                rows.append(simulate(trace, cfg).to_dict())
+                row = simulate(trace, cfg).to_dict()
+                rows.append(row)
                 print(f"done {pol} block {bs}", file=sys.stderr)
+                if row["rejected"]:
+                    why = ", ".join(f"{k}={v}" for k, v in sorted(row["rejected"].items()))
+                    print(f"  rejected {sum(row['rejected'].values())}: {why}", file=sys.stderr)
+                if row["finished"] == 0:
+                    print(f"  note: {pol} block {bs} finished no requests", file=sys.stderr)
     except (KVPageError, ValueError) as e:
         print(f"kvpage simulate: {e}", file=sys.stderr)
         return 2
@@ -116,8 +151,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         return 0
     print(f"trace {trace.name}: {len(trace)} requests, model {args.model}, GPU {args.gpu}")
     print(markdown_table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    if json_path is not None:
+        json_path.write_text(json.dumps(rows, indent=2))
     return 0
 
 

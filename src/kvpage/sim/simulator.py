@@ -10,8 +10,11 @@ exact prefixes and the prefix cache sees the trace's real reuse.
 Event loop: the clock jumps to the next arrival when nothing runs; arrivals up to the
 clock are submitted (rejections counted by reason); one ``schedule()`` -> cost model ->
 clock advances by the step time -> ``update()`` with each request's next trace output
-token (``ignore_eos``, ``max_tokens`` = the trace's output length). A request's first
-token time is the end of the step that sampled it.
+token (``ignore_eos``, ``max_tokens`` = the trace's output length; a request with 0
+output tokens in the trace generates 1, as the engine's ``max_tokens >= 1``). A request's
+first token time is the end of the step that sampled it. Requests the scheduler refuses
+(empty prompt, prompt longer than ``max_model_len``, ...) are counted in
+``SimResult.rejected`` by reason, not simulated.
 
 Policies (same slots for all; see :data:`POLICIES`): ``contiguous-max``,
 ``contiguous-pow2``, ``contiguous-oracle`` (reserve max_model_len / next power of two /
@@ -35,8 +38,9 @@ which also counts a preempted request re-finding its own blocks).
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -133,10 +137,13 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
     """Pool spec, cost model, max_model_len and pool slots for a config.
 
     Raises:
-        SpecError: unknown policy/model/GPU or a pool that does not fit.
+        SpecError: unknown policy/model/GPU, a pool that does not fit, or a bad knob
+            (``block_size < 1``, ``num_blocks < 2``, ``max_model_len < 1``,
+            ``time_scale`` not a finite number > 0).
     """
     if cfg.policy not in POLICIES:
         raise SpecError(f"policy: expected one of {POLICIES}, got {cfg.policy!r}")
+    _check_config(cfg)
     src = resolve_model(cfg.model)
     gpu = get_gpu(cfg.gpu)
     spec = CacheSpec.from_hf_config(
@@ -168,6 +175,29 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
     )
     mml = cfg.max_model_len or src.max_model_len
     return spec, cost, mml, (nb - 1) * cfg.block_size
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_config(cfg: SimConfig) -> None:
+    if not _is_int(cfg.block_size) or cfg.block_size < 1:
+        raise SpecError(f"block_size: expected an int >= 1, got {cfg.block_size!r}")
+    if cfg.num_blocks is not None and (not _is_int(cfg.num_blocks) or cfg.num_blocks < 2):
+        raise SpecError(
+            f"num_blocks: expected None or an int >= 2 (the null block + 1 usable block) at "
+            f"block_size {cfg.block_size}, got {cfg.num_blocks!r}"
+        )
+    if cfg.max_model_len is not None and (not _is_int(cfg.max_model_len) or cfg.max_model_len < 1):
+        raise SpecError(f"max_model_len: expected None or an int >= 1, got {cfg.max_model_len!r}")
+    ts = cfg.time_scale
+    if (
+        isinstance(ts, bool)
+        or not isinstance(ts, (int, float))
+        or not (math.isfinite(ts) and ts > 0)
+    ):
+        raise SpecError(f"time_scale: expected a finite number > 0, got {ts!r}")
 
 
 def _make_allocator(cfg: SimConfig, spec: CacheSpec, mml: int, slots: int, final: dict[str, int]):
@@ -281,7 +311,11 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
                 rid = s.request_id
                 toks = outputs.get(rid)
                 if toks is None:
-                    toks = outputs[rid] = mapper.output(by_id[rid])
+                    tr = by_id[rid]
+                    # 0 output tokens in the trace: the request still generates 1
+                    toks = outputs[rid] = mapper.output(
+                        tr if tr.output_tokens else replace(tr, output_tokens=1)
+                    )
                 sampled[rid] = [toks[min(s.request.num_output_tokens, len(toks) - 1)]]
         _, done = sched.update(out, sampled)
         for s in out.scheduled:

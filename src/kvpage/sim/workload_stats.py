@@ -124,7 +124,7 @@ def analyze_workload(
         "requests_too_long_for_pool": int((final_blocks > usable_blocks).sum()),
         "requests_over_max_model_len": int((plen + olen > mml).sum()),
     }
-    if num_seqs:
+    if num_seqs is not None:
         if num_seqs < 1:
             raise SpecError(f"num_seqs: expected >= 1, got {num_seqs}")
         per = usable_blocks // num_seqs

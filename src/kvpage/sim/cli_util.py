@@ -1,0 +1,84 @@
+"""Argument helpers shared by the ``plan``, ``profile`` and ``simulate`` subcommands.
+
+Limit semantics (the same as ``kvpage replay --num-requests``): ``--limit N`` keeps the
+first ``N`` rows of the trace file, ``--limit 0`` (or no ``--limit`` where the default is
+"all") keeps every request, a negative value is refused.
+
+Output paths are checked before any work starts: a path naming an existing directory is
+refused, missing parent directories are created (as ``kvpage replay --output`` does), and
+an unwritable location is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvpage.errors import KVPageError
+
+
+def trace_limit(value: int | None, flag: str = "--limit") -> int | None:
+    """The ``limit`` for ``load_trace`` from a CLI value: None or 0 -> None (all rows).
+
+    Raises:
+        KVPageError: ``value < 0``.
+    """
+    if value is None or value == 0:
+        return None
+    if value < 0:
+        raise KVPageError(f"{flag}: expected an int >= 1, or 0 for all requests, got {value}")
+    return value
+
+
+def prepare_output(path: str, flag: str) -> Path:
+    """Check an output file path up front and create its parent directories.
+
+    Args:
+        path: the file to be written later.
+        flag: the option name, for messages (e.g. ``"--json"``).
+
+    Returns:
+        ``Path(path)``.
+
+    Raises:
+        KVPageError: the path is a directory, its parent cannot be created, or it is not
+            writable.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise KVPageError(f"{flag}: expected a file path, got the directory {path!r}")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KVPageError(
+            f"{flag}: expected a path whose folder can be created, got {path!r} ({e.strerror})"
+        ) from None
+    if not p.parent.is_dir():
+        raise KVPageError(f"{flag}: expected a path inside a folder, got {path!r}")
+    if not os.access(p if p.exists() else p.parent, os.W_OK):
+        raise KVPageError(f"{flag}: expected a writable path, got {path!r}")
+    return p
+
+
+def parse_int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
+    """``"1,8,16"`` -> ``[1, 8, 16]``.
+
+    Raises:
+        KVPageError: an item is not an int >= ``minimum`` or the list is empty.
+    """
+    out: list[int] = []
+    for item in text.split(","):
+        word = item.strip()
+        try:
+            v: int | None = int(word)
+        except ValueError:
+            v = None
+        if v is None or v < minimum:
+            raise KVPageError(
+                f"{flag}: expected a comma list of ints >= {minimum}, got {word!r} in {text!r}"
+            )
+        out.append(v)
+    return out
+
+
+__all__ = ["parse_int_list", "prepare_output", "trace_limit"]
