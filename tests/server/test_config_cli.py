@@ -170,3 +170,28 @@ def test_docs_example_config_is_valid():
     cfg = ServerConfig.model_validate(data)
     assert set(data) == set(ServerConfig.model_fields)  # every top-level field shown
     assert set(data["engine"]) == set(cfg.engine.model_dump())
+
+
+def test_flag_errors_are_one_clean_line(capsys):
+    """Finding 6/7: flag errors printed raw pydantic output (with an errors.pydantic.dev
+    URL); an invalid --kv-cache-dtype was dumped rc 0."""
+    for flags, field in [
+        (["--num-blocks", "1"], "engine.num_blocks: expected >= 2, got 1"),
+        (["--kv-cache-dtype", "nonsense"], "engine.kv_cache_dtype: expected 'auto'"),
+        (["--kv-pressure-action", "drop"], "admission.kv_pressure_action: expected"),
+    ]:
+        args = _parser().parse_args(["serve", *flags, "--dump-config"])
+        assert args.func(args) == 2
+        err = capsys.readouterr().err
+        assert field in err and "pydantic.dev" not in err and "validation error" not in err
+        assert len(err.strip().splitlines()) == 1
+    args = _parser().parse_args(["serve", "--kv-cache-dtype", "int8", "--dump-config"])
+    assert args.func(args) == 0
+    assert "kv_cache_dtype: int8" in capsys.readouterr().out
+
+
+def test_unknown_backend_is_a_clean_error_not_a_traceback(capsys):
+    args = _parser().parse_args(["serve", "--backend", "nonsense", "--port", "0"])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpage serve: ") and "nonsense" in err and "Traceback" not in err

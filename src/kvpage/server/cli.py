@@ -11,8 +11,10 @@ import argparse
 import sys
 from typing import Any
 
-from kvpage.errors import SpecError
-from kvpage.server.config import ServerConfig, dump_config, load_config
+from pydantic import ValidationError
+
+from kvpage.errors import KVPageError, SpecError
+from kvpage.server.config import ServerConfig, dump_config, format_validation_error, load_config
 
 __all__ = ["add_serve_parser", "config_from_args", "serve_main"]
 
@@ -92,8 +94,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         data["admission"]["default_limit"] = {"rate": rate, "burst": burst}
     try:
         return ServerConfig.model_validate(data)
-    except ValueError as exc:
-        raise SpecError(f"serve: expected valid options, got {exc}") from exc
+    except ValidationError as exc:
+        raise SpecError(f"options: {format_validation_error(exc)}") from exc
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -113,5 +115,9 @@ def serve_main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    run_server(cfg)
+    try:
+        run_server(cfg)
+    except KVPageError as exc:  # e.g. unknown --backend, model or KV layout: no traceback
+        print(f"kvpage serve: {exc}", file=sys.stderr)
+        return 2
     return 0

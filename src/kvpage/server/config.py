@@ -28,8 +28,40 @@ __all__ = [
     "ServerConfig",
     "TenantLimit",
     "dump_config",
+    "format_validation_error",
     "load_config",
 ]
+
+#: KV cache dtypes the engine accepts (``kvpage.specs.KVCacheDType``)
+KVCacheDTypeName = Literal["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per field: ``"engine.num_blocks: expected >= 2, got 1"`` (no pydantic URL)."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ())) or "config"
+        ctx = err.get("ctx") or {}
+        kind = err.get("type", "")
+        ops = {
+            "greater_than_equal": ">=",
+            "greater_than": ">",
+            "less_than_equal": "<=",
+            "less_than": "<",
+        }
+        if kind in ops:
+            bound = next(iter(ctx.values()), "?")
+            want = f"{ops[kind]} {bound}"
+        elif kind == "missing":
+            want = "a value (required field)"
+        elif kind == "extra_forbidden":
+            want = "no such field (unknown option)"
+        else:
+            want = str(err.get("msg", "a valid value"))
+            want = want.removeprefix("Input should be ").removeprefix("Value error, ")
+        got = "missing" if kind == "missing" else repr(err.get("input"))[:120]
+        lines.append(f"{loc}: expected {want}, got {got}")
+    return "; ".join(lines)
 
 
 class _Strict(BaseModel):
@@ -58,7 +90,7 @@ class EngineConfig(_Strict):
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: KVCacheDTypeName = "auto"
     backend: str = "auto"
     dtype: str = "float32"
     seed: int = 0
@@ -186,7 +218,9 @@ def load_config(path: str | Path) -> ServerConfig:
     try:
         return ServerConfig.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(f"config: expected a valid ServerConfig in {p}, got {exc}") from exc
+        raise SpecError(
+            f"config: expected a valid ServerConfig in {p}, got {format_validation_error(exc)}"
+        ) from exc
 
 
 def dump_config(config: ServerConfig, fmt: Literal["yaml", "json"] = "yaml") -> str:
