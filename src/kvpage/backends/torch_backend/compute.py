@@ -3,8 +3,10 @@
 Groups come from ``plan.py``. Streamed groups (one long sequence) gather whole blocks
 with one row gather (``F.embedding``) per chunk and attend with batched matmuls over
 the KV heads (decode, soft cap) or ``scaled_dot_product_attention`` (prefill); padded
-groups (many short sequences) gather per slot into ``[n, max_keys]`` and use SDPA with
-a key mask, or explicit float32 matmuls when a logit soft cap is set (SDPA has none).
+groups (many short sequences) gather per slot into ``[n, max_keys]``: decode groups
+attend with two float32 batched matmuls per group over all heads at once (see
+``_decode_padded``), prefill groups use SDPA with a key mask, or explicit float32
+matmuls when a logit soft cap is set (SDPA has none).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from kvpage.specs import AttentionSpec
 
 #: the float32 logits of one chunk of query rows stay under this many bytes
 LOGITS_BUDGET_BYTES = 64 * 2**20
+#: padded decode multiplies by a block-diagonal query (all KV heads in one matmul) while
+#: ``num_kv_heads * head_dim`` is at most this; wider rows take per-head matmuls
+BLOCK_DIAG_MAX_ROW = 256
 #: streamed decode gathers at most this many bytes of float32 K (or V) at a time, so
 #: the gathered chunk is still in cache (L2) when the matmul reads it
 DECODE_CHUNK_BYTES = 2 * 2**20
@@ -177,9 +182,57 @@ def _attend_streamed(
     out[g.q_start : g.q_start + g.max_q] = res[0]
 
 
+def _block_diag_query(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """q ``[n, Hq, D]`` -> ``[n, Hq, Hkv * D]`` float32 where query head ``h`` (of KV
+    head ``h // G``) holds its values in columns ``(h // G) * D ..`` and zeros elsewhere,
+    so ``qbd @ k_row`` with a K row ``[Hkv * D]`` gives every head's logit at once."""
+    n, hq, d = q.shape
+    grp = hq // hkv
+    qbd = q.new_zeros(n, hkv, grp, hkv, d, dtype=torch.float32)
+    qbd.diagonal(dim1=1, dim2=3).copy_(q.view(n, hkv, grp, d).permute(0, 2, 3, 1))
+    return qbd.view(n, hq, hkv * d)
+
+
+def _decode_padded(
+    query: torch.Tensor, cache: KVCache, g: GroupIndex, spec: AttentionSpec, out: torch.Tensor
+) -> None:
+    """One query row per sequence over ``[n, max_keys]`` gathered keys (padding masked
+    by the plan's additive ``key_bias``), in float32: logits ``[n, Hq, L]`` from one
+    batched matmul against the K rows ``[n, L, Hkv * D]`` (block-diagonal query, no
+    per-head copy of K), soft cap, bias, softmax, then ``P @ V`` and the diagonal
+    blocks of the result. Groups are small (``plan.GROUP_BYTES``), so the gathered
+    K/V are read back from cache."""
+    assert g.key_bias is not None
+    n, L = g.index.shape
+    hkv, d, hq = cache.num_kv_heads, cache.head_dim, spec.num_q_heads
+    idx = g.index.reshape(-1)
+    if g.identity_rows:
+        q = query
+    else:
+        q = query.index_select(0, g.q_rows.reshape(-1))
+    k = _gather(cache, 0, idx, False, torch.float32).view(n, L, hkv * d)
+    logits = torch.bmm(_block_diag_query(q, hkv), k.transpose(1, 2))  # [n, Hq, L]
+    logits.mul_(spec.scale)
+    if spec.logits_soft_cap is not None:
+        c = spec.logits_soft_cap
+        logits = torch.tanh(logits.div_(c)).mul_(c)
+    logits.add_(g.key_bias)
+    p = torch.softmax(logits, dim=-1)
+    v = _gather(cache, 1, idx, False, torch.float32).view(n, L, hkv * d)
+    o = torch.bmm(p, v).view(n, hkv, hq // hkv, hkv, d)
+    res = o.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, hq, d)
+    if g.identity_rows:
+        out.copy_(res)
+    else:
+        out.index_copy_(0, g.out_rows, res.to(out.dtype))
+
+
 def _attend_padded(
     query: torch.Tensor, cache: KVCache, g: GroupIndex, spec: AttentionSpec, out: torch.Tensor
 ) -> None:
+    if g.key_bias is not None and cache.num_kv_heads * cache.head_dim <= BLOCK_DIAG_MAX_ROW:
+        _decode_padded(query, cache, g, spec, out)
+        return
     dtype = compute_dtype(cache, streamed=False)
     n, max_q = g.q_rows.shape
     k = _gather(cache, 0, g.index.reshape(-1), False, dtype).view(

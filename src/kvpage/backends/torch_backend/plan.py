@@ -33,6 +33,9 @@ PAD_FACTOR = 1.5
 PAD_SLACK = 64 * 1024
 #: sequences whose K rows of the key range exceed this many bytes are streamed alone
 STREAM_MIN_BYTES = 256 * 1024
+#: a padded group's gathered K (or V) stays under this many bytes (unless one sequence
+#: alone needs more), so a group's gather and its consumers run in the L2 cache
+GROUP_BYTES = 384 * 1024
 
 
 @dataclass
@@ -50,6 +53,8 @@ class GroupIndex:
         q_valid: ``[n * max_q]`` bool of real query rows, or None when all are real.
         out_rows: ``[num_real]`` int64 token rows receiving the outputs.
         attn_mask: ``[n, 1, max_q, max_keys]`` bool (True = attend) or None.
+        key_bias: padded decode groups (``max_q == 1``): ``[n, 1, max_keys]`` float32,
+            0 for keys in the range and -inf for padding (added to the logits); else None.
         is_causal: True when a top-left causal mask (query j sees keys 0..j) is exact.
         max_q: padded query length.
         q_start: first token row (streamed groups: rows are contiguous).
@@ -72,6 +77,7 @@ class GroupIndex:
     identity_rows: bool = False
     min_block: int = 0
     max_block: int = 0
+    key_bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -128,13 +134,16 @@ class TorchPlan:
         big = [i for i in live if (spans[i][1] - spans[i][0]) * row_bytes >= stream_min]
         small = [i for i in live if i not in set(big)]
         out = [self._streamed(i, bs, window) for i in big]
-        for seqs in self._partition(small, spans):
+        for seqs in self._partition(small, spans, row_bytes):
             out.append(self._padded(seqs, bs, window))
         return out
 
-    def _partition(self, live: list[int], spans: dict[int, tuple[int, int]]) -> list[list[int]]:
+    def _partition(
+        self, live: list[int], spans: dict[int, tuple[int, int]], row_bytes: int
+    ) -> list[list[int]]:
         """Greedy: sorted by query length then key span, a group grows while its padded
-        work stays within PAD_FACTOR of the real work (plus PAD_SLACK)."""
+        work stays within PAD_FACTOR of the real work (plus PAD_SLACK) and its padded
+        K rows within GROUP_BYTES."""
         order = sorted(live, key=lambda i: (self.query_lens[i], spans[i][1] - spans[i][0]))
         order.reverse()
         groups: list[list[int]] = []
@@ -143,7 +152,11 @@ class TorchPlan:
         for i in order:
             q, k = self.query_lens[i], spans[i][1] - spans[i][0]
             nq, nk, nreal = max(max_q, q), max(max_k, k), real + q * k
-            if cur and (len(cur) + 1) * nq * nk > PAD_FACTOR * nreal + PAD_SLACK:
+            pad = (len(cur) + 1) * nq * nk
+            if cur and (
+                pad > PAD_FACTOR * nreal + PAD_SLACK
+                or (len(cur) + 1) * nk * row_bytes > GROUP_BYTES
+            ):
                 groups.append(cur)
                 cur, nq, nk, nreal = [], q, k, q * k
             cur.append(i)
@@ -218,8 +231,12 @@ class TorchPlan:
         all_keys, all_q = bool(key_valid.all()), bool(q_valid.all())
         mask: torch.Tensor | None = None
         is_causal = False
+        bias: torch.Tensor | None = None
         if max_q == 1:  # the single query at seq_len - 1 sees exactly [lo, seq_len)
             mask = None if all_keys else key_valid[:, None, None, :]
+            bias = torch.zeros(key_valid.shape, dtype=torch.float32)
+            bias.masked_fill_(~key_valid, float("-inf"))
+            bias = bias[:, None, :].to(dev)
         elif (
             all_keys
             and all_q
@@ -249,4 +266,5 @@ class TorchPlan:
             identity_rows=identity,
             min_block=int(blocks.min()),
             max_block=int(blocks.max()),
+            key_bias=bias,
         )
