@@ -255,7 +255,19 @@ def test_prompt_too_long_and_chat_errors(server, client):
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
     r = httpx.get(server.base_url + "/v1/nothing-here")
-    assert r.status_code == 404 and "error" in r.json()
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(server.base_url + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_docs_error_table_matches_the_codes():
+    """Finding 8: docs said unknown routes answer model_not_found; the code said "404"."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
+    row = next(line for line in doc.splitlines() if "unknown route" in line)
+    assert "`not_found`" in row and "`method_not_allowed`" in row
+    assert "model_not_found" not in row
 
 
 def test_bad_requests_leave_pool_and_metrics_consistent(server):

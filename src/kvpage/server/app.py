@@ -44,6 +44,10 @@ def build_engine(config: ServerConfig) -> tuple[Any, Callable[..., Any]]:
     return LLMEngine.from_config(**config.engine.engine_kwargs()), SamplingParams
 
 
+#: ``error.code`` of routing errors (unknown route, wrong method), as docs/serving.md lists
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
 def _error(e: APIError) -> JSONResponse:
     return JSONResponse(
         P.error_body(e.message, type=e.type, param=e.param, code=e.code),
@@ -155,11 +159,8 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(
-            APIError(
-                exc.status_code, f"{request.url.path}: {exc.detail}", code=str(exc.status_code)
-            )
-        )
+        code = _HTTP_CODES.get(exc.status_code, str(exc.status_code))
+        return _error(APIError(exc.status_code, f"{request.url.path}: {exc.detail}", code=code))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
