@@ -63,7 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``kvpage`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print(f"kvpage {args.command}: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -49,7 +49,9 @@ def test_generate_json_and_rejection(capsys: pytest.CaptureFixture[str]) -> None
     rows = json.loads(capsys.readouterr().out)
     assert rc == 1  # the empty prompt was rejected
     assert len(rows[0]["completions"]) == 2 and rows[1]["error"].startswith("prompt:")
-    assert main(["generate", "--threads", "0", "--temperature", "-1", "x"]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--threads", "0", "--temperature", "-1", "x"])
+    assert e.value.code == 2
 
 
 def test_fit_trace_azure_rule(engine: LLMEngine) -> None:

@@ -4,28 +4,106 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from kvpage.errors import KVPageError
+from kvpage.errors import KVPageError, SpecError
 
 DEFAULT_TRACE = "azure-conv"
 DEFAULT_NUM_REQUESTS = 200
+DEFAULT_PROMPT = "Once upon a time"
+INT64_MAX = 2**63 - 1
+
+
+# ---- option types: argparse prints "argument --x: expected X, got Y" and exits 2 -------
+def _int_type(lo: int, hi: int = INT64_MAX, extra: str = "") -> Any:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = None
+        if v is None or not lo <= v <= hi:
+            rng = f"an int >= {lo}" if hi == INT64_MAX else f"an int in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"expected {rng}{extra}, got {text!r}")
+        return v
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _top_k(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = None
+    if v is None or not -1 <= v <= INT64_MAX:
+        raise argparse.ArgumentTypeError(f"expected -1 or 0 (off) or an int >= 1, got {text!r}")
+    return v
+
+
+def _float_type(lo: float, *, lo_open: bool, hi: float | None = None) -> Any:
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = math.nan
+        ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
+        if not ok:
+            rng = f"{'>' if lo_open else '>='} {lo:g}"
+            if hi is not None:
+                rng = f"in ({lo:g}, {hi:g}]" if lo_open else f"in [{lo:g}, {hi:g}]"
+            raise argparse.ArgumentTypeError(f"expected a finite number {rng}, got {text!r}")
+        return v
+
+    parse.__name__ = "float"
+    return parse
+
+
+def check_output_path(name: str, text: str) -> Path:
+    """Check, before any work, that ``text`` can become a written file: not a folder,
+    and its nearest existing parent is a writable folder.
+
+    Raises:
+        SpecError: ``"name: expected ..., got ..."``.
+    """
+    path = Path(text)
+    if path.is_dir() or text.endswith(("/", os.sep)):
+        raise SpecError(f"{name}: expected a file path, got {text!r} (a folder)")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise SpecError(
+            f"{name}: expected a path under a folder, got {text!r} ({parent} is a file)"
+        )
+    if not os.access(parent, os.W_OK):
+        raise SpecError(
+            f"{name}: expected a writable location, got {text!r} ({parent} is read-only)"
+        )
+    return path
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="stories260K", help="stories260K (bundled) or an HF folder")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    pos = _int_type(1)
+    g.add_argument("--block-size", type=pos, default=16, help="tokens per block")
     g.add_argument(
-        "--num-blocks", type=int, default=None, help="blocks in the pool (default: sized)"
+        "--num-blocks",
+        type=_int_type(2, extra=" (block 0 is the reserved null block)"),
+        default=None,
+        help="blocks in the pool, >= 2 (default: sized)",
     )
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most running sequences")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    g.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    g.add_argument("--kv-cache-memory-bytes", type=pos, default=None, help="KV cache budget")
+    g.add_argument("--max-num-seqs", type=pos, default=256, help="most running sequences")
+    g.add_argument("--max-num-batched-tokens", type=pos, default=2048, help="token budget per step")
+    g.add_argument(
+        "--max-model-len", type=pos, default=None, help="default (and most): the model's"
+    )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
@@ -33,10 +111,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="auto", help="attention backend (auto, torch, ...)")
     g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    g.add_argument("--seed", type=int, default=0, help="engine seed")
+    g.add_argument("--seed", type=_int_type(0), default=0, help="engine seed")
     g.add_argument(
         "--threads",
-        type=int,
+        type=_int_type(0),
         default=1,
         help="torch CPU threads (default 1: the bundled model is tiny and extra threads "
         "cost more than they save on a shared machine; 0 = torch's default)",
@@ -44,12 +122,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine(args: argparse.Namespace) -> Any:
-    import torch
-
     from kvpage.engine import LLMEngine
 
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     return LLMEngine.from_config(
         model=args.model,
         block_size=args.block_size,
@@ -64,6 +138,7 @@ def _engine(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
+        num_threads=args.threads or None,
     )
 
 
@@ -71,13 +146,29 @@ def _engine(args: argparse.Namespace) -> Any:
 def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``kvpage generate``."""
     p = subparsers.add_parser("generate", help="generate text from prompts with the bundled model")
-    p.add_argument("prompts", nargs="*", default=["Once upon a time"], help="prompt text(s)")
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate per sample")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("-n", "--n", type=int, default=1, help="samples per prompt")
-    p.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
+    p.add_argument(
+        "prompts",
+        nargs="*",
+        default=[DEFAULT_PROMPT],
+        help=f"prompt text(s) (default: {DEFAULT_PROMPT!r} when none is given)",
+    )
+    p.add_argument(
+        "--max-tokens", type=_int_type(1), default=256, help="tokens to generate per sample"
+    )
+    p.add_argument(
+        "--temperature", type=_float_type(0.0, lo_open=False), default=0.0, help="0 = greedy"
+    )
+    p.add_argument(
+        "--top-p", type=_float_type(0.0, lo_open=True, hi=1.0), default=1.0, help="in (0, 1]"
+    )
+    p.add_argument("--top-k", type=_top_k, default=-1, help="-1 or 0 = off")
+    p.add_argument("-n", "--n", type=_int_type(1), default=1, help="samples per prompt")
+    p.add_argument(
+        "--sample-seed",
+        type=_int_type(0),
+        default=None,
+        help="per-request seed (sample i uses seed + i; seed + n - 1 <= 2**63 - 1)",
+    )
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -91,12 +182,7 @@ def generate_main(args: argparse.Namespace) -> int:
     from kvpage.engine import LLM, SamplingParams
 
     try:
-        engine = _engine(args)
-        # The tokenizer's stop ids end a completion by default (TinyStories models end a
-        # story with BOS, not EOS, as llama2.c's run.c does); --ignore-eos turns that off.
-        stops = getattr(engine.tokenizer, "stop_token_ids", ())
-        params = SamplingParams(
-            stop_token_ids=None if args.ignore_eos else list(stops) or None,
+        params = SamplingParams(  # checked before the model loads
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
@@ -106,6 +192,12 @@ def generate_main(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
             stop=args.stop,
         )
+        engine = _engine(args)
+        # The tokenizer's stop ids end a completion by default (TinyStories models end a
+        # story with BOS, not EOS, as llama2.c's run.c does); --ignore-eos turns that off.
+        stops = getattr(engine.tokenizer, "stop_token_ids", ())
+        params.stop_token_ids = None if args.ignore_eos else list(stops) or None
+        params.validate()
         llm = LLM.__new__(LLM)
         llm.llm_engine, llm._counter = engine, 0
         t0 = time.perf_counter()
@@ -167,13 +259,18 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--num-requests",
-        type=int,
+        type=_int_type(0),
         default=DEFAULT_NUM_REQUESTS,
         help=f"replay the first N requests (default {DEFAULT_NUM_REQUESTS}; 0 = all)",
     )
-    p.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
-    p.add_argument("--prompt-scale", type=float, default=None, help="default: 8 Azure, 32 Mooncake")
-    p.add_argument("--output-scale", type=float, default=1.0, help="divide output lengths by this")
+    gt0 = _float_type(0.0, lo_open=True)
+    p.add_argument("--speedup", type=gt0, default=1.0, help="divide arrival times by this (> 0)")
+    p.add_argument(
+        "--prompt-scale", type=gt0, default=None, help="> 0; default: 8 Azure, 32 Mooncake"
+    )
+    p.add_argument(
+        "--output-scale", type=gt0, default=1.0, help="divide output lengths by this (> 0)"
+    )
     p.add_argument("--output", default="out/replay.json", help="JSON summary path ('' = none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_engine_args(p)
@@ -227,10 +324,12 @@ def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
 
 def replay_main(args: argparse.Namespace) -> int:
     """Handler of ``kvpage replay``."""
-    from kvpage.engine.replay import fit_trace, replay
+    from kvpage.engine.replay import fit_trace, replay, resolve_prompt_scale
     from kvpage.sim.traces import load_trace
 
     try:
+        if args.output:
+            check_output_path("output", args.output)
         limit = None if args.num_requests <= 0 else args.num_requests
         trace = load_trace(args.trace, limit=limit)
         eng = _engine(args)
@@ -275,7 +374,7 @@ def replay_main(args: argparse.Namespace) -> int:
         block_size=eng.cache_spec.block_size,
         num_blocks=eng.cache_spec.num_blocks,
         max_model_len=eng.scheduler.max_model_len,
-        prompt_scale=args.prompt_scale,
+        prompt_scale=resolve_prompt_scale(trace.format, args.prompt_scale),
         output_scale=args.output_scale,
         bookkeeping_share=eng.step_stats.bookkeeping_share,
     )
@@ -286,7 +385,7 @@ def replay_main(args: argparse.Namespace) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(s, indent=2))
         print(f"wrote {path}", file=sys.stderr)
-    return 0
+    return 130 if s["interrupted"] else 0  # 130 = 128 + SIGINT, the shell's Ctrl-C code
 
 
 __all__ = ["add_generate_parser", "add_replay_parser", "generate_main", "replay_main"]

@@ -44,7 +44,10 @@ class EngineConfig:
         backend: ``"auto"`` or a backend name (``kvpage.backends``).
         dtype: model dtype (float32, float16, bfloat16).
         seed: engine seed (sampling of requests without their own seed).
-        device: ``"cpu"``, ``"cuda"``, ... (torch device string).
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (checked: must exist here).
+        num_threads: when given, ``torch.set_num_threads(num_threads)`` (process-wide)
+            before the model loads; None = torch's default (one thread per core).
+            On a small or shared CPU the bundled model is much faster with 1.
     """
 
     model: Any = "stories260K"
@@ -60,21 +63,22 @@ class EngineConfig:
     dtype: ModelDType = "float32"
     seed: int = 0
     device: str = "cpu"
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SpecError(f"{name}: expected an int >= 1, got {v!r}")
-        for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len"):
+        for name, lo in (("num_blocks", 2), ("kv_cache_memory_bytes", 1), ("max_model_len", 1)):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise SpecError(f"{name}: expected None or an int >= 1, got {v!r}")
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise SpecError(
-                f"num_blocks: expected >= 2 (block 0 is the reserved null block), "
-                f"got {self.num_blocks}"
-            )
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
+                why = " (block 0 is the reserved null block)" if name == "num_blocks" else ""
+                raise SpecError(f"{name}: expected None or an int >= {lo}{why}, got {v!r}")
+        nt = self.num_threads
+        if nt is not None and (isinstance(nt, bool) or not isinstance(nt, int) or nt < 1):
+            raise SpecError(f"num_threads: expected None or an int >= 1, got {nt!r}")
+        check_device(self.device)
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise SpecError(f"dtype: expected float32, float16 or bfloat16, got {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3", "fp8_e5m2"):
@@ -82,8 +86,36 @@ class EngineConfig:
                 f"kv_cache_dtype: expected auto, int8, fp8_e4m3 or fp8_e5m2, "
                 f"got {self.kv_cache_dtype!r}"
             )
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise SpecError(f"seed: expected an int >= 0, got {self.seed!r}")
+        sd = self.seed
+        if isinstance(sd, bool) or not isinstance(sd, int) or not 0 <= sd < 2**63:
+            raise SpecError(f"seed: expected an int in [0, 2**63 - 1], got {sd!r}")
+
+
+def check_device(device: Any) -> torch.device:
+    """Parse and check a torch device string: ``cpu``, or ``cuda``/``cuda:N`` with a
+    CUDA build of torch and GPU N present.
+
+    Raises:
+        SpecError: ``"device: expected ..., got ..."`` for an unknown, unsupported or
+            unavailable device.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise SpecError(
+            f"device: expected a torch device such as 'cpu', 'cuda' or 'cuda:0', got {device!r}"
+        ) from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise SpecError(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}")
+    if not torch.cuda.is_available():
+        why = "no CUDA device visible" if torch.version.cuda else "torch built without CUDA"
+        raise SpecError(f"device: expected an available device, got {device!r} ({why})")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise SpecError(f"device: expected cuda:N with N < {count} (visible GPUs), got {device!r}")
+    return dev
 
 
 def resolve_num_blocks(
@@ -118,7 +150,9 @@ def build_components(config: EngineConfig) -> dict[str, Any]:
         "scheduler", "runner", "max_model_len"}``.
 
     Raises:
-        SpecError: bad sizes; BackendUnavailableError: no backend can run the spec.
+        SpecError: bad sizes, or ``max_model_len`` above the model's
+            ``max_position_embeddings``; BackendUnavailableError: no backend can run
+            the spec.
     """
     from kvpage.backends import get_backend, select_backend
     from kvpage.cache import KVCacheManager
@@ -126,10 +160,18 @@ def build_components(config: EngineConfig) -> dict[str, Any]:
     from kvpage.engine.scheduler import Scheduler
     from kvpage.models import load_model
 
-    device = torch.device(config.device)
+    device = check_device(config.device)
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
     model = load_model(config.model, dtype=config.dtype, device=config.device)
     cfg = model.config
-    mml = config.max_model_len or int(cfg.get("max_position_embeddings") or 2048)
+    mpe = cfg.get("max_position_embeddings")
+    if config.max_model_len is not None and mpe and config.max_model_len > int(mpe):
+        raise SpecError(
+            f"max_model_len: expected <= {int(mpe)} (the model's max_position_embeddings), "
+            f"got {config.max_model_len}"
+        )
+    mml = config.max_model_len or int(mpe or 2048)
     probe = model.cache_spec(config.block_size, 0, config.kv_cache_dtype)
     num_blocks = resolve_num_blocks(config, probe.bytes_per_block, probe.fixed_scale_bytes, mml)
     spec = model.cache_spec(config.block_size, num_blocks, config.kv_cache_dtype)
@@ -160,4 +202,10 @@ def build_components(config: EngineConfig) -> dict[str, Any]:
     }
 
 
-__all__ = ["DEFAULT_KV_CACHE_BYTES_CAP", "EngineConfig", "build_components", "resolve_num_blocks"]
+__all__ = [
+    "DEFAULT_KV_CACHE_BYTES_CAP",
+    "EngineConfig",
+    "check_device",
+    "build_components",
+    "resolve_num_blocks",
+]

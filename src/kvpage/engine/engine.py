@@ -7,18 +7,25 @@ batch API and ``kvpage.engine.config`` for how the engine is built.
 
 from __future__ import annotations
 
+import numbers
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvpage.engine.config import EngineConfig, build_components
 from kvpage.engine.params import CompletionOutput, RequestOutput, SamplingParams
 from kvpage.engine.request import Request
 from kvpage.engine.sampler import Sampler, make_generator
+from kvpage.engine.scheduler import SchedulerOutput
 from kvpage.errors import RequestRejected
+
+#: the keys a dict prompt may have
+PROMPT_KEYS = ("prompt_token_ids", "prompt", "cache_salt")
 
 #: names of the engine metrics (the server exports the same; Prometheus style)
 METRIC_NAMES = (
@@ -125,6 +132,8 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._arrivals = 0
         self._counters = {"prompt": 0, "generation": 0, "rejected": 0}
+        #: ids of user requests dropped by failed steps (oldest first)
+        self.failed_request_ids: deque[str] = deque(maxlen=1024)
 
     @classmethod
     def from_config(cls, **kwargs: Any) -> LLMEngine:
@@ -133,19 +142,73 @@ class LLMEngine:
         return cls(config, build_components(config))
 
     # ---- requests -----------------------------------------------------------------------
+    def _token_ids(self, seq: Any) -> list[int]:
+        """Strict token-id list: Python/numpy ints only (no bool, float or str)."""
+        if isinstance(seq, (np.ndarray, torch.Tensor)):
+            kind = "integer"
+            if isinstance(seq, np.ndarray):
+                ok = seq.dtype.kind in "iu"
+                dt = str(seq.dtype)
+            else:
+                ok = not seq.dtype.is_floating_point and not seq.dtype.is_complex
+                ok = ok and seq.dtype is not torch.bool
+                dt = str(seq.dtype)
+            if seq.ndim != 1 or not ok:
+                raise RequestRejected(
+                    f"prompt_token_ids: expected a 1-D {kind} array, got {seq.ndim}-D {dt}",
+                    reason="invalid_prompt",
+                )
+            seq = seq.tolist()
+        ids: list[int] = []
+        for i, t in enumerate(seq):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
+                raise RequestRejected(
+                    f"prompt_token_ids[{i}]: expected int, got {type(t).__name__} {t!r}",
+                    reason="invalid_prompt",
+                )
+            ids.append(int(t))
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRejected(
+                f"prompt_token_ids: expected ids in [0, {self.vocab_size}), got {bad[:5]}",
+                reason="invalid_prompt",
+            )
+        return ids
+
     def _parse_prompt(self, prompt: Any) -> tuple[str | None, list[int], str | None]:
         text: str | None = None
         salt = None
         if isinstance(prompt, Mapping):
+            unknown = sorted(str(k) for k in prompt if k not in PROMPT_KEYS)
+            if unknown:
+                raise RequestRejected(
+                    f"prompt: expected keys among {list(PROMPT_KEYS)}, got unknown {unknown}",
+                    reason="invalid_prompt",
+                )
             salt = prompt.get("cache_salt")
             if salt is not None and not isinstance(salt, str):
                 raise RequestRejected(
                     f"cache_salt: expected a string, got {salt!r}", reason="invalid_prompt"
                 )
+            if "prompt_token_ids" in prompt and "prompt" in prompt:
+                raise RequestRejected(
+                    "prompt: expected one of 'prompt_token_ids' or 'prompt', got both",
+                    reason="invalid_prompt",
+                )
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
+                if isinstance(prompt, (str, bytes, bytearray)):
+                    raise RequestRejected(
+                        f"prompt_token_ids: expected a list of ints, got {type(prompt).__name__}",
+                        reason="invalid_prompt",
+                    )
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
+                if not isinstance(prompt, str):
+                    raise RequestRejected(
+                        f"prompt: expected a string, got {type(prompt).__name__}",
+                        reason="invalid_prompt",
+                    )
             else:
                 raise RequestRejected(
                     f"prompt: expected a dict with 'prompt_token_ids' or 'prompt', "
@@ -160,20 +223,12 @@ class LLMEngine:
                 )
             text = prompt
             ids = list(self.tokenizer.encode(prompt, bos=True)) if prompt else []
-        elif isinstance(prompt, (list, tuple)) or (
-            isinstance(prompt, torch.Tensor) and prompt.dim() == 1
-        ):
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestRejected(
-                    f"prompt_token_ids: expected ids in [0, {self.vocab_size}), got {bad[:5]}",
-                    reason="invalid_prompt",
-                )
+        elif isinstance(prompt, (list, tuple, np.ndarray, torch.Tensor)):
+            ids = self._token_ids(prompt)
         else:
             raise RequestRejected(
-                f"prompt: expected a string, a list of token ids or a dict, "
-                f"got {type(prompt).__name__}",
+                f"prompt: expected a string, a list of token ids (or a 1-D integer numpy "
+                f"array / torch tensor) or a dict, got {type(prompt).__name__}",
                 reason="invalid_prompt",
             )
         return text, ids, salt
@@ -196,11 +251,16 @@ class LLMEngine:
 
         Raises:
             RequestRejected: with ``reason`` "invalid_prompt", "empty_prompt",
-                "prompt_too_long", "exceeds_kv_capacity", "invalid_sampling_params" or
-                "duplicate_request_id". No state changes (apart from the rejected-requests
+                "prompt_too_long", "exceeds_kv_capacity", "invalid_sampling_params",
+                "invalid_request_id" or "duplicate_request_id". No state changes (apart from the rejected-requests
                 counter).
         """
         try:
+            if not isinstance(request_id, str) or not request_id:
+                raise RequestRejected(
+                    f"request_id: expected a non-empty string, got {request_id!r}",
+                    reason="invalid_request_id",
+                )
             if params is None:
                 params = SamplingParams()
             if not isinstance(params, SamplingParams):
@@ -271,12 +331,43 @@ class LLMEngine:
         Returns:
             One RequestOutput per user request that progressed this step (got a token
             or finished), ``finished=True`` on the step it completes.
+
+        Raises:
+            Exception: whatever the model, sampler or scheduler raised. The requests
+                scheduled in the failed step (every running one if scheduling itself
+                failed) are aborted, their blocks freed and their ids forgotten (and
+                appended to ``failed_request_ids``); every other request is untouched,
+                so the engine stays usable.
         """
-        st = self.step_stats
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
+        try:
+            out = self.scheduler.schedule()
+        except BaseException:
+            # the plan may be half-built: drop every running request (frees its blocks)
+            self._fail_groups({r.group_id for r in self.scheduler.running})
+            raise
         if out.is_empty:
             return []
+        try:
+            return self._run_step(out, t0, finished_only)
+        except BaseException:
+            # a model, sampler or bookkeeping failure: the requests of this step are
+            # dropped (blocks freed, ids forgotten) so the engine stays usable
+            self._fail_groups({s.request.group_id for s in out.scheduled})
+            raise
+
+    def _fail_groups(self, group_ids: set[str]) -> None:
+        """Abort and forget the user requests ``group_ids`` after a failed step."""
+        for gid in sorted(group_ids):
+            self.scheduler.abort(gid)
+            self.scheduler.release(gid)
+            self._groups.pop(gid, None)
+        self.failed_request_ids.extend(sorted(group_ids))
+
+    def _run_step(
+        self, out: SchedulerOutput, t0: float, finished_only: bool
+    ) -> list[RequestOutput]:
+        st = self.step_stats
         t1 = time.perf_counter()
         logits = self.runner.execute(out)
         t2 = time.perf_counter()

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
+import torch
 
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.params import RequestOutput, SamplingParams
@@ -20,7 +24,9 @@ class LLM:
         **kwargs: the rest of :class:`kvpage.engine.config.EngineConfig` (block_size,
             num_blocks, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,
             max_model_len, enable_prefix_caching, kv_cache_dtype, backend, dtype, seed,
-            device).
+            device, num_threads). ``num_threads`` (default None = leave torch alone)
+            calls ``torch.set_num_threads`` (process-wide): on a small or shared CPU,
+            1 is often much faster for the bundled model (see docs/user-guide.md).
 
     Attributes:
         llm_engine: the underlying :class:`LLMEngine`.
@@ -59,10 +65,21 @@ class LLM:
 
         Raises:
             RequestRejected: ``sampling_params`` is a list of the wrong length.
+            Exception: a step failed (model, sampler); every request of this call is
+                aborted first, so the LLM stays usable.
         """
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        if (
+            isinstance(prompts, (str, bytes, bytearray, Mapping, numbers.Integral))
+            or (isinstance(prompts, (np.ndarray, torch.Tensor)) and prompts.ndim <= 1)
+            or (
+                isinstance(prompts, (list, tuple))
+                and prompts
+                and not isinstance(prompts[0], (str, Mapping, list, tuple, np.ndarray))
+                and not isinstance(prompts[0], torch.Tensor)
+            )
         ):
+            # one prompt: text, token ids (a list of ids, a 1-D numpy array or tensor),
+            # a dict, or something invalid that add_request rejects as one prompt
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -98,13 +115,20 @@ class LLM:
                     error=e,
                 )
         pending = {r for r in ids if r not in results}
-        while pending:
-            for out in eng.step(finished_only=True):
-                if out.finished and out.request_id in pending:
-                    results[out.request_id] = out
-                    pending.discard(out.request_id)
-            if pending and not eng.has_unfinished_requests():  # pragma: no cover
-                raise RuntimeError(f"engine stopped with unfinished requests {sorted(pending)}")
+        try:
+            while pending:
+                for out in eng.step(finished_only=True):
+                    if out.finished and out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                if pending and not eng.has_unfinished_requests():  # pragma: no cover
+                    raise RuntimeError(f"engine stopped with unfinished requests {sorted(pending)}")
+        except BaseException:
+            # a failed step (or Ctrl-C): abort this call's other requests too, so the
+            # engine holds no blocks for them and the next generate starts clean
+            for r in sorted(pending):
+                eng.abort_request(r)
+            raise
         return [results[r] for r in ids]
 
 

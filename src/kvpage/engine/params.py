@@ -16,6 +16,16 @@ from kvpage.errors import RequestRejected
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+#: largest value of a signed 64-bit integer (torch.int64); every integer parameter
+#: must fit it, as the sampler puts them in int64 tensors and torch generators
+INT64_MAX = 2**63 - 1
+
+
+def _is_int(v: object, lo: int) -> bool:
+    """True for a real int (not bool) in ``[lo, INT64_MAX]``."""
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= INT64_MAX
+
+
 def _bad(name: str, expected: str, got: object) -> RequestRejected:
     return RequestRejected(
         f"{name}: expected {expected}, got {got!r}", reason="invalid_sampling_params"
@@ -27,7 +37,8 @@ class SamplingParams:
     """How to sample one request (validated on construction).
 
     Attributes:
-        max_tokens: most tokens to generate (>= 1); None = up to ``max_model_len``.
+        max_tokens: most tokens to generate (>= 1); every integer field must also be
+            <= ``2**63 - 1`` (int64, what torch accepts); None = up to ``max_model_len``.
             Default 64.
         temperature: softmax temperature (>= 0); 0 = greedy (argmax).
         top_p: nucleus sampling: keep the smallest set of tokens whose probability
@@ -35,8 +46,8 @@ class SamplingParams:
         top_k: keep the k most likely tokens (-1 or 0 = off, else >= 1).
         n: completions per prompt (>= 1); they share the prompt's blocks
             (copy-on-write) and are sampled independently.
-        seed: per-request seed (>= 0); completion ``i`` draws from a
-            ``torch.Generator`` seeded with ``seed + i``. None = derived from the
+        seed: per-request seed (>= 0, with ``seed + n - 1 <= 2**63 - 1``); completion
+            ``i`` draws from a ``torch.Generator`` seeded with ``seed + i``. None = derived from the
             engine seed and the request's arrival order (reproducible per engine).
         stop_token_ids: extra token ids that end a completion (the token is kept in
             the output, finish_reason "stop").
@@ -69,8 +80,8 @@ class SamplingParams:
             RequestRejected: reason ``"invalid_sampling_params"``.
         """
         mt = self.max_tokens
-        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
-            raise _bad("max_tokens", "None or an int >= 1", mt)
+        if mt is not None and not _is_int(mt, 1):
+            raise _bad("max_tokens", f"None or an int in [1, {INT64_MAX}]", mt)
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise _bad("temperature", "a finite number >= 0", t)
@@ -78,20 +89,23 @@ class SamplingParams:
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
             raise _bad("top_p", "a number in (0, 1]", p)
         k = self.top_k
-        if isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k not in (-1, 0)):
-            raise _bad("top_k", "-1 (off) or an int >= 1", k)
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise _bad("n", "an int >= 1", self.n)
+        if not _is_int(k, -1):
+            raise _bad("top_k", f"-1 or 0 (off) or an int in [1, {INT64_MAX}]", k)
+        if not _is_int(self.n, 1):
+            raise _bad("n", f"an int in [1, {INT64_MAX}]", self.n)
         s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
-            raise _bad("seed", "None or an int >= 0", s)
+        if s is not None:
+            # sample i is seeded with seed + i (torch.Generator.manual_seed takes a
+            # signed or unsigned 64-bit value; kvpage keeps every seed in int64 range)
+            if not _is_int(s, 0):
+                raise _bad("seed", f"None or an int in [0, {INT64_MAX}]", s)
+            if s + self.n - 1 > INT64_MAX:
+                raise _bad("seed", f"seed + n - 1 <= {INT64_MAX} (sample i uses seed + i)", s)
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids
-            if not isinstance(ids, (list, tuple)) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
-            ):
-                raise _bad("stop_token_ids", "None or a list of ints >= 0", ids)
-            self.stop_token_ids = list(ids)
+            if not isinstance(ids, (list, tuple)) or not all(_is_int(i, 0) for i in ids):
+                raise _bad("stop_token_ids", f"None or a list of ints in [0, {INT64_MAX}]", ids)
+            self.stop_token_ids = [int(i) for i in ids]
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", "a bool", self.ignore_eos)
         if self.stop is not None:

@@ -46,6 +46,24 @@ class ReplayRequest:
     max_tokens: int
 
 
+def resolve_prompt_scale(trace_format: str, prompt_scale: float | None) -> float:
+    """The prompt scale in use: ``prompt_scale`` when given, else the trace format's
+    default (:data:`DEFAULT_PROMPT_SCALE`, 8 for an unknown format).
+
+    Raises:
+        ValueError: ``prompt_scale`` is given but not a finite number > 0.
+    """
+    if prompt_scale is None:
+        return float(DEFAULT_PROMPT_SCALE.get(trace_format, 8))
+    if not _positive(prompt_scale):
+        raise ValueError(f"prompt_scale: expected a finite number > 0, got {prompt_scale!r}")
+    return float(prompt_scale)
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
 def fit_trace(
     trace: Any,
     *,
@@ -58,13 +76,14 @@ def fit_trace(
     """Scale a ``kvpage.sim.traces.Trace`` into the model's context (module docstring).
 
     Raises:
-        ValueError: a scale is not > 0.
+        ValueError: a scale is not a finite number > 0 (``prompt_scale`` None = the
+            format's default, see :func:`resolve_prompt_scale`).
     """
     from kvpage.sim.traces import MOONCAKE_BLOCK_TOKENS, TokenMapper
 
-    ps = float(prompt_scale or DEFAULT_PROMPT_SCALE.get(trace.format, 8))
-    if ps <= 0 or output_scale <= 0:
-        raise ValueError(f"prompt_scale/output_scale: expected > 0, got {ps}/{output_scale}")
+    ps = resolve_prompt_scale(trace.format, prompt_scale)
+    if not _positive(output_scale):
+        raise ValueError(f"output_scale: expected a finite number > 0, got {output_scale!r}")
     hb = max(1, int(round(MOONCAKE_BLOCK_TOKENS / ps)))
     mapper = TokenMapper(seed=seed, vocab_size=vocab_size, hash_block_tokens=hb)
     max_prompt = max(1, max_model_len // 2)
@@ -128,10 +147,10 @@ def replay(
         when Ctrl-C stopped the run early; unfinished requests are aborted).
 
     Raises:
-        ValueError: ``speedup <= 0``.
+        ValueError: ``speedup`` is not a finite number > 0.
     """
-    if speedup <= 0:
-        raise ValueError(f"speedup: expected > 0, got {speedup}")
+    if not _positive(speedup):
+        raise ValueError(f"speedup: expected a finite number > 0, got {speedup!r}")
     m0 = engine.get_metrics()
     st = engine.step_stats
     pre0, dec0, steps0 = st.prefill_tokens, st.decode_tokens, st.num_steps
@@ -204,4 +223,11 @@ def replay(
     return ReplayResult(summary, done)
 
 
-__all__ = ["DEFAULT_PROMPT_SCALE", "ReplayRequest", "ReplayResult", "fit_trace", "replay"]
+__all__ = [
+    "DEFAULT_PROMPT_SCALE",
+    "ReplayRequest",
+    "ReplayResult",
+    "fit_trace",
+    "replay",
+    "resolve_prompt_scale",
+]

@@ -1,0 +1,162 @@
+"""Every numeric option of ``kvpage generate`` / ``replay`` is checked up front: a bad
+value exits 2 with ``argument --x: expected X, got Y`` and no traceback (break-it
+findings, engine items 1-4, 8-10, 12)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvpage.engine.replay as replay_mod
+from kvpage.cli import build_parser, main
+
+ENGINE_BAD = [
+    ("--block-size", "0"),
+    ("--block-size", "x"),
+    ("--num-blocks", "0"),
+    ("--num-blocks", "1"),
+    ("--kv-cache-memory-bytes", "0"),
+    ("--max-num-seqs", "0"),
+    ("--max-num-batched-tokens", "-5"),
+    ("--max-model-len", "0"),
+    ("--seed", "-1"),
+    ("--seed", str(2**63)),
+    ("--threads", "-1"),
+    ("--threads", "-3"),
+]
+GENERATE_BAD = [
+    ("--max-tokens", "0"),
+    ("--max-tokens", str(2**63)),
+    ("--temperature", "-1"),
+    ("--temperature", "nan"),
+    ("--temperature", "inf"),
+    ("--top-p", "0"),
+    ("--top-p", "1.5"),
+    ("--top-k", "-2"),
+    ("-n", "0"),
+    ("--sample-seed", "18446744073709551616"),
+    ("--sample-seed", "-1"),
+]
+REPLAY_BAD = [
+    ("--speedup", "0"),
+    ("--speedup", "-2"),
+    ("--speedup", "nan"),
+    ("--speedup", "inf"),
+    ("--num-requests", "-1"),
+    ("--prompt-scale", "0"),
+    ("--prompt-scale", "nan"),
+    ("--output-scale", "0"),
+    ("--output-scale", "-1"),
+]
+
+
+def _exit_code(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return int(e.value.code or 0), err
+
+
+@pytest.mark.parametrize(("flag", "value"), ENGINE_BAD + GENERATE_BAD)
+def test_generate_rejects_bad_numbers(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _exit_code(["generate", flag, value, "hi"], capsys)
+    assert code == 2
+    assert f"argument {flag}" in err and f"got '{value}'" in err and "expected" in err
+
+
+@pytest.mark.parametrize(("flag", "value"), ENGINE_BAD + REPLAY_BAD)
+def test_replay_rejects_bad_numbers(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _exit_code(["replay", flag, value], capsys)
+    assert code == 2
+    assert f"argument {flag}" in err and f"got '{value}'" in err and "expected" in err
+
+
+def test_num_blocks_message_agrees_with_the_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    _, err = _exit_code(["generate", "--num-blocks", "1", "hi"], capsys)
+    assert "expected an int >= 2" in err
+
+
+def test_replay_output_folder_rejected_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(*a: Any, **k: Any) -> None:  # the trace must not even be loaded
+        raise AssertionError("ran")
+
+    monkeypatch.setattr("kvpage.sim.traces.load_trace", boom)
+    assert main(["replay", "--output", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"output: expected a file path, got '{tmp_path}' (a folder)" in err
+    (tmp_path / "f").write_text("")
+    assert main(["replay", "--output", str(tmp_path / "f" / "x.json")]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
+def test_replay_records_prompt_scale_used_and_ctrl_c_exits_130(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = "replay --threads 0 --num-requests 3 --speedup 1000 --output-scale 40 --no-progress"
+    argv = base.split() + ["--num-blocks", "128"]
+    out = tmp_path / "sub" / "r.json"
+    assert main([*argv, "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["prompt_scale"] == 8.0  # Azure default, not null
+    assert main([*argv, "--prompt-scale", "4", "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["prompt_scale"] == 4.0
+
+    real = replay_mod.replay
+
+    def interrupted(engine: Any, reqs: Any, **kw: Any) -> Any:
+        def stop(_o: object) -> None:
+            raise KeyboardInterrupt
+
+        return real(engine, reqs, speedup=kw["speedup"], on_finish=stop)
+
+    monkeypatch.setattr(replay_mod, "replay", interrupted)
+    assert main([*argv, "--output", str(out)]) == 130
+    s = json.loads(out.read_text())
+    assert s["interrupted"] is True and s["completed"] == 1
+    assert "(interrupted)" in capsys.readouterr().out
+
+
+def test_ctrl_c_during_setup_exits_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def ctrl_c(**kw: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("kvpage.engine.LLMEngine.from_config", ctrl_c)
+    assert main(["generate", "hi"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+
+
+def test_generate_help_names_the_default_prompt() -> None:
+    sub = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert "Once upon a time" in sub["generate"].format_help()
+
+
+def test_generate_huge_seed_is_clean(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_model(**kw: Any) -> None:  # rejected before the model loads
+        raise AssertionError("loaded")
+
+    monkeypatch.setattr("kvpage.engine.LLMEngine.from_config", no_model)
+    argv = ["generate", "--temperature", "1", "-n", "2", "--sample-seed", str(2**63 - 1), "hi"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpage generate: seed: expected seed + n - 1 <=")
+    assert "Traceback" not in err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_generate_unavailable_device_is_clean(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--device", "cuda", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpage generate: device: expected an available device, got 'cuda'")
