@@ -546,3 +546,25 @@ def test_huge_text_prompt_is_refused_without_tokenizing(server):
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
     assert "got at least" in err["message"]
+
+
+def test_unexpected_errors_are_counted_500s(server, monkeypatch):
+    """Finding 2: an unexpected exception answered 500 but was not counted in
+    kvpage:server_requests_total{status="500"}."""
+    import kvpage.server.app as app_mod
+
+    def boom(*a, **k):
+        raise RuntimeError("injected")
+
+    key = 'kvpage:server_requests_total{endpoint="completions",status="500"}'
+    before = metrics_dict(httpx.get(server.base_url + "/metrics").text).get(key, 0.0)
+    monkeypatch.setattr(app_mod, "prepare_request", boom)
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        json={"model": "stories260K", "prompt": "Once", "max_tokens": 2},
+        timeout=30,
+    )
+    monkeypatch.undo()
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    after = metrics_dict(httpx.get(server.base_url + "/metrics").text)[key]
+    assert after - before == 1
