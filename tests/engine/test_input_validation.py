@@ -215,3 +215,11 @@ def test_num_threads_sets_torch_threads() -> None:
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-50, 1e-39])
+def test_tiny_temperature_tends_to_greedy_not_noise(llm: LLM, temperature: float) -> None:
+    (greedy,) = llm.generate(["Once upon a time"], SamplingParams(max_tokens=8, ignore_eos=True))
+    p = SamplingParams(max_tokens=8, temperature=temperature, seed=1, ignore_eos=True)
+    (tiny,) = llm.generate(["Once upon a time"], p)
+    assert tiny.outputs[0].token_ids == greedy.outputs[0].token_ids

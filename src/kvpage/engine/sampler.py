@@ -83,8 +83,19 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
     ) -> list[int]:
         m, vocab = logits.shape
-        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        vals, idx = torch.sort(logits / temp[:, None], dim=-1, descending=True)
+        temps = [p.temperature for p in params]
+        scaled = logits / torch.tensor(temps, dtype=torch.float32)[:, None]
+        bad = ~torch.isfinite(scaled).all(dim=1)
+        if bool(bad.any()):
+            # a tiny temperature overflows float32 (or underflows to 0): divide the
+            # max-shifted logits in float64 instead, so the best token gets 0 and the
+            # others -inf or a finite negative value (the limit is greedy, not noise)
+            rows = bad.nonzero().squeeze(1)
+            sub = logits.index_select(0, rows).double()
+            sub = sub - sub.max(dim=1, keepdim=True).values
+            t64 = torch.tensor(temps, dtype=torch.float64).index_select(0, rows)
+            scaled[rows] = (sub / t64[:, None]).float()
+        vals, idx = torch.sort(scaled, dim=-1, descending=True)
         ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
         ranks = torch.arange(vocab)[None, :]
         vals = vals.masked_fill(ranks >= ks[:, None], float("-inf"))
