@@ -160,3 +160,9 @@ def test_generate_unavailable_device_is_clean(capsys: pytest.CaptureFixture[str]
     assert main(["generate", "--device", "cuda", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvpage generate: device: expected an available device, got 'cuda'")
+
+
+def test_generate_pool_too_big_is_clean(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--num-blocks", str(10**11), "--threads", "0", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpage generate: num_blocks: expected a KV cache that fits")

@@ -223,3 +223,9 @@ def test_tiny_temperature_tends_to_greedy_not_noise(llm: LLM, temperature: float
     p = SamplingParams(max_tokens=8, temperature=temperature, seed=1, ignore_eos=True)
     (tiny,) = llm.generate(["Once upon a time"], p)
     assert tiny.outputs[0].token_ids == greedy.outputs[0].token_ids
+
+
+def test_kv_cache_too_big_for_memory_is_a_spec_error() -> None:
+    # ~400 TB: more than a 47-bit address space, so the allocation fails on any machine
+    with pytest.raises(SpecError, match=r"^num_blocks: expected a KV cache that fits in cpu"):
+        LLM(num_blocks=10**11)

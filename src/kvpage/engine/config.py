@@ -150,7 +150,7 @@ def build_components(config: EngineConfig) -> dict[str, Any]:
         "scheduler", "runner", "max_model_len"}``.
 
     Raises:
-        SpecError: bad sizes, or ``max_model_len`` above the model's
+        SpecError: bad sizes, a KV cache too big to allocate, or ``max_model_len`` above the model's
             ``max_position_embeddings``; BackendUnavailableError: no backend can run
             the spec.
     """
@@ -181,7 +181,15 @@ def build_components(config: EngineConfig) -> dict[str, Any]:
         backend = select_backend(spec, device, prefer=config.backend)
         if getattr(backend, "name", config.backend) != config.backend:  # pragma: no cover
             backend = get_backend(config.backend)
-    kv_caches = [backend.allocate_kv_cache(spec, i, device) for i in range(spec.num_layers)]
+    try:
+        kv_caches = [backend.allocate_kv_cache(spec, i, device) for i in range(spec.num_layers)]
+    except (RuntimeError, MemoryError) as e:  # torch's CPU/CUDA out-of-memory errors
+        total = spec.total_bytes
+        raise SpecError(
+            f"num_blocks: expected a KV cache that fits in {config.device} memory, got "
+            f"{num_blocks} blocks of {config.block_size} tokens (~{total:,} bytes): "
+            f"{str(e).splitlines()[0][:200]}"
+        ) from None
     kvm = KVCacheManager(spec, enable_prefix_caching=config.enable_prefix_caching)
     scheduler = Scheduler(
         kvm,
