@@ -176,6 +176,13 @@ def test_request_id_must_be_a_nonempty_string(llm: LLM, rid: Any) -> None:
     _assert_clean(llm)
 
 
+@pytest.mark.parametrize("at", [float("nan"), float("inf"), "now", True])
+def test_arrival_time_must_be_finite(llm: LLM, at: Any) -> None:
+    with pytest.raises(RequestRejected, match=r"^arrival_time: expected None or a finite"):
+        llm.llm_engine.add_request("t", [1, 2], SamplingParams(max_tokens=2), at)
+    _assert_clean(llm)
+
+
 # ---- items 5, 6, 8, 11: engine configuration --------------------------------------------
 @pytest.mark.parametrize(
     ("kwargs", "match"),
@@ -187,6 +194,9 @@ def test_request_id_must_be_a_nonempty_string(llm: LLM, rid: Any) -> None:
         ({"num_threads": 0}, r"^num_threads: expected None or an int >= 1"),
         ({"seed": 2**63}, r"^seed: expected"),
         ({"seed": True}, r"^seed: expected"),
+        ({"enable_prefix_caching": "no"}, r"^enable_prefix_caching: expected a bool"),
+        ({"backend": None}, r"^backend: expected"),
+        ({"device": 3}, r"^device: expected"),
     ],
 )
 def test_engine_config_rejects(kwargs: dict[str, Any], match: str) -> None:

@@ -78,6 +78,12 @@ class EngineConfig:
         nt = self.num_threads
         if nt is not None and (isinstance(nt, bool) or not isinstance(nt, int) or nt < 1):
             raise SpecError(f"num_threads: expected None or an int >= 1, got {nt!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise SpecError(
+                f"enable_prefix_caching: expected a bool, got {self.enable_prefix_caching!r}"
+            )
+        if not isinstance(self.backend, str) or not self.backend:
+            raise SpecError(f"backend: expected 'auto' or a backend name, got {self.backend!r}")
         check_device(self.device)
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise SpecError(f"dtype: expected float32, float16 or bfloat16, got {self.dtype!r}")

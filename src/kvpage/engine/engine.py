@@ -7,6 +7,7 @@ batch API and ``kvpage.engine.config`` for how the engine is built.
 
 from __future__ import annotations
 
+import math
 import numbers
 import time
 from collections import deque
@@ -252,7 +253,8 @@ class LLMEngine:
         Raises:
             RequestRejected: with ``reason`` "invalid_prompt", "empty_prompt",
                 "prompt_too_long", "exceeds_kv_capacity", "invalid_sampling_params",
-                "invalid_request_id" or "duplicate_request_id". No state changes (apart from the rejected-requests
+                "invalid_request_id", "invalid_request" (bad arrival_time) or
+                "duplicate_request_id". No state changes (apart from the rejected-requests
                 counter).
         """
         try:
@@ -269,6 +271,15 @@ class LLMEngine:
                     reason="invalid_sampling_params",
                 )
             params.validate()
+            at = arrival_time
+            if at is not None and (
+                isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at)
+            ):
+                raise RequestRejected(
+                    f"arrival_time: expected None or a finite number (time.monotonic() "
+                    f"seconds), got {at!r}",
+                    reason="invalid_request",
+                )
             text, ids, salt = self._parse_prompt(prompt)
             mml = self.scheduler.max_model_len
             cap = mml - len(ids) if params.max_tokens is None else params.max_tokens
