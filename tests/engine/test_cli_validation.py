@@ -166,3 +166,22 @@ def test_generate_pool_too_big_is_clean(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["generate", "--num-blocks", str(10**11), "--threads", "0", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvpage generate: num_blocks: expected a KV cache that fits")
+
+
+def test_replay_tiny_speedup_sleeps_in_slices() -> None:
+    from kvpage.engine import LLMEngine
+
+    eng = LLMEngine.from_config(block_size=16, num_blocks=64)
+    reqs = [
+        replay_mod.ReplayRequest("a", 0.0, [1, 5, 6], 2),
+        replay_mod.ReplayRequest("b", 10.0, [1, 7, 8], 2),
+    ]
+    waits: list[float] = []
+
+    def fake_sleep(s: float) -> None:
+        waits.append(s)
+        raise KeyboardInterrupt  # the user gives up waiting 1e301 s
+
+    res = replay_mod.replay(eng, reqs, speedup=1e-300, sleep=fake_sleep)
+    assert waits == [replay_mod.MAX_SLEEP_S] and res.summary["interrupted"]
+    assert res.summary["completed"] == 1 and not eng.has_unfinished_requests()

@@ -32,6 +32,9 @@ from kvpage.engine.engine import LLMEngine
 from kvpage.engine.params import RequestOutput, SamplingParams
 from kvpage.errors import RequestRejected
 
+#: longest single sleep while waiting for the next arrival, in seconds
+MAX_SLEEP_S = 1.0
+
 #: default prompt scale per trace format (see the module docstring)
 DEFAULT_PROMPT_SCALE = {"azure": 8, "mooncake": 32, "synthetic": 8}
 
@@ -176,7 +179,10 @@ def replay(
                 i += 1
             if not engine.has_unfinished_requests():
                 if i < n:
-                    sleep(max(0.0, requests[i].arrival_s / speedup - (time.monotonic() - t0)))
+                    # in slices of at most MAX_SLEEP_S: a tiny speedup gives huge waits
+                    # (time.sleep overflows past ~1e9 s) and Ctrl-C stays responsive
+                    wait = requests[i].arrival_s / speedup - (time.monotonic() - t0)
+                    sleep(min(MAX_SLEEP_S, max(0.0, wait)))
                 continue
             for out in engine.step(finished_only=True):
                 if out.finished:
