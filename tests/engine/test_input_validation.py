@@ -239,3 +239,31 @@ def test_kv_cache_too_big_for_memory_is_a_spec_error() -> None:
     # ~400 TB: more than a 47-bit address space, so the allocation fails on any machine
     with pytest.raises(SpecError, match=r"^num_blocks: expected a KV cache that fits in cpu"):
         LLM(num_blocks=10**11)
+
+
+@pytest.mark.parametrize("prompts", [None, 3, 2.5, object()])
+def test_non_iterable_prompts_are_one_rejected_prompt(llm: LLM, prompts: Any) -> None:
+    (out,) = llm.generate(prompts, SamplingParams(max_tokens=2))
+    assert out.error is not None and out.error.reason == "invalid_prompt"
+    _assert_clean(llm)
+
+
+def test_failing_schedule_drops_running_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = LLMEngine.from_config(block_size=16, num_blocks=64)
+    eng.add_request("a", [1, 5, 6], SamplingParams(max_tokens=5, ignore_eos=True))
+    eng.step()  # "a" is running and holds blocks
+    eng.add_request("b", [1, 7, 8], SamplingParams(max_tokens=2, ignore_eos=True))
+
+    def broken(*a: Any, **k: Any) -> None:
+        raise MemoryError("allocator broke")
+
+    monkeypatch.setattr(eng.kv_cache_manager, "allocate", broken)
+    with pytest.raises(MemoryError):
+        eng.step()
+    assert "a" in eng.failed_request_ids and eng.kv_cache_manager.usage == 0.0
+    monkeypatch.undo()
+    done = []
+    while eng.has_unfinished_requests():
+        done += [o.request_id for o in eng.step() if o.finished]
+    assert done == ["b"] and eng.kv_cache_manager.usage == 0.0
+    eng.kv_cache_manager.check_integrity()

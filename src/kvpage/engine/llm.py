@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,7 +69,8 @@ class LLM:
                 aborted first, so the LLM stays usable.
         """
         if (
-            isinstance(prompts, (str, bytes, bytearray, Mapping, numbers.Integral))
+            isinstance(prompts, (str, bytes, bytearray, Mapping, numbers.Number))
+            or not isinstance(prompts, Iterable)
             or (isinstance(prompts, (np.ndarray, torch.Tensor)) and prompts.ndim <= 1)
             or (
                 isinstance(prompts, (list, tuple))
