@@ -193,6 +193,19 @@ def _block_diag_query(q: torch.Tensor, hkv: int) -> torch.Tensor:
     return qbd.view(n, hq, hkv * d)
 
 
+def _kv_index(g: GroupIndex, cache: KVCache) -> torch.Tensor:
+    """``[2 * n * max_keys]`` int64: the group's slots, then the same slots shifted by
+    the cache's slot count (the V half of ``cache.kv`` viewed as ``[2 * slots, ...]``);
+    built once per cache size and kept on the group (shared by the step's layers)."""
+    slots = cache.num_blocks * cache.block_size
+    idx = g.kv_index.get(slots)
+    if idx is None:
+        flat = g.index.reshape(-1)
+        idx = torch.cat([flat, flat + slots])
+        g.kv_index[slots] = idx
+    return idx
+
+
 def _decode_padded(
     query: torch.Tensor, cache: KVCache, g: GroupIndex, spec: AttentionSpec, out: torch.Tensor
 ) -> None:
@@ -210,21 +223,26 @@ def _decode_padded(
         q = query
     else:
         q = query.index_select(0, g.q_rows.reshape(-1))
-    k = _gather(cache, 0, idx, False, torch.float32).view(n, L, hkv * d)
-    logits = torch.bmm(_block_diag_query(q, hkv), k.transpose(1, 2))  # [n, Hq, L]
-    logits.mul_(spec.scale)
-    if spec.logits_soft_cap is not None:
-        c = spec.logits_soft_cap
-        logits = torch.tanh(logits.div_(c)).mul_(c)
-    logits.add_(g.key_bias)
-    p = torch.softmax(logits, dim=-1)
-    v = _gather(cache, 1, idx, False, torch.float32).view(n, L, hkv * d)
-    o = torch.bmm(p, v).view(n, hkv, hq // hkv, hkv, d)
-    res = o.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, hq, d)
-    if g.identity_rows:
-        out.copy_(res)
+    if cache.kv_dtype == "auto":  # K and V rows in one gather from the [2 * slots] view
+        kv = F.embedding(_kv_index(g, cache), cache.kv.view(-1, hkv * d)).float()
+        k, v = kv[: n * L].view(n, L, hkv * d), kv[n * L :].view(n, L, hkv * d)
     else:
-        out.index_copy_(0, g.out_rows, res.to(out.dtype))
+        k = _gather(cache, 0, idx, False, torch.float32).view(n, L, hkv * d)
+        v = _gather(cache, 1, idx, False, torch.float32).view(n, L, hkv * d)
+    qbd, kt = _block_diag_query(q, hkv), k.transpose(1, 2)
+    if spec.logits_soft_cap is None:  # one fused pass: bias + scale * (q @ k)
+        logits = torch.baddbmm(g.key_bias, qbd, kt, alpha=spec.scale)  # [n, Hq, L]
+    else:
+        c = spec.logits_soft_cap
+        logits = torch.bmm(qbd, kt).mul_(spec.scale / c)
+        logits = torch.tanh_(logits).mul_(c).add_(g.key_bias)
+    p = torch.softmax(logits, dim=-1)
+    o = torch.bmm(p, v).view(n, hkv, hq // hkv, hkv, d)
+    diag = o.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # [n, Hkv, G, D]
+    if g.identity_rows:
+        out.view(n, hkv, hq // hkv, d).copy_(diag)
+    else:
+        out.index_copy_(0, g.out_rows, diag.reshape(n, hq, d).to(out.dtype))
 
 
 def _attend_padded(

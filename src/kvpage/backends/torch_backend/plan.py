@@ -55,6 +55,7 @@ class GroupIndex:
         attn_mask: ``[n, 1, max_q, max_keys]`` bool (True = attend) or None.
         key_bias: padded decode groups (``max_q == 1``): ``[n, 1, max_keys]`` float32,
             0 for keys in the range and -inf for padding (added to the logits); else None.
+        kv_index: memo of ``compute``: K-then-V slot index per cache slot count.
         is_causal: True when a top-left causal mask (query j sees keys 0..j) is exact.
         max_q: padded query length.
         q_start: first token row (streamed groups: rows are contiguous).
@@ -78,6 +79,7 @@ class GroupIndex:
     min_block: int = 0
     max_block: int = 0
     key_bias: torch.Tensor | None = None
+    kv_index: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
