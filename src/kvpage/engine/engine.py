@@ -8,25 +8,21 @@ batch API and ``kvpage.engine.config`` for how the engine is built.
 from __future__ import annotations
 
 import math
-import numbers
 import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvpage.engine.config import EngineConfig, build_components
 from kvpage.engine.params import CompletionOutput, RequestOutput, SamplingParams
+from kvpage.engine.prompts import parse_prompt
 from kvpage.engine.request import Request
 from kvpage.engine.sampler import Sampler, make_generator
 from kvpage.engine.scheduler import SchedulerOutput
 from kvpage.errors import RequestRejected
-
-#: the keys a dict prompt may have
-PROMPT_KEYS = ("prompt_token_ids", "prompt", "cache_salt")
 
 #: names of the engine metrics (the server exports the same; Prometheus style)
 METRIC_NAMES = (
@@ -143,96 +139,8 @@ class LLMEngine:
         return cls(config, build_components(config))
 
     # ---- requests -----------------------------------------------------------------------
-    def _token_ids(self, seq: Any) -> list[int]:
-        """Strict token-id list: Python/numpy ints only (no bool, float or str)."""
-        if isinstance(seq, (np.ndarray, torch.Tensor)):
-            kind = "integer"
-            if isinstance(seq, np.ndarray):
-                ok = seq.dtype.kind in "iu"
-                dt = str(seq.dtype)
-            else:
-                ok = not seq.dtype.is_floating_point and not seq.dtype.is_complex
-                ok = ok and seq.dtype is not torch.bool
-                dt = str(seq.dtype)
-            if seq.ndim != 1 or not ok:
-                raise RequestRejected(
-                    f"prompt_token_ids: expected a 1-D {kind} array, got {seq.ndim}-D {dt}",
-                    reason="invalid_prompt",
-                )
-            seq = seq.tolist()
-        ids: list[int] = []
-        for i, t in enumerate(seq):
-            if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
-                raise RequestRejected(
-                    f"prompt_token_ids[{i}]: expected int, got {type(t).__name__} {t!r}",
-                    reason="invalid_prompt",
-                )
-            ids.append(int(t))
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestRejected(
-                f"prompt_token_ids: expected ids in [0, {self.vocab_size}), got {bad[:5]}",
-                reason="invalid_prompt",
-            )
-        return ids
-
     def _parse_prompt(self, prompt: Any) -> tuple[str | None, list[int], str | None]:
-        text: str | None = None
-        salt = None
-        if isinstance(prompt, Mapping):
-            unknown = sorted(str(k) for k in prompt if k not in PROMPT_KEYS)
-            if unknown:
-                raise RequestRejected(
-                    f"prompt: expected keys among {list(PROMPT_KEYS)}, got unknown {unknown}",
-                    reason="invalid_prompt",
-                )
-            salt = prompt.get("cache_salt")
-            if salt is not None and not isinstance(salt, str):
-                raise RequestRejected(
-                    f"cache_salt: expected a string, got {salt!r}", reason="invalid_prompt"
-                )
-            if "prompt_token_ids" in prompt and "prompt" in prompt:
-                raise RequestRejected(
-                    "prompt: expected one of 'prompt_token_ids' or 'prompt', got both",
-                    reason="invalid_prompt",
-                )
-            if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-                if isinstance(prompt, (str, bytes, bytearray)):
-                    raise RequestRejected(
-                        f"prompt_token_ids: expected a list of ints, got {type(prompt).__name__}",
-                        reason="invalid_prompt",
-                    )
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-                if not isinstance(prompt, str):
-                    raise RequestRejected(
-                        f"prompt: expected a string, got {type(prompt).__name__}",
-                        reason="invalid_prompt",
-                    )
-            else:
-                raise RequestRejected(
-                    f"prompt: expected a dict with 'prompt_token_ids' or 'prompt', "
-                    f"got keys {sorted(prompt)}",
-                    reason="invalid_prompt",
-                )
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejected(
-                    "prompt: expected token ids (this model has no tokenizer), got a string",
-                    reason="invalid_prompt",
-                )
-            text = prompt
-            ids = list(self.tokenizer.encode(prompt, bos=True)) if prompt else []
-        elif isinstance(prompt, (list, tuple, np.ndarray, torch.Tensor)):
-            ids = self._token_ids(prompt)
-        else:
-            raise RequestRejected(
-                f"prompt: expected a string, a list of token ids (or a 1-D integer numpy "
-                f"array / torch tensor) or a dict, got {type(prompt).__name__}",
-                reason="invalid_prompt",
-            )
-        return text, ids, salt
+        return parse_prompt(prompt, self.tokenizer, self.vocab_size)
 
     def add_request(
         self,
