@@ -34,8 +34,10 @@ PAD_SLACK = 64 * 1024
 #: sequences whose K rows of the key range exceed this many bytes are streamed alone
 STREAM_MIN_BYTES = 256 * 1024
 #: a padded group's gathered K (or V) stays under this many bytes (unless one sequence
-#: alone needs more), so a group's gather and its consumers run in the L2 cache
-GROUP_BYTES = 384 * 1024
+#: alone needs more), so a group's gather and its consumers mostly run in cache; 1 MiB
+#: measured best for a 256-sequence decode step on stories260K shapes (128 KiB: 1.8x
+#: slower from per-group overhead; 4 MiB: 1.5x slower), see docs/benchmarks.md
+GROUP_BYTES = 1024 * 1024
 
 
 @dataclass
