@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 
-from kvpage.backends.torch_backend import TorchBackend, compute
+from kvpage.backends.torch_backend import TorchBackend, compute, plan
 from kvpage.specs import make_attention_spec
 from kvpage.testing import (
     AttentionCase,
@@ -16,15 +16,30 @@ from kvpage.testing import (
     check_chunking_invariance,
 )
 
-PATHS = {"streamed": 0, "streamed-1-block-chunks": 0, "padded": 2**62}
+PATHS = {
+    "streamed": 0,
+    "streamed-1-block-chunks": 0,
+    "padded": 2**62,
+    "padded-1-seq-groups": 2**62,
+}
+
+
+def _configure(path: str, monkeypatch: pytest.MonkeyPatch) -> TorchBackend:
+    """The backend for ``path``; small chunk/group limits force the multi-chunk and
+    multi-group code (one sequence per padded group) on the suite's small shapes."""
+    if path.endswith("chunks"):  # streamed decode: one block per gathered chunk
+        monkeypatch.setattr(compute, "DECODE_CHUNK_BYTES", 1)
+    if path.endswith("groups"):  # padded batches split into one-sequence groups
+        monkeypatch.setattr(plan, "GROUP_BYTES", 1)
+    return TorchBackend(stream_min_bytes=PATHS[path])
+
+
 BUDGET = TestBudget(max_seq_len=48, max_seqs=3)
 
 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_torch_path_matches_reference(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    backend = TorchBackend(stream_min_bytes=PATHS[path])
-    if path.endswith("chunks"):  # streamed decode: one block per gathered chunk
-        monkeypatch.setattr(compute, "DECODE_CHUNK_BYTES", 1)
+    backend = _configure(path, monkeypatch)
 
     @settings(max_examples=max(1, settings().max_examples // 2))
     @given(case=attention_cases(BUDGET, backend.capabilities))
@@ -35,8 +50,8 @@ def test_torch_path_matches_reference(path: str, monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-def test_torch_path_chunking(path: str) -> None:
-    backend = TorchBackend(stream_min_bytes=PATHS[path])
+def test_torch_path_chunking(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = _configure(path, monkeypatch)
 
     @settings(max_examples=max(1, settings().max_examples // 3))
     @given(case=attention_cases(TestBudget(max_seq_len=16, max_seqs=2), mode="prefill"))
