@@ -165,40 +165,6 @@ class CupyBackend(CanonicalLayoutBackend):
         self._run(self._kernel(src, expr), (n, 2 * cache.num_kv_heads), 32, args, dev)
 
     # ---- attention ------------------------------------------------------------------------
-    def decode(
-        self,
-        query: torch.Tensor,
-        cache: KVCache,
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One query token per sequence (``AttentionBackend.decode``); split-KV when few
-        sequences would leave SMs idle.
-
-        Raises:
-            ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_attention``.
-        """
-        checks.check_launch_attention(query, cache, meta, spec, out, decode=True)
-        return self._attend(query, cache, meta, spec, out)
-
-    def prefill(
-        self,
-        query: torch.Tensor,
-        cache: KVCache,
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Varlen causal attention over cached context + new tokens
-        (``AttentionBackend.prefill``); decode rows may be mixed in.
-
-        Raises:
-            ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_attention``.
-        """
-        checks.check_launch_attention(query, cache, meta, spec, out, decode=False)
-        return self._attend(query, cache, meta, spec, out)
-
     def choose_splits(self, blocks: int, max_keys: int, sms: int) -> int:
         """KV splits for ``blocks`` (token, head-group) blocks of at most ``max_keys``
         keys on a GPU with ``sms`` multiprocessors."""
@@ -208,14 +174,19 @@ class CupyBackend(CanonicalLayoutBackend):
             return 1
         return max(1, min(-(-2 * sms // blocks), max_keys // 256, 64))
 
-    def _attend(
+    def _attention(
         self,
         query: torch.Tensor,
         cache: KVCache,
         meta: AttentionMetadata,
         spec: AttentionSpec,
         out: torch.Tensor | None,
+        decode: bool,
     ) -> torch.Tensor:
+        """``decode``/``prefill`` (``CanonicalLayoutBackend``): the launch checks of
+        ``kvpage.attention.checks.check_launch_attention``, then one attention kernel
+        over every query row, split-KV + reduce when few rows would leave the GPU idle."""
+        checks.check_launch_attention(query, cache, meta, spec, out, decode=decode)
         self._require_cuda(cache.kv)
         if out is None:
             out = torch.empty_like(query)

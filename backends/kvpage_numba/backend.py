@@ -202,40 +202,6 @@ class NumbaBackend(CanonicalLayoutBackend):
         return torch.zeros((1,) * rank, dtype=torch.float32, device=dev)
 
     # ---- attention --------------------------------------------------------------------------------
-    def decode(
-        self,
-        query: torch.Tensor,
-        cache: KVCache,
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One query token per sequence (see ``AttentionBackend.decode``); split-KV when
-        few sequences would leave the GPU idle.
-
-        Raises:
-            ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_attention``.
-        """
-        checks.check_launch_attention(query, cache, meta, spec, out, decode=True)
-        return self._attend(query, cache, meta, spec, out)
-
-    def prefill(
-        self,
-        query: torch.Tensor,
-        cache: KVCache,
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Varlen causal attention over cached context + new tokens (see
-        ``AttentionBackend.prefill``); decode rows may be mixed in.
-
-        Raises:
-            ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_attention``.
-        """
-        checks.check_launch_attention(query, cache, meta, spec, out, decode=False)
-        return self._attend(query, cache, meta, spec, out)
-
     def choose_splits(self, rows: int, max_keys: int, dev: torch.device) -> int:
         """KV splits for ``rows`` (query token, head) pairs of at most ``max_keys`` keys."""
         if self.num_splits is not None:  # grid.z is at most 64 on every CUDA GPU
@@ -247,14 +213,19 @@ class NumbaBackend(CanonicalLayoutBackend):
             return 1
         return max(1, min(-(-2 * sms // rows), max_keys // 256, 64))
 
-    def _attend(
+    def _attention(
         self,
         query: torch.Tensor,
         cache: KVCache,
         meta: AttentionMetadata,
         spec: AttentionSpec,
         out: torch.Tensor | None,
+        decode: bool,
     ) -> torch.Tensor:
+        """``decode``/``prefill`` (``CanonicalLayoutBackend``): the launch checks of
+        ``kvpage.attention.checks.check_launch_attention``, then one attention kernel
+        over every query row, split-KV + reduce when few rows would leave the GPU idle."""
+        checks.check_launch_attention(query, cache, meta, spec, out, decode=decode)
         if out is None:
             out = torch.empty_like(query)
         n, hq, hd = query.shape

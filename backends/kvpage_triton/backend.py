@@ -175,7 +175,7 @@ class TritonBackend(CanonicalLayoutBackend):
         launch = self._kernels(cache.kv.device)
         launch.write_kv(key, value, cache, slot_mapping, cache.kv_dtype)
 
-    def _run(
+    def _attention(
         self,
         query: torch.Tensor,
         cache: KVCache,
@@ -191,55 +191,6 @@ class TritonBackend(CanonicalLayoutBackend):
         return launch.attention(
             query, cache, meta, spec, out, kind, decode=decode, force_splits=self.num_splits
         )
-
-    def decode(
-        self,
-        query: torch.Tensor,
-        cache: KVCache,
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One new token per sequence attends to its whole (windowed) context.
-
-        Args:
-            query: ``[num_seqs, num_q_heads, head_dim]`` float32|float16|bfloat16.
-            cache: the layer's cache (already holding this step's K/V).
-            meta: every ``query_lens_cpu`` entry is 1.
-            spec: the layer's attention spec (scale, window, soft cap, GQA).
-            out: optional ``[num_seqs, num_q_heads, head_dim]`` buffer (query dtype).
-
-        Returns:
-            ``[num_seqs, num_q_heads, head_dim]`` in the query dtype (``out`` if given).
-
-        Raises:
-            ShapeError, DTypeError: invalid arguments. BackendUnavailableError: device.
-        """
-        return self._run(query, cache, meta, spec, out, decode=True)
-
-    def prefill(
-        self,
-        query: torch.Tensor,
-        cache: KVCache,
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Varlen causal attention of new tokens over cached context + themselves
-        (decode rows allowed; chunked prefill and prefix-cache hits alike).
-
-        Args:
-            query: ``[num_tokens, num_q_heads, head_dim]`` packed by
-                ``meta.query_start_loc``.
-            out: optional ``[num_tokens, num_q_heads, head_dim]`` buffer.
-
-        Returns:
-            ``[num_tokens, num_q_heads, head_dim]`` in the query dtype.
-
-        Raises:
-            ShapeError, DTypeError: invalid arguments. BackendUnavailableError: device.
-        """
-        return self._run(query, cache, meta, spec, out, decode=False)
 
     def copy_blocks(self, caches: list[KVCache], pairs: torch.Tensor) -> None:
         """For each row ``(src, dst)`` of ``pairs`` (``[n, 2]`` int64) copy block

@@ -2,8 +2,9 @@
 ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
 (``kvpage.attention.metadata.allocate_kv_cache``).
 
-``CanonicalLayoutBackend`` gives a backend class ``kv_cache_shape`` and
-``allocate_kv_cache``; the functions below are the host-side helpers that kernel
+``CanonicalLayoutBackend`` gives a backend class ``kv_cache_shape``,
+``allocate_kv_cache``, and ``decode``/``prefill`` that dispatch to the backend's own
+``_attention`` (its checks and kernels); the functions below are the host-side helpers that kernel
 launchers share (selection reasons, per-row maps, fp8 scale tables). The built-in torch
 backend and the triton, cupy and numba plugins all use them and keep only their own
 kernels and launch logic. Launcher-side input checks live in ``kvpage.attention.checks``.
@@ -23,8 +24,75 @@ from kvpage.specs import AttentionSpec, CacheSpec
 
 
 class CanonicalLayoutBackend:
-    """Mixin: ``kv_cache_shape`` and ``allocate_kv_cache`` of the canonical layout
-    (see ``kvpage.attention.protocol.AttentionBackend``)."""
+    """Mixin: ``kv_cache_shape`` and ``allocate_kv_cache`` of the canonical layout, and
+    ``decode``/``prefill`` as one entry point ``_attention(..., decode=...)`` that each
+    backend implements (validation first, then its kernels); see
+    ``kvpage.attention.protocol.AttentionBackend``."""
+
+    def _attention(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+        out: torch.Tensor | None,
+        decode: bool,
+    ) -> torch.Tensor:
+        """Validate the inputs (the decode checks when ``decode``) and compute attention
+        for every query row of the step. Implemented by each backend."""
+        raise NotImplementedError(f"{type(self).__name__}._attention")
+
+    def decode(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One new token per sequence attends to its whole (windowed) context.
+
+        Args:
+            query: ``[num_seqs, num_q_heads, head_dim]`` float32|float16|bfloat16.
+            cache: the layer's cache, already holding this step's K/V.
+            meta: the step; every ``query_lens_cpu`` entry is 1.
+            spec: the layer's attention spec (scale, window, soft cap, GQA).
+            out: optional ``[num_seqs, num_q_heads, head_dim]`` buffer (query dtype).
+
+        Returns:
+            ``[num_seqs, num_q_heads, head_dim]`` in the query dtype (``out`` if given).
+
+        Raises:
+            ShapeError, DTypeError: invalid arguments (``kvpage.attention.checks``);
+            nothing is written. BackendUnavailableError: the device cannot run it.
+        """
+        return self._attention(query, cache, meta, spec, out, decode=True)
+
+    def prefill(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Varlen causal attention of new tokens over cached context + themselves
+        (decode rows allowed; chunked prefill and prefix-cache hits alike).
+
+        Args:
+            query: ``[num_tokens, num_q_heads, head_dim]``, packed by
+                ``meta.query_start_loc``; token ``j`` of sequence ``i`` is at absolute
+                position ``context_len_i + j``.
+            out: optional ``[num_tokens, num_q_heads, head_dim]`` buffer (query dtype).
+
+        Returns:
+            ``[num_tokens, num_q_heads, head_dim]`` in the query dtype.
+
+        Raises:
+            ShapeError, DTypeError: invalid arguments (``kvpage.attention.checks``);
+            nothing is written. BackendUnavailableError: the device cannot run it.
+        """
+        return self._attention(query, cache, meta, spec, out, decode=False)
 
     def kv_cache_shape(self, spec: CacheSpec, layer_id: int) -> tuple[int, ...]:
         """``(2, num_blocks, block_size, num_kv_heads, head_dim)`` of layer ``layer_id``.

@@ -150,49 +150,6 @@ class TorchBackend(CanonicalLayoutBackend):
             attend_group(query, cache, g, spec, out)
         return out
 
-    def decode(
-        self,
-        query: torch.Tensor,
-        cache: KVCache,
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One query token per sequence; see ``AttentionBackend.decode``.
-
-        Args:
-            query: ``[num_seqs, num_q_heads, head_dim]`` float32|float16|bfloat16.
-            out: optional ``[num_seqs, num_q_heads, head_dim]`` buffer (query dtype).
-
-        Returns:
-            ``out`` (or a new tensor) in the query dtype.
-
-        Raises:
-            ShapeError, DTypeError: see ``kvpage.attention.checks.check_attention``.
-        """
-        return self._attention(query, cache, meta, spec, out, decode=True)
-
-    def prefill(
-        self,
-        query: torch.Tensor,
-        cache: KVCache,
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Varlen causal attention over cached context + new tokens (decode rows too);
-        see ``AttentionBackend.prefill``.
-
-        Args:
-            query: ``[num_tokens, num_q_heads, head_dim]``, packed by
-                ``meta.query_start_loc``.
-            out: optional ``[num_tokens, num_q_heads, head_dim]`` buffer (query dtype).
-
-        Raises:
-            ShapeError, DTypeError: see ``kvpage.attention.checks.check_attention``.
-        """
-        return self._attention(query, cache, meta, spec, out, decode=False)
-
     def copy_blocks(self, caches: list[KVCache], pairs: torch.Tensor) -> None:
         """``cache[:, dst] = cache[:, src]`` for each ``(src, dst)`` row of ``pairs``
         (``[n, 2]`` int64) in every cache, int8 token scales included; bit-exact.
