@@ -111,6 +111,25 @@ __device__ __forceinline__ void attend_tile(
   }
 }
 
+// Loads this lane's slice of query row ``t`` (heads h0 .. h0+GT-1), pre-scaled, and
+// resets the online-softmax state (m = -inf, l = 0, acc = 0).
+template <typename Q, int HEAD_DIM, int GT, int E>
+__device__ __forceinline__ void init_row_state(
+    const Q* __restrict__ q, int t, long long q_s0, long long q_s1, int h0, int lane,
+    float scale, float (&qr)[GT][E], float (&acc)[GT][E], float (&m)[GT], float (&l)[GT]) {
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    m[g] = neg_inf();
+    l[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int d = lane + 32 * e;
+      qr[g][e] = d < HEAD_DIM ? to_float(q[t * q_s0 + (h0 + g) * q_s1 + d]) * scale : 0.0f;
+      acc[g][e] = 0.0f;
+    }
+  }
+}
+
 template <typename Q, typename KV, int KIND, int HEAD_DIM, int GT>
 __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention(
     const Q* __restrict__ q, long long q_s0, long long q_s1,
@@ -143,17 +162,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention(
   float acc[GT][E];
   float m[GT];
   float l[GT];
-#pragma unroll
-  for (int g = 0; g < GT; ++g) {
-    m[g] = neg_inf();
-    l[g] = 0.0f;
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const int d = lane + 32 * e;
-      qr[g][e] = d < HEAD_DIM ? to_float(q[t * q_s0 + (h0 + g) * q_s1 + d]) * scale : 0.0f;
-      acc[g][e] = 0.0f;
-    }
-  }
+  init_row_state<Q, HEAD_DIM, GT, E>(q, t, q_s0, q_s1, h0, lane, scale, qr, acc, m, l);
   const int* table = block_tables + s * bt_s0;
 
   for (int j0 = start + warp * KEYS_PER_ITER; j0 < end; j0 += NUM_WARPS * KEYS_PER_ITER) {
@@ -236,17 +245,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention_rows(
   float acc[GT][E];
   float m[GT];
   float l[GT];
-#pragma unroll
-  for (int g = 0; g < GT; ++g) {
-    m[g] = neg_inf();
-    l[g] = 0.0f;
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const int d = lane + 32 * e;
-      qr[g][e] = d < HEAD_DIM ? to_float(q[t * q_s0 + (h0 + g) * q_s1 + d]) * scale : 0.0f;
-      acc[g][e] = 0.0f;
-    }
-  }
+  init_row_state<Q, HEAD_DIM, GT, E>(q, t, q_s0, q_s1, h0, lane, scale, qr, acc, m, l);
   const int* table = block_tables + s * bt_s0;
   for (int j0 = start; j0 < end; j0 += KEYS_PER_ITER) {
     attend_tile<KV, KIND, HEAD_DIM, GT, E>(j0, end, lane, table, block_size, kv, kv_s0, kv_s1,
