@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvpage.attention.metadata import AttentionMetadata, KVCache
+from kvpage.cache import batch_block_tables
 from kvpage.engine.scheduler import SchedulerOutput
 from kvpage.specs import CacheSpec
 
@@ -59,11 +60,7 @@ class StepInputs:
         blk = positions // block_size
         off = positions % block_size
         for g in range(num_groups):
-            tables = [s.block_tables[g] for s in sched]
-            width = max((len(t) for t in tables), default=1) or 1
-            bt = np.zeros((n, width), dtype=np.int32)
-            for i, t in enumerate(tables):
-                bt[i, : len(t)] = t
+            bt = batch_block_tables([s.block_tables[g] for s in sched], pad=0)
             self.block_tables.append(bt)
             self.slot_mappings.append(bt[seq_idx, blk].astype(np.int64) * block_size + off)
 
