@@ -52,8 +52,8 @@ def run_kvpage(work: list[tuple[list[int], int]]) -> dict[str, float]:
     from kvpage import engine as E
 
     llm = E.LLM("stories260K", max_num_seqs=256, max_num_batched_tokens=2048)
-    llm.generate([[1, 5, 6]], E.SamplingParams(max_tokens=4))  # warm-up
-    params = [E.SamplingParams(max_tokens=m, ignore_eos=True) for _, m in work]
+    llm.generate([[1, 5, 6]], E.SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    params = [E.SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work]
     st0 = llm.llm_engine.step_stats
     base = (st0.schedule_s, st0.update_s, st0.total_s)
     t, c = time.perf_counter(), time.process_time()
@@ -137,7 +137,9 @@ def run_bookkeeping_at_256(num_new: int = 48) -> dict[str, float]:
     rng = np.random.default_rng(1)
     for i in range(256):
         ids = [1] + rng.integers(3, 512, 31).tolist()
-        eng.add_request(f"b{i}", ids, SamplingParams(max_tokens=num_new, ignore_eos=True))
+        eng.add_request(
+            f"b{i}", ids, SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
+        )
     st = eng.step_stats
     book = total = 0.0
     steps = 0

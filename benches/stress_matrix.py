@@ -71,7 +71,7 @@ def run_engine(name: str, n: int, num_blocks: int = 257) -> dict[str, Any]:
     waves: list[list[Any]] = [reqs[i : i + 4] for i in range(0, len(reqs), 4)]
     if name == "multi-turn":
         waves = _turn_waves(reqs)
-    warm = SamplingParams(max_tokens=4, ignore_eos=True)
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     eng.add_request("warmup", [5, 6, 7, 8], warm)  # first-step costs out of the timings
     while eng.has_unfinished_requests():
         eng.step()
@@ -85,7 +85,9 @@ def run_engine(name: str, n: int, num_blocks: int = 257) -> dict[str, Any]:
         sub: dict[str, float] = {}
         for q in wave:
             prompt = [max(3, t) for t in mapper.prompt(q)]  # keep clear of special ids
-            params = SamplingParams(max_tokens=max(1, q.output_tokens), ignore_eos=True)
+            params = SamplingParams(
+                max_tokens=max(1, q.output_tokens), temperature=0.0, ignore_eos=True
+            )
             eng.add_request(q.request_id, prompt, params)
             sub[q.request_id] = time.perf_counter()
         first: dict[str, float] = {}

@@ -16,7 +16,7 @@ def prompts40() -> list[list[int]]:
 def test_c03_usage_returns_to_zero_and_full_request_evicts(prompts40: list[list[int]]) -> None:
     llm = LLM("stories260K", block_size=16, num_blocks=8)
     eng = llm.llm_engine
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for r in range(20):
         (out,) = llm.generate([prompts40[r % 5]], params)
         assert len(out.outputs[0].token_ids) == 8
@@ -26,7 +26,7 @@ def test_c03_usage_returns_to_zero_and_full_request_evicts(prompts40: list[list[
         assert 0.0 <= eng.kv_cache_manager.usage <= 1.0
     cap = eng.kv_cache_manager.max_request_tokens  # all 7 usable blocks
     (big,) = llm.generate(
-        [list(range(1, cap - 12))], SamplingParams(max_tokens=14, ignore_eos=True)
+        [list(range(1, cap - 12))], SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     )
     assert big.error is None and len(big.outputs[0].token_ids) == 14
     assert llm.get_metrics()["kvpage:evictions_total"] > 0
@@ -37,7 +37,7 @@ def test_c04_same_step_no_hit_then_exact_hit_and_abort_never_cached(
     prompts40: list[list[int]],
 ) -> None:
     llm = LLM("stories260K", block_size=16, num_blocks=32)
-    p = SamplingParams(max_tokens=2, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     a, b = llm.generate([prompts40[0], prompts40[0]], p)
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0
     (c,) = llm.generate([prompts40[0]], p)
@@ -53,7 +53,7 @@ def test_c04_same_step_no_hit_then_exact_hit_and_abort_never_cached(
 def test_c05_fully_cached_prompt_still_computes_one_token() -> None:
     llm = LLM("stories260K", block_size=16, num_blocks=32)
     prompt = [1] + list(range(40, 71))  # 32 tokens
-    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     runs = [llm.generate([prompt], p)[0] for _ in range(3)]
     assert [r.num_cached_tokens for r in runs] == [0, 16, 16]
     assert runs[0].outputs[0].token_ids == runs[1].outputs[0].token_ids
@@ -80,10 +80,10 @@ def test_c06_parallel_samples_match_solo_runs_and_copy_once() -> None:
 
 def test_c07_resumed_chunked_prefill_equals_one_shot() -> None:
     base = [1] + [(7 * i) % 500 + 3 for i in range(49)]  # 50 tokens
-    p = SamplingParams(max_tokens=16, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     ref = LLM("stories260K", enable_prefix_caching=False, num_blocks=32).generate([base], p)[0]
     llm = LLM("stories260K", block_size=16, num_blocks=32, max_num_batched_tokens=8)
-    llm.generate([base[:40]], SamplingParams(max_tokens=1))  # caches blocks 0-1
+    llm.generate([base[:40]], SamplingParams(temperature=0.0, max_tokens=1))  # caches blocks 0-1
     (out,) = llm.generate([base], p)
     assert out.num_cached_tokens == 32
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
@@ -93,12 +93,14 @@ def test_c08_request_bigger_than_pool_does_not_block_queue() -> None:
     llm = LLM("stories260K", block_size=16, num_blocks=8, max_model_len=256)
     eng = llm.llm_engine
     free = eng.kv_cache_manager.num_free_blocks
-    r1, r2 = llm.generate([list(range(1, 201)), list(range(1, 21))], SamplingParams(max_tokens=8))
+    r1, r2 = llm.generate(
+        [list(range(1, 201)), list(range(1, 21))], SamplingParams(temperature=0.0, max_tokens=8)
+    )
     assert r1.error is not None and r1.error.reason == "exceeds_kv_capacity"
     assert "112" in str(r1.error)
     assert r2.error is None and r2.outputs[0].finish_reason in ("stop", "length")
     cap = eng.kv_cache_manager.max_request_tokens
-    ok = SamplingParams(max_tokens=12, ignore_eos=True)
+    ok = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     (largest,) = llm.generate([list(range(1, cap - 10))], ok)  # P + M - 1 == cap
     assert largest.error is None and len(largest.outputs[0].token_ids) == 12
     with pytest.raises(RequestRejected) as e:
@@ -111,13 +113,15 @@ def test_c08_request_bigger_than_pool_does_not_block_queue() -> None:
 def test_c09_empty_prompt_rejected_others_complete() -> None:
     llm = LLM("stories260K", block_size=16, num_blocks=32)
     free = llm.llm_engine.kv_cache_manager.num_free_blocks
-    empty, ok = llm.generate([[], list(range(1, 11))], SamplingParams(max_tokens=5))
+    empty, ok = llm.generate(
+        [[], list(range(1, 11))], SamplingParams(temperature=0.0, max_tokens=5)
+    )
     assert empty.error is not None and empty.error.reason == "empty_prompt"
     assert "got 0" in str(empty.error) and empty.outputs == []
     assert ok.error is None and len(ok.outputs[0].token_ids) >= 1
     assert llm.llm_engine.kv_cache_manager.num_free_blocks == free
     assert llm.get_metrics()["kvpage:requests_rejected_total"] == 1
-    (e2,) = llm.generate([""], SamplingParams(max_tokens=5))
+    (e2,) = llm.generate([""], SamplingParams(temperature=0.0, max_tokens=5))
     assert e2.error is not None and e2.error.reason == "empty_prompt"
 
 
@@ -167,16 +171,19 @@ def test_stop_conditions_and_text(engine: LLMEngine) -> None:
     tok = engine.tokenizer
     llm = LLM.__new__(LLM)
     llm.llm_engine, llm._counter = engine, 0
-    (ref,) = llm.generate(["Once upon a time"], SamplingParams(max_tokens=40))
+    (ref,) = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=40))
     toks = ref.outputs[0].token_ids
     assert ref.outputs[0].text == tok.decode(toks)
     assert ref.outputs[0].text.startswith(", there was")
     (st,) = llm.generate(
-        ["Once upon a time"], SamplingParams(max_tokens=40, stop_token_ids=[toks[5]])
+        ["Once upon a time"],
+        SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[toks[5]]),
     )
     assert st.outputs[0].token_ids == toks[: toks.index(toks[5]) + 1]
     assert st.outputs[0].finish_reason == "stop"
-    (ss,) = llm.generate(["Once upon a time"], SamplingParams(max_tokens=40, stop=["little"]))
+    (ss,) = llm.generate(
+        ["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=40, stop=["little"])
+    )
     assert ss.outputs[0].finish_reason == "stop" and "little" not in ss.outputs[0].text
     assert ref.outputs[0].text.startswith(ss.outputs[0].text)
     assert ref.ttft is not None and ref.e2e_latency is not None and ref.e2e_latency >= ref.ttft
@@ -185,14 +192,14 @@ def test_stop_conditions_and_text(engine: LLMEngine) -> None:
 def test_eos_ends_and_ignore_eos_continues(engine: LLMEngine) -> None:
     llm = LLM.__new__(LLM)
     llm.llm_engine, llm._counter = engine, 0
-    (ref,) = llm.generate(["Once upon a time"], SamplingParams(max_tokens=20))
+    (ref,) = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=20))
     toks = ref.outputs[0].token_ids
     real_eos = engine.eos_token_id
     engine.eos_token_id = toks[6]  # pretend this token is EOS for new requests
     try:
-        (out,) = llm.generate(["Once upon a time"], SamplingParams(max_tokens=400))
+        (out,) = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=400))
         (more,) = llm.generate(
-            ["Once upon a time"], SamplingParams(max_tokens=400, ignore_eos=True)
+            ["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
         )
     finally:
         engine.eos_token_id = real_eos
@@ -212,14 +219,17 @@ def test_seeded_sampling_is_reproducible_and_top_k1_is_greedy(engine: LLMEngine)
     assert c.outputs[0].token_ids != a.outputs[0].token_ids
     g, k1 = llm.generate(
         ["The dog"] * 2,
-        [SamplingParams(max_tokens=30), SamplingParams(max_tokens=30, temperature=0.7, top_k=1)],
+        [
+            SamplingParams(max_tokens=30, temperature=0.0),
+            SamplingParams(max_tokens=30, temperature=0.7, top_k=1),
+        ],
     )
     assert g.outputs[0].token_ids == k1.outputs[0].token_ids
 
 
 def test_abort_and_metric_names(engine: LLMEngine) -> None:
     free = engine.kv_cache_manager.num_free_blocks
-    engine.add_request("a", "Once upon a time", SamplingParams(max_tokens=50))
+    engine.add_request("a", "Once upon a time", SamplingParams(temperature=0.0, max_tokens=50))
     engine.step()
     engine.step()
     assert engine.get_metrics()["kvpage:num_requests_running"] == 1
@@ -232,7 +242,7 @@ def test_abort_and_metric_names(engine: LLMEngine) -> None:
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
 def test_quantized_kv_cache_runs_end_to_end(kv_dtype: str) -> None:
-    p = SamplingParams(max_tokens=20)
+    p = SamplingParams(temperature=0.0, max_tokens=20)
     ref = LLM("stories260K", num_blocks=32).generate(["Once upon a time"], p)[0]
     llm = LLM("stories260K", num_blocks=32, kv_cache_dtype=kv_dtype)  # type: ignore[arg-type]
     (out,) = llm.generate(["Once upon a time"], p)

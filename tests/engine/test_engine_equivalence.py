@@ -73,7 +73,7 @@ def test_stories_parallel_sampling_greedy_equals_single(
     stories_prompts: list[list[int]], stories_reference: list[list[int]]
 ) -> None:
     llm = LLM("stories260K", block_size=16, num_blocks=64)
-    params = SamplingParams(max_tokens=NUM_NEW, n=2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, n=2, ignore_eos=True)
     outs = llm.generate(stories_prompts, params)
     assert [len(o.outputs) for o in outs] == [2] * len(outs)
     assert _tokens(outs, 0) == _tokens(outs, 1) == stories_reference
@@ -84,7 +84,9 @@ def test_stories_parallel_sampling_under_preemption(
     stories_prompts: list[list[int]], stories_reference: list[list[int]]
 ) -> None:
     llm = LLM("stories260K", block_size=8, num_blocks=20, max_num_batched_tokens=16)
-    outs = llm.generate(stories_prompts, SamplingParams(max_tokens=NUM_NEW, n=2, ignore_eos=True))
+    outs = llm.generate(
+        stories_prompts, SamplingParams(temperature=0.0, max_tokens=NUM_NEW, n=2, ignore_eos=True)
+    )
     assert _tokens(outs, 0) == _tokens(outs, 1) == stories_reference
     assert llm.get_metrics()["kvpage:num_preemptions_total"] > 0
     llm.llm_engine.kv_cache_manager.check_integrity()

@@ -103,7 +103,7 @@ def test_failing_step_drops_its_requests_and_frees_blocks(
 
 def test_failing_step_keeps_requests_it_did_not_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
     eng = LLMEngine.from_config(block_size=16, num_blocks=64, max_num_seqs=1)
-    p = SamplingParams(max_tokens=3, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     eng.add_request("a", [1, 5, 6], p)
     eng.add_request("b", [1, 7, 8], p)  # waits: one running sequence at most
     monkeypatch.setattr(eng.runner, "execute", lambda out: (_ for _ in ()).throw(OSError("x")))
@@ -140,16 +140,18 @@ def test_failing_step_keeps_requests_it_did_not_schedule(monkeypatch: pytest.Mon
 def test_bad_token_prompts_rejected(llm: LLM, prompt: Any, match: str) -> None:
     eng = llm.llm_engine
     with pytest.raises(RequestRejected, match=match) as e:
-        eng.add_request("bad", prompt, SamplingParams(max_tokens=2))
+        eng.add_request("bad", prompt, SamplingParams(temperature=0.0, max_tokens=2))
     assert e.value.reason == "invalid_prompt"
     if getattr(prompt, "ndim", 1) == 1:
-        (out,) = llm.generate(prompt, SamplingParams(max_tokens=2))  # one prompt, one error
+        (out,) = llm.generate(
+            prompt, SamplingParams(temperature=0.0, max_tokens=2)
+        )  # one prompt, one error
         assert out.error is not None and out.error.reason == "invalid_prompt"
     _assert_clean(llm)
 
 
 def test_two_dimensional_array_is_a_batch(llm: LLM) -> None:
-    outs = llm.generate(np.array([[1, 5], [1, 6]]), SamplingParams(max_tokens=2))
+    outs = llm.generate(np.array([[1, 5], [1, 6]]), SamplingParams(temperature=0.0, max_tokens=2))
     assert [o.prompt_token_ids for o in outs] == [[1, 5], [1, 6]]
 
 
@@ -164,7 +166,7 @@ def test_two_dimensional_array_is_a_batch(llm: LLM) -> None:
     ],
 )
 def test_integer_arrays_are_one_prompt(llm: LLM, prompt: Any) -> None:
-    outs = llm.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    outs = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     assert len(outs) == 1 and outs[0].error is None
     assert outs[0].prompt_token_ids == [1, 403, 9]
 
@@ -172,14 +174,14 @@ def test_integer_arrays_are_one_prompt(llm: LLM, prompt: Any) -> None:
 @pytest.mark.parametrize("rid", [None, 7, "", b"x"])
 def test_request_id_must_be_a_nonempty_string(llm: LLM, rid: Any) -> None:
     with pytest.raises(RequestRejected, match=r"^request_id: expected a non-empty string"):
-        llm.llm_engine.add_request(rid, [1, 2], SamplingParams(max_tokens=2))
+        llm.llm_engine.add_request(rid, [1, 2], SamplingParams(temperature=0.0, max_tokens=2))
     _assert_clean(llm)
 
 
 @pytest.mark.parametrize("at", [float("nan"), float("inf"), "now", True])
 def test_arrival_time_must_be_finite(llm: LLM, at: Any) -> None:
     with pytest.raises(RequestRejected, match=r"^arrival_time: expected None or a finite"):
-        llm.llm_engine.add_request("t", [1, 2], SamplingParams(max_tokens=2), at)
+        llm.llm_engine.add_request("t", [1, 2], SamplingParams(temperature=0.0, max_tokens=2), at)
     _assert_clean(llm)
 
 
@@ -229,7 +231,9 @@ def test_num_threads_sets_torch_threads() -> None:
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-50, 1e-39])
 def test_tiny_temperature_tends_to_greedy_not_noise(llm: LLM, temperature: float) -> None:
-    (greedy,) = llm.generate(["Once upon a time"], SamplingParams(max_tokens=8, ignore_eos=True))
+    (greedy,) = llm.generate(
+        ["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
     p = SamplingParams(max_tokens=8, temperature=temperature, seed=1, ignore_eos=True)
     (tiny,) = llm.generate(["Once upon a time"], p)
     assert tiny.outputs[0].token_ids == greedy.outputs[0].token_ids
@@ -243,16 +247,16 @@ def test_kv_cache_too_big_for_memory_is_a_spec_error() -> None:
 
 @pytest.mark.parametrize("prompts", [None, 3, 2.5, object()])
 def test_non_iterable_prompts_are_one_rejected_prompt(llm: LLM, prompts: Any) -> None:
-    (out,) = llm.generate(prompts, SamplingParams(max_tokens=2))
+    (out,) = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2))
     assert out.error is not None and out.error.reason == "invalid_prompt"
     _assert_clean(llm)
 
 
 def test_failing_schedule_drops_running_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     eng = LLMEngine.from_config(block_size=16, num_blocks=64)
-    eng.add_request("a", [1, 5, 6], SamplingParams(max_tokens=5, ignore_eos=True))
+    eng.add_request("a", [1, 5, 6], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     eng.step()  # "a" is running and holds blocks
-    eng.add_request("b", [1, 7, 8], SamplingParams(max_tokens=2, ignore_eos=True))
+    eng.add_request("b", [1, 7, 8], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
 
     def broken(*a: Any, **k: Any) -> None:
         raise MemoryError("allocator broke")

@@ -29,7 +29,7 @@ def req(rid: str, prompt: list[int] | int, max_tokens: int = 8, n: int = 1) -> R
         sample_index=0,
         token_ids=ids,
         num_prompt_tokens=len(ids),
-        params=SamplingParams(max_tokens=max_tokens, n=n),
+        params=SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n),
         max_tokens=max_tokens,
         num_pending_samples=n - 1,
     )

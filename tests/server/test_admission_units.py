@@ -173,9 +173,11 @@ def test_degradation_min_dwell_and_disabled():
 
 
 def test_stop_string_helpers():
-    assert _find_stop("hello world", ["wor", "lo"], "") == 3
+    assert _find_stop("hello world", ["wor", "lo"], "") == (3, "lo")
     assert _find_stop("hello world", ["xyz"], "") is None
-    assert _find_stop("abcdef", ["cd"], "abc") == 2  # match straddling old/new text
+    assert _find_stop("abcdef", ["cd"], "abc") == (2, "cd")  # match straddling old/new text
+    assert _find_stop("abcdef", ["b"], "", floor=3) is None  # min_tokens: ends too early
+    assert _find_stop("abcdef", ["cd"], "", floor=3) == (2, "cd")  # ends after the floor
     assert _safe_end("hello", 2) == 3
     assert _safe_end("ab\ufffd", 0) == 2
     assert _safe_end("a", 5) == 0

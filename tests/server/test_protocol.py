@@ -76,8 +76,9 @@ def test_prepare_resolves_defaults_cost_and_tenant():
     [
         ('{"model": "other", "prompt": "a"}', 404, "model"),
         ('{"model": "m", "prompt": "a", "max_tokens": 0}', 400, "max_tokens"),
-        ('{"model": "m", "prompt": "a", "echo": true}', 400, "echo"),
-        ('{"model": "m", "prompt": "a", "presence_penalty": 0.5}', 400, "presence_penalty"),
+        ('{"model": "m", "prompt": "a", "best_of": 2}', 400, "best_of"),
+        ('{"model": "m", "prompt": "a", "min_tokens": 20}', 400, "min_tokens"),
+        ('{"model": "m", "prompt": "a", "mystery": null}', 400, "mystery"),
         ('{"model": "m", "prompt": [300]}', 400, "prompt"),
         ('{"model": "m", "prompt": [[1], [2]]}', 400, "prompt"),
         ('{"model": "m", "prompt": []}', 400, "prompt"),

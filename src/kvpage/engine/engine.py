@@ -18,6 +18,7 @@ import torch
 
 from kvpage.engine.config import EngineConfig, build_components
 from kvpage.engine.params import CompletionOutput, RequestOutput, SamplingParams
+from kvpage.engine.processing import RowContext, compute_logprobs, position_logprobs
 from kvpage.engine.prompts import parse_prompt
 from kvpage.engine.request import Request
 from kvpage.engine.sampler import Sampler, make_generator
@@ -93,6 +94,12 @@ class _Group:
     texts: dict[int, str] = field(default_factory=dict)
     first_token_time: float | None = None
     finish_time: float | None = None
+    #: per sample: the PositionLogprobs of each generated token (params.logprobs)
+    logprobs: dict[int, list[Any]] = field(default_factory=dict)
+    cumulative: dict[int, float] = field(default_factory=dict)
+    #: per prompt position (params.prompt_logprobs); position 0 stays None
+    prompt_logprobs: list[Any] | None = None
+    stop_reasons: dict[int, int | str] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -128,6 +135,7 @@ class LLMEngine:
         self.step_stats = StepStats()
         self._groups: dict[str, _Group] = {}
         self._arrivals = 0
+        self._unique_salts = 0
         self._counters = {"prompt": 0, "generation": 0, "rejected": 0}
         #: ids of user requests dropped by failed steps (oldest first)
         self.failed_request_ids: deque[str] = deque(maxlen=1024)
@@ -189,6 +197,11 @@ class LLMEngine:
                     reason="invalid_request",
                 )
             text, ids, salt = self._parse_prompt(prompt)
+            if params.prompt_logprobs is not None:
+                # every prompt token must be computed to have logits: a salt of its own
+                # makes the prefix cache miss (vLLM also skips hits for such requests)
+                self._unique_salts += 1
+                salt = f"{salt or ''}\x00prompt_logprobs\x00{self._unique_salts}"
             mml = self.scheduler.max_model_len
             cap = mml - len(ids) if params.max_tokens is None else params.max_tokens
             req = Request(
@@ -210,9 +223,10 @@ class LLMEngine:
             self._counters["rejected"] += 1
             raise
         now = time.monotonic() if arrival_time is None else arrival_time
-        self._groups[request_id] = _Group(
-            request_id, text, list(ids), params, now, req.arrival_order
-        )
+        grp = _Group(request_id, text, list(ids), params, now, req.arrival_order)
+        if params.prompt_logprobs is not None:
+            grp.prompt_logprobs = [None] * len(ids)
+        self._groups[request_id] = grp
         self._counters["prompt"] += len(ids)
 
     def abort_request(self, request_id: str) -> None:
@@ -287,14 +301,20 @@ class LLMEngine:
         self, out: SchedulerOutput, t0: float, finished_only: bool
     ) -> list[RequestOutput]:
         st = self.step_stats
+        groups = self._groups
         t1 = time.perf_counter()
-        logits = self.runner.execute(out)
+        spans = self._prompt_logprob_spans(out)
+        logits = self.runner.execute(out, spans) if spans else self.runner.execute(out)
         t2 = time.perf_counter()
+        if spans:
+            n_extra = sum(b for _, _, b in spans)
+            self._record_prompt_logprobs(out, spans, logits[logits.shape[0] - n_extra :])
+            logits = logits[: logits.shape[0] - n_extra]
         rows: list[int] = []
         params: list[SamplingParams] = []
         gens: list[torch.Generator | None] = []
         owners: list[str] = []
-        groups = self._groups
+        row_reqs: list[tuple[Request, int]] = []
         r = 0
         for s in out.scheduled:
             if not s.samples:
@@ -309,11 +329,19 @@ class LLMEngine:
                     None if grp.params.greedy else self._generator(grp, j or req.sample_index)
                 )
                 owners.append(req.request_id)
+                row_reqs.append((req, j or req.sample_index))
             r += 1
         if len(rows) != int(logits.shape[0]):
             rows_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
             logits = logits.index_select(0, rows_t)
-        tokens = self.sampler(logits, params, gens)
+        if all(p.plain for p in params):
+            tokens = self.sampler(logits, params, gens)
+        else:
+            ctx = None
+            if any(p.needs_processing for p in params):
+                ctx = [self._row_context(q) for q, _ in row_reqs]
+            tokens = self.sampler(logits, params, gens, ctx)
+            self._record_logprobs(logits, params, tokens, row_reqs)
         t3 = time.perf_counter()
         sampled: dict[str, list[int]] = {}
         for rid, tok in zip(owners, tokens):
@@ -331,7 +359,11 @@ class LLMEngine:
             touched[seq.group_id] = grp
             if grp.first_token_time is None:
                 grp.first_token_time = now
-            if grp.params.stop and not seq.is_finished:
+            if (
+                grp.params.stop
+                and not seq.is_finished
+                and seq.num_output_tokens >= grp.params.min_tokens
+            ):
                 self._check_stop_strings(seq, grp)
         self._counters["generation"] += len(progressed)
         results = []
@@ -368,26 +400,96 @@ class LLMEngine:
 
     def _check_stop_strings(self, seq: Request, grp: _Group) -> None:
         text = self._decode(seq.output_token_ids)
+        mt = grp.params.min_tokens
+        # with min_tokens, a stop string must end in the min_tokens-th token or later
+        floor = len(self._decode(seq.output_token_ids[: mt - 1])) if mt > 1 else 0
         for stop in grp.params.stop or ():
-            k = text.find(stop)
+            k = text.find(stop, max(0, floor - len(stop) + 1))
             if k >= 0:
-                grp.texts[seq.sample_index] = text[:k]
+                keep = k + len(stop) if grp.params.include_stop_str_in_output else k
+                grp.texts[seq.sample_index] = text[:keep]
+                grp.stop_reasons[seq.sample_index] = stop
                 self.scheduler.finish(seq, "stop")
                 return
+
+    # ---- logprobs and penalties (only for requests that ask) -----------------------------
+    def _row_context(self, req: Request) -> RowContext:
+        p = req.params
+        stop: list[int] = list(req.stop_token_set)
+        if not p.ignore_eos and self.eos_token_id is not None:
+            stop.append(int(self.eos_token_id))
+        return RowContext(req.token_ids[: req.num_prompt_tokens], req.output_token_ids, stop)
+
+    def _record_logprobs(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        tokens: list[int],
+        row_reqs: list[tuple[Request, int]],
+    ) -> None:
+        """Store the sampled tokens' logprobs (rows whose params ask for them)."""
+        idx = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not idx:
+            return
+        sub = logits[idx] if len(idx) != len(params) else logits
+        toks = [tokens[i] for i in idx]
+        ents = compute_logprobs(sub, toks, [params[i].logprobs or 0 for i in idx])
+        for i, tok, ent in zip(idx, toks, ents):
+            req, sample = row_reqs[i]
+            grp = self._groups[req.group_id]
+            grp.logprobs.setdefault(sample, []).append(position_logprobs(tok, ent, self.tokenizer))
+            grp.cumulative[sample] = grp.cumulative.get(sample, 0.0) + ent[0]
+
+    def _prompt_logprob_spans(self, out: SchedulerOutput) -> list[tuple[int, int, int]]:
+        """``(scheduled index, first row in the chunk, rows)`` of prompt positions whose
+        logits this step computes for requests with ``prompt_logprobs``."""
+        spans = []
+        for i, s in enumerate(out.scheduled):
+            req = s.request
+            if req.params.prompt_logprobs is None or req.sample_index != 0:
+                continue
+            n = min(s.num_tokens, req.num_prompt_tokens - 1 - s.start)
+            if n > 0:
+                spans.append((i, 0, n))
+        return spans
+
+    def _record_prompt_logprobs(
+        self, out: SchedulerOutput, spans: list[tuple[int, int, int]], logits: torch.Tensor
+    ) -> None:
+        r = 0
+        for i, _, n in spans:
+            s = out.scheduled[i]
+            req = s.request
+            grp = self._groups[req.group_id]
+            nxt = req.token_ids[s.start + 1 : s.start + 1 + n]  # the tokens they predict
+            k = req.params.prompt_logprobs or 0
+            ents = compute_logprobs(logits[r : r + n], nxt, [k] * n)
+            plp = grp.prompt_logprobs
+            for j, (tok, ent) in enumerate(zip(nxt, ents)):
+                pos = s.start + 1 + j
+                if plp is not None and plp[pos] is None:  # first computation wins
+                    plp[pos] = position_logprobs(tok, ent, self.tokenizer)
+            r += n
 
     def _make_output(self, grp: _Group, finished: bool) -> RequestOutput:
         seqs = self.scheduler.groups[grp.request_id]  # sample-index order (forks append)
         outs = []
+        want_lp = grp.params.logprobs is not None
         for q in seqs:
-            text = grp.texts.get(q.sample_index)
+            i = q.sample_index
+            text = grp.texts.get(i)
             if text is None and (finished or self.stream_text):
                 text = self._decode(q.output_token_ids)
+            reason = q.finish_reason if q.is_finished else None
             outs.append(
                 CompletionOutput(
-                    index=q.sample_index,
+                    index=i,
                     token_ids=q.output_token_ids,
                     text=text or "",
-                    finish_reason=q.finish_reason if q.is_finished else None,
+                    finish_reason=reason,
+                    stop_reason=self._stop_reason(grp, q) if reason == "stop" else None,
+                    logprobs=list(grp.logprobs.get(i, ())) if want_lp else None,
+                    cumulative_logprob=grp.cumulative.get(i, 0.0) if want_lp else None,
                 )
             )
         return RequestOutput(
@@ -401,7 +503,18 @@ class LLMEngine:
             first_token_time=grp.first_token_time,
             finish_time=grp.finish_time,
             num_preemptions=sum(q.num_preemptions for q in seqs),
+            prompt_logprobs=None if grp.prompt_logprobs is None else list(grp.prompt_logprobs),
         )
+
+    def _stop_reason(self, grp: _Group, q: Request) -> int | str | None:
+        """vLLM's ``stop_reason``: the stop string or stop token id; None for EOS."""
+        got = grp.stop_reasons.get(q.sample_index)
+        if got is not None or not q.output_token_ids:
+            return got
+        last = q.output_token_ids[-1]
+        if not grp.params.ignore_eos and last == self.eos_token_id:
+            return None
+        return last if last in q.stop_token_set else None
 
     # ---- metrics ------------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float]:

@@ -1,15 +1,22 @@
 """User-facing request parameters and results: SamplingParams, RequestOutput.
 
-The names and defaults follow vLLM's ``SamplingParams`` / ``RequestOutput`` so that
-users of vLLM feel at home; only the subset kvpage implements is here.
+The names, defaults and semantics follow vLLM's ``SamplingParams`` / ``RequestOutput``
+(vLLM 0.10, V1 engine) so that users of vLLM feel at home; only the subset kvpage
+implements is here, and an unknown keyword argument is a ``TypeError`` naming it (the
+dataclass constructor), so nothing is silently ignored. docs/vllm-checklist.md lists
+every difference.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpage.errors import RequestRejected
+
+#: most top log-probabilities per token a request may ask for (vLLM's default
+#: ``max_logprobs``)
+MAX_LOGPROBS = 20
 
 #: finish reasons of a completion: "stop" (EOS, a stop token id or a stop string) or
 #: "length" (max_tokens or max_model_len reached); "abort" when aborted by the user.
@@ -26,6 +33,11 @@ def _is_int(v: object, lo: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= INT64_MAX
 
 
+def _is_num(v: object) -> bool:
+    """True for a finite int or float (not bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _bad(name: str, expected: str, got: object) -> RequestRejected:
     return RequestRejected(
         f"{name}: expected {expected}, got {got!r}", reason="invalid_sampling_params"
@@ -39,8 +51,9 @@ class SamplingParams:
     Attributes:
         max_tokens: most tokens to generate (>= 1); every integer field must also be
             <= ``2**63 - 1`` (int64, what torch accepts); None = up to ``max_model_len``.
-            Default 64.
-        temperature: softmax temperature (>= 0); 0 = greedy (argmax).
+            Default 16 (vLLM's).
+        temperature: softmax temperature (>= 0); 0 = greedy (argmax). Default 1.0
+            (vLLM's): pass ``temperature=0.0`` for greedy output.
         top_p: nucleus sampling: keep the smallest set of tokens whose probability
             sums to >= top_p (0 < top_p <= 1; 1 = off). Holtzman et al., 2019.
         top_k: keep the k most likely tokens (-1 or 0 = off, else >= 1).
@@ -54,14 +67,35 @@ class SamplingParams:
         ignore_eos: keep generating after the model's EOS token.
         stop: strings that end a completion; the text is cut before the match
             (checked on the decoded text, needs a tokenizer).
+        presence_penalty: subtracted once from the logit of every token that occurs
+            in the output so far (in [-2, 2]; 0 = off).
+        frequency_penalty: subtracted from each token's logit once per occurrence in
+            the output so far (in [-2, 2]; 0 = off).
+        repetition_penalty: for tokens in the prompt or the output so far, positive
+            logits are divided by it and negative ones multiplied (> 0; 1 = off;
+            Keskar et al. 2019, CTRL). Order (vLLM's ``apply_penalties``): repetition,
+            then frequency, then presence, all before the temperature.
+        min_p: drop tokens whose probability (after temperature) is below ``min_p``
+            times the most likely token's (in [0, 1]; 0 = off).
+        min_tokens: the EOS token and ``stop_token_ids`` are masked out (logit -inf)
+            until this many tokens were generated, and stop strings are not checked
+            before (>= 0; must be <= max_tokens).
+        logprobs: return, for every sampled token, its log-probability and rank plus
+            the ``logprobs`` most likely tokens (0..20; None = off). Log-probabilities
+            are ``log_softmax`` of the model's raw logits (before penalties,
+            temperature and top-k/p/min-p: vLLM V1's default ``raw_logprobs``).
+        prompt_logprobs: the same for every prompt token after the first (0..20; None =
+            off). Such a request does not reuse prefix-cache hits (every prompt token
+            is computed), as in vLLM.
+        include_stop_str_in_output: keep the matched stop string in the text.
 
     Raises:
         RequestRejected: reason ``"invalid_sampling_params"``, message
             ``"name: expected X, got Y"``.
     """
 
-    max_tokens: int | None = 64
-    temperature: float = 0.0
+    max_tokens: int | None = 16
+    temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     n: int = 1
@@ -69,6 +103,18 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     stop: list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    #: derived by validate(): penalties or min_tokens are set (logits are processed)
+    needs_processing: bool = field(default=False, init=False, repr=False, compare=False)
+    #: derived by validate(): nothing beyond temperature/top-k/top-p (the fast path)
+    plain: bool = field(default=True, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -113,11 +159,56 @@ class SamplingParams:
             if not isinstance(st, (list, tuple)) or not all(isinstance(x, str) and x for x in st):
                 raise _bad("stop", "None, a non-empty string or a list of them", self.stop)
             self.stop = list(st)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not -2.0 <= v <= 2.0:
+                raise _bad(name, "a number in [-2, 2]", v)
+        rp = self.repetition_penalty
+        if not _is_num(rp) or not 0.0 < rp < math.inf:
+            raise _bad("repetition_penalty", "a finite number > 0", rp)
+        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise _bad("min_p", "a number in [0, 1]", self.min_p)
+        if not _is_int(self.min_tokens, 0):
+            raise _bad("min_tokens", f"an int in [0, {INT64_MAX}]", self.min_tokens)
+        if mt is not None and self.min_tokens > mt:
+            raise _bad("min_tokens", f"<= max_tokens ({mt})", self.min_tokens)
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not (_is_int(v, 0) and v <= MAX_LOGPROBS):
+                raise _bad(name, f"None or an int in [0, {MAX_LOGPROBS}]", v)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise _bad("include_stop_str_in_output", "a bool", self.include_stop_str_in_output)
+        self.needs_processing = bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+        )
+        self.plain = not (self.needs_processing or self.min_p or self.logprobs is not None)
 
     @property
     def greedy(self) -> bool:
         """True when sampling is argmax (temperature 0)."""
         return self.temperature == 0.0
+
+
+@dataclass
+class Logprob:
+    """The log-probability of one token at one position (vLLM's ``Logprob``).
+
+    Attributes:
+        logprob: natural-log probability under ``log_softmax`` of the raw logits.
+        rank: 1 + the number of tokens with a strictly higher log-probability.
+        decoded_token: the token's text (its piece; None without a tokenizer).
+    """
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+#: per position, token id -> Logprob: the sampled (or prompt) token plus the top-k
+PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass
@@ -127,14 +218,24 @@ class CompletionOutput:
     Attributes:
         index: sample index in ``[0, n)``.
         token_ids: generated token ids so far.
-        text: the decoded text ("" without a tokenizer); cut before a stop string.
+        text: the decoded text ("" without a tokenizer); cut before a stop string
+            (or just after it with ``include_stop_str_in_output``).
         finish_reason: None while running, else one of :data:`FINISH_REASONS`.
+        stop_reason: what stopped a "stop" completion: the stop token id or the stop
+            string; None for EOS, "length" or while running (vLLM's meaning).
+        logprobs: with ``SamplingParams.logprobs``, one :data:`PositionLogprobs` per
+            generated token (the sampled token first), else None.
+        cumulative_logprob: with ``logprobs``, the sum of the sampled tokens'
+            log-probabilities, else None.
     """
 
     index: int
     token_ids: list[int]
     text: str = ""
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -158,6 +259,8 @@ class RequestOutput:
         num_preemptions: times one of its samples was preempted.
         error: the RequestRejected of a request ``LLM.generate`` could not admit
             (then ``outputs`` is empty), else None.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt
+            token: None for the first, then its :data:`PositionLogprobs`; else None.
     """
 
     request_id: str
@@ -171,6 +274,7 @@ class RequestOutput:
     finish_time: float | None = None
     num_preemptions: int = 0
     error: RequestRejected | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -198,4 +302,12 @@ class RequestOutput:
         return (self.finish_time - self.first_token_time) / (n - 1)
 
 
-__all__ = ["FINISH_REASONS", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "FINISH_REASONS",
+    "MAX_LOGPROBS",
+    "CompletionOutput",
+    "Logprob",
+    "PositionLogprobs",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -169,7 +169,7 @@ def replay(
             now = time.monotonic() - t0
             while i < n and requests[i].arrival_s / speedup <= now:
                 r = requests[i]
-                params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
+                params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
                 try:
                     engine.add_request(
                         r.request_id, r.prompt_token_ids, params, t0 + r.arrival_s / speedup

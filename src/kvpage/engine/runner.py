@@ -125,15 +125,27 @@ class ModelRunner:
         return metas
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+    def execute(
+        self, out: SchedulerOutput, extra_spans: list[tuple[int, int, int]] | None = None
+    ) -> torch.Tensor:
         """Run one step.
 
+        Args:
+            out: the scheduler's plan.
+            extra_spans: ``(scheduled index, first token in its chunk, count)`` of more
+                token positions whose logits are wanted (prompt logprobs).
+
         Returns:
-            ``[num_sampling_seqs, vocab_size]`` logits (float, on ``device``), one row
-            per scheduled sequence with ``samples`` set, in batch order.
+            ``[num_sampling_seqs + num_extra, vocab_size]`` logits (float, on
+            ``device``): one row per scheduled sequence with ``samples`` set, in batch
+            order, then the ``extra_spans`` rows in order.
         """
         self.copy_blocks(out.copies)
         inp = StepInputs(out, self.cache_spec.block_size, len(self.groups))
+        if extra_spans:
+            qsl = inp.query_start_loc
+            extra = [np.arange(qsl[i] + a, qsl[i] + a + n) for i, a, n in extra_spans]
+            inp.logits_indices = np.concatenate([inp.logits_indices, *extra]).astype(np.int64)
         metas = self.build_metadata(inp)
         dev = self.device
         logits: torch.Tensor = self.model(

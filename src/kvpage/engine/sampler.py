@@ -6,6 +6,12 @@ the temperature, sorted descending, cut to the top ``k`` and to the smallest pre
 whose probability reaches ``top_p`` (nucleus sampling, Holtzman et al. 2019), and one
 uniform number from the sequence's own ``torch.Generator`` picks the token. Every
 sequence owns its generator, so its samples do not depend on the batch it ran in.
+
+Before that, rows that ask for them get the ``min_tokens`` mask and the penalties
+(:func:`kvpage.engine.processing.apply_penalties`), and after the temperature,
+``min_p`` drops tokens whose probability is below ``min_p`` times the best token's
+(vLLM's order: penalties, temperature, min-p, top-k, top-p). Rows without any of these
+take the unchanged fast path.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import numpy as np
 import torch
 
 from kvpage.engine.params import SamplingParams
+from kvpage.engine.processing import RowContext, apply_penalties
 
 
 def derive_seed(engine_seed: int, arrival_order: int, sample_index: int) -> int:
@@ -45,6 +52,7 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        contexts: Sequence[RowContext] | None = None,
     ) -> list[int]:
         """Sample.
 
@@ -52,6 +60,8 @@ class Sampler:
             logits: ``[num_rows, vocab_size]`` float (any device); not mutated.
             params: the sampling parameters of each row.
             generators: each row's generator (None allowed for greedy rows).
+            contexts: each row's prompt/output ids, required when a row's
+                ``params.needs_processing`` (penalties, min_tokens).
 
         Returns:
             ``num_rows`` token ids.
@@ -60,6 +70,8 @@ class Sampler:
         out = [0] * n
         if n == 0:
             return out
+        if contexts is not None:
+            logits = apply_penalties(logits, params, contexts)
         greedy = [i for i in range(n) if params[i].greedy]
         rand = [i for i in range(n) if not params[i].greedy]
         if greedy:
@@ -95,6 +107,12 @@ class Sampler:
             sub = sub - sub.max(dim=1, keepdim=True).values
             t64 = torch.tensor(temps, dtype=torch.float64).index_select(0, rows)
             scaled[rows] = (sub / t64[:, None]).float()
+        min_p = [p.min_p for p in params]
+        if any(min_p):
+            # min-p (vLLM): drop tokens with prob < min_p * max prob, after temperature
+            pr = torch.softmax(scaled, dim=-1)
+            thr = pr.max(dim=-1, keepdim=True).values * torch.tensor(min_p)[:, None]
+            scaled = scaled.masked_fill(pr < thr, float("-inf"))
         vals, idx = torch.sort(scaled, dim=-1, descending=True)
         ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
         ranks = torch.arange(vocab)[None, :]

@@ -29,6 +29,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvpage.errors import RequestRejected
 from kvpage.server import protocol as P
 from kvpage.server.config import ServerConfig
+from kvpage.server.responses import (
+    CAPPED_HEADER,
+    ChoiceState,
+    RequestResult,
+    build_body,
+    prompt_text,
+    stream_chunk,
+)
 from kvpage.server.service import APIError, ServingState, Usage, rejection_error
 from kvpage.server.validation import prepare_request
 
@@ -248,33 +256,72 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
     except ValidationError as exc:
         msg, param = _validation_message(exc)
         raise APIError(400, msg, param=param, reason="invalid_request") from None
-    # Tokenizing a long text takes long (and the tokenizer is pure Python): run it on the
-    # tokenize pool so /health and the other requests are never blocked behind it.
-    req = await asyncio.get_running_loop().run_in_executor(
-        state.tokenize_pool,
-        functools.partial(
-            prepare_request,
-            kind,
-            body,
-            _api_key(request),
-            model_name=state.config.model_name,
-            tokenizer=state.tokenizer,
-            max_model_len=state.max_model_len,
-            max_bytes_per_token=state.max_bytes_per_token,
-        ),
-    )
-    usage = Usage()
+    prompts: list[Any] = [None]
+    if isinstance(body, P.CompletionRequest):
+        p = body.prompt
+        several = isinstance(p, list) and len(p) > 1 and isinstance(p[0], (str, list))
+        prompts = list(p) if several else [p]
+        if several and body.stream:
+            raise APIError(
+                400,
+                f"prompt: expected one prompt when stream is true, got a batch of {len(p)}",
+                param="prompt",
+            )
+    asked_plp = body.prompt_logprobs is not None
+    reqs = []
+    for prompt in prompts:
+        one = body if len(prompts) == 1 else body.model_copy(update={"prompt": prompt})
+        # Tokenizing a long text takes long (and the tokenizer is pure Python): run it on
+        # the tokenize pool so /health and the other requests are never blocked behind it.
+        req = await asyncio.get_running_loop().run_in_executor(
+            state.tokenize_pool,
+            functools.partial(
+                prepare_request,
+                kind,
+                one,
+                _api_key(request),
+                model_name=state.config.model_name,
+                tokenizer=state.tokenizer,
+                max_model_len=state.max_model_len,
+                max_bytes_per_token=state.max_bytes_per_token,
+                allow_unknown_fields=state.config.allow_unknown_fields,
+            ),
+        )
+        if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
+            req.prompt_logprobs = req.logprobs  # echo shows the prompt tokens' logprobs
+        reqs.append(req)
+    echo_texts = [
+        prompt_text(r, pr, state.tokenizer) if r.echo else "" for r, pr in zip(reqs, prompts)
+    ]
+    req = reqs[0]
     if not req.stream:
-        async with state.admitted(req):
-            texts = [""] * req.n
-            finishes: list[str | None] = [None] * req.n
-            gen = state.generate(req, usage)
-            async with contextlib.aclosing(gen):
-                async for d in _until_disconnect(gen, request):
-                    texts[d.index] += d.text
-                    finishes[d.index] = d.finish_reason or finishes[d.index]
-        choices = [P.choice(req, i, texts[i], finishes[i]) for i in range(req.n)]
-        return JSONResponse(P.completion_body(req, choices, usage.completion_tokens))
+
+        async def one_request(r: P.GenerationRequest, echo_text: str) -> RequestResult:
+            res = RequestResult(r, [ChoiceState() for _ in range(r.n)], Usage(), echo_text)
+            async with state.admitted(r):
+                gen = state.generate(r, res.usage)
+                async with contextlib.aclosing(gen):
+                    async for d in _until_disconnect(gen, request):
+                        res.choices[d.index].add(d)
+            return res
+
+        if len(reqs) == 1:
+            results = [await one_request(req, echo_texts[0])]
+        else:
+            tasks = [asyncio.ensure_future(one_request(r, e)) for r, e in zip(reqs, echo_texts)]
+            try:
+                results = list(await asyncio.gather(*tasks))
+            except BaseException:  # one prompt failed: cancel (abort) the others
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+        capped = [r.max_tokens for r in reqs if r.requested_max_tokens is not None]
+        return JSONResponse(
+            build_body(results, asked_plp),
+            headers={CAPPED_HEADER: str(min(capped))} if capped else None,
+        )
+    usage = Usage()
 
     # Streaming: admission and the engine's accept/refuse happen before the 200 is sent,
     # so refusals are plain 4xx; cleanup is tied to the response's life (see _Stream).
@@ -292,10 +339,25 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
 
     async def sse() -> AsyncIterator[str]:
         started = [False] * req.n
+        offsets = [0] * req.n
         pending = [first] if first is not None else []
         while True:
             for d in pending:
-                c = P.chunk(req, d.index, d.text, d.finish_reason, first=not started[d.index])
+                echo = None
+                if req.echo:
+                    plp = usage.prompt_logprobs or [None] * len(req.prompt_token_ids)
+                    echo = (req.prompt_token_ids, list(plp))
+                c = stream_chunk(
+                    req,
+                    d,
+                    first=not started[d.index],
+                    echo_text=echo_texts[0],
+                    echo_entries=echo,
+                    offset=offsets[d.index],
+                )
+                if not started[d.index] and req.echo:
+                    offsets[d.index] += len(echo_texts[0])
+                offsets[d.index] += len(d.text)
                 started[d.index] = True
                 yield "data: " + json.dumps(c) + "\n\n"
             try:
@@ -310,24 +372,28 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
                 )
                 break
         if req.include_usage:
-            yield "data: " + json.dumps(P.usage_chunk(req, usage.completion_tokens)) + "\n\n"
+            u = P.usage_chunk(req, usage.completion_tokens, usage.cached_tokens)
+            yield "data: " + json.dumps(u) + "\n\n"
         yield "data: [DONE]\n\n"
 
     async def cleanup() -> None:
         await gen.aclose()  # aborts the request if it is still running (client gone)
         await admission.__aexit__(None, None, None)
 
-    return _Stream(sse(), cleanup)
+    headers = {"Cache-Control": "no-cache"}
+    if req.requested_max_tokens is not None:
+        headers[CAPPED_HEADER] = str(req.max_tokens)
+    return _Stream(sse(), cleanup, headers)
 
 
 class _Stream(StreamingResponse):
     """An SSE response that always runs ``cleanup`` when the response ends, however it
     ends (completed, client disconnected before or during the stream, server stopping)."""
 
-    def __init__(self, content: AsyncIterator[str], cleanup: Callable[[], Any]) -> None:
-        super().__init__(
-            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+    def __init__(
+        self, content: AsyncIterator[str], cleanup: Callable[[], Any], headers: dict[str, str]
+    ) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
         self._cleanup = cleanup
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -142,9 +142,13 @@ class DegradationConfig(_Strict):
     requests that got their first token in the window. It enters the degraded state when
     either reaches its ``enter_*`` threshold, and leaves it only when both are at or below
     their (lower) ``exit_*`` thresholds and at least ``min_dwell_s`` have passed since the
-    last change (hysteresis: no flapping around one threshold). While degraded, new
-    requests get ``max_tokens`` capped at ``max_tokens_cap`` and long-context requests go
-    through a separate queue served ``long_context_concurrency`` at a time.
+    last change (hysteresis: no flapping around one threshold). While degraded,
+    long-context requests go through a separate queue served ``long_context_concurrency``
+    at a time, and, only when ``max_tokens_cap`` is set (default None = off), new requests
+    get ``max_tokens`` capped at it. A capped response says so: header
+    ``X-KVPage-Max-Tokens-Capped: <cap>``, body field ``kvpage_max_tokens_capped:
+    {"requested", "cap"}`` and ``finish_reason: "length"`` on the choices it cut
+    (docs/serving.md).
     """
 
     enabled: bool = True
@@ -155,7 +159,7 @@ class DegradationConfig(_Strict):
     enter_p99_ttft_s: float = Field(5.0, gt=0.0)
     exit_p99_ttft_s: float = Field(2.0, ge=0.0)
     min_dwell_s: float = Field(5.0, ge=0.0)
-    max_tokens_cap: int = Field(64, ge=1)
+    max_tokens_cap: int | None = Field(None, ge=1)
     long_context_concurrency: int = Field(1, ge=1)
 
     @model_validator(mode="after")
@@ -186,6 +190,8 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     served_model_name: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: ignore request fields outside the OpenAI/vLLM schemas instead of refusing them
+    allow_unknown_fields: bool = False
     engine: EngineConfig = Field(default_factory=EngineConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     degradation: DegradationConfig = Field(default_factory=DegradationConfig)

@@ -139,10 +139,10 @@ class DegradationController:
         cfg = self.config
         if degraded:
             logger.warning(
-                "degradation: entering degraded mode (%s); max_tokens capped at %d, "
+                "degradation: entering degraded mode (%s); max_tokens cap %s, "
                 "long-context requests limited to %d at a time",
                 reason,
-                cfg.max_tokens_cap,
+                "off" if cfg.max_tokens_cap is None else cfg.max_tokens_cap,
                 cfg.long_context_concurrency,
             )
         else:
@@ -151,7 +151,9 @@ class DegradationController:
             self._on_change(degraded, reason)
 
     def cap_max_tokens(self, max_tokens: int) -> int:
-        """``max_tokens`` for a new request under the current state."""
-        if self.degraded:
-            return min(max_tokens, self.config.max_tokens_cap)
+        """``max_tokens`` for a new request under the current state (unchanged unless
+        degraded with ``max_tokens_cap`` set)."""
+        cap = self.config.max_tokens_cap
+        if self.degraded and cap is not None:
+            return min(max_tokens, cap)
         return max_tokens

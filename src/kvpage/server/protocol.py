@@ -2,9 +2,11 @@
 
 Requests are validated strictly from the raw JSON body (``model_validate_json`` in
 pydantic strict mode): ``"max_tokens": "5"`` or ``true`` is a type error, not coerced.
-Unknown fields are ignored, as OpenAI-compatible servers commonly do, except the
-unsupported features listed in :data:`UNSUPPORTED_FIELDS`, which are refused so that a
-client never silently gets something other than what it asked for.
+Fields that are not implemented fields of these models are checked against the
+allow-list of :mod:`kvpage.server.fields`: known-but-unimplemented OpenAI/vLLM fields
+are refused unless they ask for nothing, unknown fields are refused unless the server
+runs with ``--allow-unknown-fields``; so a client never silently gets something other
+than what it asked for.
 
 Chat template (documented in docs/serving.md): stories260K is a plain language model
 with no chat training, so a conversation is rendered as plain text, one message per
@@ -22,7 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 __all__ = [
     "APIError",
-    "UNSUPPORTED_FIELDS",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -32,24 +33,15 @@ __all__ = [
     "render_chat",
 ]
 
-#: Fields of the OpenAI API kvpage does not implement; a request using them gets 400.
-UNSUPPORTED_FIELDS = (
-    "logprobs",
-    "top_logprobs",
-    "echo",
-    "best_of",
-    "suffix",
-    "logit_bias",
-    "tools",
-    "functions",
-    "response_format",
-)
+#: most top log-probabilities per token a request may ask for (vLLM's default
+#: ``max_logprobs``)
+MAX_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` (a bool) asks for a final usage chunk."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     include_usage: bool = False
 
@@ -69,8 +61,15 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    # vLLM sampling extensions (semantics: kvpage.engine.params.SamplingParams)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def stop_strings(self) -> list[str]:
         """The stop strings as a list (``prepare_request`` refuses empty ones)."""
@@ -82,10 +81,9 @@ class _Request(BaseModel):
         """Whether a streamed response ends with a usage chunk (``stream_options``)."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def unsupported_fields(self) -> list[str]:
-        """Names of requested-but-unsupported features (non-null, non-false values)."""
-        extra = self.model_extra or {}
-        return [k for k in UNSUPPORTED_FIELDS if extra.get(k) not in (None, False, 0)]
+    def num_logprobs(self) -> int | None:  # pragma: no cover - both subclasses override
+        """Top log-probabilities asked per sampled token (None = no logprobs)."""
+        return None
 
 
 class CompletionRequest(_Request):
@@ -93,6 +91,11 @@ class CompletionRequest(_Request):
     exactly one of those. ``max_tokens`` defaults to 16 (OpenAI's default)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -125,6 +128,11 @@ class ChatCompletionRequest(_Request):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def render_chat(messages: list[ChatMessage]) -> str:
@@ -153,6 +161,18 @@ class GenerationRequest(BaseModel):
     seed: int | None
     stop: list[str]
     ignore_eos: bool
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    echo: bool = False
+    #: the asked ``max_tokens`` when degraded mode capped it (see ``max_tokens_capped``)
+    requested_max_tokens: int | None = None
     stream: bool
     include_usage: bool
     tenant: str
@@ -184,40 +204,94 @@ def error_body(
 
 
 def completion_body(
-    req: GenerationRequest, choices: list[dict[str, Any]], completion_tokens: int
+    req: GenerationRequest,
+    choices: list[dict[str, Any]],
+    completion_tokens: int,
+    *,
+    cached_tokens: int = 0,
+    prompt_tokens: int | None = None,
+    prompt_logprobs: list[Any] | None = None,
 ) -> dict[str, Any]:
-    """A non-streamed response body (``text_completion`` or ``chat.completion``)."""
+    """A non-streamed response body (``text_completion`` or ``chat.completion``).
+
+    Chat bodies carry vLLM's top-level ``prompt_logprobs`` when the request asked for
+    them; a body whose ``max_tokens`` degraded mode capped carries
+    :func:`capped_field`."""
     obj = "chat.completion" if req.kind == "chat" else "text_completion"
-    return {
+    body: dict[str, Any] = {
         "id": req.request_id,
         "object": obj,
         "created": req.created,
         "model": req.model,
         "choices": choices,
-        "usage": usage(req, completion_tokens),
+        "usage": usage(req, completion_tokens, cached_tokens, prompt_tokens),
+    }
+    if req.kind == "chat" and prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs
+    body.update(capped_field(req))
+    return body
+
+
+def capped_field(req: GenerationRequest) -> dict[str, Any]:
+    """``{"kvpage_max_tokens_capped": {"requested", "cap"}}`` when degraded mode capped
+    ``max_tokens`` (``degradation.max_tokens_cap``), else ``{}``."""
+    if req.requested_max_tokens is None:
+        return {}
+    return {
+        "kvpage_max_tokens_capped": {
+            "requested": req.requested_max_tokens,
+            "cap": req.max_tokens,
+        }
     }
 
 
-def usage(req: GenerationRequest, completion_tokens: int) -> dict[str, int]:
-    """The ``usage`` object (prompt tokens counted once, even for ``n > 1``)."""
-    p = len(req.prompt_token_ids)
+def usage(
+    req: GenerationRequest,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+    prompt_tokens: int | None = None,
+) -> dict[str, Any]:
+    """The ``usage`` object (prompt tokens counted once, even for ``n > 1``), with
+    ``prompt_tokens_details.cached_tokens``: prompt tokens served from the prefix cache."""
+    p = len(req.prompt_token_ids) if prompt_tokens is None else prompt_tokens
     return {
         "prompt_tokens": p,
         "completion_tokens": completion_tokens,
         "total_tokens": p + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
-def choice(req: GenerationRequest, index: int, text: str, finish: str | None) -> dict[str, Any]:
-    """One non-streamed choice."""
+def choice(
+    req: GenerationRequest,
+    index: int,
+    text: str,
+    finish: str | None,
+    *,
+    logprobs: dict[str, Any] | None = None,
+    stop_reason: int | str | None = None,
+    prompt_logprobs: list[Any] | None = None,
+) -> dict[str, Any]:
+    """One non-streamed choice (vLLM's ``stop_reason``; completions choices carry
+    ``prompt_logprobs`` when asked)."""
     if req.kind == "chat":
         return {
             "index": index,
             "message": {"role": "assistant", "content": text},
             "finish_reason": finish,
-            "logprobs": None,
+            "stop_reason": stop_reason,
+            "logprobs": logprobs,
         }
-    return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+    c = {
+        "index": index,
+        "text": text,
+        "finish_reason": finish,
+        "stop_reason": stop_reason,
+        "logprobs": logprobs,
+    }
+    if prompt_logprobs is not None:
+        c["prompt_logprobs"] = prompt_logprobs
+    return c
 
 
 def chunk(
@@ -227,27 +301,39 @@ def chunk(
     finish: str | None,
     *,
     first: bool = False,
+    logprobs: dict[str, Any] | None = None,
+    stop_reason: int | str | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk for one choice (``text_completion`` / ``chat.completion.chunk``)."""
     if req.kind == "chat":
         delta: dict[str, Any] = {"content": text} if text or not finish else {}
         if first:
             delta["role"] = "assistant"
-        c: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
+        c: dict[str, Any] = {
+            "index": index,
+            "delta": delta,
+            "finish_reason": finish,
+            "logprobs": logprobs,
+        }
         obj = "chat.completion.chunk"
     else:
-        c = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+        c = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
+    if finish is not None:
+        c["stop_reason"] = stop_reason
     return {
         "id": req.request_id,
         "object": obj,
         "created": req.created,
         "model": req.model,
         "choices": [c],
+        **capped_field(req),
     }
 
 
-def usage_chunk(req: GenerationRequest, completion_tokens: int) -> dict[str, Any]:
+def usage_chunk(
+    req: GenerationRequest, completion_tokens: int, cached_tokens: int = 0
+) -> dict[str, Any]:
     """The final streamed chunk carrying ``usage`` (``stream_options.include_usage``)."""
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     return {
@@ -256,7 +342,8 @@ def usage_chunk(req: GenerationRequest, completion_tokens: int) -> dict[str, Any
         "created": req.created,
         "model": req.model,
         "choices": [],
-        "usage": usage(req, completion_tokens),
+        "usage": usage(req, completion_tokens, cached_tokens),
+        **capped_field(req),
     }
 
 

@@ -18,7 +18,7 @@ import concurrent.futures
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpage.errors import RequestRejected
@@ -45,18 +45,32 @@ def _rate_limited(d: Decision) -> APIError:
 
 @dataclass
 class Delta:
-    """New text for one choice. ``finish_reason`` is set on the choice's last delta."""
+    """New text for one choice. ``finish_reason`` (and ``stop_reason``, vLLM's: the stop
+    string or stop token id) are set on the choice's last delta. ``token_ids`` are the
+    tokens generated since the previous delta and ``logprobs`` their
+    ``PositionLogprobs`` (when the request asked for logprobs)."""
 
     index: int
     text: str
     finish_reason: str | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass
 class Usage:
-    """Token counts of one request, filled in by :meth:`ServingState.generate`."""
+    """Token counts of one request, filled in by :meth:`ServingState.generate`.
+
+    Attributes:
+        completion_tokens: generated tokens, summed over choices.
+        cached_tokens: prompt tokens served from the prefix cache.
+        prompt_logprobs: the engine's prompt logprobs (``prompt_logprobs`` requests).
+    """
 
     completion_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -64,7 +78,10 @@ class _Choice:
     text: str = ""  # text accepted so far (after stop-string truncation)
     sent: int = 0  # characters of ``text`` already yielded
     num_tokens: int = 0
+    tok_sent: int = 0  # tokens already yielded
     finish: str | None = None
+    stop_reason: int | str | None = None
+    stop_floor: int | None = None  # stop strings may not end before this text offset
 
 
 class ServingState:
@@ -182,6 +199,7 @@ class ServingState:
         """
         capped = self.degradation.cap_max_tokens(req.max_tokens)
         if capped != req.max_tokens:
+            req.requested_max_tokens = req.max_tokens
             req.max_tokens = capped
             self.metrics.max_tokens_capped.inc()
         now = self.clock()
@@ -258,6 +276,15 @@ class ServingState:
                 seed=req.seed,
                 ignore_eos=req.ignore_eos,
                 stop=req.stop or None,
+                stop_token_ids=req.stop_token_ids or None,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                min_p=req.min_p,
+                min_tokens=min(req.min_tokens, req.max_tokens),
+                logprobs=req.logprobs,
+                prompt_logprobs=req.prompt_logprobs,
+                include_stop_str_in_output=req.include_stop_str_in_output,
             )
             q = await self.loop.add(
                 req.request_id, list(req.prompt_token_ids), params, arrival_time=arrival
@@ -280,6 +307,9 @@ class ServingState:
                         reason="engine_error",
                     )
                 done = bool(out.finished)
+                usage.cached_tokens = int(out.num_cached_tokens)
+                if out.prompt_logprobs is not None:
+                    usage.prompt_logprobs = out.prompt_logprobs
                 for comp in out.outputs:
                     c = choices[comp.index]
                     if c.finish is not None:
@@ -302,17 +332,36 @@ class ServingState:
                         if out.finished
                         else str(self.tokenizer.decode(list(comp.token_ids)))
                     )
-                    cut = _find_stop(full, req.stop, c.text)
-                    if cut is not None:
-                        c.text, c.finish = full[:cut], "stop"
+                    hit = None
+                    if req.stop and c.num_tokens >= req.min_tokens:
+                        if c.stop_floor is None:  # min_tokens: earlier text never stops
+                            k = req.min_tokens - 1
+                            c.stop_floor = (
+                                len(self.tokenizer.decode(list(comp.token_ids[:k]))) if k else 0
+                            )
+                        hit = _find_stop(full, req.stop, c.text, c.stop_floor)
+                    if hit is not None:
+                        cut, s = hit
+                        keep = cut + len(s) if req.include_stop_str_in_output else cut
+                        c.text, c.finish, c.stop_reason = full[:keep], "stop", s
                     else:
                         c.text = full
                         if comp.finish_reason is not None or out.finished:
                             c.finish = comp.finish_reason or "length"
+                            c.stop_reason = comp.stop_reason
                     end = len(c.text) if c.finish else _safe_end(c.text, hold)
                     if end > c.sent or c.finish:
-                        yield Delta(comp.index, c.text[c.sent : end], c.finish)
+                        lps = comp.logprobs[c.tok_sent :] if comp.logprobs is not None else None
+                        yield Delta(
+                            comp.index,
+                            c.text[c.sent : end],
+                            c.finish,
+                            list(comp.token_ids[c.tok_sent :]),
+                            lps,
+                            c.stop_reason,
+                        )
                         c.sent = max(c.sent, end)
+                        c.tok_sent = len(comp.token_ids)
                 if not done and all(c.finish is not None for c in choices):
                     await self.loop.abort(req.request_id)  # every choice hit a stop string
                     done = True
@@ -356,15 +405,17 @@ def rejection_error(exc: RequestRejected) -> APIError:
     )
 
 
-def _find_stop(full: str, stops: list[str], prev: str) -> int | None:
-    """Index where the earliest stop string starts in ``full`` (searching new text only)."""
+def _find_stop(full: str, stops: list[str], prev: str, floor: int = 0) -> tuple[int, str] | None:
+    """``(index, stop string)`` of the earliest stop string in ``full``, searching new
+    text only (and only matches ending after ``floor``, the text of the first
+    ``min_tokens - 1`` tokens)."""
     if not stops:
         return None
-    best: int | None = None
+    best: tuple[int, str] | None = None
     for s in stops:
-        k = full.find(s, max(0, len(prev) - len(s) + 1))
-        if k >= 0 and (best is None or k < best):
-            best = k
+        k = full.find(s, max(0, len(prev) - len(s) + 1, floor - len(s) + 1))
+        if k >= 0 and (best is None or k < best[0]):
+            best = (k, s)
     return best
 
 

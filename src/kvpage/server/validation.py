@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvpage.server.fields import check_extra_fields
 from kvpage.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -80,6 +81,7 @@ def prepare_request(
     tokenizer: Any,
     max_model_len: int,
     max_bytes_per_token: int | None = None,
+    allow_unknown_fields: bool = False,
 ) -> GenerationRequest:
     """Validate a parsed request and tokenize its prompt.
 
@@ -92,6 +94,8 @@ def prepare_request(
         max_model_len: longest sequence (prompt + output) in tokens.
         max_bytes_per_token: :func:`max_token_bytes` of ``tokenizer``; when given, text
             that provably cannot fit ``max_model_len`` is refused before encoding.
+        allow_unknown_fields: ignore fields outside the OpenAI/vLLM schemas instead of
+            refusing them (see :mod:`kvpage.server.fields`).
 
     Returns:
         The request with token ids and ``max_tokens`` resolved (completions default 16;
@@ -100,14 +104,25 @@ def prepare_request(
     Raises:
         APIError: 404 unknown model, 400 anything else invalid. No state is touched.
     """
-    bad = body.unsupported_fields()
-    if bad:
-        raise APIError(400, f"{bad[0]}: expected unset, got a value (not supported)", param=bad[0])
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0.0):
-            raise APIError(
-                400, f"{name}: expected 0 or unset, got a value (not supported)", param=name
-            )
+    bad = check_extra_fields(kind, body.model_extra or {}, allow_unknown=allow_unknown_fields)
+    if bad is not None:
+        raise APIError(400, bad[1], param=bad[0], code="unsupported_field")
+    chat = isinstance(body, ChatCompletionRequest)
+    if chat and body.top_logprobs is not None and not body.logprobs:  # type: ignore[union-attr]
+        raise APIError(
+            400,
+            f"top_logprobs: expected unset unless logprobs is true, got {body.top_logprobs}",
+            param="top_logprobs",
+        )
+    if body.stop_token_ids is not None and any(
+        not 0 <= t < int(tokenizer.vocab_size) for t in body.stop_token_ids
+    ):
+        raise APIError(
+            400,
+            f"stop_token_ids: expected ids in [0, {tokenizer.vocab_size}), "
+            f"got {body.stop_token_ids!r}"[:300],
+            param="stop_token_ids",
+        )
     stops = body.stop_strings()
     if any(not x for x in stops):
         raise APIError(
@@ -147,6 +162,12 @@ def prepare_request(
         max_tokens = max_model_len - n_prompt
     if max_tokens < 1:
         raise APIError(400, f"{max_name}: expected >= 1, got {max_tokens}", param=max_name)
+    if body.min_tokens is not None and body.min_tokens > max_tokens:
+        raise APIError(
+            400,
+            f"min_tokens: expected <= {max_name} ({max_tokens}), got {body.min_tokens}",
+            param="min_tokens",
+        )
     if n_prompt + max_tokens > max_model_len:
         raise APIError(
             400,
@@ -179,6 +200,16 @@ def prepare_request(
         seed=body.seed,
         stop=stops,
         ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_p=body.min_p or 0.0,
+        min_tokens=body.min_tokens or 0,
+        stop_token_ids=list(body.stop_token_ids or ()),
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        logprobs=body.num_logprobs(),
+        prompt_logprobs=body.prompt_logprobs,
+        echo=isinstance(body, CompletionRequest) and body.echo,
         stream=body.stream,
         include_usage=body.include_usage(),
         tenant=tenant,

@@ -280,7 +280,7 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
                 sample_index=0,
                 token_ids=prompt,
                 num_prompt_tokens=len(prompt),
-                params=SamplingParams(max_tokens=n_out, ignore_eos=True),
+                params=SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True),
                 max_tokens=min(n_out, max(mml - len(prompt), 0)),
             )
             try:

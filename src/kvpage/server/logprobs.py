@@ -1,0 +1,114 @@
+"""Log-probabilities on the wire: the engine's ``PositionLogprobs`` in OpenAI's formats.
+
+* ``/v1/completions`` (OpenAI's legacy format, as vLLM writes it)::
+
+      {"tokens": [str], "token_logprobs": [float | null],
+       "top_logprobs": [{token_text: logprob} | null], "text_offset": [int]}
+
+  ``top_logprobs`` holds the chosen token plus the ``logprobs`` most likely ones. With
+  ``echo`` the prompt's tokens come first (the first prompt token has ``null``).
+* ``/v1/chat/completions``::
+
+      {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
+        "logprob", "bytes"}]}]}
+
+  ``top_logprobs`` holds the ``top_logprobs`` most likely tokens, best first.
+* ``prompt_logprobs`` (vLLM's extension): a list with ``null`` for the first prompt
+  token, then ``{token_id: {"logprob", "rank", "decoded_token"}}`` per prompt token.
+
+Token texts are ``tokenizer.decode([id])`` (the engine's ``decoded_token``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["chat_logprobs", "completion_logprobs", "prompt_logprobs_json"]
+
+
+def _text(entry: Any, token_id: int) -> str:
+    lp = entry.get(token_id) if entry else None
+    t = getattr(lp, "decoded_token", None)
+    return str(t) if t is not None else str(token_id)
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    entries: list[Any],
+    *,
+    prompt: tuple[list[int], list[Any]] | None = None,
+    offset: int = 0,
+) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object.
+
+    Args:
+        token_ids: generated token ids.
+        entries: one PositionLogprobs per generated token.
+        prompt: with ``echo``, the prompt's ids and its prompt logprobs (first None).
+        offset: ``text_offset`` of the first token (characters before it in ``text``).
+    """
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    pairs: list[tuple[int, Any]] = []
+    if prompt is not None:
+        pairs.extend(zip(prompt[0], prompt[1]))
+    pairs.extend(zip(token_ids, entries))
+    pos = offset
+    for tid, ent in pairs:
+        s = _text(ent, tid)
+        tokens.append(s)
+        offsets.append(pos)
+        pos += len(s)
+        if ent is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(float(ent[tid].logprob))
+        tops.append({_text(ent, t): float(v.logprob) for t, v in ent.items()})
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(token_ids: list[int], entries: list[Any], num_top: int) -> dict[str, Any]:
+    """The chat ``logprobs`` object (``{"content": [...]}``)."""
+    content = []
+    for tid, ent in zip(token_ids, entries):
+        s = _text(ent, tid)
+        ranked = sorted(ent.items(), key=lambda kv: kv[1].rank)[:num_top]
+        content.append(
+            {
+                "token": s,
+                "logprob": float(ent[tid].logprob),
+                "bytes": list(s.encode("utf-8")),
+                "top_logprobs": [
+                    {
+                        "token": _text(ent, t),
+                        "logprob": float(v.logprob),
+                        "bytes": list(_text(ent, t).encode("utf-8")),
+                    }
+                    for t, v in ranked
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def prompt_logprobs_json(plp: list[Any] | None) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs`` field (token ids as string keys, as JSON requires)."""
+    if plp is None:
+        return None
+    return [
+        None
+        if ent is None
+        else {
+            str(t): {"logprob": float(v.logprob), "rank": v.rank, "decoded_token": v.decoded_token}
+            for t, v in ent.items()
+        }
+        for ent in plp
+    ]
