@@ -107,8 +107,11 @@ def prepare_request(
     bad = check_extra_fields(kind, body.model_extra or {}, allow_unknown=allow_unknown_fields)
     if bad is not None:
         raise APIError(400, bad[1], param=bad[0], code="unsupported_field")
-    chat = isinstance(body, ChatCompletionRequest)
-    if chat and body.top_logprobs is not None and not body.logprobs:  # type: ignore[union-attr]
+    if (
+        isinstance(body, ChatCompletionRequest)
+        and body.top_logprobs is not None
+        and not body.logprobs
+    ):
         raise APIError(
             400,
             f"top_logprobs: expected unset unless logprobs is true, got {body.top_logprobs}",
