@@ -150,6 +150,10 @@ def test_degradation_caps_max_tokens_with_hysteresis(server):
             time.sleep(0.02)
         r = _post(server, {"prompt": "Once", "max_tokens": 50, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        # the cut is visible in the response, not only in a metric
+        assert r.headers["X-KVPage-Max-Tokens-Capped"] == "8"
+        assert r.json()["kvpage_max_tokens_capped"] == {"requested": 50, "cap": 8}
+        assert r.json()["choices"][0]["finish_reason"] == "length"
         # long-context requests pass one at a time through their own queue
         with concurrent.futures.ThreadPoolExecutor(2) as ex:
             futs = [
@@ -168,6 +172,8 @@ def test_degradation_caps_max_tokens_with_hysteresis(server):
             time.sleep(0.02)
         r = _post(server, {"prompt": "Once", "max_tokens": 20, "ignore_eos": True})
         assert r.json()["usage"]["completion_tokens"] == 20
+        assert "kvpage_max_tokens_capped" not in r.json()
+        assert "X-KVPage-Max-Tokens-Capped" not in r.headers
         m = _metrics(server)
         assert m['kvpage:degradation_transitions_total{to="normal"}'] == 1
     finally:

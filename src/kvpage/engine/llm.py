@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from kvpage.engine.chat import apply_chat_template
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.params import RequestOutput, SamplingParams
+from kvpage.engine.vllm_compat import LLM_NOT_IMPLEMENTED, check_not_implemented
 from kvpage.errors import RequestRejected
 
 
@@ -33,6 +35,7 @@ class LLM:
     """
 
     def __init__(self, model: Any = "stories260K", **kwargs: Any) -> None:
+        check_not_implemented("LLM", LLM_NOT_IMPLEMENTED, kwargs)
         self.llm_engine = LLMEngine.from_config(model=model, **kwargs)
         self._counter = 0
 
@@ -40,14 +43,49 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (``encode(text, bos=True)``, ``decode(ids)``; None for a
+        model without one), as vLLM's ``LLM.get_tokenizer``."""
+        return self.llm_engine.tokenizer
+
     def get_metrics(self) -> dict[str, float]:
         """The engine's ``kvpage:*`` metrics (see ``LLMEngine.get_metrics``)."""
         return self.llm_engine.get_metrics()
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (vLLM's ``LLM.chat``).
+
+        Each conversation is rendered with kvpage's chat template
+        (:func:`kvpage.engine.chat.apply_chat_template`: ``"{role}: {content}\n"`` per
+        message, then ``"assistant:"``), tokenized with BOS and generated as in
+        :meth:`generate`.
+
+        Args:
+            messages: a list of ``{"role", "content"}`` dicts, or a list of such lists.
+            sampling_params: as in :meth:`generate`.
+            use_tqdm: as in :meth:`generate`.
+
+        Raises:
+            RequestRejected: a conversation is malformed (nothing was queued).
+        """
+        convs: list[Any]
+        if messages and isinstance(messages[0], Mapping):
+            convs = [messages]
+        else:
+            convs = list(messages)
+        prompts = [apply_chat_template(c) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate(
         self,
         prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt, batched continuously.
 
@@ -55,7 +93,10 @@ class LLM:
             prompts: one prompt or a list; a prompt is text, a list of token ids, or
                 ``{"prompt_token_ids": [...], "cache_salt": "..."}``.
             sampling_params: one SamplingParams for all, or one per prompt
-                (default ``SamplingParams()``).
+                (default ``SamplingParams()``: vLLM's defaults, temperature 1.0 and
+                max_tokens 16).
+            use_tqdm: show a ``tqdm`` progress bar (on stderr) over finished prompts
+                when tqdm is installed (vLLM's default True); or a tqdm-like class to use.
 
         Returns:
             One finished RequestOutput per prompt, in order. A prompt the engine rejects
@@ -116,12 +157,15 @@ class LLM:
                     error=e,
                 )
         pending = {r for r in ids if r not in results}
+        bar = _progress_bar(use_tqdm, len(pending))
         try:
             while pending:
                 for out in eng.step(finished_only=True):
                     if out.finished and out.request_id in pending:
                         results[out.request_id] = out
                         pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
                 if pending and not eng.has_unfinished_requests():  # pragma: no cover
                     raise RuntimeError(f"engine stopped with unfinished requests {sorted(pending)}")
         except BaseException:
@@ -130,7 +174,23 @@ class LLM:
             for r in sorted(pending):
                 eng.abort_request(r)
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[r] for r in ids]
+
+
+def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:
+    """A tqdm bar over ``total`` prompts, or None (off, nothing to do, or no tqdm)."""
+    if not use_tqdm or total == 0:
+        return None
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="Processed prompts", unit="prompt")
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # the ``cli`` extra is not installed: no bar
+        return None
+    return tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)
 
 
 __all__ = ["LLM"]

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
+from kvpage.engine.vllm_compat import SAMPLING_NOT_IMPLEMENTED, check_not_implemented
 from kvpage.errors import RequestRejected
 
 #: most top log-probabilities per token a request may ask for (vLLM's default
@@ -44,8 +46,17 @@ def _bad(name: str, expected: str, got: object) -> RequestRejected:
     )
 
 
+class _VLLMCompatible(type):
+    """Metaclass: vLLM keyword arguments kvpage does not implement are refused by name
+    (or dropped when their value asks for nothing) before the constructor runs."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        check_not_implemented(cls.__name__, SAMPLING_NOT_IMPLEMENTED, kwargs)
+        return super().__call__(*args, **kwargs)
+
+
 @dataclass
-class SamplingParams:
+class SamplingParams(metaclass=_VLLMCompatible):
     """How to sample one request (validated on construction).
 
     Attributes:

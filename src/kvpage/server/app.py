@@ -6,7 +6,8 @@ shutdown (aborting whatever is still running). ``build_engine(config)`` makes th
 ``kvpage.engine.LLMEngine`` from the config's engine section.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when
-``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every error is
+``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and vLLM's
+``/tokenize``, ``/detokenize``, ``/version``, ``/ping`` (``kvpage.server.utility_routes``). Every error is
 an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -38,6 +39,7 @@ from kvpage.server.responses import (
     stream_chunk,
 )
 from kvpage.server.service import APIError, ServingState, Usage, rejection_error
+from kvpage.server.utility_routes import register_utility_routes
 from kvpage.server.validation import prepare_request
 
 __all__ = ["build_engine", "create_app"]
@@ -227,6 +229,8 @@ def create_app(
             },
             status_code=200 if ok else 503,
         )
+
+    register_utility_routes(app, state, _validation_message)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -50,6 +50,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="run the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API (binds 127.0.0.1 by default).",
     )
+    p.add_argument(
+        "model_positional",
+        nargs="?",
+        metavar="MODEL",
+        default=None,
+        help="model to serve (as vLLM's `vllm serve MODEL`; same as --model)",
+    )
     p.add_argument("--config", metavar="FILE", help="YAML/JSON ServerConfig (see --dump-config)")
     p.add_argument("--dump-config", action="store_true", help="print the effective config and exit")
     p.add_argument("--dump-format", choices=["yaml", "json"], default="yaml")
@@ -61,6 +68,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     pc.add_argument(
         "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false"
+    )
+    p.add_argument(
+        "--allow-unknown-fields",
+        dest="allow_unknown_fields",
+        action="store_true",
+        default=None,
+        help="ignore request fields outside the OpenAI/vLLM schemas (default: refuse, 400)",
     )
     p.add_argument("--tenant-rate", type=float, default=None, help="default tokens/s per tenant")
     p.add_argument(
@@ -79,6 +93,16 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """
     cfg = load_config(args.config) if getattr(args, "config", None) else ServerConfig()
     data = cfg.model_dump()
+    pos = getattr(args, "model_positional", None)
+    if pos is not None:
+        if getattr(args, "model", None) not in (None, pos):
+            raise SpecError(
+                f"MODEL: expected the same model as --model ({args.model!r}) or only one of "
+                f"them, got {pos!r}"
+            )
+        args.model = pos
+    if getattr(args, "allow_unknown_fields", None):
+        data["allow_unknown_fields"] = True
     for flag, (section, name, _) in _FLAGS.items():
         v = getattr(args, flag, None)
         if v is not None:

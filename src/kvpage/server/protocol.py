@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from kvpage.engine.chat import apply_chat_template
+
 __all__ = [
     "APIError",
     "ChatCompletionRequest",
@@ -141,7 +143,7 @@ def render_chat(messages: list[ChatMessage]) -> str:
     Returns:
         ``"".join(f"{m.role}: {m.text()}\\n" for m in messages) + "assistant:"``.
     """
-    return "".join(f"{m.role}: {m.text()}\n" for m in messages) + "assistant:"
+    return apply_chat_template([{"role": m.role, "content": m.text()} for m in messages])
 
 
 class GenerationRequest(BaseModel):

@@ -1,0 +1,71 @@
+"""kvpage's chat template (used by ``LLM.chat`` and ``/v1/chat/completions``).
+
+The bundled stories260K is a plain language model with no chat training, so a
+conversation is rendered as plain text, one message per line, ``"{role}: {content}\\n"``,
+followed by ``"assistant:"`` (the generation prompt); the model then continues the
+assistant line. docs/serving.md and docs/vllm-checklist.md document it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvpage.errors import RequestRejected
+
+__all__ = ["CHAT_ROLES", "apply_chat_template", "message_text"]
+
+#: roles a message may have (OpenAI's)
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+def message_text(content: Any) -> str:
+    """A message's text: a string, or the ``text`` of ``{"type": "text"}`` parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(
+        str(p.get("text", ""))
+        for p in content
+        if isinstance(p, Mapping) and p.get("type") == "text"
+    )
+
+
+def apply_chat_template(messages: Sequence[Mapping[str, Any]]) -> str:
+    """Render a conversation: ``"".join(f"{role}: {text}\\n") + "assistant:"``.
+
+    Args:
+        messages: ``{"role": one of CHAT_ROLES, "content": str | text parts}`` dicts.
+
+    Raises:
+        RequestRejected: reason ``"invalid_prompt"``, e.g. ``"messages[0].role:
+            expected one of ..., got 'robot'"``.
+    """
+    if isinstance(messages, (str, bytes)) or not messages:
+        raise RequestRejected(
+            f"messages: expected a non-empty list of messages, got {messages!r}"[:200],
+            reason="invalid_prompt",
+        )
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise RequestRejected(
+                f"messages[{i}]: expected a dict with role and content, got {m!r}"[:200],
+                reason="invalid_prompt",
+            )
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise RequestRejected(
+                f"messages[{i}].role: expected one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                reason="invalid_prompt",
+            )
+        content = m.get("content")
+        if not (content is None or isinstance(content, (str, list))):
+            raise RequestRejected(
+                f"messages[{i}].content: expected a string or a list of text parts, "
+                f"got {type(content).__name__}",
+                reason="invalid_prompt",
+            )
+        out.append(f"{role}: {message_text(content)}\n")
+    return "".join(out) + "assistant:"

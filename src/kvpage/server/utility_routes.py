@@ -1,0 +1,121 @@
+"""vLLM's utility routes: ``/tokenize``, ``/detokenize``, ``/version`` and ``/ping``.
+
+* ``POST /tokenize`` ``{"model"?, "prompt": str, "add_special_tokens"?: bool}`` or
+  ``{"model"?, "messages": [...], "add_generation_prompt"?: true}`` ->
+  ``{"count", "max_model_len", "tokens"}``; ``add_special_tokens`` (default true) puts
+  BOS first; messages are rendered with the chat template of /v1/chat/completions.
+* ``POST /detokenize`` ``{"model"?, "tokens": [int]}`` -> ``{"prompt": str}``.
+* ``GET /version`` -> ``{"version": kvpage.__version__}``.
+* ``GET|POST /ping`` -> 200 ``{}`` while the engine loop runs, else 503 (as /health).
+
+Bodies are validated like the completion routes: strict types, unknown fields refused
+with 400 naming them, ``model`` (when given) must be the served model (404).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvpage.server.protocol import APIError, ChatMessage, render_chat
+
+__all__ = ["DetokenizeRequest", "TokenizeRequest", "register_utility_routes"]
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: exactly one of ``prompt`` and ``messages``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def register_utility_routes(
+    app: FastAPI, state: Any, validation_message: Callable[[ValidationError], Any]
+) -> None:
+    """Add the routes to ``app``.
+
+    Args:
+        app: the FastAPI app (its APIError handler answers the errors).
+        state: the :class:`~kvpage.server.service.ServingState`.
+        validation_message: the app's ``ValidationError -> (message, param)`` formatter.
+    """
+
+    async def parse(request: Request, cls: type[BaseModel]) -> Any:
+        try:
+            body = cls.model_validate_json(await request.body())
+        except ValidationError as exc:
+            msg, param = validation_message(exc)
+            raise APIError(400, msg, param=param) from None
+        name = state.config.model_name
+        if body.model is not None and body.model != name:  # type: ignore[attr-defined]
+            raise APIError(
+                404,
+                f"model: expected {name!r}, got {body.model!r}",  # type: ignore[attr-defined]
+                code="model_not_found",
+                param="model",
+            )
+        return body
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body: TokenizeRequest = await parse(request, TokenizeRequest)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(
+                400,
+                "prompt: expected exactly one of prompt and messages, got "
+                + ("both" if body.prompt is not None else "neither"),
+                param="prompt",
+            )
+        if body.messages is not None:
+            if not body.add_generation_prompt:
+                raise APIError(
+                    400,
+                    "add_generation_prompt: expected true (kvpage's template always ends "
+                    "with the assistant turn), got false",
+                    param="add_generation_prompt",
+                )
+            text = render_chat(body.messages)
+        else:
+            text = body.prompt or ""
+        ids = list(state.tokenizer.encode(text, bos=body.add_special_tokens))
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body: DetokenizeRequest = await parse(request, DetokenizeRequest)
+        vocab = int(state.tokenizer.vocab_size)
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(
+                400, f"tokens: expected ids in [0, {vocab}), got {bad[0]}", param="tokens"
+            )
+        return {"prompt": str(state.tokenizer.decode(body.tokens))}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        from kvpage import __version__
+
+        return {"version": __version__}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> JSONResponse:
+        ok = state.loop.running
+        return JSONResponse({} if ok else {"status": "engine loop not running"}, 200 if ok else 503)
