@@ -136,6 +136,8 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._arrivals = 0
         self._unique_salts = 0
+        #: unfinished requests with prompt_logprobs (0: the step skips looking for them)
+        self._num_prompt_lp = 0
         self._counters = {"prompt": 0, "generation": 0, "rejected": 0}
         #: ids of user requests dropped by failed steps (oldest first)
         self.failed_request_ids: deque[str] = deque(maxlen=1024)
@@ -226,6 +228,7 @@ class LLMEngine:
         grp = _Group(request_id, text, list(ids), params, now, req.arrival_order)
         if params.prompt_logprobs is not None:
             grp.prompt_logprobs = [None] * len(ids)
+            self._num_prompt_lp += 1
         self._groups[request_id] = grp
         self._counters["prompt"] += len(ids)
 
@@ -236,7 +239,13 @@ class LLMEngine:
             return
         self.scheduler.abort(request_id)
         self.scheduler.release(request_id)
-        del self._groups[request_id]
+        self._forget(request_id)
+
+    def _forget(self, group_id: str) -> None:
+        """Drop a user request's engine-side state (finished, aborted or failed)."""
+        grp = self._groups.pop(group_id, None)
+        if grp is not None and grp.prompt_logprobs is not None:
+            self._num_prompt_lp -= 1
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -294,7 +303,7 @@ class LLMEngine:
         for gid in sorted(group_ids):
             self.scheduler.abort(gid)
             self.scheduler.release(gid)
-            self._groups.pop(gid, None)
+            self._forget(gid)
         self.failed_request_ids.extend(sorted(group_ids))
 
     def _run_step(
@@ -303,7 +312,7 @@ class LLMEngine:
         st = self.step_stats
         groups = self._groups
         t1 = time.perf_counter()
-        spans = self._prompt_logprob_spans(out)
+        spans = self._prompt_logprob_spans(out) if self._num_prompt_lp else []
         logits = self.runner.execute(out, spans) if spans else self.runner.execute(out)
         t2 = time.perf_counter()
         if spans:
@@ -376,7 +385,7 @@ class LLMEngine:
             results.append(self._make_output(grp, done))
             if done:
                 self.scheduler.release(gid)
-                del groups[gid]
+                self._forget(gid)
         t5 = time.perf_counter()
         st.num_steps += 1
         st.schedule_s += t1 - t0
