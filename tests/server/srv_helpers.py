@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -12,12 +13,18 @@ ENGINE = {"num_blocks": 65, "block_size": 16, "max_num_seqs": 32, "max_num_batch
 
 
 def metrics_dict(text: str) -> dict[str, float]:
-    """Parse Prometheus text into ``{"name{labels}": value}`` (samples only)."""
+    """Parse Prometheus text into ``{"name{labels}": value}`` (samples only).
+
+    The ``model_name`` label (one served model per test server) is left out of the keys,
+    so ``m["kvpage:kv_cache_usage_perc"]`` names the engine gauge;
+    test_vllm_metrics.py checks the label itself.
+    """
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
-            out[name] = float(value)
+            name = re.sub(r',?model_name="[^"]*"', "", name).replace("{,", "{")
+            out[name.replace("{}", "")] = float(value)
     return out
 
 

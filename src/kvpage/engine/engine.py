@@ -94,6 +94,7 @@ class _Group:
     texts: dict[int, str] = field(default_factory=dict)
     first_token_time: float | None = None
     finish_time: float | None = None
+    first_scheduled_time: float | None = None
     #: per sample: the PositionLogprobs of each generated token (params.logprobs)
     logprobs: dict[int, list[Any]] = field(default_factory=dict)
     cumulative: dict[int, float] = field(default_factory=dict)
@@ -311,6 +312,7 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         st = self.step_stats
         groups = self._groups
+        step_start = time.monotonic()
         t1 = time.perf_counter()
         spans = self._prompt_logprob_spans(out) if self._num_prompt_lp else []
         logits = self.runner.execute(out, spans) if spans else self.runner.execute(out)
@@ -326,10 +328,12 @@ class LLMEngine:
         row_reqs: list[tuple[Request, int]] = []
         r = 0
         for s in out.scheduled:
-            if not s.samples:
-                continue
             req = s.request
             grp = groups[req.group_id]
+            if grp.first_scheduled_time is None:
+                grp.first_scheduled_time = step_start
+            if not s.samples:
+                continue
             k = 1 + req.num_pending_samples
             for j in range(k):
                 rows.append(r)
@@ -511,6 +515,7 @@ class LLMEngine:
             arrival_time=grp.arrival_time,
             first_token_time=grp.first_token_time,
             finish_time=grp.finish_time,
+            first_scheduled_time=grp.first_scheduled_time,
             num_preemptions=sum(q.num_preemptions for q in seqs),
             prompt_logprobs=None if grp.prompt_logprobs is None else list(grp.prompt_logprobs),
         )

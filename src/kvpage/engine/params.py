@@ -265,6 +265,8 @@ class RequestOutput:
         outputs: one CompletionOutput per sample, by index.
         finished: True when every sample has finished.
         arrival_time: ``time.monotonic()`` seconds when the request arrived.
+        first_scheduled_time: when a step first scheduled it (None before); queue time
+            is ``first_scheduled_time - arrival_time``.
         first_token_time: when its first token was sampled (None before).
         finish_time: when its last sample finished (None before).
         num_preemptions: times one of its samples was preempted.
@@ -286,6 +288,7 @@ class RequestOutput:
     num_preemptions: int = 0
     error: RequestRejected | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    first_scheduled_time: float | None = None
 
     @property
     def ttft(self) -> float | None:

@@ -4,7 +4,11 @@ Each server owns its own ``CollectorRegistry`` (no process-global state), holdin
 
 * the engine's ``kvpage:*`` metrics (issue 4 names), read from the latest snapshot of
   ``LLMEngine.get_metrics()``; names ending in ``_total`` are exported as counters, the
-  rest as gauges;
+  rest as gauges; each carries a ``model_name`` label (the served model, as vLLM's);
+* per-request phase histograms with ``model_name``: queue time (arrival -> first
+  scheduled), prefill time (first scheduled -> first token), decode time (first token
+  -> finish), inference time (first scheduled -> finish), and
+  ``kvpage:request_success_total{finished_reason, model_name}`` per finished choice;
 * server histograms: TTFT, TPOT, end-to-end latency (seconds), prefill and decode
   throughput per engine step (tokens/s);
 * gauges and counters: queue lengths, active sequences, prefix cache hit ratio, KV
@@ -37,20 +41,23 @@ _NAME_OK = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 class _EngineCollector(Collector):
     """Exports the latest engine metric snapshot under the engine's own names."""
 
-    def __init__(self, snapshot: Callable[[], Mapping[str, float]]) -> None:
+    def __init__(self, snapshot: Callable[[], Mapping[str, float]], model_name: str) -> None:
         self._snapshot = snapshot
+        self._model = model_name
 
     def collect(self) -> Iterator[Metric]:
         for name, value in sorted(self._snapshot().items()):
             if not _NAME_OK.match(name):
                 continue
             if name.endswith("_total"):
-                c = CounterMetricFamily(name[: -len("_total")], f"engine metric {name}")
-                c.add_metric([], float(value))
+                c = CounterMetricFamily(
+                    name[: -len("_total")], f"engine metric {name}", labels=["model_name"]
+                )
+                c.add_metric([self._model], float(value))
                 yield c
             else:
-                g = GaugeMetricFamily(name, f"engine metric {name}")
-                g.add_metric([], float(value))
+                g = GaugeMetricFamily(name, f"engine metric {name}", labels=["model_name"])
+                g.add_metric([self._model], float(value))
                 yield g
 
 
@@ -61,14 +68,42 @@ class ServerMetrics:
         engine_snapshot: returns the latest ``LLMEngine.get_metrics()`` dict (cheap; the
             engine loop refreshes it after every step).
         kv_total_bytes: bytes of the whole KV pool (``CacheSpec.total_bytes``).
+        model_name: the served model id, the ``model_name`` label of engine metrics.
     """
 
     def __init__(
-        self, engine_snapshot: Callable[[], Mapping[str, float]], kv_total_bytes: float = 0.0
+        self,
+        engine_snapshot: Callable[[], Mapping[str, float]],
+        kv_total_bytes: float = 0.0,
+        model_name: str = "",
     ) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.kv_total_bytes = float(kv_total_bytes)
-        r.register(_EngineCollector(engine_snapshot))
+        self.model_name = model_name
+        r.register(_EngineCollector(engine_snapshot, model_name))
+        phases = {
+            "queue": "Request time waiting before its first engine step (arrival -> first "
+            "scheduled)",
+            "prefill": "Request time in prefill (first scheduled -> first token)",
+            "decode": "Request time in decode (first token -> last token)",
+            "inference": "Request time in the engine (first scheduled -> last token)",
+        }
+        self.phase = {
+            k: Histogram(
+                f"kvpage:request_{k}_time_seconds",
+                doc,
+                ["model_name"],
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            ).labels(model_name=model_name)
+            for k, doc in phases.items()
+        }
+        self.request_success = Counter(
+            "kvpage:request_success",
+            "Finished choices (completions) by finish reason (stop, length)",
+            ["finished_reason", "model_name"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "kvpage:time_to_first_token_seconds",
             "Time from request arrival at the server to its first generated token",

@@ -122,7 +122,9 @@ class ServingState:
         self.loop = AsyncEngine(engine, on_step=self._on_step)
         total = getattr(spec, "total_bytes", 0)
         self.metrics = ServerMetrics(
-            lambda: self.loop.metrics_snapshot, float(total() if callable(total) else total)
+            lambda: self.loop.metrics_snapshot,
+            float(total() if callable(total) else total),
+            model_name=config.model_name,
         )
         self.metrics.cache_config.info(
             {
@@ -295,9 +297,10 @@ class ServingState:
         hold = max((len(s) for s in req.stop), default=1) - 1
         first_token_at: float | None = None
         done = False
+        last: Any = None
         try:
             while not done:
-                out = await q.get()
+                out = last = await q.get()
                 if isinstance(out, EngineFailure):
                     done = True
                     raise APIError(
@@ -370,18 +373,35 @@ class ServingState:
                 self.loop.abort_nowait(req.request_id)
                 self.metrics.cancellations.labels(cause="client_disconnect").inc()
             else:
-                self._finished(arrival, first_token_at, choices)
+                self._finished(arrival, first_token_at, choices, last)
         for c in choices:  # choices the engine ended without a final output (defensive)
             if c.finish is None:
                 c.finish = "length"
                 yield Delta(choices.index(c), c.text[c.sent :], "length")
 
-    def _finished(self, arrival: float, first: float | None, choices: list[_Choice]) -> None:
+    def _finished(
+        self, arrival: float, first: float | None, choices: list[_Choice], out: Any
+    ) -> None:
         now = self.clock()
-        self.metrics.e2e.observe(now - arrival)
+        m = self.metrics
+        m.e2e.observe(now - arrival)
         longest = max((c.num_tokens for c in choices), default=0)
         if first is not None and longest > 1:
-            self.metrics.tpot.observe((now - first) / (longest - 1))
+            m.tpot.observe((now - first) / (longest - 1))
+        for c in choices:
+            m.request_success.labels(
+                finished_reason=c.finish or "length", model_name=m.model_name
+            ).inc()
+        # phases from the engine's own (monotonic) timestamps of the last output
+        sched = getattr(out, "first_scheduled_time", None)
+        tok = getattr(out, "first_token_time", None)
+        end = getattr(out, "finish_time", None) or now
+        if sched is not None:
+            m.phase["queue"].observe(max(0.0, sched - arrival))
+            m.phase["inference"].observe(max(0.0, end - sched))
+            if tok is not None:
+                m.phase["prefill"].observe(max(0.0, tok - sched))
+                m.phase["decode"].observe(max(0.0, end - tok))
 
 
 def rejection_error(exc: RequestRejected) -> APIError:
