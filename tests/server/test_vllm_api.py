@@ -122,6 +122,7 @@ def test_echo_stop_token_ids_and_include_stop_str(client, llm):
     n_prompt = r.usage.prompt_tokens
     assert r.choices[0].text == PROMPT + base.choices[0].text
     assert r.choices[0].logprobs.token_logprobs[0] is None
+    assert r.choices[0].logprobs.tokens[0] == llm.get_tokenizer().decode([1])  # BOS, decoded
     assert len(r.choices[0].logprobs.tokens) == n_prompt + 8
     (ref,) = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     third = ref.outputs[0].token_ids[2]

@@ -100,6 +100,8 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     field = parts[-1] if parts else ""
     if err.get("type") == "missing":
         msg = "a value (required field)"
+    elif err.get("type") == "extra_forbidden":
+        msg = "no such field (unknown field)"
     elif err.get("type") == "too_short":
         n = ctx.get("min_length", 1)
         msg = f"at least {n} item{'s' if n != 1 else ''}"
@@ -322,7 +324,7 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
                 raise
         capped = [r.max_tokens for r in reqs if r.requested_max_tokens is not None]
         return JSONResponse(
-            build_body(results, asked_plp),
+            build_body(results, asked_plp, state.tokenizer),
             headers={CAPPED_HEADER: str(min(capped))} if capped else None,
         )
     usage = Usage()
@@ -358,6 +360,7 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
                     echo_text=echo_texts[0],
                     echo_entries=echo,
                     offset=offsets[d.index],
+                    tokenizer=state.tokenizer,
                 )
                 if not started[d.index] and req.echo:
                     offsets[d.index] += len(echo_texts[0])

@@ -21,15 +21,18 @@ Token texts are ``tokenizer.decode([id])`` (the engine's ``decoded_token``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["chat_logprobs", "completion_logprobs", "prompt_logprobs_json"]
 
 
-def _text(entry: Any, token_id: int) -> str:
+def _text(entry: Any, token_id: int, decode: Callable[[int], str] | None = None) -> str:
     lp = entry.get(token_id) if entry else None
     t = getattr(lp, "decoded_token", None)
-    return str(t) if t is not None else str(token_id)
+    if t is not None:
+        return str(t)
+    return decode(token_id) if decode is not None else str(token_id)
 
 
 def completion_logprobs(
@@ -38,6 +41,7 @@ def completion_logprobs(
     *,
     prompt: tuple[list[int], list[Any]] | None = None,
     offset: int = 0,
+    decode: Callable[[int], str] | None = None,
 ) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object.
 
@@ -46,6 +50,7 @@ def completion_logprobs(
         entries: one PositionLogprobs per generated token.
         prompt: with ``echo``, the prompt's ids and its prompt logprobs (first None).
         offset: ``text_offset`` of the first token (characters before it in ``text``).
+        decode: token id -> text, for tokens without an entry (the first prompt token).
     """
     tokens: list[str] = []
     token_lps: list[float | None] = []
@@ -57,7 +62,7 @@ def completion_logprobs(
     pairs.extend(zip(token_ids, entries))
     pos = offset
     for tid, ent in pairs:
-        s = _text(ent, tid)
+        s = _text(ent, tid, decode)
         tokens.append(s)
         offsets.append(pos)
         pos += len(s)

@@ -67,16 +67,24 @@ def _logprobs(
     *,
     echo: tuple[list[int], list[Any]] | None,
     offset: int,
+    tokenizer: Any = None,
 ) -> dict[str, Any] | None:
     if req.logprobs is None:
         return None
     if req.kind == "chat":
         return chat_logprobs(ids, entries, req.logprobs)
-    return completion_logprobs(ids, entries, prompt=echo, offset=offset)
+
+    def decode(t: int) -> str:
+        return str(t) if tokenizer is None else str(tokenizer.decode([t]))
+
+    return completion_logprobs(ids, entries, prompt=echo, offset=offset, decode=decode)
 
 
-def build_body(results: list[RequestResult], asked_prompt_logprobs: bool) -> dict[str, Any]:
-    """The non-streamed body of one or several prompts' results (see module docstring)."""
+def build_body(
+    results: list[RequestResult], asked_prompt_logprobs: bool, tokenizer: Any = None
+) -> dict[str, Any]:
+    """The non-streamed body of one or several prompts' results (see module docstring);
+    ``tokenizer`` decodes the echoed first prompt token, which has no logprob entry."""
     first = results[0].req
     choices = []
     for j, res in enumerate(results):
@@ -91,6 +99,7 @@ def build_body(results: list[RequestResult], asked_prompt_logprobs: bool) -> dic
                 c.logprobs,
                 echo=echo if req.echo else None,
                 offset=0,
+                tokenizer=tokenizer,
             )
             choices.append(
                 P.choice(
@@ -124,6 +133,7 @@ def stream_chunk(
     echo_text: str,
     echo_entries: tuple[list[int], list[Any]] | None,
     offset: int,
+    tokenizer: Any = None,
 ) -> dict[str, Any]:
     """One SSE chunk for a delta; the first chunk of a choice carries the ``echo`` text
     (and, with logprobs, the prompt tokens' logprobs)."""
@@ -134,6 +144,7 @@ def stream_chunk(
         d.logprobs or [],
         echo=echo_entries if first and req.echo else None,
         offset=offset,
+        tokenizer=tokenizer,
     )
     return P.chunk(
         req,
