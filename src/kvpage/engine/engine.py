@@ -18,9 +18,15 @@ import torch
 
 from kvpage.engine.config import EngineConfig, build_components
 from kvpage.engine.params import CompletionOutput, RequestOutput, SamplingParams
-from kvpage.engine.processing import RowContext, compute_logprobs, position_logprobs
 from kvpage.engine.prompts import parse_prompt
 from kvpage.engine.request import Request
+from kvpage.engine.request_extras import (
+    prompt_logprob_spans,
+    record_logprobs,
+    record_prompt_logprobs,
+    row_context,
+    stop_reason,
+)
 from kvpage.engine.sampler import Sampler, make_generator
 from kvpage.engine.scheduler import SchedulerOutput
 from kvpage.errors import RequestRejected
@@ -314,12 +320,13 @@ class LLMEngine:
         groups = self._groups
         step_start = time.monotonic()
         t1 = time.perf_counter()
-        spans = self._prompt_logprob_spans(out) if self._num_prompt_lp else []
+        spans = prompt_logprob_spans(out) if self._num_prompt_lp else []
         logits = self.runner.execute(out, spans) if spans else self.runner.execute(out)
         t2 = time.perf_counter()
         if spans:
             n_extra = sum(b for _, _, b in spans)
-            self._record_prompt_logprobs(out, spans, logits[logits.shape[0] - n_extra :])
+            extra = logits[logits.shape[0] - n_extra :]
+            record_prompt_logprobs(groups, out, spans, extra, self.tokenizer)
             logits = logits[: logits.shape[0] - n_extra]
         rows: list[int] = []
         params: list[SamplingParams] = []
@@ -352,9 +359,9 @@ class LLMEngine:
         else:
             ctx = None
             if any(p.needs_processing for p in params):
-                ctx = [self._row_context(q) for q, _ in row_reqs]
+                ctx = [row_context(q, self.eos_token_id) for q, _ in row_reqs]
             tokens = self.sampler(logits, params, gens, ctx)
-            self._record_logprobs(logits, params, tokens, row_reqs)
+            record_logprobs(groups, logits, params, tokens, row_reqs, self.tokenizer)
         t3 = time.perf_counter()
         sampled: dict[str, list[int]] = {}
         for rid, tok in zip(owners, tokens):
@@ -425,65 +432,6 @@ class LLMEngine:
                 self.scheduler.finish(seq, "stop")
                 return
 
-    # ---- logprobs and penalties (only for requests that ask) -----------------------------
-    def _row_context(self, req: Request) -> RowContext:
-        p = req.params
-        stop: list[int] = list(req.stop_token_set)
-        if not p.ignore_eos and self.eos_token_id is not None:
-            stop.append(int(self.eos_token_id))
-        return RowContext(req.token_ids[: req.num_prompt_tokens], req.output_token_ids, stop)
-
-    def _record_logprobs(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        tokens: list[int],
-        row_reqs: list[tuple[Request, int]],
-    ) -> None:
-        """Store the sampled tokens' logprobs (rows whose params ask for them)."""
-        idx = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not idx:
-            return
-        sub = logits[idx] if len(idx) != len(params) else logits
-        toks = [tokens[i] for i in idx]
-        ents = compute_logprobs(sub, toks, [params[i].logprobs or 0 for i in idx])
-        for i, tok, ent in zip(idx, toks, ents):
-            req, sample = row_reqs[i]
-            grp = self._groups[req.group_id]
-            grp.logprobs.setdefault(sample, []).append(position_logprobs(tok, ent, self.tokenizer))
-            grp.cumulative[sample] = grp.cumulative.get(sample, 0.0) + ent[0]
-
-    def _prompt_logprob_spans(self, out: SchedulerOutput) -> list[tuple[int, int, int]]:
-        """``(scheduled index, first row in the chunk, rows)`` of prompt positions whose
-        logits this step computes for requests with ``prompt_logprobs``."""
-        spans = []
-        for i, s in enumerate(out.scheduled):
-            req = s.request
-            if req.params.prompt_logprobs is None or req.sample_index != 0:
-                continue
-            n = min(s.num_tokens, req.num_prompt_tokens - 1 - s.start)
-            if n > 0:
-                spans.append((i, 0, n))
-        return spans
-
-    def _record_prompt_logprobs(
-        self, out: SchedulerOutput, spans: list[tuple[int, int, int]], logits: torch.Tensor
-    ) -> None:
-        r = 0
-        for i, _, n in spans:
-            s = out.scheduled[i]
-            req = s.request
-            grp = self._groups[req.group_id]
-            nxt = req.token_ids[s.start + 1 : s.start + 1 + n]  # the tokens they predict
-            k = req.params.prompt_logprobs or 0
-            ents = compute_logprobs(logits[r : r + n], nxt, [k] * n)
-            plp = grp.prompt_logprobs
-            for j, (tok, ent) in enumerate(zip(nxt, ents)):
-                pos = s.start + 1 + j
-                if plp is not None and plp[pos] is None:  # first computation wins
-                    plp[pos] = position_logprobs(tok, ent, self.tokenizer)
-            r += n
-
     def _make_output(self, grp: _Group, finished: bool) -> RequestOutput:
         seqs = self.scheduler.groups[grp.request_id]  # sample-index order (forks append)
         outs = []
@@ -500,7 +448,9 @@ class LLMEngine:
                     token_ids=q.output_token_ids,
                     text=text or "",
                     finish_reason=reason,
-                    stop_reason=self._stop_reason(grp, q) if reason == "stop" else None,
+                    stop_reason=stop_reason(grp, q, self.eos_token_id)
+                    if reason == "stop"
+                    else None,
                     logprobs=list(grp.logprobs.get(i, ())) if want_lp else None,
                     cumulative_logprob=grp.cumulative.get(i, 0.0) if want_lp else None,
                 )
@@ -519,16 +469,6 @@ class LLMEngine:
             num_preemptions=sum(q.num_preemptions for q in seqs),
             prompt_logprobs=None if grp.prompt_logprobs is None else list(grp.prompt_logprobs),
         )
-
-    def _stop_reason(self, grp: _Group, q: Request) -> int | str | None:
-        """vLLM's ``stop_reason``: the stop string or stop token id; None for EOS."""
-        got = grp.stop_reasons.get(q.sample_index)
-        if got is not None or not q.output_token_ids:
-            return got
-        last = q.output_token_ids[-1]
-        if not grp.params.ignore_eos and last == self.eos_token_id:
-            return None
-        return last if last in q.stop_token_set else None
 
     # ---- metrics ------------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float]:

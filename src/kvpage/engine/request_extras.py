@@ -1,0 +1,111 @@
+"""Per-request extras of an engine step, only for requests that ask for them: penalty
+contexts, sampled-token logprobs, prompt logprobs and vLLM's ``stop_reason``.
+
+``groups`` below is the engine's ``{user request id: group}`` table; a group has
+``logprobs`` / ``cumulative`` (per sample), ``prompt_logprobs`` (per prompt position,
+None until computed), ``stop_reasons`` (per sample) and ``params``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvpage.engine.params import SamplingParams
+from kvpage.engine.processing import RowContext, compute_logprobs, position_logprobs
+from kvpage.engine.request import Request
+from kvpage.engine.scheduler import SchedulerOutput
+
+__all__ = [
+    "prompt_logprob_spans",
+    "record_logprobs",
+    "record_prompt_logprobs",
+    "row_context",
+    "stop_reason",
+]
+
+
+def row_context(req: Request, eos_token_id: int | None) -> RowContext:
+    """The penalty context of a sequence's logits row (``min_tokens`` masks EOS unless
+    ``ignore_eos``, and the stop token ids)."""
+    stop: list[int] = list(req.stop_token_set)
+    if not req.params.ignore_eos and eos_token_id is not None:
+        stop.append(int(eos_token_id))
+    return RowContext(req.token_ids[: req.num_prompt_tokens], req.output_token_ids, stop)
+
+
+def record_logprobs(
+    groups: Mapping[str, Any],
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    tokens: Sequence[int],
+    row_reqs: Sequence[tuple[Request, int]],
+    tokenizer: Any,
+) -> None:
+    """Append the sampled tokens' logprobs to their groups (rows whose params ask)."""
+    idx = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not idx:
+        return
+    sub = logits[idx] if len(idx) != len(params) else logits
+    toks = [tokens[i] for i in idx]
+    ents = compute_logprobs(sub, toks, [params[i].logprobs or 0 for i in idx])
+    for i, tok, ent in zip(idx, toks, ents):
+        req, sample = row_reqs[i]
+        grp = groups[req.group_id]
+        grp.logprobs.setdefault(sample, []).append(position_logprobs(tok, ent, tokenizer))
+        grp.cumulative[sample] = grp.cumulative.get(sample, 0.0) + ent[0]
+
+
+def prompt_logprob_spans(out: SchedulerOutput) -> list[tuple[int, int, int]]:
+    """``(scheduled index, first row in the chunk, rows)`` of the prompt positions whose
+    logits this step computes for requests with ``prompt_logprobs`` (the logits at
+    position ``p`` give the logprob of prompt token ``p + 1``)."""
+    spans = []
+    for i, s in enumerate(out.scheduled):
+        req = s.request
+        if req.params.prompt_logprobs is None or req.sample_index != 0:
+            continue
+        n = min(s.num_tokens, req.num_prompt_tokens - 1 - s.start)
+        if n > 0:
+            spans.append((i, 0, n))
+    return spans
+
+
+def record_prompt_logprobs(
+    groups: Mapping[str, Any],
+    out: SchedulerOutput,
+    spans: Sequence[tuple[int, int, int]],
+    logits: torch.Tensor,
+    tokenizer: Any,
+) -> None:
+    """Fill the groups' prompt logprobs from the ``spans`` rows of ``logits`` (in span
+    order). A position computed twice (recomputation after preemption) keeps its first
+    value."""
+    r = 0
+    for i, _, n in spans:
+        s = out.scheduled[i]
+        req = s.request
+        grp = groups[req.group_id]
+        nxt = req.token_ids[s.start + 1 : s.start + 1 + n]  # the tokens they predict
+        k = req.params.prompt_logprobs or 0
+        ents = compute_logprobs(logits[r : r + n], nxt, [k] * n)
+        plp = grp.prompt_logprobs
+        for j, (tok, ent) in enumerate(zip(nxt, ents)):
+            pos = s.start + 1 + j
+            if plp is not None and plp[pos] is None:
+                plp[pos] = position_logprobs(tok, ent, tokenizer)
+        r += n
+
+
+def stop_reason(grp: Any, q: Request, eos_token_id: int | None) -> int | str | None:
+    """vLLM's ``stop_reason`` of a finished "stop" sample: the stop string or stop token
+    id that ended it; None for EOS."""
+    got: int | str | None = grp.stop_reasons.get(q.sample_index)
+    if got is not None or not q.output_token_ids:
+        return got
+    last = q.output_token_ids[-1]
+    if not grp.params.ignore_eos and last == eos_token_id:
+        return None
+    return last if last in q.stop_token_set else None
