@@ -234,3 +234,43 @@ def test_utility_routes(server, llm):
     assert httpx.get(base + "/version").json() == {"version": __version__}
     assert httpx.get(base + "/ping").status_code == 200
     assert httpx.post(base + "/ping").status_code == 200
+
+
+def test_several_prompts_streamed_equal_non_streamed(client, server):
+    prompts = ["Once upon a time", "Lily", "The dog"]
+    kw = dict(model=M, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    whole = client.completions.create(**kw)
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    usage = None
+    for ch in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert set(finishes) == set(range(6)) and usage is not None
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.completion_tokens == whole.usage.completion_tokens == 36
+    # a refused prompt refuses the whole request (and releases the others)
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=M, prompt=["hi", [1, 99999]], max_tokens=2, stream=True)
+    assert ei.value.body["param"] == "prompt"
+    # leaving mid-stream aborts every prompt (the fixture checks the pool is clean)
+    with httpx.stream(
+        "POST",
+        server.base_url + "/v1/completions",
+        json={
+            "model": M,
+            "prompt": ["a", "b"],
+            "max_tokens": 400,
+            "stream": True,
+            "ignore_eos": True,
+        },
+        timeout=60,
+    ) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 4:
+                break

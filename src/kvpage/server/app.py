@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvpage.errors import RequestRejected
 from kvpage.server import protocol as P
 from kvpage.server.config import ServerConfig
+from kvpage.server.multi_stream import stream_many
 from kvpage.server.responses import (
     CAPPED_HEADER,
     ChoiceState,
@@ -68,7 +69,7 @@ def _error(e: APIError) -> JSONResponse:
 
 #: what a field accepts, for union-typed fields (pydantic reports one error per branch)
 _ACCEPTS = {
-    "prompt": "a string, a list of token ids (ints), or a list of exactly one of those",
+    "prompt": "a string, a list of token ids (ints), a list of strings or a list of token-id lists",
     "stop": "a non-empty string or a list of them",
     "content": "a string or a list of text parts",
 }
@@ -267,12 +268,6 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
         p = body.prompt
         several = isinstance(p, list) and len(p) > 1 and isinstance(p[0], (str, list))
         prompts = list(p) if several else [p]
-        if several and body.stream:
-            raise APIError(
-                400,
-                f"prompt: expected one prompt when stream is true, got a batch of {len(p)}",
-                param="prompt",
-            )
     asked_plp = body.prompt_logprobs is not None
     reqs = []
     for prompt in prompts:
@@ -326,6 +321,14 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
         return JSONResponse(
             build_body(results, asked_plp, state.tokenizer),
             headers={CAPPED_HEADER: str(min(capped))} if capped else None,
+        )
+    headers = {"Cache-Control": "no-cache"}
+    capped = [r.max_tokens for r in reqs if r.requested_max_tokens is not None]
+    if capped:
+        headers[CAPPED_HEADER] = str(min(capped))
+    if len(reqs) > 1:
+        return await stream_many(
+            state, reqs, echo_texts, lambda content, done: _Stream(content, done, headers)
         )
     usage = Usage()
 
@@ -387,9 +390,6 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
         await gen.aclose()  # aborts the request if it is still running (client gone)
         await admission.__aexit__(None, None, None)
 
-    headers = {"Cache-Control": "no-cache"}
-    if req.requested_max_tokens is not None:
-        headers[CAPPED_HEADER] = str(req.max_tokens)
     return _Stream(sse(), cleanup, headers)
 
 

@@ -90,7 +90,8 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a list of
-    exactly one of those. ``max_tokens`` defaults to 16 (OpenAI's default)."""
+    several of those (each runs as its own request, see ``kvpage.server.responses``).
+    ``max_tokens`` defaults to 16 (OpenAI's default)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

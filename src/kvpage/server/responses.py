@@ -4,8 +4,7 @@ logprobs, ``echo``, ``stop_reason``, several prompts per ``/v1/completions`` req
 
 Several prompts (``"prompt": ["a", "b"]`` or a list of token-id lists) run as separate
 engine requests at once; choice ``i`` of prompt ``j`` gets index ``j * n + i`` (OpenAI's
-order) and ``usage`` sums over prompts. Streaming several prompts is refused (400,
-``param: "prompt"``).
+order) and ``usage`` sums over prompts (streamed: ``kvpage.server.multi_stream``).
 """
 
 from __future__ import annotations
