@@ -201,7 +201,7 @@ def generate_main(args: argparse.Namespace) -> int:
         llm = LLM.__new__(LLM)
         llm.llm_engine, llm._counter = engine, 0
         t0 = time.perf_counter()
-        outs = llm.generate(list(args.prompts), params)
+        outs = llm.generate(list(args.prompts), params, use_tqdm=False)
         dt = time.perf_counter() - t0
     except KVPageError as e:
         print(f"kvpage generate: {e}", file=sys.stderr)
