@@ -274,3 +274,11 @@ def test_several_prompts_streamed_equal_non_streamed(client, server):
         for i, _ in enumerate(r.iter_lines()):
             if i > 4:
                 break
+
+
+def test_chat_message_fields_outside_the_template_are_refused(client):
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(
+            model=M, messages=[{"role": "user", "content": "hi", "name": "bob"}], max_tokens=2
+        )
+    assert ei.value.body["param"] == "messages.0.name"

@@ -102,9 +102,14 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    """One chat message. ``content`` may be a string or a list of ``{"type": "text"}`` parts."""
+    """One chat message. ``content`` may be a string or a list of ``{"type": "text"}`` parts.
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    Other message fields (``name``, ``tool_calls``, ``tool_call_id``, ...) are refused with
+    400 naming them: kvpage's chat template has no place for them (nothing is silently
+    dropped).
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None  # required; null only for "assistant"
