@@ -24,10 +24,9 @@ numba = pytest.importorskip("numba")
 if not numba.config.ENABLE_CUDASIM:
     pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 (the CUDA simulator)", allow_module_level=True)
 
+from kvpage_numba import simulator  # noqa: E402
 from numba import cuda  # noqa: E402
 from numba.cuda.simulator import kernelapi  # noqa: E402
-
-from kvpage_numba import simulator  # noqa: E402
 
 T = 8
 
