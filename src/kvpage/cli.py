@@ -65,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM where a command turns it into one
+        code = int(getattr(e, "exit_code", 130))  # 130 = 128 + SIGINT, 143 = 128 + SIGTERM
         print(f"kvpage {args.command}: interrupted", file=sys.stderr)
-        return 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+        return code
 
 
 if __name__ == "__main__":  # pragma: no cover

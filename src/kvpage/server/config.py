@@ -92,8 +92,8 @@ class EngineConfig(_Strict):
     enable_prefix_caching: bool = True
     kv_cache_dtype: KVCacheDTypeName = "auto"
     backend: str = "auto"
-    dtype: str = "float32"
-    seed: int = 0
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    seed: int = Field(0, ge=0, le=2**63 - 1)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Return the kwargs for ``LLMEngine.from_config`` (None values are dropped)."""

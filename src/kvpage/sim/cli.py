@@ -7,11 +7,11 @@ sub-parsers object and sets ``func`` to its handler (``handler(args) -> int`` ex
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
 from kvpage.errors import KVPageError
+from kvpage.jsonout import dumps
 from kvpage.sim.cli_util import prepare_output, trace_limit
 
 
@@ -120,7 +120,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     d = plan.to_dict()
     if args.json:
-        print(json.dumps(d, indent=2))
+        print(dumps(d))
         return 0
     gib = 1 << 30
     rows = [
@@ -173,11 +173,11 @@ def run_profile(args: argparse.Namespace) -> int:
         return 2
     prof = profile_trace(trace)
     if args.json == "-":
-        print(json.dumps(prof, indent=2))
+        print(dumps(prof))
     else:
         print(render_profile(prof))
         if json_path is not None:
-            json_path.write_text(json.dumps(prof, indent=2))
+            json_path.write_text(dumps(prof) + "\n")
     if args.plots:
         for path in plot_profile(trace, args.plots):
             print(f"wrote {path}", file=sys.stderr)
