@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvpage.errors import KVPageError
@@ -153,7 +154,13 @@ def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--json", default=None, help="write the statistics as JSON to this file ('-' = stdout)"
     )
-    p.add_argument("--plots", default=None, help="write PNG plots with this path prefix")
+    p.add_argument(
+        "--plots",
+        default=None,
+        metavar="DIR",
+        help="write PNG plots into this folder (created if missing): "
+        "<trace>_lengths.png, <trace>_arrivals.png",
+    )
     p.set_defaults(func=run_profile)
     return p
 
@@ -165,8 +172,8 @@ def run_profile(args: argparse.Namespace) -> int:
 
     try:
         json_path = prepare_output(args.json, "--json") if args.json not in (None, "-") else None
-        if args.plots:  # files <prefix>_lengths.png, <prefix>_arrivals.png
-            prepare_output(f"{args.plots}_lengths.png", "--plots")
+        if args.plots:  # a folder: DIR/<trace>_lengths.png, DIR/<trace>_arrivals.png
+            prepare_output(str(Path(args.plots) / "lengths.png"), "--plots")
         trace = load_trace(args.trace, limit=trace_limit(args.limit))
     except KVPageError as e:
         print(f"kvpage profile: {e}", file=sys.stderr)
@@ -179,7 +186,7 @@ def run_profile(args: argparse.Namespace) -> int:
         if json_path is not None:
             json_path.write_text(dumps(prof) + "\n")
     if args.plots:
-        for path in plot_profile(trace, args.plots):
+        for path in plot_profile(trace, str(Path(args.plots) / trace.name)):
             print(f"wrote {path}", file=sys.stderr)
     return 0
 
