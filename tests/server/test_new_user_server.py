@@ -148,3 +148,16 @@ def test_image_url_over_http_is_a_400_naming_it(server: Any) -> None:
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "messages[0].content[1].type" and "'image_url'" in err["message"]
+
+
+def test_server_config_loader_refuses_non_finite_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "c.yaml"  # an infinite window would stall degradation for good
+    cfg.write_text("degradation:\n  window_s: .inf\nadmission:\n  queue_timeout_s: .nan\n")
+    assert main(["serve", "--config", str(cfg), "--dump-config"]) == 2
+    err = capsys.readouterr().err
+    assert "admission.queue_timeout_s: expected a finite number, got nan" in err
+    assert "degradation.window_s: expected a finite number, got inf" in err
+    assert main(["serve", "--kv-high-water", "nan", "--dump-config"]) == 2
+    assert "admission.kv_high_water: expected a finite number" in capsys.readouterr().err

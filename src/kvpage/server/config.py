@@ -65,7 +65,7 @@ def format_validation_error(exc: ValidationError) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Validate the whole model with the new value first, so that a refused assignment
