@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM where a command turns it into one
         code = int(getattr(e, "exit_code", 130))  # 130 = 128 + SIGINT, 143 = 128 + SIGTERM
-        print(f"kvpage {args.command}: interrupted", file=sys.stderr)
+        how = "terminated (SIGTERM)" if code == 143 else "interrupted"
+        print(f"kvpage {args.command}: {how}", file=sys.stderr)
         return code
 
 

@@ -216,3 +216,17 @@ def test_prefix_caching_flag_has_one_spelling_everywhere(command: str) -> None:
     assert parser.parse_args([command, "--enable-prefix-caching"]).enable_prefix_caching is True
     default = parser.parse_args([command]).enable_prefix_caching
     assert default is (None if command == "serve" else True)  # serve: the config file decides
+
+
+def test_sigterm_during_replay_setup_exits_143_without_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def killed_while_loading(**kw: Any) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # interrupted by the handler at once
+        raise AssertionError("SIGTERM was not delivered")
+
+    monkeypatch.setattr("kvpage.engine.LLMEngine.from_config", killed_while_loading)
+    assert main(["replay", "--num-requests", "2", "--output", ""]) == 143
+    err = capsys.readouterr().err
+    assert err.strip().endswith("kvpage replay: terminated (SIGTERM)") and "Traceback" not in err
