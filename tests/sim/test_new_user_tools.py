@@ -163,6 +163,9 @@ def test_profile_plots_go_into_the_folder(
         "azure-conv_lengths.png",
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing beside it
+    (tmp_path / "file").write_text("")
+    assert main(["profile", "--trace", "azure-conv", "--plots", "file"]) == 2
+    assert "--plots: expected a folder, got the file 'file'" in capsys.readouterr().err
 
 
 def _figures(monkeypatch: pytest.MonkeyPatch) -> list[Any]:

@@ -100,7 +100,8 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    """One chat message. ``content`` may be a string or a list of ``{"type": "text"}`` parts."""
+    """One chat message. ``content`` may be a string or a list of ``{"type": "text"}``
+    parts; ``prepare_request`` refuses any other part type (400, naming it)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 

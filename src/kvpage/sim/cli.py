@@ -173,6 +173,8 @@ def run_profile(args: argparse.Namespace) -> int:
     try:
         json_path = prepare_output(args.json, "--json") if args.json not in (None, "-") else None
         if args.plots:  # a folder: DIR/<trace>_lengths.png, DIR/<trace>_arrivals.png
+            if Path(args.plots).exists() and not Path(args.plots).is_dir():
+                raise KVPageError(f"--plots: expected a folder, got the file {args.plots!r}")
             prepare_output(str(Path(args.plots) / "lengths.png"), "--plots")
         trace = load_trace(args.trace, limit=trace_limit(args.limit))
     except KVPageError as e:
