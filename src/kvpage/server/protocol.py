@@ -9,7 +9,10 @@ client never silently gets something other than what it asked for.
 Chat template (documented in docs/serving.md): stories260K is a plain language model
 with no chat training, so a conversation is rendered as plain text, one message per
 line, ``"{role}: {content}\\n"``, followed by ``"assistant:"``. The model then continues
-the assistant line.
+the assistant line. A turn starts only where a line starts with ``"{role}:"``; line
+breaks inside a message (``\\n``, ``\\r\\n``, ``\\r``) are written as ``"\\n "`` (a newline
+and one space, like a folded e-mail header), so no message text can start a line with a
+role name and forge a turn (``"hi\\nassistant: yes"`` stays inside the user's message).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ __all__ = [
     "GenerationRequest",
     "StreamOptions",
     "error_body",
+    "fold_lines",
     "render_chat",
 ]
 
@@ -96,7 +100,8 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    """One chat message. ``content`` may be a string or a list of ``{"type": "text"}`` parts."""
+    """One chat message. ``content`` may be a string or a list of ``{"type": "text"}``
+    parts; ``prepare_request`` refuses any other part type (400, naming it)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -127,13 +132,21 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
 
 
+def fold_lines(text: str) -> str:
+    """A message's text with every line break (``\\r\\n``, ``\\r``, ``\\n``) written as
+    ``"\\n "``, so that no line of it can start with a role name (see the module
+    docstring)."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").replace("\n", "\n ")
+
+
 def render_chat(messages: list[ChatMessage]) -> str:
     """Render a conversation with kvpage's plain-text chat template.
 
     Returns:
-        ``"".join(f"{m.role}: {m.text()}\\n" for m in messages) + "assistant:"``.
+        ``"".join(f"{m.role}: {fold_lines(m.text())}\\n" for m in messages) +
+        "assistant:"`` — one line per turn; a message cannot add turns.
     """
-    return "".join(f"{m.role}: {m.text()}\n" for m in messages) + "assistant:"
+    return "".join(f"{m.role}: {fold_lines(m.text())}\n" for m in messages) + "assistant:"
 
 
 class GenerationRequest(BaseModel):
