@@ -40,8 +40,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpage.architectures import PLAN_MODEL_TYPES, check_architecture
 from kvpage.errors import SpecError
-from kvpage.sim.workload_stats import Workload, analyze_workload, blocks_per_sequence
+from kvpage.sim.workload_stats import (
+    Workload,
+    analyze_workload,
+    blocks_per_sequence,
+    max_len_for_num_seqs,
+)
 from kvpage.specs import (
     DTYPE_BYTES,
     KV_DTYPE_BYTES,
@@ -54,29 +60,43 @@ from kvpage.specs import (
 GIB = 1 << 30
 
 
-def parse_bytes(text: str | int | float) -> int:
+#: largest size ``parse_bytes`` accepts: 1 PiB. The biggest single accelerators hold a few
+#: hundred GB (H200: 141 GB, B200: 192 GB, MI325X: 256 GB) and large CPU hosts a few TB;
+#: anything above is a typo, and would give a plan with absurd numbers.
+MAX_BYTES = 1 << 50
+
+
+def parse_bytes(text: str | int | float, name: str = "memory") -> int:
     """Parse a memory size: an int of bytes, or ``"80GiB"``, ``"80GB"``, ``"24 GiB"``,
     ``"512MiB"``, ``"1.5e9"``. GiB/MiB/KiB are powers of 1024; GB/MB/KB powers of 1000.
 
+    Args:
+        text: the size.
+        name: the option, for messages.
+
     Raises:
-        SpecError: unparsable or negative.
+        SpecError: unparsable, negative, or above :data:`MAX_BYTES` (1 PiB).
     """
     if isinstance(text, (int, float)):
         val = float(text)
     else:
-        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", str(text))
+        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGTP]i?B|B)?\s*", str(text))
         if not m:
-            raise SpecError(f"memory: expected e.g. 80GiB, 80GB or bytes, got {text!r}")
+            raise SpecError(f"{name}: expected e.g. 80GiB, 80GB or bytes, got {text!r}")
         unit = m.group(2) or "B"
-        mult = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}.get(unit)
+        mult = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "PB": 1e15}.get(unit)
         if mult is None:
-            mult = 1024 ** ("KMGT".index(unit[0]) + 1)
+            mult = 1024 ** ("KMGTP".index(unit[0]) + 1)
         try:
             val = float(m.group(1)) * mult
         except ValueError:
-            raise SpecError(f"memory: expected a number, got {text!r}") from None
+            raise SpecError(f"{name}: expected a number, got {text!r}") from None
     if not (val >= 0) or math.isinf(val):
-        raise SpecError(f"memory: expected >= 0 bytes, got {text!r}")
+        raise SpecError(f"{name}: expected >= 0 bytes, got {text!r}")
+    if val > MAX_BYTES:
+        raise SpecError(
+            f"{name}: expected at most 1 PiB ({MAX_BYTES:,} bytes; one device), got {text!r}"
+        )
     return int(val)
 
 
@@ -113,12 +133,17 @@ def estimate_num_parameters(cfg: dict[str, Any]) -> int:
 
 @dataclass
 class ModelSource:
-    """A resolved model: its config, parameter count and context length."""
+    """A resolved model: its config, parameter count and context length.
+
+    ``num_parameters`` is None when the config does not allow counting them (then
+    ``param_error`` says why, and the weights' size must be given).
+    """
 
     name: str
     hf_config: dict[str, Any]
-    num_parameters: int
+    num_parameters: int | None
     max_model_len: int
+    param_error: str | None = None
 
 
 def resolve_model(model: str) -> ModelSource:
@@ -141,9 +166,15 @@ def resolve_model(model: str) -> ModelSource:
                 f"model {model}: expected a JSON object (HF config.json), "
                 f"got a JSON {type(cfg).__name__}"
             )
-        n = cfg.get("num_parameters") or estimate_num_parameters(cfg)
-        mml = int(cfg.get("max_position_embeddings") or 0)
-        return ModelSource(p.parent.name or p.stem, cfg, int(n), mml)
+        check_architecture(cfg, PLAN_MODEL_TYPES)  # before counting: name what is missing
+        n, why = cfg.get("num_parameters"), None
+        if not n:
+            try:
+                n = estimate_num_parameters(cfg)
+            except SpecError as e:  # only needed when --weight-bytes is not given
+                n, why = None, str(e)
+        mml = int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 0)
+        return ModelSource(p.parent.name or p.stem, cfg, None if n is None else int(n), mml, why)
     if p.exists() and p.suffix not in (".yaml", ".yml", ".json"):
         raise SpecError(
             f"model: expected a preset name, a preset .yaml/.json file, an HF config.json or a "
@@ -275,18 +306,27 @@ def plan_capacity(
     Workload answers (``workload`` given): expected concurrent sequences (paged: usable
     slots / mean time-averaged blocks held per sequence, averaged over its decode; at final
     length; contiguous max_model_len reservation), fragmentation (mean padding of the last
-    partial block per sequence, in bytes and % of held memory), and the largest
-    max_model_len that admits ``num_seqs`` sequences all at full length.
+    partial block per sequence, in bytes and % of held memory). ``num_seqs`` (with or
+    without a workload): the largest max_model_len that admits ``num_seqs`` sequences all
+    at full length (:func:`max_len_for_num_seqs`).
     ``max_model_len`` (default: the model's context) sizes the contiguous reservation.
 
     Raises:
-        SpecError: bad model, budget below zero, TP sharding refused, bad dtypes.
+        SpecError: bad or unsupported model (``kvpage.architectures``), ``max_model_len``
+            above the model's context, a size above 1 PiB, budget below zero, TP
+            sharding refused, bad dtypes; ``weight_bytes`` missing where the parameter
+            count is unknown.
     """
     src = resolve_model(model)
     if num_seqs is not None and (isinstance(num_seqs, bool) or num_seqs < 1):
         raise SpecError(f"num_seqs: expected None or an int >= 1, got {num_seqs!r}")
     if max_model_len is not None and (isinstance(max_model_len, bool) or max_model_len < 1):
         raise SpecError(f"max_model_len: expected None or an int >= 1, got {max_model_len!r}")
+    if max_model_len is not None and src.max_model_len and max_model_len > src.max_model_len:
+        raise SpecError(
+            f"max_model_len: expected <= {src.max_model_len} (the model's context, "
+            f"max_position_embeddings), got {max_model_len}"
+        )
     if not (0 < utilization <= 1):
         raise SpecError(f"utilization: expected 0 < u <= 1, got {utilization}")
     full = CacheSpec.from_hf_config(
@@ -296,19 +336,23 @@ def plan_capacity(
         dtype=dtype,  # type: ignore[arg-type]
     )
     spec = shard_cache_spec(full, tp, replicate_kv_heads=replicate_kv_heads)
-    dev = parse_bytes(device_bytes)
+    dev = parse_bytes(device_bytes, "device_bytes (--memory)")
     wdt = weight_dtype or spec.dtype
     if wdt not in DTYPE_BYTES and wdt not in ("int8", "fp8", "int4"):
         raise SpecError(
             f"weight_dtype: expected float32/float16/bfloat16/int8/fp8/int4, got {wdt!r}"
         )
     wbytes_per = {"int8": 1.0, "fp8": 1.0, "int4": 0.5}.get(wdt) or float(DTYPE_BYTES[wdt])
-    wb = (
-        parse_bytes(weight_bytes)
-        if weight_bytes is not None
-        else int(src.num_parameters * wbytes_per)
-    )
-    ov = parse_bytes(overhead_bytes)
+    if weight_bytes is not None:
+        wb = parse_bytes(weight_bytes, "weight_bytes (--weight-bytes)")
+    elif src.num_parameters is None:
+        raise SpecError(
+            f"weight_bytes: expected a value (--weight-bytes), since the parameter count "
+            f"is unknown: {src.param_error}"
+        )
+    else:
+        wb = int(src.num_parameters * wbytes_per)
+    ov = parse_bytes(overhead_bytes, "overhead_bytes (--overhead)")
     budget = int(dev * utilization) - -(-wb // tp) - ov
     bpb = kv_cache_bytes(spec, 1) - kv_cache_bytes(spec, 0)
     fixed = kv_cache_bytes(spec, 0)
@@ -342,6 +386,8 @@ def plan_capacity(
         plan.workload = analyze_workload(
             spec, plan.usable_blocks, workload, plan.model_max_len, num_seqs
         )
+    elif num_seqs is not None:  # needs no length samples: blocks per sequence suffice
+        plan.workload = max_len_for_num_seqs(spec, plan.usable_blocks, num_seqs)
     return plan
 
 
@@ -353,6 +399,7 @@ __all__ = [
     "blocks_per_sequence",
     "estimate_num_parameters",
     "kv_cache_bytes",
+    "max_len_for_num_seqs",
     "layer_bytes",
     "parse_bytes",
     "plan_capacity",

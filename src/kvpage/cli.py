@@ -65,9 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except KeyboardInterrupt:
-        print(f"kvpage {args.command}: interrupted", file=sys.stderr)
-        return 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM where a command turns it into one
+        code = int(getattr(e, "exit_code", 130))  # 130 = 128 + SIGINT, 143 = 128 + SIGTERM
+        how = "terminated (SIGTERM)" if code == 143 else "interrupted"
+        print(f"kvpage {args.command}: {how}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvpage.architectures import PLAN_MODEL_TYPES, check_architecture
 from kvpage.errors import SpecError
 
 KVCacheDType = Literal["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
@@ -365,10 +366,7 @@ def attention_layers_from_hf(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
                 scale /= float(i + 1)
             out.append(dict(num_q_heads=heads, num_kv_heads=heads, head_dim=hd, scale=scale))
         return out
-    if mt not in ("llama", "mistral", "qwen2", "gemma2"):
-        raise SpecError(
-            f"config.model_type: expected one of llama, mistral, qwen2, gemma2, gpt2, got {mt!r}"
-        )
+    check_architecture(cfg, PLAN_MODEL_TYPES)  # one line naming what is missing
     n_layers = int(_req(cfg, "num_hidden_layers"))
     heads = int(_req(cfg, "num_attention_heads"))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)

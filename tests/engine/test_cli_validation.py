@@ -93,10 +93,10 @@ def test_replay_output_folder_rejected_before_running(
     monkeypatch.setattr("kvpage.sim.traces.load_trace", boom)
     assert main(["replay", "--output", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert f"output: expected a file path, got '{tmp_path}' (a folder)" in err
+    assert f"--output: expected a file path, got the directory '{tmp_path}'" in err
     (tmp_path / "f").write_text("")
     assert main(["replay", "--output", str(tmp_path / "f" / "x.json")]) == 2
-    assert "is a file" in capsys.readouterr().err
+    assert "--output: expected a path whose folder can be created" in capsys.readouterr().err
 
 
 def test_replay_records_prompt_scale_used_and_ctrl_c_exits_130(

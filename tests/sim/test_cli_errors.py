@@ -102,12 +102,12 @@ def test_output_paths_checked_up_front(tmp_path, capsys):
     assert "--json: expected a file path, got the directory" in err and "done" not in err
     assert main(["profile", "--trace", tr, "--json", str(tmp_path)]) == 2
     assert "--json: expected a file path" in _err(capsys)
-    # missing folders are created, for --json and for the --plots prefix
+    # missing folders are created, for --json and for the --plots folder
     deep = tmp_path / "a" / "b" / "prof.json"
     plots = tmp_path / "nodir" / "x"
     assert main(["profile", "--trace", tr, "--json", str(deep), "--plots", str(plots)]) == 0
     assert json.loads(deep.read_text())["arrivals"]["requests"] == 1.0
-    assert (tmp_path / "nodir" / "x_lengths.png").is_file()
+    assert (tmp_path / "nodir" / "x" / "t_lengths.png").is_file()  # <trace name>_lengths
     # a parent that is a file cannot become a folder
     blocker = tmp_path / "file"
     blocker.write_text("")

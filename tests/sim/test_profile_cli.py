@@ -102,6 +102,6 @@ def test_cli_plan_profile(tmp_path, capsys):
         ]
     )
     assert rc == 0 and json.loads(js.read_text())["arrivals"]["requests"] == 500
-    assert (tmp_path / "az_lengths.png").stat().st_size > 1000
-    assert (tmp_path / "az_arrivals.png").stat().st_size > 1000
+    assert (tmp_path / "az" / "azure-code_lengths.png").stat().st_size > 1000
+    assert (tmp_path / "az" / "azure-code_arrivals.png").stat().st_size > 1000
     assert main(["profile", "--trace", "nope"]) == 2

@@ -78,7 +78,7 @@ def test_azure_bad_input(tmp_path, text):
 def test_mooncake_bad_input(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}\n')
-    with pytest.raises(TraceError, match="expected 2 hash_ids"):
+    with pytest.raises(TraceError, match="line 1: hash_ids: expected 2 ids for 600 tokens"):
         load_mooncake_jsonl(p)
     p.write_text("{not json}\n")
     with pytest.raises(TraceError):

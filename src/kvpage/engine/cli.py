@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import math
-import os
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvpage.errors import KVPageError, SpecError
+from kvpage.errors import KVPageError
+from kvpage.jsonout import dumps
+from kvpage.sim.cli_util import prepare_output
 
 DEFAULT_TRACE = "azure-conv"
 DEFAULT_NUM_REQUESTS = 200
@@ -28,6 +31,9 @@ def _int_type(lo: int, hi: int = INT64_MAX, extra: str = "") -> Any:
             v = None
         if v is None or not lo <= v <= hi:
             rng = f"an int >= {lo}" if hi == INT64_MAX else f"an int in [{lo}, {hi}]"
+            if v is not None and v > hi:  # name the bound that was crossed
+                top = "2**63 - 1" if hi == INT64_MAX else f"{hi}"
+                rng = f"an int in [{lo}, {top}] (upper bound {hi})"
             raise argparse.ArgumentTypeError(f"expected {rng}{extra}, got {text!r}")
         return v
 
@@ -63,30 +69,6 @@ def _float_type(lo: float, *, lo_open: bool, hi: float | None = None) -> Any:
     return parse
 
 
-def check_output_path(name: str, text: str) -> Path:
-    """Check, before any work, that ``text`` can become a written file: not a folder,
-    and its nearest existing parent is a writable folder.
-
-    Raises:
-        SpecError: ``"name: expected ..., got ..."``.
-    """
-    path = Path(text)
-    if path.is_dir() or text.endswith(("/", os.sep)):
-        raise SpecError(f"{name}: expected a file path, got {text!r} (a folder)")
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise SpecError(
-            f"{name}: expected a path under a folder, got {text!r} ({parent} is a file)"
-        )
-    if not os.access(parent, os.W_OK):
-        raise SpecError(
-            f"{name}: expected a writable location, got {text!r} ({parent} is read-only)"
-        )
-    return path
-
-
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="stories260K", help="stories260K (bundled) or an HF folder")
@@ -104,7 +86,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-model-len", type=pos, default=None, help="default (and most): the model's"
     )
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    add_prefix_caching_flags(g)
     g.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
     )
@@ -121,6 +103,28 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_prefix_caching_flags(group: Any, default: bool | None = True) -> None:
+    """``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` (vLLM's spelling,
+    the one every kvpage command uses), with ``--no-prefix-caching`` kept as an alias of
+    the latter; ``dest="enable_prefix_caching"``. ``default`` None = "not given" (serve:
+    the config file decides)."""
+    pc = group.add_mutually_exclusive_group()
+    pc.add_argument(
+        "--enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_true",
+        default=default,
+        help="reuse cached blocks of a shared prompt prefix (default: on)",
+    )
+    pc.add_argument(
+        "--no-enable-prefix-caching",
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="turn prefix caching off (--no-prefix-caching is an alias)",
+    )
+
+
 def _engine(args: argparse.Namespace) -> Any:
     from kvpage.engine import LLMEngine
 
@@ -132,7 +136,7 @@ def _engine(args: argparse.Namespace) -> Any:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_dtype=args.kv_cache_dtype,
         backend=args.backend,
         dtype=args.dtype,
@@ -224,7 +228,7 @@ def generate_main(args: argparse.Namespace) -> int:
             }
             for o in outs
         ]
-        print(json.dumps(rows, indent=2))
+        print(dumps(rows))
     else:
         for o in outs:
             if o.error is not None:
@@ -281,7 +285,7 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     def pct(k: str) -> str:
         d = s[k]
-        return f"{d['p50']:,.1f} / {d['p95']:,.1f} / {d['p99']:,.1f}"
+        return " / ".join("n/a" if d[q] is None else f"{d[q]:,.1f}" for q in ("p50", "p95", "p99"))
 
     rej = f"{s['rejected']}" + (f" ({', '.join(s['rejected_reasons'])})" if s["rejected"] else "")
     return [
@@ -322,14 +326,44 @@ def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
     Console().print(t)
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While active, the first SIGTERM raises :class:`kvpage.engine.replay.Terminated`
+    (a KeyboardInterrupt) in the main thread, so ``kill`` stops a replay the way Ctrl-C
+    does; a second SIGTERM gets the previous handler (default: end the process). Does
+    nothing outside the main thread (signal handlers can only be set there)."""
+    from kvpage.engine.replay import Terminated
+
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_term(signum: int, frame: Any) -> None:
+            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+            raise Terminated()
+
+        signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+
+
 def replay_main(args: argparse.Namespace) -> int:
     """Handler of ``kvpage replay``."""
+    with sigterm_as_interrupt():
+        return _replay_main(args)
+
+
+def _replay_main(args: argparse.Namespace) -> int:
     from kvpage.engine.replay import fit_trace, replay, resolve_prompt_scale
     from kvpage.sim.traces import load_trace
 
     try:
-        if args.output:
-            check_output_path("output", args.output)
+        if args.output:  # before any work: a path that cannot be written is refused now
+            prepare_output(args.output, "--output")
         limit = None if args.num_requests <= 0 else args.num_requests
         trace = load_trace(args.trace, limit=limit)
         eng = _engine(args)
@@ -382,10 +416,15 @@ def replay_main(args: argparse.Namespace) -> int:
     _print_table(f"kvpage replay: {trace.name}, {s['completed']} requests{stop}", _rows(s))
     if args.output:
         path = Path(args.output)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(s, indent=2))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(dumps(s) + "\n")
+        except OSError as e:  # checked up front, but the disk may fill or the folder go
+            print(f"kvpage replay: --output: could not write {path}: {e}", file=sys.stderr)
+            return 1
         print(f"wrote {path}", file=sys.stderr)
-    return 130 if s["interrupted"] else 0  # 130 = 128 + SIGINT, the shell's Ctrl-C code
+    # the shell's codes: 130 = 128 + SIGINT (Ctrl-C), 143 = 128 + SIGTERM
+    return {"SIGINT": 130, "SIGTERM": 143}.get(s["interrupted_by"], 0)
 
 
 __all__ = ["add_generate_parser", "add_replay_parser", "generate_main", "replay_main"]

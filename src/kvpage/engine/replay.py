@@ -104,9 +104,18 @@ def fit_trace(
     return out
 
 
-def _pcts(xs: list[float]) -> dict[str, float]:
+class Terminated(KeyboardInterrupt):
+    """SIGTERM delivered as an interrupt (``kvpage replay`` installs the handler), so a
+    replay stopped by ``kill`` ends like one stopped by Ctrl-C: partial summary written,
+    unfinished requests aborted. ``exit_code`` is the shell's code for SIGTERM."""
+
+    exit_code = 143  # 128 + SIGTERM
+
+
+def _pcts(xs: list[float]) -> dict[str, float | None]:
+    # no sample (nothing finished): no value - None, written as JSON null (never NaN)
     if not xs:
-        return {"p50": float("nan"), "p95": float("nan"), "p99": float("nan"), "mean": float("nan")}
+        return {"p50": None, "p95": None, "p99": None, "mean": None}
     a = np.asarray(xs, dtype=np.float64) * 1000.0
     return {
         "p50": float(np.percentile(a, 50)),
@@ -146,14 +155,22 @@ def replay(
         generated tokens, TTFT/TPOT/e2e percentiles (ms), prefill and decode tokens per
         second (tokens computed / wall time of the run), output tokens/s, peak and mean
         (over steps) KV usage, prefix hit ratio (hit / queried prompt tokens),
-        preemptions, allocation failures, steps, duration, and ``interrupted`` (True
-        when Ctrl-C stopped the run early; unfinished requests are aborted).
+        preemptions, allocation failures, steps, duration, ``interrupted`` (True
+        when Ctrl-C or SIGTERM stopped the run early; unfinished requests are aborted)
+        and ``interrupted_by`` (``"SIGINT"``, ``"SIGTERM"`` or None). A percentile
+        with no sample (no request finished) is None, never NaN.
 
     Raises:
-        ValueError: ``speedup`` is not a finite number > 0.
+        ValueError: ``speedup`` is not a finite number > 0, or an arrival time is not
+            finite.
     """
     if not _positive(speedup):
         raise ValueError(f"speedup: expected a finite number > 0, got {speedup!r}")
+    for r in requests:  # a NaN arrival would never come due: the loop would wait forever
+        if not math.isfinite(r.arrival_s):
+            raise ValueError(
+                f"requests[{r.request_id}].arrival_s: expected a finite number, got {r.arrival_s}"
+            )
     m0 = engine.get_metrics()
     st = engine.step_stats
     pre0, dec0, steps0 = st.prefill_tokens, st.decode_tokens, st.num_steps
@@ -163,7 +180,7 @@ def replay(
     t0 = time.monotonic()
     i = 0
     n = len(requests)
-    interrupted = False
+    interrupted: str | None = None
     try:
         while i < n or engine.has_unfinished_requests():
             now = time.monotonic() - t0
@@ -190,8 +207,8 @@ def replay(
                     if on_finish is not None:
                         on_finish(out)
             usage.append(engine.kv_cache_manager.usage)
-    except KeyboardInterrupt:  # Ctrl-C: summarize what finished, free the rest
-        interrupted = True
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: summarize what finished, free the rest
+        interrupted = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
         for r in requests[:i]:
             engine.abort_request(r.request_id)
     wall = time.monotonic() - t0
@@ -224,7 +241,8 @@ def replay(
         "steps": st.num_steps - steps0,
         "duration_s": wall,
         "speedup": speedup,
-        "interrupted": interrupted,
+        "interrupted": interrupted is not None,
+        "interrupted_by": interrupted,
     }
     return ReplayResult(summary, done)
 
@@ -233,6 +251,7 @@ __all__ = [
     "DEFAULT_PROMPT_SCALE",
     "ReplayRequest",
     "ReplayResult",
+    "Terminated",
     "fit_trace",
     "replay",
     "resolve_prompt_scale",

@@ -13,9 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvpage.architectures import MODEL_TYPES, check_architecture
 from kvpage.errors import SpecError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")
+SUPPORTED_MODEL_TYPES = MODEL_TYPES  # kvpage.architectures: the one list
 #: activation name (HF ``ACT2FN`` key) -> our name
 ACTIVATIONS = {
     "silu": "silu",
@@ -135,11 +136,10 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
     """Read an HF ``config.json`` mapping.
 
     Raises:
-        SpecError: unsupported ``model_type``, activation or rope type, or missing sizes.
+        SpecError: unsupported ``model_type`` (one line naming what is missing, see
+            ``kvpage.architectures``), activation or rope type, or missing sizes.
     """
-    mt = cfg.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise SpecError(f"config.model_type: expected one of {SUPPORTED_MODEL_TYPES}, got {mt!r}")
+    mt = check_architecture(cfg, SUPPORTED_MODEL_TYPES)
     hidden = int(_req(cfg, "hidden_size"))
     heads = int(_req(cfg, "num_attention_heads"))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)

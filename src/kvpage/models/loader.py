@@ -82,8 +82,13 @@ def load_model(
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
             raise SpecError(f"model folder {str(path)!r}: expected a config.json, got none")
-        cfg = json.loads(cfg_path.read_text())
-        arch_from_hf(cfg)  # refuse an unsupported architecture before reading weights
+        cfg = _read_config(cfg_path)
+        try:
+            arch_from_hf(cfg)  # refuse an unsupported architecture before reading weights
+        except SpecError:
+            raise
+        except (TypeError, ValueError) as e:  # e.g. "hidden_size": "big"
+            raise SpecError(f"{cfg_path}: expected HF config values, got {e}") from None
         sd = _read_weights(path)
         if tok is None and any((path / f).is_file() for f in _TOKENIZER_FILES):
             tok = HFTokenizer.from_pretrained(
@@ -191,18 +196,46 @@ def _llama2c_tokenizer_for(path: Path, vocab_size: int) -> Tokenizer | None:
     return None
 
 
+def _read_config(path: Path) -> dict[str, Any]:
+    """``config.json`` as a dict; a file that is not a JSON object is refused in one line."""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        why = f"invalid JSON ({e})" if isinstance(e, ValueError) else str(e)
+        raise SpecError(f"{path}: expected a JSON object (HF config.json), got {why}") from None
+    if not isinstance(cfg, dict):
+        raise SpecError(f"{path}: expected a JSON object (HF config.json), got a JSON list/value")
+    return cfg
+
+
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of ``*.safetensors`` (else ``pytorch_model.bin``) in ``folder``.
+
+    Raises:
+        SpecError: no weight file, or one that cannot be read (truncated, not a
+            safetensors/torch file), naming the file.
+    """
     files = sorted(folder.glob("*.safetensors"))
     if files:
         from safetensors.torch import load_file
 
         sd: dict[str, torch.Tensor] = {}
         for f in files:
-            sd.update(load_file(str(f)))
+            try:
+                sd.update(load_file(str(f)))
+            except Exception as e:  # SafetensorError, OSError: a corrupt or truncated file
+                why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+                raise SpecError(f"{f}: expected a safetensors file, got {why}") from None
         return sd
     pt = folder / "pytorch_model.bin"
     if pt.is_file():
-        loaded = torch.load(pt, map_location="cpu", weights_only=True)
+        try:
+            loaded = torch.load(pt, map_location="cpu", weights_only=True)
+        except Exception as e:  # UnpicklingError, RuntimeError, EOFError: not a checkpoint
+            why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise SpecError(f"{pt}: expected a torch checkpoint, got {why}") from None
+        if not isinstance(loaded, Mapping):
+            raise SpecError(f"{pt}: expected a state dict, got {type(loaded).__name__}")
         return dict(loaded)
     raise SpecError(f"model folder {str(folder)!r}: expected *.safetensors, got none")
 

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -207,6 +208,8 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await handle(request, "chat")
 
+    started = int(time.time())  # /v1/models "created": when this server started (Unix s)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {
@@ -215,7 +218,7 @@ def create_app(
                 {
                     "id": config.model_name,
                     "object": "model",
-                    "created": 0,
+                    "created": started,
                     "owned_by": "kvpage",
                     "max_model_len": state.max_model_len,
                 }

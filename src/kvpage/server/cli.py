@@ -1,8 +1,9 @@
 """``kvpage serve``: the argparse subcommand (imports no server library until it runs).
 
-Precedence: defaults < ``--config FILE`` < explicit flags. ``--dump-config`` prints the
-effective configuration as YAML (or JSON with ``--dump-format json``) and exits, so it can
-be saved and later restored with ``--config``.
+Precedence: defaults < ``--config FILE`` < explicit flags. ``--dump-config`` checks the
+effective configuration as the engine would at start-up (without loading the model) and
+prints it as YAML (or JSON with ``--dump-format json``) and exits, so it can be saved and
+later restored with ``--config``; an invalid one is refused (exit 2) instead of written.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvpage.engine.cli import add_prefix_caching_flags
 from kvpage.errors import KVPageError, SpecError
 from kvpage.server.config import ServerConfig, dump_config, format_validation_error, load_config
 
-__all__ = ["add_serve_parser", "config_from_args", "serve_main"]
+__all__ = ["add_serve_parser", "check_engine_config", "config_from_args", "serve_main"]
 
 # flag -> (section, field, type); section None = top level of ServerConfig.
 _FLAGS: dict[str, tuple[str | None, str, Any]] = {
@@ -62,13 +64,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dump-format", choices=["yaml", "json"], default="yaml")
     for flag, (_, _, typ) in _FLAGS.items():
         p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=typ, default=None)
-    pc = p.add_mutually_exclusive_group()
-    pc.add_argument(
-        "--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None
-    )
-    pc.add_argument(
-        "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false"
-    )
+    add_prefix_caching_flags(p, default=None)  # the spelling generate/replay use too
     p.add_argument(
         "--allow-unknown-fields",
         dest="allow_unknown_fields",
@@ -122,6 +118,24 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise SpecError(f"options: {format_validation_error(exc)}") from exc
 
 
+def check_engine_config(cfg: ServerConfig) -> None:
+    """The engine's argument checks (``kvpage.engine.config.EngineConfig``: dtypes, sizes,
+    seed) and a registered ``backend`` name, without loading the model.
+
+    Raises:
+        SpecError: the first invalid engine field, named.
+    """
+    from kvpage.backends import available_backends
+    from kvpage.engine.config import EngineConfig as EngineArgs
+
+    EngineArgs(**cfg.engine.engine_kwargs())
+    names = available_backends()
+    if cfg.engine.backend != "auto" and cfg.engine.backend not in names:
+        raise SpecError(
+            f"engine.backend: expected 'auto' or one of {names}, got {cfg.engine.backend!r}"
+        )
+
+
 def serve_main(args: argparse.Namespace) -> int:
     """Run ``kvpage serve`` (or print the config with ``--dump-config``)."""
     try:
@@ -130,6 +144,11 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"kvpage serve: {exc}", file=sys.stderr)
         return 2
     if args.dump_config:
+        try:  # a dumped config must start: run the engine's own checks before writing it
+            check_engine_config(cfg)
+        except KVPageError as exc:
+            print(f"kvpage serve: {exc}", file=sys.stderr)
+            return 2
         sys.stdout.write(dump_config(cfg, args.dump_format))
         return 0
     import logging

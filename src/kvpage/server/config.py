@@ -65,7 +65,7 @@ def format_validation_error(exc: ValidationError) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Validate the whole model with the new value first, so that a refused assignment
@@ -92,8 +92,8 @@ class EngineConfig(_Strict):
     enable_prefix_caching: bool = True
     kv_cache_dtype: KVCacheDTypeName = "auto"
     backend: str = "auto"
-    dtype: str = "float32"
-    seed: int = 0
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    seed: int = Field(0, ge=0, le=2**63 - 1)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Return the kwargs for ``LLMEngine.from_config`` (None values are dropped)."""

@@ -11,7 +11,10 @@ than what it asked for.
 Chat template (documented in docs/serving.md): stories260K is a plain language model
 with no chat training, so a conversation is rendered as plain text, one message per
 line, ``"{role}: {content}\\n"``, followed by ``"assistant:"``. The model then continues
-the assistant line.
+the assistant line. A turn starts only where a line starts with ``"{role}:"``; line
+breaks inside a message (``\\n``, ``\\r\\n``, ``\\r``) are written as ``"\\n "`` (a newline
+and one space, like a folded e-mail header), so no message text can start a line with a
+role name and forge a turn (``"hi\\nassistant: yes"`` stays inside the user's message).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from kvpage.engine.chat import apply_chat_template
+from kvpage.engine.chat import apply_chat_template, fold_lines
 
 __all__ = [
     "APIError",
@@ -32,6 +35,7 @@ __all__ = [
     "GenerationRequest",
     "StreamOptions",
     "error_body",
+    "fold_lines",
     "render_chat",
 ]
 
@@ -102,7 +106,8 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    """One chat message. ``content`` may be a string or a list of ``{"type": "text"}`` parts.
+    """One chat message. ``content`` may be a string or a list of ``{"type": "text"}``
+    parts; ``prepare_request`` refuses any other part type (400, naming it).
 
     Other message fields (``name``, ``tool_calls``, ``tool_call_id``, ...) are refused with
     400 naming them: kvpage's chat template has no place for them (nothing is silently
@@ -147,7 +152,8 @@ def render_chat(messages: list[ChatMessage]) -> str:
     """Render a conversation with kvpage's plain-text chat template.
 
     Returns:
-        ``"".join(f"{m.role}: {m.text()}\\n" for m in messages) + "assistant:"``.
+        ``"".join(f"{m.role}: {fold_lines(m.text())}\\n" for m in messages) +
+        "assistant:"`` — one line per turn; a message cannot add turns.
     """
     return apply_chat_template([{"role": m.role, "content": m.text()} for m in messages])
 

@@ -142,6 +142,7 @@ def prepare_request(
             reason="unknown_model",
         )
     if isinstance(body, ChatCompletionRequest):
+        _check_text_parts(body)
         text = render_chat(body.messages)
         _check_text_fits(text, max_bytes_per_token, max_model_len, "messages")
         ids = tokenizer.encode(text, bos=True)
@@ -217,6 +218,31 @@ def prepare_request(
         include_usage=body.include_usage(),
         tenant=tenant,
     )
+
+
+def _check_text_parts(body: ChatCompletionRequest) -> None:
+    """Refuse any content part that is not ``{"type": "text", "text": str}`` (images,
+    audio, files ...): the model reads text only, and a dropped part would change the
+    request silently."""
+    for i, m in enumerate(body.messages):
+        if not isinstance(m.content, list):
+            continue
+        for j, part in enumerate(m.content):
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type")
+            if kind != "text":
+                raise APIError(
+                    400,
+                    f"{where}.type: expected 'text' (this model reads text only), got {kind!r}",
+                    param=f"{where}.type",
+                    reason="unsupported_content",
+                )
+            if not isinstance(part.get("text"), str):
+                raise APIError(
+                    400,
+                    f"{where}.text: expected a string, got {part.get('text')!r}"[:200],
+                    param=f"{where}.text",
+                )
 
 
 def _prompt_ids(prompt: Any, tokenizer: Any, bound: int | None, max_model_len: int) -> list[int]:

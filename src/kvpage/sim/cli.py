@@ -7,11 +7,12 @@ sub-parsers object and sets ``func`` to its handler (``handler(args) -> int`` ex
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvpage.errors import KVPageError
+from kvpage.jsonout import dumps
 from kvpage.sim.cli_util import prepare_output, trace_limit
 
 
@@ -120,7 +121,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     d = plan.to_dict()
     if args.json:
-        print(json.dumps(d, indent=2))
+        print(dumps(d))
         return 0
     gib = 1 << 30
     rows = [
@@ -153,7 +154,13 @@ def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--json", default=None, help="write the statistics as JSON to this file ('-' = stdout)"
     )
-    p.add_argument("--plots", default=None, help="write PNG plots with this path prefix")
+    p.add_argument(
+        "--plots",
+        default=None,
+        metavar="DIR",
+        help="write PNG plots into this folder (created if missing): "
+        "<trace>_lengths.png, <trace>_arrivals.png",
+    )
     p.set_defaults(func=run_profile)
     return p
 
@@ -165,21 +172,23 @@ def run_profile(args: argparse.Namespace) -> int:
 
     try:
         json_path = prepare_output(args.json, "--json") if args.json not in (None, "-") else None
-        if args.plots:  # files <prefix>_lengths.png, <prefix>_arrivals.png
-            prepare_output(f"{args.plots}_lengths.png", "--plots")
+        if args.plots:  # a folder: DIR/<trace>_lengths.png, DIR/<trace>_arrivals.png
+            if Path(args.plots).exists() and not Path(args.plots).is_dir():
+                raise KVPageError(f"--plots: expected a folder, got the file {args.plots!r}")
+            prepare_output(str(Path(args.plots) / "lengths.png"), "--plots")
         trace = load_trace(args.trace, limit=trace_limit(args.limit))
     except KVPageError as e:
         print(f"kvpage profile: {e}", file=sys.stderr)
         return 2
     prof = profile_trace(trace)
     if args.json == "-":
-        print(json.dumps(prof, indent=2))
+        print(dumps(prof))
     else:
         print(render_profile(prof))
         if json_path is not None:
-            json_path.write_text(json.dumps(prof, indent=2))
+            json_path.write_text(dumps(prof) + "\n")
     if args.plots:
-        for path in plot_profile(trace, args.plots):
+        for path in plot_profile(trace, str(Path(args.plots) / trace.name)):
             print(f"wrote {path}", file=sys.stderr)
     return 0
 

@@ -4,14 +4,18 @@ Limit semantics (the same as ``kvpage replay --num-requests``): ``--limit N`` ke
 first ``N`` rows of the trace file, ``--limit 0`` (or no ``--limit`` where the default is
 "all") keeps every request, a negative value is refused.
 
-Output paths are checked before any work starts: a path naming an existing directory is
-refused, missing parent directories are created (as ``kvpage replay --output`` does), and
-an unwritable location is refused.
+Output paths are checked before any work starts (``kvpage plan/profile/simulate`` and
+``kvpage replay --output`` share :func:`prepare_output`): a path naming an existing
+directory is refused, missing parent directories are created, and a location where a
+file cannot actually be created (read-only, ``/proc``, a parent that is a file) is
+refused — by creating and removing a probe file, since ``os.access`` answers "yes" to
+root on a read-only or virtual file system.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from kvpage.errors import KVPageError
@@ -41,8 +45,8 @@ def prepare_output(path: str, flag: str) -> Path:
         ``Path(path)``.
 
     Raises:
-        KVPageError: the path is a directory, its parent cannot be created, or it is not
-            writable.
+        KVPageError: the path is a directory, its parent cannot be created, or no file
+            can be written there.
     """
     p = Path(path)
     if p.is_dir():
@@ -55,8 +59,15 @@ def prepare_output(path: str, flag: str) -> Path:
         ) from None
     if not p.parent.is_dir():
         raise KVPageError(f"{flag}: expected a path inside a folder, got {path!r}")
-    if not os.access(p if p.exists() else p.parent, os.W_OK):
+    if p.exists() and not os.access(p, os.W_OK):
         raise KVPageError(f"{flag}: expected a writable path, got {path!r}")
+    try:  # can a file be created there? (root passes os.access on a read-only mount)
+        with tempfile.NamedTemporaryFile(dir=p.parent, prefix=".kvpage-probe-"):
+            pass
+    except OSError as e:
+        raise KVPageError(
+            f"{flag}: expected a writable path, got {path!r} ({e.strerror or e})"
+        ) from None
     return p
 
 

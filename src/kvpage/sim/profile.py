@@ -6,7 +6,8 @@ Definitions (percentiles use numpy's default linear interpolation, as the statis
 * ``interarrival_cv``: standard deviation / mean of the gaps between consecutive
   arrivals (1 for a Poisson process; > 1 = bursty).
 * ``peak_1min_rate``: the most requests in any 60 s window starting at an arrival,
-  divided by 60 (req/s); ``peak_to_mean`` = that over the mean rate.
+  divided by 60 (req/s); ``peak_to_mean`` = that over the mean rate. The table and the
+  arrivals plot both take it from :func:`window_counts`, so they show the same number.
 * Prefix statistics (traces with hash ids only), walking requests in file order:
   ``first_k_shared_pct``: requests whose first k block ids equal the first k of another
   request (anywhere in the trace), % of all requests; ``causal_ge_k_pct``: requests
@@ -42,16 +43,27 @@ def _pcts(x: np.ndarray) -> dict[str, float]:
     }
 
 
-def arrival_stats(arrivals: np.ndarray, window_s: float = 60.0) -> dict[str, float]:
-    """Rate and burstiness of arrival times ``[n]`` (seconds, non-decreasing)."""
+def window_counts(arrivals: np.ndarray, window_s: float = 60.0) -> np.ndarray:
+    """``[n]`` int64: for each arrival ``t_i``, the arrivals in ``[t_i, t_i + window_s)``
+    (``arrivals`` in seconds, non-decreasing). Its maximum is the peak of
+    :func:`arrival_stats`; :func:`plot_profile` draws it."""
+    n = len(arrivals)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.searchsorted(arrivals, arrivals + window_s, side="left")
+    return (ends - np.arange(n)).astype(np.int64)
+
+
+def arrival_stats(arrivals: np.ndarray, window_s: float = 60.0) -> dict[str, Any]:
+    """Rate and burstiness of arrival times ``[n]`` (seconds, non-decreasing);
+    ``requests`` is an int, the rest floats."""
     n = len(arrivals)
     span = float(arrivals[-1] - arrivals[0]) if n > 1 else 0.0
     gaps = np.diff(arrivals)
     cv = float(gaps.std() / gaps.mean()) if len(gaps) and gaps.mean() > 0 else 0.0
-    ends = np.searchsorted(arrivals, arrivals + window_s, side="left")
-    peak = int((ends - np.arange(n)).max()) if n else 0
+    peak = int(window_counts(arrivals, window_s).max()) if n else 0
     return {
-        "requests": float(n),
+        "requests": n,
         "span_s": span,
         "mean_rate_rps": n / span if span > 0 else 0.0,
         "interarrival_cv": cv,
@@ -60,15 +72,16 @@ def arrival_stats(arrivals: np.ndarray, window_s: float = 60.0) -> dict[str, flo
     }
 
 
-def prefix_stats(trace: Trace) -> dict[str, float]:
-    """Prefix-sharing statistics from hash ids (empty dict when the trace has none)."""
+def prefix_stats(trace: Trace) -> dict[str, Any]:
+    """Prefix-sharing statistics from hash ids (empty dict when the trace has none);
+    block counts are ints, percentages floats."""
     if not trace.has_hash_ids:
         return {}
     reqs = trace.requests
     n = len(reqs)
     hb = trace.hash_block_tokens
     ids = [r.hash_ids or () for r in reqs]
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     for k in (1, 2, 4):
         c = Counter(h[:k] for h in ids if len(h) >= k)
         shared = sum(1 for h in ids if len(h) >= k and c[h[:k]] > 1)
@@ -93,8 +106,8 @@ def prefix_stats(trace: Trace) -> dict[str, float]:
     out.update(
         {
             "blocks_per_request_p50": float(np.percentile([len(h) for h in ids], 50)),
-            "unique_blocks": float(uniq),
-            "block_references": float(total_blocks),
+            "unique_blocks": uniq,
+            "block_references": total_blocks,
             "causal_ge_1_pct": 100.0 * ge1 / n,
             "causal_ge_2_pct": 100.0 * ge2 / n,
             "causal_block_hit_pct": 100.0 * hit_blocks / max(total_blocks, 1),
@@ -117,6 +130,13 @@ def profile_trace(trace: Trace) -> dict[str, Any]:
     }
 
 
+def _number(v: Any, digits: int) -> str:
+    """A count (int) with thousands separators and no decimals; a float with ``digits``."""
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        return f"{int(v):,}"
+    return f"{float(v):,.{digits}f}"
+
+
 def render_profile(prof: dict[str, Any]) -> str:
     """The profile as a text table (rich when installed, plain otherwise)."""
     rows: list[tuple[str, str]] = []
@@ -132,9 +152,9 @@ def render_profile(prof: dict[str, Any]) -> str:
             (f"{key} mean/min/max", f"{d['mean']:,.1f} / {d['min']:,.0f} / {d['max']:,.0f}")
         )
     for k, v in prof["arrivals"].items():
-        rows.append((k, f"{v:,.3f}"))
+        rows.append((k, _number(v, 3)))
     for k, v in prof["prefix"].items():
-        rows.append((k, f"{v:,.2f}"))
+        rows.append((k, _number(v, 2)))
     try:
         from rich.console import Console
         from rich.table import Table
@@ -151,12 +171,18 @@ def render_profile(prof: dict[str, Any]) -> str:
     return cap.get()
 
 
-def plot_profile(trace: Trace, out_prefix: str) -> list[str]:
-    """Write PNG plots: length histograms and arrivals per minute.
+def plot_profile(trace: Trace, out_prefix: str, window_s: float = 60.0) -> list[str]:
+    """Write PNG plots: length histograms and the arrival rate.
 
     Args:
         trace: the trace.
-        out_prefix: path prefix; files ``<prefix>_lengths.png`` and ``<prefix>_arrivals.png``.
+        out_prefix: path prefix; files ``<prefix>_lengths.png`` and ``<prefix>_arrivals.png``
+            (``kvpage profile --plots DIR`` passes ``DIR/<trace name>``).
+        window_s: the rate window (the table's ``peak_1min_rate_rps`` uses 60 s).
+
+    The histograms' x-axes span the data (log scale, smallest to largest length). The
+    arrival plot draws :func:`window_counts` / ``window_s`` at each arrival — the rate the
+    table's peak is the maximum of — and marks that peak with its value.
 
     Returns:
         The written paths.
@@ -173,12 +199,15 @@ def plot_profile(trace: Trace, out_prefix: str) -> list[str]:
         (axes[1], trace.output_lens(), "output tokens"),
     ):
         data = np.maximum(data, 1)
-        bins = np.logspace(0, np.log10(max(int(data.max()), 2)), 50)
+        lo, hi = int(data.min()), int(data.max())
+        hi = max(hi, lo + 1)  # one distinct length: a narrow, non-empty range
+        bins = np.logspace(np.log10(lo), np.log10(hi), 50)
         ax.hist(data, bins=bins, color="#4477aa")
         ax.set_xscale("log")
+        ax.set_xlim(lo, hi)
         for q, ls in ((50, "-"), (95, "--"), (99, ":")):
             ax.axvline(np.percentile(data, q), color="k", ls=ls, lw=1, label=f"p{q}")
-        ax.set_xlabel(label)
+        ax.set_xlabel(f"{label} ({lo:,} to {int(data.max()):,})")
         ax.set_ylabel("requests")
         ax.legend(fontsize=8)
     fig.suptitle(f"{trace.name}: length distributions ({len(trace)} requests)")
@@ -190,15 +219,22 @@ def plot_profile(trace: Trace, out_prefix: str) -> list[str]:
     arr = trace.arrivals()
     fig, ax = plt.subplots(figsize=(10, 3.2))
     if len(arr):
-        edges = np.arange(0, arr[-1] + 60.0, 60.0)
-        counts, _ = (
-            np.histogram(arr, bins=edges) if len(edges) > 1 else (np.array([len(arr)]), None)
+        rate = window_counts(arr, window_s) / window_s
+        t = (arr - arr[0]) / 60.0
+        ax.step(t, rate, where="post", color="#aa3377", lw=1)
+        k = int(np.argmax(rate))
+        ax.plot([t[k]], [rate[k]], "o", color="k", ms=4)
+        ax.annotate(
+            f"peak {rate[k]:.2f} req/s",
+            (t[k], rate[k]),
+            textcoords="offset points",
+            xytext=(6, -10),
+            fontsize=8,
         )
-        ax.step(edges[: len(counts)] / 60.0, counts / 60.0, where="post", color="#aa3377")
-    ax.set_xlabel("minutes since trace start")
-    ax.set_ylabel("arrivals (req/s, per minute)")
+    ax.set_xlabel("minutes since the first arrival")
+    ax.set_ylabel(f"req/s in the next {window_s:g} s")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"{trace.name}: arrival rate over time")
+    ax.set_title(f"{trace.name}: arrival rate ({window_s:g} s window starting at each arrival)")
     fig.tight_layout()
     paths.append(f"{out_prefix}_arrivals.png")
     fig.savefig(paths[-1], dpi=110)
@@ -206,4 +242,11 @@ def plot_profile(trace: Trace, out_prefix: str) -> list[str]:
     return paths
 
 
-__all__ = ["arrival_stats", "plot_profile", "prefix_stats", "profile_trace", "render_profile"]
+__all__ = [
+    "arrival_stats",
+    "plot_profile",
+    "prefix_stats",
+    "profile_trace",
+    "render_profile",
+    "window_counts",
+]

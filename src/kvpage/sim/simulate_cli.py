@@ -9,12 +9,12 @@ and their reasons are printed to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from typing import Any
 
 from kvpage.errors import KVPageError
+from kvpage.jsonout import dumps
 from kvpage.sim.cli_util import parse_int_list, prepare_output, trace_limit
 
 #: columns of the result table: (header, key or (key, subkey), format)
@@ -147,12 +147,12 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(f"kvpage simulate: {e}", file=sys.stderr)
         return 2
     if args.json == "-":
-        print(json.dumps(rows, indent=2))
+        print(dumps(rows))
         return 0
     print(f"trace {trace.name}: {len(trace)} requests, model {args.model}, GPU {args.gpu}")
     print(markdown_table(rows))
     if json_path is not None:
-        json_path.write_text(json.dumps(rows, indent=2))
+        json_path.write_text(dumps(rows) + "\n")
     return 0
 
 

@@ -158,6 +158,8 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
         kv_dtype=cfg.kv_dtype,
         block_size=cfg.block_size,
     )
+    if src.num_parameters is None:  # plan_capacity refuses this without weight bytes
+        raise SpecError(f"model: expected a countable parameter count, got {src.param_error}")
     nb = cfg.num_blocks if cfg.num_blocks is not None else plan.num_blocks
     spec = spec.with_blocks(nb)
     a = spec.layers[0]

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -181,17 +182,48 @@ def _finish(name: str, path: str, fmt: str, reqs: list[TraceRequest], *, relativ
     return Trace(name, path, fmt, reqs)
 
 
-def _parse_azure_time(text: str, row: int) -> float:
+def _row_error(file: str, line: int, field: str, want: str, got: object) -> TraceError:
+    """``"<file> line <N>: <field>: expected <want>, got <got>"`` (N 1-based, as an
+    editor numbers the lines of the file, header included)."""
+    return TraceError(f"{file} line {line}: {field}: expected {want}, got {got}")
+
+
+def _finite(value: float, file: str, line: int, field: str, text: object) -> float:
+    if not math.isfinite(value):
+        raise _row_error(file, line, field, "a finite number", text)
+    return value
+
+
+def _parse_azure_time(text: str, file: str, line: int) -> float:
     """Seconds since the epoch (naive, as published) of ``YYYY-MM-DD HH:MM:SS[.f...]``."""
     head, _, frac = text.strip().partition(".")
     try:
         base = datetime.strptime(head, "%Y-%m-%d %H:%M:%S")
+        if frac and not frac.isdigit():
+            raise ValueError(frac)
         f = float("0." + frac) if frac else 0.0
     except ValueError:
-        raise TraceError(
-            f"TIMESTAMP (row {row}): expected YYYY-MM-DD HH:MM:SS.fffffff, got {text!r}"
+        raise _row_error(
+            file, line, "TIMESTAMP", "YYYY-MM-DD HH:MM:SS.fffffff", repr(text)
         ) from None
     return (base - datetime(1970, 1, 1)).total_seconds() + f
+
+
+def _count(value: object, file: str, line: int, field: str) -> int:
+    """A token count: an int >= 0 (a JSON int, or CSV text of one)."""
+    v: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        v = value
+    elif isinstance(value, str):
+        try:
+            v = int(value.strip())
+        except ValueError:
+            v = None
+    if v is None or v < 0:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _row_error(file, line, field, "a finite number", value)
+        raise _row_error(file, line, field, "an int >= 0 (tokens)", repr(value))
+    return v
 
 
 def load_azure_csv(path: str | Path, *, limit: int | None = None, name: str = "") -> Trace:
@@ -207,7 +239,8 @@ def load_azure_csv(path: str | Path, *, limit: int | None = None, name: str = ""
         times relative to the earliest row.
 
     Raises:
-        TraceError: missing file, wrong header, bad or negative values, no rows.
+        TraceError: missing file, wrong header, bad or negative values, no rows; the
+            message names the file, the 1-based line (header = line 1) and the field.
     """
     _check_limit(limit)
     p = Path(path)
@@ -219,23 +252,56 @@ def load_azure_csv(path: str | Path, *, limit: int | None = None, name: str = ""
         header = next(reader, None)
         want = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
         if header is None or [h.strip() for h in header] != want:
-            raise TraceError(f"{p.name} header: expected {want}, got {header}")
+            raise TraceError(f"{p.name} line 1: header: expected {want}, got {header}")
         for i, row in enumerate(reader):
             if limit is not None and i >= limit:
                 break
+            line = reader.line_num  # physical line where this row ends (1-based)
             if len(row) != 3:
-                raise TraceError(f"{p.name} row {i}: expected 3 columns, got {len(row)}")
-            t = _parse_azure_time(row[0], i)
-            try:
-                ctx, gen = int(row[1]), int(row[2])
-            except ValueError:
-                raise TraceError(
-                    f"{p.name} row {i}: expected integer token counts, got {row[1:]}"
-                ) from None
-            if ctx < 0 or gen < 0:
-                raise TraceError(f"{p.name} row {i}: expected token counts >= 0, got {ctx}, {gen}")
+                raise _row_error(p.name, line, "row", "3 columns", len(row))
+            t = _parse_azure_time(row[0], p.name, line)
+            ctx = _count(row[1], p.name, line, "ContextTokens")
+            gen = _count(row[2], p.name, line, "GeneratedTokens")
             reqs.append(TraceRequest(i, t, ctx, gen))
     return _finish(name or p.stem, str(p), "azure", reqs, relative=True)
+
+
+def _mooncake_record(text: str, file: str, line: int) -> tuple[float, int, int, tuple[int, ...]]:
+    """``(timestamp_ms, input_length, output_length, hash_ids)`` of one JSON line."""
+    try:
+        d = json.loads(text)  # accepts NaN / Infinity: checked below
+    except ValueError as e:
+        raise _row_error(file, line, "record", "a JSON object", f"invalid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise _row_error(file, line, "record", "a JSON object", f"a JSON {type(d).__name__}")
+    missing = [k for k in ("timestamp", "input_length", "output_length") if k not in d]
+    if missing:
+        raise _row_error(
+            file,
+            line,
+            "record",
+            "keys timestamp, input_length, output_length",
+            f"a record without {', '.join(missing)}",
+        )
+    ts = d["timestamp"]
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        raise _row_error(file, line, "timestamp", "a number (ms)", repr(ts))
+    try:
+        _finite(float(ts), file, line, "timestamp", ts)
+    except OverflowError:  # an int beyond float range
+        raise _row_error(file, line, "timestamp", "a finite number", ts) from None
+    if ts < 0:
+        raise _row_error(file, line, "timestamp", "a number >= 0 (ms)", ts)
+    n_in = _count(d["input_length"], file, line, "input_length")
+    n_out = _count(d["output_length"], file, line, "output_length")
+    raw = d.get("hash_ids", [])
+    if not isinstance(raw, list):
+        raise _row_error(file, line, "hash_ids", "a list of ints >= 0", repr(raw)[:80])
+    hids = tuple(_count(h, file, line, "hash_ids") for h in raw)
+    want = -(-n_in // MOONCAKE_BLOCK_TOKENS)
+    if len(hids) != want:
+        raise _row_error(file, line, "hash_ids", f"{want} ids for {n_in} tokens", len(hids))
+    return float(ts), n_in, n_out, hids
 
 
 def load_mooncake_jsonl(path: str | Path, *, limit: int | None = None, name: str = "") -> Trace:
@@ -251,8 +317,10 @@ def load_mooncake_jsonl(path: str | Path, *, limit: int | None = None, name: str
         ``arrival_s = timestamp / 1000`` (the trace's own origin).
 
     Raises:
-        TraceError: missing file, a row that is not JSON, missing keys, negative
-            values, ``len(hash_ids) != ceil(input_length / 512)``, or no rows.
+        TraceError: missing file, a row that is not a JSON object, missing keys,
+            non-finite (NaN, Infinity), non-integer or negative values,
+            ``len(hash_ids) != ceil(input_length / 512)``, or no rows; the message names
+            the file, the 1-based line (as an editor shows it) and the field.
     """
     _check_limit(limit)
     p = Path(path)
@@ -261,38 +329,12 @@ def load_mooncake_jsonl(path: str | Path, *, limit: int | None = None, name: str
     reqs: list[TraceRequest] = []
     with p.open() as f:
         i = 0
-        for line in f:
+        for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             if limit is not None and i >= limit:
                 break
-            try:
-                d = json.loads(line)
-                if not isinstance(d, dict):
-                    raise TypeError(f"a JSON {type(d).__name__}")
-                missing = [k for k in ("timestamp", "input_length", "output_length") if k not in d]
-                if missing:
-                    raise TraceError(
-                        f"{p.name} row {i}: expected keys timestamp, input_length, "
-                        f"output_length, got a record without {', '.join(missing)}"
-                    )
-                ts, n_in, n_out = (
-                    float(d["timestamp"]),
-                    int(d["input_length"]),
-                    int(d["output_length"]),
-                )
-                hids = tuple(int(h) for h in d.get("hash_ids", []))
-            except TraceError:
-                raise
-            except (ValueError, KeyError, TypeError) as e:
-                raise TraceError(f"{p.name} row {i}: expected a Mooncake record, got {e}") from None
-            if n_in < 0 or n_out < 0 or ts < 0:
-                raise TraceError(f"{p.name} row {i}: expected values >= 0, got {d}")
-            want = -(-n_in // MOONCAKE_BLOCK_TOKENS)
-            if len(hids) != want:
-                raise TraceError(
-                    f"{p.name} row {i}: expected {want} hash_ids for {n_in} tokens, got {len(hids)}"
-                )
+            ts, n_in, n_out, hids = _mooncake_record(line, p.name, line_no)
             reqs.append(TraceRequest(i, ts / 1000.0, n_in, n_out, hids))
             i += 1
     return _finish(name or p.stem, str(p), "mooncake", reqs, relative=False)

@@ -125,15 +125,32 @@ def analyze_workload(
         "requests_over_max_model_len": int((plen + olen > mml).sum()),
     }
     if num_seqs is not None:
-        if num_seqs < 1:
-            raise SpecError(f"num_seqs: expected >= 1, got {num_seqs}")
-        per = usable_blocks // num_seqs
-        out["num_seqs"] = num_seqs
-        # a sliding-only model holds at most blocks_per_sequence(inf) blocks per sequence:
-        # if that fits, any length fits (None = unbounded by KV memory)
-        cap = int(blocks_per_sequence(spec, 1 << 40))
-        out["max_model_len_for_num_seqs"] = None if per >= cap else int(per * bs)
+        out.update(max_len_for_num_seqs(spec, usable_blocks, num_seqs))
     return out
 
 
-__all__ = ["Workload", "analyze_workload", "blocks_per_sequence"]
+def max_len_for_num_seqs(spec: CacheSpec, usable_blocks: int, num_seqs: int) -> dict[str, Any]:
+    """The largest max_model_len at which ``num_seqs`` sequences, all at full length, fit
+    in ``usable_blocks``: ``(usable_blocks // num_seqs) * block_size`` tokens; None when
+    the model slides on every layer and one sequence's worst case already fits (any
+    length does).
+
+    Returns:
+        ``{"num_seqs": num_seqs, "max_model_len_for_num_seqs": int | None}``.
+
+    Raises:
+        SpecError: ``num_seqs < 1``.
+    """
+    if num_seqs < 1:
+        raise SpecError(f"num_seqs: expected >= 1, got {num_seqs}")
+    per = usable_blocks // num_seqs
+    # a sliding-only model holds at most blocks_per_sequence(inf) blocks per sequence:
+    # if that fits, any length fits (None = unbounded by KV memory)
+    cap = int(blocks_per_sequence(spec, 1 << 40))
+    return {
+        "num_seqs": num_seqs,
+        "max_model_len_for_num_seqs": None if per >= cap else int(per * spec.block_size),
+    }
+
+
+__all__ = ["Workload", "analyze_workload", "blocks_per_sequence", "max_len_for_num_seqs"]

@@ -1,0 +1,118 @@
+"""Which model architectures kvpage runs, and one-line refusals for the others.
+
+kvpage's KV cache holds, per attention layer, the keys and values of every token (paged
+in blocks). Models whose layers keep something else cannot be served by it:
+
+* **state-space / recurrent layers** (Mamba, Mamba-2, RWKV, Griffin): a fixed-size
+  per-sequence recurrent state instead of per-token keys and values; hybrids (Jamba,
+  Zamba, Bamba, Falcon-H1, Nemotron-H, Granite-4 hybrid) interleave them with attention
+  layers and need both;
+* **multi-head latent attention** (MLA: DeepSeek-V2/V3, Kimi-K2): one compressed latent
+  vector per token (``kv_lora_rank``) plus a decoupled RoPE key, a different cache
+  layout and attention kernel;
+* **mixture-of-experts MLPs** (Mixtral, Qwen-MoE, DeepSeek): the cache would fit, but the
+  model code does not implement expert routing.
+
+:func:`check_architecture` names the architecture and what is missing, so ``kvpage
+plan``, ``generate`` and ``serve`` refuse such a ``config.json`` in one line before
+anything else (parameter counting, weight loading) can fail in a misleading way. The
+supported set is documented in docs/models.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvpage.errors import SpecError
+
+__all__ = [
+    "MODEL_TYPES",
+    "PLAN_MODEL_TYPES",
+    "UNSUPPORTED_ARCHITECTURES",
+    "check_architecture",
+    "missing_features",
+]
+
+#: model types kvpage runs (``kvpage generate`` / ``serve`` / the ``LLM`` class)
+MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "gemma2")
+#: model types ``kvpage plan`` can size a cache for (GPT-2: cache layout only)
+PLAN_MODEL_TYPES: tuple[str, ...] = (*MODEL_TYPES, "gpt2")
+
+_SSM = "SSM state (a per-sequence recurrent state instead of a KV cache)"
+_HYBRID = "hybrid SSM state (Mamba layers beside the attention layers)"
+_MLA = "MLA (multi-head latent attention: a compressed latent KV, kv_lora_rank)"
+_MOE = "MoE (mixture-of-experts routing)"
+
+#: known HF ``model_type`` -> what kvpage lacks to run it
+UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "mamba": f"Mamba {_SSM}",
+    "mamba2": f"Mamba-2 {_SSM}",
+    "falcon_mamba": f"Mamba {_SSM}",
+    "rwkv": f"RWKV {_SSM}",
+    "recurrent_gemma": "RG-LRU recurrent state beside the KV cache",
+    "jamba": f"{_HYBRID} and {_MOE}",
+    "zamba": _HYBRID,
+    "zamba2": _HYBRID,
+    "bamba": _HYBRID,
+    "falcon_h1": _HYBRID,
+    "nemotron_h": _HYBRID,
+    "granitemoehybrid": f"{_HYBRID} and {_MOE}",
+    "lfm2": "hybrid short-convolution state beside the attention layers",
+    "deepseek_v2": f"{_MLA} and {_MOE}",
+    "deepseek_v3": f"{_MLA} and {_MOE}",
+    "kimi_k2": f"{_MLA} and {_MOE}",
+    "mixtral": _MOE,
+    "qwen2_moe": _MOE,
+    "qwen3_moe": _MOE,
+}
+
+
+def missing_features(cfg: Mapping[str, Any]) -> str | None:
+    """What an architecture outside the supported set needs, from its ``model_type``
+    (:data:`UNSUPPORTED_ARCHITECTURES`) or, for an unknown one, from tell-tale config
+    keys (``kv_lora_rank`` = MLA; ``ssm_state_size``/``state_size``/``mamba_d_state`` =
+    SSM state; ``num_local_experts``/``n_routed_experts``/``num_experts`` = MoE); None
+    when nothing is recognised."""
+    mt = cfg.get("model_type")
+    if isinstance(mt, str) and mt in UNSUPPORTED_ARCHITECTURES:
+        return UNSUPPORTED_ARCHITECTURES[mt]
+    found = []
+    if cfg.get("kv_lora_rank"):
+        found.append(_MLA)
+    if any(cfg.get(k) for k in ("ssm_state_size", "state_size", "mamba_d_state", "d_state")):
+        found.append(_SSM)
+    if any(cfg.get(k) for k in ("num_local_experts", "n_routed_experts", "num_experts")):
+        found.append(_MOE)
+    return " and ".join(found) or None
+
+
+def check_architecture(cfg: Mapping[str, Any], supported: Sequence[str] = MODEL_TYPES) -> str:
+    """Refuse a config whose ``model_type`` is not in ``supported``, in one line that
+    names the architecture and what kvpage lacks to run it.
+
+    Args:
+        cfg: an HF ``config.json`` mapping.
+        supported: the model types the caller handles (:data:`MODEL_TYPES` to run,
+            :data:`PLAN_MODEL_TYPES` to plan).
+
+    Returns:
+        The ``model_type``.
+
+    Raises:
+        SpecError: ``"config.model_type: expected one of llama, ..., got 'jamba'
+            (JambaForCausalLM): it needs hybrid SSM state ... and MoE ..., which kvpage
+            does not implement (supported architectures: docs/models.md)"``.
+    """
+    mt = cfg.get("model_type")
+    if isinstance(mt, str) and mt in supported:
+        return mt
+    arch = cfg.get("architectures")
+    name = f" ({', '.join(map(str, arch))})" if isinstance(arch, list) and arch else ""
+    got = f"{mt!r}{name}" if mt is not None else f"no model_type{name}"
+    need = missing_features(cfg)
+    why = f": it needs {need}, which kvpage does not implement" if need else ""
+    raise SpecError(
+        f"config.model_type: expected one of {', '.join(supported)}, got {got}{why} "
+        "(supported architectures: docs/models.md)"
+    )
