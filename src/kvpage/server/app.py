@@ -28,7 +28,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpage.errors import RequestRejected
 from kvpage.server import protocol as P
-from kvpage.server.config import ServerConfig
+from kvpage.server.auth import scoped_cache_salt
+from kvpage.server.config import JSON_MAX_DEPTH, ServerConfig
+from kvpage.server.openapi import install_openapi
+from kvpage.server.security import create_metrics_app, install_security, request_tenant
 from kvpage.server.service import APIError, ServingState, Usage, rejection_error
 from kvpage.server.validation import prepare_request
 
@@ -79,6 +82,8 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     err = errors[0]
     if err.get("type") == "json_invalid":
+        if "recursion limit" in str(err.get("msg")):
+            return f"body: expected JSON nested at most {JSON_MAX_DEPTH} levels, got deeper", None
         return f"body: expected valid JSON, got invalid JSON ({err.get('msg')})", None
     parts = _clean_loc(err.get("loc", ()))
     loc = ".".join(parts)
@@ -100,14 +105,6 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return f"{loc or 'body'}: expected {msg}, got {got_s}", loc or None
 
 
-def _api_key(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        key = auth[7:].strip()
-        return key or None
-    return None
-
-
 def create_app(
     config: ServerConfig,
     engine: Any | None = None,
@@ -123,6 +120,9 @@ def create_app(
         sampling_params_cls: the engine's ``SamplingParams``; required with ``engine``.
 
     The serving state is available as ``app.state.serving`` (a :class:`ServingState`).
+    With ``security.metrics_port`` set, ``/metrics`` is not served here but by
+    ``app.state.metrics_app`` (run it on its own listener). The app is wrapped in the
+    HTTP guard (:mod:`kvpage.server.http_limits`): API keys, body and content-type limits.
     """
     if engine is None:
         engine, sampling_params_cls = build_engine(config)
@@ -150,8 +150,15 @@ def create_app(
             await asyncio.to_thread(state.loop.stop)
             state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="kvpage", lifespan=lifespan)
+    app = FastAPI(
+        title="kvpage", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.serving = state
+    app.state.metrics_app = (
+        create_metrics_app(state) if config.security.metrics_port is not None else None
+    )
+    install_security(app, state)
+    install_openapi(app)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -220,10 +227,12 @@ def create_app(
             status_code=200 if ok else 503,
         )
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        state.tick_gauges()
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    if app.state.metrics_app is None:
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            state.tick_gauges()
+            return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -248,6 +257,7 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
     except ValidationError as exc:
         msg, param = _validation_message(exc)
         raise APIError(400, msg, param=param, reason="invalid_request") from None
+    tenant = request_tenant(request, body.user)
     # Tokenizing a long text takes long (and the tokenizer is pure Python): run it on the
     # tokenize pool so /health and the other requests are never blocked behind it.
     req = await asyncio.get_running_loop().run_in_executor(
@@ -256,12 +266,15 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
             prepare_request,
             kind,
             body,
-            _api_key(request),
+            tenant.name,
             model_name=state.config.model_name,
             tokenizer=state.tokenizer,
             max_model_len=state.max_model_len,
             max_bytes_per_token=state.max_bytes_per_token,
         ),
+    )
+    req.cache_salt = scoped_cache_salt(
+        state.config.security.prefix_cache_scope, tenant, body.cache_salt
     )
     usage = Usage()
     if not req.stream:
@@ -274,7 +287,9 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
                     texts[d.index] += d.text
                     finishes[d.index] = d.finish_reason or finishes[d.index]
         choices = [P.choice(req, i, texts[i], finishes[i]) for i in range(req.n)]
-        return JSONResponse(P.completion_body(req, choices, usage.completion_tokens))
+        return JSONResponse(
+            P.completion_body(req, choices, usage.completion_tokens, usage.cached_tokens)
+        )
 
     # Streaming: admission and the engine's accept/refuse happen before the 200 is sent,
     # so refusals are plain 4xx; cleanup is tied to the response's life (see _Stream).
@@ -310,7 +325,8 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
                 )
                 break
         if req.include_usage:
-            yield "data: " + json.dumps(P.usage_chunk(req, usage.completion_tokens)) + "\n\n"
+            chunk = P.usage_chunk(req, usage.completion_tokens, usage.cached_tokens)
+            yield "data: " + json.dumps(chunk) + "\n\n"
         yield "data: [DONE]\n\n"
 
     async def cleanup() -> None:

@@ -24,13 +24,39 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AsyncEngine", "EngineFailure", "StepStats"]
+__all__ = ["AsyncEngine", "EngineFailure", "StepStats", "is_out_of_memory"]
 
 logger = logging.getLogger("kvpage.server.engine")
 
 
 class EngineFailure(RuntimeError):
-    """Delivered to a request's stream when an engine step raised."""
+    """Delivered to a request's stream when an engine step raised.
+
+    Attributes:
+        oom: the step ran out of device or host memory (see :func:`is_out_of_memory`).
+    """
+
+    def __init__(self, message: str, oom: bool = False) -> None:
+        super().__init__(message)
+        self.oom = oom
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an out-of-memory error: Python's ``MemoryError``, torch's
+    ``OutOfMemoryError`` (CUDA and other devices), or a ``RuntimeError`` whose message
+    is an allocator's out-of-memory report (CPU ``DefaultCPUAllocator``, cuBLAS/cuDNN)."""
+    if isinstance(exc, MemoryError):
+        return True
+    if type(exc).__name__ == "OutOfMemoryError":
+        return True
+    if isinstance(exc, RuntimeError):
+        msg = str(exc).lower()
+        return (
+            "out of memory" in msg
+            or "can't allocate memory" in msg
+            or "cublas_status_alloc_failed" in msg
+        )
+    return False
 
 
 @dataclass(frozen=True)
@@ -42,12 +68,14 @@ class StepStats:
         num_outputs: request outputs the step returned.
         metrics: ``engine.get_metrics()`` right after the step.
         failed: the step raised (its requests were failed and aborted).
+        oom: the failure was an out-of-memory error.
     """
 
     duration_s: float
     num_outputs: int
     metrics: Mapping[str, float]
     failed: bool = False
+    oom: bool = False
 
 
 @dataclass
@@ -263,18 +291,46 @@ class AsyncEngine:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(self._fail_all, "engine loop stopped")
 
+    def _fail_step(
+        self, loop: asyncio.AbstractEventLoop, exc: BaseException, oom: bool, before: int
+    ) -> None:
+        """Fail the requests of a step that raised; the others keep running.
+
+        An engine that reports ``failed_request_ids`` (``LLMEngine`` drops exactly the
+        requests of the failed step) has only those failed; otherwise every live request
+        is failed and aborted. After an out-of-memory error the device allocator's cache
+        is emptied so the next step starts from a clean slate.
+        """
+        ids = getattr(self.engine, "failed_request_ids", None)
+        if isinstance(ids, list):
+            failed = [rid for rid in ids[before:] if rid in self._live]
+        else:
+            failed = list(self._live)
+        for rid in failed:
+            loop.call_soon_threadsafe(self._deliver, rid, EngineFailure(str(exc), oom))
+        if isinstance(ids, list):
+            for rid in failed:
+                self._live.discard(rid)  # the engine already dropped them
+        else:
+            self._abort_live("step failure")
+        if oom:
+            _empty_device_cache()
+
     def _step(self, loop: asyncio.AbstractEventLoop) -> None:
         t0 = time.perf_counter()
-        failed = False
+        failed = oom = False
+        failed_before = len(getattr(self.engine, "failed_request_ids", ()))
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            logger.exception("engine loop: step failed; failing its requests")
+            oom = is_out_of_memory(exc)
+            logger.exception(
+                "engine loop: step failed%s; failing its requests",
+                " (out of memory)" if oom else "",
+            )
             failed = True
             outputs = []
-            for rid in list(self._live):
-                loop.call_soon_threadsafe(self._deliver, rid, EngineFailure(str(exc)))
-            self._abort_live("step failure")
+            self._fail_step(loop, exc, oom, failed_before)
         dt = time.perf_counter() - t0
         for out in outputs:
             if out.finished:
@@ -284,6 +340,16 @@ class AsyncEngine:
         self.metrics_snapshot = snap
         if self._on_step is not None:
             try:
-                self._on_step(StepStats(dt, len(outputs), snap, failed))
+                self._on_step(StepStats(dt, len(outputs), snap, failed, oom))
             except Exception:
                 logger.exception("engine loop: on_step callback failed")
+
+
+def _empty_device_cache() -> None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:  # best effort: a failed cleanup must not crash the loop
+        logger.exception("engine loop: emptying the device cache after OOM failed")

@@ -71,6 +71,8 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    #: prefix-cache salt (vLLM's field): requests with different salts share no KV block
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
     def stop_strings(self) -> list[str]:
         """The stop strings as a list (``prepare_request`` refuses empty ones)."""
@@ -156,6 +158,8 @@ class GenerationRequest(BaseModel):
     stream: bool
     include_usage: bool
     tenant: str
+    #: the salt the engine mixes into the block hashes (tenant/scope folded in), or None
+    cache_salt: str | None = None
     created: int = Field(default_factory=lambda: int(time.time()))
     #: ``time.monotonic()`` seconds when the server received the request (TTFT/e2e start)
     arrival_s: float = Field(default_factory=time.monotonic)
@@ -184,7 +188,10 @@ def error_body(
 
 
 def completion_body(
-    req: GenerationRequest, choices: list[dict[str, Any]], completion_tokens: int
+    req: GenerationRequest,
+    choices: list[dict[str, Any]],
+    completion_tokens: int,
+    cached_tokens: int | None = None,
 ) -> dict[str, Any]:
     """A non-streamed response body (``text_completion`` or ``chat.completion``)."""
     obj = "chat.completion" if req.kind == "chat" else "text_completion"
@@ -194,18 +201,25 @@ def completion_body(
         "created": req.created,
         "model": req.model,
         "choices": choices,
-        "usage": usage(req, completion_tokens),
+        "usage": usage(req, completion_tokens, cached_tokens),
     }
 
 
-def usage(req: GenerationRequest, completion_tokens: int) -> dict[str, int]:
-    """The ``usage`` object (prompt tokens counted once, even for ``n > 1``)."""
+def usage(
+    req: GenerationRequest, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """The ``usage`` object (prompt tokens counted once, even for ``n > 1``), with
+    ``prompt_tokens_details.cached_tokens`` (prompt tokens served from the prefix cache)
+    when known."""
     p = len(req.prompt_token_ids)
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": p,
         "completion_tokens": completion_tokens,
         "total_tokens": p + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def choice(req: GenerationRequest, index: int, text: str, finish: str | None) -> dict[str, Any]:
@@ -247,7 +261,9 @@ def chunk(
     }
 
 
-def usage_chunk(req: GenerationRequest, completion_tokens: int) -> dict[str, Any]:
+def usage_chunk(
+    req: GenerationRequest, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
     """The final streamed chunk carrying ``usage`` (``stream_options.include_usage``)."""
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     return {
@@ -256,7 +272,7 @@ def usage_chunk(req: GenerationRequest, completion_tokens: int) -> dict[str, Any
         "created": req.created,
         "model": req.model,
         "choices": [],
-        "usage": usage(req, completion_tokens),
+        "usage": usage(req, completion_tokens, cached_tokens),
     }
 
 
