@@ -3,6 +3,7 @@
 :class:`HTTPGuard` is a plain ASGI middleware (no framework import) wrapped around the
 FastAPI app. For every HTTP request, before any routing or body parsing:
 
+0. Request headers above ``max_header_bytes`` in all get 431.
 1. ``/v1/...`` routes need a valid API key when keys are configured (401 otherwise);
    ``/metrics`` needs an operator key (see :class:`kvpage.server.auth.Authenticator`).
    The authenticated :class:`~kvpage.server.auth.Tenant` is put in
@@ -18,7 +19,8 @@ FastAPI app. For every HTTP request, before any routing or body parsing:
 
 Refusals have OpenAI's error body and are counted in
 ``kvpage:server_requests_rejected_total{reason}`` with a fixed set of reasons
-(``unauthenticated``, ``unsupported_media_type``, ``body_too_large``, ``body_timeout``).
+(``unauthenticated``, ``unsupported_media_type``, ``body_too_large``, ``body_timeout``,
+``headers_too_large``).
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class HTTPGuard:
             await self.app(scope, receive, send)
             return
         try:
+            _check_headers(scope, self.security.max_header_bytes)
             self._authenticate(scope)
             if scope["method"] == "POST":
                 _check_content_type(scope)
@@ -197,6 +200,21 @@ def _too_large(limit: int, got: str) -> _Refusal:
         "body_too_large",
         Connection="close",
     )
+
+
+def _check_headers(scope: Scope, limit: int) -> None:
+    # h11 bounds headers that arrive in pieces (max_incomplete_event_size); headers that
+    # arrive in one read are complete events it does not bound, so count them here too
+    size = sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+    if size > limit:
+        raise _Refusal(
+            431,
+            f"headers: expected at most {limit} bytes, got {size}",
+            "invalid_request_error",
+            "headers_too_large",
+            "headers_too_large",
+            Connection="close",
+        )
 
 
 def _check_content_type(scope: Scope) -> None:
