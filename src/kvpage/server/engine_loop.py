@@ -291,9 +291,7 @@ class AsyncEngine:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(self._fail_all, "engine loop stopped")
 
-    def _fail_step(
-        self, loop: asyncio.AbstractEventLoop, exc: BaseException, oom: bool, before: int
-    ) -> None:
+    def _fail_step(self, loop: asyncio.AbstractEventLoop, exc: BaseException, oom: bool) -> None:
         """Fail the requests of a step that raised; the others keep running.
 
         An engine that reports ``failed_request_ids`` (``LLMEngine`` drops exactly the
@@ -302,13 +300,20 @@ class AsyncEngine:
         is emptied so the next step starts from a clean slate.
         """
         ids = getattr(self.engine, "failed_request_ids", None)
-        if isinstance(ids, list):
-            failed = [rid for rid in ids[before:] if rid in self._live]
+        if ids is not None:
+            # request ids are unique and earlier failures already left _live, so the live
+            # ids the engine lists are exactly this step's
+            dropped = set(ids)
+            failed = [rid for rid in self._live if rid in dropped]
+            maxlen = getattr(ids, "maxlen", None)
+            if maxlen is not None and len(failed) >= maxlen:
+                ids = None  # the engine's record may have overflowed: fail every live one
+                failed = list(self._live)
         else:
             failed = list(self._live)
         for rid in failed:
             loop.call_soon_threadsafe(self._deliver, rid, EngineFailure(str(exc), oom))
-        if isinstance(ids, list):
+        if ids is not None:
             for rid in failed:
                 self._live.discard(rid)  # the engine already dropped them
         else:
@@ -319,7 +324,6 @@ class AsyncEngine:
     def _step(self, loop: asyncio.AbstractEventLoop) -> None:
         t0 = time.perf_counter()
         failed = oom = False
-        failed_before = len(getattr(self.engine, "failed_request_ids", ()))
         try:
             outputs = self.engine.step()
         except Exception as exc:
@@ -330,7 +334,7 @@ class AsyncEngine:
             )
             failed = True
             outputs = []
-            self._fail_step(loop, exc, oom, failed_before)
+            self._fail_step(loop, exc, oom)
         dt = time.perf_counter() - t0
         for out in outputs:
             if out.finished:
