@@ -21,6 +21,15 @@ if _MISSING:
     collect_ignore_glob = ["test_*.py"]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fuzz-examples",
+        type=int,
+        default=8,
+        help="schemathesis examples per operation and generation mode (test_fuzz_api)",
+    )
+
+
 @pytest.fixture(scope="module")
 def serve() -> Iterator[Callable[..., Any]]:
     """Factory: ``serve(**config_overrides)`` starts a server; all are checked and stopped

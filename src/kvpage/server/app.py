@@ -158,7 +158,7 @@ def create_app(
         create_metrics_app(state) if config.security.metrics_port is not None else None
     )
     install_security(app, state)
-    install_openapi(app)
+    install_openapi(app, config.model_name)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -34,8 +34,9 @@ _ERROR = {
 }
 
 
-def install_openapi(app: Any) -> None:
-    """Make ``app.openapi()`` describe the POST bodies, auth and error responses."""
+def install_openapi(app: Any, model_name: str) -> None:
+    """Make ``app.openapi()`` describe the POST bodies (``model`` limited to the served
+    ``model_name``), bearer auth and the error responses."""
     base = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -51,6 +52,7 @@ def install_openapi(app: Any) -> None:
         ):
             schema = model.model_json_schema(ref_template=_REF)
             comps.update(schema.pop("$defs", {}))
+            schema["properties"]["model"] = {"type": "string", "enum": [model_name]}
             comps[model.__name__] = schema
             op = doc["paths"][path]["post"]
             op["requestBody"] = {
