@@ -218,14 +218,9 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = state.loop.running
-        return JSONResponse(
-            {
-                "status": "ok" if ok else "engine loop not running",
-                "degraded": state.degradation.degraded,
-            },
-            status_code=200 if ok else 503,
-        )
+        # normally answered by the HTTP guard before routing (same function)
+        status, body = state.health()
+        return JSONResponse(body, status_code=status)
 
     if app.state.metrics_app is None:
 

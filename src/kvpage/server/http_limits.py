@@ -12,7 +12,9 @@ FastAPI app. For every HTTP request, before any routing or body parsing:
    can send ``text/plain`` to ``127.0.0.1`` without a CORS preflight, but not JSON.
 3. The body is read here, at most ``max_body_bytes`` (413, from ``Content-Length`` at
    once or while a chunked body arrives) within ``body_timeout_s`` (408), then replayed
-   to the app; later ``receive`` calls (disconnect detection) go to the client.
+   to the app; later ``receive`` calls (disconnect detection) go to the client. A body
+   declared too large is read and dropped (up to 16x the limit, so the client can read
+   the 413) without being kept.
 4. Every ``send`` of the response must complete within ``send_timeout_s``: a client
    that stops reading a stream is cut off (the stream's cleanup aborts its request and
    frees its blocks) instead of holding its admission forever.
@@ -26,6 +28,7 @@ Refusals have OpenAI's error body and are counted in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -81,6 +84,8 @@ class HTTPGuard:
         auth: the key table (``auth.enabled`` False: no key is required).
         on_refusal: called with the reason of every refusal (metrics).
         metrics_need_key: whether ``/metrics`` on this listener needs a key.
+        health: answers ``GET /health`` here, before routing, as ``(status, body)``
+            (cheap: no framework work while the server is loaded); None = the app does.
     """
 
     def __init__(
@@ -90,16 +95,22 @@ class HTTPGuard:
         auth: Authenticator,
         on_refusal: Callable[[str], None] | None = None,
         metrics_need_key: bool = True,
+        health: Callable[[], tuple[int, dict[str, Any]]] | None = None,
     ) -> None:
         self.app = app
         self.security = security
         self.auth = auth
         self._on_refusal = on_refusal
         self._metrics_need_key = metrics_need_key
+        self._health = health
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if self._health is not None and scope.get("path") == "/health" and scope["method"] == "GET":
+            status, payload = self._health()
+            await _send_json(send, status, payload)
             return
         try:
             _check_headers(scope, self.security.max_header_bytes)
@@ -146,6 +157,7 @@ class HTTPGuard:
         limit = self.security.max_body_bytes
         declared = _header(scope, b"content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            await self._discard(receive, int(declared))
             raise _too_large(limit, f"Content-Length {int(declared)}")
         chunks: list[bytes] = []
         size = 0
@@ -177,6 +189,22 @@ class HTTPGuard:
                 Connection="close",
             ) from None
         return b"".join(chunks)
+
+    async def _discard(self, receive: Receive, declared: int) -> None:
+        """Read and drop a refused body of up to ``16 x max_body_bytes`` (bounded by
+        ``body_timeout_s``) so that a client still sending it can read the 413; larger
+        bodies are not read (the connection closes after the 413)."""
+        if declared > 16 * self.security.max_body_bytes:
+            return
+
+        async def drain() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] != "http.request" or not msg.get("more_body", False):
+                    return
+
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(drain(), self.security.body_timeout_s)
 
     def _timed_send(self, send: Send) -> Send:
         timeout = self.security.send_timeout_s
@@ -246,11 +274,17 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 async def _send_error(send: Send, r: _Refusal) -> None:
     if r.reason == "client_gone":
         return
-    payload = json.dumps(error_body(r.message, type=r.type, code=r.code)).encode()
+    await _send_json(send, r.status, error_body(r.message, type=r.type, code=r.code), r.headers)
+
+
+async def _send_json(
+    send: Send, status: int, body: Any, extra_headers: dict[str, str] | None = None
+) -> None:
+    payload = json.dumps(body).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(payload)).encode()),
     ]
-    headers += [(k.lower().encode(), v.encode()) for k, v in r.headers.items()]
-    await send({"type": "http.response.start", "status": r.status, "headers": headers})
+    headers += [(k.lower().encode(), v.encode()) for k, v in (extra_headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import sys
 import threading
 import time
 from typing import Any, Literal
@@ -33,6 +34,12 @@ def uvicorn_limits(security: SecurityConfig) -> dict[str, Any]:
     }
 
 
+#: GIL switch interval of a ``kvpage serve`` process (Python's default is 5 ms): the
+#: event loop thread (``/health``, streams) gets the GIL within about this long when the
+#: engine thread is computing
+SWITCH_INTERVAL_S = 0.001
+
+
 def run_server(config: ServerConfig, app: Any | None = None) -> None:
     """Serve ``app`` (built from ``config`` when None) on ``config.host:config.port``
     and, with ``security.metrics_port``, ``/metrics`` on ``metrics_host:metrics_port``;
@@ -45,6 +52,7 @@ def run_server(config: ServerConfig, app: Any | None = None) -> None:
     from kvpage.server.security import check_bind
 
     check_bind(config, config.security.auth_enabled)  # before the engine is built
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     if app is None:
         from kvpage.server.app import create_app
 

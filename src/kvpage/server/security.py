@@ -39,6 +39,7 @@ def install_security(app: Any, state: Any) -> None:
         auth=state.auth,
         on_refusal=lambda reason: state.metrics.rejected.labels(reason=reason).inc(),
         metrics_need_key=sec.metrics_port is None,
+        health=state.health,
     )
     if sec.allowed_origins:
         from starlette.middleware.cors import CORSMiddleware

@@ -162,6 +162,16 @@ class ServingState:
         if dg > 0:
             self.metrics.decode_tps.observe(dg / st.duration_s)
 
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """``GET /health``: 200 while the engine loop runs, else 503, with the
+        degradation state. Reads two flags: never waits on the engine or a pool."""
+        ok = self.loop.running
+        body = {
+            "status": "ok" if ok else "engine loop not running",
+            "degraded": self.degradation.degraded,
+        }
+        return (200 if ok else 503), body
+
     # ------------------------------------------------------------ periodic control
     def tick(self) -> None:
         """Evaluate degradation and refresh gauges (called every ``eval_interval_s``)."""
