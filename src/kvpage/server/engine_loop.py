@@ -291,39 +291,46 @@ class AsyncEngine:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(self._fail_all, "engine loop stopped")
 
-    def _fail_step(self, loop: asyncio.AbstractEventLoop, exc: BaseException, oom: bool) -> None:
+    def _fail_step(
+        self, loop: asyncio.AbstractEventLoop, exc: BaseException, oom: bool, mark: Any
+    ) -> None:
         """Fail the requests of a step that raised; the others keep running.
 
         An engine that reports ``failed_request_ids`` (``LLMEngine`` drops exactly the
-        requests of the failed step) has only those failed; otherwise every live request
-        is failed and aborted. After an out-of-memory error the device allocator's cache
+        requests of the failed step and lists them there) has only those failed; when it
+        listed none (the failure happened outside its step bookkeeping) or has no such
+        record, every live request is failed and aborted. ``mark`` is the record's last
+        entry before the step. After an out-of-memory error the device allocator's cache
         is emptied so the next step starts from a clean slate.
         """
-        ids = getattr(self.engine, "failed_request_ids", None)
-        if ids is not None:
-            # request ids are unique and earlier failures already left _live, so the live
-            # ids the engine lists are exactly this step's
-            dropped = set(ids)
-            failed = [rid for rid in self._live if rid in dropped]
-            maxlen = getattr(ids, "maxlen", None)
-            if maxlen is not None and len(failed) >= maxlen:
-                ids = None  # the engine's record may have overflowed: fail every live one
-                failed = list(self._live)
-        else:
-            failed = list(self._live)
-        for rid in failed:
+        failed = self._step_failed_ids(mark)
+        for rid in failed if failed else self._live:
             loop.call_soon_threadsafe(self._deliver, rid, EngineFailure(str(exc), oom))
-        if ids is not None:
-            for rid in failed:
-                self._live.discard(rid)  # the engine already dropped them
+        if failed:
+            self._live.difference_update(failed)  # the engine already dropped them
         else:
             self._abort_live("step failure")
         if oom:
             _empty_device_cache()
 
+    def _failed_mark(self) -> Any:
+        ids = getattr(self.engine, "failed_request_ids", None)
+        return ids[-1] if ids else None
+
+    def _step_failed_ids(self, mark: Any) -> list[str]:
+        """Live ids the engine recorded as failed after ``mark`` ([] if none/unknown)."""
+        ids = getattr(self.engine, "failed_request_ids", None)
+        if not ids:
+            return []
+        recent = list(ids)
+        if mark is not None and mark in recent:
+            recent = recent[len(recent) - recent[::-1].index(mark) :]
+        return [rid for rid in recent if rid in self._live]
+
     def _step(self, loop: asyncio.AbstractEventLoop) -> None:
         t0 = time.perf_counter()
         failed = oom = False
+        mark = self._failed_mark()
         try:
             outputs = self.engine.step()
         except Exception as exc:
@@ -334,7 +341,7 @@ class AsyncEngine:
             )
             failed = True
             outputs = []
-            self._fail_step(loop, exc, oom)
+            self._fail_step(loop, exc, oom, mark)
         dt = time.perf_counter() - t0
         for out in outputs:
             if out.finished:

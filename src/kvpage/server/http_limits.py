@@ -108,12 +108,12 @@ class HTTPGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self._health is not None and scope.get("path") == "/health" and scope["method"] == "GET":
-            status, payload = self._health()
-            await _send_json(send, status, payload)
-            return
         try:
             _check_headers(scope, self.security.max_header_bytes)
+            if self._health is not None and scope["path"] == "/health" and scope["method"] == "GET":
+                status, payload = self._health()
+                await _send_json(send, status, payload)
+                return
             self._authenticate(scope)
             if scope["method"] == "POST":
                 _check_content_type(scope)
