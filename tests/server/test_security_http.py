@@ -315,3 +315,34 @@ def test_cors_only_for_allowed_origins_and_separate_metrics(cors_metrics_server)
     assert httpx.get(srv.base_url + "/metrics", headers=auth).status_code == 404
     m = httpx.get(side.base_url + "/metrics")
     assert m.status_code == 200 and "kvpage:server_requests_total" in m.text
+
+
+def _cli_args(argv):
+    import argparse
+
+    from kvpage.server.cli import add_serve_parser
+
+    p = argparse.ArgumentParser()
+    add_serve_parser(p.add_subparsers())
+    return p.parse_args(["serve", *argv])
+
+
+def test_cli_keys_env_and_unauthenticated_refusal(monkeypatch, capsys):
+    from kvpage.server.cli import config_from_args, serve_main
+
+    monkeypatch.setenv("KVPAGE_API_KEY", "sk-from-env-" + "e" * 20)
+    args = _cli_args(["--api-key", KEY_SOLO, "--prefix-cache-scope", "global", "--dump-config"])
+    cfg = config_from_args(args)
+    assert cfg.security.api_keys == [KEY_SOLO, "sk-from-env-" + "e" * 20]
+    assert cfg.security.prefix_cache_scope == "global"
+    assert serve_main(args) == 0
+    out = capsys.readouterr().out
+    assert "prefix_cache_scope: global" in out and "sk-" not in out  # keys never dumped
+    monkeypatch.delenv("KVPAGE_API_KEY")
+    # no key and a public address: refused at once (before the engine is built)
+    t0 = time.monotonic()
+    assert serve_main(_cli_args(["--host", "0.0.0.0"])) == 2
+    assert "loopback" in capsys.readouterr().err and time.monotonic() - t0 < 5
+    args = _cli_args(["--prefix-cache-scope", "everyone"])
+    with pytest.raises(SpecError, match="prefix_cache_scope"):
+        config_from_args(args)
