@@ -19,7 +19,10 @@ operator key for /metrics) and the mix gains ``--hostile-frac`` of hostile reque
 equal parts: an oversized body (5 MB > the 4 MiB default limit: 413), a ``text/plain``
 body (415) and a wrong API key (401). A separate process polls ``GET /health`` every
 50 ms during the run (its own connection, outside this process's GIL) and reports the
-latency percentiles; the run fails if /health p99 >= 100 ms or any probe fails. The
+latency percentiles; the run fails if /health p99 >= 100 ms or any probe fails. A
+control probe polls a trivial uvicorn app in a fourth process at the same time: its
+latency is what the machine's scheduling alone costs (on a shared, oversubscribed box
+that floor can exceed 100 ms; compare the two). The
 load clients then run in a child process too (as remote clients would), so the server
 process holds only the server: its event loop, engine thread and tokenizer pool.
 
@@ -215,6 +218,22 @@ def _drive_process(
     out.put(asyncio.run(drive(base_url, specs, clients, auth)))
 
 
+def _control_server(port_q: Any, stop: Any) -> None:
+    """Child process: a trivial uvicorn app answering ``GET /health`` (the control: its
+    probe latency is what this machine's scheduling alone costs)."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def health(request: Any) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    srv = BackgroundServer(Starlette(routes=[Route("/health", health)]), lifespan="off").start()
+    port_q.put(srv.base_url)
+    stop.wait()
+    srv.stop()
+
+
 def health_probe(base_url: str, stop: Any, out: Any, every_s: float = 0.05) -> None:
     """Child process: GET /health every ``every_s`` until ``stop`` is set; put the list
     of latencies (seconds; None for a failed probe) on ``out``."""
@@ -334,8 +353,14 @@ def main(argv: list[str] | None = None) -> int:
         ctx = mp.get_context("spawn")
         stop, out_q = ctx.Event(), ctx.Queue()
         probe = ctx.Process(target=health_probe, args=(srv.base_url, stop, out_q))
+        stop_ctl, ctl_url_q, ctl_q = ctx.Event(), ctx.Queue(), ctx.Queue()
+        ctl_srv = ctx.Process(target=_control_server, args=(ctl_url_q, stop_ctl))
+        ctl_srv.start()
+        ctl_probe = ctx.Process(target=health_probe, args=(ctl_url_q.get(timeout=120), stop, ctl_q))
         probe.start()
+        ctl_probe.start()
     health: list[float | None] = []
+    control: list[float | None] = []
     try:
         t0, c0 = time.perf_counter(), time.process_time()
         if args.auth:  # clients in their own process, like remote clients
@@ -352,7 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         if probe is not None:
             stop.set()
             health = out_q.get(timeout=60)
+            control = ctl_q.get(timeout=60)
             probe.join(30)
+            ctl_probe.join(30)
+            stop_ctl.set()
+            ctl_srv.join(30)
         cpu = time.process_time() - c0
         deadline = time.monotonic() + 30
         while state.engine.has_unfinished_requests() and time.monotonic() < deadline:
@@ -400,6 +429,13 @@ def main(argv: list[str] | None = None) -> int:
             "failed": len(health) - len(ok_lat),
             **pct(ok_lat),
             "max": round(max(ok_lat), 4) if ok_lat else None,
+        }
+        ctl_lat = [x for x in control if x is not None]
+        summary["health_probe_control"] = {
+            "probes": len(control),
+            "failed": len(control) - len(ctl_lat),
+            **pct(ctl_lat),
+            "max": round(max(ctl_lat), 4) if ctl_lat else None,
         }
     if not args.no_baseline:
         summary["baseline"] = offline_baseline(specs, engine_kw, args.clients)
