@@ -113,8 +113,9 @@ class AdmissionConfig(_Strict):
 
     A request costs ``prompt_tokens + n * max_tokens`` tokens (the OpenAI convention of
     charging the maximum output up front). ``default_limit`` applies to every tenant not
-    listed in ``tenants``; ``None`` means unlimited. The tenant is the API key (Bearer
-    token) when one is sent, else the request's ``user`` field, else ``"anonymous"``.
+    listed in ``tenants``; ``None`` means unlimited. With API keys the tenant is the
+    identity the key authenticates (``kvpage.server.auth``); without keys it is the
+    Bearer token, else the request's ``user`` field, else ``"anonymous"``.
 
     KV pressure: the projected KV usage is the share of blocks that all admitted,
     unfinished requests may hold at their maximum length (``n * ceil((prompt + max_tokens)
