@@ -67,8 +67,13 @@ def _cached(server, tenant, prompt, salt=None, chat=False):
 
 
 def _hits(server):
-    snap = server.app.state.serving.loop.metrics_snapshot
-    return snap["kvpage:prefix_cache_hits_total"]
+    """The engine's prefix-cache hit counter, read on the engine thread between steps
+    (the published snapshot may lag a response by one step)."""
+    import asyncio
+
+    eng_loop = server.app.state.serving.loop
+    fut = asyncio.run_coroutine_threadsafe(eng_loop.call(lambda e: e.get_metrics()), eng_loop._loop)
+    return fut.result(timeout=30)["kvpage:prefix_cache_hits_total"]
 
 
 def test_default_scope_isolates_tenants(tenant_server):

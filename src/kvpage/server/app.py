@@ -22,7 +22,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -31,7 +30,12 @@ from kvpage.server import protocol as P
 from kvpage.server.auth import scoped_cache_salt
 from kvpage.server.config import JSON_MAX_DEPTH, ServerConfig
 from kvpage.server.openapi import install_openapi
-from kvpage.server.security import create_metrics_app, install_security, request_tenant
+from kvpage.server.security import (
+    create_metrics_app,
+    install_security,
+    metrics_response,
+    request_tenant,
+)
 from kvpage.server.service import APIError, ServingState, Usage, rejection_error
 from kvpage.server.validation import prepare_request
 
@@ -226,8 +230,7 @@ def create_app(
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            state.tick_gauges()
-            return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+            return metrics_response(state)  # type: ignore[no-any-return]
 
     return app
 

@@ -20,7 +20,13 @@ from kvpage.server.auth import Tenant, bearer_token, is_loopback_host, unauthent
 from kvpage.server.config import ServerConfig
 from kvpage.server.http_limits import HTTPGuard
 
-__all__ = ["check_bind", "create_metrics_app", "install_security", "request_tenant"]
+__all__ = [
+    "check_bind",
+    "create_metrics_app",
+    "install_security",
+    "metrics_response",
+    "request_tenant",
+]
 
 logger = logging.getLogger("kvpage.server")
 
@@ -52,21 +58,28 @@ def install_security(app: Any, state: Any) -> None:
         )
 
 
+def metrics_response(state: Any) -> Any:
+    """The ``GET /metrics`` response: gauges refreshed, the registry in Prometheus text."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from starlette.responses import Response
+
+    state.tick_gauges()
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
 def create_metrics_app(state: Any) -> Any:
     """A minimal ASGI app serving only ``GET /metrics`` from ``state``'s registry.
 
     Runs without lifespan (the main app owns the engine loop); meant for a listener
     bound to an operator-only address (``security.metrics_host``, default 127.0.0.1).
     """
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import Response
     from starlette.routing import Route
 
     async def metrics(request: Request) -> Response:
-        state.tick_gauges()
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return metrics_response(state)  # type: ignore[no-any-return]
 
     return Starlette(routes=[Route("/metrics", metrics, methods=["GET"])])
 
