@@ -101,6 +101,15 @@ def check_bind(config: ServerConfig, auth_enabled: bool) -> None:
             ``security.allow_unauthenticated`` is not set.
     """
     sec = config.security
+    metrics = (
+        f"{sec.metrics_host}:{sec.metrics_port}" if sec.metrics_port is not None else "API port"
+    )
+    logger.info(
+        "kvpage serve: prefix cache scope %s; /metrics on %s; CORS origins %s",
+        sec.prefix_cache_scope,
+        metrics,
+        list(sec.allowed_origins) or "none",
+    )
     if auth_enabled:
         logger.info("kvpage serve: API keys required on /v1/* (tenants = keys)")
         return
