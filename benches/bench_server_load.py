@@ -14,6 +14,18 @@ the trace's arrival times are not replayed: the clients are closed-loop). A seed
 ``--malformed-frac`` are malformed (bad JSON, unknown model, negative max_tokens, bad
 types); half of the rest stream. Clients belong to 4 tenants (API keys).
 
+With ``--auth`` the server requires API keys (4 tenants, one ``--api-key`` each, and an
+operator key for /metrics) and the mix gains ``--hostile-frac`` of hostile requests in
+equal parts: an oversized body (5 MB > the 4 MiB default limit: 413), a ``text/plain``
+body (415) and a wrong API key (401). A separate process polls ``GET /health`` every
+50 ms during the run (its own connection, outside this process's GIL) and reports the
+latency percentiles; the run fails if /health p99 >= 100 ms or any probe fails. A
+control probe polls a trivial uvicorn app in a fourth process at the same time: its
+latency is what the machine's scheduling alone costs (on a shared, oversubscribed box
+that floor can exceed 100 ms; compare the two). The
+load clients then run in a child process too (as remote clients would), so the server
+process holds only the server: its event loop, engine thread and tokenizer pool.
+
 Checks (exit status 1 if any fails): every valid request completes (finish_reason
 "length", 1 <= completion tokens <= max_tokens) or is refused with 429 + Retry-After;
 every malformed request gets a 4xx; no request is lost (no other status, no transport
@@ -54,8 +66,18 @@ MALFORMED: list[tuple[str, bytes]] = [
 ]
 
 
+HOSTILE = ("oversized", "wrong_ctype", "bad_key")
+#: expected status of each hostile kind
+HOSTILE_STATUS = {"oversized": 413, "wrong_ctype": 415, "bad_key": 401}
+
+
+def tenant_key(tenant: str) -> str:
+    """The API key of a bench tenant when ``--auth`` is on."""
+    return f"sk-bench-{tenant}-0123456789abcdef"
+
+
 def build_workload(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The seeded list of request specs (kind: valid | cancel | malformed)."""
+    """The seeded list of request specs (kind: valid | cancel | malformed | hostile)."""
     trace = load_trace(bundled_trace_path("azure-conv"), limit=args.requests)
     rng = random.Random(args.seed)
     specs = []
@@ -63,11 +85,14 @@ def build_workload(args: argparse.Namespace) -> list[dict[str, Any]]:
         p = int(np.clip(tr.prompt_tokens // 8, 1, 256))
         m = int(np.clip(tr.output_tokens // 4, 1, min(128, 512 - p)))
         u = rng.random()
+        hostile = args.hostile_frac if args.auth else 0.0
         kind = (
             "malformed"
             if u < args.malformed_frac
             else "cancel"
             if u < args.malformed_frac + args.cancel_frac
+            else HOSTILE[i % 3]
+            if u < args.malformed_frac + args.cancel_frac + hostile
             else "valid"
         )
         specs.append(
@@ -85,12 +110,27 @@ def build_workload(args: argparse.Namespace) -> list[dict[str, Any]]:
     return specs
 
 
-async def run_one(c: httpx.AsyncClient, spec: dict[str, Any]) -> dict[str, Any]:
+async def run_one(c: httpx.AsyncClient, spec: dict[str, Any], auth: bool) -> dict[str, Any]:
     """Send one request; return what happened (status, tokens, timings, verdict)."""
-    headers = {"Authorization": f"Bearer {spec['tenant']}"}
+    key = tenant_key(spec["tenant"]) if auth else spec["tenant"]
+    headers = {"Authorization": f"Bearer {key}"}
     t0 = time.perf_counter()
     res: dict[str, Any] = {"i": spec["i"], "kind": spec["kind"]}
     try:
+        if spec["kind"] in HOSTILE:
+            kind = spec["kind"]
+            good = json.dumps({"model": MODEL, "prompt": "Once", "max_tokens": 1}).encode()
+            if kind == "oversized":
+                body = b'{"model": "stories260K", "prompt": "' + b"a" * 5_000_000 + b'"}'
+                h = {**headers, "content-type": "application/json"}
+            elif kind == "wrong_ctype":
+                body, h = good, {**headers, "content-type": "text/plain"}
+            else:
+                body = good
+                h = {"Authorization": "Bearer sk-wrong", "content-type": "application/json"}
+            r = await c.post("/v1/completions", content=body, headers=h)
+            res.update(status=r.status_code, ok=r.status_code == HOSTILE_STATUS[kind])
+            return res
         if spec["kind"] == "malformed":
             name, body = spec["malformed"]
             r = await c.post(
@@ -148,7 +188,9 @@ async def run_one(c: httpx.AsyncClient, spec: dict[str, Any]) -> dict[str, Any]:
         return res
 
 
-async def drive(base_url: str, specs: list[dict[str, Any]], clients: int) -> list[dict[str, Any]]:
+async def drive(
+    base_url: str, specs: list[dict[str, Any]], clients: int, auth: bool = False
+) -> list[dict[str, Any]]:
     """``clients`` workers pull from one queue until it is empty."""
     q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     for s in specs:
@@ -163,10 +205,49 @@ async def drive(base_url: str, specs: list[dict[str, Any]], clients: int) -> lis
                     s = q.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                results.append(await run_one(c, s))
+                results.append(await run_one(c, s, auth))
 
         await asyncio.gather(*(worker() for _ in range(clients)))
     return results
+
+
+def _drive_process(
+    base_url: str, specs: list[dict[str, Any]], clients: int, auth: bool, out: Any
+) -> None:
+    """Child process: run :func:`drive` and put its results on ``out``."""
+    out.put(asyncio.run(drive(base_url, specs, clients, auth)))
+
+
+def _control_server(port_q: Any, stop: Any) -> None:
+    """Child process: a trivial uvicorn app answering ``GET /health`` (the control: its
+    probe latency is what this machine's scheduling alone costs)."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def health(request: Any) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    srv = BackgroundServer(Starlette(routes=[Route("/health", health)]), lifespan="off").start()
+    port_q.put(srv.base_url)
+    stop.wait()
+    srv.stop()
+
+
+def health_probe(base_url: str, stop: Any, out: Any, every_s: float = 0.05) -> None:
+    """Child process: GET /health every ``every_s`` until ``stop`` is set; put the list
+    of latencies (seconds; None for a failed probe) on ``out``."""
+    lat: list[float | None] = []
+    with httpx.Client(base_url=base_url, timeout=10) as c:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                ok = c.get("/health").status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            lat.append(time.perf_counter() - t0 if ok else None)
+            time.sleep(every_s)
+    out.put(lat)
 
 
 def pct(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
@@ -229,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", help="write the JSON summary here")
     ap.add_argument(
+        "--auth", action="store_true", help="API keys on, hostile requests, /health probe"
+    )
+    ap.add_argument("--hostile-frac", type=float, default=0.09, help="with --auth")
+    ap.add_argument("--switch-interval-s", type=float, default=0.0, help="sys.setswitchinterval")
+    ap.add_argument(
         "--no-baseline",
         action="store_true",
         help="skip the offline LLM.generate baseline on the same workload",
@@ -238,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.torch_threads)
+    if args.switch_interval_s:
+        sys.setswitchinterval(args.switch_interval_s)
     specs = build_workload(args)
     engine_kw = {"num_blocks": args.num_blocks, "block_size": 16, "max_num_seqs": 64}
     cfg = ServerConfig.model_validate(
@@ -251,14 +339,49 @@ def main(argv: list[str] | None = None) -> int:
                 "kv_pressure_action": "queue",
                 "queue_timeout_s": 2.0,
             },
+            "security": {
+                "api_keys": [tenant_key(f"tenant-{k}") for k in range(4)] if args.auth else [],
+            },
         }
     )
     srv = BackgroundServer(create_app(cfg)).start()
     state = srv.app.state.serving
+    probe = None
+    if args.auth:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        stop, out_q = ctx.Event(), ctx.Queue()
+        probe = ctx.Process(target=health_probe, args=(srv.base_url, stop, out_q))
+        stop_ctl, ctl_url_q, ctl_q = ctx.Event(), ctx.Queue(), ctx.Queue()
+        ctl_srv = ctx.Process(target=_control_server, args=(ctl_url_q, stop_ctl))
+        ctl_srv.start()
+        ctl_probe = ctx.Process(target=health_probe, args=(ctl_url_q.get(timeout=120), stop, ctl_q))
+        probe.start()
+        ctl_probe.start()
+    health: list[float | None] = []
+    control: list[float | None] = []
     try:
         t0, c0 = time.perf_counter(), time.process_time()
-        results = asyncio.run(drive(srv.base_url, specs, args.clients))
+        if args.auth:  # clients in their own process, like remote clients
+            res_q = ctx.Queue()
+            driver = ctx.Process(
+                target=_drive_process, args=(srv.base_url, specs, args.clients, True, res_q)
+            )
+            driver.start()
+            results = res_q.get(timeout=3600)
+            driver.join(30)
+        else:
+            results = asyncio.run(drive(srv.base_url, specs, args.clients, args.auth))
         wall = time.perf_counter() - t0
+        if probe is not None:
+            stop.set()
+            health = out_q.get(timeout=60)
+            control = ctl_q.get(timeout=60)
+            probe.join(30)
+            ctl_probe.join(30)
+            stop_ctl.set()
+            ctl_srv.join(30)
         cpu = time.process_time() - c0
         deadline = time.monotonic() + 30
         while state.engine.has_unfinished_requests() and time.monotonic() < deadline:
@@ -299,6 +422,21 @@ def main(argv: list[str] | None = None) -> int:
         "engine": {k: v for k, v in snap.items() if k.endswith("_total")},
         "after_run": clean,
     }
+    if args.auth:
+        ok_lat = [x for x in health if x is not None]
+        summary["health_probe"] = {
+            "probes": len(health),
+            "failed": len(health) - len(ok_lat),
+            **pct(ok_lat),
+            "max": round(max(ok_lat), 4) if ok_lat else None,
+        }
+        ctl_lat = [x for x in control if x is not None]
+        summary["health_probe_control"] = {
+            "probes": len(control),
+            "failed": len(control) - len(ctl_lat),
+            **pct(ctl_lat),
+            "max": round(max(ctl_lat), 4) if ctl_lat else None,
+        }
     if not args.no_baseline:
         summary["baseline"] = offline_baseline(specs, engine_kw, args.clients)
         summary["server_over_offline_tokens_per_s"] = round(
@@ -314,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
         and clean["free_blocks"] == clean["usable_blocks"]
         and clean["running"] == clean["waiting"] == clean["kv_reserved_blocks"] == 0
     )
+    if args.auth:
+        hp = summary["health_probe"]
+        ok = ok and hp["failed"] == 0 and hp["probes"] > 0 and hp.get("p99", 1.0) < 0.1
     if bad:
         print("FAILED requests:", bad[:10], file=sys.stderr)
     return 0 if ok else 1

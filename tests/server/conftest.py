@@ -21,11 +21,20 @@ if _MISSING:
     collect_ignore_glob = ["test_*.py"]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fuzz-examples",
+        type=int,
+        default=8,
+        help="schemathesis examples per operation and generation mode (test_fuzz_api)",
+    )
+
+
 @pytest.fixture(scope="module")
 def serve() -> Iterator[Callable[..., Any]]:
     """Factory: ``serve(**config_overrides)`` starts a server; all are checked and stopped
     when the module ends."""
-    from srv_helpers import ENGINE, assert_engine_clean, wait_idle
+    from srv_helpers import ENGINE, assert_engine_clean, wait_idle, wait_idle_state
 
     from kvpage.server.app import create_app
     from kvpage.server.config import ServerConfig
@@ -48,7 +57,11 @@ def serve() -> Iterator[Callable[..., Any]]:
     yield start
     for srv in servers:
         try:
-            wait_idle(srv.base_url)
+            st = srv.app.state
+            if st.serving.auth.enabled or st.metrics_app is not None:
+                wait_idle_state(st.serving)  # /metrics needs a key or is elsewhere
+            else:
+                wait_idle(srv.base_url)
         finally:
             srv.stop()
         state = srv.app.state.serving

@@ -44,6 +44,23 @@ def wait_idle(base_url: str, timeout_s: float = 30.0) -> dict[str, float]:
     raise AssertionError(f"server did not become idle within {timeout_s}s: {m}")
 
 
+def wait_idle_state(state: Any, timeout_s: float = 30.0) -> None:
+    """Like :func:`wait_idle`, reading the engine snapshot of a ServingState directly
+    (for servers whose /metrics needs a key or lives on another listener)."""
+    deadline = time.monotonic() + timeout_s
+    snap: Any = {}
+    while time.monotonic() < deadline:
+        snap = state.loop.metrics_snapshot
+        if (
+            snap["kvpage:kv_cache_usage_perc"] == 0.0
+            and snap["kvpage:num_requests_running"] == 0.0
+            and snap["kvpage:num_requests_waiting"] == 0.0
+        ):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"server did not become idle within {timeout_s}s: {snap}")
+
+
 def assert_engine_clean(engine: Any) -> None:
     """All blocks free (null block excluded), nothing running or waiting, integrity ok."""
     kv = engine.kv_cache_manager

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 
 import httpx
 import openai
@@ -327,8 +328,19 @@ def test_disconnect_mid_stream_frees_blocks_at_once(server):
     assert m[c] - base.get(c, 0.0) == 1
 
 
-def test_disconnect_while_waiting_non_streamed_aborts(server):
+def test_disconnect_while_waiting_non_streamed_aborts(server, monkeypatch):
+    """A non-streamed client that gives up (read timeout) aborts its request. Each engine
+    step is slowed to >= 5 ms, so 400 tokens take >= 2 s whatever the machine's speed:
+    the request cannot finish within the client's 0.5 s (it did on a fast, idle run)."""
     base = wait_idle(server.base_url)
+    runner = server.app.state.serving.engine.runner
+    real_execute = runner.execute
+
+    def slow_execute(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.005)
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", slow_execute)
     body = {
         "model": "stories260K",
         "prompt": "One day",

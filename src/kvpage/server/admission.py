@@ -5,7 +5,9 @@ the clock is an argument (``now``, seconds, monotonic) so tests can drive it.
 
 * :class:`TokenBucket` — the classic token bucket (refill ``rate`` tokens/s up to
   ``burst``); a request of cost C passes when the bucket holds at least C tokens.
-* :class:`TenantLimiter` — one bucket per tenant, created lazily from the config.
+* :class:`TenantLimiter` — one bucket per tenant, created lazily from the config; at
+  most ``max_tenants`` buckets are kept (least recently used evicted), so client-chosen
+  tenant labels cannot grow the server without bound.
 * :class:`KVBudget` — reservations of KV blocks by admitted, unfinished requests;
   ``projected_usage(extra)`` is the share of the pool they may hold at their maximum
   length. Long-context requests that would push it over the high-water mark wait in a
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from kvpage.server.config import AdmissionConfig, TenantLimit
@@ -98,16 +100,38 @@ class TokenBucket:
 class TenantLimiter:
     """Per-tenant token buckets configured by :class:`AdmissionConfig`.
 
-    Tenants listed in ``config.tenants`` get their own limit; others get
-    ``config.default_limit``; with neither, a tenant is unlimited.
+    Tenants listed in ``config.tenants`` (or ``extra_limits``, e.g. from the API keys
+    file) get their own limit; others get ``config.default_limit``; with neither, a
+    tenant is unlimited.
+
+    Args:
+        config: the admission section.
+        extra_limits: more per-tenant limits (take precedence over ``config.tenants``).
+        max_tenants: most buckets kept; the least recently used is dropped beyond it
+            (a dropped tenant starts again with a full bucket). With authentication the
+            tenants are the configured ones, so the cap is never reached.
     """
 
-    def __init__(self, config: AdmissionConfig) -> None:
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        extra_limits: dict[str, TenantLimit] | None = None,
+        max_tenants: int = 4096,
+    ) -> None:
+        if max_tenants < 1:
+            raise ValueError(f"max_tenants: expected >= 1, got {max_tenants}")
         self._config = config
-        self._buckets: dict[str, TokenBucket] = {}
+        self._limits = {**config.tenants, **(extra_limits or {})}
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+        self.max_tenants = max_tenants
+
+    @property
+    def num_tenants(self) -> int:
+        """Buckets currently held."""
+        return len(self._buckets)
 
     def _limit(self, tenant: str) -> TenantLimit | None:
-        return self._config.tenants.get(tenant, self._config.default_limit)
+        return self._limits.get(tenant, self._config.default_limit)
 
     def try_take(self, tenant: str, cost: int, now: float) -> Decision:
         """Charge ``cost`` tokens to ``tenant``'s bucket (see :meth:`TokenBucket.try_take`)."""
@@ -117,6 +141,10 @@ class TenantLimiter:
         bucket = self._buckets.get(tenant)
         if bucket is None:
             bucket = self._buckets[tenant] = TokenBucket(limit.rate, limit.burst, now)
+            while len(self._buckets) > self.max_tenants:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(tenant)
         return bucket.try_take(cost, now)
 
     def refund(self, tenant: str, cost: int, now: float) -> None:

@@ -24,14 +24,15 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpage.errors import RequestRejected
 from kvpage.server import protocol as P
-from kvpage.server.config import ServerConfig
+from kvpage.server.auth import scoped_cache_salt
+from kvpage.server.config import JSON_MAX_DEPTH, ServerConfig
 from kvpage.server.multi_stream import stream_many
+from kvpage.server.openapi import install_openapi
 from kvpage.server.responses import (
     CAPPED_HEADER,
     ChoiceState,
@@ -39,6 +40,12 @@ from kvpage.server.responses import (
     build_body,
     prompt_text,
     stream_chunk,
+)
+from kvpage.server.security import (
+    create_metrics_app,
+    install_security,
+    metrics_response,
+    request_tenant,
 )
 from kvpage.server.service import APIError, ServingState, Usage, rejection_error
 from kvpage.server.utility_routes import register_utility_routes
@@ -91,6 +98,8 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     err = errors[0]
     if err.get("type") == "json_invalid":
+        if "recursion limit" in str(err.get("msg")):
+            return f"body: expected JSON nested at most {JSON_MAX_DEPTH} levels, got deeper", None
         return f"body: expected valid JSON, got invalid JSON ({err.get('msg')})", None
     parts = _clean_loc(err.get("loc", ()))
     loc = ".".join(parts)
@@ -114,14 +123,6 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return f"{loc or 'body'}: expected {msg}, got {got_s}", loc or None
 
 
-def _api_key(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        key = auth[7:].strip()
-        return key or None
-    return None
-
-
 def create_app(
     config: ServerConfig,
     engine: Any | None = None,
@@ -137,6 +138,9 @@ def create_app(
         sampling_params_cls: the engine's ``SamplingParams``; required with ``engine``.
 
     The serving state is available as ``app.state.serving`` (a :class:`ServingState`).
+    With ``security.metrics_port`` set, ``/metrics`` is not served here but by
+    ``app.state.metrics_app`` (run it on its own listener). The app is wrapped in the
+    HTTP guard (:mod:`kvpage.server.http_limits`): API keys, body and content-type limits.
     """
     if engine is None:
         engine, sampling_params_cls = build_engine(config)
@@ -164,8 +168,15 @@ def create_app(
             await asyncio.to_thread(state.loop.stop)
             state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="kvpage", lifespan=lifespan)
+    app = FastAPI(
+        title="kvpage", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.serving = state
+    app.state.metrics_app = (
+        create_metrics_app(state) if config.security.metrics_port is not None else None
+    )
+    install_security(app, state)
+    install_openapi(app, config.model_name)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -227,21 +238,17 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = state.loop.running
-        return JSONResponse(
-            {
-                "status": "ok" if ok else "engine loop not running",
-                "degraded": state.degradation.degraded,
-            },
-            status_code=200 if ok else 503,
-        )
+        # normally answered by the HTTP guard before routing (same function)
+        status, body = state.health()
+        return JSONResponse(body, status_code=status)
 
     register_utility_routes(app, state, _validation_message)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        state.tick_gauges()
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    if app.state.metrics_app is None:
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return metrics_response(state)  # type: ignore[no-any-return]
 
     return app
 
@@ -272,6 +279,8 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
         several = isinstance(p, list) and len(p) > 1 and isinstance(p[0], (str, list))
         prompts = list(p) if several else [p]
     asked_plp = body.prompt_logprobs is not None
+    tenant = request_tenant(request, body.user)
+    salt = scoped_cache_salt(state.config.security.prefix_cache_scope, tenant, body.cache_salt)
     reqs = []
     for prompt in prompts:
         one = body if len(prompts) == 1 else body.model_copy(update={"prompt": prompt})
@@ -283,7 +292,7 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
                 prepare_request,
                 kind,
                 one,
-                _api_key(request),
+                tenant.name,
                 model_name=state.config.model_name,
                 tokenizer=state.tokenizer,
                 max_model_len=state.max_model_len,
@@ -291,6 +300,7 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
                 allow_unknown_fields=state.config.allow_unknown_fields,
             ),
         )
+        req.cache_salt = salt
         if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
             req.prompt_logprobs = req.logprobs  # echo shows the prompt tokens' logprobs
         reqs.append(req)

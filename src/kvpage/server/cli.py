@@ -9,6 +9,7 @@ later restored with ``--config``; an invalid one is refused (exit 2) instead of 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -42,7 +43,18 @@ _FLAGS: dict[str, tuple[str | None, str, Any]] = {
     "kv_pressure_action": ("admission", "kv_pressure_action", str),
     "queue_timeout_s": ("admission", "queue_timeout_s", float),
     "max_tokens_cap": ("degradation", "max_tokens_cap", int),
+    "api_keys_file": ("security", "api_keys_file", str),
+    "prefix_cache_scope": ("security", "prefix_cache_scope", str),
+    "metrics_host": ("security", "metrics_host", str),
+    "metrics_port": ("security", "metrics_port", int),
+    "max_body_bytes": ("security", "max_body_bytes", int),
+    "body_timeout_s": ("security", "body_timeout_s", float),
+    "send_timeout_s": ("security", "send_timeout_s", float),
+    "max_unauthenticated_tenants": ("security", "max_unauthenticated_tenants", int),
 }
+
+#: environment variable holding one more API key (keeps it out of the process list)
+API_KEY_ENV = "KVPAGE_API_KEY"
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -75,6 +87,38 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tenant-rate", type=float, default=None, help="default tokens/s per tenant")
     p.add_argument(
         "--tenant-burst", type=float, default=None, help="default bucket size per tenant"
+    )
+    p.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help=f"require this Bearer key (repeatable; each key is a tenant). Other local users "
+        f"can read command lines: prefer --api-keys-file or ${API_KEY_ENV}",
+    )
+    p.add_argument(
+        "--metrics-api-key",
+        dest="metrics_api_keys",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="an operator key that may read /metrics (repeatable)",
+    )
+    p.add_argument(
+        "--allow-unauthenticated",
+        dest="allow_unauthenticated",
+        action="store_true",
+        default=None,
+        help="allow serving a non-loopback address without API keys",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        dest="allowed_origins",
+        action="append",
+        default=None,
+        metavar="ORIGIN",
+        help="send CORS headers for this origin (repeatable; default: no CORS)",
     )
     p.set_defaults(func=serve_main)
     return p
@@ -112,6 +156,19 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         )
     if rate is not None:
         data["admission"]["default_limit"] = {"rate": rate, "burst": burst}
+    sec = data["security"]
+    # keys are excluded from dumps, so take them from the loaded config directly
+    sec["api_keys"] = list(cfg.security.api_keys) + list(getattr(args, "api_keys", None) or [])
+    env_key = os.environ.get(API_KEY_ENV)
+    if env_key:
+        sec["api_keys"].append(env_key)
+    sec["metrics_api_keys"] = list(cfg.security.metrics_api_keys) + list(
+        getattr(args, "metrics_api_keys", None) or []
+    )
+    if getattr(args, "allow_unauthenticated", None):
+        sec["allow_unauthenticated"] = True
+    if getattr(args, "allowed_origins", None):
+        sec["allowed_origins"] = list(args.allowed_origins)
     try:
         return ServerConfig.model_validate(data)
     except ValidationError as exc:

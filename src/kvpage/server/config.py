@@ -25,6 +25,7 @@ __all__ = [
     "AdmissionConfig",
     "DegradationConfig",
     "EngineConfig",
+    "SecurityConfig",
     "ServerConfig",
     "TenantLimit",
     "dump_config",
@@ -112,8 +113,9 @@ class AdmissionConfig(_Strict):
 
     A request costs ``prompt_tokens + n * max_tokens`` tokens (the OpenAI convention of
     charging the maximum output up front). ``default_limit`` applies to every tenant not
-    listed in ``tenants``; ``None`` means unlimited. The tenant is the API key (Bearer
-    token) when one is sent, else the request's ``user`` field, else ``"anonymous"``.
+    listed in ``tenants``; ``None`` means unlimited. With API keys the tenant is the
+    identity the key authenticates (``kvpage.server.auth``); without keys it is the
+    Bearer token, else the request's ``user`` field, else ``"anonymous"``.
 
     KV pressure: the projected KV usage is the share of blocks that all admitted,
     unfinished requests may hold at their maximum length (``n * ceil((prompt + max_tokens)
@@ -178,6 +180,59 @@ class DegradationConfig(_Strict):
         return self
 
 
+#: the JSON parser's nesting limit (pydantic's jiter refuses deeper bodies in O(depth))
+JSON_MAX_DEPTH = 200
+
+
+class SecurityConfig(_Strict):
+    """Authentication, tenant isolation and HTTP limits (docs/serving.md, "Security").
+
+    API keys themselves are never part of a dumped config: ``api_keys`` (from
+    ``--api-key`` or ``KVPAGE_API_KEY``) is excluded from ``--dump-config``; keep keys in
+    ``api_keys_file`` (a YAML/JSON file readable by the server's user only, see
+    :mod:`kvpage.server.auth`).
+
+    * With no key at all the server is unauthenticated: it refuses to bind a non-loopback
+      address unless ``allow_unauthenticated`` is set, and the tenant is then the
+      client-chosen Bearer token / ``user`` (at most ``max_unauthenticated_tenants``
+      rate-limit buckets, least recently used evicted).
+    * ``prefix_cache_scope``: ``tenant`` (default) folds the tenant identity into every
+      block hash, so tenants never share KV blocks; ``salt`` shares blocks only between
+      requests sending the same ``cache_salt`` (requests without one stay per-tenant);
+      ``global`` shares across tenants (``cache_salt`` still separates).
+    * ``metrics_host``/``metrics_port``: serve ``/metrics`` on a separate listener (and
+      not on the API port). Otherwise, with keys, ``/metrics`` needs an operator key
+      (``metrics_api_keys`` or a keys-file tenant with ``operator: true``; any valid key
+      when no operator key exists).
+    * HTTP limits: request bodies above ``max_body_bytes`` get 413, a body not received
+      within ``body_timeout_s`` 408, a non-JSON ``Content-Type`` 415; a response the
+      client does not read for ``send_timeout_s`` is cut (its request aborted); headers
+      above ``max_header_bytes`` are refused by the HTTP parser (h11); idle keep-alive
+      connections close after ``keep_alive_timeout_s``. CORS headers are sent only for
+      ``allowed_origins``.
+    """
+
+    api_keys: list[str] = Field(default_factory=list, exclude=True, repr=False)
+    api_keys_file: str | None = None
+    metrics_api_keys: list[str] = Field(default_factory=list, exclude=True, repr=False)
+    allow_unauthenticated: bool = False
+    max_unauthenticated_tenants: int = Field(4096, ge=1)
+    prefix_cache_scope: Literal["tenant", "salt", "global"] = "tenant"
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    allowed_origins: list[str] = Field(default_factory=list)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    body_timeout_s: float = Field(30.0, gt=0.0)
+    send_timeout_s: float = Field(60.0, gt=0.0)
+    max_header_bytes: int = Field(16 * 1024, ge=1024)
+    keep_alive_timeout_s: float = Field(5.0, gt=0.0)
+
+    @property
+    def auth_enabled(self) -> bool:
+        """Whether any API key (flag, env or file) is configured."""
+        return bool(self.api_keys or self.api_keys_file)
+
+
 class ServerConfig(_Strict):
     """The complete configuration of ``kvpage serve``.
 
@@ -195,6 +250,7 @@ class ServerConfig(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     degradation: DegradationConfig = Field(default_factory=DegradationConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
 
     @property
     def model_name(self) -> str:

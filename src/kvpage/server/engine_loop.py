@@ -24,13 +24,39 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AsyncEngine", "EngineFailure", "StepStats"]
+__all__ = ["AsyncEngine", "EngineFailure", "StepStats", "is_out_of_memory"]
 
 logger = logging.getLogger("kvpage.server.engine")
 
 
 class EngineFailure(RuntimeError):
-    """Delivered to a request's stream when an engine step raised."""
+    """Delivered to a request's stream when an engine step raised.
+
+    Attributes:
+        oom: the step ran out of device or host memory (see :func:`is_out_of_memory`).
+    """
+
+    def __init__(self, message: str, oom: bool = False) -> None:
+        super().__init__(message)
+        self.oom = oom
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an out-of-memory error: Python's ``MemoryError``, torch's
+    ``OutOfMemoryError`` (CUDA and other devices), or a ``RuntimeError`` whose message
+    is an allocator's out-of-memory report (CPU ``DefaultCPUAllocator``, cuBLAS/cuDNN)."""
+    if isinstance(exc, MemoryError):
+        return True
+    if type(exc).__name__ == "OutOfMemoryError":
+        return True
+    if isinstance(exc, RuntimeError):
+        msg = str(exc).lower()
+        return (
+            "out of memory" in msg
+            or "can't allocate memory" in msg
+            or "cublas_status_alloc_failed" in msg
+        )
+    return False
 
 
 @dataclass(frozen=True)
@@ -42,12 +68,14 @@ class StepStats:
         num_outputs: request outputs the step returned.
         metrics: ``engine.get_metrics()`` right after the step.
         failed: the step raised (its requests were failed and aborted).
+        oom: the failure was an out-of-memory error.
     """
 
     duration_s: float
     num_outputs: int
     metrics: Mapping[str, float]
     failed: bool = False
+    oom: bool = False
 
 
 @dataclass
@@ -263,18 +291,57 @@ class AsyncEngine:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(self._fail_all, "engine loop stopped")
 
+    def _fail_step(
+        self, loop: asyncio.AbstractEventLoop, exc: BaseException, oom: bool, mark: Any
+    ) -> None:
+        """Fail the requests of a step that raised; the others keep running.
+
+        An engine that reports ``failed_request_ids`` (``LLMEngine`` drops exactly the
+        requests of the failed step and lists them there) has only those failed; when it
+        listed none (the failure happened outside its step bookkeeping) or has no such
+        record, every live request is failed and aborted. ``mark`` is the record's last
+        entry before the step. After an out-of-memory error the device allocator's cache
+        is emptied so the next step starts from a clean slate.
+        """
+        failed = self._step_failed_ids(mark)
+        for rid in failed if failed else self._live:
+            loop.call_soon_threadsafe(self._deliver, rid, EngineFailure(str(exc), oom))
+        if failed:
+            self._live.difference_update(failed)  # the engine already dropped them
+        else:
+            self._abort_live("step failure")
+        if oom:
+            _empty_device_cache()
+
+    def _failed_mark(self) -> Any:
+        ids = getattr(self.engine, "failed_request_ids", None)
+        return ids[-1] if ids else None
+
+    def _step_failed_ids(self, mark: Any) -> list[str]:
+        """Live ids the engine recorded as failed after ``mark`` ([] if none/unknown)."""
+        ids = getattr(self.engine, "failed_request_ids", None)
+        if not ids:
+            return []
+        recent = list(ids)
+        if mark is not None and mark in recent:
+            recent = recent[len(recent) - recent[::-1].index(mark) :]
+        return [rid for rid in recent if rid in self._live]
+
     def _step(self, loop: asyncio.AbstractEventLoop) -> None:
         t0 = time.perf_counter()
-        failed = False
+        failed = oom = False
+        mark = self._failed_mark()
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            logger.exception("engine loop: step failed; failing its requests")
+            oom = is_out_of_memory(exc)
+            logger.exception(
+                "engine loop: step failed%s; failing its requests",
+                " (out of memory)" if oom else "",
+            )
             failed = True
             outputs = []
-            for rid in list(self._live):
-                loop.call_soon_threadsafe(self._deliver, rid, EngineFailure(str(exc)))
-            self._abort_live("step failure")
+            self._fail_step(loop, exc, oom, mark)
         dt = time.perf_counter() - t0
         for out in outputs:
             if out.finished:
@@ -284,6 +351,16 @@ class AsyncEngine:
         self.metrics_snapshot = snap
         if self._on_step is not None:
             try:
-                self._on_step(StepStats(dt, len(outputs), snap, failed))
+                self._on_step(StepStats(dt, len(outputs), snap, failed, oom))
             except Exception:
                 logger.exception("engine loop: on_step callback failed")
+
+
+def _empty_device_cache() -> None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:  # best effort: a failed cleanup must not crash the loop
+        logger.exception("engine loop: emptying the device cache after OOM failed")

@@ -56,7 +56,6 @@ _COMMON: dict[str, tuple[Any, ...]] = {
     "logits_processors": _EMPTY,
     "return_tokens_as_token_ids": _FALSE,
     "return_token_ids": _FALSE,
-    "cache_salt": _NULL,
     "kv_transfer_params": _NULL,
     "vllm_xargs": _NULL,
     "prompt_embeds": _NULL,

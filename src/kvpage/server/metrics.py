@@ -217,6 +217,13 @@ class ServerMetrics:
             "Engine steps that raised (their requests were failed with 500)",
             registry=r,
         )
+        self.oom = Counter(
+            "kvpage:oom",
+            "Engine steps that ran out of device or host memory (their requests got 503; "
+            "each one drives the degradation controller like enter_alloc_failures "
+            "allocation failures)",
+            registry=r,
+        )
         self.cache_config = Info(
             "kvpage:cache_config",
             "KV cache configuration: block size, number of blocks, kv dtype, backend",

@@ -76,6 +76,9 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    #: prefix-cache salt (vLLM's field): requests with different salts share no KV block;
+    #: the server folds the tenant in too (``kvpage.server.auth.scoped_cache_salt``)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
     def stop_strings(self) -> list[str]:
         """The stop strings as a list (``prepare_request`` refuses empty ones)."""
@@ -190,6 +193,8 @@ class GenerationRequest(BaseModel):
     stream: bool
     include_usage: bool
     tenant: str
+    #: the salt the engine mixes into the block hashes (tenant/scope folded in), or None
+    cache_salt: str | None = None
     created: int = Field(default_factory=lambda: int(time.time()))
     #: ``time.monotonic()`` seconds when the server received the request (TTFT/e2e start)
     arrival_s: float = Field(default_factory=time.monotonic)

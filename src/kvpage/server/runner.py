@@ -7,31 +7,93 @@ port and binding it) and stops it on exit; tests and the load benchmark use it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
+import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 
-from kvpage.server.config import ServerConfig
+from kvpage.server.config import SecurityConfig, ServerConfig
 
-__all__ = ["BackgroundServer", "run_server"]
+__all__ = ["BackgroundServer", "run_server", "uvicorn_limits"]
+
+
+def uvicorn_limits(security: SecurityConfig) -> dict[str, Any]:
+    """uvicorn settings of the HTTP limits: the h11 parser (its incomplete-event limit
+    bounds the request line plus headers to ``max_header_bytes``) and the keep-alive
+    timeout of idle connections."""
+    return {
+        "http": "h11",
+        "h11_max_incomplete_event_size": security.max_header_bytes,
+        "timeout_keep_alive": security.keep_alive_timeout_s,
+        "server_header": False,
+    }
+
+
+#: GIL switch interval of a ``kvpage serve`` process (Python's default is 5 ms): the
+#: event loop thread (``/health``, streams) gets the GIL within about this long when the
+#: engine thread is computing
+SWITCH_INTERVAL_S = 0.001
 
 
 def run_server(config: ServerConfig, app: Any | None = None) -> None:
-    """Serve ``app`` (built from ``config`` when None) on ``config.host:config.port``; blocks."""
+    """Serve ``app`` (built from ``config`` when None) on ``config.host:config.port``
+    and, with ``security.metrics_port``, ``/metrics`` on ``metrics_host:metrics_port``;
+    blocks.
+
+    Raises:
+        SpecError: an unauthenticated server asked to bind a non-loopback address
+            (see :func:`kvpage.server.security.check_bind`), or a bad keys file.
+    """
+    from kvpage.server.security import check_bind
+
+    check_bind(config, config.security.auth_enabled)  # before the engine is built
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     if app is None:
         from kvpage.server.app import create_app
 
         app = create_app(config)
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        timeout_graceful_shutdown=30,  # in-flight streams get 30 s to finish, then are cut
+    limits = uvicorn_limits(config.security)
+    main = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            timeout_graceful_shutdown=30,  # in-flight streams get 30 s to finish, then cut
+            **limits,
+        )
     )
+    metrics_app = getattr(app.state, "metrics_app", None)
+    if metrics_app is None:
+        with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises SIGINT after shutdown
+            main.run()
+        return
+    side = uvicorn.Server(
+        uvicorn.Config(
+            metrics_app,
+            host=config.security.metrics_host,
+            port=config.security.metrics_port or 0,
+            log_level=config.log_level,
+            lifespan="off",
+            **limits,
+        )
+    )
+
+    async def both() -> None:
+        task = asyncio.create_task(side.serve())
+        try:
+            await main.serve()
+        finally:
+            side.should_exit = True
+            await task
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(both())
 
 
 class BackgroundServer:
@@ -44,14 +106,26 @@ class BackgroundServer:
     """
 
     def __init__(
-        self, app: Any, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 60.0
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        start_timeout_s: float = 60.0,
+        lifespan: Literal["auto", "on", "off"] = "on",
     ) -> None:
         self.app = app
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say they are
+        # TCP; with proto 0 every response body waited for the client's delayed ACK
+        # (~40 ms per request on Linux)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = self._sock.getsockname()[:2]
-        cfg = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        serving = getattr(getattr(app, "state", None), "serving", None)
+        limits = uvicorn_limits(serving.config.security) if serving is not None else {}
+        cfg = uvicorn.Config(
+            app, log_level="warning", lifespan=lifespan, timeout_graceful_shutdown=5, **limits
+        )
         self.server = uvicorn.Server(cfg)
         self._thread = threading.Thread(
             target=self.server.run,

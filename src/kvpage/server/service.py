@@ -23,6 +23,7 @@ from typing import Any
 
 from kvpage.errors import RequestRejected
 from kvpage.server.admission import Decision, KVBudget, TenantLimiter
+from kvpage.server.auth import Authenticator
 from kvpage.server.config import ServerConfig
 from kvpage.server.degradation import DegradationController
 from kvpage.server.engine_loop import AsyncEngine, EngineFailure, StepStats
@@ -135,7 +136,16 @@ class ServingState:
                 "model": config.model_name,
             }
         )
-        self.limiter = TenantLimiter(config.admission)
+        #: API keys -> tenants (raises SpecError on a bad keys file)
+        self.auth = Authenticator(config.security)
+        cap = config.security.max_unauthenticated_tenants
+        self.limiter = TenantLimiter(
+            config.admission,
+            self.auth.limits(),
+            max_tenants=max(cap, len(self.auth.tenants)) if self.auth.enabled else cap,
+        )
+        #: engine steps that ran out of device or host memory
+        self.num_oom = 0
         self.kv_budget = KVBudget(max(1, spec.num_blocks - 1), spec.block_size, config.admission)
         self.degradation = DegradationController(
             config.degradation, clock(), on_change=lambda d, _r: self.metrics.set_degraded(d)
@@ -149,6 +159,9 @@ class ServingState:
     def _on_step(self, st: StepStats) -> None:
         if st.failed:
             self.metrics.step_failures.inc()
+        if st.oom:
+            self.num_oom += 1
+            self.metrics.oom.inc()
         prev, cur = self._prev_snapshot, st.metrics
         self._prev_snapshot = dict(cur)
         self.metrics.step_running.observe(cur.get("kvpage:num_requests_running", 0.0))
@@ -166,13 +179,26 @@ class ServingState:
         if dg > 0:
             self.metrics.decode_tps.observe(dg / st.duration_s)
 
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """``GET /health``: 200 while the engine loop runs, else 503, with the
+        degradation state. Reads two flags: never waits on the engine or a pool."""
+        ok = self.loop.running
+        body = {
+            "status": "ok" if ok else "engine loop not running",
+            "degraded": self.degradation.degraded,
+        }
+        return (200 if ok else 503), body
+
     # ------------------------------------------------------------ periodic control
     def tick(self) -> None:
         """Evaluate degradation and refresh gauges (called every ``eval_interval_s``)."""
         now = self.clock()
         snap = self.loop.metrics_snapshot
+        # An out-of-memory step weighs as much as enter_alloc_failures allocation
+        # failures: one OOM is enough to enter degraded mode.
+        oom_weight = self.num_oom * self.config.degradation.enter_alloc_failures
         self.degradation.record_alloc_failures_total(
-            snap.get("kvpage:block_allocation_failures_total", 0.0), now
+            snap.get("kvpage:block_allocation_failures_total", 0.0) + oom_weight, now
         )
         self.degradation.evaluate(now)
         self.tick_gauges()
@@ -288,9 +314,10 @@ class ServingState:
                 prompt_logprobs=req.prompt_logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
             )
-            q = await self.loop.add(
-                req.request_id, list(req.prompt_token_ids), params, arrival_time=arrival
-            )
+            prompt: Any = list(req.prompt_token_ids)
+            if req.cache_salt is not None:
+                prompt = {"prompt_token_ids": prompt, "cache_salt": req.cache_salt}
+            q = await self.loop.add(req.request_id, prompt, params, arrival_time=arrival)
         except RequestRejected as exc:
             raise rejection_error(exc) from None
         choices = [_Choice() for _ in range(req.n)]
@@ -303,6 +330,15 @@ class ServingState:
                 out = last = await q.get()
                 if isinstance(out, EngineFailure):
                     done = True
+                    if out.oom:
+                        raise APIError(
+                            503,
+                            f"engine: out of memory in the step running this request ({out})",
+                            type="server_error",
+                            code="out_of_memory",
+                            headers={"Retry-After": str(self.config.admission.retry_after_s)},
+                            reason="out_of_memory",
+                        )
                     raise APIError(
                         500,
                         f"engine: step failed ({out})",

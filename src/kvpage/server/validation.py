@@ -88,7 +88,9 @@ def prepare_request(
     Args:
         kind: ``"completion"`` or ``"chat"``.
         body: the parsed request.
-        api_key: the Bearer token, if any (the tenant; else ``user``, else "anonymous").
+        api_key: the tenant's name (the server passes the authenticated tenant, see
+            :func:`kvpage.server.security.request_tenant`); when None, ``user``, else
+            ``"anonymous"``.
         model_name: the served model id.
         tokenizer: ``encode(text, bos=True) -> list[int]``, ``vocab_size``.
         max_model_len: longest sequence (prompt + output) in tokens.

@@ -1,0 +1,125 @@
+"""Wiring of the security features into the app: middleware, /metrics, bind checks.
+
+* :func:`install_security` wraps the FastAPI app in :class:`~kvpage.server.http_limits.HTTPGuard`
+  (authentication, content type, body limits, timeouts) and, only when
+  ``allowed_origins`` is set, Starlette's ``CORSMiddleware``.
+* :func:`create_metrics_app` is the separate ``/metrics`` listener
+  (``--metrics-host/--metrics-port``).
+* :func:`request_tenant` is a request's tenant: the authenticated one, or on a server
+  without keys the client-chosen label (:func:`kvpage.server.auth.unauthenticated_tenant`).
+* :func:`check_bind` refuses an unauthenticated non-loopback bind and logs the mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvpage.errors import SpecError
+from kvpage.server.auth import Tenant, bearer_token, is_loopback_host, unauthenticated_tenant
+from kvpage.server.config import ServerConfig
+from kvpage.server.http_limits import HTTPGuard
+
+__all__ = [
+    "check_bind",
+    "create_metrics_app",
+    "install_security",
+    "metrics_response",
+    "request_tenant",
+]
+
+logger = logging.getLogger("kvpage.server")
+
+
+def install_security(app: Any, state: Any) -> None:
+    """Add the HTTP guard (and CORS when configured) to ``app`` (a FastAPI app).
+
+    Args:
+        app: the FastAPI app.
+        state: its :class:`~kvpage.server.service.ServingState` (auth, metrics, config).
+    """
+    sec = state.config.security
+    app.add_middleware(
+        HTTPGuard,
+        security=sec,
+        auth=state.auth,
+        on_refusal=lambda reason: state.metrics.rejected.labels(reason=reason).inc(),
+        metrics_need_key=sec.metrics_port is None,
+        health=state.health,
+    )
+    if sec.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(sec.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+
+
+def metrics_response(state: Any) -> Any:
+    """The ``GET /metrics`` response: gauges refreshed, the registry in Prometheus text."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from starlette.responses import Response
+
+    state.tick_gauges()
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_metrics_app(state: Any) -> Any:
+    """A minimal ASGI app serving only ``GET /metrics`` from ``state``'s registry.
+
+    Runs without lifespan (the main app owns the engine loop); meant for a listener
+    bound to an operator-only address (``security.metrics_host``, default 127.0.0.1).
+    """
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def metrics(request: Request) -> Response:
+        return metrics_response(state)  # type: ignore[no-any-return]
+
+    return Starlette(routes=[Route("/metrics", metrics, methods=["GET"])])
+
+
+def request_tenant(request: Any, user: str | None) -> Tenant:
+    """The tenant of ``request``: set by the guard when keys are configured, else the
+    Bearer token / ``user`` / ``"anonymous"`` label of an unauthenticated server."""
+    tenant = getattr(request.state, "kvpage_tenant", None)
+    if isinstance(tenant, Tenant):
+        return tenant
+    return unauthenticated_tenant(bearer_token(request.headers), user)
+
+
+def check_bind(config: ServerConfig, auth_enabled: bool) -> None:
+    """Refuse to expose an unauthenticated server; log the security mode.
+
+    Raises:
+        SpecError: no API key, ``host`` is not a loopback address and
+            ``security.allow_unauthenticated`` is not set.
+    """
+    sec = config.security
+    metrics = (
+        f"{sec.metrics_host}:{sec.metrics_port}" if sec.metrics_port is not None else "API port"
+    )
+    logger.info(
+        "kvpage serve: prefix cache scope %s; /metrics on %s; CORS origins %s",
+        sec.prefix_cache_scope,
+        metrics,
+        list(sec.allowed_origins) or "none",
+    )
+    if auth_enabled:
+        logger.info("kvpage serve: API keys required on /v1/* (tenants = keys)")
+        return
+    if not is_loopback_host(config.host) and not sec.allow_unauthenticated:
+        raise SpecError(
+            f"host: expected a loopback address without API keys (or "
+            f"--allow-unauthenticated), got {config.host!r}; set --api-key/--api-keys-file"
+        )
+    logger.warning(
+        "kvpage serve: running WITHOUT authentication on %s (%s); tenants are client-chosen labels",
+        config.host,
+        "loopback only" if is_loopback_host(config.host) else "--allow-unauthenticated",
+    )
