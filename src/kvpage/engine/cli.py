@@ -145,7 +145,9 @@ def _engine(args: argparse.Namespace) -> Any:
 # ---- generate -------------------------------------------------------------------------------
 def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``kvpage generate``."""
-    p = subparsers.add_parser("generate", help="generate text from prompts with the bundled model")
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "generate", help="generate text from prompts with the bundled model"
+    )
     p.add_argument(
         "prompts",
         nargs="*",
@@ -245,7 +247,7 @@ def generate_main(args: argparse.Namespace) -> int:
 # ---- replay ---------------------------------------------------------------------------------
 def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``kvpage replay``."""
-    p = subparsers.add_parser(
+    p: argparse.ArgumentParser = subparsers.add_parser(
         "replay",
         help="replay a serving trace through the engine and report latency/KV metrics",
         description="Replays a request trace (Azure LLM CSV or Mooncake JSONL) through the "

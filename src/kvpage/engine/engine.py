@@ -10,13 +10,12 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvpage.engine.config import EngineConfig, build_components
+from kvpage.engine.config import EngineComponents, EngineConfig, build_components
 from kvpage.engine.params import CompletionOutput, RequestOutput, SamplingParams
 from kvpage.engine.prompts import parse_prompt
 from kvpage.engine.request import Request
@@ -108,16 +107,16 @@ class LLMEngine:
             decode per token); finished outputs always do.
     """
 
-    def __init__(self, config: EngineConfig, components: Mapping[str, Any]) -> None:
+    def __init__(self, config: EngineConfig, components: EngineComponents) -> None:
         self.config = config
-        self.model = components["model"]
+        self.model = components.model
         self.tokenizer = getattr(self.model, "tokenizer", None)
-        self.cache_spec = components["cache_spec"]
-        self.backend = components["backend"]
+        self.cache_spec = components.cache_spec
+        self.backend = components.backend
         self.backend_name: str = str(getattr(self.backend, "name", type(self.backend).__name__))
-        self.kv_cache_manager = components["kv_cache_manager"]
-        self.scheduler = components["scheduler"]
-        self.runner = components["runner"]
+        self.kv_cache_manager = components.kv_cache_manager
+        self.scheduler = components.scheduler
+        self.runner = components.runner
         self.sampler = Sampler()
         self.vocab_size = int(self.model.config.get("vocab_size", 0))
         self.eos_token_id = getattr(self.tokenizer, "eos_id", None)

@@ -31,8 +31,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from kvpage.cache.allocation import Allocation
+from kvpage.cache.protocol import KVAllocator
 from kvpage.engine.request import Request, RequestStatus, sample_id
 from kvpage.errors import RequestRejected, SpecError
 
@@ -106,7 +107,8 @@ class Scheduler:
     """Continuous-batching scheduler over one :class:`KVCacheManager`.
 
     Args:
-        kv_cache_manager: the allocator (``kvpage.cache.KVCacheManager`` contract).
+        kv_cache_manager: the allocator (``kvpage.cache.KVAllocator``: the paged
+            ``KVCacheManager`` or the simulator's contiguous allocator).
         max_num_seqs: most sequences running at once (>= 1).
         max_num_batched_tokens: token budget of one step (>= 1).
         max_model_len: longest sequence (prompt + output) in tokens (>= 1).
@@ -117,7 +119,7 @@ class Scheduler:
 
     def __init__(
         self,
-        kv_cache_manager: Any,
+        kv_cache_manager: KVAllocator,
         *,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
@@ -134,7 +136,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.num_groups: int = int(kv_cache_manager.num_groups)
+        self.num_groups = kv_cache_manager.num_groups
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -155,7 +157,7 @@ class Scheduler:
             RequestRejected: reason ``"exceeds_kv_capacity"``.
         """
         need = num_prompt_tokens + max_tokens - 1
-        cap = int(self.kv.max_request_tokens)
+        cap = self.kv.max_request_tokens
         if need > cap:
             raise RequestRejected(
                 f"request: expected prompt + max_tokens - 1 <= {cap} tokens (the KV cache "
@@ -266,7 +268,7 @@ class Scheduler:
         self.num_steps += 1
         return out
 
-    def _emit(self, out: SchedulerOutput, req: Request, n: int, alloc: Any) -> None:
+    def _emit(self, out: SchedulerOutput, req: Request, n: int, alloc: Allocation) -> None:
         copies = alloc.copies
         if copies and any(copies):
             for g, pairs in enumerate(copies):

@@ -41,16 +41,20 @@ import heapq
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvpage.cache.protocol import KVAllocator
 from kvpage.capacity import plan_capacity, resolve_model
 from kvpage.errors import RequestRejected, SpecError
 from kvpage.sim.contiguous import ContiguousAllocator
 from kvpage.sim.costmodel import StepCostModel, get_gpu
 from kvpage.sim.traces import TokenMapper, Trace, TraceRequest
 from kvpage.specs import CacheSpec
+
+if TYPE_CHECKING:
+    from kvpage.engine.request import Request
 
 POLICIES = ("contiguous-max", "contiguous-pow2", "contiguous-oracle", "paged", "paged-prefix")
 
@@ -200,7 +204,9 @@ def _check_config(cfg: SimConfig) -> None:
         raise SpecError(f"time_scale: expected a finite number > 0, got {ts!r}")
 
 
-def _make_allocator(cfg: SimConfig, spec: CacheSpec, mml: int, slots: int, final: dict[str, int]):
+def _make_allocator(
+    cfg: SimConfig, spec: CacheSpec, mml: int, slots: int, final: dict[str, int]
+) -> KVAllocator:
     if cfg.policy.startswith("contiguous"):
         return ContiguousAllocator(slots, cfg.policy.split("-")[1], mml, final.__getitem__)
     from kvpage.cache import KVCacheManager
@@ -210,11 +216,10 @@ def _make_allocator(cfg: SimConfig, spec: CacheSpec, mml: int, slots: int, final
     )
 
 
-def _reserved_live(kv: Any, running: list[Any], bs: int) -> tuple[int, int]:
+def _reserved_live(kv: KVAllocator, running: list[Request], bs: int) -> tuple[int, int]:
     if isinstance(kv, ContiguousAllocator):
         return kv.reserved_slots, kv.live_tokens()
-    used = max(p.num_used for p in kv.pools)
-    reserved = used * bs
+    reserved = kv.num_used_blocks * bs
     slack = 0
     for r in running:
         if r.has_blocks:
