@@ -3,7 +3,6 @@ in-memory ``transformers`` model, as a ``ModelRunnerModel``."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from kvpage.models.tokenizer import (
     Tokenizer,
     bundled_tokenizer_path,
 )
-from kvpage.specs import ModelDType
+from kvpage.specs import ModelDType, hf_config_dict, read_hf_config_file
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
@@ -60,7 +59,7 @@ def load_model(
     src = name_or_path_or_hf_model
     tok = _as_tokenizer(tokenizer)
     if hasattr(src, "state_dict") and hasattr(src, "config"):
-        cfg = _hf_config_dict(src.config)
+        cfg = hf_config_dict(src.config)
         sd = {k: v.detach() for k, v in src.state_dict().items()}
         return _build(cfg, sd, tok, dtype, device)
     if not isinstance(src, (str, Path)):
@@ -82,7 +81,7 @@ def load_model(
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
             raise SpecError(f"model folder {str(path)!r}: expected a config.json, got none")
-        cfg = json.loads(cfg_path.read_text())
+        cfg = read_hf_config_file(cfg_path, f"model folder {str(path)!r}")
         arch_from_hf(cfg)  # refuse an unsupported architecture before reading weights
         sd = _read_weights(path)
         if tok is None and any((path / f).is_file() for f in _TOKENIZER_FILES):
@@ -172,14 +171,6 @@ def _as_tokenizer(tok: Any) -> Tokenizer | None:
     if hasattr(tok, "encode") and hasattr(tok, "decode"):
         return HFTokenizer(tok)
     raise SpecError(f"tokenizer: expected a tokenizer, got {type(tok).__name__}")
-
-
-def _hf_config_dict(config: Any) -> dict[str, Any]:
-    d = dict(config.to_dict())
-    for k in ("head_dim", "layer_types", "sliding_window", "rope_parameters"):
-        if getattr(config, k, None) is not None:
-            d[k] = getattr(config, k)
-    return d
 
 
 def _llama2c_tokenizer_for(path: Path, vocab_size: int) -> Tokenizer | None:
