@@ -21,14 +21,7 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
-
-
-def _pcts(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {"p50": float("nan"), "p95": float("nan"), "p99": float("nan")}
-    p = np.percentile(np.asarray(xs), [50, 95, 99])
-    return {"p50": float(p[0]), "p95": float(p[1]), "p99": float(p[2])}
+from kvpage.stats import summarize
 
 
 def run_sim(name: str, n: int) -> dict[str, Any]:
@@ -113,8 +106,8 @@ def run_engine(name: str, n: int, num_blocks: int = 257) -> dict[str, Any]:
         "workload": name,
         "requests": len(reqs),
         "finished": len(ttft),
-        "ttft_s": _pcts(ttft),
-        "tpot_s": _pcts(tpot),
+        "ttft_s": summarize(ttft),
+        "tpot_s": summarize(tpot),
         "tok_s": out_tokens / wall,
         "peak_kv_pct": 100.0 * peak_usage,
         "alloc_failures": int(m["kvpage:block_allocation_failures_total"]),

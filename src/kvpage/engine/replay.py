@@ -31,6 +31,7 @@ import numpy as np
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.params import RequestOutput, SamplingParams
 from kvpage.errors import RequestRejected
+from kvpage.stats import summarize
 
 #: longest single sleep while waiting for the next arrival, in seconds
 MAX_SLEEP_S = 1.0
@@ -102,18 +103,6 @@ def fit_trace(
                 scaled = dataclasses.replace(scaled, hash_ids=r.hash_ids + extra)
         out.append(ReplayRequest(r.request_id, r.arrival_s, mapper.prompt(scaled), m))
     return out
-
-
-def _pcts(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {"p50": float("nan"), "p95": float("nan"), "p99": float("nan"), "mean": float("nan")}
-    a = np.asarray(xs, dtype=np.float64) * 1000.0
-    return {
-        "p50": float(np.percentile(a, 50)),
-        "p95": float(np.percentile(a, 95)),
-        "p99": float(np.percentile(a, 99)),
-        "mean": float(a.mean()),
-    }
 
 
 @dataclass
@@ -209,9 +198,11 @@ def replay(
         "rejected_reasons": sorted(set(rejected.values())),
         "prompt_tokens": sum(len(o.prompt_token_ids) for o in done),
         "generated_tokens": gen,
-        "ttft_ms": _pcts([o.ttft for o in done if o.ttft is not None]),
-        "tpot_ms": _pcts([o.tpot for o in done if o.tpot is not None]),
-        "e2e_ms": _pcts([o.e2e_latency for o in done if o.e2e_latency is not None]),
+        "ttft_ms": summarize([o.ttft for o in done if o.ttft is not None], scale=1000.0),
+        "tpot_ms": summarize([o.tpot for o in done if o.tpot is not None], scale=1000.0),
+        "e2e_ms": summarize(
+            [o.e2e_latency for o in done if o.e2e_latency is not None], scale=1000.0
+        ),
         "prefill_tokens_per_s": (st.prefill_tokens - pre0) / wall if wall > 0 else 0.0,
         "decode_tokens_per_s": (st.decode_tokens - dec0) / wall if wall > 0 else 0.0,
         "output_tokens_per_s": gen / wall if wall > 0 else 0.0,

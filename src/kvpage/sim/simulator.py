@@ -43,8 +43,6 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from kvpage.cache.protocol import KVAllocator
 from kvpage.capacity import plan_capacity, resolve_model
 from kvpage.errors import RequestRejected, SpecError
@@ -52,6 +50,7 @@ from kvpage.sim.contiguous import ContiguousAllocator
 from kvpage.sim.costmodel import StepCostModel, get_gpu
 from kvpage.sim.traces import TokenMapper, Trace, TraceRequest
 from kvpage.specs import CacheSpec
+from kvpage.stats import summarize
 
 if TYPE_CHECKING:
     from kvpage.engine.request import Request
@@ -127,14 +126,6 @@ class SimResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _pct(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {"p50": float("nan"), "p95": float("nan"), "p99": float("nan"), "mean": float("nan")}
-    a = np.asarray(xs)
-    p = np.percentile(a, [50, 95, 99])
-    return {"p50": float(p[0]), "p95": float(p[1]), "p99": float(p[2]), "mean": float(a.mean())}
 
 
 def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
@@ -365,8 +356,8 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
         peak_kv_usage_pct=100.0 * peak_usage / slots,
         peak_batch=peak_batch,
         mean_batch=batch_sum / steps if steps else 0.0,
-        ttft_s=_pct(ttft),
-        tpot_s=_pct(tpot),
+        ttft_s=summarize(ttft),
+        tpot_s=summarize(tpot),
         preemptions=sched.num_preemptions,
         allocation_failures=st.allocation_failures,
         prefix_hit_pct=100.0 * first_hit / first_query if first_query else 0.0,
