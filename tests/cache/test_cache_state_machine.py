@@ -9,7 +9,8 @@ groups) and checks after every rule:
 * a write never lands in a shared block (CoW happened first);
 * every hash entry points to a block whose written content (tracked here, token by
   token) is exactly the content the hash names; every block of a running request holds
-  that request's tokens;
+  that request's tokens, and every key its next query can see (all earlier positions,
+  or the last ``W`` in a sliding-window group) is still in its block table;
 * a failed allocation (None) changes nothing but the failure counter.
 """
 
@@ -252,8 +253,12 @@ class CacheMachine(RuleBasedStateMachine):
         for rid, r in self.model.items():
             assert mgr.num_allocated_tokens(rid) == r.allocated
             for g, t in enumerate(r.tables):
+                w = mgr.windows[g]
+                # keys the next query (position r.computed) can see are still held
+                seen_from = 0 if w is None else max(0, r.computed - w + 1)
                 for p in range(r.computed):
                     b = t[p // self.bs]
+                    assert b or p < seen_from, f"key {p} released but visible (group {g})"
                     if b:
                         assert self.content[g][b][p % self.bs] == (r.salt, tuple(r.tokens[: p + 1]))
         if not self.model:

@@ -79,7 +79,7 @@ class StepStats:
 
 
 @dataclass
-class _Group:
+class _ParentRequest:
     """Engine-side state of one user request."""
 
     request_id: str
@@ -125,7 +125,7 @@ class LLMEngine:
             self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.stream_text = False
         self.step_stats = StepStats()
-        self._groups: dict[str, _Group] = {}
+        self._parents: dict[str, _ParentRequest] = {}
         self._arrivals = 0
         self._counters = {"prompt": 0, "generation": 0, "rejected": 0}
         #: ids of user requests dropped by failed steps (oldest first)
@@ -192,7 +192,7 @@ class LLMEngine:
             cap = mml - len(ids) if params.max_tokens is None else params.max_tokens
             req = Request(
                 request_id=request_id,
-                group_id=request_id,
+                parent_id=request_id,
                 sample_index=0,
                 token_ids=list(ids),
                 num_prompt_tokens=len(ids),
@@ -209,7 +209,7 @@ class LLMEngine:
             self._counters["rejected"] += 1
             raise
         now = time.monotonic() if arrival_time is None else arrival_time
-        self._groups[request_id] = _Group(
+        self._parents[request_id] = _ParentRequest(
             request_id, text, list(ids), params, now, req.arrival_order
         )
         self._counters["prompt"] += len(ids)
@@ -217,26 +217,26 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Abort a request: every sample stops and its blocks are freed at once.
         Unknown or finished ids are ignored."""
-        if request_id not in self._groups:
+        if request_id not in self._parents:
             return
         self.scheduler.abort(request_id)
         self.scheduler.release(request_id)
-        del self._groups[request_id]
+        del self._parents[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._parents)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._groups)
+        return len(self._parents)
 
     # ---- one step -----------------------------------------------------------------------
-    def _generator(self, grp: _Group, index: int) -> torch.Generator | None:
-        if grp.params.greedy:
+    def _generator(self, preq: _ParentRequest, index: int) -> torch.Generator | None:
+        if preq.params.greedy:
             return None
-        g = grp.generators.get(index)
+        g = preq.generators.get(index)
         if g is None:
-            g = make_generator(grp.params, self.config.seed, grp.arrival_order, index)
-            grp.generators[index] = g
+            g = make_generator(preq.params, self.config.seed, preq.arrival_order, index)
+            preq.generators[index] = g
         return g
 
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
@@ -262,7 +262,7 @@ class LLMEngine:
             out = self.scheduler.schedule()
         except BaseException:
             # the plan may be half-built: drop every running request (frees its blocks)
-            self._fail_groups({r.group_id for r in self.scheduler.running})
+            self._fail_requests({r.parent_id for r in self.scheduler.running})
             raise
         if out.is_empty:
             return []
@@ -271,16 +271,16 @@ class LLMEngine:
         except BaseException:
             # a model, sampler or bookkeeping failure: the requests of this step are
             # dropped (blocks freed, ids forgotten) so the engine stays usable
-            self._fail_groups({s.request.group_id for s in out.scheduled})
+            self._fail_requests({s.request.parent_id for s in out.scheduled})
             raise
 
-    def _fail_groups(self, group_ids: set[str]) -> None:
-        """Abort and forget the user requests ``group_ids`` after a failed step."""
-        for gid in sorted(group_ids):
-            self.scheduler.abort(gid)
-            self.scheduler.release(gid)
-            self._groups.pop(gid, None)
-        self.failed_request_ids.extend(sorted(group_ids))
+    def _fail_requests(self, parent_ids: set[str]) -> None:
+        """Abort and forget the user requests ``parent_ids`` after a failed step."""
+        for pid in sorted(parent_ids):
+            self.scheduler.abort(pid)
+            self.scheduler.release(pid)
+            self._parents.pop(pid, None)
+        self.failed_request_ids.extend(sorted(parent_ids))
 
     def _run_step(
         self, out: SchedulerOutput, t0: float, finished_only: bool
@@ -293,19 +293,19 @@ class LLMEngine:
         params: list[SamplingParams] = []
         gens: list[torch.Generator | None] = []
         owners: list[str] = []
-        groups = self._groups
+        parents = self._parents
         r = 0
         for s in out.scheduled:
             if not s.samples:
                 continue
             req = s.request
-            grp = groups[req.group_id]
+            preq = parents[req.parent_id]
             k = 1 + req.num_pending_samples
             for j in range(k):
                 rows.append(r)
-                params.append(grp.params)
+                params.append(preq.params)
                 gens.append(
-                    None if grp.params.greedy else self._generator(grp, j or req.sample_index)
+                    None if preq.params.greedy else self._generator(preq, j or req.sample_index)
                 )
                 owners.append(req.request_id)
             r += 1
@@ -324,26 +324,26 @@ class LLMEngine:
         progressed, _ = self.scheduler.update(out, sampled)
         t4 = time.perf_counter()
         now = time.monotonic()
-        touched: dict[str, _Group] = {}
+        touched: dict[str, _ParentRequest] = {}
         for seq in progressed:
-            grp = groups[seq.group_id]
-            touched[seq.group_id] = grp
-            if grp.first_token_time is None:
-                grp.first_token_time = now
-            if grp.params.stop and not seq.is_finished:
-                self._check_stop_strings(seq, grp)
+            preq = parents[seq.parent_id]
+            touched[seq.parent_id] = preq
+            if preq.first_token_time is None:
+                preq.first_token_time = now
+            if preq.params.stop and not seq.is_finished:
+                self._check_stop_strings(seq, preq)
         self._counters["generation"] += len(progressed)
         results = []
-        for gid, grp in touched.items():
-            done = self.scheduler.group_finished(gid)
+        for pid, preq in touched.items():
+            done = self.scheduler.samples_finished(pid)
             if done:
-                grp.finish_time = now
+                preq.finish_time = now
             elif finished_only:
                 continue
-            results.append(self._make_output(grp, done))
+            results.append(self._make_output(preq, done))
             if done:
-                self.scheduler.release(gid)
-                del groups[gid]
+                self.scheduler.release(pid)
+                del parents[pid]
         t5 = time.perf_counter()
         st.num_steps += 1
         st.schedule_s += t1 - t0
@@ -365,20 +365,20 @@ class LLMEngine:
             return ""
         return str(self.tokenizer.decode(ids))
 
-    def _check_stop_strings(self, seq: Request, grp: _Group) -> None:
+    def _check_stop_strings(self, seq: Request, preq: _ParentRequest) -> None:
         text = self._decode(seq.output_token_ids)
-        for stop in grp.params.stop or ():
+        for stop in preq.params.stop or ():
             k = text.find(stop)
             if k >= 0:
-                grp.texts[seq.sample_index] = text[:k]
+                preq.texts[seq.sample_index] = text[:k]
                 self.scheduler.finish(seq, "stop")
                 return
 
-    def _make_output(self, grp: _Group, finished: bool) -> RequestOutput:
-        seqs = self.scheduler.groups[grp.request_id]  # sample-index order (forks append)
+    def _make_output(self, preq: _ParentRequest, finished: bool) -> RequestOutput:
+        seqs = self.scheduler.samples[preq.request_id]  # sample-index order (forks append)
         outs = []
         for q in seqs:
-            text = grp.texts.get(q.sample_index)
+            text = preq.texts.get(q.sample_index)
             if text is None and (finished or self.stream_text):
                 text = self._decode(q.output_token_ids)
             outs.append(
@@ -390,15 +390,15 @@ class LLMEngine:
                 )
             )
         return RequestOutput(
-            request_id=grp.request_id,
-            prompt=grp.prompt,
-            prompt_token_ids=grp.prompt_token_ids,
+            request_id=preq.request_id,
+            prompt=preq.prompt,
+            prompt_token_ids=preq.prompt_token_ids,
             num_cached_tokens=max(0, seqs[0].num_cached_tokens),
             outputs=outs,
             finished=finished,
-            arrival_time=grp.arrival_time,
-            first_token_time=grp.first_token_time,
-            finish_time=grp.finish_time,
+            arrival_time=preq.arrival_time,
+            first_token_time=preq.first_token_time,
+            finish_time=preq.finish_time,
             num_preemptions=sum(q.num_preemptions for q in seqs),
         )
 

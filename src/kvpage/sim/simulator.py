@@ -272,7 +272,7 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
             prompt = mapper.prompt(tr)
             req = Request(
                 request_id=tr.request_id,
-                group_id=tr.request_id,
+                parent_id=tr.request_id,
                 sample_index=0,
                 token_ids=prompt,
                 num_prompt_tokens=len(prompt),
@@ -330,7 +330,7 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
             if n > 1:
                 tpot.append((t - first_tok[rid]) / (n - 1))
             outputs.pop(rid, None)
-            sched.release(r.group_id)
+            sched.release(r.parent_id)
         reserved, live = _reserved_live(kv, sched.running, bs)
         if reserved:
             util_w += dt * live / reserved

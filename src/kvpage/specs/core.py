@@ -88,8 +88,14 @@ class AttentionSpec(BaseModel):
         return self
 
     @property
+    def num_queries_per_kv(self) -> int:
+        """Query heads per KV head (1 = MHA, num_q_heads = MQA; vLLM's name)."""
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
     def group_size(self) -> int:
-        """Query heads per KV head (1 = MHA, num_q_heads = MQA)."""
+        """Deprecated alias of :attr:`num_queries_per_kv` ("group" in kvpage means a KV
+        group); kept for existing callers."""
         return self.num_q_heads // self.num_kv_heads
 
 
