@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvpage.cli import main
 from kvpage.errors import SpecError
-from kvpage.sim.cli import main
 from kvpage.sim.simulator import SimConfig, simulate
 from kvpage.sim.traces import TraceRequest, load_trace
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from kvpage.sim.cli import main
+from kvpage.cli import main
 from kvpage.sim.profile import arrival_stats, prefix_stats, profile_trace
 from kvpage.sim.traces import Trace, TraceRequest, load_trace
 

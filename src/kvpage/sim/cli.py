@@ -182,23 +182,3 @@ def run_profile(args: argparse.Namespace) -> int:
         for path in plot_profile(trace, args.plots):
             print(f"wrote {path}", file=sys.stderr)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (``python -m kvpage.sim.cli``) with this module's subcommands."""
-    parser = argparse.ArgumentParser(prog="kvpage")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_plan_parser(sub)
-    add_profile_parser(sub)
-    try:
-        from kvpage.sim.simulate_cli import add_simulate_parser
-
-        add_simulate_parser(sub)
-    except ImportError:  # pragma: no cover - simulator not present
-        pass
-    args = parser.parse_args(argv)
-    return int(args.func(args))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
