@@ -5,7 +5,7 @@ engine (bundled stories260K on CPU), into one markdown table.
         --out /tmp/kvpage_stress.json > /tmp/stress.md
 
 Simulator rows: Llama-3-8B bf16 on one H100-80GB (cost model), paged + prefix caching,
-block 16, Poisson arrivals at the workload's default rate (``kvpage.sim.workloads``).
+block 16, Poisson arrivals at the workload's default rate (``kvpage.workload.workloads``).
 Engine rows: stories260K, float32, torch backend on this CPU, block 16, 4096-token KV
 pool (256 blocks), prefix caching on; lengths / 16 (``scale="cpu"``); requests submitted
 in waves of 4, each wave run to completion (multi-turn: one wave per turn, so turn k+1
@@ -26,7 +26,7 @@ from kvpage.stats import summarize
 
 def run_sim(name: str, n: int) -> dict[str, Any]:
     from kvpage.sim.simulator import SimConfig, simulate
-    from kvpage.sim.workloads import make_workload
+    from kvpage.workload.workloads import make_workload
 
     trace = make_workload(name, n, scale="gpu")
     r = simulate(trace, SimConfig(policy="paged-prefix", max_model_len=8192)).to_dict()
@@ -49,8 +49,8 @@ def run_sim(name: str, n: int) -> dict[str, Any]:
 def run_engine(name: str, n: int, num_blocks: int = 257) -> dict[str, Any]:
     from kvpage.engine.engine import LLMEngine
     from kvpage.engine.params import SamplingParams
-    from kvpage.sim.traces import TokenMapper
-    from kvpage.sim.workloads import make_workload
+    from kvpage.workload.traces import TokenMapper
+    from kvpage.workload.workloads import make_workload
 
     trace = make_workload(name, n, scale="cpu")
     eng = LLMEngine.from_config(
@@ -173,7 +173,7 @@ def table(rows: list[dict[str, Any]], notes: dict[str, str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvpage.sim.workloads import WORKLOADS
+    from kvpage.workload.workloads import WORKLOADS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sim-requests", type=int, default=200)

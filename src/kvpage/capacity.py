@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 from kvpage.errors import SpecError
-from kvpage.sim.workload_stats import Workload, analyze_workload, blocks_per_sequence
 from kvpage.specs import (
     DTYPE_BYTES,
     CacheSpec,
@@ -48,6 +47,7 @@ from kvpage.specs import (
     make_cache_spec,
     read_hf_config_file,
 )
+from kvpage.workload.workload_stats import Workload, analyze_workload, blocks_per_sequence
 
 GIB = 1 << 30
 

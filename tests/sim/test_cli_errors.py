@@ -12,7 +12,7 @@ import pytest
 from kvpage.cli import main
 from kvpage.errors import SpecError
 from kvpage.sim.simulator import SimConfig, simulate
-from kvpage.sim.traces import TraceRequest, load_trace
+from kvpage.workload.traces import TraceRequest, load_trace
 
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 PLAN = ["plan", "--model", "llama-3-8b", "--memory", "80GiB"]

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpage.errors import SpecError
-from kvpage.sim.traces import Trace
+from kvpage.workload.traces import Trace
 
 EVICTION_POLICIES = ("lru", "lru-forward", "lfu", "leaf-lru", "slru", "belady")
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from kvpage.sim.traces import Trace
 from kvpage.stats import summarize
+from kvpage.workload.traces import Trace
 
 
 def arrival_stats(arrivals: np.ndarray, window_s: float = 60.0) -> dict[str, float]:

@@ -4,7 +4,7 @@ No weights and no kernels: the real ``kvpage.engine.Scheduler`` plans every step
 real ``kvpage.cache.KVCacheManager`` (or a contiguous-reservation allocator with the same
 interface, :mod:`kvpage.sim.contiguous`), and the step's duration comes from
 :class:`kvpage.sim.costmodel.StepCostModel`. Token ids come from
-:class:`kvpage.sim.traces.TokenMapper`, so Mooncake requests that share hash ids share
+:class:`kvpage.workload.traces.TokenMapper`, so Mooncake requests that share hash ids share
 exact prefixes and the prefix cache sees the trace's real reuse.
 
 Event loop: the clock jumps to the next arrival when nothing runs; arrivals up to the
@@ -48,9 +48,9 @@ from kvpage.capacity import plan_capacity, resolve_model
 from kvpage.errors import RequestRejected, SpecError
 from kvpage.sim.contiguous import ContiguousAllocator
 from kvpage.sim.costmodel import StepCostModel, get_gpu
-from kvpage.sim.traces import TokenMapper, Trace, TraceRequest
 from kvpage.specs import CacheSpec
 from kvpage.stats import summarize
+from kvpage.workload.traces import TokenMapper, Trace, TraceRequest
 
 if TYPE_CHECKING:
     from kvpage.engine.request import Request

@@ -4,7 +4,7 @@ Every workload is generated from a seed (numpy ``default_rng``) at a *scale*: ``
 lengths suit an 8B model with an 8k context; ``cpu`` divides every length by 16 (min 1
 token) and the hash-block size too (512 -> 32 tokens) so that the bundled 512-context
 stories260K model runs the same shapes. Prefix sharing is expressed with hash ids, as in
-the Mooncake trace (see :mod:`kvpage.sim.traces` for the token mapping): two requests
+the Mooncake trace (see :mod:`kvpage.workload.traces` for the token mapping): two requests
 share tokens exactly where they share leading hash ids.
 
 Workloads (lengths at ``gpu`` scale, tokens; uniform ranges):
@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvpage.errors import SpecError
-from kvpage.sim.traces import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
+from kvpage.workload.traces import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
 
 WORKLOADS = ("short-short", "long-prompt", "long-output", "long-long", "multi-turn", "rag")
 #: default arrival rate (req/s; sessions/s for multi-turn) at gpu scale

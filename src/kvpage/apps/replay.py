@@ -10,7 +10,7 @@ Length rule (how a production trace is fitted into a small model's context):
   16), ``output_scale = 1``.
 * prompt token ids: Azure prompts are seeded random ids unique per request; a
   Mooncake hash id maps to a fixed run of ``512 / prompt_scale`` token ids
-  (``kvpage.sim.traces.TokenMapper``), so requests that share leading hash ids share
+  (``kvpage.workload.traces.TokenMapper``), so requests that share leading hash ids share
   exactly those leading tokens and hit the prefix cache.
 
 Arrival times are the trace's, divided by ``speedup``; a request's TTFT and latency are
@@ -77,13 +77,13 @@ def fit_trace(
     output_scale: float = 1.0,
     seed: int = 0,
 ) -> list[ReplayRequest]:
-    """Scale a ``kvpage.sim.traces.Trace`` into the model's context (module docstring).
+    """Scale a ``kvpage.workload.traces.Trace`` into the model's context (module docstring).
 
     Raises:
         ValueError: a scale is not a finite number > 0 (``prompt_scale`` None = the
             format's default, see :func:`resolve_prompt_scale`).
     """
-    from kvpage.sim.traces import MOONCAKE_BLOCK_TOKENS, TokenMapper
+    from kvpage.workload.traces import MOONCAKE_BLOCK_TOKENS, TokenMapper
 
     ps = resolve_prompt_scale(trace.format, prompt_scale)
     if not _positive(output_scale):

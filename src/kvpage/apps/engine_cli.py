@@ -252,7 +252,7 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="replay a serving trace through the engine and report latency/KV metrics",
         description="Replays a request trace (Azure LLM CSV or Mooncake JSONL) through the "
         "engine at its arrival times, with lengths scaled into the model's context (see "
-        "kvpage.engine.replay), then prints a table and writes JSON.",
+        "kvpage.apps.replay), then prints a table and writes JSON.",
     )
     p.add_argument(
         "--trace",
@@ -326,8 +326,8 @@ def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
 
 def replay_main(args: argparse.Namespace) -> int:
     """Handler of ``kvpage replay``."""
-    from kvpage.engine.replay import fit_trace, replay, resolve_prompt_scale
-    from kvpage.sim.traces import load_trace
+    from kvpage.apps.replay import fit_trace, replay, resolve_prompt_scale
+    from kvpage.workload.traces import load_trace
 
     try:
         if args.output:
@@ -351,7 +351,7 @@ def replay_main(args: argparse.Namespace) -> int:
         f"Replaying {len(reqs)} requests of trace {trace.name}{cap} over "
         f"{trace.duration_s / args.speedup:.1f} s of arrivals (speedup {args.speedup:g}) on "
         f"{args.model}, backend {eng.backend_name}, {eng.cache_spec.num_blocks} blocks x "
-        f"{eng.cache_spec.block_size} tokens; lengths scaled per kvpage.engine.replay.",
+        f"{eng.cache_spec.block_size} tokens; lengths scaled per kvpage.apps.replay.",
         file=sys.stderr,
     )
     bar: Any = None

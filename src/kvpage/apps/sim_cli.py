@@ -11,8 +11,8 @@ import json
 import sys
 from typing import Any
 
+from kvpage.apps.cli_util import prepare_output, trace_limit
 from kvpage.errors import KVPageError
-from kvpage.sim.cli_util import prepare_output, trace_limit
 
 
 def _table(title: str, rows: list[tuple[str, str]]) -> str:
@@ -87,7 +87,7 @@ def _triple(text: str, name: str) -> tuple[float, float, float]:
 def run_plan(args: argparse.Namespace) -> int:
     """Handler of ``kvpage plan``."""
     from kvpage.capacity import Workload, plan_capacity
-    from kvpage.sim.traces import load_trace
+    from kvpage.workload.traces import load_trace
 
     try:
         wl = None
@@ -161,7 +161,7 @@ def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_profile(args: argparse.Namespace) -> int:
     """Handler of ``kvpage profile``."""
     from kvpage.sim.profile import plot_profile, profile_trace, render_profile
-    from kvpage.sim.traces import load_trace
+    from kvpage.workload.traces import load_trace
 
     try:
         json_path = prepare_output(args.json, "--json") if args.json not in (None, "-") else None
