@@ -93,6 +93,25 @@ class GroupManager:
             return None
         return GrowthPlan(release, max(target, freed), cow, n_new)
 
+    def try_append(
+        self, table: list[int], start: int, num_new_tokens: int, need_blocks: int
+    ) -> list[int] | None:
+        """The common case of growth in one step: no window release and no CoW due, and
+        room for the blocks to append. Appends them to ``table`` and returns their ids
+        (often none); returns None, changing nothing, when the case does not apply (then
+        use :meth:`plan_growth`). Only for full attention (a sliding group may release)."""
+        pool = self.pool
+        if start % self.block_size and num_new_tokens and pool.is_shared(table[-1]):
+            return None
+        n_new = need_blocks - len(table)
+        if n_new <= 0:
+            return []
+        if n_new > pool.num_free:
+            return None
+        ids = pool.allocate_ids(n_new)
+        table.extend(ids)
+        return ids
+
     def grow(self, table: list[int], freed: int, plan: GrowthPlan) -> Growth:
         """Carry out ``plan`` on ``table`` (mutated): release window blocks (last first)
         and null their entries, copy a shared last block, append new blocks."""

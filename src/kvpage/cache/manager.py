@@ -213,14 +213,14 @@ class KVCacheManager:
         start = req.num_tokens
         end = start + num_new_tokens
         need_blocks = -(-end // self.block_size)
-        if self._simple:  # fast path: one full-attention group, no new block, no CoW
-            table = req.tables[0]
-            if need_blocks <= len(table) and not (
-                start % self.block_size and num_new_tokens and self._pools[0].is_shared(table[-1])
-            ):
+        if self._simple:  # fast path: one full-attention group, no CoW, room to append
+            ids = self._groups[0].try_append(req.tables[0], start, num_new_tokens, need_blocks)
+            if ids is not None:
                 req.num_tokens = end
-                self._stats.allocations += 1
-                return Allocation(0, [[]], [[]])
+                st = self._stats
+                st.allocations += 1
+                st.blocks_allocated += len(ids)
+                return Allocation(0, [ids], [[]])
         plans = self._plan_growth(req, start, num_new_tokens, need_blocks)
         if plans is None:
             self._stats.allocation_failures += 1
