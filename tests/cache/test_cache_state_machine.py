@@ -108,7 +108,9 @@ class CacheMachine(RuleBasedStateMachine):
             assert r.tables[g] == self.mgr.block_table(rid, g)
 
     def _run_step(self, rid: str) -> None:
-        """The step runs: write K/V of positions [computed, allocated), then commit."""
+        """The step runs: write K/V of positions [computed, allocated), each query then
+        reading the keys it can see (all earlier ones, or the last W in a sliding
+        group), which must be held and hold this request's tokens; then commit."""
         r = self.model[rid]
         for p in range(r.computed, r.allocated):
             for g in range(self.mgr.num_groups):
@@ -116,6 +118,11 @@ class CacheMachine(RuleBasedStateMachine):
                 assert b != 0
                 assert self.mgr.pools[g].blocks[b].ref_cnt == 1, "write into a shared block"
                 self.content[g][b][p % self.bs] = (r.salt, tuple(r.tokens[: p + 1]))
+                w = self.mgr.windows[g]
+                for q in range(0 if w is None else max(0, p - w + 1), p):
+                    kb = r.tables[g][q // self.bs]
+                    assert kb != 0, f"query {p} reads key {q}: released (group {g})"
+                    assert self.content[g][kb][q % self.bs] == (r.salt, tuple(r.tokens[: q + 1]))
         r.computed = r.allocated
         self.mgr.commit(rid, r.tokens, r.computed)
 
