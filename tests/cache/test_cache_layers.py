@@ -70,3 +70,15 @@ def test_both_allocators_implement_the_protocol() -> None:
         kv.free("r")
         assert kv.num_used_blocks == 0
         kv.check_integrity()
+
+
+def test_free_puts_a_sequences_last_blocks_first_in_eviction_order() -> None:
+    mgr = KVCacheManager(make_spec(8, 2))
+    toks = list(range(1, 8))  # 3 full blocks + 1 partial
+    assert mgr.allocate("a", toks, 7) is not None
+    mgr.commit("a", toks, 7)
+    table = mgr.block_table("a")
+    mgr.free("a")
+    order = mgr.pools[0].free_queue.ids()  # head (evicted first) -> tail
+    assert order[0] == table[3]  # the uncached partial block is reused first
+    assert [b for b in order if b in table[:3]] == table[2::-1]  # then last block first
