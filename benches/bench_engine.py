@@ -36,7 +36,7 @@ import torch
 
 def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     """``n`` (prompt ids, output length) pairs by the rule in the module docstring."""
-    from kvpage.sim.traces import load_trace
+    from kvpage.workload.traces import load_trace
 
     rng = np.random.default_rng(seed)
     out = []

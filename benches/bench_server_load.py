@@ -54,7 +54,7 @@ import numpy as np
 from kvpage.server.app import create_app
 from kvpage.server.config import ServerConfig
 from kvpage.server.runner import BackgroundServer
-from kvpage.sim.traces import bundled_trace_path, load_trace
+from kvpage.workload.traces import bundled_trace_path, load_trace
 
 MODEL = "stories260K"
 MALFORMED: list[tuple[str, bytes]] = [

@@ -52,7 +52,7 @@ def _log(msg: str) -> None:
 
 def run_policies(quick: bool, traces: list[str] | None = None) -> list[dict[str, Any]]:
     from kvpage.sim.simulator import POLICIES, SimConfig, simulate
-    from kvpage.sim.traces import load_trace
+    from kvpage.workload.traces import load_trace
 
     rows = []
     for name, limit, ts, mml in POLICY_RUNS:
@@ -72,7 +72,7 @@ def run_policies(quick: bool, traces: list[str] | None = None) -> list[dict[str,
 
 def run_blocks(quick: bool) -> list[dict[str, Any]]:
     from kvpage.sim.simulator import SimConfig, simulate
-    from kvpage.sim.traces import load_trace
+    from kvpage.workload.traces import load_trace
 
     rows = []
     # same KV bytes for every block size: the H100 plan at block 16, rescaled
@@ -108,7 +108,7 @@ def run_eviction(quick: bool) -> list[dict[str, Any]]:
     from dataclasses import asdict
 
     from kvpage.sim.eviction import EVICTION_POLICIES, simulate_eviction
-    from kvpage.sim.traces import load_trace
+    from kvpage.workload.traces import load_trace
 
     trace = load_trace("mooncake-conv", limit=2000 if quick else None)
     rows = []
@@ -124,7 +124,7 @@ def run_eviction(quick: bool) -> list[dict[str, Any]]:
 
 def run_profiles(quick: bool) -> list[dict[str, Any]]:
     from kvpage.sim.profile import plot_profile, profile_trace
-    from kvpage.sim.traces import BUNDLED_TRACES, load_trace
+    from kvpage.workload.traces import BUNDLED_TRACES, load_trace
 
     out = []
     for name in BUNDLED_TRACES:
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "eviction": (run_eviction, plot_eviction),
         "profiles": (run_profiles, None),
     }
-    from kvpage.sim.simulate_cli import markdown_table
+    from kvpage.apps.simulate_cli import markdown_table
 
     for sec in args.sections.split(","):
         run, plot = runners[sec]

@@ -5,7 +5,7 @@ engine (bundled stories260K on CPU), into one markdown table.
         --out /tmp/kvpage_stress.json > /tmp/stress.md
 
 Simulator rows: Llama-3-8B bf16 on one H100-80GB (cost model), paged + prefix caching,
-block 16, Poisson arrivals at the workload's default rate (``kvpage.sim.workloads``).
+block 16, Poisson arrivals at the workload's default rate (``kvpage.workload.workloads``).
 Engine rows: stories260K, float32, torch backend on this CPU, block 16, 4096-token KV
 pool (256 blocks), prefix caching on; lengths / 16 (``scale="cpu"``); requests submitted
 in waves of 4, each wave run to completion (multi-turn: one wave per turn, so turn k+1
@@ -21,19 +21,12 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
-
-
-def _pcts(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {"p50": float("nan"), "p95": float("nan"), "p99": float("nan")}
-    p = np.percentile(np.asarray(xs), [50, 95, 99])
-    return {"p50": float(p[0]), "p95": float(p[1]), "p99": float(p[2])}
+from kvpage.stats import summarize
 
 
 def run_sim(name: str, n: int) -> dict[str, Any]:
     from kvpage.sim.simulator import SimConfig, simulate
-    from kvpage.sim.workloads import make_workload
+    from kvpage.workload.workloads import make_workload
 
     trace = make_workload(name, n, scale="gpu")
     r = simulate(trace, SimConfig(policy="paged-prefix", max_model_len=8192)).to_dict()
@@ -56,8 +49,8 @@ def run_sim(name: str, n: int) -> dict[str, Any]:
 def run_engine(name: str, n: int, num_blocks: int = 257) -> dict[str, Any]:
     from kvpage.engine.engine import LLMEngine
     from kvpage.engine.params import SamplingParams
-    from kvpage.sim.traces import TokenMapper
-    from kvpage.sim.workloads import make_workload
+    from kvpage.workload.traces import TokenMapper
+    from kvpage.workload.workloads import make_workload
 
     trace = make_workload(name, n, scale="cpu")
     eng = LLMEngine.from_config(
@@ -115,8 +108,8 @@ def run_engine(name: str, n: int, num_blocks: int = 257) -> dict[str, Any]:
         "workload": name,
         "requests": len(reqs),
         "finished": len(ttft),
-        "ttft_s": _pcts(ttft),
-        "tpot_s": _pcts(tpot),
+        "ttft_s": summarize(ttft),
+        "tpot_s": summarize(tpot),
         "tok_s": out_tokens / wall,
         "peak_kv_pct": 100.0 * peak_usage,
         "alloc_failures": int(m["kvpage:block_allocation_failures_total"]),
@@ -182,7 +175,7 @@ def table(rows: list[dict[str, Any]], notes: dict[str, str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvpage.sim.workloads import WORKLOADS
+    from kvpage.workload.workloads import WORKLOADS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sim-requests", type=int, default=200)

@@ -13,8 +13,7 @@ from kvpage.errors import (
     SpecError,
 )
 from kvpage.specs import AttentionSpec, CacheSpec, load_preset
-
-__version__ = "0.1.0"
+from kvpage.version import __version__
 
 #: the user API, imported on first use (``from kvpage import LLM, SamplingParams``) so
 #: that ``import kvpage`` stays light

@@ -33,28 +33,26 @@ the summed ``tensor.nbytes`` of real allocations.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpage.architectures import PLAN_MODEL_TYPES, check_architecture
 from kvpage.errors import SpecError
-from kvpage.sim.workload_stats import (
+from kvpage.specs import (
+    DTYPE_BYTES,
+    CacheSpec,
+    load_preset,
+    make_cache_spec,
+    read_hf_config_file,
+)
+from kvpage.specs.architectures import PLAN_MODEL_TYPES, check_architecture
+from kvpage.workload.workload_stats import (
     Workload,
     analyze_workload,
     blocks_per_sequence,
     max_len_for_num_seqs,
-)
-from kvpage.specs import (
-    DTYPE_BYTES,
-    KV_DTYPE_BYTES,
-    SCALE_BYTES,
-    CacheSpec,
-    load_preset,
-    make_cache_spec,
 )
 
 GIB = 1 << 30
@@ -157,15 +155,7 @@ def resolve_model(model: str) -> ModelSource:
     if p.is_dir() and (p / "config.json").is_file():
         p = p / "config.json"
     if p.is_file() and p.name.endswith("config.json"):
-        try:
-            cfg = json.loads(p.read_text())
-        except (OSError, ValueError) as e:
-            raise SpecError(f"model {model}: expected a readable JSON config, got {e}") from None
-        if not isinstance(cfg, dict):
-            raise SpecError(
-                f"model {model}: expected a JSON object (HF config.json), "
-                f"got a JSON {type(cfg).__name__}"
-            )
+        cfg = read_hf_config_file(p, f"model {model}")
         check_architecture(cfg, PLAN_MODEL_TYPES)  # before counting: name what is missing
         n, why = cfg.get("num_parameters"), None
         if not n:
@@ -226,21 +216,12 @@ def layer_bytes(spec: CacheSpec, layer_id: int, num_blocks: int) -> int:
     """Bytes of one layer's cache tensors for ``num_blocks`` blocks in the canonical layout:
     K/V data ``2*num_blocks*block_size*num_kv_heads*head_dim*elem`` plus int8 per-token
     scales ``2*num_blocks*block_size*num_kv_heads*4`` or fp8 scales ``2*4*{1|num_kv_heads}``."""
-    a = spec.layers[layer_id]
-    slots = num_blocks * spec.block_size
-    elem = DTYPE_BYTES[spec.dtype] if spec.kv_dtype == "auto" else KV_DTYPE_BYTES[spec.kv_dtype]
-    b = 2 * slots * a.num_kv_heads * a.head_dim * elem
-    if spec.kv_dtype == "int8":
-        b += 2 * slots * a.num_kv_heads * SCALE_BYTES
-    elif spec.kv_dtype.startswith("fp8"):
-        per = 1 if spec.kv_scale_granularity == "per_tensor" else a.num_kv_heads
-        b += 2 * per * SCALE_BYTES
-    return b
+    return spec.layer_bytes(layer_id, num_blocks)
 
 
 def kv_cache_bytes(spec: CacheSpec, num_blocks: int) -> int:
     """Bytes of the whole cache (all layers) for ``num_blocks`` blocks per layer."""
-    return sum(layer_bytes(spec, i, num_blocks) for i in range(spec.num_layers))
+    return num_blocks * spec.bytes_per_block + spec.fixed_scale_bytes
 
 
 def simple_formula_bytes(spec: CacheSpec, tokens: int) -> int:
@@ -312,7 +293,7 @@ def plan_capacity(
     ``max_model_len`` (default: the model's context) sizes the contiguous reservation.
 
     Raises:
-        SpecError: bad or unsupported model (``kvpage.architectures``), ``max_model_len``
+        SpecError: bad or unsupported model (``kvpage.specs.architectures``), ``max_model_len``
             above the model's context, a size above 1 PiB, budget below zero, TP
             sharding refused, bad dtypes; ``weight_bytes`` missing where the parameter
             count is unknown.

@@ -17,12 +17,12 @@ from typing import Any
 
 #: "module:function" of every subcommand registrar, in help order
 SUBCOMMANDS: list[str] = [
-    "kvpage.engine.cli:add_generate_parser",
-    "kvpage.engine.cli:add_replay_parser",
+    "kvpage.apps.engine_cli:add_generate_parser",
+    "kvpage.apps.engine_cli:add_replay_parser",
     "kvpage.server.cli:add_serve_parser",
-    "kvpage.sim.cli:add_plan_parser",
-    "kvpage.sim.cli:add_profile_parser",
-    "kvpage.sim.simulate_cli:add_simulate_parser",
+    "kvpage.apps.sim_cli:add_plan_parser",
+    "kvpage.apps.sim_cli:add_profile_parser",
+    "kvpage.apps.simulate_cli:add_simulate_parser",
 ]
 
 

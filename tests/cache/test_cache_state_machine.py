@@ -9,7 +9,8 @@ groups) and checks after every rule:
 * a write never lands in a shared block (CoW happened first);
 * every hash entry points to a block whose written content (tracked here, token by
   token) is exactly the content the hash names; every block of a running request holds
-  that request's tokens;
+  that request's tokens, and every key its next query can see (all earlier positions,
+  or the last ``W`` in a sliding-window group) is still in its block table;
 * a failed allocation (None) changes nothing but the failure counter.
 """
 
@@ -107,7 +108,9 @@ class CacheMachine(RuleBasedStateMachine):
             assert r.tables[g] == self.mgr.block_table(rid, g)
 
     def _run_step(self, rid: str) -> None:
-        """The step runs: write K/V of positions [computed, allocated), then commit."""
+        """The step runs: write K/V of positions [computed, allocated), each query then
+        reading the keys it can see (all earlier ones, or the last W in a sliding
+        group), which must be held and hold this request's tokens; then commit."""
         r = self.model[rid]
         for p in range(r.computed, r.allocated):
             for g in range(self.mgr.num_groups):
@@ -115,6 +118,11 @@ class CacheMachine(RuleBasedStateMachine):
                 assert b != 0
                 assert self.mgr.pools[g].blocks[b].ref_cnt == 1, "write into a shared block"
                 self.content[g][b][p % self.bs] = (r.salt, tuple(r.tokens[: p + 1]))
+                w = self.mgr.windows[g]
+                for q in range(0 if w is None else max(0, p - w + 1), p):
+                    kb = r.tables[g][q // self.bs]
+                    assert kb != 0, f"query {p} reads key {q}: released (group {g})"
+                    assert self.content[g][kb][q % self.bs] == (r.salt, tuple(r.tokens[: q + 1]))
         r.computed = r.allocated
         self.mgr.commit(rid, r.tokens, r.computed)
 
@@ -252,8 +260,12 @@ class CacheMachine(RuleBasedStateMachine):
         for rid, r in self.model.items():
             assert mgr.num_allocated_tokens(rid) == r.allocated
             for g, t in enumerate(r.tables):
+                w = mgr.windows[g]
+                # keys the next query (position r.computed) can see are still held
+                seen_from = 0 if w is None else max(0, r.computed - w + 1)
                 for p in range(r.computed):
                     b = t[p // self.bs]
+                    assert b or p < seen_from, f"key {p} released but visible (group {g})"
                     if b:
                         assert self.content[g][b][p % self.bs] == (r.salt, tuple(r.tokens[: p + 1]))
         if not self.model:

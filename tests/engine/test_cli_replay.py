@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from kvpage.apps.replay import fit_trace, replay
 from kvpage.cli import SUBCOMMANDS, build_parser, main
 from kvpage.engine import LLMEngine
-from kvpage.engine.replay import fit_trace, replay
-from kvpage.sim.traces import load_trace
+from kvpage.workload.traces import load_trace
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def engine() -> LLMEngine:
 
 
 def test_parser_lists_engine_subcommands() -> None:
-    assert SUBCOMMANDS[0] == "kvpage.engine.cli:add_generate_parser"
+    assert SUBCOMMANDS[0] == "kvpage.apps.engine_cli:add_generate_parser"
     help_text = build_parser().format_help()
     assert "generate" in help_text and "replay" in help_text
 

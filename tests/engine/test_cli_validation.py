@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-import kvpage.engine.replay as replay_mod
+import kvpage.apps.replay as replay_mod
 from kvpage.cli import build_parser, main
 
 ENGINE_BAD = [
@@ -90,7 +90,7 @@ def test_replay_output_folder_rejected_before_running(
     def boom(*a: Any, **k: Any) -> None:  # the trace must not even be loaded
         raise AssertionError("ran")
 
-    monkeypatch.setattr("kvpage.sim.traces.load_trace", boom)
+    monkeypatch.setattr("kvpage.workload.traces.load_trace", boom)
     assert main(["replay", "--output", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"--output: expected a file path, got the directory '{tmp_path}'" in err

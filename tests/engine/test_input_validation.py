@@ -24,7 +24,7 @@ def llm() -> LLM:
 def _assert_clean(llm: LLM) -> None:
     eng = llm.llm_engine
     assert eng.get_num_unfinished_requests() == 0
-    assert not eng.scheduler.has_unfinished() and not eng.scheduler.groups
+    assert not eng.scheduler.has_unfinished() and not eng.scheduler.samples
     assert llm.get_metrics()["kvpage:kv_cache_usage_perc"] == 0.0
     eng.kv_cache_manager.check_integrity()
 

@@ -25,7 +25,7 @@ def req(rid: str, prompt: list[int] | int, max_tokens: int = 8, n: int = 1) -> R
     ids = list(range(100, 100 + prompt)) if isinstance(prompt, int) else list(prompt)
     return Request(
         request_id=rid,
-        group_id=rid,
+        parent_id=rid,
         sample_index=0,
         token_ids=ids,
         num_prompt_tokens=len(ids),
@@ -120,7 +120,7 @@ def test_c08_capacity_formula_boundary_and_no_state_change() -> None:
     assert e.value.reason == "exceeds_kv_capacity" and str(cap) in str(e.value)
     with pytest.raises(RequestRejected):
         s.add_request(req("one-more", cap - 9, max_tokens=10 + 1))  # P + M - 1 = cap + 1
-    assert not s.has_unfinished() and s.kv.num_free_blocks == free and not s.groups
+    assert not s.has_unfinished() and s.kv.num_free_blocks == free and not s.samples
     s.add_request(req("largest", cap - 9, max_tokens=10))  # P + M - 1 = cap: admitted
     s.add_request(req("small", 20, max_tokens=4))
     run(s)
@@ -137,7 +137,7 @@ def test_input_rejections() -> None:
     ]:
         with pytest.raises(RequestRejected) as e:
             s.add_request(r)
-        assert e.value.reason == reason and e.value.request_id == r.group_id
+        assert e.value.reason == reason and e.value.request_id == r.parent_id
     s.add_request(req("ok", 4))
     with pytest.raises(RequestRejected) as e:
         s.add_request(req("ok", 4))
@@ -169,7 +169,7 @@ def test_abort_frees_blocks_at_once() -> None:
     assert s.kv.num_free_blocks < free
     s.abort("a")
     assert s.kv.num_free_blocks == free and not s.has_unfinished()
-    assert s.requests["a"].finish_reason == "abort" and s.group_finished("a")
+    assert s.requests["a"].finish_reason == "abort" and s.samples_finished("a")
 
 
 def test_c06_fork_shares_prompt_blocks_and_copies_tail_once() -> None:

@@ -57,7 +57,10 @@ def test_dump_config_with_alias_flag_round_trips(capsys: pytest.CaptureFixture[s
 @pytest.mark.parametrize(
     "files, message",
     [
-        ({"config.json": b"{oops"}, "config.json: expected a JSON object"),
+        (
+            {"config.json": b"{oops"},
+            "config.json: expected a readable JSON config, got invalid JSON",
+        ),
         (
             {
                 "config.json": json.dumps(

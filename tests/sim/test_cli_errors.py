@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from kvpage.cli import main
 from kvpage.errors import SpecError
-from kvpage.sim.cli import main
 from kvpage.sim.simulator import SimConfig, simulate
-from kvpage.sim.traces import TraceRequest, load_trace
+from kvpage.workload.traces import TraceRequest, load_trace
 
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 PLAN = ["plan", "--model", "llama-3-8b", "--memory", "80GiB"]

@@ -14,7 +14,7 @@ from kvpage.cli import main
 from kvpage.errors import SpecError
 from kvpage.jsonout import dumps
 from kvpage.sim.profile import arrival_stats, profile_trace, render_profile, window_counts
-from kvpage.sim.traces import TraceError, load_azure_csv, load_mooncake_jsonl, load_trace
+from kvpage.workload.traces import TraceError, load_azure_csv, load_mooncake_jsonl, load_trace
 
 ROW = '{"timestamp": %s, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n'
 

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from kvpage.sim.cli import main
+from kvpage.cli import main
 from kvpage.sim.profile import arrival_stats, prefix_stats, profile_trace
-from kvpage.sim.traces import Trace, TraceRequest, load_trace
+from kvpage.workload.traces import Trace, TraceRequest, load_trace
 
 
 def test_mooncake_prefix_statistics_match_published():

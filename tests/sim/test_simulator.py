@@ -10,7 +10,7 @@ from kvpage.sim.costmodel import GPU_PRESETS, StepCostModel, get_gpu
 from kvpage.sim.eviction import EVICTION_POLICIES, simulate_eviction
 from kvpage.sim.profile import prefix_stats
 from kvpage.sim.simulator import POLICIES, SimConfig, simulate
-from kvpage.sim.traces import Trace, TraceRequest, load_trace
+from kvpage.workload.traces import Trace, TraceRequest, load_trace
 
 
 # ---- cost model -------------------------------------------------------------------------

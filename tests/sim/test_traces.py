@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpage.sim.traces import (
+from kvpage.workload.traces import (
     MOONCAKE_BLOCK_TOKENS,
     TokenMapper,
     TraceError,

@@ -8,8 +8,8 @@ import pytest
 
 from kvpage.errors import SpecError
 from kvpage.sim.profile import prefix_stats
-from kvpage.sim.traces import TokenMapper
-from kvpage.sim.workloads import WORKLOADS, make_workload
+from kvpage.workload.traces import TokenMapper
+from kvpage.workload.workloads import WORKLOADS, make_workload
 
 
 @pytest.mark.parametrize("name", WORKLOADS)

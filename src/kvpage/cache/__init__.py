@@ -1,13 +1,15 @@
 """Host-side bookkeeping of the paged KV cache.
 
-``KVCacheManager`` is the one allocator the scheduler uses; ``BlockPool`` holds the
-blocks of one KV group; ``hash_block_tokens``/``hash_request_blocks`` compute the
+``KVCacheManager`` is the one allocator the scheduler uses (contract:
+``KVAllocator``); it drives one ``GroupManager`` per KV group (``FullAttentionManager``
+or ``SlidingWindowManager``), each over the ``BlockPool`` holding that group's blocks; ``hash_block_tokens``/``hash_request_blocks`` compute the
 prefix-cache keys (stable across processes, so a router can compute them too);
 ``slot_mapping``/``batch_block_tables`` turn block tables into step arrays.
 Pure Python + numpy: no torch kernels, no engine imports.
 """
 
 from kvpage.cache.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVBlock
+from kvpage.cache.group_managers import FullAttentionManager, GroupManager, SlidingWindowManager
 from kvpage.cache.hashing import (
     BlockHash,
     encode_extra_keys,
@@ -16,17 +18,23 @@ from kvpage.cache.hashing import (
     root_hash,
 )
 from kvpage.cache.manager import Allocation, CacheStats, KVCacheManager
+from kvpage.cache.protocol import AllocatorStats, KVAllocator
 from kvpage.cache.tables import batch_block_tables, slot_mapping
 
 __all__ = [
     "NULL_BLOCK_ID",
     "Allocation",
+    "AllocatorStats",
     "BlockHash",
     "BlockPool",
     "CacheStats",
     "FreeBlockQueue",
+    "FullAttentionManager",
+    "GroupManager",
+    "KVAllocator",
     "KVBlock",
     "KVCacheManager",
+    "SlidingWindowManager",
     "batch_block_tables",
     "encode_extra_keys",
     "hash_block_tokens",

@@ -19,7 +19,7 @@ queue in O(1). This is the design of vLLM v1's ``FreeKVCacheBlockQueue`` (vLLM d
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvpage.errors import AllocationError, IntegrityError
 
@@ -170,6 +170,35 @@ class BlockPool:
         """The block holding ``block_hash``'s content, or None (no state change)."""
         return self.cached.get(block_hash)
 
+    def ref_count(self, block_id: int) -> int:
+        """Block tables holding block ``block_id`` (0 = free)."""
+        return self.blocks[block_id].ref_cnt
+
+    def is_shared(self, block_id: int) -> bool:
+        """Whether more than one block table holds ``block_id`` (a write needs CoW)."""
+        return self.blocks[block_id].ref_cnt > 1
+
+    def count_free(self, block_ids: Iterable[int]) -> int:
+        """How many of ``block_ids`` (null ids skipped) are free: taking them as a prefix
+        hit revives them from the free queue, so each needs a free-queue slot."""
+        blocks = self.blocks
+        return sum(1 for i in block_ids if i and blocks[i].ref_cnt == 0)
+
+    def count_exclusive(self, block_ids: Iterable[int]) -> int:
+        """How many of ``block_ids`` (null ids skipped) have exactly one holder: releasing
+        them once returns them to the free queue."""
+        blocks = self.blocks
+        return sum(1 for i in block_ids if i and blocks[i].ref_cnt == 1)
+
+    def is_cached(self, block_hash: bytes) -> bool:
+        """Whether some block holds ``block_hash``'s content (no state change)."""
+        return block_hash in self.cached
+
+    def cached_block_id(self, block_hash: bytes) -> int | None:
+        """The id of the block holding ``block_hash``'s content, or None."""
+        b = self.cached.get(block_hash)
+        return None if b is None else b.block_id
+
     # ---- mutation ---------------------------------------------------------------------
     def allocate(self, n: int) -> list[KVBlock]:
         """Take ``n`` blocks from the head of the free queue, each with ``ref_cnt == 1``.
@@ -185,15 +214,24 @@ class BlockPool:
         out = []
         for _ in range(n):
             b = fq.popleft()
-            h = b.block_hash
-            if h is not None:
-                if self.cached.get(h) is b:
-                    del self.cached[h]
-                b.block_hash = None
-                self.num_evictions += 1
+            if b.block_hash is not None:
+                self._evict(b)
             b.ref_cnt = 1
             out.append(b)
         return out
+
+    def allocate_ids(self, n: int) -> list[int]:
+        """:meth:`allocate`, returning block ids."""
+        return [b.block_id for b in self.allocate(n)] if n else []
+
+    def _evict(self, b: KVBlock) -> None:
+        """Drop the hash entry of cached block ``b`` just taken for new content (the one
+        place where cached content leaves this pool: see docs/architecture.md, seams)."""
+        h = b.block_hash
+        if h is not None and self.cached.get(h) is b:
+            del self.cached[h]
+        b.block_hash = None
+        self.num_evictions += 1
 
     def touch(self, blocks: Sequence[KVBlock]) -> None:
         """Add one holder to each block (reviving free cached blocks from the queue)."""
@@ -202,6 +240,11 @@ class BlockPool:
             if b.ref_cnt == 0:
                 fq.remove(b)
             b.ref_cnt += 1
+
+    def touch_ids(self, block_ids: Iterable[int]) -> None:
+        """:meth:`touch` by block id; null ids (0) are skipped."""
+        blocks = self.blocks
+        self.touch([blocks[i] for i in block_ids if i])
 
     def free(self, blocks: Sequence[KVBlock]) -> None:
         """Drop one holder from each block, in the given order.
@@ -226,9 +269,20 @@ class BlockPool:
                 raise AllocationError(
                     f"block {bid}: expected at most {ref} frees (ref_cnt), got {c} (double free)"
                 )
-        self._free_unchecked(blocks)
+        self._release(blocks)
 
-    def _free_unchecked(self, blocks: Sequence[KVBlock]) -> None:
+    def release(self, block_ids: Iterable[int]) -> None:
+        """Drop the caller's own hold on each block id, in the given order (null ids
+        skipped), with the queue placement of :meth:`free`.
+
+        The trusted path of the layer above, which frees only what its block tables
+        hold (each id at most once per table it is in), so the double-free scan of
+        :meth:`free` is skipped; ``check_integrity`` catches a violation.
+        """
+        blocks = self.blocks
+        self._release([blocks[i] for i in block_ids if i])
+
+    def _release(self, blocks: Sequence[KVBlock]) -> None:
         fq = self.free_queue
         for b in blocks:
             b.ref_cnt -= 1
@@ -238,14 +292,18 @@ class BlockPool:
                 else:
                     fq.append(b)
 
-    def cache_block(self, block: KVBlock, block_hash: bytes) -> bool:
-        """Register ``block`` as holding ``block_hash``'s content.
+    def cache_block(self, block: KVBlock | int, block_hash: bytes) -> bool:
+        """Register ``block`` (a KVBlock or a block id) as holding ``block_hash``'s content.
 
         Returns:
             False (no change) if caching is off, the block already has a hash, or another
             block already holds this content; True otherwise.
         """
-        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
+        if not self.enable_caching or block_hash in self.cached:
+            return False
+        if isinstance(block, int):
+            block = self.blocks[block]
+        if block.block_hash is not None:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block

@@ -77,7 +77,14 @@ def _pack_tokens(token_ids: Sequence[int]) -> bytes:
         ) from None
 
 
-def _hash(parent: BlockHash, extra: bytes, token_ids: Sequence[int]) -> BlockHash:
+def chain_hash(parent: BlockHash, extra: bytes, token_ids: Sequence[int]) -> BlockHash:
+    """The hash of one full block from its parent's hash, the encoded extra keys
+    (:func:`encode_extra_keys`) and its ``block_size`` token ids (the byte layout of the
+    module docstring).
+
+    Raises:
+        SpecError: a token id outside int64.
+    """
     return sha256(_DOMAIN + parent + extra + _pack_tokens(token_ids)).digest()
 
 
@@ -132,7 +139,7 @@ def hash_block_tokens(
         SpecError: a token id outside int64, or a bad ``hash_seed``.
     """
     parent = root_hash(hash_seed) if parent_hash is None else parent_hash
-    return _hash(parent, encode_extra_keys(cache_salt, adapter_id), token_ids)
+    return chain_hash(parent, encode_extra_keys(cache_salt, adapter_id), token_ids)
 
 
 def hash_request_blocks(
@@ -170,6 +177,7 @@ def hash_request_blocks(
 
 __all__ = [
     "BlockHash",
+    "chain_hash",
     "encode_extra_keys",
     "hash_block_tokens",
     "hash_request_blocks",

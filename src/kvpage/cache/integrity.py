@@ -8,21 +8,32 @@ prefix; each request's committed-hash count is consistent.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
 
+from kvpage.cache.allocation import RequestBlocks
+from kvpage.cache.block_pool import BlockPool
 from kvpage.errors import IntegrityError
 
-if TYPE_CHECKING:
-    from kvpage.cache.manager import KVCacheManager
 
+def check_manager_integrity(
+    pools: Sequence[BlockPool],
+    requests: Mapping[str, RequestBlocks],
+    block_size: int,
+    enable_prefix_caching: bool,
+) -> None:
+    """Raise IntegrityError (with the disagreeing numbers) if any invariant fails.
 
-def check_manager_integrity(mgr: KVCacheManager) -> None:
-    """Raise IntegrityError (with the disagreeing numbers) if any invariant fails."""
-    bs = mgr.block_size
-    for g, pool in enumerate(mgr.pools):
+    Args:
+        pools: the manager's pools, one per KV group.
+        requests: request id -> its record (tables, token count, hashes).
+        block_size: tokens per block.
+        enable_prefix_caching: whether committed hashes are tracked.
+    """
+    bs = block_size
+    for g, pool in enumerate(pools):
         pool.check_integrity()
         holders = [0] * pool.num_blocks
-        for rid, req in mgr._reqs.items():
+        for rid, req in requests.items():
             table = req.tables[g]
             want = -(-req.num_tokens // bs)
             if len(table) != want:
@@ -43,16 +54,16 @@ def check_manager_integrity(mgr: KVCacheManager) -> None:
                         f"window-freed prefix is {freed} blocks"
                     )
                 holders[bid] += 1
-            if mgr.enable_prefix_caching and len(req.hashes) != req.num_committed:
+            if enable_prefix_caching and len(req.hashes) != req.num_committed:
                 raise IntegrityError(
                     f"request {rid!r}: expected {req.num_committed} block hashes, "
                     f"got {len(req.hashes)}"
                 )
-        for b in pool.blocks[1:]:
-            if b.ref_cnt != holders[b.block_id]:
+        for bid in range(1, pool.num_blocks):
+            ref = pool.ref_count(bid)
+            if ref != holders[bid]:
                 raise IntegrityError(
-                    f"group {g} block {b.block_id}: ref_cnt {b.ref_cnt} but "
-                    f"{holders[b.block_id]} block tables hold it"
+                    f"group {g} block {bid}: ref_cnt {ref} but {holders[bid]} block tables hold it"
                 )
         if pool.num_used > pool.num_usable or pool.num_free < 0:
             raise IntegrityError(

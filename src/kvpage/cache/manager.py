@@ -12,6 +12,12 @@ queue, still cached -> a later allocation *evicts* them (hash entry removed in t
 operation). *Fork* shares blocks (ref counts); a write into a shared partial block is
 *copied* first (CoW, C06). In a sliding-window group, blocks wholly outside the window
 of the next query are released (table entry -> null block 0, C10).
+
+Layers (each calls only the public methods of the one below): this manager (requests,
+hashes, stats, all-or-nothing across groups) -> one
+:class:`~kvpage.cache.group_managers.GroupManager` per KV group (full attention or
+sliding window: window release, CoW, growth of one table) -> that group's
+:class:`~kvpage.cache.block_pool.BlockPool` (ref counts, free queue, hash map).
 """
 
 from __future__ import annotations
@@ -20,16 +26,17 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from kvpage.cache.allocation import Allocation, CacheStats, RequestBlocks
-from kvpage.cache.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
+from kvpage.cache.block_pool import BlockPool
+from kvpage.cache.group_managers import GroupManager, GrowthPlan, make_group_manager
 from kvpage.cache.hashing import (
     BlockHash,
-    _hash,
+    chain_hash,
     encode_extra_keys,
     iter_block_hashes,
     root_hash,
 )
 from kvpage.cache.integrity import check_manager_integrity
-from kvpage.cache.prefix import hit_blocks, longest_hit
+from kvpage.cache.prefix import longest_hit
 from kvpage.errors import AllocationError, SpecError
 from kvpage.specs import CacheSpec
 
@@ -67,10 +74,15 @@ class KVCacheManager:
         self.hash_seed = hash_seed
         self.windows: list[int | None] = [g.sliding_window for g in spec.kv_groups]
         self.num_groups = len(self.windows)
-        self.pools = [
-            BlockPool(spec.num_blocks, enable_caching=enable_prefix_caching)
-            for _ in range(self.num_groups)
+        self._groups: list[GroupManager] = [
+            make_group_manager(
+                BlockPool(spec.num_blocks, enable_caching=enable_prefix_caching),
+                spec.block_size,
+                w,
+            )
+            for w in self.windows
         ]
+        self._pools = [gm.pool for gm in self._groups]
         self._simple = self.windows == [None]
         self._root = root_hash(hash_seed)
         self._reqs: dict[str, RequestBlocks] = {}
@@ -81,20 +93,31 @@ class KVCacheManager:
 
     # ---- queries ------------------------------------------------------------------------
     @property
+    def pools(self) -> list[BlockPool]:
+        """The per-group pools, for inspection (tests, debugging); mutate them only
+        through this manager."""
+        return list(self._pools)
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks held by requests, max over groups, in [0, 1]; cached
         blocks nobody holds count as free."""
-        return max(p.usage for p in self.pools)
+        return max(p.usage for p in self._pools)
 
     @property
     def num_free_blocks(self) -> int:
         """Free blocks (cached-but-unreferenced included), min over groups."""
-        return min(p.num_free for p in self.pools)
+        return min(p.num_free for p in self._pools)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by requests, max over groups."""
+        return max(p.num_used for p in self._pools)
 
     @property
     def stats(self) -> CacheStats:
         """A snapshot of the counters."""
-        return replace(self._stats, evictions=sum(p.num_evictions for p in self.pools))
+        return replace(self._stats, evictions=sum(p.num_evictions for p in self._pools))
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` holds blocks (allocated and not freed)."""
@@ -141,7 +164,7 @@ class KVCacheManager:
             return 0
         extra = encode_extra_keys(cache_salt, adapter_id)
         bs = self.block_size
-        nb, hashes = longest_hit(self.pools, self.windows, self._root, extra, token_ids, bs)
+        nb, hashes = longest_hit(self._groups, self._root, extra, token_ids, bs)
         # remember the hashes for the allocate that normally follows (keyed by content)
         self._peek_memo = (extra, list(token_ids[: len(hashes) * bs]), hashes)
         return nb * self.block_size
@@ -187,73 +210,48 @@ class KVCacheManager:
             )
         if num_new_tokens < 0:
             raise AllocationError(f"num_new_tokens: expected >= 0, got {num_new_tokens}")
-        bs = self.block_size
         start = req.num_tokens
         end = start + num_new_tokens
-        need_blocks = -(-end // bs)
-        if self._simple:  # fast path: one full-attention group, no new block, no CoW
-            table = req.tables[0]
-            if need_blocks <= len(table) and not (
-                start % bs and num_new_tokens and self.pools[0].blocks[table[-1]].ref_cnt > 1
-            ):
+        need_blocks = -(-end // self.block_size)
+        if self._simple:  # fast path: one full-attention group, no CoW, room to append
+            ids = self._groups[0].try_append(req.tables[0], start, num_new_tokens, need_blocks)
+            if ids is not None:
                 req.num_tokens = end
-                self._stats.allocations += 1
-                return Allocation(0, [[]], [[]])
+                st = self._stats
+                st.allocations += 1
+                st.blocks_allocated += len(ids)
+                return Allocation(0, [ids], [[]])
+        plans = self._plan_growth(req, start, num_new_tokens, need_blocks)
+        if plans is None:
+            self._stats.allocation_failures += 1
+            return None
+        return self._grow(req, plans, end)
+
+    def _plan_growth(
+        self, req: RequestBlocks, start: int, num_new_tokens: int, need_blocks: int
+    ) -> list[GrowthPlan] | None:
+        """Every group's plan, or None if one group lacks blocks (nothing changed)."""
         plans = []
-        for g in range(self.num_groups):
-            pool = self.pools[g]
-            table = req.tables[g]
-            blocks = pool.blocks
-            w = self.windows[g]
-            release: list[KVBlock] = []
-            target = 0
-            avail = pool.free_queue.num_free
-            if w is not None:
-                target = max(0, start - w + 1) // bs
-                for i in range(req.freed[g], target):
-                    if table[i] != NULL_BLOCK_ID:
-                        b = blocks[table[i]]
-                        release.append(b)
-                        if b.ref_cnt == 1:
-                            avail += 1
-            cow = 1 if start % bs and num_new_tokens and blocks[table[-1]].ref_cnt > 1 else 0
-            n_new = need_blocks - len(table)
-            if n_new < 0:
-                n_new = 0
-            if n_new + cow > avail:
-                self._stats.allocation_failures += 1
+        for g, gm in enumerate(self._groups):
+            plan = gm.plan_growth(req.tables[g], req.freed[g], start, num_new_tokens, need_blocks)
+            if plan is None:
                 return None
-            plans.append((release, target, cow, n_new))
+            plans.append(plan)
+        return plans
+
+    def _grow(self, req: RequestBlocks, plans: list[GrowthPlan], end: int) -> Allocation:
+        """Carry out every group's plan and count it in the stats."""
         new_blocks: list[list[int]] = []
         copies: list[list[tuple[int, int]]] = []
         st = self._stats
-        for g, (release, target, cow, n_new) in enumerate(plans):
-            pool = self.pools[g]
-            table = req.tables[g]
-            if target > req.freed[g]:
-                if release:
-                    release.reverse()
-                    pool._free_unchecked(release)
-                    st.window_blocks_freed += len(release)
-                for i in range(req.freed[g], target):
-                    table[i] = NULL_BLOCK_ID
-                req.freed[g] = target
-            cp: list[tuple[int, int]] = []
-            if cow:
-                src = pool.blocks[table[-1]]
-                dst = pool.allocate(1)[0]
-                src.ref_cnt -= 1  # was > 1: stays used
-                table[-1] = dst.block_id
-                cp.append((src.block_id, dst.block_id))
-                st.cow_copies += 1
-                st.blocks_allocated += 1
-            ids: list[int] = []
-            if n_new:
-                ids = [b.block_id for b in pool.allocate(n_new)]
-                table.extend(ids)
-                st.blocks_allocated += n_new
-            new_blocks.append(ids)
-            copies.append(cp)
+        for g, (gm, plan) in enumerate(zip(self._groups, plans)):
+            done = gm.grow(req.tables[g], req.freed[g], plan)
+            req.freed[g] = plan.target
+            st.window_blocks_freed += done.num_released
+            st.cow_copies += len(done.copies)
+            st.blocks_allocated += len(done.new_blocks) + len(done.copies)
+            new_blocks.append(done.new_blocks)
+            copies.append(done.copies)
         req.num_tokens = end
         st.allocations += 1
         return Allocation(0, new_blocks, copies)
@@ -294,31 +292,19 @@ class KVCacheManager:
                 hashes = memo[2][:hb]  # same tokens and keys as the peek: same hashes
             else:
                 hashes = list(iter_block_hashes(self._root, extra, token_ids, bs, 0, hb))
-            found = hit_blocks(self.pools, self.windows, hashes, h, bs)
-            if isinstance(found, str):
-                raise AllocationError(
-                    f"num_cached_tokens: expected <= the tokens cached now, got {h} ({found}; "
-                    "call get_num_cached_tokens right before allocate)"
-                )
-            hit = found
+            hit = self._hit_tables(hashes, h)
         n_new = -(-(h + num_new_tokens) // bs) - hb
-        for g, pool in enumerate(self.pools):
-            blocks = pool.blocks
-            revive = sum(1 for b in hit[g] if b and blocks[b].ref_cnt == 0)
-            if n_new + revive > pool.free_queue.num_free:
-                self._stats.allocation_failures += 1
-                return None
+        if not all(gm.can_start(ids, n_new) for gm, ids in zip(self._groups, hit)):
+            self._stats.allocation_failures += 1
+            return None
         tables: list[list[int]] = []
         new_blocks: list[list[int]] = []
         freed: list[int] = []
-        for g, pool in enumerate(self.pools):
-            blocks = pool.blocks
-            pool.touch([blocks[b] for b in hit[g] if b])
-            ids = [b.block_id for b in pool.allocate(n_new)]
+        for g, gm in enumerate(self._groups):
+            ids = gm.start(hit[g], n_new)
             tables.append(hit[g] + ids)
             new_blocks.append(ids)
-            w = self.windows[g]
-            freed.append(0 if w is None else max(0, h - w + 1) // bs)
+            freed.append(gm.first_needed_block(h))
         self._reqs[request_id] = RequestBlocks(tables, h + num_new_tokens, extra, hashes, hb, freed)
         st = self._stats
         st.prefix_queries += 1
@@ -328,6 +314,24 @@ class KVCacheManager:
         st.allocations += 1
         st.blocks_allocated += n_new * self.num_groups
         return Allocation(h, new_blocks, [[] for _ in range(self.num_groups)])
+
+    def _hit_tables(self, hashes: list[BlockHash], num_cached_tokens: int) -> list[list[int]]:
+        """Per group, the table prefix a hit takes (see ``GroupManager.hit_block_ids``).
+
+        Raises:
+            AllocationError: a needed block is not cached (any more).
+        """
+        hit: list[list[int]] = []
+        for g, gm in enumerate(self._groups):
+            ids = gm.hit_block_ids(hashes, num_cached_tokens)
+            if ids is None:
+                raise AllocationError(
+                    f"num_cached_tokens: expected <= the tokens cached now, got "
+                    f"{num_cached_tokens} (a block of group {g} is not cached; "
+                    "call get_num_cached_tokens right before allocate)"
+                )
+            hit.append(ids)
+        return hit
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Register blocks fully inside ``[0, num_computed_tokens)`` as prefix-cache
@@ -359,18 +363,15 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else self._root
         extra = req.extra
         tables = req.tables
-        pools = self.pools
+        groups = self._groups
         if nfull - i0 == 1:  # decode: one block filled up, skip the generator
-            new_hashes = [_hash(parent, extra, token_ids[i0 * bs : nfull * bs])]
+            new_hashes = [chain_hash(parent, extra, token_ids[i0 * bs : nfull * bs])]
         else:
             new_hashes = list(iter_block_hashes(parent, extra, token_ids, bs, i0, nfull))
         for i, h in enumerate(new_hashes, i0):
             hashes.append(h)
-            for g in range(self.num_groups):
-                bid = tables[g][i]
-                if bid != NULL_BLOCK_ID:
-                    pool = pools[g]
-                    pool.cache_block(pool.blocks[bid], h)
+            for g, gm in enumerate(groups):
+                gm.commit(tables[g], i, h)
         req.num_committed = nfull
 
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -382,8 +383,8 @@ class KVCacheManager:
         p = self._get(parent_id)
         if child_id in self._reqs:
             raise AllocationError(f"child_id: expected a new request id, got {child_id!r}")
-        for g, pool in enumerate(self.pools):
-            pool.touch([pool.blocks[b] for b in p.tables[g] if b != NULL_BLOCK_ID])
+        for gm, table in zip(self._groups, p.tables):
+            gm.fork(table)
         self._reqs[child_id] = RequestBlocks(
             [list(t) for t in p.tables],
             p.num_tokens,
@@ -401,21 +402,22 @@ class KVCacheManager:
         """
         req = self._get(request_id)
         del self._reqs[request_id]
-        for g, pool in enumerate(self.pools):
-            blocks = pool.blocks
-            pool._free_unchecked([blocks[b] for b in reversed(req.tables[g]) if b])
+        for gm, table in zip(self._groups, req.tables):
+            gm.free(table)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every hash entry if no request holds blocks; False (no change) otherwise."""
-        if any(p.num_used for p in self.pools):
+        if any(p.num_used for p in self._pools):
             return False
-        for p in self.pools:
+        for p in self._pools:
             p.reset_prefix_cache()
         return True
 
     def check_integrity(self) -> None:
         """Verify pool and table invariants. Raises IntegrityError with the numbers."""
-        check_manager_integrity(self)
+        check_manager_integrity(
+            self._pools, self._reqs, self.block_size, self.enable_prefix_caching
+        )
 
     def _get(self, request_id: str) -> RequestBlocks:
         req = self._reqs.get(request_id)

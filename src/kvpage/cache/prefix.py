@@ -1,4 +1,5 @@
-"""Prefix-cache lookup over the KV groups of a model.
+"""Prefix-cache lookup over the KV groups of a model (the table a hit takes in one group
+is :meth:`kvpage.cache.group_managers.GroupManager.hit_block_ids`).
 
 A hit of ``nb`` blocks is usable when every full-attention group holds blocks
 ``0 .. nb-1`` and every sliding-window group (window ``W``) holds the blocks that the
@@ -12,13 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpage.cache.block_pool import NULL_BLOCK_ID, BlockPool
+from kvpage.cache.group_managers import GroupManager
 from kvpage.cache.hashing import BlockHash, iter_block_hashes
 
 
 def longest_hit(
-    pools: Sequence[BlockPool],
-    windows: Sequence[int | None],
+    groups: Sequence[GroupManager],
     root: BlockHash,
     extra: bytes,
     token_ids: Sequence[int],
@@ -35,52 +35,27 @@ def longest_hit(
     """
     bs = block_size
     cap = (len(token_ids) - 1) // bs
-    full = [pools[g].cached for g, w in enumerate(windows) if w is None]
-    sliding = [(pools[g].cached, w) for g, w in enumerate(windows) if w is not None]
+    full = [g.pool for g in groups if g.window is None]
+    sliding = [g for g in groups if g.window is not None]
     hashes: list[BlockHash] = []
     for h in iter_block_hashes(root, extra, token_ids, bs, 0, cap):
-        if any(h not in c for c in full):
+        if not all(p.is_cached(h) for p in full):
             break
         hashes.append(h)
     hb = len(hashes)
     if not sliding or hb == 0:
         return hb, hashes
     runs = []  # per sliding group: length of the cached run ending at each block
-    for cached, _ in sliding:
+    for g in sliding:
         run, r = 0, []
         for h in hashes:
-            run = run + 1 if h in cached else 0
+            run = run + 1 if g.pool.is_cached(h) else 0
             r.append(run)
         runs.append(r)
     for nb in range(hb, 0, -1):
-        if all(r[nb - 1] >= nb - max(0, nb * bs - w + 1) // bs for r, (_, w) in zip(runs, sliding)):
+        if all(r[nb - 1] >= nb - g.first_needed_block(nb * bs) for r, g in zip(runs, sliding)):
             return nb, hashes
     return 0, hashes
 
 
-def hit_blocks(
-    pools: Sequence[BlockPool],
-    windows: Sequence[int | None],
-    hashes: Sequence[BlockHash],
-    num_cached_tokens: int,
-    block_size: int,
-) -> list[list[int]] | str:
-    """Per group, the block ids a hit of ``num_cached_tokens`` takes (null block 0 for
-    blocks a sliding group does not need), or a reason string if the hit is not usable.
-    No state changes."""
-    nb = num_cached_tokens // block_size
-    out: list[list[int]] = []
-    for g, w in enumerate(windows):
-        lo = 0 if w is None else max(0, num_cached_tokens - w + 1) // block_size
-        cached = pools[g].cached
-        ids = [NULL_BLOCK_ID] * lo
-        for i in range(lo, nb):
-            b = cached.get(hashes[i])
-            if b is None:
-                return f"block {i} of group {g} is not cached"
-            ids.append(b.block_id)
-        out.append(ids)
-    return out
-
-
-__all__ = ["hit_blocks", "longest_hit"]
+__all__ = ["longest_hit"]

@@ -15,12 +15,20 @@ Sizing rules (documented defaults):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvpage.errors import SpecError
-from kvpage.specs import KVCacheDType, ModelDType
+from kvpage.specs import CacheSpec, KVCacheDType, ModelDType
+
+if TYPE_CHECKING:
+    from kvpage.attention.metadata import KVCache
+    from kvpage.attention.protocol import AttentionBackend
+    from kvpage.cache import KVCacheManager
+    from kvpage.engine.runner import ModelRunner
+    from kvpage.engine.scheduler import Scheduler
+    from kvpage.models.model import ModelRunnerModel
 
 #: most bytes the default (unsized) KV cache takes: 1 GiB
 DEFAULT_KV_CACHE_BYTES_CAP = 1 << 30
@@ -148,19 +156,43 @@ def resolve_num_blocks(
     return int(max(2, min(want, cap)))
 
 
-def build_components(config: EngineConfig) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class EngineComponents:
+    """The parts ``build_components`` builds and ``LLMEngine`` runs.
+
+    Attributes:
+        model: the loaded model (weights on ``config.device``).
+        cache_spec: the KV cache layout (block size, blocks per group, KV groups).
+        backend: the attention backend running ``cache_spec``.
+        kv_caches: one KV cache per layer (the backend's tensors).
+        kv_cache_manager: the block allocator (prefix caching, CoW, windows).
+        scheduler: the continuous-batching scheduler over ``kv_cache_manager``.
+        runner: turns a SchedulerOutput into one forward pass over ``kv_caches``.
+        max_model_len: longest sequence in tokens.
+    """
+
+    model: ModelRunnerModel
+    cache_spec: CacheSpec
+    backend: AttentionBackend
+    kv_caches: list[KVCache]
+    kv_cache_manager: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    max_model_len: int
+
+
+def build_components(config: EngineConfig) -> EngineComponents:
     """Load the model, size and allocate the cache, pick the backend.
 
     Returns:
-        ``{"model", "cache_spec", "backend", "kv_caches", "kv_cache_manager",
-        "scheduler", "runner", "max_model_len"}``.
+        The components, ready to run.
 
     Raises:
         SpecError: bad sizes, a KV cache too big to allocate, or ``max_model_len`` above the model's
             ``max_position_embeddings``; BackendUnavailableError: no backend can run
             the spec.
     """
-    from kvpage.backends import get_backend, select_backend
+    from kvpage.backends import select_backend
     from kvpage.cache import KVCacheManager
     from kvpage.engine.runner import ModelRunner
     from kvpage.engine.scheduler import Scheduler
@@ -181,12 +213,7 @@ def build_components(config: EngineConfig) -> dict[str, Any]:
     probe = model.cache_spec(config.block_size, 0, config.kv_cache_dtype)
     num_blocks = resolve_num_blocks(config, probe.bytes_per_block, probe.fixed_scale_bytes, mml)
     spec = model.cache_spec(config.block_size, num_blocks, config.kv_cache_dtype)
-    if config.backend == "auto":
-        backend = select_backend(spec, device)
-    else:
-        backend = select_backend(spec, device, prefer=config.backend)
-        if getattr(backend, "name", config.backend) != config.backend:  # pragma: no cover
-            backend = get_backend(config.backend)
+    backend = select_backend(spec, device, prefer=config.backend)
     try:
         kv_caches = [backend.allocate_kv_cache(spec, i, device) for i in range(spec.num_layers)]
     except (RuntimeError, MemoryError) as e:  # torch's CPU/CUDA out-of-memory errors
@@ -204,20 +231,12 @@ def build_components(config: EngineConfig) -> dict[str, Any]:
         max_model_len=mml,
     )
     runner = ModelRunner(model, backend, kv_caches, spec, device)
-    return {
-        "model": model,
-        "cache_spec": spec,
-        "backend": backend,
-        "kv_caches": kv_caches,
-        "kv_cache_manager": kvm,
-        "scheduler": scheduler,
-        "runner": runner,
-        "max_model_len": mml,
-    }
+    return EngineComponents(model, spec, backend, kv_caches, kvm, scheduler, runner, mml)
 
 
 __all__ = [
     "DEFAULT_KV_CACHE_BYTES_CAP",
+    "EngineComponents",
     "EngineConfig",
     "check_device",
     "build_components",

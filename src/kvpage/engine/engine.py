@@ -10,13 +10,12 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvpage.engine.config import EngineConfig, build_components
+from kvpage.engine.config import EngineComponents, EngineConfig, build_components
 from kvpage.engine.params import CompletionOutput, RequestOutput, SamplingParams
 from kvpage.engine.prompts import parse_prompt
 from kvpage.engine.request import Request
@@ -87,7 +86,7 @@ class StepStats:
 
 
 @dataclass
-class _Group:
+class _ParentRequest:
     """Engine-side state of one user request."""
 
     request_id: str
@@ -122,16 +121,16 @@ class LLMEngine:
             decode per token); finished outputs always do.
     """
 
-    def __init__(self, config: EngineConfig, components: Mapping[str, Any]) -> None:
+    def __init__(self, config: EngineConfig, components: EngineComponents) -> None:
         self.config = config
-        self.model = components["model"]
+        self.model = components.model
         self.tokenizer = getattr(self.model, "tokenizer", None)
-        self.cache_spec = components["cache_spec"]
-        self.backend = components["backend"]
+        self.cache_spec = components.cache_spec
+        self.backend = components.backend
         self.backend_name: str = str(getattr(self.backend, "name", type(self.backend).__name__))
-        self.kv_cache_manager = components["kv_cache_manager"]
-        self.scheduler = components["scheduler"]
-        self.runner = components["runner"]
+        self.kv_cache_manager = components.kv_cache_manager
+        self.scheduler = components.scheduler
+        self.runner = components.runner
         self.sampler = Sampler()
         self.vocab_size = int(self.model.config.get("vocab_size", 0))
         self.eos_token_id = getattr(self.tokenizer, "eos_id", None)
@@ -140,7 +139,7 @@ class LLMEngine:
             self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.stream_text = False
         self.step_stats = StepStats()
-        self._groups: dict[str, _Group] = {}
+        self._parents: dict[str, _ParentRequest] = {}
         self._arrivals = 0
         self._unique_salts = 0
         #: unfinished requests with prompt_logprobs (0: the step skips looking for them)
@@ -215,7 +214,7 @@ class LLMEngine:
             cap = mml - len(ids) if params.max_tokens is None else params.max_tokens
             req = Request(
                 request_id=request_id,
-                group_id=request_id,
+                parent_id=request_id,
                 sample_index=0,
                 token_ids=list(ids),
                 num_prompt_tokens=len(ids),
@@ -232,42 +231,42 @@ class LLMEngine:
             self._counters["rejected"] += 1
             raise
         now = time.monotonic() if arrival_time is None else arrival_time
-        grp = _Group(request_id, text, list(ids), params, now, req.arrival_order)
+        preq = _ParentRequest(request_id, text, list(ids), params, now, req.arrival_order)
         if params.prompt_logprobs is not None:
-            grp.prompt_logprobs = [None] * len(ids)
+            preq.prompt_logprobs = [None] * len(ids)
             self._num_prompt_lp += 1
-        self._groups[request_id] = grp
+        self._parents[request_id] = preq
         self._counters["prompt"] += len(ids)
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request: every sample stops and its blocks are freed at once.
         Unknown or finished ids are ignored."""
-        if request_id not in self._groups:
+        if request_id not in self._parents:
             return
         self.scheduler.abort(request_id)
         self.scheduler.release(request_id)
         self._forget(request_id)
 
-    def _forget(self, group_id: str) -> None:
+    def _forget(self, parent_id: str) -> None:
         """Drop a user request's engine-side state (finished, aborted or failed)."""
-        grp = self._groups.pop(group_id, None)
-        if grp is not None and grp.prompt_logprobs is not None:
+        preq = self._parents.pop(parent_id, None)
+        if preq is not None and preq.prompt_logprobs is not None:
             self._num_prompt_lp -= 1
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._parents)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._groups)
+        return len(self._parents)
 
     # ---- one step -----------------------------------------------------------------------
-    def _generator(self, grp: _Group, index: int) -> torch.Generator | None:
-        if grp.params.greedy:
+    def _generator(self, preq: _ParentRequest, index: int) -> torch.Generator | None:
+        if preq.params.greedy:
             return None
-        g = grp.generators.get(index)
+        g = preq.generators.get(index)
         if g is None:
-            g = make_generator(grp.params, self.config.seed, grp.arrival_order, index)
-            grp.generators[index] = g
+            g = make_generator(preq.params, self.config.seed, preq.arrival_order, index)
+            preq.generators[index] = g
         return g
 
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
@@ -293,7 +292,7 @@ class LLMEngine:
             out = self.scheduler.schedule()
         except BaseException:
             # the plan may be half-built: drop every running request (frees its blocks)
-            self._fail_groups({r.group_id for r in self.scheduler.running})
+            self._fail_requests({r.parent_id for r in self.scheduler.running})
             raise
         if out.is_empty:
             return []
@@ -302,22 +301,22 @@ class LLMEngine:
         except BaseException:
             # a model, sampler or bookkeeping failure: the requests of this step are
             # dropped (blocks freed, ids forgotten) so the engine stays usable
-            self._fail_groups({s.request.group_id for s in out.scheduled})
+            self._fail_requests({s.request.parent_id for s in out.scheduled})
             raise
 
-    def _fail_groups(self, group_ids: set[str]) -> None:
-        """Abort and forget the user requests ``group_ids`` after a failed step."""
-        for gid in sorted(group_ids):
-            self.scheduler.abort(gid)
-            self.scheduler.release(gid)
-            self._forget(gid)
-        self.failed_request_ids.extend(sorted(group_ids))
+    def _fail_requests(self, parent_ids: set[str]) -> None:
+        """Abort and forget the user requests ``parent_ids`` after a failed step."""
+        for pid in sorted(parent_ids):
+            self.scheduler.abort(pid)
+            self.scheduler.release(pid)
+            self._forget(pid)
+        self.failed_request_ids.extend(sorted(parent_ids))
 
     def _run_step(
         self, out: SchedulerOutput, t0: float, finished_only: bool
     ) -> list[RequestOutput]:
         st = self.step_stats
-        groups = self._groups
+        parents = self._parents
         step_start = time.monotonic()
         t1 = time.perf_counter()
         spans = prompt_logprob_spans(out) if self._num_prompt_lp else []
@@ -326,7 +325,7 @@ class LLMEngine:
         if spans:
             n_extra = sum(b for _, _, b in spans)
             extra = logits[logits.shape[0] - n_extra :]
-            record_prompt_logprobs(groups, out, spans, extra, self.tokenizer)
+            record_prompt_logprobs(parents, out, spans, extra, self.tokenizer)
             logits = logits[: logits.shape[0] - n_extra]
         rows: list[int] = []
         params: list[SamplingParams] = []
@@ -336,17 +335,17 @@ class LLMEngine:
         r = 0
         for s in out.scheduled:
             req = s.request
-            grp = groups[req.group_id]
-            if grp.first_scheduled_time is None:
-                grp.first_scheduled_time = step_start
+            preq = parents[req.parent_id]
+            if preq.first_scheduled_time is None:
+                preq.first_scheduled_time = step_start
             if not s.samples:
                 continue
             k = 1 + req.num_pending_samples
             for j in range(k):
                 rows.append(r)
-                params.append(grp.params)
+                params.append(preq.params)
                 gens.append(
-                    None if grp.params.greedy else self._generator(grp, j or req.sample_index)
+                    None if preq.params.greedy else self._generator(preq, j or req.sample_index)
                 )
                 owners.append(req.request_id)
                 row_reqs.append((req, j or req.sample_index))
@@ -361,7 +360,7 @@ class LLMEngine:
             if any(p.needs_processing for p in params):
                 ctx = [row_context(q, self.eos_token_id) for q, _ in row_reqs]
             tokens = self.sampler(logits, params, gens, ctx)
-            record_logprobs(groups, logits, params, tokens, row_reqs, self.tokenizer)
+            record_logprobs(parents, logits, params, tokens, row_reqs, self.tokenizer)
         t3 = time.perf_counter()
         sampled: dict[str, list[int]] = {}
         for rid, tok in zip(owners, tokens):
@@ -373,30 +372,30 @@ class LLMEngine:
         progressed, _ = self.scheduler.update(out, sampled)
         t4 = time.perf_counter()
         now = time.monotonic()
-        touched: dict[str, _Group] = {}
+        touched: dict[str, _ParentRequest] = {}
         for seq in progressed:
-            grp = groups[seq.group_id]
-            touched[seq.group_id] = grp
-            if grp.first_token_time is None:
-                grp.first_token_time = now
+            preq = parents[seq.parent_id]
+            touched[seq.parent_id] = preq
+            if preq.first_token_time is None:
+                preq.first_token_time = now
             if (
-                grp.params.stop
+                preq.params.stop
                 and not seq.is_finished
-                and seq.num_output_tokens >= grp.params.min_tokens
+                and seq.num_output_tokens >= preq.params.min_tokens
             ):
-                self._check_stop_strings(seq, grp)
+                self._check_stop_strings(seq, preq)
         self._counters["generation"] += len(progressed)
         results = []
-        for gid, grp in touched.items():
-            done = self.scheduler.group_finished(gid)
+        for pid, preq in touched.items():
+            done = self.scheduler.samples_finished(pid)
             if done:
-                grp.finish_time = now
+                preq.finish_time = now
             elif finished_only:
                 continue
-            results.append(self._make_output(grp, done))
+            results.append(self._make_output(preq, done))
             if done:
-                self.scheduler.release(gid)
-                self._forget(gid)
+                self.scheduler.release(pid)
+                self._forget(pid)
         t5 = time.perf_counter()
         st.num_steps += 1
         st.schedule_s += t1 - t0
@@ -418,27 +417,27 @@ class LLMEngine:
             return ""
         return str(self.tokenizer.decode(ids))
 
-    def _check_stop_strings(self, seq: Request, grp: _Group) -> None:
+    def _check_stop_strings(self, seq: Request, preq: _ParentRequest) -> None:
         text = self._decode(seq.output_token_ids)
-        mt = grp.params.min_tokens
+        mt = preq.params.min_tokens
         # with min_tokens, a stop string must end in the min_tokens-th token or later
         floor = len(self._decode(seq.output_token_ids[: mt - 1])) if mt > 1 else 0
-        for stop in grp.params.stop or ():
+        for stop in preq.params.stop or ():
             k = text.find(stop, max(0, floor - len(stop) + 1))
             if k >= 0:
-                keep = k + len(stop) if grp.params.include_stop_str_in_output else k
-                grp.texts[seq.sample_index] = text[:keep]
-                grp.stop_reasons[seq.sample_index] = stop
+                keep = k + len(stop) if preq.params.include_stop_str_in_output else k
+                preq.texts[seq.sample_index] = text[:keep]
+                preq.stop_reasons[seq.sample_index] = stop
                 self.scheduler.finish(seq, "stop")
                 return
 
-    def _make_output(self, grp: _Group, finished: bool) -> RequestOutput:
-        seqs = self.scheduler.groups[grp.request_id]  # sample-index order (forks append)
+    def _make_output(self, preq: _ParentRequest, finished: bool) -> RequestOutput:
+        seqs = self.scheduler.samples[preq.request_id]  # sample-index order (forks append)
         outs = []
-        want_lp = grp.params.logprobs is not None
+        want_lp = preq.params.logprobs is not None
         for q in seqs:
             i = q.sample_index
-            text = grp.texts.get(i)
+            text = preq.texts.get(i)
             if text is None and (finished or self.stream_text):
                 text = self._decode(q.output_token_ids)
             reason = q.finish_reason if q.is_finished else None
@@ -448,26 +447,26 @@ class LLMEngine:
                     token_ids=q.output_token_ids,
                     text=text or "",
                     finish_reason=reason,
-                    stop_reason=stop_reason(grp, q, self.eos_token_id)
+                    stop_reason=stop_reason(preq, q, self.eos_token_id)
                     if reason == "stop"
                     else None,
-                    logprobs=list(grp.logprobs.get(i, ())) if want_lp else None,
-                    cumulative_logprob=grp.cumulative.get(i, 0.0) if want_lp else None,
+                    logprobs=list(preq.logprobs.get(i, ())) if want_lp else None,
+                    cumulative_logprob=preq.cumulative.get(i, 0.0) if want_lp else None,
                 )
             )
         return RequestOutput(
-            request_id=grp.request_id,
-            prompt=grp.prompt,
-            prompt_token_ids=grp.prompt_token_ids,
+            request_id=preq.request_id,
+            prompt=preq.prompt,
+            prompt_token_ids=preq.prompt_token_ids,
             num_cached_tokens=max(0, seqs[0].num_cached_tokens),
             outputs=outs,
             finished=finished,
-            arrival_time=grp.arrival_time,
-            first_token_time=grp.first_token_time,
-            finish_time=grp.finish_time,
-            first_scheduled_time=grp.first_scheduled_time,
+            arrival_time=preq.arrival_time,
+            first_token_time=preq.first_token_time,
+            finish_time=preq.finish_time,
+            first_scheduled_time=preq.first_scheduled_time,
             num_preemptions=sum(q.num_preemptions for q in seqs),
-            prompt_logprobs=None if grp.prompt_logprobs is None else list(grp.prompt_logprobs),
+            prompt_logprobs=None if preq.prompt_logprobs is None else list(preq.prompt_logprobs),
         )
 
     # ---- metrics ------------------------------------------------------------------------

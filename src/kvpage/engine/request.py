@@ -21,9 +21,9 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-def sample_id(group_id: str, index: int) -> str:
-    """Scheduler id of sample ``index`` of user request ``group_id``."""
-    return group_id if index == 0 else f"{group_id}#{index}"
+def sample_id(parent_id: str, index: int) -> str:
+    """Scheduler id of parallel sample ``index`` of user request ``parent_id``."""
+    return parent_id if index == 0 else f"{parent_id}#{index}"
 
 
 @dataclass(eq=False)
@@ -32,7 +32,8 @@ class Request:
 
     Attributes:
         request_id: the scheduler id (see :func:`sample_id`).
-        group_id: the user request id (shared by all samples).
+        parent_id: the user request id, shared by its ``n`` parallel samples (vLLM's
+            parent request). ``group_id`` is a deprecated read-only alias.
         sample_index: index in ``[0, n)``.
         token_ids: prompt then generated tokens (mutated: tokens are appended).
         num_prompt_tokens: prompt length in tokens.
@@ -51,7 +52,7 @@ class Request:
     """
 
     request_id: str
-    group_id: str
+    parent_id: str
     sample_index: int
     token_ids: list[int]
     num_prompt_tokens: int
@@ -68,6 +69,11 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     stop_token_set: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def group_id(self) -> str:
+        """Deprecated alias of :attr:`parent_id` (kvpage's "group" means a KV group)."""
+        return self.parent_id
 
     @property
     def num_tokens(self) -> int:

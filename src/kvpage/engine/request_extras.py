@@ -1,7 +1,7 @@
 """Per-request extras of an engine step, only for requests that ask for them: penalty
 contexts, sampled-token logprobs, prompt logprobs and vLLM's ``stop_reason``.
 
-``groups`` below is the engine's ``{user request id: group}`` table; a group has
+``parents`` below is the engine's ``{user request id: parent request}`` table; each has
 ``logprobs`` / ``cumulative`` (per sample), ``prompt_logprobs`` (per prompt position,
 None until computed), ``stop_reasons`` (per sample) and ``params``.
 """
@@ -37,14 +37,14 @@ def row_context(req: Request, eos_token_id: int | None) -> RowContext:
 
 
 def record_logprobs(
-    groups: Mapping[str, Any],
+    parents: Mapping[str, Any],
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     tokens: Sequence[int],
     row_reqs: Sequence[tuple[Request, int]],
     tokenizer: Any,
 ) -> None:
-    """Append the sampled tokens' logprobs to their groups (rows whose params ask)."""
+    """Append the sampled tokens' logprobs to their parent requests (rows whose params ask)."""
     idx = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not idx:
         return
@@ -53,7 +53,7 @@ def record_logprobs(
     ents = compute_logprobs(sub, toks, [params[i].logprobs or 0 for i in idx])
     for i, tok, ent in zip(idx, toks, ents):
         req, sample = row_reqs[i]
-        grp = groups[req.group_id]
+        grp = parents[req.parent_id]
         grp.logprobs.setdefault(sample, []).append(position_logprobs(tok, ent, tokenizer))
         grp.cumulative[sample] = grp.cumulative.get(sample, 0.0) + ent[0]
 
@@ -74,20 +74,20 @@ def prompt_logprob_spans(out: SchedulerOutput) -> list[tuple[int, int, int]]:
 
 
 def record_prompt_logprobs(
-    groups: Mapping[str, Any],
+    parents: Mapping[str, Any],
     out: SchedulerOutput,
     spans: Sequence[tuple[int, int, int]],
     logits: torch.Tensor,
     tokenizer: Any,
 ) -> None:
-    """Fill the groups' prompt logprobs from the ``spans`` rows of ``logits`` (in span
+    """Fill the parent requests' prompt logprobs from the ``spans`` rows of ``logits`` (in span
     order). A position computed twice (recomputation after preemption) keeps its first
     value."""
     r = 0
     for i, _, n in spans:
         s = out.scheduled[i]
         req = s.request
-        grp = groups[req.group_id]
+        grp = parents[req.parent_id]
         nxt = req.token_ids[s.start + 1 : s.start + 1 + n]  # the tokens they predict
         k = req.params.prompt_logprobs or 0
         ents = compute_logprobs(logits[r : r + n], nxt, [k] * n)

@@ -8,7 +8,7 @@ that samples this step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,6 +17,10 @@ from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.cache import batch_block_tables
 from kvpage.engine.scheduler import SchedulerOutput
 from kvpage.specs import CacheSpec
+
+if TYPE_CHECKING:
+    from kvpage.attention.protocol import AttentionBackend
+    from kvpage.models.model import ModelRunnerModel
 
 
 class StepInputs:
@@ -80,8 +84,8 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: Any,
-        backend: Any,
+        model: ModelRunnerModel,
+        backend: AttentionBackend,
         kv_caches: list[KVCache],
         cache_spec: CacheSpec,
         device: torch.device,

@@ -33,7 +33,9 @@ def derive_seed(engine_seed: int, arrival_order: int, sample_index: int) -> int:
     return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
 
 
-def make_generator(params: SamplingParams, engine_seed: int, arrival_order: int, index: int):
+def make_generator(
+    params: SamplingParams, engine_seed: int, arrival_order: int, index: int
+) -> torch.Generator:
     """The ``torch.Generator`` (CPU) of sample ``index``: seeded with ``params.seed +
     index`` when the request has a seed, else with :func:`derive_seed`."""
     g = torch.Generator(device="cpu")
@@ -76,7 +78,7 @@ class Sampler:
         rand = [i for i in range(n) if not params[i].greedy]
         if greedy:
             if len(greedy) == n:
-                return torch.argmax(logits, dim=-1).tolist()  # type: ignore[no-any-return]
+                return torch.argmax(logits, dim=-1).tolist()
             ids = torch.argmax(logits[greedy], dim=-1).tolist()
             for i, t in zip(greedy, ids):
                 out[i] = int(t)
@@ -132,7 +134,7 @@ class Sampler:
         pos = pos.clamp(max=vocab - 1)
         kept = (probs > 0).sum(dim=-1) - 1
         pos = torch.minimum(pos, kept)
-        return idx.gather(1, pos.unsqueeze(1)).squeeze(1).tolist()  # type: ignore[no-any-return]
+        return idx.gather(1, pos.unsqueeze(1)).squeeze(1).tolist()
 
 
 __all__ = ["Sampler", "derive_seed", "make_generator"]

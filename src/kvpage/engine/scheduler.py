@@ -31,8 +31,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from kvpage.cache.allocation import Allocation
+from kvpage.cache.protocol import KVAllocator
 from kvpage.engine.request import Request, RequestStatus, sample_id
 from kvpage.errors import RequestRejected, SpecError
 
@@ -106,7 +107,8 @@ class Scheduler:
     """Continuous-batching scheduler over one :class:`KVCacheManager`.
 
     Args:
-        kv_cache_manager: the allocator (``kvpage.cache.KVCacheManager`` contract).
+        kv_cache_manager: the allocator (``kvpage.cache.KVAllocator``: the paged
+            ``KVCacheManager`` or the simulator's contiguous allocator).
         max_num_seqs: most sequences running at once (>= 1).
         max_num_batched_tokens: token budget of one step (>= 1).
         max_model_len: longest sequence (prompt + output) in tokens (>= 1).
@@ -117,7 +119,7 @@ class Scheduler:
 
     def __init__(
         self,
-        kv_cache_manager: Any,
+        kv_cache_manager: KVAllocator,
         *,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
@@ -134,11 +136,11 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.num_groups: int = int(kv_cache_manager.num_groups)
+        self.num_groups = kv_cache_manager.num_groups
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.groups: dict[str, list[Request]] = {}
+        self.samples: dict[str, list[Request]] = {}
         self.num_preemptions = 0
         self.num_steps = 0
         self._arrivals = 0
@@ -155,7 +157,7 @@ class Scheduler:
             RequestRejected: reason ``"exceeds_kv_capacity"``.
         """
         need = num_prompt_tokens + max_tokens - 1
-        cap = int(self.kv.max_request_tokens)
+        cap = self.kv.max_request_tokens
         if need > cap:
             raise RequestRejected(
                 f"request: expected prompt + max_tokens - 1 <= {cap} tokens (the KV cache "
@@ -174,41 +176,41 @@ class Scheduler:
                 than ``max_model_len`` (``"prompt_too_long"``), or never fits the pool
                 (``"exceeds_kv_capacity"``). Nothing changes then.
         """
-        gid = request.group_id
-        if gid in self.groups:
+        pid = request.parent_id
+        if pid in self.samples:
             raise RequestRejected(
-                f"request_id: expected a new id, got {gid!r} (already running)",
+                f"request_id: expected a new id, got {pid!r} (already running)",
                 reason="duplicate_request_id",
-                request_id=gid,
+                request_id=pid,
             )
         if request.num_pending_samples + 1 > self.max_num_seqs:
             raise RequestRejected(
                 f"n: expected <= max_num_seqs={self.max_num_seqs}, "
                 f"got {request.num_pending_samples + 1}",
                 reason="invalid_sampling_params",
-                request_id=gid,
+                request_id=pid,
             )
         if request.num_prompt_tokens == 0:
             raise RequestRejected(
-                "prompt: expected at least 1 token, got 0", reason="empty_prompt", request_id=gid
+                "prompt: expected at least 1 token, got 0", reason="empty_prompt", request_id=pid
             )
         if request.num_prompt_tokens >= self.max_model_len:
             raise RequestRejected(
                 f"prompt: expected < max_model_len={self.max_model_len} tokens (room for "
                 f"one generated token), got {request.num_prompt_tokens}",
                 reason="prompt_too_long",
-                request_id=gid,
+                request_id=pid,
             )
         try:
             self.check_capacity(request.num_prompt_tokens, request.max_tokens)
         except RequestRejected as e:
-            e.request_id = gid
+            e.request_id = pid
             raise
         request.arrival_order = self._arrivals
         self._arrivals += 1
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.groups[gid] = [request]
+        self.samples[pid] = [request]
         self.waiting.append(request)
 
     # ---- one step ---------------------------------------------------------------------
@@ -266,7 +268,7 @@ class Scheduler:
         self.num_steps += 1
         return out
 
-    def _emit(self, out: SchedulerOutput, req: Request, n: int, alloc: Any) -> None:
+    def _emit(self, out: SchedulerOutput, req: Request, n: int, alloc: Allocation) -> None:
         copies = alloc.copies
         if copies and any(copies):
             for g, pairs in enumerate(copies):
@@ -348,8 +350,8 @@ class Scheduler:
         pos = self.running.index(parent) + 1
         for idx in range(1, k + 1):
             child = Request(
-                request_id=sample_id(parent.group_id, idx),
-                group_id=parent.group_id,
+                request_id=sample_id(parent.parent_id, idx),
+                parent_id=parent.parent_id,
                 sample_index=idx,
                 token_ids=list(parent.token_ids),
                 num_prompt_tokens=parent.num_prompt_tokens,
@@ -366,7 +368,7 @@ class Scheduler:
             )
             self.kv.fork(parent.request_id, child.request_id)
             self.requests[child.request_id] = child
-            self.groups[parent.group_id].append(child)
+            self.samples[parent.parent_id].append(child)
             children.append(child)
         self.running[pos:pos] = children
         return children
@@ -386,25 +388,34 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
 
-    def abort(self, group_id: str) -> list[Request]:
-        """Abort every sample of user request ``group_id`` and free their blocks now.
+    def abort(self, parent_id: str) -> list[Request]:
+        """Abort every sample of user request ``parent_id`` and free their blocks now.
 
         Returns the aborted sequences (empty for an unknown or finished id)."""
-        seqs = self.groups.get(group_id, [])
+        seqs = self.samples.get(parent_id, [])
         out = [r for r in seqs if not r.is_finished]
         for r in out:
             self.finish(r, "abort")
             r.num_pending_samples = 0
         return out
 
-    def group_finished(self, group_id: str) -> bool:
-        """True when every sample of ``group_id`` has finished (and none is pending)."""
-        seqs = self.groups[group_id]
+    @property
+    def groups(self) -> dict[str, list[Request]]:
+        """Deprecated alias of :attr:`samples`."""
+        return self.samples
+
+    def group_finished(self, parent_id: str) -> bool:
+        """Deprecated alias of :meth:`samples_finished`."""
+        return self.samples_finished(parent_id)
+
+    def samples_finished(self, parent_id: str) -> bool:
+        """True when every sample of ``parent_id`` has finished (and none is pending)."""
+        seqs = self.samples[parent_id]
         return all(r.is_finished and r.num_pending_samples == 0 for r in seqs)
 
-    def release(self, group_id: str) -> None:
+    def release(self, parent_id: str) -> None:
         """Forget a finished user request (its sequences and ids)."""
-        for r in self.groups.pop(group_id, []):
+        for r in self.samples.pop(parent_id, []):
             self.requests.pop(r.request_id, None)
 
     @property

@@ -13,10 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpage.architectures import MODEL_TYPES, check_architecture
 from kvpage.errors import SpecError
+from kvpage.specs.architectures import MODEL_TYPES, check_architecture
+from kvpage.specs.hf import hf_attention_shape
 
-SUPPORTED_MODEL_TYPES = MODEL_TYPES  # kvpage.architectures: the one list
+SUPPORTED_MODEL_TYPES = MODEL_TYPES  # kvpage.specs.architectures: the one list
 #: activation name (HF ``ACT2FN`` key) -> our name
 ACTIVATIONS = {
     "silu": "silu",
@@ -127,23 +128,16 @@ def rope_of(cfg: Mapping[str, Any]) -> tuple[float, dict[str, float] | None]:
     return float(theta), found
 
 
-def rope_theta_of(cfg: Mapping[str, Any]) -> float:
-    """RoPE base of an HF config (see ``rope_of``)."""
-    return rope_of(cfg)[0]
-
-
 def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
     """Read an HF ``config.json`` mapping.
 
     Raises:
         SpecError: unsupported ``model_type`` (one line naming what is missing, see
-            ``kvpage.architectures``), activation or rope type, or missing sizes.
+            ``kvpage.specs.architectures``), activation or rope type, or missing sizes.
     """
     mt = check_architecture(cfg, SUPPORTED_MODEL_TYPES)
-    hidden = int(_req(cfg, "hidden_size"))
-    heads = int(_req(cfg, "num_attention_heads"))
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = cfg.get("head_dim") or hidden // heads
+    shape = hf_attention_shape(cfg)  # the one reader of layer and head sizes
+    hidden = shape.hidden_size
     act_name = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
     if mt == "gemma2" and cfg.get("hidden_activation") is None:
         act_name = "gelu_pytorch_tanh"  # HF Gemma2Config default
@@ -160,10 +154,10 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
         vocab_size=int(_req(cfg, "vocab_size")),
         hidden_size=hidden,
         intermediate_size=int(_req(cfg, "intermediate_size")),
-        num_layers=int(_req(cfg, "num_hidden_layers")),
-        num_q_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=int(head_dim),
+        num_layers=shape.num_layers,
+        num_q_heads=shape.num_q_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=rope[0],
         rope_scaling=rope[1],
@@ -186,5 +180,4 @@ __all__ = [
     "ArchConfig",
     "arch_from_hf",
     "rope_of",
-    "rope_theta_of",
 ]

@@ -3,7 +3,6 @@ in-memory ``transformers`` model, as a ``ModelRunnerModel``."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from kvpage.models.tokenizer import (
     Tokenizer,
     bundled_tokenizer_path,
 )
-from kvpage.specs import ModelDType
+from kvpage.specs import ModelDType, hf_config_dict, read_hf_config_file
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
@@ -60,7 +59,7 @@ def load_model(
     src = name_or_path_or_hf_model
     tok = _as_tokenizer(tokenizer)
     if hasattr(src, "state_dict") and hasattr(src, "config"):
-        cfg = _hf_config_dict(src.config)
+        cfg = hf_config_dict(src.config)
         sd = {k: v.detach() for k, v in src.state_dict().items()}
         return _build(cfg, sd, tok, dtype, device)
     if not isinstance(src, (str, Path)):
@@ -82,7 +81,7 @@ def load_model(
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
             raise SpecError(f"model folder {str(path)!r}: expected a config.json, got none")
-        cfg = _read_config(cfg_path)
+        cfg = read_hf_config_file(cfg_path, str(cfg_path))
         try:
             arch_from_hf(cfg)  # refuse an unsupported architecture before reading weights
         except SpecError:
@@ -179,14 +178,6 @@ def _as_tokenizer(tok: Any) -> Tokenizer | None:
     raise SpecError(f"tokenizer: expected a tokenizer, got {type(tok).__name__}")
 
 
-def _hf_config_dict(config: Any) -> dict[str, Any]:
-    d = dict(config.to_dict())
-    for k in ("head_dim", "layer_types", "sliding_window", "rope_parameters"):
-        if getattr(config, k, None) is not None:
-            d[k] = getattr(config, k)
-    return d
-
-
 def _llama2c_tokenizer_for(path: Path, vocab_size: int) -> Tokenizer | None:
     for cand in (path.parent / "tokenizer.bin", path.parent / f"tok{vocab_size}.bin"):
         if cand.is_file():
@@ -194,18 +185,6 @@ def _llama2c_tokenizer_for(path: Path, vocab_size: int) -> Tokenizer | None:
     if vocab_size == 512:
         return Llama2cTokenizer(bundled_tokenizer_path(), vocab_size=512)
     return None
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    """``config.json`` as a dict; a file that is not a JSON object is refused in one line."""
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        why = f"invalid JSON ({e})" if isinstance(e, ValueError) else str(e)
-        raise SpecError(f"{path}: expected a JSON object (HF config.json), got {why}") from None
-    if not isinstance(cfg, dict):
-        raise SpecError(f"{path}: expected a JSON object (HF config.json), got a JSON list/value")
-    return cfg
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:

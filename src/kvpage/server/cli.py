@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvpage.engine.cli import add_prefix_caching_flags
+from kvpage.engine.cli_flags import add_prefix_caching_flags
 from kvpage.errors import KVPageError, SpecError
 from kvpage.server.config import ServerConfig, dump_config, format_validation_error, load_config
 

@@ -111,7 +111,7 @@ def register_utility_routes(
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        from kvpage import __version__
+        from kvpage.version import __version__
 
         return {"version": __version__}
 

@@ -1,10 +1,10 @@
 """Trace replay and capacity planning without model weights.
 
-``kvpage.sim.traces`` loads real serving traces (Azure 2023, Mooncake FAST'25) and maps
+``kvpage.workload.traces`` loads real serving traces (Azure 2023, Mooncake FAST'25) and maps
 them to token ids; the simulator replays them through the real KVCacheManager.
 """
 
-from kvpage.sim.traces import (
+from kvpage.workload.traces import (
     BUNDLED_TRACES,
     TokenMapper,
     Trace,

@@ -14,8 +14,8 @@ reservations also suffer external fragmentation (a request may not fit although 
 slots are free in total). Reserved slots that hold no token yet (future output) and
 slots past the final length are the internal waste the paper measured.
 
-:class:`ContiguousAllocator` implements the part of the ``KVCacheManager`` contract the
-scheduler uses (``allocate``/``free``/``commit``/``get_num_cached_tokens``/...), so
+:class:`ContiguousAllocator` implements :class:`kvpage.cache.KVAllocator`, the contract
+the scheduler uses (``allocate``/``free``/``commit``/``get_num_cached_tokens``/...), so
 ``kvpage.engine.Scheduler`` drives it unchanged. No prefix caching.
 """
 
@@ -25,7 +25,7 @@ import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvpage.cache.manager import Allocation
+from kvpage.cache.allocation import Allocation
 from kvpage.errors import AllocationError, SpecError
 
 RESERVATIONS = ("max", "pow2", "oracle")
@@ -116,7 +116,13 @@ class ContiguousAllocator:
 
     @property
     def num_free_blocks(self) -> int:
+        """Unreserved slots."""
         return self.num_slots - self.reserved_slots
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Reserved slots (a slot is this allocator's block)."""
+        return self.reserved_slots
 
     def live_tokens(self) -> int:
         """Slots holding a token (allocated positions of resident requests)."""
@@ -133,7 +139,13 @@ class ContiguousAllocator:
                 r = min(1 << max(0, (r - 1).bit_length()), max(self.max_model_len, r))
         return max(r, num_tokens)
 
-    def get_num_cached_tokens(self, token_ids: Sequence[int], **_: object) -> int:
+    def get_num_cached_tokens(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+    ) -> int:
         """Always 0: no prefix caching."""
         return 0
 
@@ -155,7 +167,8 @@ class ContiguousAllocator:
         num_new_tokens: int,
         *,
         num_cached_tokens: int = 0,
-        **_: object,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
     ) -> Allocation | None:
         """Reserve the request's extent on the first call; later calls only check that
         the tokens fit the reservation. Returns None (state unchanged, one failure

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpage.errors import SpecError
-from kvpage.sim.traces import Trace
+from kvpage.workload.traces import Trace
 
 EVICTION_POLICIES = ("lru", "lru-forward", "lfu", "leaf-lru", "slru", "belady")
 
@@ -307,11 +307,4 @@ def _make_cache(policy: str, ids: list[Sequence[int]], cap: int) -> _Cache:
     return _Belady(cap, ids)
 
 
-def eviction_sweep(
-    trace: Trace, capacities: Sequence[int | None], policies: Sequence[str] = EVICTION_POLICIES
-) -> list[EvictionResult]:
-    """:func:`simulate_eviction` for every (capacity, policy) pair."""
-    return [simulate_eviction(trace, c, p) for c in capacities for p in policies]
-
-
-__all__ = ["EVICTION_POLICIES", "EvictionResult", "eviction_sweep", "simulate_eviction"]
+__all__ = ["EVICTION_POLICIES", "EvictionResult", "simulate_eviction"]

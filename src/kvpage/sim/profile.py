@@ -26,21 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from kvpage.sim.traces import Trace
-
-
-def _pcts(x: np.ndarray) -> dict[str, float]:
-    if len(x) == 0:
-        return {"p50": 0.0, "p95": 0.0, "p99": 0.0, "mean": 0.0, "min": 0.0, "max": 0.0}
-    p50, p95, p99 = np.percentile(x, [50, 95, 99])
-    return {
-        "p50": float(p50),
-        "p95": float(p95),
-        "p99": float(p99),
-        "mean": float(x.mean()),
-        "min": float(x.min()),
-        "max": float(x.max()),
-    }
+from kvpage.stats import summarize
+from kvpage.workload.traces import Trace
 
 
 def window_counts(arrivals: np.ndarray, window_s: float = 60.0) -> np.ndarray:
@@ -123,8 +110,8 @@ def profile_trace(trace: Trace) -> dict[str, Any]:
     return {
         "trace": trace.name,
         "format": trace.format,
-        "prompt_tokens": _pcts(trace.prompt_lens().astype(np.float64)),
-        "output_tokens": _pcts(trace.output_lens().astype(np.float64)),
+        "prompt_tokens": summarize(trace.prompt_lens()),
+        "output_tokens": summarize(trace.output_lens()),
         "arrivals": arrival_stats(trace.arrivals()),
         "prefix": prefix_stats(trace),
     }

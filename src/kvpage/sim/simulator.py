@@ -4,7 +4,7 @@ No weights and no kernels: the real ``kvpage.engine.Scheduler`` plans every step
 real ``kvpage.cache.KVCacheManager`` (or a contiguous-reservation allocator with the same
 interface, :mod:`kvpage.sim.contiguous`), and the step's duration comes from
 :class:`kvpage.sim.costmodel.StepCostModel`. Token ids come from
-:class:`kvpage.sim.traces.TokenMapper`, so Mooncake requests that share hash ids share
+:class:`kvpage.workload.traces.TokenMapper`, so Mooncake requests that share hash ids share
 exact prefixes and the prefix cache sees the trace's real reuse.
 
 Event loop: the clock jumps to the next arrival when nothing runs; arrivals up to the
@@ -41,16 +41,19 @@ import heapq
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from kvpage.cache.protocol import KVAllocator
 from kvpage.capacity import plan_capacity, resolve_model
 from kvpage.errors import RequestRejected, SpecError
 from kvpage.sim.contiguous import ContiguousAllocator
 from kvpage.sim.costmodel import StepCostModel, get_gpu
-from kvpage.sim.traces import TokenMapper, Trace, TraceRequest
 from kvpage.specs import CacheSpec
+from kvpage.stats import summarize
+from kvpage.workload.traces import TokenMapper, Trace, TraceRequest
+
+if TYPE_CHECKING:
+    from kvpage.engine.request import Request
 
 POLICIES = ("contiguous-max", "contiguous-pow2", "contiguous-oracle", "paged", "paged-prefix")
 
@@ -125,14 +128,6 @@ class SimResult:
         return asdict(self)
 
 
-def _pct(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {"p50": float("nan"), "p95": float("nan"), "p99": float("nan"), "mean": float("nan")}
-    a = np.asarray(xs)
-    p = np.percentile(a, [50, 95, 99])
-    return {"p50": float(p[0]), "p95": float(p[1]), "p99": float(p[2]), "mean": float(a.mean())}
-
-
 def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
     """Pool spec, cost model, max_model_len and pool slots for a config.
 
@@ -202,7 +197,9 @@ def _check_config(cfg: SimConfig) -> None:
         raise SpecError(f"time_scale: expected a finite number > 0, got {ts!r}")
 
 
-def _make_allocator(cfg: SimConfig, spec: CacheSpec, mml: int, slots: int, final: dict[str, int]):
+def _make_allocator(
+    cfg: SimConfig, spec: CacheSpec, mml: int, slots: int, final: dict[str, int]
+) -> KVAllocator:
     if cfg.policy.startswith("contiguous"):
         return ContiguousAllocator(slots, cfg.policy.split("-")[1], mml, final.__getitem__)
     from kvpage.cache import KVCacheManager
@@ -212,11 +209,10 @@ def _make_allocator(cfg: SimConfig, spec: CacheSpec, mml: int, slots: int, final
     )
 
 
-def _reserved_live(kv: Any, running: list[Any], bs: int) -> tuple[int, int]:
+def _reserved_live(kv: KVAllocator, running: list[Request], bs: int) -> tuple[int, int]:
     if isinstance(kv, ContiguousAllocator):
         return kv.reserved_slots, kv.live_tokens()
-    used = max(p.num_used for p in kv.pools)
-    reserved = used * bs
+    reserved = kv.num_used_blocks * bs
     slack = 0
     for r in running:
         if r.has_blocks:
@@ -278,7 +274,7 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
             prompt = mapper.prompt(tr)
             req = Request(
                 request_id=tr.request_id,
-                group_id=tr.request_id,
+                parent_id=tr.request_id,
                 sample_index=0,
                 token_ids=prompt,
                 num_prompt_tokens=len(prompt),
@@ -336,7 +332,7 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
             if n > 1:
                 tpot.append((t - first_tok[rid]) / (n - 1))
             outputs.pop(rid, None)
-            sched.release(r.group_id)
+            sched.release(r.parent_id)
         reserved, live = _reserved_live(kv, sched.running, bs)
         if reserved:
             util_w += dt * live / reserved
@@ -362,8 +358,8 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
         peak_kv_usage_pct=100.0 * peak_usage / slots,
         peak_batch=peak_batch,
         mean_batch=batch_sum / steps if steps else 0.0,
-        ttft_s=_pct(ttft),
-        tpot_s=_pct(tpot),
+        ttft_s=summarize(ttft),
+        tpot_s=summarize(tpot),
         preemptions=sched.num_preemptions,
         allocation_failures=st.allocation_failures,
         prefix_hit_pct=100.0 * first_hit / first_query if first_query else 0.0,

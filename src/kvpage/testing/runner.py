@@ -24,7 +24,6 @@ from kvpage.testing.cases import (
     clone_cache,
     materialize,
     poisoned_cache,
-    poisoned_like,
 )
 from kvpage.testing.tolerances import (
     QUANT_ERROR_BOUNDS,
@@ -247,8 +246,3 @@ def check_write_kv_case(
     backend.write_kv(m.new_keys, m.new_values, mine, slots)
     reference_write_kv(m.new_keys, m.new_values, theirs, slots)
     assert_cache_bits_equal(mine, theirs, what=f"write_kv [{case.describe()}]")
-
-
-def poisoned_output(query: torch.Tensor) -> torch.Tensor:
-    """A NaN output buffer shaped like ``query``."""
-    return poisoned_like(query)

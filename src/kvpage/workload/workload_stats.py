@@ -45,7 +45,7 @@ class Workload:
 
     @classmethod
     def from_trace(cls, trace: Any) -> Workload:
-        """From a ``kvpage.sim.traces.Trace``."""
+        """From a ``kvpage.workload.traces.Trace``."""
         return cls(trace.prompt_lens(), trace.output_lens(), f"trace {trace.name}")
 
     @classmethod

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvpage.apps.cli_util import prepare_output, trace_limit
 from kvpage.errors import KVPageError
 from kvpage.jsonout import dumps
-from kvpage.sim.cli_util import prepare_output, trace_limit
 
 
 def _table(title: str, rows: list[tuple[str, str]]) -> str:
@@ -88,7 +88,7 @@ def _triple(text: str, name: str) -> tuple[float, float, float]:
 def run_plan(args: argparse.Namespace) -> int:
     """Handler of ``kvpage plan``."""
     from kvpage.capacity import Workload, plan_capacity
-    from kvpage.sim.traces import load_trace
+    from kvpage.workload.traces import load_trace
 
     try:
         wl = None
@@ -168,7 +168,7 @@ def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_profile(args: argparse.Namespace) -> int:
     """Handler of ``kvpage profile``."""
     from kvpage.sim.profile import plot_profile, profile_trace, render_profile
-    from kvpage.sim.traces import load_trace
+    from kvpage.workload.traces import load_trace
 
     try:
         json_path = prepare_output(args.json, "--json") if args.json not in (None, "-") else None
@@ -191,23 +191,3 @@ def run_profile(args: argparse.Namespace) -> int:
         for path in plot_profile(trace, str(Path(args.plots) / trace.name)):
             print(f"wrote {path}", file=sys.stderr)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (``python -m kvpage.sim.cli``) with this module's subcommands."""
-    parser = argparse.ArgumentParser(prog="kvpage")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_plan_parser(sub)
-    add_profile_parser(sub)
-    try:
-        from kvpage.sim.simulate_cli import add_simulate_parser
-
-        add_simulate_parser(sub)
-    except ImportError:  # pragma: no cover - simulator not present
-        pass
-    args = parser.parse_args(argv)
-    return int(args.func(args))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

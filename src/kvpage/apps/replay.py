@@ -10,7 +10,7 @@ Length rule (how a production trace is fitted into a small model's context):
   16), ``output_scale = 1``.
 * prompt token ids: Azure prompts are seeded random ids unique per request; a
   Mooncake hash id maps to a fixed run of ``512 / prompt_scale`` token ids
-  (``kvpage.sim.traces.TokenMapper``), so requests that share leading hash ids share
+  (``kvpage.workload.traces.TokenMapper``), so requests that share leading hash ids share
   exactly those leading tokens and hit the prefix cache.
 
 Arrival times are the trace's, divided by ``speedup``; a request's TTFT and latency are
@@ -31,6 +31,7 @@ import numpy as np
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.params import RequestOutput, SamplingParams
 from kvpage.errors import RequestRejected
+from kvpage.stats import summarize
 
 #: longest single sleep while waiting for the next arrival, in seconds
 MAX_SLEEP_S = 1.0
@@ -76,13 +77,13 @@ def fit_trace(
     output_scale: float = 1.0,
     seed: int = 0,
 ) -> list[ReplayRequest]:
-    """Scale a ``kvpage.sim.traces.Trace`` into the model's context (module docstring).
+    """Scale a ``kvpage.workload.traces.Trace`` into the model's context (module docstring).
 
     Raises:
         ValueError: a scale is not a finite number > 0 (``prompt_scale`` None = the
             format's default, see :func:`resolve_prompt_scale`).
     """
-    from kvpage.sim.traces import MOONCAKE_BLOCK_TOKENS, TokenMapper
+    from kvpage.workload.traces import MOONCAKE_BLOCK_TOKENS, TokenMapper
 
     ps = resolve_prompt_scale(trace.format, prompt_scale)
     if not _positive(output_scale):
@@ -110,19 +111,6 @@ class Terminated(KeyboardInterrupt):
     unfinished requests aborted. ``exit_code`` is the shell's code for SIGTERM."""
 
     exit_code = 143  # 128 + SIGTERM
-
-
-def _pcts(xs: list[float]) -> dict[str, float | None]:
-    # no sample (nothing finished): no value - None, written as JSON null (never NaN)
-    if not xs:
-        return {"p50": None, "p95": None, "p99": None, "mean": None}
-    a = np.asarray(xs, dtype=np.float64) * 1000.0
-    return {
-        "p50": float(np.percentile(a, 50)),
-        "p95": float(np.percentile(a, 95)),
-        "p99": float(np.percentile(a, 99)),
-        "mean": float(a.mean()),
-    }
 
 
 @dataclass
@@ -226,9 +214,11 @@ def replay(
         "rejected_reasons": sorted(set(rejected.values())),
         "prompt_tokens": sum(len(o.prompt_token_ids) for o in done),
         "generated_tokens": gen,
-        "ttft_ms": _pcts([o.ttft for o in done if o.ttft is not None]),
-        "tpot_ms": _pcts([o.tpot for o in done if o.tpot is not None]),
-        "e2e_ms": _pcts([o.e2e_latency for o in done if o.e2e_latency is not None]),
+        "ttft_ms": summarize([o.ttft for o in done if o.ttft is not None], scale=1000.0),
+        "tpot_ms": summarize([o.tpot for o in done if o.tpot is not None], scale=1000.0),
+        "e2e_ms": summarize(
+            [o.e2e_latency for o in done if o.e2e_latency is not None], scale=1000.0
+        ),
         "prefill_tokens_per_s": (st.prefill_tokens - pre0) / wall if wall > 0 else 0.0,
         "decode_tokens_per_s": (st.decode_tokens - dec0) / wall if wall > 0 else 0.0,
         "output_tokens_per_s": gen / wall if wall > 0 else 0.0,

@@ -12,9 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvpage.apps.cli_util import prepare_output
+from kvpage.engine.cli_flags import add_prefix_caching_flags
 from kvpage.errors import KVPageError
 from kvpage.jsonout import dumps
-from kvpage.sim.cli_util import prepare_output
 
 DEFAULT_TRACE = "azure-conv"
 DEFAULT_NUM_REQUESTS = 200
@@ -103,28 +104,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_prefix_caching_flags(group: Any, default: bool | None = True) -> None:
-    """``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` (vLLM's spelling,
-    the one every kvpage command uses), with ``--no-prefix-caching`` kept as an alias of
-    the latter; ``dest="enable_prefix_caching"``. ``default`` None = "not given" (serve:
-    the config file decides)."""
-    pc = group.add_mutually_exclusive_group()
-    pc.add_argument(
-        "--enable-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_true",
-        default=default,
-        help="reuse cached blocks of a shared prompt prefix (default: on)",
-    )
-    pc.add_argument(
-        "--no-enable-prefix-caching",
-        "--no-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        help="turn prefix caching off (--no-prefix-caching is an alias)",
-    )
-
-
 def _engine(args: argparse.Namespace) -> Any:
     from kvpage.engine import LLMEngine
 
@@ -149,7 +128,9 @@ def _engine(args: argparse.Namespace) -> Any:
 # ---- generate -------------------------------------------------------------------------------
 def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``kvpage generate``."""
-    p = subparsers.add_parser("generate", help="generate text from prompts with the bundled model")
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "generate", help="generate text from prompts with the bundled model"
+    )
     p.add_argument(
         "prompts",
         nargs="*",
@@ -249,12 +230,12 @@ def generate_main(args: argparse.Namespace) -> int:
 # ---- replay ---------------------------------------------------------------------------------
 def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``kvpage replay``."""
-    p = subparsers.add_parser(
+    p: argparse.ArgumentParser = subparsers.add_parser(
         "replay",
         help="replay a serving trace through the engine and report latency/KV metrics",
         description="Replays a request trace (Azure LLM CSV or Mooncake JSONL) through the "
         "engine at its arrival times, with lengths scaled into the model's context (see "
-        "kvpage.engine.replay), then prints a table and writes JSON.",
+        "kvpage.apps.replay), then prints a table and writes JSON.",
     )
     p.add_argument(
         "--trace",
@@ -285,7 +266,9 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     def pct(k: str) -> str:
         d = s[k]
-        return " / ".join("n/a" if d[q] is None else f"{d[q]:,.1f}" for q in ("p50", "p95", "p99"))
+        return " / ".join(  # no sample: None (JSON null) or NaN (kvpage.stats.summarize)
+            "n/a" if d[q] is None or d[q] != d[q] else f"{d[q]:,.1f}" for q in ("p50", "p95", "p99")
+        )
 
     rej = f"{s['rejected']}" + (f" ({', '.join(s['rejected_reasons'])})" if s["rejected"] else "")
     return [
@@ -328,11 +311,11 @@ def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """While active, the first SIGTERM raises :class:`kvpage.engine.replay.Terminated`
+    """While active, the first SIGTERM raises :class:`kvpage.apps.replay.Terminated`
     (a KeyboardInterrupt) in the main thread, so ``kill`` stops a replay the way Ctrl-C
     does; a second SIGTERM gets the previous handler (default: end the process). Does
     nothing outside the main thread (signal handlers can only be set there)."""
-    from kvpage.engine.replay import Terminated
+    from kvpage.apps.replay import Terminated
 
     try:
         previous = signal.getsignal(signal.SIGTERM)
@@ -358,8 +341,8 @@ def replay_main(args: argparse.Namespace) -> int:
 
 
 def _replay_main(args: argparse.Namespace) -> int:
-    from kvpage.engine.replay import fit_trace, replay, resolve_prompt_scale
-    from kvpage.sim.traces import load_trace
+    from kvpage.apps.replay import fit_trace, replay, resolve_prompt_scale
+    from kvpage.workload.traces import load_trace
 
     try:
         if args.output:  # before any work: a path that cannot be written is refused now
@@ -383,7 +366,7 @@ def _replay_main(args: argparse.Namespace) -> int:
         f"Replaying {len(reqs)} requests of trace {trace.name}{cap} over "
         f"{trace.duration_s / args.speedup:.1f} s of arrivals (speedup {args.speedup:g}) on "
         f"{args.model}, backend {eng.backend_name}, {eng.cache_spec.num_blocks} blocks x "
-        f"{eng.cache_spec.block_size} tokens; lengths scaled per kvpage.engine.replay.",
+        f"{eng.cache_spec.block_size} tokens; lengths scaled per kvpage.apps.replay.",
         file=sys.stderr,
     )
     bar: Any = None

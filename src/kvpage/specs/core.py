@@ -1,4 +1,4 @@
-"""Declarative specifications: attention shape per layer and the paged KV-cache layout.
+"""The spec types: attention shape per layer and the paged KV-cache layout.
 
 Specs are frozen pydantic v2 models, JSON-serialisable, and hold no tensors. They are
 the input of backend selection, of the cache manager and of capacity planning.
@@ -18,18 +18,19 @@ Sources of the conventions used here:
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Mapping
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvpage.architectures import PLAN_MODEL_TYPES, check_architecture
 from kvpage.errors import SpecError
+from kvpage.specs.hf import (
+    attention_layers_from_hf,
+    dtype_from_config,
+    hf_config_dict,
+    llama2c_header_to_hf,
+)
 
 KVCacheDType = Literal["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
 ModelDType = Literal["float32", "float16", "bfloat16"]
@@ -87,8 +88,14 @@ class AttentionSpec(BaseModel):
         return self
 
     @property
+    def num_queries_per_kv(self) -> int:
+        """Query heads per KV head (1 = MHA, num_q_heads = MQA; vLLM's name)."""
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
     def group_size(self) -> int:
-        """Query heads per KV head (1 = MHA, num_q_heads = MQA)."""
+        """Deprecated alias of :attr:`num_queries_per_kv` ("group" in kvpage means a KV
+        group); kept for existing callers."""
         return self.num_q_heads // self.num_kv_heads
 
 
@@ -179,15 +186,25 @@ class CacheSpec(BaseModel):
         """Bytes of one block across all layers: ``block_size * bytes_per_token``."""
         return self.block_size * self.bytes_per_token
 
+    def layer_fixed_scale_bytes(self, layer_id: int) -> int:
+        """Bytes of one layer's fp8 scales, K and V (per tensor: 1 float32 each; per
+        head: ``num_kv_heads``); 0 for other KV dtypes. Independent of num_blocks."""
+        if not self.kv_dtype.startswith("fp8"):
+            return 0
+        per = 1 if self.kv_scale_granularity == "per_tensor" else self.layers[layer_id].num_kv_heads
+        return 2 * per * SCALE_BYTES
+
+    def layer_bytes(self, layer_id: int, num_blocks: int) -> int:
+        """Bytes of one layer's cache tensors holding ``num_blocks`` blocks in the canonical
+        layout: ``num_blocks * block_size * layer_bytes_per_token`` plus fp8 scales. The
+        one cache-size formula (capacity planning and ``total_bytes`` use it)."""
+        slots = num_blocks * self.block_size
+        return slots * self.layer_bytes_per_token(layer_id) + self.layer_fixed_scale_bytes(layer_id)
+
     @property
     def fixed_scale_bytes(self) -> int:
         """Bytes of fp8 per-tensor / per-head scales (independent of num_blocks)."""
-        if not self.kv_dtype.startswith("fp8"):
-            return 0
-        per = [
-            1 if self.kv_scale_granularity == "per_tensor" else a.num_kv_heads for a in self.layers
-        ]
-        return sum(2 * n * SCALE_BYTES for n in per)
+        return sum(self.layer_fixed_scale_bytes(i) for i in range(self.num_layers))
 
     @property
     def total_bytes(self) -> int:
@@ -209,7 +226,7 @@ class CacheSpec(BaseModel):
         data["num_blocks"] = num_blocks
         if block_size is not None:
             data["block_size"] = block_size
-        return _validated(CacheSpec, data)
+        return validated(CacheSpec, data)
 
     def to_json(self) -> str:
         """JSON text of this spec (round-trips through ``CacheSpec.model_validate_json``)."""
@@ -247,11 +264,11 @@ class CacheSpec(BaseModel):
         even layers, scale ``query_pre_attn_scalar ** -0.5``, soft cap
         ``attn_logit_softcapping``; GPT-2 may scale by ``1/(layer+1)``.
         """
-        cfg = _config_dict(config)
+        cfg = hf_config_dict(config)
         layers = attention_layers_from_hf(cfg)
         if dtype is None:
-            dtype = _dtype_from_config(cfg)
-        return _validated(
+            dtype = dtype_from_config(cfg)
+        return validated(
             cls,
             dict(
                 num_layers=len(layers),
@@ -289,7 +306,7 @@ class CacheSpec(BaseModel):
         )
 
 
-def _validated(model: type[BaseModel], data: Mapping[str, Any]) -> Any:
+def validated(model: type[BaseModel], data: Mapping[str, Any]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -312,243 +329,25 @@ def _format_validation(e: ValidationError, what: str) -> str:
 
 def make_attention_spec(**kwargs: Any) -> AttentionSpec:
     """Build an AttentionSpec, raising SpecError (not pydantic's error) on bad input."""
-    return _validated(AttentionSpec, kwargs)  # type: ignore[no-any-return]
+    return validated(AttentionSpec, kwargs)  # type: ignore[no-any-return]
 
 
 def make_cache_spec(**kwargs: Any) -> CacheSpec:
     """Build a CacheSpec, raising SpecError on bad input."""
-    return _validated(CacheSpec, kwargs)  # type: ignore[no-any-return]
-
-
-# ---- HF config lowering ----------------------------------------------------------------
-def _config_dict(config: Any) -> dict[str, Any]:
-    if isinstance(config, Mapping):
-        return dict(config)
-    if hasattr(config, "to_dict"):
-        d = dict(config.to_dict())
-        # attributes computed at init (e.g. layer_types) are in to_dict; keep head_dim too
-        for k in ("head_dim", "layer_types", "sliding_window"):
-            if hasattr(config, k) and k not in d:
-                d[k] = getattr(config, k)
-        return d
-    raise SpecError(f"config: expected a mapping or PretrainedConfig, got {type(config).__name__}")
-
-
-def _dtype_from_config(cfg: Mapping[str, Any]) -> ModelDType:
-    raw = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    name = str(raw).removeprefix("torch.")
-    if name not in DTYPE_BYTES:
-        return "float32"
-    return name  # type: ignore[return-value]
-
-
-def _req(cfg: Mapping[str, Any], key: str) -> Any:
-    if key not in cfg or cfg[key] is None:
-        raise SpecError(f"config.{key}: expected a value, got nothing")
-    return cfg[key]
-
-
-def attention_layers_from_hf(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Per-layer AttentionSpec fields from an HF ``config.json`` mapping (see
-    ``CacheSpec.from_hf_config`` for the rules)."""
-    mt = cfg.get("model_type")
-    if mt == "gpt2":
-        n_layers = int(_req(cfg, "n_layer"))
-        heads = int(_req(cfg, "n_head"))
-        hidden = int(_req(cfg, "n_embd"))
-        if hidden % heads:
-            raise SpecError(f"config.n_embd: expected a multiple of n_head={heads}, got {hidden}")
-        hd = hidden // heads
-        out = []
-        for i in range(n_layers):
-            scale = hd**-0.5 if cfg.get("scale_attn_weights", True) else 1.0
-            if cfg.get("scale_attn_by_inverse_layer_idx", False):
-                scale /= float(i + 1)
-            out.append(dict(num_q_heads=heads, num_kv_heads=heads, head_dim=hd, scale=scale))
-        return out
-    check_architecture(cfg, PLAN_MODEL_TYPES)  # one line naming what is missing
-    n_layers = int(_req(cfg, "num_hidden_layers"))
-    heads = int(_req(cfg, "num_attention_heads"))
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    hidden = int(_req(cfg, "hidden_size"))
-    hd_raw = cfg.get("head_dim")
-    if hd_raw is None:
-        if hidden % heads:
-            raise SpecError(
-                f"config.hidden_size: expected a multiple of num_attention_heads={heads}, "
-                f"got {hidden}"
-            )
-        hd_raw = hidden // heads
-    hd = int(hd_raw)
-    window = cfg.get("sliding_window")
-    layer_types = cfg.get("layer_types")
-    sliding: list[bool]
-    if layer_types:
-        if len(layer_types) != n_layers:
-            raise SpecError(
-                f"config.layer_types: expected {n_layers} entries, got {len(layer_types)}"
-            )
-        sliding = [t == "sliding_attention" for t in layer_types]
-    elif mt == "mistral":
-        sliding = [window is not None] * n_layers
-    elif mt == "qwen2":
-        use = bool(cfg.get("use_sliding_window", False))
-        mwl = int(cfg.get("max_window_layers", n_layers) or n_layers)
-        sliding = [use and i >= mwl for i in range(n_layers)]
-    elif mt == "gemma2":
-        sliding = [i % 2 == 0 for i in range(n_layers)]
-    else:
-        sliding = [False] * n_layers
-    if any(sliding) and not window:
-        raise SpecError("config.sliding_window: expected a window for sliding layers, got None")
-    scale = None
-    cap = None
-    if mt == "gemma2":
-        scale = float(cfg.get("query_pre_attn_scalar") or hd) ** -0.5
-        cap = cfg.get("attn_logit_softcapping")
-    return [
-        dict(
-            num_q_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=hd,
-            scale=scale,
-            sliding_window=int(window) if s and window else None,
-            logits_soft_cap=float(cap) if cap else None,
-        )
-        for s in sliding
-    ]
-
-
-def llama2c_header_to_hf(source: str | Path | bytes) -> dict[str, Any]:
-    """Read a llama2.c header and return the equivalent HF Llama ``config.json`` fields.
-
-    The sign of ``vocab_size`` flags a separate classifier (negative) versus one tied to
-    the embedding (positive); ``tie_word_embeddings`` records it.
-    """
-    if isinstance(source, (str, Path)):
-        with open(source, "rb") as f:
-            raw = f.read(28)
-    else:
-        raw = bytes(source[:28])
-    if len(raw) < 28:
-        raise SpecError(f"llama2.c header: expected 28 bytes, got {len(raw)}")
-    dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len = struct.unpack("<7i", raw)
-    if min(dim, hidden, n_layers, n_heads, n_kv_heads, seq_len) <= 0 or vocab == 0:
-        raise SpecError(
-            "llama2.c header: expected positive sizes, got "
-            f"dim={dim} hidden_dim={hidden} n_layers={n_layers} n_heads={n_heads} "
-            f"n_kv_heads={n_kv_heads} vocab_size={vocab} seq_len={seq_len}"
-        )
-    return {
-        "model_type": "llama",
-        "hidden_size": dim,
-        "intermediate_size": hidden,
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv_heads,
-        "vocab_size": abs(vocab),
-        "max_position_embeddings": seq_len,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": vocab > 0,
-        "torch_dtype": "float32",
-    }
-
-
-# ---- presets -------------------------------------------------------------------------------
-class Preset(BaseModel):
-    """A named model preset from top-level ``specs/*.yaml``.
-
-    Attributes:
-        name: preset name (the file stem).
-        source: where the numbers come from (a config.json, a paper).
-        num_parameters: parameter count, for weight bytes in capacity planning.
-        max_model_len: the model's context length in tokens.
-        hf_config: HF ``config.json`` fields enough for ``CacheSpec.from_hf_config``.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str
-    source: str
-    num_parameters: int = Field(ge=1)
-    max_model_len: int = Field(ge=1)
-    hf_config: dict[str, Any]
-
-    def cache_spec(
-        self,
-        *,
-        block_size: int = 16,
-        num_blocks: int = 0,
-        kv_dtype: KVCacheDType = "auto",
-        dtype: ModelDType | None = None,
-    ) -> CacheSpec:
-        """The preset lowered to a CacheSpec (see ``CacheSpec.from_hf_config``)."""
-        return CacheSpec.from_hf_config(
-            self.hf_config,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_dtype=kv_dtype,
-            dtype=dtype,
-        )
-
-
-def _preset_dirs() -> list[Path]:
-    dirs: list[Path] = []
-    try:
-        packaged = resources.files("kvpage") / "presets"
-        if packaged.is_dir():
-            dirs.append(Path(str(packaged)))
-    except (ModuleNotFoundError, FileNotFoundError):  # pragma: no cover
-        pass
-    repo = Path(__file__).resolve().parents[2] / "specs"
-    if repo.is_dir():
-        dirs.append(repo)
-    return dirs
-
-
-def list_presets() -> list[str]:
-    """Names of the presets shipped with kvpage (sorted)."""
-    names: set[str] = set()
-    for d in _preset_dirs():
-        names.update(p.stem for p in d.glob("*.yaml"))
-    return sorted(names)
-
-
-def load_preset(name: str) -> Preset:
-    """Load a preset by name (``specs/<name>.yaml``) or from a YAML/JSON file path.
-
-    Raises:
-        SpecError: no such preset, or the file is invalid.
-    """
-    path = Path(name)
-    if not path.suffix or not path.exists():
-        path = Path()
-        for d in _preset_dirs():
-            if (d / f"{name}.yaml").exists():
-                path = d / f"{name}.yaml"
-                break
-        else:
-            raise SpecError(f"preset: expected one of {list_presets()}, got {name!r}")
-    text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    if not isinstance(data, dict):
-        raise SpecError(f"preset {path}: expected a mapping, got {type(data).__name__}")
-    data.setdefault("name", path.stem)
-    return _validated(Preset, data)  # type: ignore[no-any-return]
+    return validated(CacheSpec, kwargs)  # type: ignore[no-any-return]
 
 
 __all__ = [
+    "DTYPE_BYTES",
+    "KV_DTYPE_BYTES",
+    "SCALE_BYTES",
     "AttentionSpec",
     "CacheSpec",
     "KVCacheDType",
     "KVGroup",
     "ModelDType",
-    "Preset",
-    "attention_layers_from_hf",
-    "list_presets",
-    "llama2c_header_to_hf",
-    "load_preset",
+    "ScaleGranularity",
     "make_attention_spec",
     "make_cache_spec",
+    "validated",
 ]

@@ -13,9 +13,9 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from kvpage.apps.cli_util import parse_int_list, prepare_output, trace_limit
 from kvpage.errors import KVPageError
 from kvpage.jsonout import dumps
-from kvpage.sim.cli_util import parse_int_list, prepare_output, trace_limit
 
 #: columns of the result table: (header, key or (key, subkey), format)
 COLUMNS: list[tuple[str, Any, str]] = [
@@ -93,7 +93,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_simulate(args: argparse.Namespace) -> int:
     """Handler of ``kvpage simulate``: every policy x block size on the same trace."""
     from kvpage.sim.simulator import POLICIES, SimConfig, simulate
-    from kvpage.sim.traces import load_trace
+    from kvpage.workload.traces import load_trace
 
     try:
         json_path = prepare_output(args.json, "--json") if args.json not in (None, "-") else None

@@ -1,0 +1,220 @@
+"""Per-group-type block-table managers: full attention and sliding window.
+
+The middle layer of the allocator (the layering of vLLM V1's KV cache manager, re-done
+here): :class:`~kvpage.cache.manager.KVCacheManager` owns the requests and asks one
+manager per KV group to grow, commit, fork and free that group's block tables; each
+group manager calls only the public methods of its :class:`BlockPool`. The two kinds
+differ in one rule, :meth:`GroupManager.first_needed_block`: a full-attention query
+sees every earlier key, a sliding-window query (window ``W``) only the last ``W``
+positions, so a sliding group releases blocks wholly below the window (C10) and a
+prefix hit in it needs only the window's blocks.
+
+A block table is a ``list[int]`` of block ids (null block 0 on the window-released
+prefix) that the caller owns; ``freed`` is the length of that released prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvpage.cache.block_pool import NULL_BLOCK_ID, BlockPool
+from kvpage.cache.hashing import BlockHash
+
+
+@dataclass(slots=True)
+class GrowthPlan:
+    """What growing one group's table will do (computed before anything changes).
+
+    Attributes:
+        release: ids of window-released blocks, in table order (sliding groups only).
+        target: the window-released prefix length after the growth, in blocks.
+        cow: whether the shared partial last block is copied first.
+        num_new: blocks appended to the table.
+    """
+
+    release: list[int]
+    target: int
+    cow: bool
+    num_new: int
+
+
+@dataclass(slots=True)
+class Growth:
+    """What growing one group's table did.
+
+    Attributes:
+        new_blocks: ids appended to the table.
+        copies: copy-on-write ``(src, dst)`` pairs (0 or 1).
+        num_released: blocks released by window freeing.
+    """
+
+    new_blocks: list[int]
+    copies: list[tuple[int, int]]
+    num_released: int
+
+
+class GroupManager:
+    """Block tables of one KV group over its pool (base of the two group types).
+
+    Args:
+        pool: the group's block pool.
+        block_size: tokens per block.
+
+    Attributes:
+        pool: the group's pool (read-only use by the layer above: counts, integrity).
+        window: the sliding window in tokens, None for full attention.
+    """
+
+    window: int | None = None
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+
+    def first_needed_block(self, position: int) -> int:
+        """First block that a query at ``position`` (or later) can see."""
+        raise NotImplementedError
+
+    # ---- growth (later allocations) -------------------------------------------------
+    def plan_growth(
+        self, table: list[int], freed: int, start: int, num_new_tokens: int, need_blocks: int
+    ) -> GrowthPlan | None:
+        """Plan room for positions ``[start, start + num_new_tokens)`` (all earlier ones
+        computed) in a table of ``need_blocks`` blocks; None when the pool lacks blocks.
+        No state changes."""
+        pool = self.pool
+        target = self.first_needed_block(start)
+        release = [table[i] for i in range(freed, target) if table[i] != NULL_BLOCK_ID]
+        avail = pool.num_free + (pool.count_exclusive(release) if release else 0)
+        cow = bool(start % self.block_size and num_new_tokens and pool.is_shared(table[-1]))
+        n_new = max(0, need_blocks - len(table))
+        if n_new + cow > avail:
+            return None
+        return GrowthPlan(release, max(target, freed), cow, n_new)
+
+    def try_append(
+        self, table: list[int], start: int, num_new_tokens: int, need_blocks: int
+    ) -> list[int] | None:
+        """The common case of growth in one step: no window release and no CoW due, and
+        room for the blocks to append. Appends them to ``table`` and returns their ids
+        (often none); returns None, changing nothing, when the case does not apply (then
+        use :meth:`plan_growth`). Only for full attention (a sliding group may release)."""
+        pool = self.pool
+        if start % self.block_size and num_new_tokens and pool.is_shared(table[-1]):
+            return None
+        n_new = need_blocks - len(table)
+        if n_new <= 0:
+            return []
+        if n_new > pool.num_free:
+            return None
+        ids = pool.allocate_ids(n_new)
+        table.extend(ids)
+        return ids
+
+    def grow(self, table: list[int], freed: int, plan: GrowthPlan) -> Growth:
+        """Carry out ``plan`` on ``table`` (mutated): release window blocks (last first)
+        and null their entries, copy a shared last block, append new blocks."""
+        pool = self.pool
+        if plan.release:
+            pool.release(reversed(plan.release))
+        for i in range(freed, plan.target):
+            table[i] = NULL_BLOCK_ID
+        copies: list[tuple[int, int]] = []
+        if plan.cow:
+            src = table[-1]
+            dst = pool.allocate_ids(1)[0]
+            pool.release((src,))  # it was shared: stays used by the other holders
+            table[-1] = dst
+            copies.append((src, dst))
+        ids = pool.allocate_ids(plan.num_new)
+        table.extend(ids)
+        return Growth(ids, copies, len(plan.release))
+
+    # ---- first allocation -----------------------------------------------------------
+    def hit_block_ids(
+        self, hashes: Sequence[BlockHash], num_cached_tokens: int
+    ) -> list[int] | None:
+        """The table prefix a hit of ``num_cached_tokens`` takes (null ids below the
+        window of the first computed token), or None if a needed block is not cached."""
+        nb = num_cached_tokens // self.block_size
+        lo = self.first_needed_block(num_cached_tokens)
+        ids = [NULL_BLOCK_ID] * lo
+        pool = self.pool
+        for i in range(lo, nb):
+            bid = pool.cached_block_id(hashes[i])
+            if bid is None:
+                return None
+            ids.append(bid)
+        return ids
+
+    def can_start(self, hit_ids: Sequence[int], num_new: int) -> bool:
+        """Whether taking ``hit_ids`` plus ``num_new`` new blocks fits the free queue
+        (free cached hit blocks are revived from it)."""
+        pool = self.pool
+        return num_new + pool.count_free(hit_ids) <= pool.num_free
+
+    def start(self, hit_ids: Sequence[int], num_new: int) -> list[int]:
+        """Take the hit blocks (one more holder each) and ``num_new`` new blocks; returns
+        the new ids. Call after :meth:`can_start`."""
+        self.pool.touch_ids(hit_ids)
+        return self.pool.allocate_ids(num_new)
+
+    # ---- commit, fork, free -----------------------------------------------------------
+    def commit(self, table: Sequence[int], index: int, block_hash: BlockHash) -> None:
+        """Register block ``table[index]`` (unless window-released) as ``block_hash``."""
+        bid = table[index]
+        if bid != NULL_BLOCK_ID:
+            self.pool.cache_block(bid, block_hash)
+
+    def fork(self, table: Sequence[int]) -> None:
+        """One more holder for every block of ``table`` (a child shares them)."""
+        self.pool.touch_ids(table)
+
+    def free(self, table: Sequence[int]) -> None:
+        """Drop the table's hold on its blocks, last block first."""
+        self.pool.release(reversed(table))
+
+
+class FullAttentionManager(GroupManager):
+    """A full-attention group: every query sees all earlier keys; nothing is released
+    before the request is freed."""
+
+    def first_needed_block(self, position: int) -> int:
+        return 0
+
+
+class SlidingWindowManager(GroupManager):
+    """A sliding-window group: the query at position ``i`` sees keys
+    ``max(0, i - W + 1) .. i``, so blocks below ``max(0, i - W + 1) // block_size`` are
+    released once no later query needs them.
+
+    Args:
+        pool, block_size: as :class:`GroupManager`.
+        window: ``W``, in tokens (>= 1).
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int, window: int) -> None:
+        super().__init__(pool, block_size)
+        self.window = window
+        self._w = window
+
+    def first_needed_block(self, position: int) -> int:
+        return max(0, position - self._w + 1) // self.block_size
+
+
+def make_group_manager(pool: BlockPool, block_size: int, window: int | None) -> GroupManager:
+    """The manager type for a group with sliding window ``window`` (None = full)."""
+    if window is None:
+        return FullAttentionManager(pool, block_size)
+    return SlidingWindowManager(pool, block_size, window)
+
+
+__all__ = [
+    "FullAttentionManager",
+    "GroupManager",
+    "Growth",
+    "GrowthPlan",
+    "SlidingWindowManager",
+    "make_group_manager",
+]

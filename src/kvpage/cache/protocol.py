@@ -1,0 +1,102 @@
+"""The allocator contract the scheduler and the simulator program against.
+
+:class:`KVAllocator` is what :class:`kvpage.engine.Scheduler` calls and what the
+simulator measures; :class:`~kvpage.cache.manager.KVCacheManager` (paged, prefix
+caching) and :class:`kvpage.sim.contiguous.ContiguousAllocator` (contiguous
+reservation) both implement it, checked statically by mypy and at runtime by
+``isinstance`` (the protocols are ``runtime_checkable``). Semantics of every member are
+those documented on ``KVCacheManager``; units are tokens unless named blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from kvpage.cache.allocation import Allocation
+
+
+@runtime_checkable
+class AllocatorStats(Protocol):
+    """The counters every allocator keeps (names of ``kvpage.cache.CacheStats``)."""
+
+    allocation_failures: int
+    allocations: int
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    evictions: int
+
+    @property
+    def hit_rate(self) -> float: ...
+
+
+@runtime_checkable
+class KVAllocator(Protocol):
+    """A KV-cache allocator: room for tokens per request, prefix hits, forks, frees.
+
+    Attributes:
+        num_groups: KV groups (one block table per group per request).
+        block_size: tokens per block (1 for a slot allocator).
+        max_request_tokens: most tokens one request can hold.
+    """
+
+    @property
+    def num_groups(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def max_request_tokens(self) -> int: ...
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool held by requests, in [0, 1]."""
+        ...
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    @property
+    def num_used_blocks(self) -> int: ...
+
+    @property
+    def stats(self) -> AllocatorStats: ...
+
+    def get_num_cached_tokens(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+    ) -> int: ...
+
+    def allocate(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        *,
+        num_cached_tokens: int = 0,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+    ) -> Allocation | None: ...
+
+    def block_table(self, request_id: str, group: int = 0) -> list[int]: ...
+
+    def num_allocated_tokens(self, request_id: str) -> int: ...
+
+    def blocks_needed(self, num_tokens: int) -> int: ...
+
+    def commit(
+        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int
+    ) -> None: ...
+
+    def fork(self, parent_id: str, child_id: str) -> None: ...
+
+    def free(self, request_id: str) -> None: ...
+
+    def check_integrity(self) -> None: ...
+
+
+__all__ = ["AllocatorStats", "KVAllocator"]
