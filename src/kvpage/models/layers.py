@@ -144,8 +144,53 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rot * sin
 
 
+class FusedLinear:
+    """One ``[sum(out_i), in]`` weight (and bias) for several ``nn.Linear`` of the same
+    input, so that one matmul replaces several.
+
+    The parts' parameters are re-pointed at row slices of the fused tensor (no second
+    copy of the weights; ``state_dict`` keeps the HF names and shapes). Whenever a part's
+    parameter no longer lives there (``load_state_dict(assign=True)``, ``.to(...)``),
+    :meth:`weights` fuses again, so the fused view never goes stale; in-place updates
+    (``copy_``) write through the views.
+
+    Args:
+        parts: the linears, in output order; same input size, dtype and device.
+    """
+
+    def __init__(self, parts: list[nn.Linear]) -> None:
+        self.parts = parts
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self._ptrs: tuple[int, ...] = ()
+
+    def _current(self) -> tuple[int, ...]:
+        return tuple(m.weight.data_ptr() for m in self.parts)
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(weight [sum(out_i), in], bias [sum(out_i)] or None)``, re-fused if needed."""
+        if self.weight is None or self._current() != self._ptrs:
+            w = torch.cat([m.weight.detach() for m in self.parts])
+            has_bias = all(m.bias is not None for m in self.parts)
+            b = torch.cat([m.bias.detach() for m in self.parts]) if has_bias else None
+            a = 0
+            for m in self.parts:
+                n = m.weight.shape[0]
+                m.weight.data = w[a : a + n]
+                if b is not None and m.bias is not None:
+                    m.bias.data = b[a : a + n]
+                a += n
+            self.weight, self.bias, self._ptrs = w, b, self._current()
+        return self.weight, self.bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[num_tokens, in]`` -> ``[num_tokens, sum(out_i)]``."""
+        w, b = self.weights()
+        return F.linear(x, w, b)
+
+
 class MLP(nn.Module):
-    """``down(act(gate(x)) * up(x))``."""
+    """``down(act(gate(x)) * up(x))``; gate and up run as one fused matmul."""
 
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
@@ -154,16 +199,20 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
         self.activation = arch.activation
+        self.intermediate_size = i
+        self._gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.gate_proj(x)
+        gu = self._gate_up(x)
+        i = self.intermediate_size
+        g, u = gu[:, :i], gu[:, i:]
         if self.activation == "silu":
             g = F.silu(g)
         elif self.activation == "gelu_tanh":
             g = F.gelu(g, approximate="tanh")
         else:
             g = F.gelu(g)
-        return self.down_proj(g * self.up_proj(x))
+        return self.down_proj(g.mul_(u))
 
 
 class PagedAttention(nn.Module):
@@ -184,6 +233,8 @@ class PagedAttention(nn.Module):
         self.v_proj = nn.Linear(h, arch.num_kv_heads * d, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(arch.num_q_heads * d, h, bias=arch.o_bias)
         self.spec = spec
+        self._qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
+        self._splits = (arch.num_q_heads * d, arch.num_kv_heads * d, arch.num_kv_heads * d)
 
     def forward(
         self,
@@ -207,9 +258,10 @@ class PagedAttention(nn.Module):
             ``[num_tokens, hidden_size]``.
         """
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_q_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        qs, ks, vs = self._qkv(x).split(self._splits, dim=-1)
+        q = qs.view(t, self.num_q_heads, self.head_dim)
+        k = ks.view(t, self.num_kv_heads, self.head_dim)
+        v = vs.view(t, self.num_kv_heads, self.head_dim)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         backend.write_kv(k, v, cache, meta.slot_mapping)
@@ -255,6 +307,7 @@ class DecoderLayer(nn.Module):
 
 
 __all__ = [
+    "FusedLinear",
     "rope_inv_freq",
     "MLP",
     "DecoderLayer",

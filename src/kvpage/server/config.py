@@ -94,6 +94,8 @@ class EngineConfig(_Strict):
     backend: str = "auto"
     dtype: str = "float32"
     seed: int = 0
+    #: CPU threads (None = the engine's default 1; 0 = torch's default), ``--threads``
+    num_threads: int | None = Field(None, ge=0)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Return the kwargs for ``LLMEngine.from_config`` (None values are dropped)."""
