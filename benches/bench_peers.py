@@ -147,8 +147,11 @@ class Worker:
         env = dict(os.environ)
         if spec["engine"] == "vllm":  # its own environment: nothing of ours on the path
             env.pop("PYTHONPATH", None)
-            if spec["threads"]:
+            if spec["vllm_bind"] == "cores":
                 env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{spec['threads'] - 1}"
+            else:  # no pinning (shared machine): OMP threads float like everyone else's
+                env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+                env["OMP_NUM_THREADS"] = str(spec["threads"])
         self.proc = subprocess.Popen(
             [python, str(HERE / "peers" / "worker.py"), json.dumps(spec)],
             stdin=subprocess.PIPE,
@@ -212,6 +215,7 @@ def bench_model(name: str, args: argparse.Namespace, work_file: Path, max_new: i
             "max_new_tokens": max_new,
             "num_requests": len(json.loads(work_file.read_text())),
             "vllm_multiprocess": args.vllm_multiprocess,
+            "vllm_bind": args.vllm_bind,
         }
         py = args.vllm_python if eng == "vllm" else sys.executable
         print(f"[{name}] starting {eng}", flush=True)
@@ -321,6 +325,12 @@ def main() -> None:
     ap.add_argument("--keep-ids", type=int, default=8, help="requests compared token by token")
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     ap.add_argument("--vllm-multiprocess", action="store_true", help="vLLM's default engine")
+    ap.add_argument(
+        "--vllm-bind",
+        choices=["cores", "nobind"],
+        default="nobind",
+        help="vLLM OMP threads pinned to cores 0..threads-1, or not pinned",
+    )
     ap.add_argument("--workdir", default="out/peers")
     ap.add_argument("--out", default="out/bench_peers.json")
     args = ap.parse_args()

@@ -144,6 +144,50 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rot * sin
 
 
+#: run CPU float32/bfloat16 linears through oneDNN with prepacked weights (measured
+#: 2.3-2.9x less CPU time than ``F.linear`` in float32 at 16-256 rows and 1.2-2.5x in
+#: bfloat16 on an AVX-512 EPYC, docs/benchmarks.md); False = plain ``F.linear``
+PACK_LINEARS = True
+
+
+def _packable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (
+        PACK_LINEARS
+        and w.device.type == "cpu"
+        and w.dtype in (torch.float32, torch.bfloat16)
+        and x.dtype == w.dtype
+        and x.dim() == 2
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+class PackedWeight:
+    """A oneDNN-prepacked copy of one linear weight (``torch.ops.mkldnn``), rebuilt
+    whenever the weight is replaced or modified in place (its data pointer or version
+    counter changes), so it never goes stale. Costs a second copy of the weight.
+
+    Call ``packed(x, w, b)`` = ``F.linear(x, w, b)``: x ``[rows, in]``, w ``[out, in]``,
+    b ``[out]`` or None; falls back to ``F.linear`` off the CPU, for float16, or with
+    :data:`PACK_LINEARS` off. Results equal ``F.linear`` up to float summation order.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple[int, int] | None = None
+        self.packed: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        if not _packable(x, w):
+            return F.linear(x, w, b)
+        # inference tensors have no version counter: keyed by their storage alone
+        key = (w.data_ptr(), -1 if w.is_inference() else w._version)
+        if key != self.key or self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+            self.key = key
+        return torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), self.packed, b, "none", [None], ""
+        )
+
+
 class FusedLinear:
     """One ``[sum(out_i), in]`` weight (and bias) for several ``nn.Linear`` of the same
     input, so that one matmul replaces several.
@@ -163,6 +207,7 @@ class FusedLinear:
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self._ptrs: tuple[int, ...] = ()
+        self._packed = PackedWeight()
 
     def _current(self) -> tuple[int, ...]:
         return tuple(m.weight.data_ptr() for m in self.parts)
@@ -170,9 +215,10 @@ class FusedLinear:
     def weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight [sum(out_i), in], bias [sum(out_i)] or None)``, re-fused if needed."""
         if self.weight is None or self._current() != self._ptrs:
-            w = torch.cat([m.weight.detach() for m in self.parts])
-            has_bias = all(m.bias is not None for m in self.parts)
-            b = torch.cat([m.bias.detach() for m in self.parts]) if has_bias else None
+            with torch.inference_mode(False):  # normal tensors: in-place updates are seen
+                w = torch.cat([m.weight.detach() for m in self.parts])
+                has_bias = all(m.bias is not None for m in self.parts)
+                b = torch.cat([m.bias.detach() for m in self.parts]) if has_bias else None
             a = 0
             for m in self.parts:
                 n = m.weight.shape[0]
@@ -186,7 +232,7 @@ class FusedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[num_tokens, in]`` -> ``[num_tokens, sum(out_i)]``."""
         w, b = self.weights()
-        return F.linear(x, w, b)
+        return self._packed(x, w, b)
 
 
 class MLP(nn.Module):
@@ -201,6 +247,7 @@ class MLP(nn.Module):
         self.activation = arch.activation
         self.intermediate_size = i
         self._gate_up = FusedLinear([self.gate_proj, self.up_proj])
+        self._down = PackedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self._gate_up(x)
@@ -212,7 +259,8 @@ class MLP(nn.Module):
             g = F.gelu(g, approximate="tanh")
         else:
             g = F.gelu(g)
-        return self.down_proj(g.mul_(u))
+        d = self.down_proj
+        return self._down(g.mul_(u), d.weight, d.bias)
 
 
 class PagedAttention(nn.Module):
@@ -235,6 +283,7 @@ class PagedAttention(nn.Module):
         self.spec = spec
         self._qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
         self._splits = (arch.num_q_heads * d, arch.num_kv_heads * d, arch.num_kv_heads * d)
+        self._o = PackedWeight()
 
     def forward(
         self,
@@ -269,7 +318,8 @@ class PagedAttention(nn.Module):
             o = backend.decode(q, cache, meta, self.spec)
         else:
             o = backend.prefill(q, cache, meta, self.spec)
-        return self.o_proj(o.reshape(t, self.num_q_heads * self.head_dim))
+        o = o.reshape(t, self.num_q_heads * self.head_dim)
+        return self._o(o, self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -307,7 +357,9 @@ class DecoderLayer(nn.Module):
 
 
 __all__ = [
+    "PACK_LINEARS",
     "FusedLinear",
+    "PackedWeight",
     "rope_inv_freq",
     "MLP",
     "DecoderLayer",
