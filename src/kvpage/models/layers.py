@@ -150,6 +150,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 PACK_LINEARS = True
 
 
+def _version(t: torch.Tensor) -> int:
+    """In-place modification counter (-1 for inference tensors, which have none)."""
+    return -1 if t.is_inference() else t._version
+
+
 def _packable(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (
         PACK_LINEARS
@@ -172,14 +177,21 @@ class PackedWeight:
     """
 
     def __init__(self) -> None:
-        self.key: tuple[int, int] | None = None
+        self.key: tuple[int, Any] | None = None
         self.packed: torch.Tensor | None = None
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        version: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
+        """``version``: the caller's own change marker of ``w`` (default its version
+        counter; inference tensors have none and are keyed by their storage alone)."""
         if not _packable(x, w):
             return F.linear(x, w, b)
-        # inference tensors have no version counter: keyed by their storage alone
-        key = (w.data_ptr(), -1 if w.is_inference() else w._version)
+        key = (w.data_ptr(), version if version is not None else _version(w))
         if key != self.key or self.packed is None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
             self.key = key
@@ -212,6 +224,10 @@ class FusedLinear:
     def _current(self) -> tuple[int, ...]:
         return tuple(m.weight.data_ptr() for m in self.parts)
 
+    def _versions(self) -> tuple[int, ...]:
+        # parameters re-pointed with ``.data =`` keep their own version counters
+        return tuple(_version(m.weight) for m in self.parts)
+
     def weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight [sum(out_i), in], bias [sum(out_i)] or None)``, re-fused if needed."""
         if self.weight is None or self._current() != self._ptrs:
@@ -232,7 +248,7 @@ class FusedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[num_tokens, in]`` -> ``[num_tokens, sum(out_i)]``."""
         w, b = self.weights()
-        return self._packed(x, w, b)
+        return self._packed(x, w, b, self._versions())
 
 
 class MLP(nn.Module):
