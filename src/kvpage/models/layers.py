@@ -323,10 +323,11 @@ class PagedAttention(nn.Module):
             ``[num_tokens, hidden_size]``.
         """
         t = x.shape[0]
-        qs, ks, vs = self._qkv(x).split(self._splits, dim=-1)
-        q = qs.view(t, self.num_q_heads, self.head_dim)
-        k = ks.view(t, self.num_kv_heads, self.head_dim)
-        v = vs.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self._qkv(x)
+        a, b = self._splits[0], self._splits[0] + self._splits[1]
+        q = qkv[:, :a].view(t, self.num_q_heads, self.head_dim)
+        k = qkv[:, a:b].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, b:].view(t, self.num_kv_heads, self.head_dim)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         backend.write_kv(k, v, cache, meta.slot_mapping)
