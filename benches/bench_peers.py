@@ -25,7 +25,9 @@ Models (written as Hugging Face folders under ``--workdir`` at run time):
   12 query / 4 KV heads, intermediate 2048, vocab 32000, untied; seed 0), float32 and
   bfloat16.
 
-Every engine is loaded and warmed up first (4 requests), then ``--rounds`` rounds run
+Every engine is loaded and warmed up first (by default on the whole workload once, so
+that each has met every batch shape: vLLM compiles per shape range and oneDNN builds
+kernels per shape), then ``--rounds`` rounds run
 the engines in turn (A B C A B C); reported per engine: median tokens/s, tokens per
 CPU-second (user + system of the engine's process tree), TTFT p50 (submission to
 first token, all requests submitted at t=0), peak RSS, and the ratio to kvpage within
@@ -216,6 +218,7 @@ def bench_model(name: str, args: argparse.Namespace, work_file: Path, max_new: i
             "num_requests": len(json.loads(work_file.read_text())),
             "vllm_multiprocess": args.vllm_multiprocess,
             "vllm_bind": args.vllm_bind,
+            "warmup_requests": args.warmup_requests,
         }
         py = args.vllm_python if eng == "vllm" else sys.executable
         print(f"[{name}] starting {eng}", flush=True)
@@ -322,6 +325,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=0, help="cap on output lengths (0 = none)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads of every engine")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--warmup-requests", type=int, default=0, help="warm-up on the first N (0 = all)"
+    )
     ap.add_argument("--keep-ids", type=int, default=8, help="requests compared token by token")
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     ap.add_argument("--vllm-multiprocess", action="store_true", help="vLLM's default engine")

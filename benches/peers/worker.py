@@ -10,7 +10,8 @@ stdout lines (engine logs) are ignored by the driver.
 SPEC fields: ``engine`` (kvpage, vllm, hf_generate, hf_batch), ``model`` (a model
 folder or ``stories260K``), ``dtype``, ``threads``, ``workload`` (a JSON file of
 ``[[prompt_ids, max_tokens], ...]``), ``max_model_len``, ``keep_ids`` (how many of the
-first requests' output ids to return), ``vllm_multiprocess`` (bool).
+first requests' output ids to return), ``vllm_multiprocess`` (bool),
+``warmup_requests`` (warm-up on the first N requests; 0 = the whole workload).
 """
 
 from __future__ import annotations
@@ -276,7 +277,9 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     work = [(list(p), int(m)) for p, m in json.loads(Path(spec["workload"]).read_text())]
     runner = RUNNERS[spec["engine"]](spec)
-    runner.run(work[: spec.get("warmup_requests", 4)], spec)  # warm-up, off the clock
+    # warm-up, off the clock: the whole workload by default, so every engine has met
+    # every batch shape once (vLLM compiles them, oneDNN builds its kernels per shape)
+    runner.run(work[: spec.get("warmup_requests") or len(work)], spec)
     print("@@READY", flush=True)
     for line in sys.stdin:
         if line.strip() != "run":

@@ -13,7 +13,10 @@ from kvpage.models import layers as L
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_packed_weight_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
+def test_packed_weight_equals_f_linear(
+    dtype: torch.dtype, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(L, "PACK_MIN_MACS", 0)  # the oneDNN path even for tiny shapes
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 48, generator=g).to(dtype)
     w = torch.randn(40, 48, generator=g).to(dtype)
@@ -23,7 +26,10 @@ def test_packed_weight_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
     torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), rtol=tol, atol=tol)
 
 
-def test_packed_weight_follows_in_place_and_replaced_weights() -> None:
+def test_packed_weight_follows_in_place_and_replaced_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(L, "PACK_MIN_MACS", 0)
     lin = nn.Linear(16, 8, bias=False)
     pw = L.PackedWeight()
     x = torch.randn(3, 16)
@@ -35,7 +41,10 @@ def test_packed_weight_follows_in_place_and_replaced_weights() -> None:
     assert pw(x, lin.weight, None).abs().max().item() == 0.0
 
 
-def test_fused_linear_keeps_hf_names_and_follows_load_state_dict() -> None:
+def test_fused_linear_keeps_hf_names_and_follows_load_state_dict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(L, "PACK_MIN_MACS", 0)
     parts = [nn.Linear(12, n, bias=True) for n in (8, 4, 4)]
     fused = L.FusedLinear(parts)
     x = torch.randn(5, 12)

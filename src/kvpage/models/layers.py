@@ -148,6 +148,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 #: 2.3-2.9x less CPU time than ``F.linear`` in float32 at 16-256 rows and 1.2-2.5x in
 #: bfloat16 on an AVX-512 EPYC, docs/benchmarks.md); False = plain ``F.linear``
 PACK_LINEARS = True
+#: ... for products of at least this many multiply-adds (rows * out * in): a oneDNN call
+#: costs ~10 us more than ``F.linear``, which wins below ~1M (e.g. 13 vs 15 us at
+#: 16 x 512 x 64, 22 vs 18 us at 256 x 64 x 64, float32, one thread; docs/benchmarks.md)
+PACK_MIN_MACS = 1 << 20
 
 
 def _version(t: torch.Tensor) -> int:
@@ -162,6 +166,7 @@ def _packable(x: torch.Tensor, w: torch.Tensor) -> bool:
         and w.dtype in (torch.float32, torch.bfloat16)
         and x.dtype == w.dtype
         and x.dim() == 2
+        and x.shape[0] * w.shape[0] * w.shape[1] >= PACK_MIN_MACS
         and torch.backends.mkldnn.is_available()
     )
 
@@ -172,8 +177,8 @@ class PackedWeight:
     counter changes), so it never goes stale. Costs a second copy of the weight.
 
     Call ``packed(x, w, b)`` = ``F.linear(x, w, b)``: x ``[rows, in]``, w ``[out, in]``,
-    b ``[out]`` or None; falls back to ``F.linear`` off the CPU, for float16, or with
-    :data:`PACK_LINEARS` off. Results equal ``F.linear`` up to float summation order.
+    b ``[out]`` or None; falls back to ``F.linear`` off the CPU, for float16, below
+    :data:`PACK_MIN_MACS` or with :data:`PACK_LINEARS` off. Results equal ``F.linear`` up to float summation order.
     """
 
     def __init__(self) -> None:
@@ -375,6 +380,7 @@ class DecoderLayer(nn.Module):
 
 __all__ = [
     "PACK_LINEARS",
+    "PACK_MIN_MACS",
     "FusedLinear",
     "PackedWeight",
     "rope_inv_freq",
