@@ -65,3 +65,10 @@ def test_pack_linears_off_is_plain_f_linear(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(L, "PACK_LINEARS", False)
     x, w = torch.randn(4, 8), torch.randn(6, 8)
     assert torch.equal(L.PackedWeight()(x, w, None), F.linear(x, w))
+
+
+def test_fused_linear_with_some_parts_bias_free() -> None:
+    parts = [nn.Linear(6, 4, bias=True), nn.Linear(6, 3, bias=False)]
+    x = torch.randn(2, 6)
+    want = torch.cat([parts[0](x), parts[1](x)], dim=-1)
+    torch.testing.assert_close(L.FusedLinear(parts)(x), want, rtol=1e-5, atol=1e-5)

@@ -178,7 +178,8 @@ class PackedWeight:
 
     Call ``packed(x, w, b)`` = ``F.linear(x, w, b)``: x ``[rows, in]``, w ``[out, in]``,
     b ``[out]`` or None; falls back to ``F.linear`` off the CPU, for float16, below
-    :data:`PACK_MIN_MACS` or with :data:`PACK_LINEARS` off. Results equal ``F.linear`` up to float summation order.
+    :data:`PACK_MIN_MACS` or with :data:`PACK_LINEARS` off. Results equal ``F.linear``
+    up to float summation order.
     """
 
     def __init__(self) -> None:
@@ -238,8 +239,16 @@ class FusedLinear:
         if self.weight is None or self._current() != self._ptrs:
             with torch.inference_mode(False):  # normal tensors: in-place updates are seen
                 w = torch.cat([m.weight.detach() for m in self.parts])
-                has_bias = all(m.bias is not None for m in self.parts)
-                b = torch.cat([m.bias.detach() for m in self.parts]) if has_bias else None
+                b = None
+                if any(m.bias is not None for m in self.parts):  # zeros for bias-free parts
+                    b = torch.cat(
+                        [
+                            m.bias.detach()
+                            if m.bias is not None
+                            else m.weight.new_zeros(m.weight.shape[0])
+                            for m in self.parts
+                        ]
+                    )
             a = 0
             for m in self.parts:
                 n = m.weight.shape[0]
