@@ -172,8 +172,10 @@ class Worker:
                 return line[len(marker) :].strip()
             self.log.write(line)
         self.log.flush()
-        tail = Path(self.log.name).read_text().strip().splitlines()[-8:]
-        self.error = f"{self.name} exited ({self.proc.wait()}): " + " | ".join(tail)
+        lines = Path(self.log.name).read_text().strip().splitlines()
+        # the first exception line names the cause (later ones come from shutdown)
+        first = next((x.strip() for x in lines if "Error:" in x), "")
+        self.error = f"{self.name} exited ({self.proc.wait()}): {first} | " + " | ".join(lines[-3:])
         return None
 
     def run(self) -> dict[str, Any] | None:
