@@ -54,7 +54,9 @@ class EngineConfig:
             Measured on a shared 2-core machine (docs/benchmarks.md, "Threads"): torch's
             default made the README example 19x slower than 1 thread (12.4 s vs 0.65 s)
             and up to 200x under heavier load, because every op waits at a barrier for
-            a thread the OS has descheduled; raise it only on cores nobody else uses.
+            a thread the OS has descheduled while its partner spins (``import kvpage``
+            sets ``OMP_WAIT_POLICY=PASSIVE`` against that when it loads before torch;
+            then 2 threads paid 2-8x on a 125M model). Raise it on cores you own.
     """
 
     model: Any = "stories260K"
