@@ -100,7 +100,11 @@ def _median_ms(fn: Callable[[], Any], repeat: int) -> float:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    torch.set_num_threads(ap.parse_args().threads)
     torch.manual_seed(0)
     model = load_model("stories260K")
     hf = to_transformers(model)

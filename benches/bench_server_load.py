@@ -303,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--torch-threads",
+        "--threads",
+        dest="torch_threads",
         type=int,
         default=1,
         help="torch intra-op threads (default 1: on an oversubscribed CPU, OpenMP spinning "

@@ -46,7 +46,9 @@ def run_sim(name: str, n: int) -> dict[str, Any]:
     }
 
 
-def run_engine(name: str, n: int, num_blocks: int = 257) -> dict[str, Any]:
+def run_engine(
+    name: str, n: int, num_blocks: int = 257, threads: int | None = None
+) -> dict[str, Any]:
     from kvpage.engine.engine import LLMEngine
     from kvpage.engine.params import SamplingParams
     from kvpage.workload.traces import TokenMapper
@@ -54,7 +56,11 @@ def run_engine(name: str, n: int, num_blocks: int = 257) -> dict[str, Any]:
 
     trace = make_workload(name, n, scale="cpu")
     eng = LLMEngine.from_config(
-        model="stories260K", block_size=16, num_blocks=num_blocks, backend="torch"
+        model="stories260K",
+        block_size=16,
+        num_blocks=num_blocks,
+        backend="torch",
+        num_threads=threads,
     )
     vocab = int(eng.vocab_size)
     mapper = TokenMapper(seed=0, vocab_size=vocab, hash_block_tokens=trace.hash_block_tokens)
@@ -181,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim-requests", type=int, default=200)
     ap.add_argument("--engine-requests", type=int, default=16)
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="engine CPU threads (default 1; 0 = torch's)"
+    )
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--out", default=None, help="write all rows as JSON here")
     ap.add_argument("--render", default=None, help="only print the table of a saved JSON")
@@ -202,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         e = None
         if not args.no_engine:
             try:
-                e = run_engine(name, args.engine_requests)
+                e = run_engine(name, args.engine_requests, threads=args.threads)
                 rows.append(e)
             except ImportError as err:  # engine not installed
                 print(f"engine skipped: {err}", file=sys.stderr)

@@ -4,7 +4,16 @@
 (GPU backends, server, HF models) import their libraries lazily.
 """
 
-from kvpage.errors import (
+import os as _os
+
+# OpenMP threads that wait at a barrier sleep instead of spinning (GNU OpenMP reads this
+# when torch loads it, so it only takes effect when kvpage is imported before torch;
+# an explicit setting wins). Spinning is what made more than one thread 20-200x slower
+# on a small or shared machine: a spinning waiter burns the core the thread it waits
+# for needs (docs/benchmarks.md, "Threads").
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from kvpage.errors import (  # noqa: E402
     BackendUnavailableError,
     IntegrityError,
     KVPageError,
@@ -12,8 +21,8 @@ from kvpage.errors import (
     ShapeError,
     SpecError,
 )
-from kvpage.specs import AttentionSpec, CacheSpec, load_preset
-from kvpage.version import __version__
+from kvpage.specs import AttentionSpec, CacheSpec, load_preset  # noqa: E402
+from kvpage.version import __version__  # noqa: E402
 
 #: the user API, imported on first use (``from kvpage import LLM, SamplingParams``) so
 #: that ``import kvpage`` stays light

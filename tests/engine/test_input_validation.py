@@ -193,7 +193,8 @@ def test_arrival_time_must_be_finite(llm: LLM, at: Any) -> None:
         ({"device": "meta"}, r"^device: expected 'cpu' or 'cuda\[:N\]'"),
         ({"num_blocks": 1}, r"^num_blocks: expected None or an int >= 2"),
         ({"num_blocks": 0}, r"^num_blocks: expected None or an int >= 2"),
-        ({"num_threads": 0}, r"^num_threads: expected None or an int >= 1"),
+        ({"num_threads": -1}, r"^num_threads: expected None \(default 1\), 0"),
+        ({"num_threads": True}, r"^num_threads: expected None \(default 1\), 0"),
         ({"seed": 2**63}, r"^seed: expected"),
         ({"seed": True}, r"^seed: expected"),
         ({"enable_prefix_caching": "no"}, r"^enable_prefix_caching: expected a bool"),
@@ -225,6 +226,24 @@ def test_num_threads_sets_torch_threads() -> None:
     try:
         LLMEngine.from_config(num_blocks=8, num_threads=1)
         assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_num_threads_default_is_one_and_zero_keeps_torch_default() -> None:
+    """None (the default) means DEFAULT_NUM_THREADS = 1 thread, never torch's
+    one-per-core default (pathologically slow on a small or shared machine); 0 leaves
+    torch's setting as it is."""
+    from kvpage.engine.config import DEFAULT_NUM_THREADS
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        LLMEngine.from_config(num_blocks=8)
+        assert torch.get_num_threads() == DEFAULT_NUM_THREADS == 1
+        torch.set_num_threads(2)
+        LLMEngine.from_config(num_blocks=8, num_threads=0)
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
 

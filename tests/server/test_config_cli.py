@@ -195,3 +195,14 @@ def test_unknown_backend_is_a_clean_error_not_a_traceback(capsys):
     assert args.func(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvpage serve: ") and "nonsense" in err and "Traceback" not in err
+
+
+def test_threads_flag_reaches_the_engine_config():
+    """``kvpage serve --threads N`` sets ``engine.num_threads`` (None = the engine's
+    default of 1; 0 = torch's default); a negative count is refused by name."""
+    assert config_from_args(_parser().parse_args(["serve"])).engine.num_threads is None
+    cfg = config_from_args(_parser().parse_args(["serve", "--threads", "2"]))
+    assert cfg.engine.num_threads == 2
+    assert cfg.engine.engine_kwargs()["num_threads"] == 2
+    with pytest.raises(SpecError, match="num_threads"):
+        config_from_args(_parser().parse_args(["serve", "--threads", "-1"]))

@@ -98,9 +98,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--threads",
         type=_int_type(0),
-        default=1,
-        help="torch CPU threads (default 1: the bundled model is tiny and extra threads "
-        "cost more than they save on a shared machine; 0 = torch's default)",
+        default=None,
+        help="CPU compute threads (default 1: the fast setting on a small or shared "
+        "machine, see docs/benchmarks.md; 0 = torch's default, one per core)",
     )
 
 
@@ -121,7 +121,7 @@ def _engine(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
-        num_threads=args.threads or None,
+        num_threads=args.threads,
     )
 
 

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 #: most bytes the default (unsized) KV cache takes: 1 GiB
 DEFAULT_KV_CACHE_BYTES_CAP = 1 << 30
+#: CPU threads when ``num_threads`` is None: 1, the configuration that is never the
+#: pathological one on a small or shared machine (see ``EngineConfig.num_threads``)
+DEFAULT_NUM_THREADS = 1
 
 
 @dataclass
@@ -53,9 +56,15 @@ class EngineConfig:
         dtype: model dtype (float32, float16, bfloat16).
         seed: engine seed (sampling of requests without their own seed).
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (checked: must exist here).
-        num_threads: when given, ``torch.set_num_threads(num_threads)`` (process-wide)
-            before the model loads; None = torch's default (one thread per core).
-            On a small or shared CPU the bundled model is much faster with 1.
+        num_threads: CPU compute threads, set process-wide with
+            ``torch.set_num_threads`` before the model loads: None =
+            :data:`DEFAULT_NUM_THREADS` (1), 0 = torch's default (one per core), N = N.
+            Measured on a shared 2-core machine (docs/benchmarks.md, "Threads"): torch's
+            default made the README example 19x slower than 1 thread (12.4 s vs 0.65 s)
+            and up to 200x under heavier load, because every op waits at a barrier for
+            a thread the OS has descheduled while its partner spins (``import kvpage``
+            sets ``OMP_WAIT_POLICY=PASSIVE`` against that when it loads before torch;
+            then 2 threads paid 2-8x on a 125M model). Raise it on cores you own.
     """
 
     model: Any = "stories260K"
@@ -84,8 +93,11 @@ class EngineConfig:
                 why = " (block 0 is the reserved null block)" if name == "num_blocks" else ""
                 raise SpecError(f"{name}: expected None or an int >= {lo}{why}, got {v!r}")
         nt = self.num_threads
-        if nt is not None and (isinstance(nt, bool) or not isinstance(nt, int) or nt < 1):
-            raise SpecError(f"num_threads: expected None or an int >= 1, got {nt!r}")
+        if nt is not None and (isinstance(nt, bool) or not isinstance(nt, int) or nt < 0):
+            raise SpecError(
+                f"num_threads: expected None (default 1), 0 (torch's default) or an int >= 1, "
+                f"got {nt!r}"
+            )
         if not isinstance(self.enable_prefix_caching, bool):
             raise SpecError(
                 f"enable_prefix_caching: expected a bool, got {self.enable_prefix_caching!r}"
@@ -130,6 +142,17 @@ def check_device(device: Any) -> torch.device:
     if dev.index is not None and dev.index >= count:
         raise SpecError(f"device: expected cuda:N with N < {count} (visible GPUs), got {device!r}")
     return dev
+
+
+def apply_num_threads(num_threads: int | None) -> int:
+    """Set torch's CPU thread count by the rule of ``EngineConfig.num_threads`` (None =
+    :data:`DEFAULT_NUM_THREADS`, 0 = leave torch's default); process-wide. Returns the
+    thread count now in effect."""
+    if num_threads is None:
+        num_threads = DEFAULT_NUM_THREADS
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
+    return torch.get_num_threads()
 
 
 def resolve_num_blocks(
@@ -199,8 +222,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
     from kvpage.models import load_model
 
     device = check_device(config.device)
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
+    apply_num_threads(config.num_threads)
     model = load_model(config.model, dtype=config.dtype, device=config.device)
     cfg = model.config
     mpe = cfg.get("max_position_embeddings")
@@ -236,7 +258,9 @@ def build_components(config: EngineConfig) -> EngineComponents:
 
 __all__ = [
     "DEFAULT_KV_CACHE_BYTES_CAP",
+    "DEFAULT_NUM_THREADS",
     "EngineComponents",
+    "apply_num_threads",
     "EngineConfig",
     "check_device",
     "build_components",

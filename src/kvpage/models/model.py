@@ -16,7 +16,7 @@ from kvpage.attention.metadata import MODEL_DTYPES, AttentionMetadata, KVCache
 from kvpage.attention.protocol import AttentionBackend
 from kvpage.errors import ShapeError, SpecError
 from kvpage.models.config import ArchConfig, arch_from_hf
-from kvpage.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from kvpage.models.layers import DecoderLayer, PackedWeight, RMSNorm, RotaryEmbedding
 from kvpage.models.tokenizer import ByteTokenizer, Tokenizer
 from kvpage.specs import CacheSpec, KVCacheDType, ModelDType, ScaleGranularity
 
@@ -83,6 +83,7 @@ class ModelRunnerModel(nn.Module):
             self.config.get("bos_token_id"),
             self.config.get("eos_token_id"),
         )
+        self._lm = PackedWeight()
         self.requires_grad_(False)
 
     # ---- specs --------------------------------------------------------------------------
@@ -183,7 +184,7 @@ class ModelRunnerModel(nn.Module):
             x = layer(x, cos, sin, kv_caches[lid], meta, backend)
         x = self.model.norm(x[logits_indices])
         w = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        logits = torch.nn.functional.linear(x, w).float()
+        logits = self._lm(x, w, None).float()
         cap = self.arch.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

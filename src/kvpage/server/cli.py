@@ -38,6 +38,7 @@ _FLAGS: dict[str, tuple[str | None, str, Any]] = {
     "backend": ("engine", "backend", str),
     "dtype": ("engine", "dtype", str),
     "seed": ("engine", "seed", int),
+    "threads": ("engine", "num_threads", int),
     "kv_high_water": ("admission", "kv_high_water", float),
     "long_prompt_tokens": ("admission", "long_prompt_tokens", int),
     "kv_pressure_action": ("admission", "kv_pressure_action", str),

@@ -95,6 +95,8 @@ class EngineConfig(_Strict):
     backend: str = "auto"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     seed: int = Field(0, ge=0, le=2**63 - 1)
+    #: CPU threads (None = the engine's default 1; 0 = torch's default), ``--threads``
+    num_threads: int | None = Field(None, ge=0)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Return the kwargs for ``LLMEngine.from_config`` (None values are dropped)."""

@@ -1,0 +1,74 @@
+"""Fused and oneDNN-prepacked projections (``kvpage.models.layers``) equal the plain
+linears, and follow the weights when they are replaced or modified in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpage.models import layers as L
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_packed_weight_equals_f_linear(
+    dtype: torch.dtype, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(L, "PACK_MIN_MACS", 0)  # the oneDNN path even for tiny shapes
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 48, generator=g).to(dtype)
+    w = torch.randn(40, 48, generator=g).to(dtype)
+    b = torch.randn(40, generator=g).to(dtype)
+    got = L.PackedWeight()(x, w, b)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), rtol=tol, atol=tol)
+
+
+def test_packed_weight_follows_in_place_and_replaced_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(L, "PACK_MIN_MACS", 0)
+    lin = nn.Linear(16, 8, bias=False)
+    pw = L.PackedWeight()
+    x = torch.randn(3, 16)
+    first = pw(x, lin.weight, None)
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # in place: version counter moves
+    torch.testing.assert_close(pw(x, lin.weight, None), 2 * first, rtol=1e-5, atol=1e-5)
+    lin.weight = nn.Parameter(torch.zeros(8, 16))  # replaced: new storage
+    assert pw(x, lin.weight, None).abs().max().item() == 0.0
+
+
+def test_fused_linear_keeps_hf_names_and_follows_load_state_dict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(L, "PACK_MIN_MACS", 0)
+    parts = [nn.Linear(12, n, bias=True) for n in (8, 4, 4)]
+    fused = L.FusedLinear(parts)
+    x = torch.randn(5, 12)
+    want = torch.cat([F.linear(x, m.weight, m.bias) for m in parts], dim=-1)
+    torch.testing.assert_close(fused(x), want, rtol=1e-5, atol=1e-5)
+    assert [tuple(m.weight.shape) for m in parts] == [(8, 12), (4, 12), (4, 12)]
+    new = {"weight": torch.randn(4, 12), "bias": torch.randn(4)}
+    parts[1].load_state_dict(new, assign=True)  # a new tensor: fused again
+    got = fused(x)[:, 8:12]
+    torch.testing.assert_close(got, F.linear(x, new["weight"], new["bias"]), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        parts[2].weight.zero_()  # in place through the fused view
+        parts[2].bias.zero_()
+    assert fused(x)[:, 12:].abs().max().item() == 0.0
+
+
+def test_pack_linears_off_is_plain_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(L, "PACK_LINEARS", False)
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    assert torch.equal(L.PackedWeight()(x, w, None), F.linear(x, w))
+
+
+def test_fused_linear_with_some_parts_bias_free() -> None:
+    parts = [nn.Linear(6, 4, bias=True), nn.Linear(6, 3, bias=False)]
+    x = torch.randn(2, 6)
+    want = torch.cat([parts[0](x), parts[1](x)], dim=-1)
+    torch.testing.assert_close(L.FusedLinear(parts)(x), want, rtol=1e-5, atol=1e-5)
