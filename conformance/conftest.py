@@ -17,14 +17,17 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import settings
+from hypothesis import strategies as st
 
 from kvpage.attention.protocol import AttentionBackend
 from kvpage.backends import available_backends, backend_reasons, get_backend
 from kvpage.specs import make_cache_spec
-from kvpage.testing import TestBudget, budget_for
+from kvpage.testing import AttentionCase, TestBudget, attention_cases, budget_for
 
 # The plugin packages live in <repo>/backends; an editable install of kvpage only puts
 # src/ on sys.path, so make them importable for an in-repo run.
@@ -104,8 +107,19 @@ class BackendContext:
         return settings(max_examples=self.examples(base))
 
     def supports(self, spec_reasons: list[str]) -> None:
+        """Skip a (non-Hypothesis) test whose fixed spec the backend refuses. Inside
+        ``@given`` use ``cases()`` instead: a skip there would skip the whole property
+        on one refused draw."""
         if spec_reasons:
             pytest.skip(f"{self.name} does not support this case: {'; '.join(spec_reasons)}")
+
+    def cases(self, budget: TestBudget | None = None, **kw: Any) -> st.SearchStrategy[AttentionCase]:
+        """``attention_cases`` within the budget and capabilities, filtered to the cases
+        whose spec the backend accepts on this device (``unsupported_reasons``)."""
+        strat = attention_cases(budget or self.budget, self.backend.capabilities, **kw)
+        return strat.filter(
+            lambda c: not self.backend.unsupported_reasons(c.cache_spec(), self.device)
+        )
 
 
 @pytest.fixture

@@ -160,6 +160,7 @@ def build_components(config: EngineConfig) -> dict[str, Any]:
             ``max_position_embeddings``; BackendUnavailableError: no backend can run
             the spec.
     """
+    from kvpage.attention.metadata import allocate_layer_cache
     from kvpage.backends import get_backend, select_backend
     from kvpage.cache import KVCacheManager
     from kvpage.engine.runner import ModelRunner
@@ -188,7 +189,7 @@ def build_components(config: EngineConfig) -> dict[str, Any]:
         if getattr(backend, "name", config.backend) != config.backend:  # pragma: no cover
             backend = get_backend(config.backend)
     try:
-        kv_caches = [backend.allocate_kv_cache(spec, i, device) for i in range(spec.num_layers)]
+        kv_caches = [allocate_layer_cache(spec, i, device) for i in range(spec.num_layers)]
     except (RuntimeError, MemoryError) as e:  # torch's CPU/CUDA out-of-memory errors
         total = spec.total_bytes
         raise SpecError(

@@ -13,7 +13,7 @@ from kvpage.testing.cases import (
     materialize,
     poisoned_cache,
     poisoned_like,
-    slot_of,
+    slot_at,
 )
 from kvpage.testing.invariance import (
     check_chunking_invariance,
@@ -75,6 +75,6 @@ __all__ = [
     "poisoned_like",
     "run_attention",
     "seq_lens_near_boundaries",
-    "slot_of",
+    "slot_at",
     "tolerance_for",
 ]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvpage.attention.metadata import AttentionMetadata, KVCache, allocate_kv_cache
+from kvpage.attention.metadata import AttentionMetadata, KVCache, allocate_kv_cache, slot_of
 from kvpage.attention.reference import reference_write_kv
 from kvpage.specs import AttentionSpec, CacheSpec, make_cache_spec
 
@@ -150,9 +150,10 @@ def poisoned_like(x: torch.Tensor) -> torch.Tensor:
     return torch.full_like(x, float("nan"))
 
 
-def slot_of(block_table: tuple[int, ...] | list[int], pos: int, block_size: int) -> int:
-    """``block_table[pos // block_size] * block_size + pos % block_size``."""
-    return block_table[pos // block_size] * block_size + pos % block_size
+def slot_at(block_table: tuple[int, ...] | list[int], pos: int, block_size: int) -> int:
+    """The slot of position ``pos`` of a sequence (``kvpage.attention.metadata.slot_of``
+    of its block)."""
+    return slot_of(block_table[pos // block_size], pos, block_size)
 
 
 def make_data(case: AttentionCase) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
@@ -193,7 +194,7 @@ def materialize(
     )
     if write_context:
         all_slots = [
-            slot_of(bt, p, bs) for bt, n in zip(case.block_tables, case.seq_lens) for p in range(n)
+            slot_at(bt, p, bs) for bt, n in zip(case.block_tables, case.seq_lens) for p in range(n)
         ]
         if all_slots:
             reference_write_kv(
