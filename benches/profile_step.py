@@ -58,7 +58,10 @@ def main() -> None:
         "python_files": len(py_files),
         "kvpage_files": len(kvpage_files),
         "top": [
-            {"calls_per_step": v[1] / args.steps, "function": f"{k[0].split('/src/')[-1]}:{k[1]}:{k[2]}"}
+            {
+                "calls_per_step": v[1] / args.steps,
+                "function": f"{k[0].split('/src/')[-1]}:{k[1]}:{k[2]}",
+            }
             for k, v in top
         ],
     }

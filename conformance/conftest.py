@@ -16,7 +16,6 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-
 from typing import Any
 
 import pytest
@@ -113,7 +112,9 @@ class BackendContext:
         if spec_reasons:
             pytest.skip(f"{self.name} does not support this case: {'; '.join(spec_reasons)}")
 
-    def cases(self, budget: TestBudget | None = None, **kw: Any) -> st.SearchStrategy[AttentionCase]:
+    def cases(
+        self, budget: TestBudget | None = None, **kw: Any
+    ) -> st.SearchStrategy[AttentionCase]:
         """``attention_cases`` within the budget and capabilities, filtered to the cases
         whose spec the backend accepts on this device (``unsupported_reasons``)."""
         strat = attention_cases(budget or self.budget, self.backend.capabilities, **kw)

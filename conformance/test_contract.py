@@ -68,18 +68,54 @@ def test_plan_is_typed_frozen_and_validates_the_step(ctx) -> None:  # type: igno
     assert (empty.num_tokens, empty.is_decode) == (1, False)
     bad: list[tuple[str, type[Exception], dict[str, object]]] = [
         ("meta.query_lens_cpu: expected 2 entries", ShapeError, {"query_lens_cpu": [1]}),
-        (r"meta.query_lens_cpu\[1\]: expected 0 <= q <= 5, got 6", ShapeError, {"query_lens_cpu": [1, 6]}),  # fmt: skip
-        (r"meta.query_lens_cpu\[0\]: expected 0 <= q <= 3, got -1", ShapeError, {"query_lens_cpu": [-1, 1]}),  # fmt: skip
+        (
+            r"meta.query_lens_cpu\[1\]: expected 0 <= q <= 5, got 6",
+            ShapeError,
+            {"query_lens_cpu": [1, 6]},
+        ),  # fmt: skip
+        (
+            r"meta.query_lens_cpu\[0\]: expected 0 <= q <= 3, got -1",
+            ShapeError,
+            {"query_lens_cpu": [-1, 1]},
+        ),  # fmt: skip
         ("meta.max_query_len: expected 1, got 2", ShapeError, {"max_query_len": 2}),
         ("meta.max_seq_len: expected 5, got 4", ShapeError, {"max_seq_len": 4}),
-        (r"meta.slot_mapping: expected \[2\]", ShapeError, {"slot_mapping": meta.slot_mapping[:1]}),  # fmt: skip
+        (
+            r"meta.slot_mapping: expected \[2\]",
+            ShapeError,
+            {"slot_mapping": meta.slot_mapping[:1]},
+        ),  # fmt: skip
         (r"meta.seq_lens: expected \[2\]", ShapeError, {"seq_lens": meta.seq_lens[:1]}),
-        (r"meta.query_start_loc: expected \[3\]", ShapeError, {"query_start_loc": meta.query_start_loc[:2]}),  # fmt: skip
-        (r"meta.block_tables: expected \[2, max_blocks\]", ShapeError, {"block_tables": meta.block_tables[:1]}),  # fmt: skip
-        (r"meta.block_tables: expected \[2, max_blocks\]", ShapeError, {"block_tables": meta.block_tables[0]}),  # fmt: skip
-        ("meta.block_tables: expected an int32", DTypeError, {"block_tables": meta.block_tables.float()}),  # fmt: skip
-        ("meta.block_tables: expected int32|int64, got torch.int16", DTypeError, {"block_tables": meta.block_tables.to(torch.int16)}),  # fmt: skip
-        ("meta.slot_mapping: expected an int32", DTypeError, {"slot_mapping": meta.slot_mapping.bool()}),  # fmt: skip
+        (
+            r"meta.query_start_loc: expected \[3\]",
+            ShapeError,
+            {"query_start_loc": meta.query_start_loc[:2]},
+        ),  # fmt: skip
+        (
+            r"meta.block_tables: expected \[2, max_blocks\]",
+            ShapeError,
+            {"block_tables": meta.block_tables[:1]},
+        ),  # fmt: skip
+        (
+            r"meta.block_tables: expected \[2, max_blocks\]",
+            ShapeError,
+            {"block_tables": meta.block_tables[0]},
+        ),  # fmt: skip
+        (
+            "meta.block_tables: expected an int32",
+            DTypeError,
+            {"block_tables": meta.block_tables.float()},
+        ),  # fmt: skip
+        (
+            "meta.block_tables: expected int32|int64, got torch.int16",
+            DTypeError,
+            {"block_tables": meta.block_tables.to(torch.int16)},
+        ),  # fmt: skip
+        (
+            "meta.slot_mapping: expected an int32",
+            DTypeError,
+            {"slot_mapping": meta.slot_mapping.bool()},
+        ),  # fmt: skip
         ("meta.block_tables.device", ShapeError, {"block_tables": meta.block_tables.to("meta")}),
     ]
     for match, err, change in bad:
@@ -106,7 +142,11 @@ def test_forward_rejects_bad_arguments_and_writes_nothing(ctx) -> None:  # type:
             assert torch.equal(out.view(torch.uint8), sentinel.view(torch.uint8)), "out was written"
 
     rejects(r"query: expected \[2, 4, 8\], got \[2, 4, 7\]", ShapeError, q[..., :7])
-    rejects(r"query: expected \[2, 4, 8\], got \[3, 4, 8\]", ShapeError, torch.randn(3, 4, 8, device=dev))
+    rejects(
+        r"query: expected \[2, 4, 8\], got \[3, 4, 8\]",
+        ShapeError,
+        torch.randn(3, 4, 8, device=dev),
+    )
     rejects(r"query: expected \[2, 4, 8\], got \[2, 3, 8\]", ShapeError, q[:, :3])
     rejects(r"query: expected \[2, 4, 8\], got \[2, 32\]", ShapeError, q.view(2, 32))
     rejects("query: expected float32|float16|bfloat16, got torch.int32", DTypeError, q.to(torch.int32))  # fmt: skip
@@ -114,11 +154,17 @@ def test_forward_rejects_bad_arguments_and_writes_nothing(ctx) -> None:  # type:
     rejects("out: expected torch.float32, got torch.float16", DTypeError, q, out=torch.zeros(2, 4, 8, dtype=torch.float16, device=dev))  # fmt: skip
     rejects("query.device", ShapeError, q.to("meta"))
     other = make_cache_spec(
-        num_layers=1, block_size=4, num_blocks=6, layers=[dict(num_q_heads=4, num_kv_heads=1, head_dim=8)]
+        num_layers=1,
+        block_size=4,
+        num_blocks=6,
+        layers=[dict(num_q_heads=4, num_kv_heads=1, head_dim=8)],
     ).layers[0]
     rejects("cache: expected num_kv_heads=1, head_dim=8, got 2, 8", ShapeError, q, spec=other)
     wide = make_cache_spec(
-        num_layers=1, block_size=4, num_blocks=6, layers=[dict(num_q_heads=4, num_kv_heads=2, head_dim=16)]
+        num_layers=1,
+        block_size=4,
+        num_blocks=6,
+        layers=[dict(num_q_heads=4, num_kv_heads=2, head_dim=16)],
     ).layers[0]
     rejects("cache: expected num_kv_heads=2, head_dim=16, got 2, 8", ShapeError, torch.randn(2, 4, 16, device=dev), spec=wide)  # fmt: skip
     rejects(r"cache.kv: expected \[2, num_blocks", ShapeError, q, cache=KVCache(kv=cache.kv[0]))
@@ -153,13 +199,22 @@ def test_cache_layout_checks(ctx) -> None:  # type: ignore[no-untyped-def]
         if kv_dtype == "int8":
             broken = [
                 ("cache.token_scales: expected", dataclasses.replace(good, token_scales=None)),
-                ("cache.token_scales: expected", dataclasses.replace(good, token_scales=good.token_scales[:, :1])),  # fmt: skip
+                (
+                    "cache.token_scales: expected",
+                    dataclasses.replace(good, token_scales=good.token_scales[:, :1]),
+                ),  # fmt: skip
             ]
         else:
             broken = [
                 ("cache.k_scale: expected", dataclasses.replace(good, k_scale=None)),
-                ("cache.v_scale: expected", dataclasses.replace(good, v_scale=torch.ones(3, device=dev))),  # fmt: skip
-                ("cache.k_scale: expected", dataclasses.replace(good, k_scale=torch.ones(2, 2, device=dev))),  # fmt: skip
+                (
+                    "cache.v_scale: expected",
+                    dataclasses.replace(good, v_scale=torch.ones(3, device=dev)),
+                ),  # fmt: skip
+                (
+                    "cache.k_scale: expected",
+                    dataclasses.replace(good, k_scale=torch.ones(2, 2, device=dev)),
+                ),  # fmt: skip
             ]
         for match, cache in broken:
             with pytest.raises(ShapeError, match=match):

@@ -195,9 +195,9 @@ def test_validation_runs_before_any_launch():
     spec = make_attention_spec(num_q_heads=4, num_kv_heads=2, head_dim=8)
     meta = AttentionMetadata.build([2], [5], [[1, 2]], 4)
     with pytest.raises(ShapeError, match="query: expected"):
-        be.prefill(torch.randn(2, 3, 8, dtype=torch.float16), cache, meta, spec)
+        be.forward(torch.randn(2, 3, 8, dtype=torch.float16), cache, be.plan(meta), spec)
     with pytest.raises(ShapeError, match="decode"):
-        be.decode(torch.randn(2, 4, 8, dtype=torch.float16), cache, meta, spec)
+        be.forward(torch.randn(2, 4, 8, dtype=torch.float16), cache, be.plan(meta), spec)
     with pytest.raises(ShapeError, match="distinct destination"):
         be.copy_blocks([cache], torch.tensor([[1, 3], [2, 3]]))
     assert torch.equal(cache.kv, before)
@@ -241,7 +241,7 @@ def test_gpu_matches_reference(dtype, kv_dtype, hd, window, splits, prefill_kern
     assert torch.equal(mine.kv.cpu().view(torch.uint8), ref.kv.view(torch.uint8))
     meta = AttentionMetadata.build(qlens, seq_lens, tables, 16, device=dev)
     q = torch.randn(meta.num_tokens, 8, hd).to(dtype)
-    got = be.prefill(q.to(dev), mine, be.plan(meta), spec).cpu().double()
+    got = be.forward(q.to(dev), mine, be.plan(meta), spec).cpu().double()
     want = reference_attention(q, ref, AttentionMetadata.build(qlens, seq_lens, tables, 16), spec)
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
@@ -273,7 +273,7 @@ def test_launcher_flow_with_recorded_launches(monkeypatch, kv_dtype):
     fn, grid, block, args = calls[-1]
     assert grid == (4, 4) and block == 32 and fn.startswith("kvpage::write_kv<__nv_bfloat16")
     out = torch.full((4, 8, 64), float("nan"), dtype=dtype)
-    res = be.prefill(torch.randn(4, 8, 64).to(dtype), cache, meta, spec, out=out)
+    res = be.forward(torch.randn(4, 8, 64).to(dtype), cache, be.plan(meta), spec, out=out)
     assert res is out
     (afn, agrid, ablock, aargs), (rfn, rgrid, _, rargs) = calls[-2:]
     assert afn.endswith(", 64, 4>") and agrid == (4, 2, 3) and ablock == 128
@@ -283,11 +283,11 @@ def test_launcher_flow_with_recorded_launches(monkeypatch, kv_dtype):
     calls.clear()
     dmeta = be.plan(AttentionMetadata.build([1, 1], [10, 6], [[1, 2, 3], [4, 5]], 4))
     wide = torch.zeros((2, 8, 70), dtype=dtype)
-    be.decode(torch.randn(2, 8, 64).to(dtype), cache, dmeta, spec, out=wide[..., :64])
+    be.forward(torch.randn(2, 8, 64).to(dtype), cache, be.plan(dmeta), spec, out=wide[..., :64])
     assert calls[0][1] == (2, 2, 3)  # non-contiguous out: computed into a temporary
     assert int(calls[-1][3][2]) != wide.data_ptr() and torch.equal(wide[..., 64:], torch.zeros(2, 8, 6, dtype=dtype))  # fmt: skip
     calls.clear()
-    CupyBackend().prefill(torch.randn(4, 8, 64).to(dtype), cache, meta, spec)
+    CupyBackend().forward(torch.randn(4, 8, 64).to(dtype), cache, CupyBackend().plan(meta), spec)
     assert len(calls) == 1 and "paged_attention_rows<" in calls[0][0]
     assert calls[0][1] == (1, 2) and int(calls[0][3][-1]) == 4  # 4 rows in one block
     calls.clear()

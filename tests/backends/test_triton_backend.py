@@ -20,7 +20,13 @@ import torch
 from kvpage_triton import TritonBackend
 from kvpage_triton.backend import interpreter_enabled
 
-from kvpage.attention.metadata import AttentionMetadata, KVCache, allocate_kv_cache
+from kvpage.attention.metadata import (
+    AttentionMetadata,
+    KVCache,
+    allocate_kv_cache,
+    allocate_layer_cache,
+    kv_cache_shape,
+)
 from kvpage.attention.reference import reference_attention, reference_write_kv
 from kvpage.errors import BackendUnavailableError, DTypeError, ShapeError
 from kvpage.specs import AttentionSpec, make_cache_spec
@@ -104,8 +110,9 @@ def run_case(case: AttentionCase, *, num_splits: int | None = None, use_decode: 
         assert poisoned.token_scales is not None
         assert_bits_equal(poisoned.token_scales, ref_cache.token_scales, what="token_scales")
     out = torch.full_like(m.query, float("nan"))
-    fn = be.decode if use_decode else be.prefill
-    res = fn(m.query, poisoned, be.plan(m.meta), case.spec, out=out)
+    plan = be.plan(m.meta)
+    assert plan.is_decode or not use_decode, "a decode case must plan as a decode step"
+    res = be.forward(m.query, poisoned, plan, case.spec, out=out)
     assert res is out
     ref = reference_attention(m.query.cpu(), ref_cache, m.meta, case.spec)
     return out, ref
@@ -152,7 +159,7 @@ def test_gqa_head_mapping_c12(hq: int, hk: int) -> None:
     be = TritonBackend()
     be.write_kv(keys.to(DEVICE), vals.contiguous().to(DEVICE), cache, slots)
     q = torch.randn(1, hq, 16, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    out = be.decode(q, cache, meta, spec).cpu()
+    out = be.forward(q, cache, be.plan(meta), spec).cpu()
     group = hq // hk
     want = (torch.arange(hq) // group + 1.0).view(1, hq, 1).expand(1, hq, 16)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
@@ -183,7 +190,7 @@ def test_odd_head_dims_c13(hd: int) -> None:
     be = TritonBackend()
     big = torch.full((3, 8, hd + 16), float("nan"), device=DEVICE)
     out = big[:, :, :hd]
-    be.prefill(m.query, m.cache, m.meta, case.spec, out=out)
+    be.forward(m.query, m.cache, be.plan(m.meta), case.spec, out=out)
     assert torch.isnan(big[:, :, hd:]).all()
     ref = reference_attention(m.query.cpu(), m.cache, m.meta, case.spec)
     assert_close(out, ref, tolerance_for(torch.float32), what=f"head_dim {hd}")
@@ -337,9 +344,9 @@ def test_bad_inputs_raise_named_errors_and_change_nothing() -> None:
     m = materialize(case, DEVICE)
     snap = clone_cache(m.cache)
     with pytest.raises(ShapeError, match="query"):
-        be.decode(m.query[:, :3], m.cache, m.meta, case.spec)
+        be.forward(m.query[:, :3], m.cache, be.plan(m.meta), case.spec)
     with pytest.raises(DTypeError, match="dtype"):
-        be.decode(m.query.half(), m.cache, m.meta, case.spec)
+        be.forward(m.query.half(), m.cache, be.plan(m.meta), case.spec)
     if DEVICE.type == "cpu":  # slot ranges are checked on the host only (no device sync)
         with pytest.raises(ShapeError, match="slot_mapping"):
             slots = torch.tensor([0, 10**6], device=DEVICE)
@@ -351,7 +358,7 @@ def test_bad_inputs_raise_named_errors_and_change_nothing() -> None:
         bad.block_tables[1, 2] = case.num_blocks + 7
         if DEVICE.type != "cpu":
             pytest.skip("block ids are range-checked only for CPU tensors")
-        be.decode(m.query, m.cache, bad, case.spec)
+        be.forward(m.query, m.cache, be.plan(bad), case.spec)
     assert_bits_equal(m.cache.kv, snap.kv, what="cache after rejected calls")
     with pytest.raises(ShapeError):
         TritonBackend(num_splits=0)
@@ -418,9 +425,8 @@ def test_cache_helpers() -> None:
         kv_dtype="int8",
         layers=({"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 8},),
     )
-    be = TritonBackend()
-    assert be.kv_cache_shape(spec, 0) == (2, 3, 4, 2, 8)
-    c = be.allocate_kv_cache(spec, 0, DEVICE)
+    assert kv_cache_shape(spec, 0) == (2, 3, 4, 2, 8)
+    c = allocate_layer_cache(spec, 0, DEVICE)
     assert isinstance(c, KVCache) and c.kv.dtype == torch.int8 and c.token_scales is not None
 
 
