@@ -196,7 +196,9 @@ def test_validation_runs_before_any_launch():
     meta = AttentionMetadata.build([2], [5], [[1, 2]], 4)
     with pytest.raises(ShapeError, match="query: expected"):
         be.forward(torch.randn(2, 3, 8, dtype=torch.float16), cache, be.plan(meta), spec)
-    with pytest.raises(ShapeError, match="decode"):
+    with pytest.raises(ShapeError, match=r"query: expected \[2, 4, 8\], got \[1, 4, 8\]"):
+        be.forward(torch.randn(1, 4, 8, dtype=torch.float16), cache, be.plan(meta), spec)
+    with pytest.raises(ShapeError, match="cache.kv.device: expected cuda, got cpu"):
         be.forward(torch.randn(2, 4, 8, dtype=torch.float16), cache, be.plan(meta), spec)
     with pytest.raises(ShapeError, match="distinct destination"):
         be.copy_blocks([cache], torch.tensor([[1, 3], [2, 3]]))
@@ -268,12 +270,12 @@ def test_launcher_flow_with_recorded_launches(monkeypatch, kv_dtype):
     spec = make_attention_spec(num_q_heads=8, num_kv_heads=2, head_dim=64, sliding_window=9)
     cache = allocate_kv_cache(8, 4, 2, 64, dtype=dtype, kv_dtype=kv_dtype)
     be = CupyBackend(num_splits=3)
-    meta = be.plan(AttentionMetadata.build([3, 1], [10, 6], [[1, 2, 3], [4, 5]], 4))
-    be.write_kv(torch.randn(4, 2, 64).to(dtype), torch.randn(4, 2, 64).to(dtype), cache, meta.slot_mapping)  # fmt: skip
+    plan = be.plan(AttentionMetadata.build([3, 1], [10, 6], [[1, 2, 3], [4, 5]], 4))
+    be.write_kv(torch.randn(4, 2, 64).to(dtype), torch.randn(4, 2, 64).to(dtype), cache, plan.meta.slot_mapping)  # fmt: skip
     fn, grid, block, args = calls[-1]
     assert grid == (4, 4) and block == 32 and fn.startswith("kvpage::write_kv<__nv_bfloat16")
     out = torch.full((4, 8, 64), float("nan"), dtype=dtype)
-    res = be.forward(torch.randn(4, 8, 64).to(dtype), cache, be.plan(meta), spec, out=out)
+    res = be.forward(torch.randn(4, 8, 64).to(dtype), cache, plan, spec, out=out)
     assert res is out
     (afn, agrid, ablock, aargs), (rfn, rgrid, _, rargs) = calls[-2:]
     assert afn.endswith(", 64, 4>") and agrid == (4, 2, 3) and ablock == 128
@@ -281,13 +283,13 @@ def test_launcher_flow_with_recorded_launches(monkeypatch, kv_dtype):
     assert rfn == "kvpage::split_reduce<__nv_bfloat16>" and rgrid == (32,)
     assert int(rargs[2]) == out.data_ptr()  # the reduce writes the caller's buffer
     calls.clear()
-    dmeta = be.plan(AttentionMetadata.build([1, 1], [10, 6], [[1, 2, 3], [4, 5]], 4))
+    dplan = be.plan(AttentionMetadata.build([1, 1], [10, 6], [[1, 2, 3], [4, 5]], 4))
     wide = torch.zeros((2, 8, 70), dtype=dtype)
-    be.forward(torch.randn(2, 8, 64).to(dtype), cache, be.plan(dmeta), spec, out=wide[..., :64])
+    be.forward(torch.randn(2, 8, 64).to(dtype), cache, dplan, spec, out=wide[..., :64])
     assert calls[0][1] == (2, 2, 3)  # non-contiguous out: computed into a temporary
     assert int(calls[-1][3][2]) != wide.data_ptr() and torch.equal(wide[..., 64:], torch.zeros(2, 8, 6, dtype=dtype))  # fmt: skip
     calls.clear()
-    CupyBackend().forward(torch.randn(4, 8, 64).to(dtype), cache, CupyBackend().plan(meta), spec)
+    CupyBackend().forward(torch.randn(4, 8, 64).to(dtype), cache, plan, spec)
     assert len(calls) == 1 and "paged_attention_rows<" in calls[0][0]
     assert calls[0][1] == (1, 2) and int(calls[0][3][-1]) == 4  # 4 rows in one block
     calls.clear()

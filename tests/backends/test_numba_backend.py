@@ -215,8 +215,9 @@ def _attend(be, query, mine, meta, spec, decode=False):
         meta.query_lens_cpu, meta.seq_lens_cpu, meta.block_tables.tolist(), mine.block_size,
         device=dev,
     )  # fmt: skip
-    fn = be.decode if decode else be.prefill
-    return fn(query.to(dev), mine, be.plan(m), spec).cpu()
+    plan = be.plan(m)
+    assert plan.is_decode or not decode, "a decode call must plan as a decode step"
+    return be.forward(query.to(dev), mine, plan, spec).cpu()
 
 
 @needs_device
@@ -321,14 +322,14 @@ def test_out_buffer_and_validation():
     be.write_kv(key.to(dev), value.to(dev), mine, full.slot_mapping.to(dev))
     out = torch.full(query.shape, float("nan"), dtype=torch.float16, device=dev)
     m = be.plan(AttentionMetadata.build([3, 1], [7, 9], meta.block_tables.tolist(), 4, device=dev))
-    res = be.forward(query.to(dev), mine, be.plan(m), spec, out=out)
+    res = be.forward(query.to(dev), mine, m, spec, out=out)
     assert res is out and torch.isfinite(out).all()
     with pytest.raises(DTypeError, match="out: expected torch.float16"):
-        be.forward(query.to(dev), mine, be.plan(m), spec, out=out.float())
-    with pytest.raises(ShapeError, match="decode"):
-        be.forward(query.to(dev), mine, be.plan(m), spec)
+        be.forward(query.to(dev), mine, m, spec, out=out.float())
     with pytest.raises(ShapeError, match="query: expected"):
-        be.forward(query[:, :2].to(dev), mine, be.plan(m), spec)
+        be.forward(query[:2].to(dev), mine, m, spec)
+    with pytest.raises(ShapeError, match="query: expected"):
+        be.forward(query[:, :2].to(dev), mine, m, spec)
 
 
 @needs_device

@@ -26,6 +26,7 @@ from kvpage.attention.metadata import (
     allocate_kv_cache,
     allocate_layer_cache,
     kv_cache_shape,
+    slots_of,
 )
 from kvpage.attention.reference import reference_attention, reference_write_kv
 from kvpage.errors import BackendUnavailableError, DTypeError, ShapeError
@@ -236,7 +237,7 @@ def test_sliding_window_paths_agree_c10() -> None:
     v = torch.randn(10, 1, 16, generator=g)
     q = torch.randn(10, 2, 16, generator=g)
     table = [4, 2, 6, 1, 3]
-    slots = [table[p // 2] * 2 + p % 2 for p in range(10)]
+    slots = slots_of(table, 0, 10, 2)
     be = TritonBackend()
     results = {}
     for name, chunks in (("full", [10]), ("decode", [1] * 10), ("chunk3", [3, 3, 3, 1])):
@@ -249,8 +250,7 @@ def test_sliding_window_paths_agree_c10() -> None:
             meta = AttentionMetadata.build([c], [end], [table], 2, device=DEVICE)
             sm = torch.tensor(slots[start:end], device=DEVICE)
             be.write_kv(k[start:end].to(DEVICE), v[start:end].to(DEVICE), cache, sm)
-            fn = be.decode if c == 1 and name == "decode" else be.prefill
-            outs.append(fn(q[start:end].to(DEVICE), cache, meta, spec).cpu())
+            outs.append(be.forward(q[start:end].to(DEVICE), cache, be.plan(meta), spec).cpu())
             start = end
         results[name] = torch.cat(outs)
     torch.testing.assert_close(results["decode"], results["full"], rtol=1e-6, atol=1e-6)
