@@ -2,7 +2,8 @@
 
 Options:
     --backend NAME   run only this backend (repeatable). Default: every registered
-                     backend that can run the probe spec on --device.
+                     backend that can run the probe spec on --device, plus the
+                     example backends of the docs (``EXAMPLE_BACKENDS``).
     --device DEV     cpu (default) or cuda.
     --budget-scale X multiply every backend's example count (e.g. 0.2 for a quick look).
 
@@ -13,6 +14,7 @@ Hypothesis profiles (``ci`` default, ``thorough``) come from the root conftest.p
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,6 +36,35 @@ _PLUGINS = Path(__file__).resolve().parents[1] / "backends"
 if _PLUGINS.is_dir() and str(_PLUGINS) not in sys.path:
     sys.path.append(str(_PLUGINS))
 
+#: backends written in the docs (not registered: never selectable by the engine), run
+#: by this suite so that docs/backend-authoring.md is proven to be enough
+EXAMPLE_BACKENDS = {
+    "example-loop": Path(__file__).resolve().parents[1] / "docs/examples/loop_backend.py",
+}
+
+
+def _example(name: str) -> AttentionBackend:
+    """Instantiate the example backend ``name`` from its file."""
+    path = EXAMPLE_BACKENDS[name]
+    spec = importlib.util.spec_from_file_location(f"kvpage_docs_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    backend: AttentionBackend = module.LoopBackend()
+    return backend
+
+
+def _get(name: str) -> AttentionBackend:
+    return _example(name) if name in EXAMPLE_BACKENDS else get_backend(name)
+
+
+def _reasons(name: str, device: str) -> list[str]:
+    if name in EXAMPLE_BACKENDS:
+        return _example(name).unsupported_reasons(PROBE_SPEC, torch.device(device))
+    return backend_reasons(name, PROBE_SPEC, device)
+
+
 PROBE_SPEC = make_cache_spec(
     num_layers=1,
     block_size=16,
@@ -53,8 +84,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _runnable(device: str) -> tuple[list[str], dict[str, list[str]]]:
     ok, refused = [], {}
-    for name in available_backends():
-        why = backend_reasons(name, PROBE_SPEC, device)
+    for name in [*available_backends(), *EXAMPLE_BACKENDS]:
+        why = _reasons(name, device)
         if why:
             refused[name] = why
         else:
@@ -126,7 +157,7 @@ class BackendContext:
 @pytest.fixture
 def ctx(backend_name: str, request: pytest.FixtureRequest) -> BackendContext:
     device = torch.device(request.config.getoption("--device"))
-    backend = get_backend(backend_name)
+    backend = _get(backend_name)
     budget = budget_for(backend, device)
     scale = request.config.getoption("--budget-scale")
     if scale != 1.0:

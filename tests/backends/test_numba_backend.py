@@ -20,6 +20,7 @@ from kvpage.attention.metadata import AttentionMetadata, allocate_kv_cache
 from kvpage.attention.reference import reference_attention, reference_write_kv
 from kvpage.errors import DTypeError, ShapeError
 from kvpage.specs import make_attention_spec, make_cache_spec
+from kvpage.testing import make_case, run_plugin_case
 
 numba = pytest.importorskip("numba")
 from kvpage_numba import NumbaBackend  # noqa: E402
@@ -234,17 +235,17 @@ def _attend(be, query, mine, meta, spec, decode=False):
     ],
 )
 def test_prefill_matches_reference(dtype, kv_dtype, hq, hkv, window, cap, threads, splits):
-    spec, (mine, ref), full, key, value, meta, query = _scenario(
-        dtype=dtype, kv_dtype=kv_dtype, hq=hq, hkv=hkv, window=window, cap=cap
-    )
+    """Through the shared plugin harness (``kvpage.testing.run_plugin_case``): write_kv
+    bit-exact over poisoned slots, then plan + forward into a poisoned strided out."""
+    name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+    case = make_case(
+        (7, 9), (3, 1), hq=hq, hk=hkv, hd=8, bs=4, dtype=name[dtype], kv_dtype=kv_dtype,
+        window=window, cap=cap, k_scale=(0.5,), v_scale=(0.25,),
+    )  # fmt: skip
     be = NumbaBackend(threads=threads, num_splits=splits)
-    reference_write_kv(key, value, ref, full.slot_mapping)
-    dev = mine.kv.device
-    be.write_kv(key.to(dev), value.to(dev), mine, full.slot_mapping.to(dev))
-    got = _attend(be, query, mine, meta, spec)
-    want = reference_attention(query, ref, meta, spec)
+    got, want = run_plugin_case(be, case, DEVICE)
     assert got.dtype == dtype and torch.isfinite(got).all()
-    torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(got.cpu().double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @needs_device

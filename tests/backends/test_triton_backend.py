@@ -31,6 +31,7 @@ from kvpage.attention.metadata import (
 from kvpage.attention.reference import reference_attention, reference_write_kv
 from kvpage.errors import BackendUnavailableError, DTypeError, ShapeError
 from kvpage.specs import AttentionSpec, make_cache_spec
+from kvpage.testing import make_case, run_plugin_case
 from kvpage.testing.cases import AttentionCase, clone_cache, materialize
 from kvpage.testing.tolerances import assert_bits_equal, assert_close, tolerance_for
 
@@ -46,77 +47,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def make_case(
-    seq_lens: tuple[int, ...],
-    query_lens: tuple[int, ...] | None = None,
-    *,
-    hq: int = 4,
-    hk: int = 2,
-    hd: int = 16,
-    bs: int = 4,
-    dtype: str = "float32",
-    kv_dtype: str = "auto",
-    window: int | None = None,
-    cap: float | None = None,
-    seed: int = 0,
-    k_scale: tuple[float, ...] = (0.25,),
-    v_scale: tuple[float, ...] = (0.5,),
-    granularity: str = "per_tensor",
-) -> AttentionCase:
-    """A case whose blocks are a seeded random permutation of the pool (block 0 unused)."""
-    query_lens = query_lens or tuple(1 for _ in seq_lens)
-    need = [-(-n // bs) for n in seq_lens]
-    nb = sum(need) + 3
-    perm = (torch.randperm(nb - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
-    tables, k = [], 0
-    for n in need:
-        tables.append(tuple(perm[k : k + n]))
-        k += n
-    spec = AttentionSpec(
-        num_q_heads=hq, num_kv_heads=hk, head_dim=hd, sliding_window=window, logits_soft_cap=cap
-    )
-    return AttentionCase(
-        spec=spec,
-        dtype=dtype,
-        kv_dtype=kv_dtype,
-        block_size=bs,
-        num_blocks=nb,
-        seq_lens=tuple(seq_lens),
-        query_lens=tuple(query_lens),
-        block_tables=tuple(tables),
-        seed=seed,
-        scale_granularity=granularity,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
-
-
 def run_case(case: AttentionCase, *, num_splits: int | None = None, use_decode: bool = False):
-    """Write the step's new K/V with the backend (context by the reference writer), check
-    the written bits equal the reference writer's, run attention; return (out, ref)."""
-    m = materialize(case, DEVICE)
-    ref_cache = clone_cache(m.cache)
+    """The shared plugin harness (``kvpage.testing.run_plugin_case``); return (out, ref)."""
     be = TritonBackend(num_splits=num_splits)
-    # re-write the new tokens with the backend over a cache where they are poisoned
-    poisoned = clone_cache(m.cache)
-    keep = m.slot_mapping.to("cpu")
-    bs = case.block_size
-    for s in keep.tolist():
-        poisoned.kv[:, s // bs, s % bs] = float("nan") if poisoned.kv.is_floating_point() else 0
-        if poisoned.token_scales is not None:
-            poisoned.token_scales[:, s // bs, s % bs] = float("nan")
-    be.write_kv(m.new_keys, m.new_values, poisoned, m.slot_mapping)
-    assert_bits_equal(poisoned.kv, ref_cache.kv, what="write_kv kv")
-    if ref_cache.token_scales is not None:
-        assert poisoned.token_scales is not None
-        assert_bits_equal(poisoned.token_scales, ref_cache.token_scales, what="token_scales")
-    out = torch.full_like(m.query, float("nan"))
-    plan = be.plan(m.meta)
-    assert plan.is_decode or not use_decode, "a decode case must plan as a decode step"
-    res = be.forward(m.query, poisoned, plan, case.spec, out=out)
-    assert res is out
-    ref = reference_attention(m.query.cpu(), ref_cache, m.meta, case.spec)
-    return out, ref
+    assert case.is_decode or not use_decode, "a decode case must plan as a decode step"
+    return run_plugin_case(be, case, DEVICE)
 
 
 def check(case: AttentionCase, **kw) -> None:

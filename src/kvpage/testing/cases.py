@@ -230,3 +230,52 @@ def clone_cache(cache: KVCache) -> KVCache:
         k_scale=None if cache.k_scale is None else cache.k_scale.clone(),
         v_scale=None if cache.v_scale is None else cache.v_scale.clone(),
     )
+
+
+def make_case(
+    seq_lens: tuple[int, ...],
+    query_lens: tuple[int, ...] | None = None,
+    *,
+    hq: int = 4,
+    hk: int = 2,
+    hd: int = 16,
+    bs: int = 4,
+    dtype: str = "float32",
+    kv_dtype: str = "auto",
+    window: int | None = None,
+    cap: float | None = None,
+    seed: int = 0,
+    k_scale: tuple[float, ...] = (0.25,),
+    v_scale: tuple[float, ...] = (0.5,),
+    granularity: str = "per_tensor",
+) -> AttentionCase:
+    """A hand-written case (for plugin tests, with ``run_plugin_case``): ``seq_lens``
+    tokens per sequence of which ``query_lens`` (default 1 each: decode) are new; the
+    blocks are a seeded random permutation of a pool with 3 spare blocks (block 0
+    unused); fp8 scales ``k_scale``/``v_scale`` (one, or one per KV head with
+    ``granularity="per_head"``)."""
+    query_lens = query_lens or tuple(1 for _ in seq_lens)
+    need = [-(-n // bs) for n in seq_lens]
+    nb = sum(need) + 3
+    perm = (torch.randperm(nb - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
+    tables, k = [], 0
+    for n in need:
+        tables.append(tuple(perm[k : k + n]))
+        k += n
+    spec = AttentionSpec(
+        num_q_heads=hq, num_kv_heads=hk, head_dim=hd, sliding_window=window, logits_soft_cap=cap
+    )
+    return AttentionCase(
+        spec=spec,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        block_size=bs,
+        num_blocks=nb,
+        seq_lens=tuple(seq_lens),
+        query_lens=tuple(query_lens),
+        block_tables=tuple(tables),
+        seed=seed,
+        scale_granularity=granularity,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )

@@ -42,6 +42,7 @@ __all__ = [
     "check_write_kv_case",
     "error_scale",
     "run_attention",
+    "run_plugin_case",
 ]
 
 
@@ -243,3 +244,36 @@ def check_write_kv_case(
 def poisoned_output(query: torch.Tensor) -> torch.Tensor:
     """A NaN output buffer shaped like ``query``."""
     return poisoned_like(query)
+
+
+def run_plugin_case(
+    backend: AttentionBackend, case: AttentionCase, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared plugin harness (what tests/backends run for every plugin): the case's
+    context is written by the reference writer, its new tokens by ``backend.write_kv``
+    over NaN-poisoned slots — required bit-identical to the reference writer — then
+    ``backend.plan`` and ``backend.forward`` into a NaN-poisoned strided ``out``
+    (``run_attention``); the cache must be unchanged by ``forward``.
+
+    Returns:
+        (the backend's output on ``device``, the float64 reference on the CPU), for the
+        caller's tolerance check (``assert_close`` with ``tolerance_for``).
+
+    Raises:
+        AssertionError: a written bit differs, ``out`` was misused, or ``forward``
+            changed the cache.
+    """
+    m = materialize(case, device)
+    expected = clone_cache(m.cache)  # context and new tokens by the reference writer
+    mine = clone_cache(m.cache)
+    bs = case.block_size
+    for s in m.slot_mapping.to("cpu").tolist():  # poison the new tokens' slots
+        mine.kv[:, s // bs, s % bs] = float("nan") if mine.kv.is_floating_point() else 0
+        if mine.token_scales is not None:
+            mine.token_scales[:, s // bs, s % bs] = float("nan")
+    backend.write_kv(m.new_keys, m.new_values, mine, m.slot_mapping)
+    assert_cache_bits_equal(mine, expected, what=f"write_kv [{case.describe()}]")
+    out = run_attention(backend, m.query, mine, backend.plan(m.meta), case.spec)
+    assert_cache_bits_equal(mine, expected, what=f"cache after forward [{case.describe()}]")
+    ref = reference_attention(m.query.cpu(), clone_cache(expected), m.meta, case.spec)
+    return out, ref
