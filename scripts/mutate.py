@@ -94,7 +94,11 @@ def _run_mutant(modname: str, mutated: str, args: list[str], timeout: float) -> 
             original = importlib.import_module(modname)
             new = dict(vars(original))
             exec(compile(mutated, original.__file__ or modname, "exec"), new)
-            swap = {id(v): new[k] for k, v in vars(original).items() if k in new and not k.startswith("__")}
+            swap = {
+                id(v): new[k]
+                for k, v in vars(original).items()
+                if k in new and not k.startswith("__")
+            }
             for mod in list(sys.modules.values()):
                 d = getattr(mod, "__dict__", None)
                 if not d:
@@ -129,7 +133,15 @@ def main() -> None:
     import torch  # noqa: F401
 
     mod = importlib.import_module(a.module)
-    importlib.import_module("kvpage.backends")
+    backends = importlib.import_module("kvpage.backends")
+    probe = importlib.import_module("kvpage.specs").make_cache_spec(
+        num_layers=1,
+        block_size=4,
+        num_blocks=4,
+        layers=[dict(num_q_heads=2, num_kv_heads=1, head_dim=8)],
+    )
+    for name in backends.available_backends():  # import every plugin (numba...) once, here
+        backends.backend_reasons(name, probe, "cpu")
     source = Path(mod.__file__ or "").read_text()
     sites = _sites(ast.parse(source))
     base = _run_mutant(a.module, source, args, a.timeout * 3)
