@@ -102,7 +102,7 @@ def test_plan_is_typed_frozen_and_validates_the_step(ctx) -> None:  # type: igno
             {"block_tables": meta.block_tables[0]},
         ),  # fmt: skip
         (
-            "meta.block_tables: expected an int32",
+            "meta.block_tables: expected int32.int64, got torch.float32",
             DTypeError,
             {"block_tables": meta.block_tables.float()},
         ),  # fmt: skip
@@ -112,10 +112,15 @@ def test_plan_is_typed_frozen_and_validates_the_step(ctx) -> None:  # type: igno
             {"block_tables": meta.block_tables.to(torch.int16)},
         ),  # fmt: skip
         (
-            "meta.slot_mapping: expected an int32",
+            "meta.slot_mapping: expected int32.int64, got torch.bool",
             DTypeError,
             {"slot_mapping": meta.slot_mapping.bool()},
         ),  # fmt: skip
+        (
+            "meta.seq_lens: expected int32.int64, got torch.int16",
+            DTypeError,
+            {"seq_lens": meta.seq_lens.to(torch.int16)},
+        ),
         ("meta.block_tables.device", ShapeError, {"block_tables": meta.block_tables.to("meta")}),
     ]
     for match, err, change in bad:

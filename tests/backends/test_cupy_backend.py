@@ -18,9 +18,9 @@ from kvpage_cupy import CupyBackend, templates
 from kvpage_cupy.backend import attention_args, copy_args, reduce_args, write_args
 
 from kvpage.attention.metadata import AttentionMetadata, allocate_kv_cache
-from kvpage.attention.reference import reference_attention, reference_write_kv
 from kvpage.errors import DTypeError, ShapeError
 from kvpage.specs import make_attention_spec, make_cache_spec
+from kvpage.testing import make_case, run_plugin_case
 
 NVCC = shutil.which("nvcc")
 
@@ -228,25 +228,16 @@ def _gpu_ok() -> bool:
     ],
 )
 def test_gpu_matches_reference(dtype, kv_dtype, hd, window, splits, prefill_kernel):
-    dev = torch.device("cuda")
-    spec = make_attention_spec(num_q_heads=8, num_kv_heads=2, head_dim=hd, sliding_window=window)
+    """Through the shared plugin harness (``kvpage.testing.run_plugin_case``)."""
+    name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+    case = make_case(
+        (37, 20), (5, 1), hq=8, hk=2, hd=hd, bs=16, dtype=name[dtype], kv_dtype=kv_dtype,
+        window=window, k_scale=(0.25,), v_scale=(0.5,),
+    )  # fmt: skip
     be = CupyBackend(num_splits=splits, prefill_kernel=prefill_kernel)
-    tables = [[3, 0, 5], [1, 4]]
-    seq_lens, qlens = [37, 20], [5, 1]
-    full = AttentionMetadata.build(seq_lens, seq_lens, tables, 16)
-    key = torch.randn(full.num_tokens, 2, hd).to(dtype)
-    value = torch.randn(full.num_tokens, 2, hd).to(dtype)
-    mine = allocate_kv_cache(6, 16, 2, hd, dtype=dtype, kv_dtype=kv_dtype, k_scale=0.25, v_scale=0.5, device=dev)  # fmt: skip
-    ref = allocate_kv_cache(6, 16, 2, hd, dtype=dtype, kv_dtype=kv_dtype, k_scale=0.25, v_scale=0.5)  # fmt: skip
-    be.write_kv(key.to(dev), value.to(dev), mine, full.slot_mapping.to(dev))
-    reference_write_kv(key, value, ref, full.slot_mapping)
-    assert torch.equal(mine.kv.cpu().view(torch.uint8), ref.kv.view(torch.uint8))
-    meta = AttentionMetadata.build(qlens, seq_lens, tables, 16, device=dev)
-    q = torch.randn(meta.num_tokens, 8, hd).to(dtype)
-    got = be.forward(q.to(dev), mine, be.plan(meta), spec).cpu().double()
-    want = reference_attention(q, ref, AttentionMetadata.build(qlens, seq_lens, tables, 16), spec)
+    got, want = run_plugin_case(be, case, torch.device("cuda"))
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
-    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)
 
 
 class _FakeProps:

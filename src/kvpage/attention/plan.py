@@ -60,8 +60,8 @@ def check_step(meta: AttentionMetadata) -> None:
     Checks: host lists of one length per sequence with ``0 <= query_len <= seq_len``;
     ``max_query_len``/``max_seq_len`` equal to their lists' maxima; ``query_start_loc``
     ``[num_seqs + 1]``, ``seq_lens`` ``[num_seqs]``, ``block_tables``
-    ``[num_seqs, max_blocks]`` and ``slot_mapping`` ``[num_tokens]``, all of integer
-    dtype (block tables and slot mapping int32|int64) on one device.
+    ``[num_seqs, max_blocks]`` and ``slot_mapping`` ``[num_tokens]``, all int32|int64
+    on one device.
 
     Raises:
         ShapeError: a length, shape or device disagrees (the message names it).
@@ -96,8 +96,8 @@ def check_step(meta: AttentionMetadata) -> None:
         "meta.slot_mapping": (meta.slot_mapping, (tokens,)),
     }
     for name, (t, shape) in want.items():
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise DTypeError(f"{name}: expected an int32|int64 tensor, got {t.dtype}")
+        if t.dtype not in INDEX_DTYPES:
+            raise DTypeError(f"{name}: expected int32|int64, got {t.dtype}")
         if shape is not None and tuple(t.shape) != shape:
             raise ShapeError(f"{name}: expected {list(shape)}, got {list(t.shape)}")
         if t.device != dev:
@@ -105,9 +105,6 @@ def check_step(meta: AttentionMetadata) -> None:
     bt = meta.block_tables
     if bt.dim() != 2 or bt.shape[0] != n:
         raise ShapeError(f"meta.block_tables: expected [{n}, max_blocks], got {list(bt.shape)}")
-    for name, t in (("meta.block_tables", bt), ("meta.slot_mapping", meta.slot_mapping)):
-        if t.dtype not in INDEX_DTYPES:
-            raise DTypeError(f"{name}: expected int32|int64, got {t.dtype}")
 
 
 def step_fields(meta: AttentionMetadata) -> dict[str, Any]:
