@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--module", required=True, help="dotted module name to mutate")
     ap.add_argument("--out", required=True)
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--shard", default="0/1", help="i/n: run every n-th mutant from the i-th")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="-- pytest arguments")
     a = ap.parse_args()
     args = a.args[1:] if a.args and a.args[0] == "--" else a.args
@@ -143,7 +144,8 @@ def main() -> None:
     for name in backends.available_backends():  # import every plugin (numba...) once, here
         backends.backend_reasons(name, probe, "cpu")
     source = Path(mod.__file__ or "").read_text()
-    sites = _sites(ast.parse(source))
+    shard, shards = (int(x) for x in a.shard.split("/"))
+    sites = _sites(ast.parse(source))[shard::shards]
     base = _run_mutant(a.module, source, args, a.timeout * 3)
     if base != "survived":
         sys.exit(f"the unmutated module fails its tests ({base})")
