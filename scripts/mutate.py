@@ -94,6 +94,9 @@ def _run_mutant(modname: str, mutated: str, args: list[str], timeout: float) -> 
             original = importlib.import_module(modname)
             new = dict(vars(original))
             exec(compile(mutated, original.__file__ or modname, "exec"), new)
+            for k, v in vars(original).items():  # keep classes: subclasses and isinstance
+                if isinstance(v, type):  # elsewhere refer to the originals
+                    new[k] = v
             swap = {
                 id(v): new[k]
                 for k, v in vars(original).items()
