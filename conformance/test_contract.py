@@ -66,6 +66,10 @@ def test_plan_is_typed_frozen_and_validates_the_step(ctx) -> None:  # type: igno
     assert (pre.num_tokens, pre.max_query_len, pre.is_decode) == (3, 2, False)
     empty = ctx.backend.plan(_step(ctx, [0, 1], [3, 5], [[1], [2, 3]]))
     assert (empty.num_tokens, empty.is_decode) == (1, False)
+    whole = ctx.backend.plan(_step(ctx, [3, 1], [3, 5], [[1], [2, 3]]))  # query_len == seq_len
+    assert (whole.num_tokens, whole.max_query_len) == (4, 3)
+    none = ctx.backend.plan(_step(ctx, [], [], []))  # a step without sequences
+    assert (none.num_seqs, none.num_tokens, none.max_query_len) == (0, 0, 0)
     bad: list[tuple[str, type[Exception], dict[str, object]]] = [
         ("meta.query_lens_cpu: expected 2 entries", ShapeError, {"query_lens_cpu": [1]}),
         (
@@ -241,7 +245,7 @@ def test_write_kv_rejects_bad_input_and_changes_nothing(ctx, kv_dtype) -> None: 
     bad = [
         (torch.randn(3, 2, 7, device=dev), k, torch.tensor([1, 2, 3], device=dev)),  # head_dim
         (k, k, torch.tensor([1, 2], device=dev)),  # slot count
-        (k, k[:2], torch.tensor([1, 2, 3], device=dev)),  # value count
+        (k, k[:1], torch.tensor([1, 2, 3], device=dev)),  # value count
         (k.to(torch.int32), k, torch.tensor([1, 2, 3], device=dev)),  # dtype
     ]
     if torch.device(dev).type == "cpu":  # slot ranges: checked on the host only (no sync)
@@ -252,7 +256,7 @@ def test_write_kv_rejects_bad_input_and_changes_nothing(ctx, kv_dtype) -> None: 
     matches = [
         r"key: expected \[num_tokens, 2, 8\], got \[3, 2, 7\]",
         r"slot_mapping: expected \[3\], got \[2\]",
-        "value: expected",
+        "value: expected 3 tokens like key, got 1",
         "key: expected float32|float16|bfloat16, got torch.int32",
         r"slot_mapping: expected values in \[-1, 23\], got \[1, 24\]",
         r"slot_mapping: expected values in \[-1, 23\], got \[-2, 3\]",
