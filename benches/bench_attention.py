@@ -73,8 +73,8 @@ def paged_fn(s: Setup, backend: TorchBackend, prefill: bool) -> Callable[[], tor
     backend.plan(s.meta)  # once per step in the engine, shared by all layers
     out = torch.empty_like(s.q)
     if prefill:
-        return lambda: backend.prefill(s.q, s.cache, s.meta, SPEC, out=out)  # type: ignore[arg-type]
-    return lambda: backend.decode(s.q, s.cache, s.meta, SPEC, out=out)  # type: ignore[arg-type]
+        return lambda: backend.forward(s.q, s.cache, backend.plan(s.meta), SPEC, out=out)  # type: ignore[arg-type]
+    return lambda: backend.forward(s.q, s.cache, backend.plan(s.meta), SPEC, out=out)  # type: ignore[arg-type]
 
 
 def sdpa_fn(s: Setup, prefill: bool) -> Callable[[], torch.Tensor]:

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from kvpage.attention.metadata import AttentionMetadata, allocate_kv_cache
+from kvpage.attention.plan import StepPlan, plan_step
 from kvpage.backends import get_backend
 from kvpage.models import ModelRunnerModel, load_model, to_transformers
 
@@ -36,13 +37,14 @@ BATCHES = (1, 16, 64, 256)
 class _StubAttention:
     """Attention that costs nothing: isolates the model's own code."""
 
+    def plan(self, meta: AttentionMetadata) -> StepPlan:
+        return plan_step(meta)
+
     def write_kv(self, *args: Any) -> None:
         return None
 
-    def decode(self, query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return query
-
-    prefill = decode
 
 
 def paged_step(model: ModelRunnerModel, batch: int, backend: Any) -> Callable[[], Any]:
@@ -57,15 +59,14 @@ def paged_step(model: ModelRunnerModel, batch: int, backend: Any) -> Callable[[]
     perm = (torch.randperm(num_blocks - 1) + 1).tolist()
     tables = [perm[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
     meta = AttentionMetadata.build([1] * batch, [CONTEXT] * batch, tables, BLOCK_SIZE)
-    if hasattr(backend, "plan"):
-        meta = backend.plan(meta)
+    plan = backend.plan(meta)
     ids = torch.randint(0, model.vocab_size, (batch,))
     pos = torch.full((batch,), CONTEXT - 1)
     rows = torch.arange(batch)
 
     def run() -> Any:
         with torch.inference_mode():
-            return model(ids, pos, caches, [meta], backend, rows)
+            return model(ids, pos, caches, [plan], backend, rows)
 
     return run
 

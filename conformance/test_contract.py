@@ -1,23 +1,25 @@
-"""The protocol's non-numeric contract: shapes, errors without side effects, copy_blocks."""
+"""The protocol's non-numeric contract: the typed plan, each named error without side
+effects (every check of ``kvpage.attention.checks`` and ``kvpage.attention.plan`` has a
+test here that fails when the check is removed: docs/mutation-testing.md), copy_blocks.
+
+Spec: docs/edge-cases.md (section "Contract")."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpage.attention.metadata import AttentionMetadata
+from kvpage.attention.metadata import AttentionMetadata, KVCache, allocate_layer_cache
+from kvpage.attention.plan import StepPlan
 from kvpage.attention.protocol import AttentionBackend, BackendCapabilities
-from kvpage.errors import KVPageError
+from kvpage.errors import DTypeError, KVPageError, ShapeError
 from kvpage.specs import make_cache_spec
-from kvpage.testing import (
-    AttentionCase,
-    assert_cache_bits_equal,
-    attention_cases,
-    clone_cache,
-    materialize,
-)
+from kvpage.testing import AttentionCase, assert_cache_bits_equal, clone_cache, materialize
 
 KV_DTYPES = ["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
 
@@ -35,36 +37,215 @@ def _spec(kv_dtype: str = "auto", **kw):  # type: ignore[no-untyped-def]
 
 def test_protocol_and_capabilities(ctx) -> None:  # type: ignore[no-untyped-def]
     assert isinstance(ctx.backend, AttentionBackend)
-    assert isinstance(ctx.backend.capabilities, BackendCapabilities)
+    caps = ctx.backend.capabilities
+    assert isinstance(caps, BackendCapabilities)
     assert isinstance(ctx.backend.name, str) and ctx.backend.name
+    assert all(isinstance(v, int) for v in caps.priority.values())
+    assert set(caps.priority) <= set(caps.devices)
+    budget = ctx.backend.test_budget(ctx.device)
+    assert budget is None or isinstance(budget, Mapping)
     why = ctx.backend.unsupported_reasons(_spec(), torch.device("meta"))
     assert isinstance(why, list) and why, "a meta device must be refused with a reason"
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_allocate_matches_kv_cache_shape(ctx, kv_dtype) -> None:  # type: ignore[no-untyped-def]
-    spec = _spec(kv_dtype)
+def _step(ctx, query_lens, seq_lens, tables):  # type: ignore[no-untyped-def]
+    return AttentionMetadata.build(query_lens, seq_lens, tables, 4, device=ctx.device)
+
+
+def test_plan_is_typed_frozen_and_validates_the_step(ctx) -> None:  # type: ignore[no-untyped-def]
+    """plan() returns a frozen StepPlan subclass; an inconsistent step raises a named
+    error there (once per step), before any layer runs."""
+    ctx.supports(ctx.backend.unsupported_reasons(_spec(), ctx.device))
+    meta = _step(ctx, [1, 1], [3, 5], [[1], [2, 3]])
+    plan = ctx.backend.plan(meta)
+    assert isinstance(plan, StepPlan) and plan.meta is meta
+    assert (plan.num_seqs, plan.num_tokens, plan.max_query_len, plan.is_decode) == (2, 2, 1, True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.num_tokens = 3  # type: ignore[misc]
+    pre = ctx.backend.plan(_step(ctx, [2, 1], [3, 5], [[1], [2, 3]]))
+    assert (pre.num_tokens, pre.max_query_len, pre.is_decode) == (3, 2, False)
+    empty = ctx.backend.plan(_step(ctx, [0, 1], [3, 5], [[1], [2, 3]]))
+    assert (empty.num_tokens, empty.is_decode) == (1, False)
+    whole = ctx.backend.plan(_step(ctx, [3, 1], [3, 5], [[1], [2, 3]]))  # query_len == seq_len
+    assert (whole.num_tokens, whole.max_query_len) == (4, 3)
+    none = ctx.backend.plan(_step(ctx, [], [], []))  # a step without sequences
+    assert (none.num_seqs, none.num_tokens, none.max_query_len) == (0, 0, 0)
+    bad: list[tuple[str, type[Exception], dict[str, object]]] = [
+        ("meta.query_lens_cpu: expected 2 entries", ShapeError, {"query_lens_cpu": [1]}),
+        (
+            r"meta.query_lens_cpu\[1\]: expected 0 <= q <= 5, got 6",
+            ShapeError,
+            {"query_lens_cpu": [1, 6]},
+        ),  # fmt: skip
+        (
+            r"meta.query_lens_cpu\[0\]: expected 0 <= q <= 3, got -1",
+            ShapeError,
+            {"query_lens_cpu": [-1, 1]},
+        ),  # fmt: skip
+        ("meta.max_query_len: expected 1, got 2", ShapeError, {"max_query_len": 2}),
+        ("meta.max_seq_len: expected 5, got 4", ShapeError, {"max_seq_len": 4}),
+        (
+            r"meta.slot_mapping: expected \[2\]",
+            ShapeError,
+            {"slot_mapping": meta.slot_mapping[:1]},
+        ),  # fmt: skip
+        (r"meta.seq_lens: expected \[2\]", ShapeError, {"seq_lens": meta.seq_lens[:1]}),
+        (
+            r"meta.query_start_loc: expected \[3\]",
+            ShapeError,
+            {"query_start_loc": meta.query_start_loc[:2]},
+        ),  # fmt: skip
+        (
+            r"meta.block_tables: expected \[2, max_blocks\]",
+            ShapeError,
+            {"block_tables": meta.block_tables[:1]},
+        ),  # fmt: skip
+        (
+            r"meta.block_tables: expected \[2, max_blocks\]",
+            ShapeError,
+            {"block_tables": meta.block_tables[0]},
+        ),  # fmt: skip
+        (
+            "meta.block_tables: expected int32.int64, got torch.float32",
+            DTypeError,
+            {"block_tables": meta.block_tables.float()},
+        ),  # fmt: skip
+        (
+            "meta.block_tables: expected int32|int64, got torch.int16",
+            DTypeError,
+            {"block_tables": meta.block_tables.to(torch.int16)},
+        ),  # fmt: skip
+        (
+            "meta.slot_mapping: expected int32.int64, got torch.bool",
+            DTypeError,
+            {"slot_mapping": meta.slot_mapping.bool()},
+        ),  # fmt: skip
+        (
+            "meta.seq_lens: expected int32.int64, got torch.int16",
+            DTypeError,
+            {"seq_lens": meta.seq_lens.to(torch.int16)},
+        ),
+        ("meta.block_tables.device", ShapeError, {"block_tables": meta.block_tables.to("meta")}),
+    ]
+    for match, err, change in bad:
+        with pytest.raises(err, match=match):
+            ctx.backend.plan(dataclasses.replace(meta, **change))
+
+
+def test_forward_rejects_bad_arguments_and_writes_nothing(ctx) -> None:  # type: ignore[no-untyped-def]
+    """Each per-layer check of forward raises its own named error, and a rejected
+    call leaves ``out`` untouched; a valid call records the checked pool in the plan."""
+    spec = _spec()
     ctx.supports(ctx.backend.unsupported_reasons(spec, ctx.device))
-    cache = ctx.backend.allocate_kv_cache(spec, 0, ctx.device)
-    assert tuple(cache.kv.shape) == tuple(ctx.backend.kv_cache_shape(spec, 0))
-    assert cache.kv_dtype == kv_dtype
-    if kv_dtype == "int8":
-        assert cache.token_scales is not None
-        assert tuple(cache.token_scales.shape) == tuple(cache.kv.shape[:4])
+    dev = ctx.device
+    cache = allocate_layer_cache(spec, 0, dev)
+    a = spec.layers[0]
+    plan = ctx.backend.plan(_step(ctx, [1, 1], [3, 5], [[1], [2, 3]]))
+    q = torch.randn(2, 4, 8, device=dev)
+
+    def rejects(match: str, err: type[Exception], query, cache=cache, plan=plan, spec=a, out=None):  # type: ignore[no-untyped-def]
+        sentinel = None if out is None else out.clone()
+        with pytest.raises(err, match=match):
+            ctx.backend.forward(query, cache, plan, spec, out=out)
+        if out is not None:
+            assert torch.equal(out.view(torch.uint8), sentinel.view(torch.uint8)), "out was written"
+
+    rejects(r"query: expected \[2, 4, 8\], got \[2, 4, 7\]", ShapeError, q[..., :7])
+    rejects(
+        r"query: expected \[2, 4, 8\], got \[3, 4, 8\]",
+        ShapeError,
+        torch.randn(3, 4, 8, device=dev),
+    )
+    rejects(r"query: expected \[2, 4, 8\], got \[2, 3, 8\]", ShapeError, q[:, :3])
+    rejects(r"query: expected \[2, 4, 8\], got \[2, 32\]", ShapeError, q.view(2, 32))
+    rejects("query: expected float32|float16|bfloat16, got torch.int32", DTypeError, q.to(torch.int32))  # fmt: skip
+    rejects(r"out: expected \[2, 4, 8\], got \[2, 4, 9\]", ShapeError, q, out=torch.zeros(2, 4, 9, device=dev))  # fmt: skip
+    rejects("out: expected torch.float32, got torch.float16", DTypeError, q, out=torch.zeros(2, 4, 8, dtype=torch.float16, device=dev))  # fmt: skip
+    rejects("query.device", ShapeError, q.to("meta"))
+    other = make_cache_spec(
+        num_layers=1,
+        block_size=4,
+        num_blocks=6,
+        layers=[dict(num_q_heads=4, num_kv_heads=1, head_dim=8)],
+    ).layers[0]
+    rejects("cache: expected num_kv_heads=1, head_dim=8, got 2, 8", ShapeError, q, spec=other)
+    wide = make_cache_spec(
+        num_layers=1,
+        block_size=4,
+        num_blocks=6,
+        layers=[dict(num_q_heads=4, num_kv_heads=2, head_dim=16)],
+    ).layers[0]
+    rejects("cache: expected num_kv_heads=2, head_dim=16, got 2, 8", ShapeError, torch.randn(2, 4, 16, device=dev), spec=wide)  # fmt: skip
+    rejects(r"cache.kv: expected \[2, num_blocks", ShapeError, q, cache=KVCache(kv=cache.kv[0]))
+    narrow = ctx.backend.plan(
+        AttentionMetadata.build([1, 1], [3, 5], [[1, 4], [2, 3, 5]], 2, device=dev)
+    )  # tables for 2-token blocks: 3 columns; a cache of 1-token blocks needs 5
+    small = allocate_layer_cache(_spec(block_size=1, num_blocks=8), 0, dev)
+    rejects(r"meta.block_tables\[1\]: expected >= 5 blocks for 5 tokens, got 3", ShapeError, q, cache=small, plan=narrow)  # fmt: skip
+    if torch.device(dev).type == "cpu":  # block ids: checked on the host only (no sync)
+        for ids, seen in (([[6], [2, 3]], "[6]"), ([[1], [-1, 3]], "[-1, 3]")):
+            p = ctx.backend.plan(_step(ctx, [1, 1], [3, 5], ids))
+            rejects(rf"meta.block_tables\[\d\]: expected ids in \[0, 6\), got \{seen}", ShapeError, q, plan=p)  # fmt: skip
+    out = torch.full((2, 4, 8), float("nan"), device=dev)
+    assert ctx.backend.forward(q, cache, plan, a, out=out) is not None
+    assert (4, 6) in plan.tables_checked
+    last = ctx.backend.plan(_step(ctx, [1, 1], [3, 24], [[1], [0, 1, 2, 5, 4, 3]]))
+    ctx.backend.forward(q, cache, last, a)  # 24 tokens need exactly 6 blocks: accepted
+
+
+def test_cache_layout_checks(ctx) -> None:  # type: ignore[no-untyped-def]
+    """A quantized cache missing its scales (or with misshaped ones) is refused by
+    name by forward and write_kv."""
+    dev = ctx.device
+    q = torch.randn(2, 4, 8, device=dev)
+    k = torch.randn(2, 2, 8, device=dev)
+    for kv_dtype in ("int8", "fp8_e4m3"):
+        spec = _spec(kv_dtype)
+        if ctx.backend.unsupported_reasons(spec, dev):
+            continue
+        plan = ctx.backend.plan(_step(ctx, [1, 1], [3, 5], [[1], [2, 3]]))
+        good = allocate_layer_cache(spec, 0, dev)
+        if kv_dtype == "int8":
+            broken = [
+                ("cache.token_scales: expected", dataclasses.replace(good, token_scales=None)),
+                (
+                    "cache.token_scales: expected",
+                    dataclasses.replace(good, token_scales=good.token_scales[:, :1]),
+                ),  # fmt: skip
+            ]
+        else:
+            broken = [
+                ("cache.k_scale: expected", dataclasses.replace(good, k_scale=None)),
+                (
+                    "cache.v_scale: expected",
+                    dataclasses.replace(good, v_scale=torch.ones(3, device=dev)),
+                ),  # fmt: skip
+                (
+                    "cache.k_scale: expected",
+                    dataclasses.replace(good, k_scale=torch.ones(2, 2, device=dev)),
+                ),  # fmt: skip
+            ]
+        for match, cache in broken:
+            with pytest.raises(ShapeError, match=match):
+                ctx.backend.forward(q, cache, plan, spec.layers[0])
+            with pytest.raises(ShapeError, match=match):
+                ctx.backend.write_kv(k, k, cache, torch.tensor([0, 1], device=dev))
+        per_head = dataclasses.replace(good, k_scale=torch.ones(2, device=dev), v_scale=torch.ones((), device=dev)) if kv_dtype != "int8" else good  # fmt: skip
+        ctx.backend.forward(q, per_head, plan, spec.layers[0])  # [] and [num_kv_heads] scales
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_write_kv_rejects_bad_input_and_changes_nothing(ctx, kv_dtype) -> None:  # type: ignore[no-untyped-def]
     spec = _spec(kv_dtype)
     ctx.supports(ctx.backend.unsupported_reasons(spec, ctx.device))
-    cache = ctx.backend.allocate_kv_cache(spec, 0, ctx.device)
+    cache = allocate_layer_cache(spec, 0, ctx.device)
     before = clone_cache(cache)
     dev = ctx.device
     k = torch.randn(3, 2, 8, device=dev)
     bad = [
         (torch.randn(3, 2, 7, device=dev), k, torch.tensor([1, 2, 3], device=dev)),  # head_dim
         (k, k, torch.tensor([1, 2], device=dev)),  # slot count
-        (k, k[:2], torch.tensor([1, 2, 3], device=dev)),  # value count
+        (k, k[:1], torch.tensor([1, 2, 3], device=dev)),  # value count
         (k.to(torch.int32), k, torch.tensor([1, 2, 3], device=dev)),  # dtype
     ]
     if torch.device(dev).type == "cpu":  # slot ranges: checked on the host only (no sync)
@@ -72,32 +253,24 @@ def test_write_kv_rejects_bad_input_and_changes_nothing(ctx, kv_dtype) -> None: 
             (k, k, torch.tensor([1, 2, 6 * 4], device=dev)),  # slot out of range
             (k, k, torch.tensor([1, -2, 3], device=dev)),  # negative other than -1
         ]
-    for key, value, slots in bad:
-        with pytest.raises(KVPageError):
+    matches = [
+        r"key: expected \[num_tokens, 2, 8\], got \[3, 2, 7\]",
+        r"slot_mapping: expected \[3\], got \[2\]",
+        "value: expected 3 tokens like key, got 1",
+        "key: expected float32|float16|bfloat16, got torch.int32",
+        r"slot_mapping: expected values in \[-1, 23\], got \[1, 24\]",
+        r"slot_mapping: expected values in \[-1, 23\], got \[-2, 3\]",
+    ]
+    for (key, value, slots), match in zip(bad, matches):
+        with pytest.raises(KVPageError, match=match):
             ctx.backend.write_kv(key, value, cache, slots)
         assert_cache_bits_equal(cache, before, what="cache after a rejected write_kv")
-
-
-def test_attention_rejects_bad_shapes(ctx) -> None:  # type: ignore[no-untyped-def]
-    spec = _spec()
-    ctx.supports(ctx.backend.unsupported_reasons(spec, ctx.device))
-    cache = ctx.backend.allocate_kv_cache(spec, 0, ctx.device)
-    meta = ctx.backend.plan(
-        AttentionMetadata.build([1, 1], [3, 5], [[1], [2, 3]], 4, device=ctx.device)
-    )
-    a = spec.layers[0]
-    with pytest.raises(KVPageError):
-        ctx.backend.decode(torch.randn(2, 4, 7, device=ctx.device), cache, meta, a)
-    with pytest.raises(KVPageError):
-        ctx.backend.decode(torch.randn(3, 4, 8, device=ctx.device), cache, meta, a)
-    with pytest.raises(KVPageError):
-        out = torch.empty(2, 4, 8, dtype=torch.float16, device=ctx.device)
-        ctx.backend.decode(torch.randn(2, 4, 8, device=ctx.device), cache, meta, a, out=out)
-    pre = ctx.backend.plan(
-        AttentionMetadata.build([2, 1], [3, 5], [[1], [2, 3]], 4, device=ctx.device)
-    )
-    with pytest.raises(KVPageError):  # decode needs one token per sequence
-        ctx.backend.decode(torch.randn(3, 4, 8, device=ctx.device), cache, pre, a)
+    with pytest.raises(DTypeError, match="slot_mapping: expected int64, got torch.float32"):
+        ctx.backend.write_kv(k, k, cache, torch.tensor([1.0, 2.0, 3.0], device=dev))
+    with pytest.raises(ShapeError, match="value.device"):
+        ctx.backend.write_kv(k, k.to("meta"), cache, torch.tensor([1, 2, 3], device=dev))
+    edge = torch.tensor([-1, 0, 6 * 4 - 1], device=dev)  # the range's ends are accepted
+    ctx.backend.write_kv(k.to(cache.kv.dtype) if kv_dtype == "auto" else k, k, cache, edge)
 
 
 def test_copy_blocks_bit_exact(ctx) -> None:  # type: ignore[no-untyped-def]
@@ -105,12 +278,8 @@ def test_copy_blocks_bit_exact(ctx) -> None:  # type: ignore[no-untyped-def]
     leaves other blocks bit-identical; a bad pair raises and copies nothing."""
 
     @ctx.settings()
-    @given(
-        case=attention_cases(ctx.budget, ctx.backend.capabilities),
-        data=st.data(),
-    )
+    @given(case=ctx.cases(), data=st.data())
     def prop(case: AttentionCase, data: st.DataObject) -> None:
-        ctx.supports(ctx.backend.unsupported_reasons(case.cache_spec(), ctx.device))
         caches = [materialize(case, ctx.device).cache for _ in range(2)]
         nb = case.num_blocks
         dst = data.draw(
@@ -130,8 +299,13 @@ def test_copy_blocks_bit_exact(ctx) -> None:  # type: ignore[no-untyped-def]
         for c, e in zip(caches, expect):
             assert_cache_bits_equal(c, e, what="copy_blocks")
         before = [clone_cache(c) for c in caches]
-        with pytest.raises(KVPageError):
-            ctx.backend.copy_blocks(caches, torch.tensor([[0, nb]], device=ctx.device))
+        for bad in ([[0, nb]], [[-1, 0]], [[nb, 0]]):
+            with pytest.raises(ShapeError, match=rf"pairs: expected block ids in \[0, {nb - 1}\]"):
+                ctx.backend.copy_blocks(caches, torch.tensor(bad, device=ctx.device))
+        with pytest.raises(ShapeError, match=r"pairs: expected \[n, 2\]"):
+            ctx.backend.copy_blocks(caches, torch.tensor([0, 1], device=ctx.device))
+        with pytest.raises(KVPageError, match=r"pairs"):  # ShapeError or DTypeError
+            ctx.backend.copy_blocks(caches, torch.tensor([[0.0, 1.0]], device=ctx.device))
         for c, e in zip(caches, before):
             assert_cache_bits_equal(c, e, what="cache after a rejected copy_blocks")
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvpage.attention.metadata import AttentionMetadata, allocate_kv_cache
+from kvpage.attention.metadata import AttentionMetadata, allocate_kv_cache, allocate_layer_cache
 from kvpage.attention.reference import reference_attention, reference_contiguous
 from kvpage.specs import make_attention_spec, make_cache_spec
 from kvpage.testing import (
@@ -63,8 +63,7 @@ def test_c10_sliding_window_is_w_keys_including_current(ctx) -> None:  # type: i
     m = materialize(case, ctx.device)
     cache = m.cache
     cache.kv[0].zero_()  # K = 0: uniform weights over the visible keys
-    ctx.backend.plan(m.meta)
-    out = ctx.backend.prefill(m.query, cache, m.meta, case.spec)
+    out = ctx.backend.forward(m.query, cache, ctx.backend.plan(m.meta), case.spec)
     v = m.values[0].double()
     tol = tolerance_for(torch.float32)
     for p, keys in ((9, [6, 7, 8, 9]), (2, [0, 1, 2]), (3, [0, 1, 2, 3]), (4, [1, 2, 3, 4])):
@@ -95,18 +94,17 @@ def test_c11_window_is_per_layer(ctx) -> None:  # type: ignore[no-untyped-def]
     v = torch.randn(16, 1, 8, generator=g)
     q = torch.randn(16, 2, 8, generator=g)
     meta = AttentionMetadata.build([16], [16], [[8, 3, 5, 1]], 4, device=ctx.device)
-    ctx.backend.plan(meta)
     tol = tolerance_for(torch.float32)
     for layer in (0, 1):
         a = spec.layers[layer]
         cache = allocate_kv_cache(9, 4, 1, 8, dtype=torch.float32, device=ctx.device, fill=math.nan)
         ctx.backend.write_kv(k.to(ctx.device), v.to(ctx.device), cache, meta.slot_mapping)
-        out = ctx.backend.prefill(q.to(ctx.device), cache, meta, a)
+        out = ctx.backend.forward(q.to(ctx.device), cache, ctx.backend.plan(meta), a)
         want = reference_contiguous(q, k, v, a)
         assert_close(out, want, tol, scale=4.0, what=f"C11 layer {layer}")
         # K = 0 makes the weights uniform: position 15 averages V over what it sees
         cache.kv[0].zero_()
-        out0 = ctx.backend.prefill(q.to(ctx.device), cache, meta, a)
+        out0 = ctx.backend.forward(q.to(ctx.device), cache, ctx.backend.plan(meta), a)
         vis = v[12:16] if layer == 0 else v
         want15 = vis.double().mean(0).expand(2, 8)
         assert_close(out0[15], want15, tol, what=f"C11 layer {layer} keys seen by position 15")
@@ -126,17 +124,15 @@ def test_c12_gqa_head_mapping(ctx, heads) -> None:  # type: ignore[no-untyped-de
     vconst = torch.arange(1, hkv + 1, dtype=torch.float32).view(1, hkv, 1).expand(37, hkv, 16)
     keys = m.keys[0].to(ctx.device)
     ctx.backend.write_kv(keys, vconst.contiguous().to(ctx.device), m.cache, m.meta.slot_mapping)
-    ctx.backend.plan(m.meta)
     for decode_meta in (False, True):
         if decode_meta:
             meta = AttentionMetadata.build(
                 [1], [37], [list(case.block_tables[0])], 16, device=ctx.device
             )
-            ctx.backend.plan(meta)
-            out = ctx.backend.decode(m.query[-1:], m.cache, meta, case.spec)
+            out = ctx.backend.forward(m.query[-1:], m.cache, ctx.backend.plan(meta), case.spec)
             rows = out
         else:
-            rows = ctx.backend.prefill(m.query, m.cache, m.meta, case.spec)
+            rows = ctx.backend.forward(m.query, m.cache, ctx.backend.plan(m.meta), case.spec)
         want = (torch.arange(hq) // (hq // hkv) + 1).to(torch.float64)
         got = rows.double().cpu()
         assert torch.allclose(got, want.view(1, hq, 1).expand_as(got), atol=1e-5), (
@@ -191,17 +187,15 @@ def test_c14_fp8_scales_used_and_swap_detected(ctx) -> None:  # type: ignore[no-
             f"C14 stored {'KV'[i]}"
         )
     exact = reference_contiguous(m.query.cpu(), m.keys[0], m.values[0], case.spec)
-    ctx.backend.plan(m.meta)
-    pre = ctx.backend.prefill(m.query, m.cache, m.meta, case.spec)
+    pre = ctx.backend.forward(m.query, m.cache, ctx.backend.plan(m.meta), case.spec)
     dmeta = AttentionMetadata.build([1], [40], [list(case.block_tables[0])], 16, device=ctx.device)
-    ctx.backend.plan(dmeta)
-    dec = ctx.backend.decode(m.query[-1:], m.cache, dmeta, case.spec)
+    dec = ctx.backend.forward(m.query[-1:], m.cache, ctx.backend.plan(dmeta), case.spec)
     assert _rel_err(pre, exact) < C14_BOUND, f"C14 prefill rel err {_rel_err(pre, exact):.4f}"
     assert _rel_err(dec, exact[-1:]) < C14_BOUND, (
         f"C14 decode rel err {_rel_err(dec, exact[-1:]):.4f}"
     )
     m.cache.k_scale, m.cache.v_scale = m.cache.v_scale, m.cache.k_scale
-    swapped = ctx.backend.prefill(m.query, m.cache, m.meta, case.spec)
+    swapped = ctx.backend.forward(m.query, m.cache, ctx.backend.plan(m.meta), case.spec)
     assert _rel_err(swapped, exact) > C14_BOUND, "C14: swapping k_scale and v_scale went unnoticed"
 
 
@@ -216,7 +210,7 @@ def test_c14_fp8_conversion_saturates(ctx) -> None:  # type: ignore[no-untyped-d
         layers=[dict(num_q_heads=1, num_kv_heads=1, head_dim=8)],
     )
     ctx.supports(ctx.backend.unsupported_reasons(spec, ctx.device))
-    cache = ctx.backend.allocate_kv_cache(spec, 0, ctx.device)
+    cache = allocate_layer_cache(spec, 0, ctx.device)
     vals = torch.tensor([256.0, 300.0, 448.0, 464.0, 1000.0, -1000.0, 0.0, 1.0])
     x = vals.view(1, 1, 8).to(ctx.device)
     meta = AttentionMetadata.build([1], [1], [[1]], 4, device=ctx.device)
@@ -224,8 +218,7 @@ def test_c14_fp8_conversion_saturates(ctx) -> None:  # type: ignore[no-untyped-d
     got = cache.kv[0, 1, 0, 0].float().cpu()
     want = torch.tensor([256.0, 288.0, 448.0, 448.0, 448.0, -448.0, 0.0, 1.0])
     assert torch.equal(got, want), f"C14 conversions: got {got.tolist()}, expected {want.tolist()}"
-    ctx.backend.plan(meta)
-    out = ctx.backend.decode(x, cache, meta, spec.layers[0])
+    out = ctx.backend.forward(x, cache, ctx.backend.plan(meta), spec.layers[0])
     assert bool(torch.isfinite(out).all()), "C14: attention over saturated fp8 is not finite"
 
 
@@ -241,7 +234,7 @@ def test_c15_int8_codes_and_scales(ctx) -> None:  # type: ignore[no-untyped-def]
         layers=[dict(num_q_heads=1, num_kv_heads=1, head_dim=4)],
     )
     ctx.supports(ctx.backend.unsupported_reasons(spec, ctx.device))
-    cache = ctx.backend.allocate_kv_cache(spec, 0, ctx.device)
+    cache = allocate_layer_cache(spec, 0, ctx.device)
     x = torch.tensor([[[0.02, -0.5, 0.25, 0.0]], [[0.0, 0.0, 0.0, 0.0]]]).to(ctx.device)
     meta = AttentionMetadata.build([2], [2], [[1]], 2, device=ctx.device)
     ctx.backend.write_kv(x, x, cache, meta.slot_mapping)
@@ -253,8 +246,7 @@ def test_c15_int8_codes_and_scales(ctx) -> None:  # type: ignore[no-untyped-def]
     deq = codes[0, 0].float() * scales[0, 0]
     assert torch.allclose(deq, torch.tensor([0.0197, -0.5, 0.252, 0.0]), atol=6e-4)
     assert codes[1, 0].tolist() == [0, 0, 0, 0] and scales[1, 0].item() == 0.0
-    ctx.backend.plan(meta)
-    out = ctx.backend.prefill(x, cache, meta, spec.layers[0])
+    out = ctx.backend.forward(x, cache, ctx.backend.plan(meta), spec.layers[0])
     assert bool(torch.isfinite(out).all()), "C15: attention over an all-zero int8 token is NaN"
 
 

@@ -7,7 +7,9 @@ from importlib.metadata import EntryPoint
 import pytest
 import torch
 
+from kvpage.attention.protocol import BackendCapabilities
 from kvpage.backends import (
+    auto_order,
     available_backends,
     backend_reasons,
     get_backend,
@@ -51,22 +53,47 @@ def test_broken_plugin_is_a_reason_not_a_crash(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(BackendUnavailableError) as e:
         select_backend(SPEC, "cpu", prefer="broken")
     assert e.value.reasons["broken"] == why
-    monkeypatch.setitem(registry.PRIORITY, "cpu", ("broken", "torch"))
-    assert select_backend(SPEC, "cpu").name == "torch"
+    assert select_backend(SPEC, "cpu").name == "torch"  # the broken plugin is a reason
+    reasons: dict[str, list[str]] = {}
+    assert "broken" not in auto_order("cpu", reasons) and "import failed" in reasons["broken"][0]
 
 
-def test_no_candidate_lists_every_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(registry.PRIORITY, "meta", ("torch",))
+class _Declared:
+    """A plugin that declares its own priority (no registry edit needed)."""
+
+    def __init__(self, name: str, priority: dict[str, int]) -> None:
+        self.name = name
+        self.capabilities = BackendCapabilities(devices=frozenset(priority), priority=priority)
+
+    def unsupported_reasons(self, spec: object, device: torch.device) -> list[str]:
+        return [] if torch.device(device).type in self.capabilities.devices else ["device"]
+
+
+def test_auto_ranks_plugins_by_their_declared_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+    made = {"fast": _Declared("fast", {"cpu": 5}), "slow": _Declared("slow", {"cpu": -1}),
+            "cudaonly": _Declared("cudaonly", {"cuda": 99})}  # fmt: skip
+    real = registry.get_backend
+    monkeypatch.setattr(registry, "available_backends", lambda: ["torch", *made])
+    monkeypatch.setattr(registry, "get_backend", lambda n: made[n] if n in made else real(n))
+    reasons: dict[str, list[str]] = {}
+    assert auto_order("cpu", reasons) == ["fast", "torch", "slow"]
+    assert "declares none for cpu" in reasons["cudaonly"][0]
+    assert select_backend(SPEC, "cpu").name == "fast"
+    assert auto_order("cuda") == ["cudaonly", "torch"]
+
+
+def test_no_candidate_lists_every_reason() -> None:
     with pytest.raises(BackendUnavailableError) as e:
         select_backend(SPEC, "meta")
-    assert set(e.value.reasons) == {"torch"} and e.value.reasons["torch"]
+    assert e.value.reasons["torch"] and all(e.value.reasons.values())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_cuda_without_gpu_lists_all_candidates() -> None:
     with pytest.raises(BackendUnavailableError) as e:
         select_backend(SPEC, "cuda")
-    assert set(e.value.reasons) == set(registry.PRIORITY["cuda"])
-    assert all(e.value.reasons[n] for n in registry.PRIORITY["cuda"])
+    assert {"triton", "cupy", "numba", "torch"} <= set(e.value.reasons)
+    assert auto_order("cuda")[:3] == ["triton", "cupy", "numba"]  # declared by each plugin
+    assert all(e.value.reasons.values())
     with pytest.raises(BackendUnavailableError):
         select_backend(SPEC, "cuda", prefer="torch")

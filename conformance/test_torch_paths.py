@@ -85,9 +85,8 @@ def test_torch_accepts_non_contiguous_inputs(path: str) -> None:
     wide_q[..., 3:19] = m.query
     q = wide_q[..., 3:19]
     assert not q.is_contiguous()
-    backend.plan(m.meta)
-    a = backend.prefill(q, m.cache, m.meta, case.spec)
-    b = backend.prefill(m.query.contiguous(), m.cache, m.meta, case.spec)
+    a = backend.forward(q, m.cache, backend.plan(m.meta), case.spec)
+    b = backend.forward(m.query.contiguous(), m.cache, backend.plan(m.meta), case.spec)
     assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
     fused = torch.cat([m.new_keys, m.new_values], dim=-1)  # [tokens, Hkv, 2 * D]
     k, v = fused[..., :16], fused[..., 16:]

@@ -8,8 +8,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 py="$(bash scripts/bootstrap.sh | tail -n 1)"
 bin="$(dirname "$py")"
-echo "== ruff check"; "$bin/ruff" check src backends tests conformance benches
-echo "== ruff format --check"; "$bin/ruff" format --check src backends tests conformance benches
+echo "== ruff check"; "$bin/ruff" check src backends tests conformance benches scripts docs/examples
+echo "== ruff format --check"; "$bin/ruff" format --check src backends tests conformance benches scripts docs/examples
 echo "== mypy src/kvpage"; "$bin/mypy" src/kvpage
 echo "== pytest"
 export TRITON_INTERPRET=1 NUMBA_ENABLE_CUDASIM=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

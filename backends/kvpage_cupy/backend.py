@@ -10,6 +10,7 @@ NVRTC (``name_expressions``) and cached per process.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from functools import cache
 from typing import Any
 
@@ -17,13 +18,7 @@ import numpy as np
 import torch
 
 from kvpage.attention import checks
-from kvpage.attention.canonical import (
-    CanonicalLayoutBackend,
-    fp8_scale_table,
-    head_dim_reasons,
-    max_keys_per_query,
-    token_map,
-)
+from kvpage.attention.canonical import TokenMapPlan, fp8_scale_table, head_dim_reasons
 from kvpage.attention.metadata import FP8_MAX, AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.errors import ShapeError
@@ -61,7 +56,7 @@ def _ptr(t: torch.Tensor) -> Any:
     return np.uint64(t.data_ptr())
 
 
-class CupyBackend(CanonicalLayoutBackend):
+class CupyBackend:
     """Paged attention with raw CUDA C kernels through CuPy (CUDA GPUs, sm_80+).
 
     Args:
@@ -76,6 +71,7 @@ class CupyBackend(CanonicalLayoutBackend):
     name = "cupy"
     capabilities = BackendCapabilities(
         devices=frozenset({"cuda"}),
+        priority={"cuda": 20},  # after triton, before numba (docs/benchmarks.md)
         max_head_dim=templates.MAX_HEAD_DIM,
         min_compute_capability=(8, 0),
         notes=("head_dim templated per size (NVRTC instance per head_dim)",),
@@ -102,13 +98,19 @@ class CupyBackend(CanonicalLayoutBackend):
             reasons.extend(_cuda_reasons(dev))
         return reasons + head_dim_reasons(spec, templates.MAX_HEAD_DIM)
 
-    # kv_cache_shape / allocate_kv_cache: CanonicalLayoutBackend (the canonical layout)
-    def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """Store the row -> (sequence, position) map as int32 device tensors in
-        ``meta.extras["cupy"]`` (``kvpage.attention.canonical.token_map``; from host
-        lists: no sync). Returns ``meta``."""
-        meta.extras["cupy"] = token_map(meta)
-        return meta
+    def test_budget(self, device: torch.device) -> Mapping[str, object] | None:
+        """The default conformance budget (it runs on CUDA only)."""
+        return None
+
+    def plan(self, meta: AttentionMetadata) -> TokenMapPlan:
+        """Validate the step (``kvpage.attention.plan.check_step``) and build the
+        row -> (sequence, position) map as int32 device tensors (``TokenMapPlan``;
+        from host lists: no device sync).
+
+        Raises:
+            ShapeError, DTypeError: see ``check_step``.
+        """
+        return TokenMapPlan.from_meta(meta)
 
     # ---- launching -------------------------------------------------------------------------
     def _run(self, fn: Any, grid: tuple[int, ...], block: int, args: tuple, dev: torch.device) -> None:  # fmt: skip
@@ -174,19 +176,24 @@ class CupyBackend(CanonicalLayoutBackend):
             return 1
         return max(1, min(-(-2 * sms // blocks), max_keys // 256, 64))
 
-    def _attention(
+    def forward(
         self,
         query: torch.Tensor,
         cache: KVCache,
-        meta: AttentionMetadata,
+        plan: TokenMapPlan,
         spec: AttentionSpec,
-        out: torch.Tensor | None,
-        decode: bool,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``decode``/``prefill`` (``CanonicalLayoutBackend``): the launch checks of
-        ``kvpage.attention.checks.check_launch_attention``, then one attention kernel
-        over every query row, split-KV + reduce when few rows would leave the GPU idle."""
-        checks.check_launch_attention(query, cache, meta, spec, out, decode=decode)
+        """Attention of one layer over the step (``AttentionBackend.forward``): the
+        launch checks of ``kvpage.attention.checks.check_launch_forward``, then one
+        attention kernel over every query row, split-KV + reduce when few rows would
+        leave the GPU idle.
+
+        Raises:
+            ShapeError, DTypeError: see ``check_launch_forward``.
+        """
+        checks.check_launch_forward(query, cache, plan, spec, out)
+        meta = plan.meta
         self._require_cuda(cache.kv)
         if out is None:
             out = torch.empty_like(query)
@@ -194,15 +201,12 @@ class CupyBackend(CanonicalLayoutBackend):
         if n == 0:
             return out
         dev = cache.kv.device
-        if "cupy" not in meta.extras:
-            self.plan(meta)
-        token_seq, token_pos = meta.extras["cupy"]
-        token_seq, token_pos = token_seq.to(dev), token_pos.to(dev)
+        token_seq, token_pos = plan.token_seq, plan.token_pos
         q = query if query.stride(-1) == 1 else query.contiguous()
         gt = templates.heads_per_block(spec.group_size, hd)
         blocks = n * (hq // gt)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        max_keys = max_keys_per_query(meta, spec)
+        max_keys = plan.keys_for(spec)
         splits = self.choose_splits(blocks, max_keys, sms)
         use_rows = self.prefill_kernel == "rows" or (
             self.prefill_kernel == "auto" and meta.max_query_len > 1 and splits == 1

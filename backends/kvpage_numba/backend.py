@@ -16,13 +16,7 @@ from typing import Any
 import torch
 
 from kvpage.attention import checks
-from kvpage.attention.canonical import (
-    CanonicalLayoutBackend,
-    fp8_scale_table,
-    head_dim_reasons,
-    max_keys_per_query,
-    token_map,
-)
+from kvpage.attention.canonical import TokenMapPlan, fp8_scale_table, head_dim_reasons
 from kvpage.attention.metadata import FP8_MAX, AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.errors import ShapeError
@@ -42,7 +36,7 @@ def _numba_state() -> tuple[bool, bool]:
     return True, bool(numba.config.ENABLE_CUDASIM)
 
 
-class NumbaBackend(CanonicalLayoutBackend):
+class NumbaBackend:
     """Paged attention with Numba CUDA kernels (GPU, or CPU under the CUDA simulator).
 
     Args:
@@ -63,6 +57,7 @@ class NumbaBackend(CanonicalLayoutBackend):
     name = "numba"
     capabilities = BackendCapabilities(
         devices=frozenset({"cuda", "cpu"}),
+        priority={"cuda": 10},  # after triton and cupy (docs/benchmarks.md); never auto on cpu
         max_head_dim=256,
         notes=(
             "cpu only under NUMBA_ENABLE_CUDASIM=1 (the CUDA simulator; slow)",
@@ -120,13 +115,15 @@ class NumbaBackend(CanonicalLayoutBackend):
             reasons.append(f"device: expected cpu or cuda, got {dev.type}")
         return reasons + head_dim_reasons(spec, self.capabilities.max_head_dim)
 
-    # kv_cache_shape / allocate_kv_cache: CanonicalLayoutBackend (the canonical layout)
-    def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """Store the row -> (sequence, position) map as int32 tensors in
-        ``meta.extras["numba"]`` (``kvpage.attention.canonical.token_map``; host lists
-        only: no device sync). Returns ``meta``."""
-        meta.extras["numba"] = token_map(meta)
-        return meta
+    def plan(self, meta: AttentionMetadata) -> TokenMapPlan:
+        """Validate the step (``kvpage.attention.plan.check_step``) and build the
+        row -> (sequence, position) map as int32 device tensors (``TokenMapPlan``;
+        from host lists: no device sync).
+
+        Raises:
+            ShapeError, DTypeError: see ``check_step``.
+        """
+        return TokenMapPlan.from_meta(meta)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _cuda(self) -> Any:
@@ -213,19 +210,24 @@ class NumbaBackend(CanonicalLayoutBackend):
             return 1
         return max(1, min(-(-2 * sms // rows), max_keys // 256, 64))
 
-    def _attention(
+    def forward(
         self,
         query: torch.Tensor,
         cache: KVCache,
-        meta: AttentionMetadata,
+        plan: TokenMapPlan,
         spec: AttentionSpec,
-        out: torch.Tensor | None,
-        decode: bool,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``decode``/``prefill`` (``CanonicalLayoutBackend``): the launch checks of
-        ``kvpage.attention.checks.check_launch_attention``, then one attention kernel
-        over every query row, split-KV + reduce when few rows would leave the GPU idle."""
-        checks.check_launch_attention(query, cache, meta, spec, out, decode=decode)
+        """Attention of one layer over the step (``AttentionBackend.forward``): the
+        launch checks of ``kvpage.attention.checks.check_launch_forward``, then one
+        attention kernel over every query row, split-KV + reduce when few rows would
+        leave the GPU idle.
+
+        Raises:
+            ShapeError, DTypeError: see ``check_launch_forward``.
+        """
+        checks.check_launch_forward(query, cache, plan, spec, out)
+        meta = plan.meta
         if out is None:
             out = torch.empty_like(query)
         n, hq, hd = query.shape
@@ -234,11 +236,8 @@ class NumbaBackend(CanonicalLayoutBackend):
         from kvpage_numba import kernels
 
         dev = cache.kv.device
-        if "numba" not in meta.extras:
-            self.plan(meta)
-        token_seq, token_pos = meta.extras["numba"]
-        token_seq, token_pos = token_seq.to(dev), token_pos.to(dev)
-        max_keys = max_keys_per_query(meta, spec)
+        token_seq, token_pos = plan.token_seq, plan.token_pos
+        max_keys = plan.keys_for(spec)
         splits = self.choose_splits(n * hq, max_keys, dev)
         chunk = -(-max_keys // splits)
         o32 = out if out.dtype == torch.float32 and out.is_contiguous() else None

@@ -16,13 +16,14 @@ from types import ModuleType
 
 import torch
 
-from kvpage.attention.canonical import CanonicalLayoutBackend, head_dim_reasons
+from kvpage.attention.canonical import head_dim_reasons
 from kvpage.attention.checks import check_block_pairs
 from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.errors import BackendUnavailableError, DTypeError, ShapeError
 from kvpage.specs import AttentionSpec, CacheSpec
-from kvpage_triton.validate import check_attention, check_cache, check_write_kv
+from kvpage_triton.plan import TritonPlan
+from kvpage_triton.validate import check_cache, check_forward, check_write_kv
 
 #: largest head_dim: BLOCK_D is head_dim rounded up to a power of two (masked), and a
 #: 512-wide Q/K/V tile set does not fit in registers/shared memory at useful tile sizes
@@ -38,7 +39,7 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-class TritonBackend(CanonicalLayoutBackend):
+class TritonBackend:
     """Paged attention with ``@triton.jit`` kernels (decode with split-KV, varlen
     prefill with cached context, cache writes with int8/fp8 quantization, block copies).
 
@@ -51,6 +52,7 @@ class TritonBackend(CanonicalLayoutBackend):
     name = "triton"
     capabilities = BackendCapabilities(
         devices=frozenset({"cuda", "cpu"}),
+        priority={"cuda": 30},  # first on CUDA (docs/benchmarks.md); never auto on cpu
         max_head_dim=MAX_HEAD_DIM,
         min_compute_capability=(7, 0),
         notes=(
@@ -68,7 +70,7 @@ class TritonBackend(CanonicalLayoutBackend):
         self._launch: ModuleType | None = None
 
     def test_budget(self, device: torch.device) -> dict[str, object] | None:
-        """Conformance-suite budget hook (``kvpage.testing.budget_for``): under the
+        """Conformance budget (``AttentionBackend.test_budget``): under the
         interpreter (CPU) draw small shapes and about half the profile's examples (one
         interpreted example costs ~0.1-1 s); on CUDA the default budget (None)."""
         if torch.device(device).type != "cpu":
@@ -151,12 +153,15 @@ class TritonBackend(CanonicalLayoutBackend):
             )
         return self._launch
 
-    # ---- per step (kv_cache_shape / allocate_kv_cache: CanonicalLayoutBackend) ------
-    def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """Nothing is precomputed eagerly: query tile lists (which depend on the layer's
-        GQA group) are built on first use from host lists and cached in
-        ``meta.extras["triton_tiles_q<BLOCK_Q>"]``. Returns ``meta``."""
-        return meta
+    # ---- per step ------------------------------------------------------------------
+    def plan(self, meta: AttentionMetadata) -> TritonPlan:
+        """Validate the step; query tile lists (which depend on the layer's GQA group)
+        are built by the first layer that needs them (``TritonPlan.tiles``).
+
+        Raises:
+            ShapeError, DTypeError: see ``kvpage.attention.plan.check_step``.
+        """
+        return TritonPlan.from_meta(meta)
 
     # ---- kernels -------------------------------------------------------------------
     def write_kv(
@@ -175,22 +180,26 @@ class TritonBackend(CanonicalLayoutBackend):
         launch = self._kernels(cache.kv.device)
         launch.write_kv(key, value, cache, slot_mapping, cache.kv_dtype)
 
-    def _attention(
+    def forward(
         self,
         query: torch.Tensor,
         cache: KVCache,
-        meta: AttentionMetadata,
+        plan: TritonPlan,
         spec: AttentionSpec,
-        out: torch.Tensor | None,
-        decode: bool,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        kind = check_attention(query, cache, meta, spec, out, decode=decode)
+        """Attention of one layer over the step (``AttentionBackend.forward``): the
+        decode kernel variant for a pure decode step, else the varlen one.
+
+        Raises:
+            ShapeError, DTypeError: see ``kvpage_triton.validate.check_forward``.
+            BackendUnavailableError: the device cannot run the kernels.
+        """
+        kind = check_forward(query, cache, plan, spec, out)
         launch = self._kernels(query.device)
         if out is None:
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        return launch.attention(
-            query, cache, meta, spec, out, kind, decode=decode, force_splits=self.num_splits
-        )
+        return launch.attention(query, cache, plan, spec, out, kind, force_splits=self.num_splits)
 
     def copy_blocks(self, caches: list[KVCache], pairs: torch.Tensor) -> None:
         """For each row ``(src, dst)`` of ``pairs`` (``[n, 2]`` int64) copy block
@@ -219,6 +228,6 @@ class TritonBackend(CanonicalLayoutBackend):
         dev = caches[0].kv.device
         for i, c in enumerate(caches):
             if c.kv.device != dev:
-                raise DTypeError(f"caches[{i}].kv.device: expected {dev}, got {c.kv.device}")
+                raise ShapeError(f"caches[{i}].kv.device: expected {dev}, got {c.kv.device}")
         launch = self._kernels(dev)
         launch.copy_blocks(caches, pairs.to(device=dev, dtype=torch.int64))

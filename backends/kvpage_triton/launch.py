@@ -17,6 +17,7 @@ from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.specs import AttentionSpec
 from kvpage_triton.kernels.attention import paged_attention_kernel, reduce_splits_kernel
 from kvpage_triton.kernels.cache_ops import copy_blocks_kernel, write_kv_kernel
+from kvpage_triton.plan import TritonPlan
 from kvpage_triton.validate import fp8_format
 
 #: whether the kernels above were created in interpreter mode (decided at import time)
@@ -114,26 +115,6 @@ def choose_config(
     )
 
 
-def _tiles(meta: AttentionMetadata, block_q: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Per-tile (sequence, first query index) as int32 device tensors, cached in
-    ``meta.extras`` per ``block_q`` (built from host lists: no device sync)."""
-    key = f"triton_tiles_q{block_q}"
-    hit = meta.extras.get(key)
-    if hit is None:
-        seqs: list[int] = []
-        starts: list[int] = []
-        for i, q in enumerate(meta.query_lens_cpu):
-            for s in range(0, q, block_q):
-                seqs.append(i)
-                starts.append(s)
-        hit = (
-            torch.tensor(seqs, dtype=torch.int32, device=device),
-            torch.tensor(starts, dtype=torch.int32, device=device),
-        )
-        meta.extras[key] = hit
-    return hit
-
-
 def _scale_args(cache: KVCache, kind: str) -> tuple[torch.Tensor, torch.Tensor, int]:
     kv = cache.kv
     if kind.startswith("fp8"):
@@ -152,24 +133,24 @@ def _scale_args(cache: KVCache, kind: str) -> tuple[torch.Tensor, torch.Tensor, 
 def attention(
     query: torch.Tensor,
     cache: KVCache,
-    meta: AttentionMetadata,
+    plan: TritonPlan,
     spec: AttentionSpec,
     out: torch.Tensor,
     kind: str,
     *,
-    decode: bool,
     force_splits: int | None = None,
 ) -> torch.Tensor:
     """Run paged attention for every query row into ``out`` (see the kernel's doc)."""
     dev = query.device
-    cfg = choose_config(spec, meta, dev, decode=decode, force_splits=force_splits)
+    meta = plan.meta
+    cfg = choose_config(spec, meta, dev, decode=plan.is_decode, force_splits=force_splits)
     kv = cache.kv
     direct = cfg.block_q >= meta.max_query_len
     if direct:
         num_tiles = meta.num_seqs
         tile_seq = tile_start = meta.seq_lens
     else:
-        tile_seq, tile_start = _tiles(meta, cfg.block_q, dev)
+        tile_seq, tile_start = plan.tiles(cfg.block_q)
         num_tiles = int(tile_seq.shape[0])
     if num_tiles == 0 or query.shape[0] == 0:
         return out

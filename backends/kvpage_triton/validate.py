@@ -4,9 +4,8 @@ Kernels never check anything: every argument is checked here, before any state c
 and errors read ``"name: expected X, got Y"`` (``kvpage.errors``). The launcher checks
 shared by the plugin backends (``kvpage.attention.checks.check_launch_*``: layout, dtypes,
 devices, block ids) run first, so backends agree on which error a bad call raises; the
-checks here add what Triton's pointer arithmetic needs: unit inner strides, a
-model-dtype cache in the query dtype, and the metadata tensors the kernels read on the
-cache's device.
+checks here add what Triton's pointer arithmetic needs: unit inner strides and a
+model-dtype cache in the query dtype.
 """
 
 from __future__ import annotations
@@ -14,15 +13,10 @@ from __future__ import annotations
 import torch
 
 from kvpage.attention import checks as shared
-from kvpage.attention.metadata import FP8_MAX, AttentionMetadata, KVCache
+from kvpage.attention.metadata import FP8_MAX, KVCache
+from kvpage.attention.plan import StepPlan
 from kvpage.errors import DTypeError, ShapeError
 from kvpage.specs import AttentionSpec
-
-
-def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
-    """Raise DTypeError if ``t`` is not on ``device`` (a tensor type includes its device)."""
-    if t.device != device:
-        raise DTypeError(f"{name}.device: expected {device}, got {t.device}")
 
 
 def _check_unit_stride(name: str, t: torch.Tensor) -> None:
@@ -61,44 +55,31 @@ def check_write_kv(
         _check_unit_stride(name, x)
 
 
-def check_attention(
+def check_forward(
     query: torch.Tensor,
     cache: KVCache,
-    meta: AttentionMetadata,
+    plan: StepPlan,
     spec: AttentionSpec,
     out: torch.Tensor | None,
-    *,
-    decode: bool,
 ) -> str:
-    """Validate ``decode``/``prefill`` arguments; return the cache's ``kv_dtype``.
+    """Validate one layer's ``forward`` arguments (the step was validated when the plan
+    was built); return the cache's ``kv_dtype``.
 
     Raises:
-        ShapeError: shapes disagree with ``spec``/``meta``, a query longer than its
-            sequence, block tables too narrow, (CPU tensors) block ids out of range, or
-            an inner stride other than 1.
-        DTypeError: unsupported dtypes, a model-dtype cache whose dtype is not the
-            query's, metadata tensors on another device.
+        ShapeError: shapes disagree with ``spec``/the plan, block tables too narrow,
+            (CPU tensors) block ids out of range, a tensor on another device than the
+            cache, or an inner stride other than 1.
+        DTypeError: unsupported dtypes, or a model-dtype cache whose dtype is not the
+            query's.
     """
-    kind = shared.check_launch_attention(query, cache, meta, spec, out, decode=decode)
+    kind = shared.check_launch_forward(query, cache, plan, spec, out)
     kv = cache.kv
-    dev = kv.device
     _check_unit_stride("cache.kv", kv)
     if kind == "auto" and kv.dtype != query.dtype:
         raise DTypeError(f"cache.kv.dtype: expected {query.dtype} (query dtype), got {kv.dtype}")
     _check_unit_stride("query", query)
     if out is not None:
         _check_unit_stride("out", out)
-    n = meta.num_seqs
-    for name, t, shape, dt in (
-        ("meta.query_start_loc", meta.query_start_loc, [n + 1], torch.int32),
-        ("meta.seq_lens", meta.seq_lens, [n], torch.int32),
-    ):
-        if list(t.shape) != shape:
-            raise ShapeError(f"{name}: expected {shape}, got {list(t.shape)}")
-        if t.dtype not in shared.INDEX_DTYPES:
-            raise DTypeError(f"{name}.dtype: expected {dt}, got {t.dtype}")
-        check_device(name, t, dev)
-    check_device("meta.block_tables", meta.block_tables, dev)
     return kind
 
 

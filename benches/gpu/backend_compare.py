@@ -75,12 +75,11 @@ def device_info(device: torch.device) -> dict[str, Any]:
 
 def _runner(backend: Any, case: Case):  # type: ignore[no-untyped-def]
     spec = case.shape.spec()
-    backend.plan(case.meta)
     out = torch.empty_like(case.query)
-    fn = backend.decode if case.mode == "decode" else backend.prefill
+    plan = backend.plan(case.meta)  # once per step in the engine, shared by all layers
 
     def run() -> torch.Tensor:
-        return fn(case.query, case.cache, case.meta, spec, out=out)  # type: ignore[no-any-return]
+        return backend.forward(case.query, case.cache, plan, spec, out=out)  # type: ignore[no-any-return]
 
     return run
 

@@ -18,9 +18,9 @@ from kvpage_cupy import CupyBackend, templates
 from kvpage_cupy.backend import attention_args, copy_args, reduce_args, write_args
 
 from kvpage.attention.metadata import AttentionMetadata, allocate_kv_cache
-from kvpage.attention.reference import reference_attention, reference_write_kv
 from kvpage.errors import DTypeError, ShapeError
 from kvpage.specs import make_attention_spec, make_cache_spec
+from kvpage.testing import make_case, run_plugin_case
 
 NVCC = shutil.which("nvcc")
 
@@ -195,9 +195,11 @@ def test_validation_runs_before_any_launch():
     spec = make_attention_spec(num_q_heads=4, num_kv_heads=2, head_dim=8)
     meta = AttentionMetadata.build([2], [5], [[1, 2]], 4)
     with pytest.raises(ShapeError, match="query: expected"):
-        be.prefill(torch.randn(2, 3, 8, dtype=torch.float16), cache, meta, spec)
-    with pytest.raises(ShapeError, match="decode"):
-        be.decode(torch.randn(2, 4, 8, dtype=torch.float16), cache, meta, spec)
+        be.forward(torch.randn(2, 3, 8, dtype=torch.float16), cache, be.plan(meta), spec)
+    with pytest.raises(ShapeError, match=r"query: expected \[2, 4, 8\], got \[1, 4, 8\]"):
+        be.forward(torch.randn(1, 4, 8, dtype=torch.float16), cache, be.plan(meta), spec)
+    with pytest.raises(ShapeError, match="cache.kv.device: expected cuda, got cpu"):
+        be.forward(torch.randn(2, 4, 8, dtype=torch.float16), cache, be.plan(meta), spec)
     with pytest.raises(ShapeError, match="distinct destination"):
         be.copy_blocks([cache], torch.tensor([[1, 3], [2, 3]]))
     assert torch.equal(cache.kv, before)
@@ -226,25 +228,16 @@ def _gpu_ok() -> bool:
     ],
 )
 def test_gpu_matches_reference(dtype, kv_dtype, hd, window, splits, prefill_kernel):
-    dev = torch.device("cuda")
-    spec = make_attention_spec(num_q_heads=8, num_kv_heads=2, head_dim=hd, sliding_window=window)
+    """Through the shared plugin harness (``kvpage.testing.run_plugin_case``)."""
+    name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+    case = make_case(
+        (37, 20), (5, 1), hq=8, hk=2, hd=hd, bs=16, dtype=name[dtype], kv_dtype=kv_dtype,
+        window=window, k_scale=(0.25,), v_scale=(0.5,),
+    )  # fmt: skip
     be = CupyBackend(num_splits=splits, prefill_kernel=prefill_kernel)
-    tables = [[3, 0, 5], [1, 4]]
-    seq_lens, qlens = [37, 20], [5, 1]
-    full = AttentionMetadata.build(seq_lens, seq_lens, tables, 16)
-    key = torch.randn(full.num_tokens, 2, hd).to(dtype)
-    value = torch.randn(full.num_tokens, 2, hd).to(dtype)
-    mine = allocate_kv_cache(6, 16, 2, hd, dtype=dtype, kv_dtype=kv_dtype, k_scale=0.25, v_scale=0.5, device=dev)  # fmt: skip
-    ref = allocate_kv_cache(6, 16, 2, hd, dtype=dtype, kv_dtype=kv_dtype, k_scale=0.25, v_scale=0.5)  # fmt: skip
-    be.write_kv(key.to(dev), value.to(dev), mine, full.slot_mapping.to(dev))
-    reference_write_kv(key, value, ref, full.slot_mapping)
-    assert torch.equal(mine.kv.cpu().view(torch.uint8), ref.kv.view(torch.uint8))
-    meta = AttentionMetadata.build(qlens, seq_lens, tables, 16, device=dev)
-    q = torch.randn(meta.num_tokens, 8, hd).to(dtype)
-    got = be.prefill(q.to(dev), mine, be.plan(meta), spec).cpu().double()
-    want = reference_attention(q, ref, AttentionMetadata.build(qlens, seq_lens, tables, 16), spec)
+    got, want = run_plugin_case(be, case, torch.device("cuda"))
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
-    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)
 
 
 class _FakeProps:
@@ -268,12 +261,12 @@ def test_launcher_flow_with_recorded_launches(monkeypatch, kv_dtype):
     spec = make_attention_spec(num_q_heads=8, num_kv_heads=2, head_dim=64, sliding_window=9)
     cache = allocate_kv_cache(8, 4, 2, 64, dtype=dtype, kv_dtype=kv_dtype)
     be = CupyBackend(num_splits=3)
-    meta = be.plan(AttentionMetadata.build([3, 1], [10, 6], [[1, 2, 3], [4, 5]], 4))
-    be.write_kv(torch.randn(4, 2, 64).to(dtype), torch.randn(4, 2, 64).to(dtype), cache, meta.slot_mapping)  # fmt: skip
+    plan = be.plan(AttentionMetadata.build([3, 1], [10, 6], [[1, 2, 3], [4, 5]], 4))
+    be.write_kv(torch.randn(4, 2, 64).to(dtype), torch.randn(4, 2, 64).to(dtype), cache, plan.meta.slot_mapping)  # fmt: skip
     fn, grid, block, args = calls[-1]
     assert grid == (4, 4) and block == 32 and fn.startswith("kvpage::write_kv<__nv_bfloat16")
     out = torch.full((4, 8, 64), float("nan"), dtype=dtype)
-    res = be.prefill(torch.randn(4, 8, 64).to(dtype), cache, meta, spec, out=out)
+    res = be.forward(torch.randn(4, 8, 64).to(dtype), cache, plan, spec, out=out)
     assert res is out
     (afn, agrid, ablock, aargs), (rfn, rgrid, _, rargs) = calls[-2:]
     assert afn.endswith(", 64, 4>") and agrid == (4, 2, 3) and ablock == 128
@@ -281,13 +274,13 @@ def test_launcher_flow_with_recorded_launches(monkeypatch, kv_dtype):
     assert rfn == "kvpage::split_reduce<__nv_bfloat16>" and rgrid == (32,)
     assert int(rargs[2]) == out.data_ptr()  # the reduce writes the caller's buffer
     calls.clear()
-    dmeta = be.plan(AttentionMetadata.build([1, 1], [10, 6], [[1, 2, 3], [4, 5]], 4))
+    dplan = be.plan(AttentionMetadata.build([1, 1], [10, 6], [[1, 2, 3], [4, 5]], 4))
     wide = torch.zeros((2, 8, 70), dtype=dtype)
-    be.decode(torch.randn(2, 8, 64).to(dtype), cache, dmeta, spec, out=wide[..., :64])
+    be.forward(torch.randn(2, 8, 64).to(dtype), cache, dplan, spec, out=wide[..., :64])
     assert calls[0][1] == (2, 2, 3)  # non-contiguous out: computed into a temporary
     assert int(calls[-1][3][2]) != wide.data_ptr() and torch.equal(wide[..., 64:], torch.zeros(2, 8, 6, dtype=dtype))  # fmt: skip
     calls.clear()
-    CupyBackend().prefill(torch.randn(4, 8, 64).to(dtype), cache, meta, spec)
+    CupyBackend().forward(torch.randn(4, 8, 64).to(dtype), cache, plan, spec)
     assert len(calls) == 1 and "paged_attention_rows<" in calls[0][0]
     assert calls[0][1] == (1, 2) and int(calls[0][3][-1]) == 4  # 4 rows in one block
     calls.clear()

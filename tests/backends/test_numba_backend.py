@@ -20,6 +20,7 @@ from kvpage.attention.metadata import AttentionMetadata, allocate_kv_cache
 from kvpage.attention.reference import reference_attention, reference_write_kv
 from kvpage.errors import DTypeError, ShapeError
 from kvpage.specs import make_attention_spec, make_cache_spec
+from kvpage.testing import make_case, run_plugin_case
 
 numba = pytest.importorskip("numba")
 from kvpage_numba import NumbaBackend  # noqa: E402
@@ -215,8 +216,9 @@ def _attend(be, query, mine, meta, spec, decode=False):
         meta.query_lens_cpu, meta.seq_lens_cpu, meta.block_tables.tolist(), mine.block_size,
         device=dev,
     )  # fmt: skip
-    fn = be.decode if decode else be.prefill
-    return fn(query.to(dev), mine, be.plan(m), spec).cpu()
+    plan = be.plan(m)
+    assert plan.is_decode or not decode, "a decode call must plan as a decode step"
+    return be.forward(query.to(dev), mine, plan, spec).cpu()
 
 
 @needs_device
@@ -233,17 +235,17 @@ def _attend(be, query, mine, meta, spec, decode=False):
     ],
 )
 def test_prefill_matches_reference(dtype, kv_dtype, hq, hkv, window, cap, threads, splits):
-    spec, (mine, ref), full, key, value, meta, query = _scenario(
-        dtype=dtype, kv_dtype=kv_dtype, hq=hq, hkv=hkv, window=window, cap=cap
-    )
+    """Through the shared plugin harness (``kvpage.testing.run_plugin_case``): write_kv
+    bit-exact over poisoned slots, then plan + forward into a poisoned strided out."""
+    name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+    case = make_case(
+        (7, 9), (3, 1), hq=hq, hk=hkv, hd=8, bs=4, dtype=name[dtype], kv_dtype=kv_dtype,
+        window=window, cap=cap, k_scale=(0.5,), v_scale=(0.25,),
+    )  # fmt: skip
     be = NumbaBackend(threads=threads, num_splits=splits)
-    reference_write_kv(key, value, ref, full.slot_mapping)
-    dev = mine.kv.device
-    be.write_kv(key.to(dev), value.to(dev), mine, full.slot_mapping.to(dev))
-    got = _attend(be, query, mine, meta, spec)
-    want = reference_attention(query, ref, meta, spec)
+    got, want = run_plugin_case(be, case, DEVICE)
     assert got.dtype == dtype and torch.isfinite(got).all()
-    torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(got.cpu().double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @needs_device
@@ -278,16 +280,16 @@ def test_sliding_window_full_decode_and_chunked_agree_case_c10():
     dev = cache.kv.device
     full = AttentionMetadata.build([10], [10], table, 2, device=dev)
     be.write_kv(k.to(dev), v.to(dev), cache, full.slot_mapping)
-    one_shot = be.prefill(q.to(dev), cache, be.plan(full), spec).cpu()
+    one_shot = be.forward(q.to(dev), cache, be.plan(full), spec).cpu()
     chunks = []
     for start in range(0, 10, 3):
         n = min(3, 10 - start)
         m = AttentionMetadata.build([n], [start + n], table, 2, device=dev)
-        chunks.append(be.prefill(q[start : start + n].to(dev), cache, be.plan(m), spec).cpu())
+        chunks.append(be.forward(q[start : start + n].to(dev), cache, be.plan(m), spec).cpu())
     decoded = []
     for p in range(10):
         m = AttentionMetadata.build([1], [p + 1], table, 2, device=dev)
-        decoded.append(be.decode(q[p : p + 1].to(dev), cache, be.plan(m), spec).cpu())
+        decoded.append(be.forward(q[p : p + 1].to(dev), cache, be.plan(m), spec).cpu())
     torch.testing.assert_close(torch.cat(chunks), one_shot, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(torch.cat(decoded), one_shot, atol=1e-6, rtol=1e-6)
     w = torch.softmax(k[6:10, 0] @ q[9, 0] * spec.scale, 0)
@@ -307,7 +309,7 @@ def test_gqa_head_mapping_case_c12(hq, hkv):
     be = NumbaBackend(threads=1)
     full = AttentionMetadata.build([9], [9], [[2, 0, 1]], 4, device=dev)
     be.write_kv(k.to(dev), v.to(dev), cache, full.slot_mapping)
-    out = be.decode(torch.randn(1, hq, 4).to(dev), cache, be.plan(meta), spec).cpu()
+    out = be.forward(torch.randn(1, hq, 4).to(dev), cache, be.plan(meta), spec).cpu()
     group = hq // hkv
     want = torch.tensor([h // group for h in range(hq)], dtype=torch.float32)
     torch.testing.assert_close(out[0, :, 0], want, atol=1e-6, rtol=0)
@@ -321,14 +323,14 @@ def test_out_buffer_and_validation():
     be.write_kv(key.to(dev), value.to(dev), mine, full.slot_mapping.to(dev))
     out = torch.full(query.shape, float("nan"), dtype=torch.float16, device=dev)
     m = be.plan(AttentionMetadata.build([3, 1], [7, 9], meta.block_tables.tolist(), 4, device=dev))
-    res = be.prefill(query.to(dev), mine, m, spec, out=out)
+    res = be.forward(query.to(dev), mine, m, spec, out=out)
     assert res is out and torch.isfinite(out).all()
     with pytest.raises(DTypeError, match="out: expected torch.float16"):
-        be.prefill(query.to(dev), mine, m, spec, out=out.float())
-    with pytest.raises(ShapeError, match="decode"):
-        be.decode(query.to(dev), mine, m, spec)
+        be.forward(query.to(dev), mine, m, spec, out=out.float())
     with pytest.raises(ShapeError, match="query: expected"):
-        be.prefill(query[:, :2].to(dev), mine, m, spec)
+        be.forward(query[:2].to(dev), mine, m, spec)
+    with pytest.raises(ShapeError, match="query: expected"):
+        be.forward(query[:, :2].to(dev), mine, m, spec)
 
 
 @needs_device

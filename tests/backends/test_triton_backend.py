@@ -20,10 +20,18 @@ import torch
 from kvpage_triton import TritonBackend
 from kvpage_triton.backend import interpreter_enabled
 
-from kvpage.attention.metadata import AttentionMetadata, KVCache, allocate_kv_cache
+from kvpage.attention.metadata import (
+    AttentionMetadata,
+    KVCache,
+    allocate_kv_cache,
+    allocate_layer_cache,
+    kv_cache_shape,
+    slots_of,
+)
 from kvpage.attention.reference import reference_attention, reference_write_kv
 from kvpage.errors import BackendUnavailableError, DTypeError, ShapeError
 from kvpage.specs import AttentionSpec, make_cache_spec
+from kvpage.testing import make_case, run_plugin_case
 from kvpage.testing.cases import AttentionCase, clone_cache, materialize
 from kvpage.testing.tolerances import assert_bits_equal, assert_close, tolerance_for
 
@@ -39,76 +47,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def make_case(
-    seq_lens: tuple[int, ...],
-    query_lens: tuple[int, ...] | None = None,
-    *,
-    hq: int = 4,
-    hk: int = 2,
-    hd: int = 16,
-    bs: int = 4,
-    dtype: str = "float32",
-    kv_dtype: str = "auto",
-    window: int | None = None,
-    cap: float | None = None,
-    seed: int = 0,
-    k_scale: tuple[float, ...] = (0.25,),
-    v_scale: tuple[float, ...] = (0.5,),
-    granularity: str = "per_tensor",
-) -> AttentionCase:
-    """A case whose blocks are a seeded random permutation of the pool (block 0 unused)."""
-    query_lens = query_lens or tuple(1 for _ in seq_lens)
-    need = [-(-n // bs) for n in seq_lens]
-    nb = sum(need) + 3
-    perm = (torch.randperm(nb - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
-    tables, k = [], 0
-    for n in need:
-        tables.append(tuple(perm[k : k + n]))
-        k += n
-    spec = AttentionSpec(
-        num_q_heads=hq, num_kv_heads=hk, head_dim=hd, sliding_window=window, logits_soft_cap=cap
-    )
-    return AttentionCase(
-        spec=spec,
-        dtype=dtype,
-        kv_dtype=kv_dtype,
-        block_size=bs,
-        num_blocks=nb,
-        seq_lens=tuple(seq_lens),
-        query_lens=tuple(query_lens),
-        block_tables=tuple(tables),
-        seed=seed,
-        scale_granularity=granularity,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
-
-
 def run_case(case: AttentionCase, *, num_splits: int | None = None, use_decode: bool = False):
-    """Write the step's new K/V with the backend (context by the reference writer), check
-    the written bits equal the reference writer's, run attention; return (out, ref)."""
-    m = materialize(case, DEVICE)
-    ref_cache = clone_cache(m.cache)
+    """The shared plugin harness (``kvpage.testing.run_plugin_case``); return (out, ref)."""
     be = TritonBackend(num_splits=num_splits)
-    # re-write the new tokens with the backend over a cache where they are poisoned
-    poisoned = clone_cache(m.cache)
-    keep = m.slot_mapping.to("cpu")
-    bs = case.block_size
-    for s in keep.tolist():
-        poisoned.kv[:, s // bs, s % bs] = float("nan") if poisoned.kv.is_floating_point() else 0
-        if poisoned.token_scales is not None:
-            poisoned.token_scales[:, s // bs, s % bs] = float("nan")
-    be.write_kv(m.new_keys, m.new_values, poisoned, m.slot_mapping)
-    assert_bits_equal(poisoned.kv, ref_cache.kv, what="write_kv kv")
-    if ref_cache.token_scales is not None:
-        assert poisoned.token_scales is not None
-        assert_bits_equal(poisoned.token_scales, ref_cache.token_scales, what="token_scales")
-    out = torch.full_like(m.query, float("nan"))
-    fn = be.decode if use_decode else be.prefill
-    res = fn(m.query, poisoned, be.plan(m.meta), case.spec, out=out)
-    assert res is out
-    ref = reference_attention(m.query.cpu(), ref_cache, m.meta, case.spec)
-    return out, ref
+    assert case.is_decode or not use_decode, "a decode case must plan as a decode step"
+    return run_plugin_case(be, case, DEVICE)
 
 
 def check(case: AttentionCase, **kw) -> None:
@@ -152,7 +95,7 @@ def test_gqa_head_mapping_c12(hq: int, hk: int) -> None:
     be = TritonBackend()
     be.write_kv(keys.to(DEVICE), vals.contiguous().to(DEVICE), cache, slots)
     q = torch.randn(1, hq, 16, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    out = be.decode(q, cache, meta, spec).cpu()
+    out = be.forward(q, cache, be.plan(meta), spec).cpu()
     group = hq // hk
     want = (torch.arange(hq) // group + 1.0).view(1, hq, 1).expand(1, hq, 16)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
@@ -183,7 +126,7 @@ def test_odd_head_dims_c13(hd: int) -> None:
     be = TritonBackend()
     big = torch.full((3, 8, hd + 16), float("nan"), device=DEVICE)
     out = big[:, :, :hd]
-    be.prefill(m.query, m.cache, m.meta, case.spec, out=out)
+    be.forward(m.query, m.cache, be.plan(m.meta), case.spec, out=out)
     assert torch.isnan(big[:, :, hd:]).all()
     ref = reference_attention(m.query.cpu(), m.cache, m.meta, case.spec)
     assert_close(out, ref, tolerance_for(torch.float32), what=f"head_dim {hd}")
@@ -229,7 +172,7 @@ def test_sliding_window_paths_agree_c10() -> None:
     v = torch.randn(10, 1, 16, generator=g)
     q = torch.randn(10, 2, 16, generator=g)
     table = [4, 2, 6, 1, 3]
-    slots = [table[p // 2] * 2 + p % 2 for p in range(10)]
+    slots = slots_of(table, 0, 10, 2)
     be = TritonBackend()
     results = {}
     for name, chunks in (("full", [10]), ("decode", [1] * 10), ("chunk3", [3, 3, 3, 1])):
@@ -242,8 +185,7 @@ def test_sliding_window_paths_agree_c10() -> None:
             meta = AttentionMetadata.build([c], [end], [table], 2, device=DEVICE)
             sm = torch.tensor(slots[start:end], device=DEVICE)
             be.write_kv(k[start:end].to(DEVICE), v[start:end].to(DEVICE), cache, sm)
-            fn = be.decode if c == 1 and name == "decode" else be.prefill
-            outs.append(fn(q[start:end].to(DEVICE), cache, meta, spec).cpu())
+            outs.append(be.forward(q[start:end].to(DEVICE), cache, be.plan(meta), spec).cpu())
             start = end
         results[name] = torch.cat(outs)
     torch.testing.assert_close(results["decode"], results["full"], rtol=1e-6, atol=1e-6)
@@ -337,9 +279,9 @@ def test_bad_inputs_raise_named_errors_and_change_nothing() -> None:
     m = materialize(case, DEVICE)
     snap = clone_cache(m.cache)
     with pytest.raises(ShapeError, match="query"):
-        be.decode(m.query[:, :3], m.cache, m.meta, case.spec)
+        be.forward(m.query[:, :3], m.cache, be.plan(m.meta), case.spec)
     with pytest.raises(DTypeError, match="dtype"):
-        be.decode(m.query.half(), m.cache, m.meta, case.spec)
+        be.forward(m.query.half(), m.cache, be.plan(m.meta), case.spec)
     if DEVICE.type == "cpu":  # slot ranges are checked on the host only (no device sync)
         with pytest.raises(ShapeError, match="slot_mapping"):
             slots = torch.tensor([0, 10**6], device=DEVICE)
@@ -351,7 +293,7 @@ def test_bad_inputs_raise_named_errors_and_change_nothing() -> None:
         bad.block_tables[1, 2] = case.num_blocks + 7
         if DEVICE.type != "cpu":
             pytest.skip("block ids are range-checked only for CPU tensors")
-        be.decode(m.query, m.cache, bad, case.spec)
+        be.forward(m.query, m.cache, be.plan(bad), case.spec)
     assert_bits_equal(m.cache.kv, snap.kv, what="cache after rejected calls")
     with pytest.raises(ShapeError):
         TritonBackend(num_splits=0)
@@ -418,9 +360,8 @@ def test_cache_helpers() -> None:
         kv_dtype="int8",
         layers=({"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 8},),
     )
-    be = TritonBackend()
-    assert be.kv_cache_shape(spec, 0) == (2, 3, 4, 2, 8)
-    c = be.allocate_kv_cache(spec, 0, DEVICE)
+    assert kv_cache_shape(spec, 0) == (2, 3, 4, 2, 8)
+    c = allocate_layer_cache(spec, 0, DEVICE)
     assert isinstance(c, KVCache) and c.kv.dtype == torch.int8 and c.token_scales is not None
 
 

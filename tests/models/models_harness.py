@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvpage.attention.metadata import AttentionMetadata, KVCache, allocate_kv_cache
+from kvpage.attention.plan import StepPlan, plan_step
 from kvpage.attention.reference import reference_attention, reference_write_kv
 from kvpage.models import ModelRunnerModel
 from kvpage.specs import AttentionSpec
@@ -20,20 +21,18 @@ class ReferenceAdapter:
 
     name = "reference-adapter"
 
-    def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
-        return meta
+    def plan(self, meta: AttentionMetadata) -> StepPlan:
+        return plan_step(meta)
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
     ) -> None:
         reference_write_kv(key, value, cache, slot_mapping)
 
-    def prefill(
-        self, query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, spec: AttentionSpec
+    def forward(
+        self, query: torch.Tensor, cache: KVCache, plan: StepPlan, spec: AttentionSpec
     ) -> torch.Tensor:
-        return reference_attention(query, cache, meta, spec).to(query.dtype)
-
-    decode = prefill
+        return reference_attention(query, cache, plan.meta, spec).to(query.dtype)
 
 
 def get_test_backend() -> Any:

@@ -236,9 +236,9 @@ def test_weights_are_copied_and_forward_checks_inputs() -> None:
         hf.model.embed_tokens.weight.add_(1.0)
     assert torch.equal(model.model.embed_tokens.weight, before)
     d = PagedGreedyDriver(model, get_test_backend(), block_size=4, num_blocks=8, seed=0)
-    meta = AttentionMetadata.build([2], [2], [[1]], 4)
+    meta = get_test_backend().plan(AttentionMetadata.build([2], [2], [[1]], 4))
     args = (torch.tensor([3, 4]), torch.tensor([0, 1]), d.caches)
-    with pytest.raises(ShapeError, match="meta_per_group"):
+    with pytest.raises(ShapeError, match="plans"):
         model(*args, [meta], get_test_backend(), torch.tensor([1]))  # gemma2 has 2 groups
     with pytest.raises(ShapeError, match="kv_caches"):
         model(args[0], args[1], d.caches[:1], [meta, meta], get_test_backend(), torch.tensor([1]))

@@ -1,130 +1,52 @@
-"""Plumbing shared by every backend that stores K/V in the canonical layout
-``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(``kvpage.attention.metadata.allocate_kv_cache``).
-
-``CanonicalLayoutBackend`` gives a backend class ``kv_cache_shape``,
-``allocate_kv_cache``, and ``decode``/``prefill`` that dispatch to the backend's own
-``_attention`` (its checks and kernels); the functions below are the host-side helpers that kernel
-launchers share (selection reasons, per-row maps, fp8 scale tables). The built-in torch
-backend and the triton, cupy and numba plugins all use them and keep only their own
-kernels and launch logic. Launcher-side input checks live in ``kvpage.attention.checks``.
+"""Host-side helpers that kernel launchers share, for the one cache layout
+``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (``kvpage.attention.metadata``):
+selection reasons, per-row maps (``TokenMapPlan``, the plan of the cupy and numba
+plugins), fp8 scale tables. Launcher-side input checks live in
+``kvpage.attention.checks``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from kvpage.attention.metadata import (
-    MODEL_DTYPES,
-    AttentionMetadata,
-    KVCache,
-    allocate_kv_cache,
-)
+from kvpage.attention.metadata import AttentionMetadata, KVCache
+from kvpage.attention.plan import StepPlan, step_fields
 from kvpage.specs import AttentionSpec, CacheSpec
 
 
-class CanonicalLayoutBackend:
-    """Mixin: ``kv_cache_shape`` and ``allocate_kv_cache`` of the canonical layout, and
-    ``decode``/``prefill`` as one entry point ``_attention(..., decode=...)`` that each
-    backend implements (validation first, then its kernels); see
-    ``kvpage.attention.protocol.AttentionBackend``."""
+@dataclass(frozen=True, kw_only=True)
+class TokenMapPlan(StepPlan):
+    """A plan for kernels that run one program per query row: which sequence and
+    absolute position each row is (``token_map``), on the step's device.
 
-    def _attention(
-        self,
-        query: torch.Tensor,
-        cache: KVCache,
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-        out: torch.Tensor | None,
-        decode: bool,
-    ) -> torch.Tensor:
-        """Validate the inputs (the decode checks when ``decode``) and compute attention
-        for every query row of the step. Implemented by each backend."""
-        raise NotImplementedError(f"{type(self).__name__}._attention")
+    Attributes:
+        token_seq / token_pos: ``[num_tokens]`` int32 (see ``token_map``).
+        max_keys: memo of ``max_keys_per_query`` per sliding window (``keys_for``).
+    """
 
-    def decode(
-        self,
-        query: torch.Tensor,
-        cache: KVCache,
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One new token per sequence attends to its whole (windowed) context.
+    token_seq: torch.Tensor
+    token_pos: torch.Tensor
+    max_keys: dict[int | None, int] = field(default_factory=dict, repr=False, compare=False)
 
-        Args:
-            query: ``[num_seqs, num_q_heads, head_dim]`` float32|float16|bfloat16.
-            cache: the layer's cache, already holding this step's K/V.
-            meta: the step; every ``query_lens_cpu`` entry is 1.
-            spec: the layer's attention spec (scale, window, soft cap, GQA).
-            out: optional ``[num_seqs, num_q_heads, head_dim]`` buffer (query dtype).
-
-        Returns:
-            ``[num_seqs, num_q_heads, head_dim]`` in the query dtype (``out`` if given).
+    @classmethod
+    def from_meta(cls, meta: AttentionMetadata) -> TokenMapPlan:
+        """Validate the step (``check_step``) and build its token map.
 
         Raises:
-            ShapeError, DTypeError: invalid arguments (``kvpage.attention.checks``);
-            nothing is written. BackendUnavailableError: the device cannot run it.
+            ShapeError, DTypeError: see ``kvpage.attention.plan.check_step``.
         """
-        return self._attention(query, cache, meta, spec, out, decode=True)
+        fields = step_fields(meta)
+        seq, pos = token_map(meta)
+        return cls(**fields, token_seq=seq, token_pos=pos)
 
-    def prefill(
-        self,
-        query: torch.Tensor,
-        cache: KVCache,
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Varlen causal attention of new tokens over cached context + themselves
-        (decode rows allowed; chunked prefill and prefix-cache hits alike).
-
-        Args:
-            query: ``[num_tokens, num_q_heads, head_dim]``, packed by
-                ``meta.query_start_loc``; token ``j`` of sequence ``i`` is at absolute
-                position ``context_len_i + j``.
-            out: optional ``[num_tokens, num_q_heads, head_dim]`` buffer (query dtype).
-
-        Returns:
-            ``[num_tokens, num_q_heads, head_dim]`` in the query dtype.
-
-        Raises:
-            ShapeError, DTypeError: invalid arguments (``kvpage.attention.checks``);
-            nothing is written. BackendUnavailableError: the device cannot run it.
-        """
-        return self._attention(query, cache, meta, spec, out, decode=False)
-
-    def kv_cache_shape(self, spec: CacheSpec, layer_id: int) -> tuple[int, ...]:
-        """``(2, num_blocks, block_size, num_kv_heads, head_dim)`` of layer ``layer_id``.
-
-        Raises:
-            IndexError: ``layer_id`` is not a layer of ``spec``.
-        """
-        a = spec.layers[layer_id]
-        return (2, spec.num_blocks, spec.block_size, a.num_kv_heads, a.head_dim)
-
-    def allocate_kv_cache(
-        self, spec: CacheSpec, layer_id: int, device: torch.device | str
-    ) -> KVCache:
-        """A zeroed cache of layer ``layer_id`` on ``device`` in the model dtype
-        ``spec.dtype`` (or the storage dtype of ``spec.kv_dtype``); int8 token scales
-        start at 0, fp8 scales at 1.0 (per tensor or per KV head, after
-        ``spec.kv_scale_granularity``).
-
-        Raises:
-            IndexError: ``layer_id`` is not a layer of ``spec``.
-        """
-        _, num_blocks, block_size, num_kv_heads, head_dim = self.kv_cache_shape(spec, layer_id)
-        return allocate_kv_cache(
-            num_blocks,
-            block_size,
-            num_kv_heads,
-            head_dim,
-            dtype=MODEL_DTYPES[spec.dtype],
-            kv_dtype=spec.kv_dtype,
-            kv_scale_granularity=spec.kv_scale_granularity,
-            device=device,
-        )
+    def keys_for(self, spec: AttentionSpec) -> int:
+        """``max_keys_per_query`` for the layer's window, computed once per window."""
+        w = spec.sliding_window
+        if w not in self.max_keys:
+            self.max_keys[w] = max_keys_per_query(self.meta, spec)
+        return self.max_keys[w]
 
 
 def head_dim_reasons(spec: CacheSpec, max_head_dim: int) -> list[str]:

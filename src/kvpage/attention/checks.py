@@ -3,10 +3,12 @@
 Each check raises a ``kvpage.errors`` exception with a "name: expected X, got Y"
 message *before* any state is touched, so a rejected call changes nothing.
 
-``check_write_kv``, ``check_attention`` and ``check_block_pairs`` are what every backend
-runs. The ``check_launch_*`` functions run them first and add what kernels that take raw
-memory need (storage and scale dtypes, index dtypes, devices of every tensor, block ids
-in range, independent block copies); the triton, cupy and numba plugins use them.
+``check_write_kv``, ``check_forward`` and ``check_block_pairs`` are what every backend
+runs (the step itself is validated once, when the plan is built:
+``kvpage.attention.plan.check_step``). The ``check_launch_*`` functions run them first
+and add what kernels that take raw memory need (storage and scale dtypes, index dtypes,
+devices of every tensor, independent block copies); the triton, cupy and numba plugins
+use them.
 Checks that would read device memory (min/max of a CUDA tensor) are done for CPU tensors
 only, so that validation never synchronizes a GPU.
 """
@@ -15,13 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from kvpage.attention.metadata import KV_STORAGE_DTYPES, AttentionMetadata, KVCache
+from kvpage.attention.metadata import KV_STORAGE_DTYPES, KVCache
+from kvpage.attention.plan import INDEX_DTYPES, StepPlan
 from kvpage.errors import DTypeError, ShapeError
 from kvpage.specs import AttentionSpec
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-#: dtypes kernels accept for slot mappings, block tables and block pairs
-INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 def check_cache(cache: KVCache, name: str = "cache") -> None:
@@ -72,7 +73,7 @@ def check_write_kv(
             )
         if x.dtype not in FLOAT_DTYPES:
             raise DTypeError(f"{name}: expected float32|float16|bfloat16, got {x.dtype}")
-        if x.device != cache.kv.device:
+        if x.device != cache.kv.device:  # check_device, inlined (hot path)
             raise ShapeError(f"{name}.device: expected {cache.kv.device}, got {x.device}")
     if key.shape[0] != value.shape[0]:
         raise ShapeError(f"value: expected {key.shape[0]} tokens like key, got {value.shape[0]}")
@@ -87,52 +88,81 @@ def check_write_kv(
             raise ShapeError(f"slot_mapping: expected values in [-1, {n - 1}], got [{lo}, {hi}]")
 
 
-def check_attention(
-    query: torch.Tensor,
-    cache: KVCache,
-    meta: AttentionMetadata,
-    spec: AttentionSpec,
-    out: torch.Tensor | None,
-    *,
-    decode: bool,
-) -> None:
-    """Validate ``decode``/``prefill`` arguments.
+def check_tables(plan: StepPlan, block_size: int, num_blocks: int) -> None:
+    """The step's block tables against a pool of ``num_blocks`` blocks of
+    ``block_size``: wide enough for every sequence, and (block tables on the CPU) every
+    block id a sequence reads in ``[0, num_blocks)``. Runs once per
+    ``(block_size, num_blocks)`` and step — all layers of a KV group share it — and is
+    remembered in ``plan.tables_checked``.
 
     Raises:
-        ShapeError: query/out/cache shapes disagree with the spec or the metadata
-            (decode needs exactly one query token per sequence).
+        ShapeError: a table too narrow for its sequence, or a block id out of range.
+    """
+    key = (block_size, num_blocks)
+    if key in plan.tables_checked:
+        return
+    meta = plan.meta
+    bt = meta.block_tables
+    need = -(-meta.max_seq_len // block_size)
+    if bt.shape[1] < need:
+        i = next(i for i, s in enumerate(meta.seq_lens_cpu) if -(-s // block_size) > bt.shape[1])
+        s = meta.seq_lens_cpu[i]
+        raise ShapeError(
+            f"meta.block_tables[{i}]: expected >= {-(-s // block_size)} blocks for {s} tokens, "
+            f"got {bt.shape[1]}"
+        )
+    if bt.device.type == "cpu":
+        for i, s in enumerate(meta.seq_lens_cpu):
+            used = bt[i, : -(-s // block_size)]
+            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+                raise ShapeError(
+                    f"meta.block_tables[{i}]: expected ids in [0, {num_blocks}), got {used.tolist()}"
+                )
+    plan.tables_checked.add(key)
+
+
+def check_forward(
+    query: torch.Tensor,
+    cache: KVCache,
+    plan: StepPlan,
+    spec: AttentionSpec,
+    out: torch.Tensor | None,
+) -> None:
+    """Validate one layer's ``forward`` arguments. The step itself was validated when
+    ``plan`` was built (``kvpage.attention.plan.check_step``); the block tables are
+    checked against this cache's pool once per step (``check_tables``).
+
+    Raises:
+        ShapeError: the cache layout, its heads/head_dim vs ``spec``, query
+            ``[plan.num_tokens, num_q_heads, head_dim]``, ``out``'s shape, a tensor on
+            another device than the cache, or the block tables (``check_tables``).
         DTypeError: query or out not float32|float16|bfloat16, or out's dtype differs.
     """
     check_cache(cache)
     hq, hkv, d = spec.num_q_heads, spec.num_kv_heads, spec.head_dim
-    if (cache.num_kv_heads, cache.head_dim) != (hkv, d):
+    if cache.num_kv_heads != hkv or cache.head_dim != d:
         raise ShapeError(
             f"cache: expected num_kv_heads={hkv}, head_dim={d}, got "
             f"{cache.num_kv_heads}, {cache.head_dim}"
         )
-    rows = meta.num_seqs if decode else meta.num_tokens
-    if decode and any(q != 1 for q in meta.query_lens_cpu):
-        raise ShapeError(
-            f"meta.query_lens: expected all 1 for decode, got max {meta.max_query_len}"
-        )
-    if query.dim() != 3 or tuple(query.shape) != (rows, hq, d):
+    rows = plan.num_tokens
+    if query.dim() != 3 or query.shape[0] != rows or query.shape[1] != hq or query.shape[2] != d:
         raise ShapeError(f"query: expected [{rows}, {hq}, {d}], got {list(query.shape)}")
     if query.dtype not in FLOAT_DTYPES:
         raise DTypeError(f"query: expected float32|float16|bfloat16, got {query.dtype}")
-    if query.device != cache.kv.device:
-        raise ShapeError(f"query.device: expected {cache.kv.device}, got {query.device}")
+    dev = cache.kv.device
+    if query.device != dev:  # check_device, inlined (hot path)
+        raise ShapeError(f"query.device: expected {dev}, got {query.device}")
+    if plan.device != dev:
+        raise ShapeError(f"meta.device: expected {dev} (the cache's), got {plan.device}")
     if out is not None:
-        if tuple(out.shape) != tuple(query.shape):
+        if out.shape != query.shape:
             raise ShapeError(f"out: expected {list(query.shape)}, got {list(out.shape)}")
         if out.dtype != query.dtype:
             raise DTypeError(f"out: expected {query.dtype}, got {out.dtype}")
-    width = meta.block_tables.shape[1] if meta.block_tables.dim() == 2 else 0
-    bs = cache.block_size
-    for i, s in enumerate(meta.seq_lens_cpu):
-        if -(-s // bs) > width:
-            raise ShapeError(
-                f"meta.block_tables[{i}]: expected >= {-(-s // bs)} blocks for {s} tokens, got {width}"
-            )
+        check_device("out", out, dev)
+    if (cache.block_size, cache.num_blocks) not in plan.tables_checked:
+        check_tables(plan, cache.block_size, cache.num_blocks)
 
 
 def check_block_pairs(pairs: torch.Tensor, num_blocks: int) -> None:
@@ -149,7 +179,8 @@ def check_block_pairs(pairs: torch.Tensor, num_blocks: int) -> None:
 
 # ---- launcher checks (kernels that take raw memory) ------------------------------------
 def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
-    """Raise ShapeError if ``t`` is not on ``device``."""
+    """Raise ShapeError if ``t`` is not on ``device`` — the one error type for a
+    misplaced tensor in every backend (placement is part of a tensor's layout)."""
     if t.device != device:
         raise ShapeError(f"{name}.device: expected {device}, got {t.device}")
 
@@ -214,53 +245,20 @@ def check_launch_write(
     return kind
 
 
-def check_launch_attention(
+def check_launch_forward(
     query: torch.Tensor,
     cache: KVCache,
-    meta: AttentionMetadata,
+    plan: StepPlan,
     spec: AttentionSpec,
     out: torch.Tensor | None,
-    *,
-    decode: bool,
 ) -> str:
-    """``check_attention`` and ``check_launch_cache``, plus: ``out`` on the cache's
-    device, one query length per sequence with ``0 <= query_len <= seq_len``, block
-    tables ``[num_seqs, >= needed]`` int32|int64, and (all on the CPU) every block id
-    a sequence reads inside the pool. Returns ``cache.kv_dtype``.
+    """``check_forward`` and ``check_launch_cache``. Returns ``cache.kv_dtype``.
 
     Raises:
         ShapeError, DTypeError: as named in the message.
     """
-    check_attention(query, cache, meta, spec, out, decode=decode)
-    kind = check_launch_cache(cache)
-    dev = cache.kv.device
-    if out is not None:
-        check_device("out", out, dev)
-    n = meta.num_seqs
-    if len(meta.query_lens_cpu) != n:
-        raise ShapeError(
-            f"meta.query_lens_cpu: expected {n} entries, got {len(meta.query_lens_cpu)}"
-        )
-    for i, (q, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        if q < 0 or q > s:
-            raise ShapeError(f"meta.query_lens_cpu[{i}]: expected 0 <= q <= {s}, got {q}")
-    bt = meta.block_tables
-    if bt.dim() != 2 or bt.shape[0] != n:
-        raise ShapeError(f"meta.block_tables: expected [{n}, max_blocks], got {list(bt.shape)}")
-    bs, nb = cache.block_size, cache.num_blocks
-    need = -(-max(meta.seq_lens_cpu, default=0) // bs)
-    if bt.shape[1] < need:
-        raise ShapeError(f"meta.block_tables: expected >= {need} columns, got {bt.shape[1]}")
-    if bt.dtype not in INDEX_DTYPES:
-        raise DTypeError(f"meta.block_tables: expected int32, got {bt.dtype}")
-    if bt.device.type == "cpu" and dev.type == "cpu":
-        for i, s in enumerate(meta.seq_lens_cpu):
-            used = bt[i, : -(-s // bs)]
-            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= nb):
-                raise ShapeError(
-                    f"meta.block_tables[{i}]: expected ids in [0, {nb}), got {used.tolist()}"
-                )
-    return kind
+    check_forward(query, cache, plan, spec, out)
+    return check_launch_cache(cache)
 
 
 def check_independent_pairs(caches: list[KVCache], pairs: torch.Tensor) -> torch.Tensor:

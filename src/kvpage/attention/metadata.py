@@ -7,18 +7,35 @@ prefill, prefix-cache hits): for sequence ``i`` the step computes query tokens a
 absolute positions ``context_lens[i] .. seq_lens[i]-1`` and attends to keys
 ``0 .. seq_lens[i]-1`` (causally, and within the layer's sliding window).
 
-Layout of a layer's cache (every built-in backend; see ``AttentionBackend.kv_cache_shape``):
+Layout of a layer's cache — one layout for every backend (``kv_cache_shape``):
 ``kv``: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` — index 0 = K, 1 = V.
 Slot ``s`` is ``kv[:, s // block_size, s % block_size]``; the slot of the token at
-position ``p`` is ``block_table[p // block_size] * block_size + p % block_size``.
+position ``p`` is ``slot_of(block_table[p // block_size], p, block_size)`` (the one
+definition of the formula, used by the cache manager, scheduler, runner and backends).
+
+Block tables are padded with ``PAD_BLOCK`` (-1) past a sequence's last block, in every
+producer (``AttentionMetadata.build``, ``kvpage.cache.batch_block_tables``, the runner);
+padding is never read: kernels only read the ``ceil(seq_len / block_size)`` leading
+entries, and -1 makes an accidental read an out-of-range error rather than a silent
+read of block 0.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from kvpage.specs import CacheSpec
+
+#: the block-table entry past a sequence's last block (never read)
+PAD_BLOCK = -1
+
+_IndexT = TypeVar("_IndexT", int, "torch.Tensor", "np.ndarray")
 
 #: storage dtype of the cache per CacheSpec.kv_dtype ("auto" = model dtype)
 KV_STORAGE_DTYPES: dict[str, torch.dtype] = {
@@ -38,9 +55,35 @@ MODEL_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def slot_of(block_id: _IndexT, position: _IndexT, block_size: int) -> _IndexT:
+    """The cache slot of the token at absolute ``position`` stored in physical block
+    ``block_id`` (``= block_table[position // block_size]``):
+    ``block_id * block_size + position % block_size``. Elementwise for int64 numpy
+    arrays and torch tensors (same shapes or broadcastable)."""
+    return block_id * block_size + position % block_size  # type: ignore[return-value]
+
+
+def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Slots of positions ``start .. end - 1`` of one sequence (``slot_of`` per
+    position) as a host list; ``block_table`` must cover position ``end - 1``."""
+    return [slot_of(block_table[p // block_size], p, block_size) for p in range(start, end)]
+
+
+def _kv_dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in KV_STORAGE_DTYPES.items():
+        if dtype == dt:
+            return name
+    return "auto"
+
+
 @dataclass
 class KVCache:
     """The paged K/V storage of one layer.
+
+    ``num_blocks``, ``block_size``, ``num_kv_heads``, ``head_dim`` and ``kv_dtype`` are
+    read from ``kv`` once, at construction (0 / ``"auto"`` for a ``kv`` that is not
+    5-D, which ``kvpage.attention.checks.check_cache`` rejects): ``kv`` must not be
+    reassigned afterwards (make a new KVCache); the scales may be.
 
     Attributes:
         kv: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; dtype is the model
@@ -58,30 +101,49 @@ class KVCache:
     token_scales: torch.Tensor | None = None
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    num_blocks: int = field(init=False)
+    block_size: int = field(init=False)
+    num_kv_heads: int = field(init=False)
+    head_dim: int = field(init=False)
+    #: ``auto``, ``int8``, ``fp8_e4m3`` or ``fp8_e5m2`` (from ``kv.dtype``)
+    kv_dtype: str = field(init=False)
 
-    @property
-    def num_blocks(self) -> int:
-        return int(self.kv.shape[1])
+    def __post_init__(self) -> None:
+        shape = tuple(self.kv.shape) if self.kv.dim() == 5 else (0, 0, 0, 0, 0)
+        _, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = shape
+        self.kv_dtype = _kv_dtype_name(self.kv.dtype)
 
-    @property
-    def block_size(self) -> int:
-        return int(self.kv.shape[2])
 
-    @property
-    def num_kv_heads(self) -> int:
-        return int(self.kv.shape[3])
+def kv_cache_shape(spec: CacheSpec, layer_id: int) -> tuple[int, int, int, int, int]:
+    """``(2, num_blocks, block_size, num_kv_heads, head_dim)`` of layer ``layer_id``:
+    the layout of every backend (why there is one layout: docs/backend-authoring.md).
 
-    @property
-    def head_dim(self) -> int:
-        return int(self.kv.shape[4])
+    Raises:
+        IndexError: ``layer_id`` is not a layer of ``spec``.
+    """
+    a = spec.layers[layer_id]
+    return (2, spec.num_blocks, spec.block_size, a.num_kv_heads, a.head_dim)
 
-    @property
-    def kv_dtype(self) -> str:
-        """``auto``, ``int8``, ``fp8_e4m3`` or ``fp8_e5m2``."""
-        for name, dt in KV_STORAGE_DTYPES.items():
-            if self.kv.dtype == dt:
-                return name
-        return "auto"
+
+def allocate_layer_cache(spec: CacheSpec, layer_id: int, device: torch.device | str) -> KVCache:
+    """A zeroed cache of layer ``layer_id`` of ``spec`` on ``device`` (``allocate_kv_cache``
+    with the spec's dtype, kv dtype and fp8 scale granularity; int8 token scales start
+    at 0, fp8 scales at 1.0).
+
+    Raises:
+        IndexError: ``layer_id`` is not a layer of ``spec``.
+    """
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache_shape(spec, layer_id)
+    return allocate_kv_cache(
+        num_blocks,
+        block_size,
+        num_kv_heads,
+        head_dim,
+        dtype=MODEL_DTYPES[spec.dtype],
+        kv_dtype=spec.kv_dtype,
+        kv_scale_granularity=spec.kv_scale_granularity,
+        device=device,
+    )
 
 
 def allocate_kv_cache(
@@ -145,15 +207,17 @@ class AttentionMetadata:
         seq_lens: ``[num_seqs]`` int32, tokens in the KV cache for each sequence once
             this step's K/V are written (context + new tokens).
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32 physical block ids;
-            entries past a sequence's last block are padding (any value, usually -1 or 0)
-            and are never read.
+            entries past a sequence's last block are padding (``PAD_BLOCK`` = -1) and
+            are never read.
         slot_mapping: ``[num_tokens]`` int64, the slot each new token's K/V is written
             to; -1 = padding, never written.
         max_query_len: max over sequences of the query length (1 for pure decode).
         max_seq_len: max over sequences of ``seq_lens``.
         query_lens_cpu / seq_lens_cpu: the same numbers as Python lists (host side),
             so launchers need no device sync.
-        extras: per-backend plan data (filled by ``AttentionBackend.plan``).
+
+    Per-backend data derived from a step lives in the backend's typed plan
+    (``AttentionBackend.plan`` -> ``kvpage.attention.plan.StepPlan``), not here.
     """
 
     query_start_loc: torch.Tensor
@@ -164,7 +228,6 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
-    extras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -179,10 +242,6 @@ class AttentionMetadata:
         """Tokens already cached before this step, per sequence."""
         return [s - q for s, q in zip(self.seq_lens_cpu, self.query_lens_cpu)]
 
-    @property
-    def is_pure_decode(self) -> bool:
-        return self.max_query_len == 1
-
     @classmethod
     def build(
         cls,
@@ -195,8 +254,8 @@ class AttentionMetadata:
         slot_mapping: list[int] | None = None,
     ) -> AttentionMetadata:
         """Build metadata from host lists; the slot mapping is derived from the block
-        tables unless given (``slot = block_table[p // block_size] * block_size +
-        p % block_size`` for the new positions ``seq_len - query_len .. seq_len - 1``).
+        tables unless given (``slots_of`` the new positions ``seq_len - query_len ..
+        seq_len - 1``); block tables are padded with ``PAD_BLOCK``.
 
         Raises:
             ShapeError: lengths disagree, a query is longer than its sequence, or a
@@ -221,12 +280,11 @@ class AttentionMetadata:
                     f"block_tables[{i}]: expected >= {need} blocks for {s} tokens, got {len(bt)}"
                 )
             if slot_mapping is None:
-                for p in range(s - q, s):
-                    slots.append(bt[p // block_size] * block_size + p % block_size)
+                slots.extend(slots_of(bt, s - q, s, block_size))
         if slot_mapping is not None:
             slots = list(slot_mapping)
         width = max([len(b) for b in block_tables] + [1])
-        bt_t = torch.full((n, width), -1, dtype=torch.int32)
+        bt_t = torch.full((n, width), PAD_BLOCK, dtype=torch.int32)
         for i, b in enumerate(block_tables):
             if b:
                 bt_t[i, : len(b)] = torch.tensor(b, dtype=torch.int32)

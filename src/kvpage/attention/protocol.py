@@ -1,19 +1,30 @@
 """The contract every attention backend meets (built-in or plugin).
 
 A backend is stateless apart from caches of compiled kernels: every per-step input is
-an argument. The float64 reference (``kvpage.attention.reference``) defines what each
-method must compute; the conformance suite (``conformance/``) proves it.
+an argument. Per step the engine calls ``plan(meta)`` once per KV group — the backend
+validates the step (``kvpage.attention.plan.check_step``) and returns its own frozen,
+typed plan — then, per layer, ``write_kv`` and ``forward`` with that plan. The float64
+reference (``kvpage.attention.reference``) defines what each method must compute; the
+conformance suite (``conformance/``) proves it. How to write one:
+docs/backend-authoring.md.
+
+The KV cache layout is not a backend choice: every backend reads and writes
+``KVCache`` in the one layout of ``kvpage.attention.metadata.kv_cache_shape``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from kvpage.attention.metadata import AttentionMetadata, KVCache
+from kvpage.attention.plan import StepPlan
 from kvpage.specs import AttentionSpec, CacheSpec
+
+PlanT = TypeVar("PlanT", bound=StepPlan)
 
 
 @dataclass(frozen=True)
@@ -23,6 +34,12 @@ class BackendCapabilities:
 
     Attributes:
         devices: device types it runs on (``"cpu"``, ``"cuda"``).
+        priority: ``select_backend(prefer="auto")`` rank per device type: among the
+            backends that can run a spec, the highest priority wins (ties: name
+            order). A device type missing here is never picked by ``"auto"`` (the
+            backend stays selectable by name). The built-in torch backend has
+            ``{"cuda": 0, "cpu": 0}``; the CUDA plugins rank by the backend comparison
+            in docs/benchmarks.md.
         head_dims: supported head sizes; empty = any.
         max_head_dim: largest supported head size (0 = unbounded).
         query_dtypes: supported model dtypes (names as in ``CacheSpec.dtype``).
@@ -33,6 +50,7 @@ class BackendCapabilities:
     """
 
     devices: frozenset[str]
+    priority: Mapping[str, int] = field(default_factory=dict)
     query_dtypes: frozenset[str] = frozenset({"float32", "float16", "bfloat16"})
     kv_dtypes: frozenset[str] = frozenset({"auto", "int8", "fp8_e4m3", "fp8_e5m2"})
     head_dims: frozenset[int] = frozenset()
@@ -46,8 +64,8 @@ class BackendCapabilities:
 
 
 @runtime_checkable
-class AttentionBackend(Protocol):
-    """Paged attention kernels behind one interface.
+class AttentionBackend(Protocol[PlanT]):
+    """Paged attention kernels behind one interface (six methods and two attributes).
 
     Tensor conventions (glossary names): ``num_tokens`` new tokens in the step,
     ``num_seqs`` sequences, ``num_q_heads``/``num_kv_heads``/``head_dim`` from the
@@ -67,17 +85,25 @@ class AttentionBackend(Protocol):
         """
         ...
 
-    def kv_cache_shape(self, spec: CacheSpec, layer_id: int) -> tuple[int, ...]:
-        """Shape of layer ``layer_id``'s ``KVCache.kv`` for ``spec.num_blocks`` blocks."""
+    def test_budget(self, device: torch.device) -> Mapping[str, object] | None:
+        """How much of the conformance suite to run on ``device``: ``None`` for the
+        default budget, else fields of ``kvpage.testing.TestBudget`` (e.g.
+        ``{"example_fraction": 0.5, "max_seq_len": 48}`` for a slow simulator). Read
+        by ``kvpage.testing.budget_for``."""
         ...
 
-    def allocate_kv_cache(self, spec: CacheSpec, layer_id: int, device: torch.device) -> KVCache:
-        """Allocate (zeroed) the cache of one layer for ``spec``."""
-        ...
+    def plan(self, meta: AttentionMetadata) -> PlanT:
+        """Validate the step (``kvpage.attention.plan.check_step``, once) and
+        precompute what every layer of it shares; called once per step and KV group,
+        before any layer.
 
-    def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """Precompute per-step data shared by all layers (stored in ``meta.extras``);
-        called once per step before any layer. Returns ``meta``."""
+        Returns:
+            The backend's own frozen ``StepPlan`` subclass (``plan_step(meta)`` when
+            there is nothing to precompute).
+
+        Raises:
+            ShapeError, DTypeError: the step is inconsistent (nothing is computed).
+        """
         ...
 
     def write_kv(
@@ -95,51 +121,52 @@ class AttentionBackend(Protocol):
         scale 0); codes = clamp(round_half_even(x / scale), -127, 127).
         fp8: stored = fp8(clamp(x / scale, -fp8_max, fp8_max)) with the cache's
         k_scale / v_scale (per tensor or per KV head).
+
+        Raises:
+            ShapeError, DTypeError: ``kvpage.attention.checks.check_write_kv``;
+                nothing is written.
         """
         ...
 
-    def decode(
+    def forward(
         self,
         query: torch.Tensor,
         cache: KVCache,
-        meta: AttentionMetadata,
+        plan: PlanT,
         spec: AttentionSpec,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One new token per sequence attends to its whole (windowed) context.
+        """Attention of one layer for every query row of the step: varlen causal
+        attention of each sequence's new tokens over its cached context and
+        themselves, within ``spec.sliding_window``; decode (``plan.is_decode``: one
+        token per sequence), prefill, chunked prefill and prefix-cache hits alike.
 
         Args:
-            query: ``[num_seqs, num_q_heads, head_dim]`` (``meta.max_query_len == 1``).
-            out: optional ``[num_seqs, num_q_heads, head_dim]`` buffer to write into.
-
-        Returns:
-            ``[num_seqs, num_q_heads, head_dim]`` in the query dtype.
-        """
-        ...
-
-    def prefill(
-        self,
-        query: torch.Tensor,
-        cache: KVCache,
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Varlen causal attention of new tokens over cached context + themselves.
-
-        Args:
-            query: ``[num_tokens, num_q_heads, head_dim]``, sequences packed by
+            query: ``[plan.num_tokens, num_q_heads, head_dim]``, packed by
                 ``meta.query_start_loc``; token ``j`` of sequence ``i`` is at absolute
                 position ``context_len_i + j``.
-            out: optional ``[num_tokens, num_q_heads, head_dim]`` buffer.
+            cache: the layer's cache, already holding this step's K/V.
+            plan: what ``plan(meta)`` returned for this step and KV group.
+            spec: the layer's attention spec (scale, window, soft cap, GQA).
+            out: optional ``[plan.num_tokens, num_q_heads, head_dim]`` buffer in the
+                query dtype (may be a strided view).
 
         Returns:
-            ``[num_tokens, num_q_heads, head_dim]`` in the query dtype.
+            ``[plan.num_tokens, num_q_heads, head_dim]`` in the query dtype (``out``
+            when given).
+
+        Raises:
+            ShapeError, DTypeError: ``kvpage.attention.checks.check_forward``;
+                nothing is written. BackendUnavailableError: the device cannot run it.
         """
         ...
 
     def copy_blocks(self, caches: list[KVCache], pairs: torch.Tensor) -> None:
         """Copy whole blocks (copy-on-write): for each row ``(src, dst)`` of ``pairs``
         (``[n, 2]`` int64), ``cache[:, dst] = cache[:, src]`` in every given layer,
-        scales included. Mutates ``caches``; bit-exact."""
+        scales included. Mutates ``caches``; bit-exact.
+
+        Raises:
+            ShapeError, DTypeError: bad pairs or ids out of range; nothing is copied.
+        """
         ...

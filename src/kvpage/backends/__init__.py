@@ -7,7 +7,7 @@ entry-point group ``kvpage.backends`` and are imported only when asked for.
 from kvpage.backends.registry import (
     BUILTIN_BACKENDS,
     ENTRY_POINT_GROUP,
-    PRIORITY,
+    auto_order,
     available_backends,
     backend_reasons,
     get_backend,
@@ -17,7 +17,7 @@ from kvpage.backends.registry import (
 __all__ = [
     "BUILTIN_BACKENDS",
     "ENTRY_POINT_GROUP",
-    "PRIORITY",
+    "auto_order",
     "available_backends",
     "backend_reasons",
     "get_backend",

@@ -4,10 +4,12 @@ Built-in backends live in this package; plugins register classes (no-arg constru
 under the entry-point group ``kvpage.backends``. Nothing is imported until a backend
 is asked for, and a plugin whose import fails becomes a *reason* (never a crash).
 
-Selection (``select_backend``) walks a per-device priority list and returns the first
-backend that reports no reasons for the spec and device. The CUDA order (triton,
-cupy, numba, torch) is the order of the backend comparison benchmark in
-``docs/benchmarks.md``; on CPU only the torch backend runs.
+Selection (``select_backend``) ranks every registered backend by the priority it
+declares for the device type (``BackendCapabilities.priority``) and returns the first
+that reports no reasons for the spec and device, so a new plugin takes part in
+``"auto"`` without editing this module. The shipped CUDA order (triton 30, cupy 20,
+numba 10, torch 0) is the order of the backend comparison benchmark in
+``docs/benchmarks.md``; on CPU only the torch backend declares a priority.
 """
 
 from __future__ import annotations
@@ -26,12 +28,6 @@ ENTRY_POINT_GROUP = "kvpage.backends"
 
 #: built-in backends: name -> "module:attribute"
 BUILTIN_BACKENDS: dict[str, str] = {"torch": "kvpage.backends.torch_backend:TorchBackend"}
-
-#: ``select_backend(prefer="auto")`` order per device type (benchmarks decide the order)
-PRIORITY: dict[str, tuple[str, ...]] = {
-    "cuda": ("triton", "cupy", "numba", "torch"),
-    "cpu": ("torch",),
-}
 
 #: names that are not selectable backends, with the reason
 _NOT_BACKENDS = {
@@ -124,7 +120,7 @@ def select_backend(
     Args:
         spec: the model's cache spec (head_dim, window, soft cap, kv dtype per layer).
         device: where the cache lives (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...).
-        prefer: ``"auto"`` walks ``PRIORITY[device.type]``; any other value is an
+        prefer: ``"auto"`` walks ``auto_order(device)``; any other value is an
             explicit backend name.
 
     Returns:
@@ -142,9 +138,8 @@ def select_backend(
                 f"backend {prefer!r}: cannot run this spec on {dev}", {prefer: why}
             )
         return get_backend(prefer)
-    candidates = PRIORITY.get(dev.type, ("torch",))
     reasons: dict[str, list[str]] = {}
-    for name in candidates:
+    for name in auto_order(dev, reasons):
         why = backend_reasons(name, spec, dev)
         if not why:
             return get_backend(name)
@@ -152,10 +147,43 @@ def select_backend(
     raise BackendUnavailableError(f"no attention backend can run this spec on {dev}", reasons)
 
 
+def auto_order(
+    device: torch.device | str, reasons: dict[str, list[str]] | None = None
+) -> list[str]:
+    """Backends ``select_backend(prefer="auto")`` tries on ``device``: every registered
+    backend that declares a priority for the device type
+    (``capabilities.priority[device.type]``), highest first, ties by name.
+
+    Args:
+        reasons: if given, receives why each left-out backend is left out (it failed
+            to load, or declares no priority for the device type).
+    """
+    dev_type = torch.device(device).type
+    ranked: list[tuple[int, str]] = []
+    for name in available_backends():
+        try:
+            caps = get_backend(name).capabilities
+            prio = caps.priority.get(dev_type)
+        except BackendUnavailableError as e:
+            if reasons is not None:
+                reasons[name] = e.reasons.get(name, [str(e)])
+            continue
+        except Exception as e:  # a malformed plugin is a reason, not a crash
+            if reasons is not None:
+                reasons[name] = [f"capabilities.priority: {type(e).__name__}: {e}"]
+            continue
+        if prio is None:
+            if reasons is not None:
+                reasons[name] = [f"capabilities.priority: declares none for {dev_type} (select by name)"]  # fmt: skip
+            continue
+        ranked.append((-int(prio), name))
+    return [name for _, name in sorted(ranked)]
+
+
 __all__ = [
     "BUILTIN_BACKENDS",
     "ENTRY_POINT_GROUP",
-    "PRIORITY",
+    "auto_order",
     "available_backends",
     "backend_reasons",
     "get_backend",

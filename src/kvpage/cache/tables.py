@@ -1,8 +1,7 @@
 """Step tensors derived from block tables: slot mapping and the batched block table.
 
-Slot of the token at position ``p``: ``block_table[p // block_size] * block_size +
-p % block_size`` (the canonical layout, ``kvpage.attention.metadata``). Padding is -1
-and is never written or read.
+Slot of the token at position ``p``: ``kvpage.attention.metadata.slot_of`` (the one
+definition). Block tables are padded with ``PAD_BLOCK`` (-1), never written or read.
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvpage.attention.metadata import PAD_BLOCK, slot_of
 from kvpage.errors import ShapeError
 
 
@@ -50,10 +50,10 @@ def slot_mapping(
     first = start // block_size
     last = (end - 1) // block_size
     bt = np.asarray(block_table[first : last + 1], dtype=np.int64)
-    return bt[pos // block_size - first] * block_size + pos % block_size
+    return slot_of(bt[pos // block_size - first], pos, block_size)
 
 
-def batch_block_tables(tables: Sequence[Sequence[int]], pad: int = -1) -> np.ndarray:
+def batch_block_tables(tables: Sequence[Sequence[int]], pad: int = PAD_BLOCK) -> np.ndarray:
     """Stack per-sequence block tables into one padded array.
 
     Args:

@@ -196,7 +196,7 @@ class EngineComponents:
 
     model: ModelRunnerModel
     cache_spec: CacheSpec
-    backend: AttentionBackend
+    backend: AttentionBackend[Any]
     kv_caches: list[KVCache]
     kv_cache_manager: KVCacheManager
     scheduler: Scheduler
@@ -215,6 +215,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
             ``max_position_embeddings``; BackendUnavailableError: no backend can run
             the spec.
     """
+    from kvpage.attention.metadata import allocate_layer_cache
     from kvpage.backends import select_backend
     from kvpage.cache import KVCacheManager
     from kvpage.engine.runner import ModelRunner
@@ -237,7 +238,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
     spec = model.cache_spec(config.block_size, num_blocks, config.kv_cache_dtype)
     backend = select_backend(spec, device, prefer=config.backend)
     try:
-        kv_caches = [backend.allocate_kv_cache(spec, i, device) for i in range(spec.num_layers)]
+        kv_caches = [allocate_layer_cache(spec, i, device) for i in range(spec.num_layers)]
     except (RuntimeError, MemoryError) as e:  # torch's CPU/CUDA out-of-memory errors
         total = spec.total_bytes
         raise SpecError(

@@ -8,12 +8,13 @@ that samples this step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from kvpage.attention.metadata import AttentionMetadata, KVCache
+from kvpage.attention.metadata import AttentionMetadata, KVCache, slot_of
+from kvpage.attention.plan import StepPlan
 from kvpage.cache import batch_block_tables
 from kvpage.engine.scheduler import SchedulerOutput
 from kvpage.specs import CacheSpec
@@ -62,11 +63,12 @@ class StepInputs:
         self.block_tables: list[np.ndarray] = []
         self.slot_mappings: list[np.ndarray] = []
         blk = positions // block_size
-        off = positions % block_size
         for g in range(num_groups):
-            bt = batch_block_tables([s.block_tables[g] for s in sched], pad=0)
+            bt = batch_block_tables([s.block_tables[g] for s in sched])  # padded with -1
             self.block_tables.append(bt)
-            self.slot_mappings.append(bt[seq_idx, blk].astype(np.int64) * block_size + off)
+            self.slot_mappings.append(
+                slot_of(bt[seq_idx, blk].astype(np.int64), positions, block_size)
+            )
 
 
 class ModelRunner:
@@ -85,7 +87,7 @@ class ModelRunner:
     def __init__(
         self,
         model: ModelRunnerModel,
-        backend: AttentionBackend,
+        backend: AttentionBackend[Any],
         kv_caches: list[KVCache],
         cache_spec: CacheSpec,
         device: torch.device,
@@ -106,8 +108,8 @@ class ModelRunner:
             t = torch.tensor(pairs, dtype=torch.int64, device=self.device).reshape(-1, 2)
             self.backend.copy_blocks(caches, t)
 
-    def build_metadata(self, inp: StepInputs) -> list[AttentionMetadata]:
-        """One planned AttentionMetadata per KV group (``backend.plan`` called on each)."""
+    def build_metadata(self, inp: StepInputs) -> list[StepPlan]:
+        """One plan per KV group: ``backend.plan`` of the group's AttentionMetadata."""
         dev = self.device
         qsl = torch.from_numpy(inp.query_start_loc.astype(np.int32)).to(dev)
         seq_lens = torch.from_numpy(inp.seq_lens.astype(np.int32)).to(dev)

@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvpage.attention.metadata import slots_of
 from kvpage.cache.allocation import Allocation
 from kvpage.cache.protocol import KVAllocator
 from kvpage.engine.request import Request, RequestStatus, sample_id
@@ -72,13 +73,11 @@ class ScheduledRequest:
         return 1 + self.request.num_pending_samples
 
     def slot_mapping(self, group: int, block_size: int) -> list[int]:
-        """Slots of the computed tokens in KV group ``group``:
-        ``block_table[p // block_size] * block_size + p % block_size``."""
-        bt = self.block_tables[group]
-        return [
-            bt[p // block_size] * block_size + p % block_size
-            for p in range(self.start, self.start + self.num_tokens)
-        ]
+        """Slots of the computed tokens in KV group ``group``
+        (``kvpage.attention.metadata.slots_of``)."""
+        return slots_of(
+            self.block_tables[group], self.start, self.start + self.num_tokens, block_size
+        )
 
 
 @dataclass

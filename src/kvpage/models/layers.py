@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpage.attention.metadata import AttentionMetadata, KVCache
+from kvpage.attention.metadata import KVCache
+from kvpage.attention.plan import StepPlan
 from kvpage.attention.protocol import AttentionBackend
 from kvpage.models.config import ArchConfig
 from kvpage.specs import AttentionSpec
@@ -321,7 +322,7 @@ class PagedAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: KVCache,
-        meta: AttentionMetadata,
+        plan: StepPlan,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """Project, rotate, write this step's K/V into ``cache`` and attend.
@@ -329,8 +330,8 @@ class PagedAttention(nn.Module):
         Args:
             x: ``[num_tokens, hidden_size]`` normalised hidden states.
             cos, sin: ``[num_tokens, 1, head_dim]`` RoPE tables at each token's position.
-            cache: the layer's cache; mutated at ``meta.slot_mapping``.
-            meta: the metadata of this layer's KV group (planned by the backend).
+            cache: the layer's cache; mutated at ``plan.meta.slot_mapping``.
+            plan: the backend's plan of this layer's KV group for the step.
             backend: the attention backend.
 
         Returns:
@@ -344,11 +345,8 @@ class PagedAttention(nn.Module):
         v = qkv[:, b:].view(t, self.num_kv_heads, self.head_dim)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        backend.write_kv(k, v, cache, meta.slot_mapping)
-        if meta.is_pure_decode and meta.num_tokens == meta.num_seqs:
-            o = backend.decode(q, cache, meta, self.spec)
-        else:
-            o = backend.prefill(q, cache, meta, self.spec)
+        backend.write_kv(k, v, cache, plan.meta.slot_mapping)
+        o = backend.forward(q, cache, plan, self.spec)
         o = o.reshape(t, self.num_q_heads * self.head_dim)
         return self._o(o, self.o_proj.weight, self.o_proj.bias)
 
@@ -374,11 +372,11 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: KVCache,
-        meta: AttentionMetadata,
+        plan: StepPlan,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """x: ``[num_tokens, hidden_size]`` -> same; mutates ``cache`` (see PagedAttention)."""
-        a = self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, backend)
+        a = self.self_attn(self.input_layernorm(x), cos, sin, cache, plan, backend)
         if self.sandwich:
             x = x + self.post_attention_layernorm(a)
             m = self.mlp(self.pre_feedforward_layernorm(x))

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvpage.attention.metadata import MODEL_DTYPES, AttentionMetadata, KVCache
+from kvpage.attention.metadata import MODEL_DTYPES, KVCache
+from kvpage.attention.plan import StepPlan
 from kvpage.attention.protocol import AttentionBackend
 from kvpage.errors import ShapeError, SpecError
 from kvpage.models.config import ArchConfig, arch_from_hf
@@ -139,7 +140,7 @@ class ModelRunnerModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[KVCache],
-        meta_per_group: list[AttentionMetadata],
+        plans: list[StepPlan],
         backend: AttentionBackend,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
@@ -150,9 +151,9 @@ class ModelRunnerModel(nn.Module):
             positions: ``[num_tokens]`` int64 absolute position of each token.
             kv_caches: one KVCache per layer; mutated: this step's K/V are written at the
                 slot mapping of the layer's group.
-            meta_per_group: one AttentionMetadata per KV group (``layer_groups``), already
-                passed through ``backend.plan``.
-            backend: the attention backend (``write_kv`` then ``decode``/``prefill``).
+            plans: one plan per KV group (``layer_groups``): ``backend.plan`` of the
+                group's AttentionMetadata.
+            backend: the attention backend (``write_kv`` then ``forward``).
             logits_indices: ``[num_seqs]`` int64 rows (of the ``num_tokens``) to compute
                 logits for (usually each sequence's last new token).
 
@@ -168,20 +169,18 @@ class ModelRunnerModel(nn.Module):
             raise ShapeError(f"positions: expected {n} entries, got {positions.shape[0]}")
         if len(kv_caches) != self.arch.num_layers:
             raise ShapeError(f"kv_caches: expected {self.arch.num_layers}, got {len(kv_caches)}")
-        if len(meta_per_group) != self.num_kv_groups:
+        if len(plans) != self.num_kv_groups:
             raise ShapeError(
-                f"meta_per_group: expected {self.num_kv_groups} (one per KV group), "
-                f"got {len(meta_per_group)}"
+                f"plans: expected {self.num_kv_groups} (one per KV group), got {len(plans)}"
             )
         x = self.model.embed_tokens(input_ids)
         if self.arch.embed_scale is not None:
             x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
         # positions < seq_len of their sequence: a host-side bound, no device sync
-        top = max(m.max_seq_len for m in meta_per_group) - 1
+        top = max(p.meta.max_seq_len for p in plans) - 1
         cos, sin = self.rotary(positions, x.dtype, max(top, 0))
         for lid, layer in enumerate(self.model.layers):
-            meta = meta_per_group[self.layer_groups[lid]]
-            x = layer(x, cos, sin, kv_caches[lid], meta, backend)
+            x = layer(x, cos, sin, kv_caches[lid], plans[self.layer_groups[lid]], backend)
         x = self.model.norm(x[logits_indices])
         w = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         logits = self._lm(x, w, None).float()

@@ -9,11 +9,12 @@ from kvpage.testing.cases import (
     AttentionCase,
     Materialized,
     clone_cache,
+    make_case,
     make_data,
     materialize,
     poisoned_cache,
     poisoned_like,
-    slot_of,
+    slot_at,
 )
 from kvpage.testing.invariance import (
     check_chunking_invariance,
@@ -26,6 +27,7 @@ from kvpage.testing.runner import (
     check_quantization_error,
     check_write_kv_case,
     run_attention,
+    run_plugin_case,
 )
 from kvpage.testing.strategies import (
     HEAD_DIMS,
@@ -69,12 +71,14 @@ __all__ = [
     "chunkings",
     "clone_cache",
     "layouts",
+    "make_case",
     "make_data",
     "materialize",
     "poisoned_cache",
     "poisoned_like",
     "run_attention",
+    "run_plugin_case",
     "seq_lens_near_boundaries",
-    "slot_of",
+    "slot_at",
     "tolerance_for",
 ]

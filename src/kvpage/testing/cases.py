@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvpage.attention.metadata import AttentionMetadata, KVCache, allocate_kv_cache
+from kvpage.attention.metadata import AttentionMetadata, KVCache, allocate_kv_cache, slot_of
 from kvpage.attention.reference import reference_write_kv
 from kvpage.specs import AttentionSpec, CacheSpec, make_cache_spec
 
@@ -150,9 +150,10 @@ def poisoned_like(x: torch.Tensor) -> torch.Tensor:
     return torch.full_like(x, float("nan"))
 
 
-def slot_of(block_table: tuple[int, ...] | list[int], pos: int, block_size: int) -> int:
-    """``block_table[pos // block_size] * block_size + pos % block_size``."""
-    return block_table[pos // block_size] * block_size + pos % block_size
+def slot_at(block_table: tuple[int, ...] | list[int], pos: int, block_size: int) -> int:
+    """The slot of position ``pos`` of a sequence (``kvpage.attention.metadata.slot_of``
+    of its block)."""
+    return slot_of(block_table[pos // block_size], pos, block_size)
 
 
 def make_data(case: AttentionCase) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
@@ -193,7 +194,7 @@ def materialize(
     )
     if write_context:
         all_slots = [
-            slot_of(bt, p, bs) for bt, n in zip(case.block_tables, case.seq_lens) for p in range(n)
+            slot_at(bt, p, bs) for bt, n in zip(case.block_tables, case.seq_lens) for p in range(n)
         ]
         if all_slots:
             reference_write_kv(
@@ -228,4 +229,53 @@ def clone_cache(cache: KVCache) -> KVCache:
         token_scales=None if cache.token_scales is None else cache.token_scales.clone(),
         k_scale=None if cache.k_scale is None else cache.k_scale.clone(),
         v_scale=None if cache.v_scale is None else cache.v_scale.clone(),
+    )
+
+
+def make_case(
+    seq_lens: tuple[int, ...],
+    query_lens: tuple[int, ...] | None = None,
+    *,
+    hq: int = 4,
+    hk: int = 2,
+    hd: int = 16,
+    bs: int = 4,
+    dtype: str = "float32",
+    kv_dtype: str = "auto",
+    window: int | None = None,
+    cap: float | None = None,
+    seed: int = 0,
+    k_scale: tuple[float, ...] = (0.25,),
+    v_scale: tuple[float, ...] = (0.5,),
+    granularity: str = "per_tensor",
+) -> AttentionCase:
+    """A hand-written case (for plugin tests, with ``run_plugin_case``): ``seq_lens``
+    tokens per sequence of which ``query_lens`` (default 1 each: decode) are new; the
+    blocks are a seeded random permutation of a pool with 3 spare blocks (block 0
+    unused); fp8 scales ``k_scale``/``v_scale`` (one, or one per KV head with
+    ``granularity="per_head"``)."""
+    query_lens = query_lens or tuple(1 for _ in seq_lens)
+    need = [-(-n // bs) for n in seq_lens]
+    nb = sum(need) + 3
+    perm = (torch.randperm(nb - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
+    tables, k = [], 0
+    for n in need:
+        tables.append(tuple(perm[k : k + n]))
+        k += n
+    spec = AttentionSpec(
+        num_q_heads=hq, num_kv_heads=hk, head_dim=hd, sliding_window=window, logits_soft_cap=cap
+    )
+    return AttentionCase(
+        spec=spec,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        block_size=bs,
+        num_blocks=nb,
+        seq_lens=tuple(seq_lens),
+        query_lens=tuple(query_lens),
+        block_tables=tuple(tables),
+        seed=seed,
+        scale_granularity=granularity,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )

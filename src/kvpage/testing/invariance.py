@@ -17,7 +17,7 @@ import torch
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.attention.protocol import AttentionBackend
 from kvpage.attention.reference import reference_attention, reference_write_kv
-from kvpage.testing.cases import AttentionCase, materialize, slot_of
+from kvpage.testing.cases import AttentionCase, materialize, slot_at
 from kvpage.testing.runner import error_scale, run_attention
 from kvpage.testing.tolerances import assert_close, tolerance_for
 
@@ -27,16 +27,12 @@ def chunked_outputs(
     case: AttentionCase,
     chunks: list[list[int]],
     device: torch.device | str = "cpu",
-    *,
-    use_decode: bool = True,
 ) -> torch.Tensor:
     """Compute the case's new tokens in rounds: in round ``r`` sequence ``i`` runs its
     ``chunks[i][r]`` next tokens (if any), after writing their K/V with the backend.
 
     Args:
         chunks: per sequence, positive chunk lengths summing to its query length.
-        use_decode: rounds where every running sequence has one token call
-            ``backend.decode`` instead of ``prefill``.
 
     Returns:
         ``[num_tokens, num_q_heads, head_dim]`` in the query order of the case.
@@ -48,7 +44,7 @@ def chunked_outputs(
     bs = case.block_size
     ctx_slots, ks, vs = [], [], []
     for i, (n, q) in enumerate(zip(case.seq_lens, case.query_lens)):
-        ctx_slots += [slot_of(case.block_tables[i], p, bs) for p in range(n - q)]
+        ctx_slots += [slot_at(case.block_tables[i], p, bs) for p in range(n - q)]
         ks.append(m.keys[i][: n - q])
         vs.append(m.values[i][: n - q])
     if ctx_slots:
@@ -78,11 +74,7 @@ def chunked_outputs(
         kc = torch.cat([m.keys[i][s : s + q] for i, s, q in zip(seqs, starts, qlens)])
         vc = torch.cat([m.values[i][s : s + q] for i, s, q in zip(seqs, starts, qlens)])
         backend.write_kv(kc.to(device), vc.to(device), m.cache, meta.slot_mapping)
-        backend.plan(meta)
-        decode = use_decode and all(q == 1 for q in qlens)
-        o = run_attention(
-            backend, m.query[rows.to(device)], m.cache, meta, case.spec, decode=decode
-        )
+        o = run_attention(backend, m.query[rows.to(device)], m.cache, backend.plan(meta), case.spec)
         out[rows.to(device)] = o
         for i, q in zip(seqs, qlens):
             done[i] += q
@@ -139,8 +131,7 @@ def check_layout_invariance(
     scale = error_scale(case, m.keys, m.values, m.query)
     for c in (case, other):
         mm = materialize(c, device)
-        backend.plan(mm.meta)
-        got = run_attention(backend, mm.query, mm.cache, mm.meta, c.spec, decode=False)
+        got = run_attention(backend, mm.query, mm.cache, backend.plan(mm.meta), c.spec)
         assert_close(
             got,
             ref,

@@ -16,9 +16,11 @@ from dataclasses import replace
 
 import torch
 
-from kvpage.attention.metadata import AttentionMetadata, KVCache
+from kvpage.attention.metadata import KVCache
+from kvpage.attention.plan import StepPlan
 from kvpage.attention.protocol import AttentionBackend
 from kvpage.attention.reference import reference_attention, reference_contiguous
+from kvpage.specs import AttentionSpec
 from kvpage.testing.cases import (
     AttentionCase,
     clone_cache,
@@ -39,6 +41,7 @@ __all__ = [
     "check_write_kv_case",
     "error_scale",
     "run_attention",
+    "run_plugin_case",
 ]
 
 
@@ -54,15 +57,14 @@ def run_attention(
     backend: AttentionBackend,
     query: torch.Tensor,
     cache: KVCache,
-    meta: AttentionMetadata,
-    spec: object,
+    plan: StepPlan,
+    spec: AttentionSpec,
     *,
-    decode: bool,
     pad: int = 3,
 ) -> torch.Tensor:
-    """Call ``backend.decode``/``prefill`` with a NaN-poisoned output buffer that is a
-    view into a wider buffer (``pad`` extra NaN columns past head_dim), and check
-    that only the view was written and the method returned it (or a tensor equal to it).
+    """Call ``backend.forward`` with a NaN-poisoned output buffer that is a view into a
+    wider buffer (``pad`` extra NaN columns past head_dim), and check that only the
+    view was written and the method returned it (or a tensor equal to it).
 
     Returns:
         the output ``[rows, num_q_heads, head_dim]``.
@@ -70,8 +72,7 @@ def run_attention(
     rows, hq, d = query.shape
     wide = torch.full((rows, hq, d + pad), float("nan"), dtype=query.dtype, device=query.device)
     out = wide[..., :d]
-    fn = backend.decode if decode else backend.prefill
-    res = fn(query, cache, meta, spec, out=out)  # type: ignore[arg-type]
+    res = backend.forward(query, cache, plan, spec, out=out)
     if pad and not bool(torch.isnan(wide[..., d:]).all()):
         raise AssertionError("out: expected nothing written past head_dim, got writes")
     if res.data_ptr() != out.data_ptr():
@@ -86,8 +87,8 @@ def check_attention_case(
     *,
     check_quant_error: bool = True,
 ) -> torch.Tensor:
-    """Run ``case`` (decode when every query length is 1 and ``backend.decode`` too,
-    otherwise prefill) and compare with the float64 reference on the same cache.
+    """Run ``case`` through ``backend.plan`` and ``backend.forward`` and compare with
+    the float64 reference on the same cache.
 
     Checks: output within ``tolerance_for(query dtype)`` of the reference on the
     (dequantized) cache; finite; nothing written past head_dim; the cache unchanged;
@@ -102,26 +103,17 @@ def check_attention_case(
     """
     m = materialize(case, device)
     before = clone_cache(m.cache)
-    backend.plan(m.meta)
-    outs = []
-    modes = [True, False] if case.is_decode else [False]
-    for decode in modes:
-        outs.append(run_attention(backend, m.query, m.cache, m.meta, case.spec, decode=decode))
+    plan = backend.plan(m.meta)
+    out = run_attention(backend, m.query, m.cache, plan, case.spec)
     assert_cache_bits_equal(m.cache, before, what="cache after attention")
     ref = reference_attention(m.query, m.cache, m.meta, case.spec)
     tol = tolerance_for(case.torch_dtype)
     scale = error_scale(case, m.keys, m.values, m.query)
-    for decode, out in zip(modes, outs):
-        assert_close(
-            out,
-            ref,
-            tol,
-            scale=scale,
-            what=f"{'decode' if decode else 'prefill'} vs reference [{case.describe()}]",
-        )
+    kind = "decode" if plan.is_decode else "prefill"
+    assert_close(out, ref, tol, scale=scale, what=f"{kind} vs reference [{case.describe()}]")
     if check_quant_error and case.kv_dtype != "auto":
         check_quantization_error(case, m.keys, m.values, m.query, ref)
-    return outs[-1]
+    return out
 
 
 def _saturates(case: AttentionCase, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
@@ -246,3 +238,36 @@ def check_write_kv_case(
     backend.write_kv(m.new_keys, m.new_values, mine, slots)
     reference_write_kv(m.new_keys, m.new_values, theirs, slots)
     assert_cache_bits_equal(mine, theirs, what=f"write_kv [{case.describe()}]")
+
+
+def run_plugin_case(
+    backend: AttentionBackend, case: AttentionCase, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared plugin harness (what tests/backends run for every plugin): the case's
+    context is written by the reference writer, its new tokens by ``backend.write_kv``
+    over NaN-poisoned slots — required bit-identical to the reference writer — then
+    ``backend.plan`` and ``backend.forward`` into a NaN-poisoned strided ``out``
+    (``run_attention``); the cache must be unchanged by ``forward``.
+
+    Returns:
+        (the backend's output on ``device``, the float64 reference on the CPU), for the
+        caller's tolerance check (``assert_close`` with ``tolerance_for``).
+
+    Raises:
+        AssertionError: a written bit differs, ``out`` was misused, or ``forward``
+            changed the cache.
+    """
+    m = materialize(case, device)
+    expected = clone_cache(m.cache)  # context and new tokens by the reference writer
+    mine = clone_cache(m.cache)
+    bs = case.block_size
+    for s in m.slot_mapping.to("cpu").tolist():  # poison the new tokens' slots
+        mine.kv[:, s // bs, s % bs] = float("nan") if mine.kv.is_floating_point() else 0
+        if mine.token_scales is not None:
+            mine.token_scales[:, s // bs, s % bs] = float("nan")
+    backend.write_kv(m.new_keys, m.new_values, mine, m.slot_mapping)
+    assert_cache_bits_equal(mine, expected, what=f"write_kv [{case.describe()}]")
+    out = run_attention(backend, m.query, mine, backend.plan(m.meta), case.spec)
+    assert_cache_bits_equal(mine, expected, what=f"cache after forward [{case.describe()}]")
+    ref = reference_attention(m.query.cpu(), clone_cache(expected), m.meta, case.spec)
+    return out, ref

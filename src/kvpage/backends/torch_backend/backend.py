@@ -6,20 +6,18 @@ against it by the conformance suite. Quantization follows ``kvpage.attention.qua
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
-from kvpage.attention.canonical import CanonicalLayoutBackend
-from kvpage.attention.checks import check_attention, check_block_pairs, check_write_kv
+from kvpage.attention.checks import check_block_pairs, check_forward, check_write_kv
 from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.attention.quant import quantize_fp8, quantize_int8
 from kvpage.backends.torch_backend.compute import attend_group
-from kvpage.backends.torch_backend.plan import STREAM_MIN_BYTES, GroupIndex, TorchPlan
+from kvpage.backends.torch_backend.plan import STREAM_MIN_BYTES, TorchPlan
 from kvpage.errors import ShapeError
 from kvpage.specs import AttentionSpec, CacheSpec
-
-#: key of the plan in ``AttentionMetadata.extras``
-PLAN_KEY = "torch_plan"
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -28,7 +26,7 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8) if x.element_size() == 1 else x
 
 
-class TorchBackend(CanonicalLayoutBackend):
+class TorchBackend:
     """Paged attention in plain torch (see ``kvpage.attention.protocol.AttentionBackend``).
 
     Decode and prefill share one path: sequences are grouped (``plan.TorchPlan``),
@@ -41,6 +39,7 @@ class TorchBackend(CanonicalLayoutBackend):
     name = "torch"
     capabilities = BackendCapabilities(
         devices=frozenset({"cpu", "cuda"}),
+        priority={"cpu": 0, "cuda": 0},
         notes=("reference-grade semantics in vectorized torch; any head_dim and block_size",),
     )
 
@@ -68,15 +67,20 @@ class TorchBackend(CanonicalLayoutBackend):
             why.append(f"kv_dtype: expected auto|int8|fp8_e4m3|fp8_e5m2, got {spec.kv_dtype}")
         return why
 
-    # kv_cache_shape / allocate_kv_cache: CanonicalLayoutBackend (the canonical layout)
+    def test_budget(self, device: torch.device) -> Mapping[str, object] | None:
+        """The default conformance budget on every device."""
+        return None
 
     # ---- per step --------------------------------------------------------------------
-    def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """Store a ``TorchPlan`` in ``meta.extras["torch_plan"]``; gather indices per
+    def plan(self, meta: AttentionMetadata) -> TorchPlan:
+        """Validate the step and return its ``TorchPlan``; gather indices per
         (block_size, window) are built by the first layer that needs them and reused by
-        the others. Returns ``meta``."""
-        meta.extras[PLAN_KEY] = TorchPlan.from_meta(meta)
-        return meta
+        the others.
+
+        Raises:
+            ShapeError, DTypeError: see ``kvpage.attention.plan.check_step``.
+        """
+        return TorchPlan.from_meta(meta)
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
@@ -99,9 +103,10 @@ class TorchBackend(CanonicalLayoutBackend):
             return
         n = cache.num_blocks * cache.block_size
         h, d = cache.num_kv_heads, cache.head_dim
-        flat = _bits(cache.kv).view(2, n, h, d)
+        byte = cache.kv.element_size() == 1  # fp8/int8: copy as uint8 bits (see _bits)
+        flat = (cache.kv.view(torch.uint8) if byte else cache.kv).view(2, n, h, d)
+        kind = cache.kv_dtype
         for i, x in enumerate((key, value)):
-            kind = cache.kv_dtype
             if kind == "auto":
                 stored = x.to(cache.kv.dtype)
             elif kind == "int8":
@@ -112,38 +117,35 @@ class TorchBackend(CanonicalLayoutBackend):
                 s = cache.k_scale if i == 0 else cache.v_scale
                 assert s is not None
                 stored = quantize_fp8(x, s, cache.kv.dtype)
-            flat[i].index_copy_(0, slots, _bits(stored))
+            flat[i].index_copy_(0, slots, stored.view(torch.uint8) if byte else stored)
 
-    def _groups(
-        self, cache: KVCache, meta: AttentionMetadata, spec: AttentionSpec
-    ) -> list[GroupIndex]:
-        plan = meta.extras.get(PLAN_KEY)
-        if not isinstance(plan, TorchPlan):
-            plan = TorchPlan.from_meta(meta)
-            meta.extras[PLAN_KEY] = plan
+    def forward(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        plan: TorchPlan,
+        spec: AttentionSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of one layer over the step (``AttentionBackend.forward``): the
+        plan's groups for this cache and window, each gathered and attended
+        (``compute.attend_group``) into ``out``.
+
+        Raises:
+            ShapeError, DTypeError: see ``kvpage.attention.checks.check_forward``.
+        """
+        check_forward(query, cache, plan, spec, out)
         row_bytes = cache.num_kv_heads * cache.head_dim * cache.kv.element_size()
         groups = plan.groups(
             cache.block_size, spec.sliding_window, row_bytes, self.stream_min_bytes
         )
-        for g in groups:
-            if g.min_block < 0 or g.max_block >= cache.num_blocks:
-                raise ShapeError(
-                    f"meta.block_tables: expected block ids in [0, {cache.num_blocks - 1}], "
-                    f"got [{g.min_block}, {g.max_block}]"
-                )
-        return groups
-
-    def _attention(
-        self,
-        query: torch.Tensor,
-        cache: KVCache,
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-        out: torch.Tensor | None,
-        decode: bool,
-    ) -> torch.Tensor:
-        check_attention(query, cache, meta, spec, out, decode=decode)
-        groups = self._groups(cache, meta, spec)
+        if plan.device.type != "cpu":  # CPU block tables were checked by check_forward
+            for g in groups:
+                if g.min_block < 0 or g.max_block >= cache.num_blocks:
+                    raise ShapeError(
+                        f"meta.block_tables: expected block ids in [0, {cache.num_blocks - 1}], "
+                        f"got [{g.min_block}, {g.max_block}]"
+                    )
         if out is None:
             out = torch.empty_like(query)
         for g in groups:

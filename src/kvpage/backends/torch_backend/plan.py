@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpage.attention.metadata import AttentionMetadata
+from kvpage.attention.metadata import AttentionMetadata, slot_of
+from kvpage.attention.plan import StepPlan, step_fields
 
 #: a padded group may hold this factor more (query x key) work than real work ...
 PAD_FACTOR = 1.5
@@ -84,25 +85,40 @@ class GroupIndex:
     kv_index: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-@dataclass
-class TorchPlan:
-    """Host copies of the step's lengths and a memo of groups per
-    ``(block_size, sliding_window, bytes per key row)``."""
+@dataclass(frozen=True, kw_only=True)
+class TorchPlan(StepPlan):
+    """The torch backend's step plan: host copies of the step's lengths and block
+    tables, and a memo of groups per ``(block_size, sliding_window, bytes per key row,
+    stream threshold)`` (filled by the first layer that needs them).
 
-    device: torch.device
-    block_tables: torch.Tensor  # host int64 [num_seqs, width]
+    Attributes:
+        block_tables: host int64 ``[num_seqs, width]``.
+        query_lens / seq_lens: host lists per sequence.
+        query_starts: ``[num_seqs + 1]`` first query row of each sequence.
+    """
+
+    block_tables: torch.Tensor
     query_lens: list[int]
     seq_lens: list[int]
     query_starts: list[int]
-    memo: dict[tuple[int, int | None, int, int], list[GroupIndex]] = field(default_factory=dict)
+    memo: dict[tuple[int, int | None, int, int], list[GroupIndex]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @classmethod
     def from_meta(cls, meta: AttentionMetadata) -> TorchPlan:
+        """Validate the step (``kvpage.attention.plan.check_step``) and copy what the
+        groups are built from to the host.
+
+        Raises:
+            ShapeError, DTypeError: see ``check_step``.
+        """
+        fields = step_fields(meta)
         qs = [0]
         for q in meta.query_lens_cpu:
             qs.append(qs[-1] + q)
         return cls(
-            device=meta.seq_lens.device,
+            **fields,
             block_tables=meta.block_tables.to("cpu", torch.int64),
             query_lens=list(meta.query_lens_cpu),
             seq_lens=list(meta.seq_lens_cpu),
@@ -227,7 +243,7 @@ class TorchPlan:
         pos = torch.minimum(kpos, (hi - 1)[:, None])  # padding -> the last (written) key
         tables = self.block_tables[seqs]
         blocks = tables.gather(1, pos // bs)
-        slots = blocks * bs + pos % bs
+        slots = slot_of(blocks, pos, bs)
         j = torch.arange(max_q)[None, :]
         q_valid = j < ql[:, None]
         q_rows = qs[:, None] + torch.minimum(j, (ql - 1)[:, None])
