@@ -27,6 +27,7 @@ SRC = Path(kvpage.__file__).parent
 RANK = {
     "errors": 0,
     "version": 0,
+    "slots": 1,
     "jsonout": 0,
     "stats": 0,
     "data": 0,

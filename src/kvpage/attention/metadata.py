@@ -23,19 +23,14 @@ read of block 0.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvpage.slots import PAD_BLOCK, slot_of, slots_of  # re-exported (the one definition)
+
 if TYPE_CHECKING:
-    import numpy as np
-
     from kvpage.specs import CacheSpec
-
-#: the block-table entry past a sequence's last block (never read)
-PAD_BLOCK = -1
-
-_IndexT = TypeVar("_IndexT", int, "torch.Tensor", "np.ndarray")
 
 #: storage dtype of the cache per CacheSpec.kv_dtype ("auto" = model dtype)
 KV_STORAGE_DTYPES: dict[str, torch.dtype] = {
@@ -53,20 +48,6 @@ MODEL_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-
-
-def slot_of(block_id: _IndexT, position: _IndexT, block_size: int) -> _IndexT:
-    """The cache slot of the token at absolute ``position`` stored in physical block
-    ``block_id`` (``= block_table[position // block_size]``):
-    ``block_id * block_size + position % block_size``. Elementwise for int64 numpy
-    arrays and torch tensors (same shapes or broadcastable)."""
-    return block_id * block_size + position % block_size  # type: ignore[return-value]
-
-
-def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Slots of positions ``start .. end - 1`` of one sequence (``slot_of`` per
-    position) as a host list; ``block_table`` must cover position ``end - 1``."""
-    return [slot_of(block_table[p // block_size], p, block_size) for p in range(start, end)]
 
 
 def _kv_dtype_name(dtype: torch.dtype) -> str:
@@ -301,3 +282,19 @@ class AttentionMetadata:
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),
         )
+
+
+__all__ = [
+    "FP8_MAX",
+    "INT8_MAX",
+    "KV_STORAGE_DTYPES",
+    "MODEL_DTYPES",
+    "PAD_BLOCK",
+    "AttentionMetadata",
+    "KVCache",
+    "allocate_kv_cache",
+    "allocate_layer_cache",
+    "kv_cache_shape",
+    "slot_of",
+    "slots_of",
+]

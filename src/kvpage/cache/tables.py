@@ -1,6 +1,6 @@
 """Step tensors derived from block tables: slot mapping and the batched block table.
 
-Slot of the token at position ``p``: ``kvpage.attention.metadata.slot_of`` (the one
+Slot of the token at position ``p``: ``kvpage.slots.slot_of`` (the one
 definition). Block tables are padded with ``PAD_BLOCK`` (-1), never written or read.
 """
 
@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpage.attention.metadata import PAD_BLOCK, slot_of
 from kvpage.errors import ShapeError
+from kvpage.slots import PAD_BLOCK, slot_of
 
 
 def slot_mapping(
