@@ -107,21 +107,24 @@ class ServerMetrics:
         self.ttft = Histogram(
             "kvpage:time_to_first_token_seconds",
             "Time from request arrival at the server to its first generated token",
+            ["model_name"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
-        )
+        ).labels(model_name=model_name)
         self.tpot = Histogram(
             "kvpage:time_per_output_token_seconds",
             "Mean time between output tokens of a finished request (after the first)",
+            ["model_name"],
             buckets=_TPOT_BUCKETS,
             registry=r,
-        )
+        ).labels(model_name=model_name)
         self.e2e = Histogram(
             "kvpage:e2e_request_latency_seconds",
             "Time from request arrival to its last token",
+            ["model_name"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
-        )
+        ).labels(model_name=model_name)
         self.prefill_tps = Histogram(
             "kvpage:prefill_tokens_per_second",
             "Prompt tokens computed per second of engine step time, per step with prefill",
