@@ -29,7 +29,7 @@ def main() -> None:
 
     llm = E.LLM("stories260K", max_num_seqs=64)
     eng = llm.llm_engine
-    params = E.SamplingParams(max_tokens=64, ignore_eos=True)
+    params = E.SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     for i in range(args.num_seqs):
         eng.add_request(f"r{i}", [1, 5 + i, 6, 7, 8], params)
     for _ in range(3):  # prefill, then a couple of warm decode steps

@@ -198,6 +198,17 @@ class PackedWeight:
         counter; inference tensors have none and are keyed by their storage alone)."""
         if not _packable(x, w):
             return F.linear(x, w, b)
+        return self.packed_linear(x, w, b, version)
+
+    def packed_linear(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        version: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
+        """The oneDNN path of :meth:`__call__`, for a caller that checked
+        ``_packable(x, w)`` itself."""
         key = (w.data_ptr(), version if version is not None else _version(w))
         if key != self.key or self.packed is None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
@@ -229,11 +240,18 @@ class FusedLinear:
         self._packed = PackedWeight()
 
     def _current(self) -> tuple[int, ...]:
-        return tuple(m.weight.data_ptr() for m in self.parts)
+        ptrs = []  # a loop, not a generator: this runs for every fused linear of a step
+        for m in self.parts:
+            ptrs.append(m.weight.data_ptr())
+        return tuple(ptrs)
 
     def _versions(self) -> tuple[int, ...]:
         # parameters re-pointed with ``.data =`` keep their own version counters
-        return tuple(_version(m.weight) for m in self.parts)
+        vs = []
+        for m in self.parts:
+            w = m.weight
+            vs.append(-1 if w.is_inference() else w._version)
+        return tuple(vs)
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight [sum(out_i), in], bias [sum(out_i)] or None)``, re-fused if needed."""
@@ -263,7 +281,9 @@ class FusedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[num_tokens, in]`` -> ``[num_tokens, sum(out_i)]``."""
         w, b = self.weights()
-        return self._packed(x, w, b, self._versions())
+        if not _packable(x, w):  # small products: no version bookkeeping needed
+            return F.linear(x, w, b)
+        return self._packed.packed_linear(x, w, b, self._versions())
 
 
 class MLP(nn.Module):
