@@ -162,6 +162,42 @@ def test_unauthenticated_loopback_only_unless_allowed():
     check_bind(ServerConfig(host="0.0.0.0"), auth_enabled=True)
 
 
+def test_separate_metrics_listener_on_a_public_address_is_refused():
+    """The separate /metrics listener takes no key: binding it beyond loopback needs the
+    same explicit --allow-unauthenticated as an unauthenticated API (fresh-user finding)."""
+    public = {"metrics_port": 9100, "metrics_host": "0.0.0.0"}
+    with pytest.raises(SpecError, match="metrics_host: expected a loopback address"):
+        check_bind(ServerConfig(security=public), auth_enabled=True)
+    check_bind(ServerConfig(security={"metrics_port": 9100}), auth_enabled=True)  # 127.0.0.1
+    check_bind(ServerConfig(security={**public, "allow_unauthenticated": True}), auth_enabled=True)
+
+
+def test_tokenize_and_detokenize_need_a_key_and_bounded_text(server):
+    """/tokenize and /detokenize cost tokenizer time: with keys configured they need one
+    (a keyless 4 MB /tokenize used to stall keyed requests), and text that provably
+    cannot fit the context is refused before it is encoded."""
+    body = {"model": MODEL, "prompt": "Once upon a time"}
+    for path, payload in (("/tokenize", body), ("/detokenize", {"tokens": [1, 2]})):
+        r = httpx.post(server.base_url + path, json=payload, timeout=30)
+        assert r.status_code == 401, (path, r.text)
+        r = httpx.post(
+            server.base_url + path,
+            json=payload,
+            headers={"Authorization": f"Bearer {KEY_SOLO}"},
+            timeout=30,
+        )
+        assert r.status_code == 200, (path, r.text)
+    huge = {"model": MODEL, "prompt": "x" * 200_000}
+    r = httpx.post(
+        server.base_url + "/tokenize",
+        json=huge,
+        headers={"Authorization": f"Bearer {KEY_SOLO}"},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "prompt"
+
+
 def test_keys_never_in_dumped_config_and_file_checks(tmp_path, keys_file):
     cfg = ServerConfig(security={"api_keys": [KEY_SOLO], "api_keys_file": keys_file})
     assert KEY_SOLO not in cfg.model_dump_json() and KEY_SOLO not in repr(cfg)

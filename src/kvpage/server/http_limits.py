@@ -129,7 +129,9 @@ class HTTPGuard:
     # ------------------------------------------------------------------ steps
     def _authenticate(self, scope: Scope) -> None:
         path: str = scope.get("path", "")
-        api = path.startswith("/v1/") or path == "/v1"
+        # every route that reaches the model or the tokenizer needs a key (vLLM's own
+        # check covers /v1 only; /tokenize and /detokenize cost tokenizer time too)
+        api = path.startswith("/v1/") or path in ("/v1", "/tokenize", "/detokenize")
         metrics = path == "/metrics"
         if not self.auth.enabled or not (api or (metrics and self._metrics_need_key)):
             return

@@ -97,8 +97,9 @@ def check_bind(config: ServerConfig, auth_enabled: bool) -> None:
     """Refuse to expose an unauthenticated server; log the security mode.
 
     Raises:
-        SpecError: no API key, ``host`` is not a loopback address and
-            ``security.allow_unauthenticated`` is not set.
+        SpecError: ``security.allow_unauthenticated`` is not set and either there is
+            no API key and ``host`` is not a loopback address, or the separate /metrics
+            listener (``metrics_port``) would bind a non-loopback ``metrics_host``.
     """
     sec = config.security
     metrics = (
@@ -110,8 +111,18 @@ def check_bind(config: ServerConfig, auth_enabled: bool) -> None:
         metrics,
         list(sec.allowed_origins) or "none",
     )
+    if (
+        sec.metrics_port is not None
+        and not is_loopback_host(sec.metrics_host)
+        and not sec.allow_unauthenticated
+    ):
+        raise SpecError(
+            "metrics_host: expected a loopback address (the separate /metrics listener "
+            "takes no key, and its prefix-cache counters are a side channel; docs/serving.md "
+            f"Security), or --allow-unauthenticated, got {sec.metrics_host!r}"
+        )
     if auth_enabled:
-        logger.info("kvpage serve: API keys required on /v1/* (tenants = keys)")
+        logger.info("kvpage serve: API keys required on /v1/*, /tokenize, /detokenize")
         return
     if not is_loopback_host(config.host) and not sec.allow_unauthenticated:
         raise SpecError(

@@ -14,6 +14,8 @@ with 400 naming them, ``model`` (when given) must be the served model (404).
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvpage.server.protocol import APIError, ChatMessage, render_chat
+from kvpage.server.validation import check_text_fits
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "register_utility_routes"]
 
@@ -95,7 +98,13 @@ def register_utility_routes(
             text = render_chat(body.messages)
         else:
             text = body.prompt or ""
-        ids = list(state.tokenizer.encode(text, bos=body.add_special_tokens))
+        # bounded work: text that provably cannot fit the context is refused before
+        # encoding (as for completions), and the pure-Python tokenizer runs on the
+        # tokenize pool, never on the event loop that answers every other request
+        param = "messages" if body.messages is not None else "prompt"
+        check_text_fits(text, state.max_bytes_per_token, state.max_model_len, param)
+        encode = functools.partial(state.tokenizer.encode, text, bos=body.add_special_tokens)
+        ids = list(await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, encode))
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")

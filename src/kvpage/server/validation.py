@@ -57,7 +57,7 @@ def min_prompt_tokens(text: str, max_bytes_per_token: int) -> int:
     return 1 + math.ceil(n / max_bytes_per_token)
 
 
-def _check_text_fits(text: str, bound: int | None, max_model_len: int, param: str) -> None:
+def check_text_fits(text: str, bound: int | None, max_model_len: int, param: str) -> None:
     if bound is None:
         return
     lo = min_prompt_tokens(text, bound)
@@ -146,7 +146,7 @@ def prepare_request(
     if isinstance(body, ChatCompletionRequest):
         _check_text_parts(body)
         text = render_chat(body.messages)
-        _check_text_fits(text, max_bytes_per_token, max_model_len, "messages")
+        check_text_fits(text, max_bytes_per_token, max_model_len, "messages")
         ids = tokenizer.encode(text, bos=True)
         max_name = "max_completion_tokens" if body.max_tokens is None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
@@ -264,7 +264,7 @@ def _prompt_ids(prompt: Any, tokenizer: Any, bound: int | None, max_model_len: i
                 param="prompt",
                 reason="empty_prompt",
             )
-        _check_text_fits(prompt, bound, max_model_len, "prompt")
+        check_text_fits(prompt, bound, max_model_len, "prompt")
         return list(tokenizer.encode(prompt, bos=True))
     vocab = int(tokenizer.vocab_size)
     if not prompt:
