@@ -12,22 +12,52 @@ docs/serving.md and docs/vllm-checklist.md document it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvpage.errors import RequestRejected
 
-__all__ = ["CHAT_ROLES", "apply_chat_template", "fold_lines", "message_text"]
+__all__ = [
+    "CHAT_ROLES",
+    "apply_chat_template",
+    "fold_lines",
+    "message_text",
+    "text_part_problem",
+]
 
 #: roles a message may have (OpenAI's)
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
+#: every line boundary ``str.splitlines`` knows (``\\r\\n`` first, as one break)
+_LINE_BREAKS = re.compile("\r\n|[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
 def fold_lines(text: str) -> str:
-    """A message's text with every line break (``\\r\\n``, ``\\r``, ``\\n``) written as
-    ``"\\n "``, so that no line of it can start with a role name (see the module
-    docstring)."""
-    return text.replace("\r\n", "\n").replace("\r", "\n").replace("\n", "\n ")
+    """A message's text with every line break (``\\r\\n``, ``\\r``, ``\\n`` and the other
+    boundaries of ``str.splitlines``: ``\\v``, ``\\f``, ``\\x1c``-``\\x1e``, ``\\x85``,
+    U+2028, U+2029) written as ``"\\n "``, so that no line of it can start with a role
+    name, however a reader splits lines (see the module docstring)."""
+    return _LINE_BREAKS.sub("\n ", text)
+
+
+def text_part_problem(part: Any) -> tuple[str, str] | None:
+    """Why a message content part cannot be rendered, as ``(field, message)`` (field
+    relative to the part, e.g. ``"type"``), or None for a valid ``{"type": "text",
+    "text": str}`` part. The one rule for ``LLM.chat`` and the server: the model reads
+    text only, and a dropped part or key would change the request silently."""
+    if not isinstance(part, Mapping):
+        return "", f"expected a dict {{'type': 'text', 'text': ...}}, got {part!r}"[:200]
+    kind = part.get("type")
+    if kind != "text":
+        return "type", f"expected 'text' (this model reads text only), got {kind!r}"
+    if not isinstance(part.get("text"), str):
+        return "text", f"expected a string, got {part.get('text')!r}"[:200]
+    extra = sorted(str(k) for k in part if k not in ("type", "text"))
+    if extra:
+        return extra[0], f"expected only 'type' and 'text' in a text part, got {extra[0]!r}"
+    return None
 
 
 def message_text(content: Any) -> str:
@@ -78,5 +108,19 @@ def apply_chat_template(messages: Sequence[Mapping[str, Any]]) -> str:
                 f"got {type(content).__name__}",
                 reason="invalid_prompt",
             )
+        extra = sorted(str(k) for k in m if k not in ("role", "content"))
+        if extra:
+            raise RequestRejected(
+                f"messages[{i}].{extra[0]}: expected only role and content (kvpage's "
+                f"template renders nothing else), got {extra[0]!r}",
+                reason="invalid_prompt",
+            )
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                problem = text_part_problem(part)
+                if problem is not None:
+                    field, why = problem
+                    where = f"messages[{i}].content[{j}]" + (f".{field}" if field else "")
+                    raise RequestRejected(f"{where}: {why}", reason="invalid_prompt")
         out.append(f"{role}: {fold_lines(message_text(content))}\n")
     return "".join(out) + "assistant:"

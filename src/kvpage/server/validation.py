@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvpage.engine.chat import text_part_problem
 from kvpage.server.fields import check_extra_fields
 from kvpage.server.protocol import (
     APIError,
@@ -224,27 +225,23 @@ def prepare_request(
 
 def _check_text_parts(body: ChatCompletionRequest) -> None:
     """Refuse any content part that is not ``{"type": "text", "text": str}`` (images,
-    audio, files ...): the model reads text only, and a dropped part would change the
-    request silently."""
+    audio, files, extra keys ...): ``kvpage.engine.chat.text_part_problem``, the rule
+    ``LLM.chat`` applies too."""
     for i, m in enumerate(body.messages):
         if not isinstance(m.content, list):
             continue
         for j, part in enumerate(m.content):
-            where = f"messages[{i}].content[{j}]"
-            kind = part.get("type")
-            if kind != "text":
-                raise APIError(
-                    400,
-                    f"{where}.type: expected 'text' (this model reads text only), got {kind!r}",
-                    param=f"{where}.type",
-                    reason="unsupported_content",
-                )
-            if not isinstance(part.get("text"), str):
-                raise APIError(
-                    400,
-                    f"{where}.text: expected a string, got {part.get('text')!r}"[:200],
-                    param=f"{where}.text",
-                )
+            problem = text_part_problem(part)
+            if problem is None:
+                continue
+            field, why = problem
+            param = f"messages[{i}].content[{j}]" + (f".{field}" if field else "")
+            raise APIError(
+                400,
+                f"{param}: {why}",
+                param=param,
+                reason="unsupported_content" if field == "type" else "invalid_request",
+            )
 
 
 def _prompt_ids(prompt: Any, tokenizer: Any, bound: int | None, max_model_len: int) -> list[int]:
