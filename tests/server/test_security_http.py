@@ -302,7 +302,7 @@ def test_json_nesting_and_header_limits(small_server):
 def test_slow_body_gets_408(small_server):
     with socket.create_connection((small_server.host, small_server.port), timeout=10) as s:
         s.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: 100\r\n\r\n{"
         )
         t0 = time.monotonic()
@@ -384,3 +384,22 @@ def test_cli_keys_env_and_unauthenticated_refusal(monkeypatch, capsys):
     args = _cli_args(["--prefix-cache-scope", "everyone"])
     with pytest.raises(SpecError, match="prefix_cache_scope"):
         config_from_args(args)
+
+
+def test_keyless_loopback_server_refuses_foreign_host_headers(serve):
+    """DNS rebinding: a page whose own name resolves to 127.0.0.1 sends that name as Host;
+    a server without keys on loopback answers only loopback names (fresh-user finding).
+    With keys configured, a foreign Host is fine (the key is the guard)."""
+    srv = serve()
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    port = srv.base_url.rsplit(":", 1)[1]
+    for host in (f"attacker.example:{port}", "attacker.example", f"10.1.2.3:{port}"):
+        r = httpx.post(srv.base_url + "/v1/completions", json=body, headers={"Host": host})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host", host
+        assert httpx.get(srv.base_url + "/metrics", headers={"Host": host}).status_code == 400
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "localhost"):
+        r = httpx.post(srv.base_url + "/v1/completions", json=body, headers={"Host": host})
+        assert r.status_code == 200, (host, r.text)
+    assert (
+        httpx.get(srv.base_url + "/health", headers={"Host": "attacker.example"}).status_code == 200
+    )

@@ -34,7 +34,7 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from kvpage.server.auth import Authenticator, bearer_token
+from kvpage.server.auth import Authenticator, bearer_token, is_loopback_host
 from kvpage.server.config import SecurityConfig
 from kvpage.server.protocol import error_body
 
@@ -84,6 +84,10 @@ class HTTPGuard:
         auth: the key table (``auth.enabled`` False: no key is required).
         on_refusal: called with the reason of every refusal (metrics).
         metrics_need_key: whether ``/metrics`` on this listener needs a key.
+        loopback_host_only: refuse (400) a request whose ``Host`` header names anything
+            but a loopback address or ``localhost``: set for an unauthenticated server on
+            loopback, where a web page could otherwise reach it by DNS rebinding (its
+            own name resolving to 127.0.0.1).
         health: answers ``GET /health`` here, before routing, as ``(status, body)``
             (cheap: no framework work while the server is loaded); None = the app does.
     """
@@ -96,6 +100,7 @@ class HTTPGuard:
         on_refusal: Callable[[str], None] | None = None,
         metrics_need_key: bool = True,
         health: Callable[[], tuple[int, dict[str, Any]]] | None = None,
+        loopback_host_only: bool = False,
     ) -> None:
         self.app = app
         self.security = security
@@ -103,6 +108,7 @@ class HTTPGuard:
         self._on_refusal = on_refusal
         self._metrics_need_key = metrics_need_key
         self._health = health
+        self._loopback_host_only = loopback_host_only
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -114,6 +120,8 @@ class HTTPGuard:
                 status, payload = self._health()
                 await _send_json(send, status, payload)
                 return
+            if self._loopback_host_only:
+                _check_loopback_host(scope)
             self._authenticate(scope)
             if scope["method"] == "POST":
                 _check_content_type(scope)
@@ -244,6 +252,24 @@ def _check_headers(scope: Scope, limit: int) -> None:
             "headers_too_large",
             "headers_too_large",
             Connection="close",
+        )
+
+
+def _check_loopback_host(scope: Scope) -> None:
+    """400 unless the ``Host`` header names a loopback address or ``localhost`` (DNS
+    rebinding: a page whose own name resolves to 127.0.0.1 sends its name as Host)."""
+    host = _header(scope, b"host") or ""
+    name = host.rsplit(":", 1)[0] if host.count(":") == 1 or host.endswith("]") else host
+    if host.startswith("[") and "]" in host:
+        name = host[1 : host.index("]")]
+    if not is_loopback_host(name):
+        raise _Refusal(
+            400,
+            f"Host: expected a loopback name (localhost, 127.0.0.1, [::1]) on a server "
+            f"without API keys (DNS rebinding), got {host[:100]!r}",
+            "invalid_request_error",
+            "invalid_host",
+            "invalid_host",
         )
 
 

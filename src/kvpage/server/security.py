@@ -46,6 +46,7 @@ def install_security(app: Any, state: Any) -> None:
         on_refusal=lambda reason: state.metrics.rejected.labels(reason=reason).inc(),
         metrics_need_key=sec.metrics_port is None,
         health=state.health,
+        loopback_host_only=not state.auth.enabled and is_loopback_host(state.config.host),
     )
     if sec.allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
