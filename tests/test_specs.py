@@ -335,3 +335,36 @@ def test_required_presets_exist_and_unknown_fails() -> None:
 def test_attention_spec_is_json_serialisable() -> None:
     a = AttentionSpec(num_q_heads=4, num_kv_heads=1, head_dim=16, sliding_window=8)
     assert AttentionSpec.model_validate_json(a.model_dump_json()) == a
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("rms_norm_eps", float("nan")),
+        ("rope_theta", -1.0),
+        ("rope_theta", float("inf")),
+        ("hidden_size", "64"),
+        ("hidden_size", True),
+        ("max_position_embeddings", 256.7),
+        ("num_hidden_layers", -1),
+    ],
+)
+def test_hf_config_numbers_are_checked(key, value):
+    """A config with NaN/negative/non-integer numbers is refused by name instead of
+    building a model that emits garbage (fresh-user finding: NaN rms_norm_eps ran)."""
+    from kvpage.errors import SpecError
+    from kvpage.models.config import arch_from_hf
+
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        key: value,
+    }
+    with pytest.raises(SpecError, match=rf"config\.{key}: expected"):
+        arch_from_hf(cfg)

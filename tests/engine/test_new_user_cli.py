@@ -74,7 +74,7 @@ LLAMA = {
         ({"config.json": b"[1, 2]"}, "config.json: expected a JSON object"),
         (
             {"config.json": json.dumps({**LLAMA, "hidden_size": "big"}).encode()},
-            "config.json: expected HF config values",
+            "config.hidden_size: expected a positive integer, got 'big'",
         ),
         (
             {"config.json": json.dumps(LLAMA).encode(), "model.safetensors": os.urandom(300)},

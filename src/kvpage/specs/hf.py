@@ -9,6 +9,7 @@ source of layer count, head counts and ``head_dim``.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -83,6 +84,41 @@ def _req(cfg: Mapping[str, Any], key: str) -> Any:
     return cfg[key]
 
 
+#: HF config keys that must be positive ints when present (sizes, counts, lengths)
+_INT_KEYS = (
+    "hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+    "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim",
+    "sliding_window", "n_layer", "n_head", "n_embd", "n_positions", "n_inner",
+)  # fmt: skip
+#: ... that must be finite positive numbers when present
+_POSITIVE_KEYS = (
+    "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta",
+    "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
+)  # fmt: skip
+
+
+def check_hf_numbers(cfg: Mapping[str, Any]) -> None:
+    """Refuse a config whose sizes are not positive ints (``"64"``, ``256.7``, ``true``,
+    ``-1``) or whose epsilons, RoPE base and soft caps are not finite positive numbers
+    (``NaN``, ``Infinity`` — Python's JSON reader accepts both): a model built from them
+    would run and emit garbage. Keys that are absent or null are left to the readers.
+
+    Raises:
+        SpecError: ``"config.<key>: expected ..., got ..."``.
+    """
+    for key in _INT_KEYS:
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise SpecError(f"config.{key}: expected a positive integer, got {v!r}")
+    for key in _POSITIVE_KEYS:
+        v = cfg.get(key)
+        if v is None:
+            continue
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not ok or not math.isfinite(v) or v <= 0:
+            raise SpecError(f"config.{key}: expected a finite number > 0, got {v!r}")
+
+
 @dataclass(frozen=True)
 class HFAttentionShape:
     """Attention sizes of an HF config (GPT-2 and Llama-family key names).
@@ -113,6 +149,7 @@ def hf_attention_shape(cfg: Mapping[str, Any]) -> HFAttentionShape:
     """
     mt = cfg.get("model_type")
     if mt == "gpt2":
+        check_hf_numbers(cfg)
         n_layers = int(_req(cfg, "n_layer"))
         heads = int(_req(cfg, "n_head"))
         hidden = int(_req(cfg, "n_embd"))
@@ -120,6 +157,7 @@ def hf_attention_shape(cfg: Mapping[str, Any]) -> HFAttentionShape:
             raise SpecError(f"config.n_embd: expected a multiple of n_head={heads}, got {hidden}")
         return HFAttentionShape(mt, n_layers, hidden, heads, heads, hidden // heads)
     mt = check_architecture(cfg, PLAN_MODEL_TYPES)  # one line naming what is missing
+    check_hf_numbers(cfg)
     n_layers = int(_req(cfg, "num_hidden_layers"))
     heads = int(_req(cfg, "num_attention_heads"))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
