@@ -235,3 +235,11 @@ def test_parse_bytes_names_the_option() -> None:
     with pytest.raises(SpecError, match=r"^overhead_bytes: expected at most 1 PiB"):
         parse_bytes("5PB", "overhead_bytes")
     assert parse_bytes("1PiB") == 1 << 50
+
+
+@pytest.mark.parametrize("pct", ["inf,inf,inf", "1,2,inf", "nan,1,2"])
+def test_plan_refuses_non_finite_percentiles(pct: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--prompt-pct inf used to print int64-overflowed percentiles with exit 0."""
+    args = ["plan", "--model", "llama-3-8b", "--memory", "80GB"]
+    assert main([*args, "--prompt-pct", pct, "--output-pct", "1,2,3"]) == 2
+    assert "expected finite 0 < p50 <= p95 <= p99" in capsys.readouterr().err

@@ -60,15 +60,15 @@ class Workload:
         truncation at p99 understates the extreme tail; pass a trace when you have one.
 
         Raises:
-            SpecError: percentiles not positive and non-decreasing.
+            SpecError: percentiles not finite, positive and non-decreasing.
         """
         return cls(_quantile_samples(prompt, n), _quantile_samples(output, n), "percentiles")
 
 
 def _quantile_samples(p: tuple[float, float, float], n: int) -> np.ndarray:
     p50, p95, p99 = (float(x) for x in p)
-    if not (0 < p50 <= p95 <= p99):
-        raise SpecError(f"percentiles: expected 0 < p50 <= p95 <= p99, got {p}")
+    if not (0 < p50 <= p95 <= p99 and math.isfinite(p99)):
+        raise SpecError(f"percentiles: expected finite 0 < p50 <= p95 <= p99, got {p}")
     from statistics import NormalDist
 
     u = (np.arange(n) + 0.5) / n
