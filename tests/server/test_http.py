@@ -583,3 +583,16 @@ def test_unexpected_errors_are_counted_500s(server, monkeypatch):
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     after = metrics_dict(httpx.get(server.base_url + "/metrics").text)[key]
     assert after - before == 1
+
+
+def test_stream_options_without_stream_is_refused(server):
+    """As OpenAI and vLLM: stream_options would do nothing on a non-streamed request, so it
+    is a 400 naming it, not silently accepted (fresh-user finding)."""
+    for path, extra in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        body = {"model": "stories260K", "max_tokens": 1, "stream_options": {"include_usage": True}}
+        r = httpx.post(server.base_url + path, json={**body, **extra}, timeout=30)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "stream_options"

@@ -208,6 +208,13 @@ def serve_main(args: argparse.Namespace) -> int:
             print(f"kvpage serve: {exc}", file=sys.stderr)
             return 2
         sys.stdout.write(dump_config(cfg, args.dump_format))
+        if cfg.security.api_keys or cfg.security.metrics_api_keys:
+            print(  # secrets are never written; a restored config must get them again
+                "kvpage serve: note: --api-key/--metrics-api-key values are not written to "
+                "the dumped config; pass them again (or KVPAGE_API_KEY / --api-keys-file) "
+                "when starting from it",
+                file=sys.stderr,
+            )
         return 0
     import logging
 

@@ -129,6 +129,13 @@ def prepare_request(
             f"got {body.stop_token_ids!r}"[:300],
             param="stop_token_ids",
         )
+    if body.stream_options is not None and not body.stream:
+        raise APIError(  # as OpenAI and vLLM: the options would do nothing
+            400,
+            "stream_options: expected unset unless stream is true, got "
+            f"{body.stream_options.model_dump()!r}",
+            param="stream_options",
+        )
     stops = body.stop_strings()
     if any(not x for x in stops):
         raise APIError(
