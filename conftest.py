@@ -12,6 +12,9 @@ from hypothesis import HealthCheck, Phase, settings
 settings.register_profile(
     "ci",
     max_examples=15,
+    # the same draws on every run: a default (CI) run cannot fail by chance on a draw no
+    # earlier run made (issue 10); the random search is the "thorough" profile's job
+    derandomize=True,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True,
