@@ -249,8 +249,7 @@ class FusedLinear:
         # parameters re-pointed with ``.data =`` keep their own version counters
         vs = []
         for m in self.parts:
-            w = m.weight
-            vs.append(-1 if w.is_inference() else w._version)
+            vs.append(_version(m.weight))
         return tuple(vs)
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:

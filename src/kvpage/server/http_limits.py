@@ -33,6 +33,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvpage.server.auth import Authenticator, bearer_token, is_loopback_host
 from kvpage.server.config import SecurityConfig
@@ -259,9 +260,10 @@ def _check_loopback_host(scope: Scope) -> None:
     """400 unless the ``Host`` header names a loopback address or ``localhost`` (DNS
     rebinding: a page whose own name resolves to 127.0.0.1 sends its name as Host)."""
     host = _header(scope, b"host") or ""
-    name = host.rsplit(":", 1)[0] if host.count(":") == 1 or host.endswith("]") else host
-    if host.startswith("[") and "]" in host:
-        name = host[1 : host.index("]")]
+    try:  # "name", "name:port", "[v6]:port" -> name (the URL parser's own rules)
+        name = urlsplit("//" + host).hostname or ""
+    except ValueError:  # e.g. a bad port
+        name = ""
     if not is_loopback_host(name):
         raise _Refusal(
             400,
