@@ -9,6 +9,7 @@ queries, a poisoned cache (NaN everywhere) holding exactly the sequences' tokens
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -232,6 +233,16 @@ def clone_cache(cache: KVCache) -> KVCache:
     )
 
 
+def split_block_ids(ids: Sequence[int], counts: Sequence[int]) -> list[list[int]]:
+    """Consecutive runs of ``ids``, ``counts[i]`` ids for sequence ``i`` (block tables
+    from one list of physical block ids)."""
+    tables, k = [], 0
+    for n in counts:
+        tables.append(list(ids[k : k + n]))
+        k += n
+    return tables
+
+
 def make_case(
     seq_lens: tuple[int, ...],
     query_lens: tuple[int, ...] | None = None,
@@ -258,10 +269,7 @@ def make_case(
     need = [-(-n // bs) for n in seq_lens]
     nb = sum(need) + 3
     perm = (torch.randperm(nb - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
-    tables, k = [], 0
-    for n in need:
-        tables.append(tuple(perm[k : k + n]))
-        k += n
+    tables = [tuple(t) for t in split_block_ids(perm, need)]
     spec = AttentionSpec(
         num_q_heads=hq, num_kv_heads=hk, head_dim=hd, sliding_window=window, logits_soft_cap=cap
     )

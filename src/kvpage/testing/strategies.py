@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.specs import make_attention_spec
-from kvpage.testing.cases import AttentionCase
+from kvpage.testing.cases import AttentionCase, split_block_ids
 
 HEAD_DIMS = (8, 16, 64, 80, 96, 112, 128, 256)
 GQA_RATIOS = (1, 2, 4, 8)
@@ -210,10 +210,7 @@ def attention_cases(
                 ids.append(x)
     else:
         ids = (torch.randperm(num_blocks - 1, generator=gen)[:total] + 1).tolist()
-    tables, k = [], 0
-    for n in needed:
-        tables.append(tuple(ids[k : k + n]))
-        k += n
+    tables = [tuple(t) for t in split_block_ids(ids, needed)]
     granularity = draw(st.sampled_from(("per_tensor", "per_head")))
     nsc = kv_heads if granularity == "per_head" else 1
     ks = tuple(draw(st.sampled_from((0.05, 0.25, 0.5, 1.0, 2.0))) for _ in range(nsc))
@@ -261,8 +258,5 @@ def layouts(
     total = sum(needed)
     num_blocks = total + 1 + draw(st.integers(0, 4))
     perm = draw(st.permutations(list(range(1, num_blocks))))
-    tables, k = [], 0
-    for n in needed:
-        tables.append(list(perm[k : k + n]))
-        k += n
+    tables = split_block_ids(perm, needed)
     return bs, tables, num_blocks
