@@ -110,3 +110,36 @@ def test_hybrid_usage_is_the_binding_group() -> None:
     assert mgr.num_free_blocks == 4  # min over groups
     assert mgr.stats.window_blocks_freed == 5
     mgr.check_integrity()
+
+
+class _Recorder:
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.events: list[tuple] = []
+
+    def on_stored(self, block_id: int, block_hash: bytes) -> None:
+        self.events.append(("stored", block_id, block_hash))
+
+    def on_evicted(self, block_id: int, block_hash: bytes) -> None:
+        # the hash entry must still be there while the listener runs (a tier copies out here)
+        assert self.pool.cached_block_id(block_hash) == block_id
+        self.events.append(("evicted", block_id, block_hash))
+
+    def on_cleared(self) -> None:
+        self.events.append(("cleared",))
+
+
+def test_pool_listeners_see_store_evict_clear_in_order():
+    pool = BlockPool(3)
+    rec = _Recorder(pool)
+    pool.listeners.append(rec)
+    a, b = pool.allocate(2)
+    assert pool.cache_block(a, b"h1")
+    assert not pool.cache_block(b, b"h1")  # duplicate content: no event
+    pool.free([a, b])  # b (uncached) to the head, a (cached) to the tail
+    pool.allocate(2)  # takes b, then evicts a
+    assert rec.events == [("stored", a.block_id, b"h1"), ("evicted", a.block_id, b"h1")]
+    pool.free(pool.blocks[1:])
+    pool.cache_block(1, b"h2")
+    assert pool.reset_prefix_cache()
+    assert rec.events[-2:] == [("stored", 1, b"h2"), ("cleared",)]

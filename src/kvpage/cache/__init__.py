@@ -8,7 +8,13 @@ prefix-cache keys (stable across processes, so a router can compute them too);
 Pure Python + numpy: no torch kernels, no engine imports.
 """
 
-from kvpage.cache.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVBlock
+from kvpage.cache.block_pool import (
+    NULL_BLOCK_ID,
+    BlockPool,
+    FreeBlockQueue,
+    KVBlock,
+    PoolListener,
+)
 from kvpage.cache.group_managers import FullAttentionManager, GroupManager, SlidingWindowManager
 from kvpage.cache.hashing import (
     BlockHash,
@@ -34,6 +40,7 @@ __all__ = [
     "KVAllocator",
     "KVBlock",
     "KVCacheManager",
+    "PoolListener",
     "SlidingWindowManager",
     "batch_block_tables",
     "encode_extra_keys",

@@ -20,6 +20,7 @@ queue in O(1). This is the design of vLLM v1's ``FreeKVCacheBlockQueue`` (vLLM d
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
 
 from kvpage.errors import AllocationError, IntegrityError
 
@@ -118,6 +119,27 @@ class FreeBlockQueue:
         return [b.block_id for b in self]
 
 
+class PoolListener(Protocol):
+    """Observer of the three pool changes a KV tier or a router needs (the seam of
+    docs/architecture.md, "Seams for tiers and events").
+
+    Calls happen synchronously inside the pool method, in pool order; a listener must
+    not call back into the pool's mutating methods.
+    """
+
+    def on_stored(self, block_id: int, block_hash: bytes) -> None:
+        """Block ``block_id`` now holds the content keyed ``block_hash`` (it became a
+        prefix-cache hit candidate); called after :meth:`BlockPool.cache_block` succeeds."""
+
+    def on_evicted(self, block_id: int, block_hash: bytes) -> None:
+        """Cached block ``block_id`` is about to be reused for new content: its KV data is
+        still intact during this call (a tier copies it out here); the hash entry is
+        dropped right after."""
+
+    def on_cleared(self) -> None:
+        """Every hash entry of the pool was forgotten (``reset_prefix_cache``)."""
+
+
 class BlockPool:
     """All blocks of one KV group.
 
@@ -130,6 +152,8 @@ class BlockPool:
         free_queue: the free blocks in eviction order.
         cached: block hash -> the block holding that content.
         num_evictions: cached blocks reused for other content so far.
+        listeners: :class:`PoolListener` objects told of every store, eviction and
+            clear (empty by default: then each change costs one empty-list check).
     """
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
@@ -144,6 +168,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
+        self.listeners: list[PoolListener] = []
 
     # ---- queries ----------------------------------------------------------------------
     @property
@@ -228,6 +253,9 @@ class BlockPool:
         """Drop the hash entry of cached block ``b`` just taken for new content (the one
         place where cached content leaves this pool: see docs/architecture.md, seams)."""
         h = b.block_hash
+        if h is not None and self.listeners:
+            for listener in self.listeners:
+                listener.on_evicted(b.block_id, h)
         if h is not None and self.cached.get(h) is b:
             del self.cached[h]
         b.block_hash = None
@@ -307,6 +335,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        for listener in self.listeners:
+            listener.on_stored(block.block_id, block_hash)
         return True
 
     def reset_prefix_cache(self) -> bool:
@@ -316,6 +346,8 @@ class BlockPool:
         for b in self.cached.values():
             b.block_hash = None
         self.cached.clear()
+        for listener in self.listeners:
+            listener.on_cleared()
         return True
 
     # ---- checking ---------------------------------------------------------------------
