@@ -89,7 +89,9 @@ def parse_bytes(text: str | int | float, name: str = "memory") -> int:
             val = float(m.group(1)) * mult
         except ValueError:
             raise SpecError(f"{name}: expected a number, got {text!r}") from None
-    if not (val >= 0) or math.isinf(val):
+    if math.isinf(val):
+        raise SpecError(f"{name}: expected a finite size (at most 1 PiB), got {text!r}")
+    if not (val >= 0):
         raise SpecError(f"{name}: expected >= 0 bytes, got {text!r}")
     if val > MAX_BYTES:
         raise SpecError(
@@ -368,7 +370,7 @@ def plan_capacity(
             spec, plan.usable_blocks, workload, plan.model_max_len, num_seqs
         )
     elif num_seqs is not None:  # needs no length samples: blocks per sequence suffice
-        plan.workload = max_len_for_num_seqs(spec, plan.usable_blocks, num_seqs)
+        plan.workload = max_len_for_num_seqs(spec, plan.usable_blocks, num_seqs, plan.model_max_len)
     return plan
 
 

@@ -11,6 +11,7 @@ a ``"module:function"`` line.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 from typing import Any
@@ -44,9 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpage",
         description="Paged KV-cache LLM inference: generate, replay traces, serve, plan.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"kvpage {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # allow_abbrev=False everywhere: an abbreviated option ("--max-num" for "--max-num-seqs")
+    # is refused by name instead of silently meaning whichever option it prefixes today
+    sub = parser.add_subparsers(
+        dest="command",
+        metavar="COMMAND",
+        required=True,
+        parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False),
+    )
     for target in SUBCOMMANDS:
         module, func = target.split(":")
         try:

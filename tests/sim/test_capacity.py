@@ -195,7 +195,15 @@ def test_workload_answers_by_hand():
     out = analyze_workload(spec, usable_blocks=20, wl=wl, max_model_len=16, num_seqs=3)
     assert out["concurrent_seqs_paged_final_len"] == pytest.approx(20 / 2)  # 8 tokens = 2 blocks
     assert out["concurrent_seqs_contiguous_max_model_len"] == 20 // 4
-    assert out["max_model_len_for_num_seqs"] == (20 // 3) * 4
+    # (20 // 3) * 4 = 24 tokens fit per sequence, but the model's context is 16
+    assert out["max_model_len_for_num_seqs"] == 16
+    assert out["limited_by"] == "model_context"
+    wide = analyze_workload(spec, usable_blocks=20, wl=wl, max_model_len=64, num_seqs=3)
+    assert wide["max_model_len_for_num_seqs"] == (20 // 3) * 4
+    assert wide["limited_by"] == "kv_memory"
+    crowd = analyze_workload(spec, usable_blocks=20, wl=wl, max_model_len=64, num_seqs=21)
+    assert crowd["max_model_len_for_num_seqs"] == 0
+    assert crowd["limited_by"] == "too_many_seqs"
     # lengths 6..8 hold 2 blocks: padding 2, 1, 0 -> mean between 0 and 2
     assert 0 < out["fragmentation_slots_per_seq"] < 2
 

@@ -88,7 +88,9 @@ def test_plan_num_seqs_works_without_a_workload(capsys: pytest.CaptureFixture[st
     assert d["workload"] == {
         "num_seqs": 64,
         "max_model_len_for_num_seqs": per_seq_blocks * d["block_size"],
+        "limited_by": "kv_memory",
     }
+    assert per_seq_blocks * d["block_size"] < d["model_max_len"]
     assert main(argv) == 0  # without --num-seqs: no answer invented
     assert json.loads(capsys.readouterr().out)["workload"] == {}
 

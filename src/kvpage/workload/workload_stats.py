@@ -125,18 +125,23 @@ def analyze_workload(
         "requests_over_max_model_len": int((plen + olen > mml).sum()),
     }
     if num_seqs is not None:
-        out.update(max_len_for_num_seqs(spec, usable_blocks, num_seqs))
+        out.update(max_len_for_num_seqs(spec, usable_blocks, num_seqs, mml))
     return out
 
 
-def max_len_for_num_seqs(spec: CacheSpec, usable_blocks: int, num_seqs: int) -> dict[str, Any]:
+def max_len_for_num_seqs(
+    spec: CacheSpec, usable_blocks: int, num_seqs: int, model_max_len: int | None = None
+) -> dict[str, Any]:
     """The largest max_model_len at which ``num_seqs`` sequences, all at full length, fit
-    in ``usable_blocks``: ``(usable_blocks // num_seqs) * block_size`` tokens; None when
-    the model slides on every layer and one sequence's worst case already fits (any
-    length does).
+    in ``usable_blocks``: ``(usable_blocks // num_seqs) * block_size`` tokens, capped at
+    the model's context ``model_max_len`` when given; None when the model slides on every
+    layer and one sequence's worst case already fits (any length does, up to the context).
 
     Returns:
-        ``{"num_seqs": num_seqs, "max_model_len_for_num_seqs": int | None}``.
+        ``{"num_seqs": num_seqs, "max_model_len_for_num_seqs": int | None,
+        "limited_by": "kv_memory" | "model_context" | "too_many_seqs"}``: ``too_many_seqs``
+        (with length 0) when ``num_seqs`` exceeds ``usable_blocks``, so not even one block
+        per sequence fits.
 
     Raises:
         SpecError: ``num_seqs < 1``.
@@ -147,9 +152,16 @@ def max_len_for_num_seqs(spec: CacheSpec, usable_blocks: int, num_seqs: int) -> 
     # a sliding-only model holds at most blocks_per_sequence(inf) blocks per sequence:
     # if that fits, any length fits (None = unbounded by KV memory)
     cap = int(blocks_per_sequence(spec, 1 << 40))
+    length: int | None = None if per >= cap else int(per * spec.block_size)
+    limited_by = "kv_memory"
+    if per == 0:
+        limited_by = "too_many_seqs"
+    elif model_max_len is not None and (length is None or length >= model_max_len):
+        length, limited_by = int(model_max_len), "model_context"
     return {
         "num_seqs": num_seqs,
-        "max_model_len_for_num_seqs": None if per >= cap else int(per * spec.block_size),
+        "max_model_len_for_num_seqs": length,
+        "limited_by": limited_by,
     }
 
 
