@@ -11,7 +11,6 @@ a ``"module:function"`` line.
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import sys
 from typing import Any
@@ -38,6 +37,14 @@ def _unavailable(subparsers: Any, target: str, error: Exception) -> None:
     p.set_defaults(func=run)
 
 
+class _NoAbbrevParser(argparse.ArgumentParser):
+    """A sub-command parser that refuses abbreviated long options."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(**kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every registered subcommand."""
     from kvpage import __version__
@@ -54,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="command",
         metavar="COMMAND",
         required=True,
-        parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False),
+        parser_class=_NoAbbrevParser,
     )
     for target in SUBCOMMANDS:
         module, func = target.split(":")
