@@ -165,3 +165,14 @@ def test_mooncake_missing_key_message(tmp_path):
     p.write_text("[1, 2]\n")
     with pytest.raises(TraceError, match="got a JSON list"):
         load_mooncake_jsonl(p)
+
+
+def test_trace_spanning_centuries_is_refused(tmp_path):
+    # a timestamp typo (1e300 ms) would make a replay wait forever: refused by name
+    row = '{{"timestamp": {t}, "input_length": 10, "output_length": 1, "hash_ids": [0]}}\n'
+    p = tmp_path / "far.jsonl"
+    p.write_text(row.format(t=0) + row.format(t=1e300))
+    with pytest.raises(TraceError, match=r"far.jsonl: request 1: arrival: expected at most"):
+        load_mooncake_jsonl(p)
+    p.write_text(row.format(t=0) + row.format(t=7 * 86400 * 1000))  # one week: fine
+    assert load_mooncake_jsonl(p).duration_s == pytest.approx(7 * 86400)

@@ -165,13 +165,25 @@ def _check_limit(limit: int | None) -> None:
         raise TraceError(f"limit: expected None (all rows) or an int >= 1, got {limit!r}")
 
 
+#: longest trace span accepted, in seconds (366 days). Public traces span an hour to a
+#: week; a replay waits real time between arrivals, so a span of centuries (a timestamp
+#: typo such as 1e300 ms) would hang it instead of failing.
+MAX_TRACE_SPAN_S = 366 * 86400.0
+
+
 def _finish(name: str, path: str, fmt: str, reqs: list[TraceRequest], *, relative: bool) -> Trace:
-    """Refuse an empty trace; sort by arrival (stable); with ``relative`` make times
-    relative to the earliest request."""
+    """Refuse an empty trace or one spanning more than :data:`MAX_TRACE_SPAN_S`; sort by
+    arrival (stable); with ``relative`` make times relative to the earliest request."""
     if not reqs:
         raise TraceError(f"{Path(path).name}: expected at least 1 request, got no requests")
     reqs.sort(key=lambda r: r.arrival_s)  # stable: equal timestamps keep file order
     t0 = reqs[0].arrival_s
+    last = reqs[-1]
+    if last.arrival_s - (t0 if relative else 0.0) > MAX_TRACE_SPAN_S:
+        raise TraceError(
+            f"{Path(path).name}: request {last.index}: arrival: expected at most "
+            f"{MAX_TRACE_SPAN_S:,.0f} s (366 days) after the trace start, got {last.arrival_s:g} s"
+        )
     if relative:
         reqs = [
             TraceRequest(
