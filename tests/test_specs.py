@@ -368,3 +368,21 @@ def test_hf_config_numbers_are_checked(key, value):
     }
     with pytest.raises(SpecError, match=rf"config\.{key}: expected"):
         arch_from_hf(cfg)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needs"),
+    [
+        ({"architectures": ["JambaForCausalLM"]}, "hybrid SSM state"),
+        ({"architectures": ["MixtralForCausalLM"]}, "MoE"),
+        ({"architectures": ["LlamaForCausalLM"], "num_local_experts": 8}, "MoE"),
+        ({"architectures": ["LlamaForCausalLM"], "kv_lora_rank": 512}, "MLA"),
+    ],
+)
+def test_supported_model_type_beside_an_unsupported_architecture_is_refused(extra, needs):
+    from kvpage.specs.architectures import check_architecture
+
+    cfg = {"model_type": "llama", **extra}
+    with pytest.raises(SpecError, match=f"model_type 'llama' with architectures .*{needs}"):
+        check_architecture(cfg)
+    assert check_architecture({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})

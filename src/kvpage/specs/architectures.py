@@ -87,6 +87,22 @@ def missing_features(cfg: Mapping[str, Any]) -> str | None:
     return " and ".join(found) or None
 
 
+def _architecture_clash(arch: object) -> str | None:
+    """What an ``architectures`` entry of a known unsupported family (``JambaForCausalLM``
+    -> ``jamba``) needs, or None: a config may carry a supported ``model_type`` beside
+    such a class name, and the class is what transformers would build."""
+    if not isinstance(arch, list):
+        return None
+    families = {k.replace("_", ""): v for k, v in UNSUPPORTED_ARCHITECTURES.items()}
+    for a in arch:
+        stem = str(a).lower()
+        for suffix in ("forcausallm", "forconditionalgeneration", "lmheadmodel", "model"):
+            stem = stem.removesuffix(suffix)
+        if stem in families:
+            return families[stem]
+    return None
+
+
 def check_architecture(cfg: Mapping[str, Any], supported: Sequence[str] = MODEL_TYPES) -> str:
     """Refuse a config whose ``model_type`` is not in ``supported``, in one line that
     names the architecture and what kvpage lacks to run it.
@@ -102,12 +118,23 @@ def check_architecture(cfg: Mapping[str, Any], supported: Sequence[str] = MODEL_
     Raises:
         SpecError: ``"config.model_type: expected one of llama, ..., got 'jamba'
             (JambaForCausalLM): it needs hybrid SSM state ... and MoE ..., which kvpage
-            does not implement (supported architectures: docs/models.md)"``.
+            does not implement (supported architectures: docs/models.md)"``; also for a
+            supported ``model_type`` beside an ``architectures`` class of an unsupported
+            family (``llama`` with ``JambaForCausalLM``) or tell-tale keys of one
+            (``num_local_experts`` on a ``llama`` config).
     """
     mt = cfg.get("model_type")
-    if isinstance(mt, str) and mt in supported:
-        return mt
     arch = cfg.get("architectures")
+    if isinstance(mt, str) and mt in supported:
+        clash = _architecture_clash(arch) or missing_features(
+            {k: v for k, v in cfg.items() if k != "model_type"}
+        )
+        if clash is None:
+            return mt
+        raise SpecError(
+            f"config: model_type {mt!r} with architectures {arch!r}: it needs {clash}, which "
+            "kvpage does not implement (supported architectures: docs/models.md)"
+        )
     name = f" ({', '.join(map(str, arch))})" if isinstance(arch, list) and arch else ""
     got = f"{mt!r}{name}" if mt is not None else f"no model_type{name}"
     need = missing_features(cfg)
