@@ -146,6 +146,10 @@ def test_stop_string(client, reference):
 def test_models_health_metrics(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == ["stories260K"]
+    assert client.models.retrieve("stories260K").id == "stories260K"
+    with pytest.raises(openai.NotFoundError) as ei:
+        client.models.retrieve("gpt-4")
+    assert ei.value.response.json()["error"]["code"] == "model_not_found"
     h = httpx.get(server.base_url + "/health")
     assert h.status_code == 200 and h.json()["status"] == "ok"
     text = httpx.get(server.base_url + "/metrics").text

@@ -221,20 +221,30 @@ def create_app(
 
     started = int(time.time())  # /v1/models "created": when this server started (Unix s)
 
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": config.model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "kvpage",
+            "max_model_len": state.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": config.model_name,
-                    "object": "model",
-                    "created": started,
-                    "owned_by": "kvpage",
-                    "max_model_len": state.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        # OpenAI's "retrieve model"; the openai client's models.retrieve() calls it
+        if model_id == config.model_name:
+            return JSONResponse(model_card())
+        raise P.APIError(
+            404,
+            f"model: expected {config.model_name!r}, got {model_id!r}",
+            code="model_not_found",
+            param="model",
+        )
 
     @app.get("/health")
     async def health() -> JSONResponse:

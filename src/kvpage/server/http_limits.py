@@ -151,7 +151,23 @@ class HTTPGuard:
         if tenant is not None and api and tenant.cache_id == "":
             tenant = None  # a metrics-only key
         if tenant is None:
-            what = "missing" if token is None else "an unknown key"
+            header = _header(scope, b"authorization")
+            if token is not None:
+                what = "an unknown key"
+            elif header is None or not header.strip():
+                what = "no Authorization header"
+            else:
+                # name a standard scheme (Basic, Digest ...), never echo anything else:
+                # a client may have put its key where the scheme goes
+                scheme = header.split(maxsplit=1)[0]
+                named = scheme.isalpha() and len(scheme) <= 16
+                what = (
+                    "no token"
+                    if " " not in header.strip()
+                    else f"the {scheme!r} scheme"
+                    if named
+                    else "another scheme"
+                )
             raise _Refusal(
                 401,
                 f"Authorization: expected 'Bearer <a valid API key>'"
