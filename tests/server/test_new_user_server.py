@@ -164,3 +164,24 @@ def test_server_config_loader_refuses_non_finite_values(
     assert "degradation.window_s: expected a finite number, got inf" in err
     assert main(["serve", "--kv-high-water", "nan", "--dump-config"]) == 2
     assert "admission.kv_high_water: expected a finite number" in capsys.readouterr().err
+
+
+def test_serve_on_a_busy_port_fails_before_loading_the_model(monkeypatch, capsys):
+    import socket
+
+    import kvpage.server.app as app_module
+
+    def no_model(*a: Any, **k: Any) -> Any:
+        raise AssertionError("the model was built although the port is busy")
+
+    monkeypatch.setattr(app_module, "create_app", no_model)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    finally:
+        busy.close()
+    err = capsys.readouterr().err
+    assert f"port: expected a free port on 127.0.0.1, got {port}" in err

@@ -40,6 +40,38 @@ def uvicorn_limits(security: SecurityConfig) -> dict[str, Any]:
 SWITCH_INTERVAL_S = 0.001
 
 
+def bind_listener(host: str, port: int, what: str = "port") -> socket.socket:
+    """A listening TCP socket on ``host:port`` (IPv4 or IPv6 as ``host`` resolves).
+
+    Bound *before* the model loads, so a busy port fails in a second with one line
+    instead of after the weights are read; uvicorn then serves on this socket.
+
+    Raises:
+        SpecError: the address is in use or cannot be bound.
+    """
+    from kvpage.errors import SpecError
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise SpecError(
+            f"host: expected an address this machine can bind, got {host!r} ({e})"
+        ) from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise SpecError(
+            f"{what}: expected a free port on {host}, got {port} ({e.strerror or e})"
+        ) from None
+    return sock
+
+
 def run_server(config: ServerConfig, app: Any | None = None) -> None:
     """Serve ``app`` (built from ``config`` when None) on ``config.host:config.port``
     and, with ``security.metrics_port``, ``/metrics`` on ``metrics_host:metrics_port``;
@@ -52,11 +84,27 @@ def run_server(config: ServerConfig, app: Any | None = None) -> None:
     from kvpage.server.security import check_bind
 
     check_bind(config, config.security.auth_enabled)  # before the engine is built
+    listener = bind_listener(config.host, config.port)
+    side_listener = None
+    if config.security.metrics_port is not None:
+        try:
+            side_listener = bind_listener(
+                config.security.metrics_host, config.security.metrics_port, "metrics_port"
+            )
+        except BaseException:
+            listener.close()
+            raise
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     if app is None:
         from kvpage.server.app import create_app
 
-        app = create_app(config)
+        try:
+            app = create_app(config)
+        except BaseException:
+            listener.close()
+            if side_listener is not None:
+                side_listener.close()
+            raise
     limits = uvicorn_limits(config.security)
     main = uvicorn.Server(
         uvicorn.Config(
@@ -69,9 +117,11 @@ def run_server(config: ServerConfig, app: Any | None = None) -> None:
         )
     )
     metrics_app = getattr(app.state, "metrics_app", None)
-    if metrics_app is None:
+    if metrics_app is None or side_listener is None:
+        if side_listener is not None:
+            side_listener.close()
         with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises SIGINT after shutdown
-            main.run()
+            main.run(sockets=[listener])
         return
     side = uvicorn.Server(
         uvicorn.Config(
@@ -85,9 +135,9 @@ def run_server(config: ServerConfig, app: Any | None = None) -> None:
     )
 
     async def both() -> None:
-        task = asyncio.create_task(side.serve())
+        task = asyncio.create_task(side.serve(sockets=[side_listener]))
         try:
-            await main.serve()
+            await main.serve(sockets=[listener])
         finally:
             side.should_exit = True
             await task
