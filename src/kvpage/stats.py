@@ -10,8 +10,8 @@
 * no values: every entry is NaN (an empty distribution has no percentiles; 0 would
   read as a measured zero). JSON writers emit NaN as ``NaN``.
 
-The server's overload controller keeps its own nearest-rank p99 over a sliding window
-(``kvpage.server.degradation.p99``), where "no samples" must mean "no pressure" (0.0).
+The server's overload controller takes its sliding-window p99 from here too
+(``kvpage.server.degradation.p99``), mapping "no samples" to 0.0 ("no pressure").
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Signals (over a sliding window of ``window_s`` seconds):
 * block allocation failures: the increase of the engine counter
   ``kvpage:block_allocation_failures_total`` inside the window;
 * p99 TTFT of the requests whose first token arrived inside the window
-  (nearest-rank percentile).
+  (:func:`kvpage.stats.summarize`'s percentile; 0.0 without samples).
 
 State machine: ``normal -> degraded`` when failures >= ``enter_alloc_failures`` or
 p99 TTFT >= ``enter_p99_ttft_s``; ``degraded -> normal`` only when failures <=
@@ -18,12 +18,12 @@ an ``on_change`` callback (the server turns it into metrics).
 from __future__ import annotations
 
 import logging
-import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpage.server.config import DegradationConfig
+from kvpage.stats import summarize
 
 __all__ = ["DegradationController", "DegradationSignals", "p99"]
 
@@ -31,11 +31,9 @@ logger = logging.getLogger("kvpage.server.degradation")
 
 
 def p99(values: list[float]) -> float:
-    """Nearest-rank 99th percentile (``sorted(values)[ceil(0.99 n) - 1]``); 0.0 when empty."""
-    if not values:
-        return 0.0
-    s = sorted(values)
-    return s[max(0, math.ceil(0.99 * len(s)) - 1)]
+    """The 99th percentile of ``values`` by :func:`kvpage.stats.summarize` (linear
+    interpolation), except that no samples mean no pressure: 0.0, not NaN."""
+    return summarize(values)["p99"] if values else 0.0
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ def prefix_stats(trace: Trace) -> dict[str, Any]:
     uniq = len({b for h in ids for b in h})
     out.update(
         {
-            "blocks_per_request_p50": float(np.percentile([len(h) for h in ids], 50)),
+            "blocks_per_request_p50": summarize([len(h) for h in ids])["p50"],
             "unique_blocks": uniq,
             "block_references": total_blocks,
             "causal_ge_1_pct": 100.0 * ge1 / n,
@@ -192,8 +192,9 @@ def plot_profile(trace: Trace, out_prefix: str, window_s: float = 60.0) -> list[
         ax.hist(data, bins=bins, color="#4477aa")
         ax.set_xscale("log")
         ax.set_xlim(lo, hi)
-        for q, ls in ((50, "-"), (95, "--"), (99, ":")):
-            ax.axvline(np.percentile(data, q), color="k", ls=ls, lw=1, label=f"p{q}")
+        pct = summarize(data)
+        for q, ls in (("p50", "-"), ("p95", "--"), ("p99", ":")):
+            ax.axvline(pct[q], color="k", ls=ls, lw=1, label=q)
         ax.set_xlabel(f"{label} ({lo:,} to {int(data.max()):,})")
         ax.set_ylabel("requests")
         ax.legend(fontsize=8)

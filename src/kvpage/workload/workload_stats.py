@@ -13,6 +13,13 @@ import numpy as np
 
 from kvpage.errors import SpecError
 from kvpage.specs import CacheSpec
+from kvpage.stats import summarize
+
+
+def _p50_p95_p99(values: np.ndarray) -> list[float]:
+    """``[p50, p95, p99]`` of ``values`` (kvpage.stats.summarize), rounded to 0.1."""
+    s = summarize(values)
+    return [round(s[k], 1) for k in ("p50", "p95", "p99")]
 
 
 def blocks_per_sequence(spec: CacheSpec, seq_len: np.ndarray | int) -> np.ndarray:
@@ -111,8 +118,8 @@ def analyze_workload(
     out: dict[str, Any] = {
         "source": wl.source,
         "requests": n,
-        "prompt_p50_p95_p99": np.percentile(plen, [50, 95, 99]).round(1).tolist(),
-        "output_p50_p95_p99": np.percentile(olen, [50, 95, 99]).round(1).tolist(),
+        "prompt_p50_p95_p99": _p50_p95_p99(plen),
+        "output_p50_p95_p99": _p50_p95_p99(olen),
         "concurrent_seqs_paged_avg": float(usable_blocks / avg_blocks.mean()),
         "concurrent_seqs_paged_final_len": float(usable_blocks / final_blocks.mean()),
         "concurrent_seqs_contiguous_max_model_len": int(
