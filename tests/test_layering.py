@@ -4,7 +4,7 @@ one of a lower layer or within its own package, and the module graph has no cycl
 
 Layers, bottom up (docs/architecture.md, "Layers"):
 
-0. ``errors``, ``stats``, ``data`` — no kvpage imports but errors;
+0. ``errors``, ``stats``, ``data``, ``report`` — no kvpage imports but errors;
 1. ``specs`` — the spec types, config readers, presets;
 2. ``cache``, ``attention``, ``workload`` — allocator, attention contract, traces;
 3. ``models``, ``backends``, ``testing``, ``capacity``;
@@ -29,6 +29,7 @@ RANK = {
     "version": 0,
     "slots": 1,
     "jsonout": 0,
+    "report": 0,
     "stats": 0,
     "data": 0,
     "specs": 1,

@@ -16,6 +16,7 @@ from kvpage.apps.cli_util import prepare_output
 from kvpage.engine.cli_flags import add_prefix_caching_flags
 from kvpage.errors import KVPageError
 from kvpage.jsonout import dumps
+from kvpage.report import render_table
 
 DEFAULT_TRACE = "azure-conv"
 DEFAULT_NUM_REQUESTS = 200
@@ -293,20 +294,7 @@ def _rows(s: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # pragma: no cover
-        print(title)
-        for k, v in rows:
-            print(f"  {k:36s} {v}")
-        return
-    t = Table(title=title)
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-    for k, v in rows:
-        t.add_row(k, v)
-    Console().print(t)
+    print(render_table(title, rows, width=None), end="")
 
 
 @contextlib.contextmanager

@@ -14,23 +14,11 @@ from typing import Any
 from kvpage.apps.cli_util import prepare_output, trace_limit
 from kvpage.errors import KVPageError
 from kvpage.jsonout import dumps
+from kvpage.report import render_table
 
 
 def _table(title: str, rows: list[tuple[str, str]]) -> str:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # pragma: no cover
-        return title + "\n" + "\n".join(f"{k:40s} {v}" for k, v in rows)
-    t = Table(title=title)
-    t.add_column("quantity")
-    t.add_column("value", justify="right")
-    for k, v in rows:
-        t.add_row(k, v)
-    c = Console(width=110, record=True)
-    with c.capture() as cap:
-        c.print(t)
-    return cap.get()
+    return render_table(title, rows, columns=("quantity", "value"))
 
 
 def _fmt(v: Any) -> str:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpage.report import render_table
 from kvpage.stats import summarize
 from kvpage.workload.traces import Trace
 
@@ -142,20 +143,8 @@ def render_profile(prof: dict[str, Any]) -> str:
         rows.append((k, _number(v, 3)))
     for k, v in prof["prefix"].items():
         rows.append((k, _number(v, 2)))
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # pragma: no cover - rich is in the cli extra
-        return "\n".join(f"{k:32s} {v}" for k, v in rows)
-    table = Table(title=f"profile of {prof['trace']} ({prof['format']})")
-    table.add_column("statistic")
-    table.add_column("value", justify="right")
-    for k, v in rows:
-        table.add_row(k, v)
-    console = Console(width=100, record=True)
-    with console.capture() as cap:
-        console.print(table)
-    return cap.get()
+    title = f"profile of {prof['trace']} ({prof['format']})"
+    return render_table(title, rows, columns=("statistic", "value"), width=100)
 
 
 def plot_profile(trace: Trace, out_prefix: str, window_s: float = 60.0) -> list[str]:
