@@ -208,3 +208,19 @@ def test_chat_content_required_and_stream_options_typed(body):
         '{"role": "user", "content": "a"}], "stream_options": {"include_usage": true}}'
     )
     assert ok.include_usage()
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ('{"model": "m", "prompt": "x", "temperature": NaN}', "temperature: expected a finite"),
+        ('{"model": "m", "prompt": "x", "top_p": Infinity}', "top_p: expected a finite"),
+        ('{"model": "m", "prompt": "\\ud800 x"}', "a lone UTF-16 surrogate is not"),
+    ],
+)
+def test_nan_and_lone_surrogate_messages_name_the_problem(body, said):
+    from kvpage.server.app import _validation_message
+
+    with pytest.raises(ValidationError) as ei:
+        CompletionRequest.model_validate_json(body)
+    assert said in _validation_message(ei.value)[0]

@@ -100,7 +100,10 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     if err.get("type") == "json_invalid":
         if "recursion limit" in str(err.get("msg")):
             return f"body: expected JSON nested at most {JSON_MAX_DEPTH} levels, got deeper", None
-        return f"body: expected valid JSON, got invalid JSON ({err.get('msg')})", None
+        why = str(err.get("msg"))
+        if "hex escape" in why or "surrogate" in why:  # e.g. a lone "\ud800"
+            why += "; a \\u escape must be a whole character (a lone UTF-16 surrogate is not)"
+        return f"body: expected valid JSON, got invalid JSON ({why})", None
     parts = _clean_loc(err.get("loc", ()))
     loc = ".".join(parts)
     got = err.get("input")

@@ -53,7 +53,9 @@ class StreamOptions(BaseModel):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    # allow_inf_nan=False: NaN / Infinity (which Python's JSON reader accepts) are refused
+    # as "expected a finite number" before any range check reads them
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = None
