@@ -138,3 +138,21 @@ def test_replay_ctrl_c_summarizes_and_frees(engine: LLMEngine) -> None:
     assert res.summary["interrupted"] and res.summary["completed"] == 1
     assert not engine.has_unfinished_requests()
     assert engine.get_metrics()["kvpage:kv_cache_usage_perc"] == 0.0
+
+
+def test_tiny_prompt_scale_keeps_runs_short_and_prefixes_shared():
+    import tracemalloc
+
+    trace = load_trace("mooncake-conv", limit=200)
+    tracemalloc.start()
+    reqs = fit_trace(trace, max_model_len=512, vocab_size=512, prompt_scale=0.001)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 64 << 20  # runs capped at 256 tokens, not 512,000 per hash id
+    assert all(1 <= len(r.prompt_token_ids) <= 256 for r in reqs)
+    by_first: dict[int, list[int]] = {}
+    for t, r in zip(trace.requests, reqs):
+        if t.hash_ids:
+            first = by_first.setdefault(t.hash_ids[0], r.prompt_token_ids)
+            n = min(len(first), len(r.prompt_token_ids))
+            assert first[:n] == r.prompt_token_ids[:n]  # same first hash id: same tokens

@@ -9,7 +9,8 @@ Length rule (how a production trace is fitted into a small model's context):
   32`` (one 512-token hash block becomes 16 tokens, exactly one block at block_size
   16), ``output_scale = 1``.
 * prompt token ids: Azure prompts are seeded random ids unique per request; a
-  Mooncake hash id maps to a fixed run of ``512 / prompt_scale`` token ids
+  Mooncake hash id maps to a fixed run of ``512 / prompt_scale`` token ids (at most
+  ``max_model_len // 2``, the longest prompt)
   (``kvpage.workload.traces.TokenMapper``), so requests that share leading hash ids share
   exactly those leading tokens and hit the prefix cache.
 
@@ -88,9 +89,12 @@ def fit_trace(
     ps = resolve_prompt_scale(trace.format, prompt_scale)
     if not _positive(output_scale):
         raise ValueError(f"output_scale: expected a finite number > 0, got {output_scale!r}")
-    hb = max(1, int(round(MOONCAKE_BLOCK_TOKENS / ps)))
-    mapper = TokenMapper(seed=seed, vocab_size=vocab_size, hash_block_tokens=hb)
     max_prompt = max(1, max_model_len // 2)
+    # a run longer than the longest prompt is never read past max_prompt tokens: capping it
+    # keeps the same prefix sharing and bounds the mapper's memory (a tiny prompt_scale
+    # such as 0.001 would otherwise make 4 MB runs for each of thousands of hash ids)
+    hb = min(max(1, int(round(MOONCAKE_BLOCK_TOKENS / ps))), max_prompt)
+    mapper = TokenMapper(seed=seed, vocab_size=vocab_size, hash_block_tokens=hb)
     out = []
     for r in trace.requests:
         p = min(max(1, math.ceil(r.prompt_tokens / ps)), max_prompt)
