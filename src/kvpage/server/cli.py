@@ -39,6 +39,7 @@ _FLAGS: dict[str, tuple[str | None, str, Any]] = {
     "dtype": ("engine", "dtype", str),
     "seed": ("engine", "seed", int),
     "threads": ("engine", "num_threads", int),
+    "scheduling_policy": ("engine", "scheduling_policy", str),
     "kv_high_water": ("admission", "kv_high_water", float),
     "long_prompt_tokens": ("admission", "long_prompt_tokens", int),
     "kv_pressure_action": ("admission", "kv_pressure_action", str),

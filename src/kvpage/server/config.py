@@ -97,6 +97,9 @@ class EngineConfig(_Strict):
     seed: int = Field(0, ge=0, le=2**63 - 1)
     #: CPU threads (None = the engine's default 1; 0 = torch's default), ``--threads``
     num_threads: int | None = Field(None, ge=0)
+    #: ``fcfs`` or ``priority`` (vLLM's ``--scheduling-policy``; the tenants' and
+    #: requests' ``priority``: docs/serving.md)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Return the kwargs for ``LLMEngine.from_config`` (None values are dropped)."""

@@ -83,6 +83,7 @@ class _Command:
     kind: str  # "add" | "abort" | "call"
     request_id: str = ""
     args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
     fn: Callable[[Any], Any] | None = None
     future: concurrent.futures.Future[Any] | None = field(default=None)
 
@@ -147,11 +148,17 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- handler API
     async def add(
-        self, request_id: str, prompt: Any, params: Any, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Any,
+        arrival_time: float | None = None,
+        priority: int = 0,
     ) -> asyncio.Queue[Any]:
         """Add a request; return the queue its ``RequestOutput``s arrive on.
 
-        ``arrival_time`` (``time.monotonic()`` seconds) is passed to the engine.
+        ``arrival_time`` (``time.monotonic()`` seconds) is passed to the engine, and
+        ``priority`` when it is not 0 (engines without priorities keep working).
 
         The queue receives each output the engine produces for the request (the last one
         has ``finished=True``) or an :class:`EngineFailure`.
@@ -165,7 +172,10 @@ class AsyncEngine:
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = q
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.put(_Command("add", request_id, (prompt, params, arrival_time), future=fut))
+        kw = {"priority": priority} if priority else {}
+        self._commands.put(
+            _Command("add", request_id, (prompt, params, arrival_time), kw, future=fut)
+        )
         try:
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -205,7 +215,7 @@ class AsyncEngine:
             return  # the caller gave up before the command ran: skip it
         try:
             if cmd.kind == "add":
-                self.engine.add_request(cmd.request_id, *cmd.args)
+                self.engine.add_request(cmd.request_id, *cmd.args, **cmd.kwargs)
                 self._live.add(cmd.request_id)
                 result: Any = None
             elif cmd.kind == "abort":

@@ -136,8 +136,13 @@ class ServingState:
                 "model": config.model_name,
             }
         )
+        #: the engine's scheduling policy (``fcfs`` | ``priority``)
+        self.scheduling_policy = str(
+            getattr(sched, "policy", None) or config.engine.scheduling_policy
+        )
         #: API keys -> tenants (raises SpecError on a bad keys file)
         self.auth = Authenticator(config.security)
+        self.auth.check_policy(self.scheduling_policy)
         cap = config.security.max_unauthenticated_tenants
         self.limiter = TenantLimiter(
             config.admission,
@@ -317,7 +322,9 @@ class ServingState:
             prompt: Any = list(req.prompt_token_ids)
             if req.cache_salt is not None:
                 prompt = {"prompt_token_ids": prompt, "cache_salt": req.cache_salt}
-            q = await self.loop.add(req.request_id, prompt, params, arrival_time=arrival)
+            q = await self.loop.add(
+                req.request_id, prompt, params, arrival_time=arrival, priority=req.priority
+            )
         except RequestRejected as exc:
             raise rejection_error(exc) from None
         choices = [_Choice() for _ in range(req.n)]
