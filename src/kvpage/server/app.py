@@ -57,9 +57,19 @@ logger = logging.getLogger("kvpage.server")
 
 
 def build_engine(config: ServerConfig) -> tuple[Any, Callable[..., Any]]:
-    """Build the real engine from ``config.engine``; return ``(engine, SamplingParams)``."""
+    """Build the real engine from ``config.engine``; return ``(engine, SamplingParams)``.
+
+    With ``config.engine_process`` the engine is built in a child process and the
+    returned object is its :class:`kvpage.server.engine_process.EngineProcess` stand-in.
+    """
     from kvpage.engine import LLMEngine, SamplingParams
 
+    if config.engine_process:
+        from kvpage.server.engine_process import EngineProcess
+
+        return EngineProcess(
+            config.engine.engine_kwargs(), log_level=config.log_level
+        ), SamplingParams
     return LLMEngine.from_config(**config.engine.engine_kwargs()), SamplingParams
 
 

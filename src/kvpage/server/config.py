@@ -252,6 +252,10 @@ class ServerConfig(_Strict):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     #: ignore request fields outside the OpenAI/vLLM schemas instead of refusing them
     allow_unknown_fields: bool = False
+    #: run the engine in its own process (``kvpage.server.engine_process``): the HTTP
+    #: event loop (``/health``, streams) never waits for the engine's GIL. False = an
+    #: engine thread in the server process (what an injected engine always uses)
+    engine_process: bool = True
     engine: EngineConfig = Field(default_factory=EngineConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     degradation: DegradationConfig = Field(default_factory=DegradationConfig)

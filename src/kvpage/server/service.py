@@ -120,7 +120,13 @@ class ServingState:
         self.max_model_len = int(
             getattr(sched, "max_model_len", None) or config.engine.max_model_len or 1 << 30
         )
-        self.loop = AsyncEngine(engine, on_step=self._on_step)
+        #: the engine loop: a thread here, or the pipe to an engine process
+        make_loop = getattr(engine, "make_async_engine", None)
+        self.loop: Any = (
+            make_loop(on_step=self._on_step)
+            if make_loop is not None
+            else AsyncEngine(engine, on_step=self._on_step)
+        )
         total = getattr(spec, "total_bytes", 0)
         self.metrics = ServerMetrics(
             lambda: self.loop.metrics_snapshot,
