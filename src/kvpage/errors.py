@@ -75,6 +75,10 @@ class BackendUnavailableError(KVPageError, RuntimeError):
                 lines.append(f"  {name}: {r}")
         super().__init__("\n".join(lines))
         self.reasons: dict[str, list[str]] = {k: list(v) for k, v in reasons.items()}
+        self._message = message
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (BackendUnavailableError, (self._message, self.reasons))
 
 
 __all__ = [
