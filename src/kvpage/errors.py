@@ -52,6 +52,14 @@ class RequestRejected(KVPageError, ValueError):
         self.reason = reason
         self.request_id = request_id
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # picklable with its keyword-only fields (the server's engine process sends it)
+        return (_rebuild_rejected, (str(self), self.reason, self.request_id))
+
+
+def _rebuild_rejected(message: str, reason: str, request_id: str | None) -> RequestRejected:
+    return RequestRejected(message, reason=reason, request_id=request_id)
+
 
 class BackendUnavailableError(KVPageError, RuntimeError):
     """No attention backend (or not the requested one) can run the given spec on the device.
@@ -67,6 +75,10 @@ class BackendUnavailableError(KVPageError, RuntimeError):
                 lines.append(f"  {name}: {r}")
         super().__init__("\n".join(lines))
         self.reasons: dict[str, list[str]] = {k: list(v) for k, v in reasons.items()}
+        self._message = message
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (BackendUnavailableError, (self._message, self.reasons))
 
 
 __all__ = [

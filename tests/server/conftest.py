@@ -43,7 +43,12 @@ def serve() -> Iterator[Callable[..., Any]]:
     servers: list[BackgroundServer] = []
 
     def start(**overrides: Any) -> BackgroundServer:
-        data: dict[str, Any] = {"engine": dict(ENGINE), "log_level": "warning"}
+        # the engine thread in this process: teardown inspects the engine directly
+        data: dict[str, Any] = {
+            "engine": dict(ENGINE),
+            "log_level": "warning",
+            "engine_process": False,
+        }
         for k, v in overrides.items():
             if isinstance(v, dict) and isinstance(data.get(k), dict):
                 data[k].update(v)

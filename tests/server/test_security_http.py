@@ -209,9 +209,9 @@ def test_keys_never_in_dumped_config_and_file_checks(tmp_path, keys_file):
     pairs = load_keys_file(keys_file)
     assert {t.name for _, t in pairs} == {"team-a", "ops"}
     p = tmp_path / "k.yaml"
-    p.write_text(yaml.safe_dump({"tenants": {"a": {"keys": ["secret-1"], "priority": 3}}}))
+    p.write_text(yaml.safe_dump({"tenants": {"a": {"keys": ["secret-1"], "weight": 3}}}))
     os.chmod(p, 0o600)
-    with pytest.raises(SpecError, match="priority") as ei:
+    with pytest.raises(SpecError, match="weight") as ei:  # unknown fields are refused
         load_keys_file(p)
     assert "secret-1" not in str(ei.value)
     os.chmod(p, 0o644)  # readable by other users: refused

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvpage.engine.queue_policy import SCHEDULING_POLICIES, SchedulingPolicy
 from kvpage.errors import SpecError
 from kvpage.specs import CacheSpec, KVCacheDType, ModelDType
 
@@ -56,6 +57,9 @@ class EngineConfig:
         dtype: model dtype (float32, float16, bfloat16).
         seed: engine seed (sampling of requests without their own seed).
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (checked: must exist here).
+        scheduling_policy: ``"fcfs"`` (arrival order) or ``"priority"`` (each request's
+            ``priority``, lower first, FCFS within a priority; vLLM's
+            ``--scheduling-policy``): :mod:`kvpage.engine.queue_policy`.
         num_threads: CPU compute threads, set process-wide with
             ``torch.set_num_threads`` before the model loads: None =
             :data:`DEFAULT_NUM_THREADS` (1), 0 = torch's default (one per core), N = N.
@@ -81,6 +85,7 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     num_threads: int | None = None
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -111,6 +116,10 @@ class EngineConfig:
             raise SpecError(
                 f"kv_cache_dtype: expected auto, int8, fp8_e4m3 or fp8_e5m2, "
                 f"got {self.kv_cache_dtype!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise SpecError(
+                f"scheduling_policy: expected 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
         sd = self.seed
         if isinstance(sd, bool) or not isinstance(sd, int) or not 0 <= sd < 2**63:
@@ -252,6 +261,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=mml,
+        policy=config.scheduling_policy,
     )
     runner = ModelRunner(model, backend, kv_caches, spec, device)
     return EngineComponents(model, spec, backend, kv_caches, kvm, scheduler, runner, mml)

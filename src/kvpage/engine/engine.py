@@ -18,6 +18,7 @@ import torch
 from kvpage.engine.config import EngineComponents, EngineConfig, build_components
 from kvpage.engine.params import CompletionOutput, RequestOutput, SamplingParams
 from kvpage.engine.prompts import parse_prompt
+from kvpage.engine.queue_policy import check_priority
 from kvpage.engine.request import Request
 from kvpage.engine.request_extras import (
     prompt_logprob_spans,
@@ -164,6 +165,7 @@ class LLMEngine:
         prompt: str | list[int] | dict[str, Any],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate and queue a request; it joins the batch at the next step.
 
@@ -173,11 +175,14 @@ class LLMEngine:
                 "cache_salt": str}``.
             params: sampling parameters (default ``SamplingParams()``).
             arrival_time: ``time.monotonic()`` seconds (default now).
+            priority: scheduling priority (vLLM's ``priority``: lower is served first,
+                FCFS among equals; any int). Only 0 unless the engine was built with
+                ``scheduling_policy="priority"``.
 
         Raises:
             RequestRejected: with ``reason`` "invalid_prompt", "empty_prompt",
                 "prompt_too_long", "exceeds_kv_capacity", "invalid_sampling_params",
-                "invalid_request_id", "invalid_request" (bad arrival_time) or
+                "invalid_request_id", "invalid_request" (bad arrival_time or priority) or
                 "duplicate_request_id". No state changes (apart from the rejected-requests
                 counter).
         """
@@ -204,6 +209,7 @@ class LLMEngine:
                     f"seconds), got {at!r}",
                     reason="invalid_request",
                 )
+            check_priority(priority, getattr(self.scheduler, "policy", "fcfs"))
             text, ids, salt = self._parse_prompt(prompt)
             if params.prompt_logprobs is not None:
                 # every prompt token must be computed to have logits: a salt of its own
@@ -224,6 +230,7 @@ class LLMEngine:
                 cache_salt=salt,
                 num_pending_samples=params.n - 1,
                 stop_token_set=frozenset(params.stop_token_ids or ()),
+                priority=priority,
             )
             self.scheduler.add_request(req)
         except RequestRejected as e:

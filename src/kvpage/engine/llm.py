@@ -86,6 +86,7 @@ class LLM:
         prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt, batched continuously.
 
@@ -97,6 +98,9 @@ class LLM:
                 max_tokens 16).
             use_tqdm: show a ``tqdm`` progress bar (on stderr) over finished prompts
                 when tqdm is installed (vLLM's default True); or a tqdm-like class to use.
+            priority: one priority per prompt (vLLM's ``generate(priority=...)``: lower
+                is served first; needs ``LLM(scheduling_policy="priority")`` for values
+                other than 0). None = 0 for all.
 
         Returns:
             One finished RequestOutput per prompt, in order. A prompt the engine rejects
@@ -105,7 +109,8 @@ class LLM:
             run normally.
 
         Raises:
-            RequestRejected: ``sampling_params`` is a list of the wrong length.
+            RequestRejected: ``sampling_params`` or ``priority`` is a list of the wrong
+                length.
             Exception: a step failed (model, sampler); every request of this call is
                 aborted first, so the LLM stays usable.
         """
@@ -134,15 +139,21 @@ class LLM:
                     f"got {len(plist)}",
                     reason="invalid_sampling_params",
                 )
+        prios = [0] * len(prompts) if priority is None else list(priority)
+        if len(prios) != len(prompts):
+            raise RequestRejected(
+                f"priority: expected {len(prompts)} entries (one per prompt), got {len(prios)}",
+                reason="invalid_request",
+            )
         eng = self.llm_engine
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
-        for prompt, params in zip(prompts, plist):
+        for prompt, params, prio in zip(prompts, plist, prios):
             rid = str(self._counter)
             self._counter += 1
             ids.append(rid)
             try:
-                eng.add_request(rid, prompt, params)
+                eng.add_request(rid, prompt, params, priority=prio)
             except RequestRejected as e:
                 now = time.monotonic()
                 results[rid] = RequestOutput(

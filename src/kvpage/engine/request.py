@@ -49,6 +49,8 @@ class Request:
             call done and not freed since).
         cache_salt: isolates its prefix-cache entries (None = shared).
         num_preemptions: times this sequence was preempted.
+        priority: scheduling priority under the ``priority`` policy (lower is served
+            first; vLLM's convention); 0 under ``fcfs``.
     """
 
     request_id: str
@@ -69,6 +71,7 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     stop_token_set: frozenset[int] = field(default_factory=frozenset)
+    priority: int = 0
 
     @property
     def group_id(self) -> str:

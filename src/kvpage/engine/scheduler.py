@@ -19,6 +19,10 @@ After the model ran, :meth:`Scheduler.update` advances every scheduled sequence,
 commits its full blocks to the prefix cache, appends sampled tokens, forks parallel
 samples (``n > 1``) once the prompt is computed, and frees finished sequences.
 
+Orders are the policy's (:mod:`kvpage.engine.queue_policy`): ``fcfs`` as above;
+``priority`` sorts both queues by ``(priority, arrival)``, so the victim is the lowest
+priority, newest sequence ("oldest" below then means "smallest key").
+
 Progress guarantees: the oldest running sequence is never preempted by a newer one,
 and every admitted request fits the pool on its own (:meth:`Scheduler.check_capacity`),
 so the oldest always completes (no deadlock); preempted sequences go to the front of
@@ -28,13 +32,13 @@ Source of the policy: vLLM v1 scheduler design (docs.vllm.ai, "vLLM V1" blog, 20
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvpage.attention.metadata import slots_of
 from kvpage.cache.allocation import Allocation
 from kvpage.cache.protocol import KVAllocator
+from kvpage.engine.queue_policy import SchedulingPolicy, make_queue
 from kvpage.engine.request import Request, RequestStatus, sample_id
 from kvpage.errors import RequestRejected, SpecError
 
@@ -111,9 +115,10 @@ class Scheduler:
         max_num_seqs: most sequences running at once (>= 1).
         max_num_batched_tokens: token budget of one step (>= 1).
         max_model_len: longest sequence (prompt + output) in tokens (>= 1).
+        policy: ``"fcfs"`` or ``"priority"`` (:mod:`kvpage.engine.queue_policy`).
 
     Raises:
-        SpecError: a limit is < 1.
+        SpecError: a limit is < 1, or an unknown policy.
     """
 
     def __init__(
@@ -123,6 +128,7 @@ class Scheduler:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         max_model_len: int = 512,
+        policy: SchedulingPolicy = "fcfs",
     ) -> None:
         for name, v in (
             ("max_num_seqs", max_num_seqs),
@@ -136,7 +142,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.num_groups = kv_cache_manager.num_groups
-        self.waiting: deque[Request] = deque()
+        #: waiting sequences in service order (a deque for fcfs, a heap for priority)
+        self.waiting = make_queue(policy)
+        self.policy: SchedulingPolicy = self.waiting.policy
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.samples: dict[str, list[Request]] = {}
@@ -218,6 +226,7 @@ class Scheduler:
         and allocates blocks through the cache manager."""
         budget = self.max_num_batched_tokens
         out = SchedulerOutput([], [[] for _ in range(self.num_groups)])
+        self.waiting.order_running(self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -359,6 +368,7 @@ class Scheduler:
                 eos_token_id=parent.eos_token_id,
                 cache_salt=parent.cache_salt,
                 arrival_order=parent.arrival_order,
+                priority=parent.priority,
                 status=RequestStatus.RUNNING,
                 num_computed_tokens=parent.num_computed_tokens,
                 num_cached_tokens=parent.num_cached_tokens,

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpage.errors import RequestRejected
 from kvpage.server import protocol as P
-from kvpage.server.auth import scoped_cache_salt
+from kvpage.server.auth import request_priority, scoped_cache_salt
 from kvpage.server.config import JSON_MAX_DEPTH, ServerConfig
 from kvpage.server.multi_stream import stream_many
 from kvpage.server.openapi import install_openapi
@@ -57,9 +57,19 @@ logger = logging.getLogger("kvpage.server")
 
 
 def build_engine(config: ServerConfig) -> tuple[Any, Callable[..., Any]]:
-    """Build the real engine from ``config.engine``; return ``(engine, SamplingParams)``."""
+    """Build the real engine from ``config.engine``; return ``(engine, SamplingParams)``.
+
+    With ``config.engine_process`` the engine is built in a child process and the
+    returned object is its :class:`kvpage.server.engine_process.EngineProcess` stand-in.
+    """
     from kvpage.engine import LLMEngine, SamplingParams
 
+    if config.engine_process:
+        from kvpage.server.engine_process import EngineProcess
+
+        return EngineProcess(
+            config.engine.engine_kwargs(), log_level=config.log_level
+        ), SamplingParams
     return LLMEngine.from_config(**config.engine.engine_kwargs()), SamplingParams
 
 
@@ -294,6 +304,10 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
     asked_plp = body.prompt_logprobs is not None
     tenant = request_tenant(request, body.user)
     salt = scoped_cache_salt(state.config.security.prefix_cache_scope, tenant, body.cache_salt)
+    try:
+        priority = request_priority(tenant, body.priority, state.scheduling_policy)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="priority", reason="invalid_request") from None
     reqs = []
     for prompt in prompts:
         one = body if len(prompts) == 1 else body.model_copy(update={"prompt": prompt})
@@ -314,6 +328,7 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
             ),
         )
         req.cache_salt = salt
+        req.priority = priority
         if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
             req.prompt_logprobs = req.logprobs  # echo shows the prompt tokens' logprobs
         reqs.append(req)

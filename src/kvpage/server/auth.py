@@ -9,6 +9,8 @@ the ``KVPAGE_API_KEY`` environment variable, or ``--api-keys-file``, a YAML/JSON
         keys: ["sk-a-2026-11", "sk-a-2026-12"]   # several keys = rotation, one tenant
         rate: 2000          # optional token bucket (tokens/s and bucket size)
         burst: 20000
+        priority: 0         # optional scheduling priority (lower is served earlier;
+                            # needs --scheduling-policy priority unless 0)
       ops:
         keys: ["sk-ops"]
         operator: true      # may read /metrics
@@ -53,6 +55,7 @@ __all__ = [
     "is_loopback_host",
     "key_tenant_name",
     "load_keys_file",
+    "request_priority",
     "scoped_cache_salt",
 ]
 
@@ -78,12 +81,15 @@ class Tenant:
         cache_id: the identity folded into block hashes (unique per tenant).
         limit: its own token bucket, or None for the server's default.
         operator: may read ``/metrics`` when that needs a key.
+        priority: its scheduling priority and the most urgent one its requests may ask
+            for (lower is served earlier; 0 unless the keys file sets one).
     """
 
     name: str
     cache_id: str
     limit: TenantLimit | None = None
     operator: bool = False
+    priority: int = 0
 
 
 class _TenantEntry(BaseModel):
@@ -93,6 +99,7 @@ class _TenantEntry(BaseModel):
     rate: float | None = Field(None, gt=0)
     burst: float | None = Field(None, gt=0)
     operator: bool = False
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
 
 
 class _KeysFile(BaseModel):
@@ -140,7 +147,7 @@ def load_keys_file(path: str | Path) -> list[tuple[str, Tenant]]:
                 f"got rate={e.rate}, burst={e.burst}"
             )
         limit = TenantLimit(rate=e.rate, burst=e.burst) if e.rate is not None else None
-        tenant = Tenant(name, "name:" + name, limit, e.operator)
+        tenant = Tenant(name, "name:" + name, limit, e.operator, e.priority)
         out.extend((k, tenant) for k in e.keys)
     return out
 
@@ -195,6 +202,23 @@ class Authenticator:
                 found = t
         return found
 
+    def check_policy(self, policy: str) -> None:
+        """Refuse tenant priorities the engine cannot honour.
+
+        Raises:
+            SpecError: a tenant has a non-zero ``priority`` and ``policy`` is not
+                ``"priority"`` (it would be silently ignored).
+        """
+        if policy == "priority":
+            return
+        for t in self.tenants.values():
+            if t.priority != 0:
+                raise SpecError(
+                    f"api_keys_file: tenants.{t.name}.priority: expected 0 with "
+                    f"--scheduling-policy {policy} (start the server with --scheduling-policy "
+                    f"priority to use tenant priorities), got {t.priority}"
+                )
+
     def limits(self) -> dict[str, TenantLimit]:
         """Per-tenant token buckets from the keys file (name -> limit)."""
         return {t.name: t.limit for t in self.tenants.values() if t.limit is not None}
@@ -214,6 +238,35 @@ def unauthenticated_tenant(token: str | None, user: str | None) -> Tenant:
     else ``"anonymous"`` (client-chosen: separates cooperating clients only)."""
     label = token or user or "anonymous"
     return Tenant(label, "anon:" + label)
+
+
+def request_priority(tenant: Tenant, asked: int | None, policy: str) -> int:
+    """The engine priority of a request of ``tenant`` that asked for ``asked``.
+
+    Unset: the tenant's configured priority. A request may ask for a *less* urgent
+    priority (a larger value) than its tenant's, never a more urgent one: the configured
+    priority is the operator's grant, and a client that could lower its number would
+    jump every other tenant's queue. Under ``fcfs`` only 0 (or unset) is accepted, as
+    vLLM does.
+
+    Raises:
+        ValueError: ``"priority: expected ..., got ..."`` (the server answers 400).
+    """
+    if asked is None:
+        return tenant.priority
+    if policy != "priority":
+        if asked != 0:
+            raise ValueError(
+                f"priority: expected 0 or unset (the server runs --scheduling-policy {policy}), "
+                f"got {asked}"
+            )
+        return 0
+    if asked < tenant.priority:
+        raise ValueError(
+            f"priority: expected >= {tenant.priority} (the most urgent priority this API key "
+            f"may use; lower values are served earlier), got {asked}"
+        )
+    return asked
 
 
 def scoped_cache_salt(

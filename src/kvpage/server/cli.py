@@ -39,6 +39,7 @@ _FLAGS: dict[str, tuple[str | None, str, Any]] = {
     "dtype": ("engine", "dtype", str),
     "seed": ("engine", "seed", int),
     "threads": ("engine", "num_threads", int),
+    "scheduling_policy": ("engine", "scheduling_policy", str),
     "kv_high_water": ("admission", "kv_high_water", float),
     "long_prompt_tokens": ("admission", "long_prompt_tokens", int),
     "kv_pressure_action": ("admission", "kv_pressure_action", str),
@@ -84,6 +85,20 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="ignore request fields outside the OpenAI/vLLM schemas (default: refuse, 400)",
+    )
+    ep = p.add_mutually_exclusive_group()
+    ep.add_argument(
+        "--engine-process",
+        dest="engine_process",
+        action="store_true",
+        default=None,
+        help="run the engine in its own process, apart from the HTTP server (default)",
+    )
+    ep.add_argument(
+        "--no-engine-process",
+        dest="engine_process",
+        action="store_false",
+        help="run the engine as a thread of the server process (shares its GIL)",
     )
     p.add_argument("--tenant-rate", type=float, default=None, help="default tokens/s per tenant")
     p.add_argument(
@@ -150,6 +165,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             (data if section is None else data[section])[name] = v
     if getattr(args, "enable_prefix_caching", None) is not None:
         data["engine"]["enable_prefix_caching"] = args.enable_prefix_caching
+    if getattr(args, "engine_process", None) is not None:
+        data["engine_process"] = args.engine_process
     rate, burst = getattr(args, "tenant_rate", None), getattr(args, "tenant_burst", None)
     if (rate is None) != (burst is None):
         raise SpecError(

@@ -97,6 +97,9 @@ class EngineConfig(_Strict):
     seed: int = Field(0, ge=0, le=2**63 - 1)
     #: CPU threads (None = the engine's default 1; 0 = torch's default), ``--threads``
     num_threads: int | None = Field(None, ge=0)
+    #: ``fcfs`` or ``priority`` (vLLM's ``--scheduling-policy``; the tenants' and
+    #: requests' ``priority``: docs/serving.md)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Return the kwargs for ``LLMEngine.from_config`` (None values are dropped)."""
@@ -249,6 +252,10 @@ class ServerConfig(_Strict):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     #: ignore request fields outside the OpenAI/vLLM schemas instead of refusing them
     allow_unknown_fields: bool = False
+    #: run the engine in its own process (``kvpage.server.engine_process``): the HTTP
+    #: event loop (``/health``, streams) never waits for the engine's GIL. False = an
+    #: engine thread in the server process (what an injected engine always uses)
+    engine_process: bool = True
     engine: EngineConfig = Field(default_factory=EngineConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     degradation: DegradationConfig = Field(default_factory=DegradationConfig)

@@ -40,6 +40,9 @@ class EngineFailure(RuntimeError):
         super().__init__(message)
         self.oom = oom
 
+    def __reduce__(self) -> tuple[object, ...]:
+        return (EngineFailure, (str(self), self.oom))
+
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is an out-of-memory error: Python's ``MemoryError``, torch's
@@ -83,6 +86,7 @@ class _Command:
     kind: str  # "add" | "abort" | "call"
     request_id: str = ""
     args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
     fn: Callable[[Any], Any] | None = None
     future: concurrent.futures.Future[Any] | None = field(default=None)
 
@@ -126,6 +130,9 @@ class AsyncEngine:
         if self._thread is not None:
             raise RuntimeError("engine loop: expected a stopped loop, got a running one")
         self._loop = loop
+        self._start_thread()
+
+    def _start_thread(self) -> None:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="kvpage-engine", daemon=True)
         self._thread.start()
@@ -147,11 +154,17 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- handler API
     async def add(
-        self, request_id: str, prompt: Any, params: Any, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Any,
+        arrival_time: float | None = None,
+        priority: int = 0,
     ) -> asyncio.Queue[Any]:
         """Add a request; return the queue its ``RequestOutput``s arrive on.
 
-        ``arrival_time`` (``time.monotonic()`` seconds) is passed to the engine.
+        ``arrival_time`` (``time.monotonic()`` seconds) is passed to the engine, and
+        ``priority`` when it is not 0 (engines without priorities keep working).
 
         The queue receives each output the engine produces for the request (the last one
         has ``finished=True``) or an :class:`EngineFailure`.
@@ -165,7 +178,10 @@ class AsyncEngine:
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = q
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.put(_Command("add", request_id, (prompt, params, arrival_time), future=fut))
+        kw = {"priority": priority} if priority else {}
+        self._commands.put(
+            _Command("add", request_id, (prompt, params, arrival_time), kw, future=fut)
+        )
         try:
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -205,7 +221,7 @@ class AsyncEngine:
             return  # the caller gave up before the command ran: skip it
         try:
             if cmd.kind == "add":
-                self.engine.add_request(cmd.request_id, *cmd.args)
+                self.engine.add_request(cmd.request_id, *cmd.args, **cmd.kwargs)
                 self._live.add(cmd.request_id)
                 result: Any = None
             elif cmd.kind == "abort":
@@ -252,6 +268,27 @@ class AsyncEngine:
             if isinstance(item, EngineFailure) or getattr(item, "finished", False):
                 self._streams.pop(request_id, None)
 
+    # Delivery hooks (the engine process, kvpage.server.engine_process, overrides them to
+    # send over its pipe instead): called on the engine thread.
+    def _emit(self, request_id: str, item: Any) -> None:
+        """Hand ``item`` (a RequestOutput or EngineFailure) to ``request_id``'s handler."""
+        loop = self._loop
+        assert loop is not None
+        loop.call_soon_threadsafe(self._deliver, request_id, item)
+
+    def _flush(self) -> None:
+        """End of a step's deliveries (no-op here)."""
+
+    def _publish_idle(self, snapshot: dict[str, float]) -> None:
+        """The engine is idle after applying commands: publish its metrics."""
+        self.metrics_snapshot = snapshot
+
+    def _on_exit(self) -> None:
+        """The engine thread is leaving: fail every handler still waiting."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._fail_all, "engine loop stopped")
+
     def _fail_all(self, message: str) -> None:
         # Runs on the event loop: every waiting handler gets an EngineFailure.
         for rid in list(self._streams):
@@ -266,8 +303,6 @@ class AsyncEngine:
         self._live.clear()
 
     def _run(self) -> None:
-        loop = self._loop
-        assert loop is not None
         try:
             while not self._stop.is_set():
                 busy = self.engine.has_unfinished_requests()
@@ -275,9 +310,9 @@ class AsyncEngine:
                 if self._stop.is_set():
                     break
                 if not self.engine.has_unfinished_requests():
-                    self.metrics_snapshot = dict(self.engine.get_metrics())
+                    self._publish_idle(dict(self.engine.get_metrics()))
                     continue
-                self._step(loop)
+                self._step()
         except BaseException:
             logger.exception("engine loop: crashed; failing all requests")
             raise
@@ -288,12 +323,9 @@ class AsyncEngine:
             self._drain(block=False)
             self._abort_live("shutdown")
             self.metrics_snapshot = dict(self.engine.get_metrics())
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(self._fail_all, "engine loop stopped")
+            self._on_exit()
 
-    def _fail_step(
-        self, loop: asyncio.AbstractEventLoop, exc: BaseException, oom: bool, mark: Any
-    ) -> None:
+    def _fail_step(self, exc: BaseException, oom: bool, mark: Any) -> None:
         """Fail the requests of a step that raised; the others keep running.
 
         An engine that reports ``failed_request_ids`` (``LLMEngine`` drops exactly the
@@ -305,7 +337,7 @@ class AsyncEngine:
         """
         failed = self._step_failed_ids(mark)
         for rid in failed if failed else self._live:
-            loop.call_soon_threadsafe(self._deliver, rid, EngineFailure(str(exc), oom))
+            self._emit(rid, EngineFailure(str(exc), oom))
         if failed:
             self._live.difference_update(failed)  # the engine already dropped them
         else:
@@ -327,7 +359,7 @@ class AsyncEngine:
             recent = recent[len(recent) - recent[::-1].index(mark) :]
         return [rid for rid in recent if rid in self._live]
 
-    def _step(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _step(self) -> None:
         t0 = time.perf_counter()
         failed = oom = False
         mark = self._failed_mark()
@@ -341,12 +373,12 @@ class AsyncEngine:
             )
             failed = True
             outputs = []
-            self._fail_step(loop, exc, oom, mark)
+            self._fail_step(exc, oom, mark)
         dt = time.perf_counter() - t0
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)
-            loop.call_soon_threadsafe(self._deliver, out.request_id, out)
+            self._emit(out.request_id, out)
         snap = dict(self.engine.get_metrics())
         self.metrics_snapshot = snap
         if self._on_step is not None:
@@ -354,6 +386,7 @@ class AsyncEngine:
                 self._on_step(StepStats(dt, len(outputs), snap, failed, oom))
             except Exception:
                 logger.exception("engine loop: on_step callback failed")
+        self._flush()
 
 
 def _empty_device_cache() -> None:

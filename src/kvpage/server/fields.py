@@ -51,7 +51,6 @@ _COMMON: dict[str, tuple[Any, ...]] = {
     "guided_whitespace_pattern": _NULL,
     "structural_tag": _NULL,
     "structured_outputs": _NULL,
-    "priority": (None, 0),
     "request_id": _NULL,
     "logits_processors": _EMPTY,
     "return_tokens_as_token_ids": _FALSE,

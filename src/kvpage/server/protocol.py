@@ -81,6 +81,10 @@ class _Request(BaseModel):
     #: prefix-cache salt (vLLM's field): requests with different salts share no KV block;
     #: the server folds the tenant in too (``kvpage.server.auth.scoped_cache_salt``)
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    #: scheduling priority (vLLM's field; lower is served earlier). Unset = the tenant's
+    #: configured priority; a request may lower its priority, never raise it above its
+    #: tenant's (``kvpage.server.auth.request_priority``)
+    priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
 
     def stop_strings(self) -> list[str]:
         """The stop strings as a list (``prepare_request`` refuses empty ones)."""
@@ -197,6 +201,8 @@ class GenerationRequest(BaseModel):
     tenant: str
     #: the salt the engine mixes into the block hashes (tenant/scope folded in), or None
     cache_salt: str | None = None
+    #: the engine's scheduling priority (tenant floor applied, see ``request_priority``)
+    priority: int = 0
     created: int = Field(default_factory=lambda: int(time.time()))
     #: ``time.monotonic()`` seconds when the server received the request (TTFT/e2e start)
     arrival_s: float = Field(default_factory=time.monotonic)

@@ -120,7 +120,13 @@ class ServingState:
         self.max_model_len = int(
             getattr(sched, "max_model_len", None) or config.engine.max_model_len or 1 << 30
         )
-        self.loop = AsyncEngine(engine, on_step=self._on_step)
+        #: the engine loop: a thread here, or the pipe to an engine process
+        make_loop = getattr(engine, "make_async_engine", None)
+        self.loop: Any = (
+            make_loop(on_step=self._on_step)
+            if make_loop is not None
+            else AsyncEngine(engine, on_step=self._on_step)
+        )
         total = getattr(spec, "total_bytes", 0)
         self.metrics = ServerMetrics(
             lambda: self.loop.metrics_snapshot,
@@ -136,8 +142,13 @@ class ServingState:
                 "model": config.model_name,
             }
         )
+        #: the engine's scheduling policy (``fcfs`` | ``priority``)
+        self.scheduling_policy = str(
+            getattr(sched, "policy", None) or config.engine.scheduling_policy
+        )
         #: API keys -> tenants (raises SpecError on a bad keys file)
         self.auth = Authenticator(config.security)
+        self.auth.check_policy(self.scheduling_policy)
         cap = config.security.max_unauthenticated_tenants
         self.limiter = TenantLimiter(
             config.admission,
@@ -317,7 +328,9 @@ class ServingState:
             prompt: Any = list(req.prompt_token_ids)
             if req.cache_salt is not None:
                 prompt = {"prompt_token_ids": prompt, "cache_salt": req.cache_salt}
-            q = await self.loop.add(req.request_id, prompt, params, arrival_time=arrival)
+            q = await self.loop.add(
+                req.request_id, prompt, params, arrival_time=arrival, priority=req.priority
+            )
         except RequestRejected as exc:
             raise rejection_error(exc) from None
         choices = [_Choice() for _ in range(req.n)]

@@ -1,0 +1,161 @@
+"""The child side of the engine process (:mod:`kvpage.server.engine_process`): builds
+the ``LLMEngine`` and runs the server's engine loop with its deliveries sent down a pipe.
+
+See :mod:`kvpage.server.engine_process` for the message protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from kvpage.server.engine_loop import AsyncEngine, StepStats, _Command
+
+__all__ = ["EngineInfo", "child_main", "engine_report"]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP process needs to know about the engine (sent once, at start)."""
+
+    tokenizer: Any
+    cache_spec: Any
+    backend_name: str
+    max_model_len: int
+    policy: str
+    metrics: dict[str, float]
+
+
+def engine_report(engine: Any) -> dict[str, Any]:
+    """The engine's end state: free/usable blocks, running/waiting counts, the result of
+    ``kv_cache_manager.check_integrity()`` ("ok" or the error) and its metrics."""
+    kv = engine.kv_cache_manager
+    try:
+        kv.check_integrity()
+        integrity = "ok"
+    except Exception as exc:  # reported, not raised: the caller decides
+        integrity = f"{type(exc).__name__}: {exc}"
+    return {
+        "free_blocks": kv.num_free_blocks,
+        "usable_blocks": engine.cache_spec.num_blocks - 1,
+        "running": engine.scheduler.num_running,
+        "waiting": engine.scheduler.num_waiting,
+        "unfinished": engine.has_unfinished_requests(),
+        "integrity": integrity,
+        "metrics": dict(engine.get_metrics()),
+    }
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    import pickle
+
+    try:
+        pickle.dumps(exc)
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+class _EngineCore(AsyncEngine):
+    """The child's engine loop: ``AsyncEngine`` whose deliveries go down ``conn``."""
+
+    def __init__(self, engine: Any, conn: Any) -> None:
+        super().__init__(engine, on_step=self._stats)
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        self._outbox: list[tuple[str, Any]] = []
+        self._last: StepStats | None = None
+        self._idle_sent: dict[str, float] | None = None
+
+    def _send(self, msg: Any) -> None:
+        with self._send_lock:
+            self._conn.send(msg)
+
+    def _emit(self, request_id: str, item: Any) -> None:
+        self._outbox.append((request_id, item))
+
+    def _stats(self, st: StepStats) -> None:
+        self._last = StepStats(st.duration_s, st.num_outputs, dict(st.metrics), st.failed, st.oom)
+
+    def _flush(self) -> None:
+        if self._outbox or self._last is not None:
+            self._send(("out", self._outbox, self._last))
+            self._outbox, self._last = [], None
+            self._idle_sent = None
+
+    def _publish_idle(self, snapshot: dict[str, float]) -> None:
+        self.metrics_snapshot = snapshot
+        if snapshot != self._idle_sent:
+            self._send(("metrics", snapshot))
+            self._idle_sent = snapshot
+
+    def _on_exit(self) -> None:
+        self._flush()  # the parent fails whatever still waits when it sees "final"
+
+    def _reply(self, cid: int, fut: Any) -> None:
+        exc = fut.exception()
+        if exc is None:
+            self._send(("res", cid, True, fut.result()))
+        else:
+            self._send(("res", cid, False, _picklable(exc)))
+
+    def serve(self) -> None:
+        """Run the engine thread; read commands here until "stop" or the parent goes."""
+        import concurrent.futures
+
+        self._start_thread()
+        try:
+            while True:
+                try:
+                    msg = self._conn.recv()
+                except (EOFError, OSError):
+                    break  # the parent is gone
+                kind = msg[0]
+                if kind == "stop":
+                    break
+                fut: concurrent.futures.Future[Any] | None = None
+                if msg[1] is not None:
+                    fut = concurrent.futures.Future()
+                    fut.add_done_callback(functools.partial(self._reply, msg[1]))
+                if kind == "add":
+                    cmd = _Command("add", msg[2], msg[3], msg[4], future=fut)
+                elif kind == "abort":
+                    cmd = _Command("abort", msg[2], future=fut)
+                else:
+                    cmd = _Command("call", fn=msg[2], future=fut)
+                self._commands.put(cmd)
+        finally:
+            self._stop.set()
+            self._commands.put(_Command("wake"))
+            if self._thread is not None:
+                self._thread.join(30)
+            with contextlib.suppress(OSError, ValueError):
+                self._send(("final", engine_report(self.engine)))
+            self._conn.close()
+
+
+def child_main(conn: Any, engine_kwargs: dict[str, Any], log_level: str) -> None:
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        from kvpage.engine import LLMEngine
+
+        engine = LLMEngine.from_config(**engine_kwargs)
+        sched = engine.scheduler
+        info = EngineInfo(
+            engine.tokenizer,
+            engine.cache_spec,
+            engine.backend_name,
+            int(sched.max_model_len),
+            str(getattr(sched, "policy", "fcfs")),
+            dict(engine.get_metrics()),
+        )
+    except BaseException as exc:
+        conn.send(("error", _picklable(exc)))
+        conn.close()
+        return
+    conn.send(("ready", info))
+    _EngineCore(engine, conn).serve()
