@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvpage.cache.explain import CacheMissExplanation
 from kvpage.engine.params import SamplingParams
 
 
@@ -49,6 +50,8 @@ class Request:
             call done and not freed since).
         cache_salt: isolates its prefix-cache entries (None = shared).
         num_preemptions: times this sequence was preempted.
+        cache_miss: why the prefix hit at first admission ended where it did (None
+            before admission or with an allocator that cannot tell).
     """
 
     request_id: str
@@ -69,6 +72,7 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     stop_token_set: frozenset[int] = field(default_factory=frozenset)
+    cache_miss: CacheMissExplanation | None = None
 
     @property
     def group_id(self) -> str:
