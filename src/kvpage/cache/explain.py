@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,6 +47,18 @@ MISS_REASONS = (
     "prefix_caching_disabled",
     "prompt_logprobs",
 )
+#: what each reason suggests to an operator (the last column of the replay/simulate
+#: tables)
+MISS_ADVICE = {
+    "full_hit": "nothing to gain: only the partial last block was computed",
+    "never_seen": "new content: no cache can help",
+    "evicted": "buy memory or add a host/disk tier (or retain the prefix)",
+    "different_cache_key": "same tokens under another salt/tenant/adapter: check routing "
+    "and the cache scope",
+    "sliding_window": "a sliding-window group dropped the window's blocks: more memory",
+    "prefix_caching_disabled": "turn prefix caching on",
+    "prompt_logprobs": "prompt_logprobs requests compute every token",
+}
 #: evicted hashes remembered (LRU): ~200 bytes each, so ~13 MB at the default
 DEFAULT_EVICTION_RECORD_CAP = 65536
 #: distinct cache keys (salt, adapter) remembered for the ``different_cache_key`` check
@@ -149,6 +161,39 @@ class EvictionRecord:
     def get(self, block_hash: bytes) -> tuple[str, str, float] | None:
         """``(tier, policy, when)`` of the last recorded eviction, or None."""
         return self._rec.get(block_hash)
+
+
+def aggregate_misses(
+    explanations: Iterable[CacheMissExplanation | None],
+) -> dict[str, dict[str, float]]:
+    """Per reason (in :data:`MISS_REASONS` order, absent reasons left out): requests,
+    prompt tokens computed (``missed_tokens``) and their share of all missed tokens."""
+    out: dict[str, dict[str, float]] = {}
+    for e in explanations:
+        if e is None:
+            continue
+        row = out.setdefault(e.reason, {"requests": 0, "missed_tokens": 0})
+        row["requests"] += 1
+        row["missed_tokens"] += e.num_missed_tokens
+    total = sum(r["missed_tokens"] for r in out.values())
+    for r in out.values():
+        r["missed_share"] = r["missed_tokens"] / total if total else 0.0
+    return {k: out[k] for k in MISS_REASONS if k in out}
+
+
+def miss_table_rows(agg: dict[str, dict[str, float]]) -> list[tuple[str, str, str, str, str]]:
+    """``(reason, requests, missed tokens, share, advice)`` cells of
+    :func:`aggregate_misses`, for the replay and simulate tables."""
+    return [
+        (
+            k,
+            f"{int(v['requests']):,}",
+            f"{int(v['missed_tokens']):,}",
+            f"{v['missed_share']:.1%}",
+            MISS_ADVICE.get(k, ""),
+        )
+        for k, v in agg.items()
+    ]
 
 
 def pool_policy(priority: int) -> str:
@@ -276,7 +321,10 @@ def explain_first_miss(
 
 
 __all__ = [
+    "MISS_ADVICE",
+    "aggregate_misses",
     "explain_first_miss",
+    "miss_table_rows",
     "DEFAULT_EVICTION_RECORD_CAP",
     "DEFAULT_KEY_RECORD_CAP",
     "MAX_CROSS_KEY_BLOCKS",
