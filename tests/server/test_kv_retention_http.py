@@ -119,3 +119,19 @@ def test_chat_accepts_kv_retention(server):
     )
     assert r.status_code == 200, r.text
     assert r.json()["kvpage_cache"]["prompts"][0]["miss"]["reason"] in ("never_seen", "full_hit")
+
+
+def test_retention_flags_reach_the_config(capsys):
+    from kvpage.cli import main
+
+    argv = ["serve", "--kv-retention-max-share", "0.3", "--kv-retention-max-priority", "1"]
+    assert (
+        main([*argv, "--kv-retention-max-ttl-s", "60", "--dump-config", "--dump-format", "json"])
+        == 0
+    )
+    cfg = json.loads(capsys.readouterr().out)
+    assert cfg["engine"]["kv_retention_max_share"] == 0.3
+    assert cfg["admission"]["kv_retention_max_priority"] == 1
+    assert cfg["admission"]["kv_retention_max_ttl_s"] == 60.0
+    assert main(["serve", "--kv-retention-max-share", "1.5", "--dump-config"]) != 0
+    assert "kv_retention_max_share: expected <= 1" in capsys.readouterr().err

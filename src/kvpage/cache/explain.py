@@ -29,12 +29,13 @@ about 200 bytes each), the key record the last :data:`DEFAULT_KEY_RECORD_CAP` ke
 from __future__ import annotations
 
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvpage.cache.free_queue import PRIORITY_DEFAULT, PRIORITY_LOW
+from kvpage.cache.free_queue import NUM_PRIORITY_LEVELS, PRIORITY_DEFAULT, PRIORITY_LOW
 from kvpage.cache.hashing import BlockHash, chain_hash, iter_block_hashes
 
 #: every reason a :class:`CacheMissExplanation` can carry
@@ -122,7 +123,13 @@ class CacheMissExplanation:
 
 
 class EvictionRecord:
-    """The last ``cap`` evicted block hashes with where, when and why (LRU-bounded).
+    """The last ``cap`` evictions: block hash -> where, when and why (bounded; a hash
+    recorded again counts as new, so the oldest *eviction* is forgotten first).
+
+    Storage is a ring of ``cap`` slots (hash, time, (tier, policy) code) plus a plain
+    ``{hash: slot}`` dict: one eviction costs a few list stores and dict operations and
+    allocates no tracked object, so the record adds no garbage-collector work however
+    full it is (an ``OrderedDict`` of tuples measurably did, docs/benchmarks.md).
 
     Args:
         cap: most hashes kept (>= 0; 0 = record nothing).
@@ -132,35 +139,64 @@ class EvictionRecord:
     """
 
     def __init__(self, cap: int = DEFAULT_EVICTION_RECORD_CAP) -> None:
-        self.cap = cap
-        self._rec: OrderedDict[bytes, tuple[str, str, float]] = OrderedDict()
+        self.cap = max(0, cap)
+        self._slot: dict[bytes, int] = {}
+        self._hashes: list[bytes | None] = [None] * self.cap
+        self._when = array("d", bytes(8 * self.cap))
+        self._what = array("H", bytes(2 * self.cap))
+        self._pos = 0
+        self._codes: dict[tuple[str, str], int] = {}
+        self._names: list[tuple[str, str]] = []
         self.num_recorded = 0
         self.num_dropped = 0
 
     def __len__(self) -> int:
-        return len(self._rec)
+        return len(self._slot)
+
+    def code(self, tier: str, policy: str) -> int:
+        """A small int standing for ``(tier, policy)`` (for :meth:`record_code`)."""
+        key = (tier, policy)
+        c = self._codes.get(key)
+        if c is None:
+            c = self._codes[key] = len(self._names)
+            self._names.append(key)
+        return c
 
     def record_eviction(self, block_hash: bytes, tier: str, policy: str, when: float) -> None:
         """Remember that ``block_hash`` left ``tier`` at ``when`` (``time.monotonic()``
         seconds) by ``policy``; a later record of the same hash replaces it. The seam
         every tier reports through."""
-        if self.cap <= 0:
+        self.record_code(block_hash, self.code(tier, policy), when)
+
+    def record_code(self, block_hash: bytes, code: int, when: float) -> None:
+        """:meth:`record_eviction` with a :meth:`code` (the hot path of the pool)."""
+        cap = self.cap
+        if cap <= 0:
             return
-        rec = self._rec
-        rec[block_hash] = (tier, policy, when)
-        rec.move_to_end(block_hash)
-        self.num_recorded += 1
-        if len(rec) > self.cap:
-            rec.popitem(last=False)
+        pos = self._pos
+        slot = self._slot
+        old = self._hashes[pos]
+        if old is not None and slot.get(old) == pos:
+            del slot[old]
             self.num_dropped += 1
+        self._hashes[pos] = block_hash
+        slot[block_hash] = pos
+        self._when[pos] = when
+        self._what[pos] = code
+        self._pos = pos + 1 if pos + 1 < cap else 0
+        self.num_recorded += 1
 
     def forget(self, block_hash: bytes) -> None:
         """Drop the record of ``block_hash`` (e.g. a tier now holds it again)."""
-        self._rec.pop(block_hash, None)
+        self._slot.pop(block_hash, None)
 
     def get(self, block_hash: bytes) -> tuple[str, str, float] | None:
         """``(tier, policy, when)`` of the last recorded eviction, or None."""
-        return self._rec.get(block_hash)
+        pos = self._slot.get(block_hash)
+        if pos is None:
+            return None
+        tier, policy = self._names[self._what[pos]]
+        return tier, policy, self._when[pos]
 
 
 def aggregate_misses(
@@ -226,14 +262,14 @@ class PoolEvictionRecorder:
         self._priority_of = priority_of
         self._clock = clock
         self.tier = tier
+        #: per priority level, the (tier, policy) code of an eviction at that level
+        self._code = [record.code(tier, pool_policy(p)) for p in range(NUM_PRIORITY_LEVELS)]
 
     def on_stored(self, block_id: int, block_hash: bytes) -> None:
         """Nothing to do: a cached block is a hit, its old record is never consulted."""
 
     def on_evicted(self, block_id: int, block_hash: bytes) -> None:
-        self.record.record_eviction(
-            block_hash, self.tier, pool_policy(self._priority_of(block_id)), self._clock()
-        )
+        self.record.record_code(block_hash, self._code[self._priority_of(block_id)], self._clock())
 
     def on_cleared(self) -> None:
         """``reset_prefix_cache``: the manager records those hashes before clearing."""
