@@ -251,3 +251,19 @@ def test_retention_policy_validation_names_the_field() -> None:
     )
     assert KVRetention.from_dict(r.to_dict()) == r
     assert r.block_spans(20, 4, 7) == [(0, 4, 3, 30.0), (5, 7, 0, None)]
+
+
+def test_blocks_a_sliding_window_releases_keep_the_policy() -> None:
+    mgr = KVCacheManager(make_spec(40, 4, windows=(None, 8)))
+    pin = KVRetention((RetentionRange(0, 16, PRIORITY_MAX, None),))
+    toks = SYSTEM + [1, 2, 3, 4]
+    assert mgr.allocate("a", toks, 12) is not None  # chunked prefill: 12, then 8
+    mgr.set_retention("a", pin, len(toks))
+    mgr.commit("a", toks, 12)
+    assert mgr.allocate("a", toks, 8) is not None  # the window (8) releases block 0
+    sliding = mgr.pools[1]
+    released = [b for b in sliding.blocks[1:] if b.ref_cnt == 0 and b.block_hash is not None]
+    assert released and all(b.priority == PRIORITY_MAX for b in released)
+    assert sliding.num_retained == len(released)
+    mgr.free("a")
+    mgr.check_integrity()

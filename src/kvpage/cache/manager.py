@@ -344,6 +344,8 @@ class KVCacheManager:
         copies: list[list[tuple[int, int]]] = []
         st = self._stats
         for g, (gm, plan) in enumerate(zip(self._groups, plans)):
+            if plan.release and req.retention is not None:
+                self._retain(req, g, req.freed[g], plan.target)
             done = gm.grow(req.tables[g], req.freed[g], plan)
             req.freed[g] = plan.target
             st.window_blocks_freed += done.num_released
@@ -503,12 +505,21 @@ class KVCacheManager:
         req = self._get(request_id)
         del self._reqs[request_id]
         if req.retention is not None:
-            policy, n_prompt = req.retention
-            for gm, table in zip(self._groups, req.tables):
-                for lo, hi, prio, ttl in policy.block_spans(n_prompt, self.block_size, len(table)):
-                    gm.pool.set_retention(table[lo:hi], prio, ttl)
+            for g, table in enumerate(req.tables):
+                self._retain(req, g, 0, len(table))
         for gm, table in zip(self._groups, req.tables):
             gm.free(table)
+
+    def _retain(self, req: RequestBlocks, g: int, lo: int, hi: int) -> None:
+        """Mark table entries ``lo .. hi-1`` of group ``g`` with the request's retention
+        policy, before they are released (freed, or dropped by the sliding window)."""
+        assert req.retention is not None
+        policy, n_prompt = req.retention
+        table = req.tables[g]
+        pool = self._groups[g].pool
+        for a, b, prio, ttl in policy.block_spans(n_prompt, self.block_size, len(table)):
+            if a < hi and b > lo:
+                pool.set_retention(table[max(a, lo) : min(b, hi)], prio, ttl)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every hash entry if no request holds blocks; False (no change) otherwise."""
