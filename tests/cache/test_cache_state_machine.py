@@ -12,6 +12,13 @@ groups) and checks after every rule:
   that request's tokens, and every key its next query can see (all earlier positions,
   or the last ``W`` in a sliding-window group) is still in its block table;
 * a failed allocation (None) changes nothing but the failure counter.
+
+Retention rules (kept apart: ``retention_*`` rules and ``retention_invariants``) give
+live requests priority/TTL policies, advance a fake clock and admit requests checking
+that new blocks come from the head of the eviction order (lowest priority level first,
+LRU within it, expired retention already demoted); after every step: each free block's
+level matches its priority, raised levels hold only cached blocks, at most
+``max_retained_blocks`` are retained, and no live deadline is in the past after expiry.
 """
 
 from __future__ import annotations
@@ -32,7 +39,13 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvpage.cache import KVCacheManager, hash_request_blocks
+from kvpage.cache import (
+    PRIORITY_DEFAULT,
+    KVCacheManager,
+    KVRetention,
+    RetentionRange,
+    hash_request_blocks,
+)
 
 LAYOUTS: list[tuple[int | None, ...]] = [(None,), (None,), (3,), (None, 4), (2, None, 6)]
 VOCAB = st.integers(0, 2)  # tiny vocabulary: prompts share prefixes often
@@ -272,8 +285,97 @@ class CacheMachine(RuleBasedStateMachine):
             assert mgr.usage == 0.0
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class RetentionRules(CacheMachine):
+    """The cache machine plus retention rules and checks (see the module docstring)."""
+
+    clock: FakeClock | None = None
+
+    def _retention_clock(self, cap: int) -> FakeClock:
+        """Install a fake clock (and a drawn retention cap) in every pool on first use;
+        no policy exists before, so no deadline used the real clock."""
+        if self.clock is None:
+            self.clock = FakeClock()
+            for p in self.mgr.pools:
+                assert p.num_retained == 0
+                p.clock = self.clock
+                p.max_retained_blocks = min(cap, p.num_usable)
+        return self.clock
+
+    @rule(
+        data=st.data(),
+        prio=st.integers(0, 3),
+        ttl=st.sampled_from([None, 1.0, 5.0]),
+        decode=st.integers(0, 3),
+        cap=st.integers(0, 6),
+    )
+    def retention_set(
+        self, data: st.DataObject, prio: int, ttl: float | None, decode: int, cap: int
+    ) -> None:
+        if not self.model:
+            return
+        self._retention_clock(cap)
+        rid = data.draw(st.sampled_from(sorted(self.model)))
+        r = self.model[rid]
+        end = data.draw(st.integers(1, max(1, r.prompt_len)))
+        policy = KVRetention((RetentionRange(0, end, prio, ttl),), decode, ttl)
+        self.mgr.set_retention(rid, policy, r.prompt_len)
+
+    @rule(dt=st.sampled_from([0.5, 2.0, 10.0]), cap=st.integers(0, 6))
+    def retention_advance_clock(self, dt: float, cap: int) -> None:
+        clock = self._retention_clock(cap)
+        clock.t += dt
+        for p in self.mgr.pools:
+            p.expire()
+
+    @rule(prompt=PROMPTS, salt=st.sampled_from([None, "s"]))
+    def retention_admit_checks_eviction_order(self, prompt: list[int], salt: str | None) -> None:
+        """Admit and release a request at once: its new blocks must be the head of each
+        pool's eviction order (hit blocks excluded)."""
+        mgr = self.mgr
+        hit = mgr.get_num_cached_tokens(prompt, cache_salt=salt)
+        for p in mgr.pools:
+            p.expire()  # what allocate does first (same clock reading)
+        orders = [p.free_queue.ids() for p in mgr.pools]
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        alloc = mgr.allocate(rid, prompt, len(prompt) - hit, num_cached_tokens=hit, cache_salt=salt)
+        if alloc is None:
+            return
+        for g in range(mgr.num_groups):
+            held = set(mgr.block_table(rid, g)[: hit // self.bs])
+            expect = [b for b in orders[g] if b not in held][: len(alloc.new_blocks[g])]
+            assert alloc.new_blocks[g] == expect, f"group {g}: not the head of the eviction order"
+            for b in alloc.new_blocks[g]:
+                self.content[g][b] = [None] * self.bs  # reused: its old K/V is gone
+        mgr.free(rid)
+
+    @invariant()
+    def retention_invariants(self) -> None:
+        for p in self.mgr.pools:
+            assert p.num_retained <= p.max_retained_blocks
+            for level, q in enumerate(p.free_queue.levels):
+                for b in q:
+                    if b.block_hash is None:
+                        assert level == 0 and b.priority == PRIORITY_DEFAULT
+                    else:
+                        assert b.priority == level, f"{b!r} in level {level}"
+            if self.clock is not None:
+                for deadline, stamp, b in p._expiry:
+                    if b.stamp == stamp and b.level > PRIORITY_DEFAULT:
+                        assert deadline > self.clock.t, "an expired block is still retained"
+
+
 # example counts come from the Hypothesis profile in conftest.py (ci / thorough)
 TestCacheMachine = CacheMachine.TestCase
+TestCacheRetentionMachine = RetentionRules.TestCase
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvpage.engine import LLM, METRIC_NAMES, LLMEngine, SamplingParams
+from kvpage.engine.engine import CACHE_MISS_KEYS
 from kvpage.errors import RequestRejected
 
 
@@ -237,7 +238,9 @@ def test_abort_and_metric_names(engine: LLMEngine) -> None:
     assert engine.kv_cache_manager.num_free_blocks == free
     assert not engine.has_unfinished_requests()
     m = engine.get_metrics()
-    assert tuple(m) == METRIC_NAMES and all(isinstance(v, float) for v in m.values())
+    assert tuple(m) == METRIC_NAMES + CACHE_MISS_KEYS and all(
+        isinstance(v, float) for v in m.values()
+    )
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])

@@ -17,7 +17,9 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
+from kvpage.cache.explain import miss_table_rows
 from kvpage.errors import KVPageError
 
 
@@ -92,4 +94,17 @@ def parse_int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
     return out
 
 
-__all__ = ["parse_int_list", "prepare_output", "trace_limit"]
+def miss_markdown(rows: list[tuple[list[str], dict[str, Any]]], keys: list[str]) -> str:
+    """A markdown table of cache-miss reasons (``kvpage.cache.explain.aggregate_misses``)
+    for ``kvpage replay`` and ``kvpage simulate``: one line per (row, reason), the row's
+    ``keys`` cells first (e.g. policy and block size), then requests, prompt tokens
+    computed, their share, and what the reason suggests to an operator."""
+    head = [*keys, "miss reason", "requests", "missed tokens", "share", "suggests"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cells, agg in rows:
+        for r in miss_table_rows(agg):
+            lines.append("| " + " | ".join([*cells, *r]) + " |")
+    return "\n".join(lines)
+
+
+__all__ = ["miss_markdown", "parse_int_list", "prepare_output", "trace_limit"]

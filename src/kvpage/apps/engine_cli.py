@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvpage.apps.cli_util import prepare_output
+from kvpage.apps.cli_util import miss_markdown, prepare_output
 from kvpage.engine.cli_flags import add_prefix_caching_flags
 from kvpage.errors import KVPageError
 from kvpage.jsonout import dumps
@@ -103,6 +103,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="CPU compute threads (default 1: the fast setting on a small or shared "
         "machine, see docs/benchmarks.md; 0 = torch's default, one per core)",
     )
+    g.add_argument(
+        "--kv-retention-max-share",
+        type=_float_type(0.0, lo_open=False, hi=1.0),
+        default=0.5,
+        help="most of the KV pool kv_retention policies may hold (default 0.5)",
+    )
 
 
 def _engine(args: argparse.Namespace) -> Any:
@@ -123,6 +129,7 @@ def _engine(args: argparse.Namespace) -> Any:
         device=args.device,
         seed=args.seed,
         num_threads=args.threads,
+        kv_retention_max_share=args.kv_retention_max_share,
     )
 
 
@@ -385,6 +392,9 @@ def _replay_main(args: argparse.Namespace) -> int:
     )
     stop = " (interrupted)" if s["interrupted"] else ""
     _print_table(f"kvpage replay: {trace.name}, {s['completed']} requests{stop}", _rows(s))
+    if s["miss_reasons"]:
+        print("cache misses by reason (prompt tokens computed instead of served from cache):")
+        print(miss_markdown([([], s["miss_reasons"])], []))
     if args.output:
         path = Path(args.output)
         try:

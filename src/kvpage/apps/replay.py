@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpage.cache.explain import aggregate_misses
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.params import RequestOutput, SamplingParams
 from kvpage.errors import RequestRejected
@@ -232,6 +233,7 @@ def replay(
         "prefix_hit_tokens": int(h),
         "preemptions": int(delta("num_preemptions_total")),
         "allocation_failures": int(delta("block_allocation_failures_total")),
+        "miss_reasons": aggregate_misses(o.cache_miss for o in done),
         "steps": st.num_steps - steps0,
         "duration_s": wall,
         "speedup": speedup,

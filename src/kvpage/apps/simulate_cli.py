@@ -13,7 +13,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from kvpage.apps.cli_util import parse_int_list, prepare_output, trace_limit
+from kvpage.apps.cli_util import miss_markdown, parse_int_list, prepare_output, trace_limit
 from kvpage.errors import KVPageError
 from kvpage.jsonout import dumps
 
@@ -151,6 +151,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         return 0
     print(f"trace {trace.name}: {len(trace)} requests, model {args.model}, GPU {args.gpu}")
     print(markdown_table(rows))
+    misses = [([r["policy"], str(r["block_size"])], r["miss_reasons"]) for r in rows]
+    if any(agg for _, agg in misses):
+        print("\ncache misses by reason (prompt tokens computed instead of served from cache):")
+        print(miss_markdown(misses, ["policy", "block"]))
     if json_path is not None:
         json_path.write_text(dumps(rows) + "\n")
     return 0

@@ -15,6 +15,20 @@ from kvpage.cache.block_pool import (
     KVBlock,
     PoolListener,
 )
+from kvpage.cache.explain import (
+    MISS_REASONS,
+    CacheMissExplanation,
+    EvictionRecord,
+    PoolEvictionRecorder,
+)
+from kvpage.cache.free_queue import (
+    NUM_PRIORITY_LEVELS,
+    PRIORITY_DEFAULT,
+    PRIORITY_HIGH,
+    PRIORITY_LOW,
+    PRIORITY_MAX,
+    PriorityFreeQueue,
+)
 from kvpage.cache.group_managers import FullAttentionManager, GroupManager, SlidingWindowManager
 from kvpage.cache.hashing import (
     BlockHash,
@@ -25,10 +39,24 @@ from kvpage.cache.hashing import (
 )
 from kvpage.cache.manager import Allocation, CacheStats, KVCacheManager
 from kvpage.cache.protocol import AllocatorStats, KVAllocator
+from kvpage.cache.retention import KVRetention, RetentionRange, max_retained_blocks
 from kvpage.cache.tables import batch_block_tables, slot_mapping
 
 __all__ = [
+    "MISS_REASONS",
     "NULL_BLOCK_ID",
+    "NUM_PRIORITY_LEVELS",
+    "PRIORITY_DEFAULT",
+    "PRIORITY_HIGH",
+    "PRIORITY_LOW",
+    "PRIORITY_MAX",
+    "CacheMissExplanation",
+    "EvictionRecord",
+    "KVRetention",
+    "PoolEvictionRecorder",
+    "PriorityFreeQueue",
+    "RetentionRange",
+    "max_retained_blocks",
     "Allocation",
     "AllocatorStats",
     "BlockHash",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpage.cache.hashing import BlockHash
+from kvpage.cache.retention import KVRetention
 
 
 @dataclass(slots=True)
@@ -69,6 +70,7 @@ class RequestBlocks:
         hashes: chained hashes of blocks ``0 .. num_committed-1``.
         num_committed: leading full blocks already committed (hashed).
         freed: per group, leading blocks released by sliding-window freeing.
+        retention: the request's retention policy and prompt length, or None.
     """
 
     tables: list[list[int]]
@@ -77,6 +79,7 @@ class RequestBlocks:
     hashes: list[BlockHash] = field(default_factory=list)
     num_committed: int = 0
     freed: list[int] = field(default_factory=list)
+    retention: tuple[KVRetention, int] | None = None
 
 
 __all__ = ["Allocation", "CacheStats", "RequestBlocks"]

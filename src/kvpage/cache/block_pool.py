@@ -10,113 +10,42 @@ Every other block is in exactly one of two states:
 * **free**: ``ref_cnt == 0``, in the free queue. A free block may still carry a
   ``block_hash`` (it is *cached*: its KV is intact and a prefix lookup can revive it).
 
-The free queue is a doubly linked list ordered for eviction (head = evicted first).
-Allocation pops the head; if that block is cached, its hash entry is removed in the
-same operation (eviction). Reviving a cached block removes it from the middle of the
-queue in O(1). This is the design of vLLM v1's ``FreeKVCacheBlockQueue`` (vLLM docs,
-"Prefix Caching"), re-implemented here.
+The free queue is ordered for eviction (head = evicted first): one doubly linked LRU
+list per retention priority level (``kvpage.cache.free_queue``), the allocator taking
+the head of the lowest non-empty level. Allocation pops that block; if it is cached,
+its hash entry is removed in the same operation (eviction). Reviving a cached block
+removes it from the middle of its list in O(1). The LRU list is the design of vLLM v1's
+``FreeKVCacheBlockQueue`` (vLLM docs, "Prefix Caching"), re-implemented here.
+
+Retention (``kvpage.cache.retention``): a block freed while cached goes to the level of
+its ``priority`` (default 1). A raised level (2, 3) holds it for ``ttl`` seconds after
+it was freed; expiry is applied lazily (a heap of deadlines, checked when blocks are
+allocated) and moves the block to the head of the default level. At most
+``max_retained_blocks`` free blocks are at a raised level; a block that would exceed
+the cap goes to the default level instead (counted in ``num_retention_refused``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import heapq
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
+from kvpage.cache.free_queue import (
+    NUM_PRIORITY_LEVELS,
+    PRIORITY_DEFAULT,
+    PRIORITY_LOW,
+    FreeBlockQueue,
+    KVBlock,
+    PriorityFreeQueue,
+)
 from kvpage.errors import AllocationError, IntegrityError
 
 NULL_BLOCK_ID = 0
-
-
-class KVBlock:
-    """One block's metadata (the KV data lives in the backend's cache tensors).
-
-    Attributes:
-        block_id: index into the cache tensors' ``num_blocks`` dimension.
-        ref_cnt: number of block tables holding this block.
-        block_hash: the chained hash of its contents once committed, else None.
-        prev_free, next_free: free-queue links (None when not in the queue).
-    """
-
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: bytes | None = None
-        self.prev_free: KVBlock | None = None
-        self.next_free: KVBlock | None = None
-
-    def __repr__(self) -> str:
-        h = self.block_hash.hex()[:8] if self.block_hash else None
-        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
-
-
-class FreeBlockQueue:
-    """Doubly linked list of free blocks with O(1) append, appendleft, popleft and
-    removal from the middle (sentinel head and tail nodes, id -1 and -2)."""
-
-    def __init__(self, blocks: Sequence[KVBlock] = ()) -> None:
-        self._head = KVBlock(-1)
-        self._tail = KVBlock(-2)
-        self._head.next_free = self._tail
-        self._tail.prev_free = self._head
-        self.num_free = 0
-        for b in blocks:
-            self.append(b)
-
-    def __len__(self) -> int:
-        return self.num_free
-
-    def popleft(self) -> KVBlock:
-        """Remove and return the head (the next block to evict/reuse).
-
-        Raises:
-            AllocationError: the queue is empty.
-        """
-        b = self._head.next_free
-        if b is self._tail or b is None:
-            raise AllocationError("free queue: expected a free block, got none")
-        self.remove(b)
-        return b
-
-    def remove(self, b: KVBlock) -> None:
-        """Unlink ``b`` (must be in the queue) in O(1)."""
-        p, n = b.prev_free, b.next_free
-        assert p is not None and n is not None, f"{b!r} is not in the free queue"
-        p.next_free = n
-        n.prev_free = p
-        b.prev_free = b.next_free = None
-        self.num_free -= 1
-
-    def append(self, b: KVBlock) -> None:
-        """Insert ``b`` at the tail (evicted last)."""
-        last = self._tail.prev_free
-        assert last is not None
-        last.next_free = b
-        b.prev_free = last
-        b.next_free = self._tail
-        self._tail.prev_free = b
-        self.num_free += 1
-
-    def appendleft(self, b: KVBlock) -> None:
-        """Insert ``b`` at the head (reused first)."""
-        first = self._head.next_free
-        assert first is not None
-        first.prev_free = b
-        b.next_free = first
-        b.prev_free = self._head
-        self._head.next_free = b
-        self.num_free += 1
-
-    def __iter__(self) -> Iterator[KVBlock]:
-        b = self._head.next_free
-        while b is not None and b is not self._tail:
-            yield b
-            b = b.next_free
-
-    def ids(self) -> list[int]:
-        """Block ids from head (next to go) to tail."""
-        return [b.block_id for b in self]
+#: share of the usable blocks that may sit free at a raised retention level by default
+#: (kvpage's choice: half the pool stays plain LRU for traffic without a policy)
+DEFAULT_RETENTION_SHARE = 0.5
 
 
 class PoolListener(Protocol):
@@ -146,6 +75,9 @@ class BlockPool:
     Args:
         num_blocks: blocks including the null block (>= 2).
         enable_caching: keep a hash -> block map for prefix caching.
+        max_retained_blocks: most free blocks at a raised retention level (None = half
+            the usable blocks, :data:`DEFAULT_RETENTION_SHARE`; 0 = retention off).
+        clock: seconds for retention deadlines (default ``time.monotonic``).
 
     Attributes:
         blocks: ``blocks[i]`` is the KVBlock with id ``i``.
@@ -154,9 +86,17 @@ class BlockPool:
         num_evictions: cached blocks reused for other content so far.
         listeners: :class:`PoolListener` objects told of every store, eviction and
             clear (empty by default: then each change costs one empty-list check).
+        num_retention_refused: frees whose raised priority the cap turned to default.
     """
 
-    def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        enable_caching: bool = True,
+        max_retained_blocks: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if num_blocks < 2:
             raise AllocationError(
                 f"num_blocks: expected >= 2 (block 0 is the null block), got {num_blocks}"
@@ -165,10 +105,23 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.free_queue = PriorityFreeQueue(self.blocks[1:])
         self.cached: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
         self.listeners: list[PoolListener] = []
+        if max_retained_blocks is None:
+            max_retained_blocks = int((num_blocks - 1) * DEFAULT_RETENTION_SHARE)
+        if not 0 <= max_retained_blocks <= num_blocks - 1:
+            raise AllocationError(
+                f"max_retained_blocks: expected an int in [0, {num_blocks - 1}], "
+                f"got {max_retained_blocks!r}"
+            )
+        self.max_retained_blocks = max_retained_blocks
+        self.num_retention_refused = 0
+        self.clock = clock
+        #: (deadline, stamp, block) of retained free blocks with a ttl (lazy deletion)
+        self._expiry: list[tuple[float, int, KVBlock]] = []
+        self._stamp = 0
 
     # ---- queries ----------------------------------------------------------------------
     @property
@@ -191,9 +144,18 @@ class BlockPool:
         """``num_used / num_usable`` in [0, 1]."""
         return self.num_used / (self.num_blocks - 1)
 
+    @property
+    def num_retained(self) -> int:
+        """Free blocks at a raised retention level (<= ``max_retained_blocks``)."""
+        return self.free_queue.num_above(PRIORITY_DEFAULT)
+
     def get_cached(self, block_hash: bytes) -> KVBlock | None:
         """The block holding ``block_hash``'s content, or None (no state change)."""
         return self.cached.get(block_hash)
+
+    def priority_of(self, block_id: int) -> int:
+        """The retention priority block ``block_id`` has now (``kvpage.cache.free_queue``)."""
+        return self.blocks[block_id].priority
 
     def ref_count(self, block_id: int) -> int:
         """Block tables holding block ``block_id`` (0 = free)."""
@@ -219,6 +181,10 @@ class BlockPool:
         """Whether some block holds ``block_hash``'s content (no state change)."""
         return block_hash in self.cached
 
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash with a cached block (a copy)."""
+        return list(self.cached)
+
     def cached_block_id(self, block_hash: bytes) -> int | None:
         """The id of the block holding ``block_hash``'s content, or None."""
         b = self.cached.get(block_hash)
@@ -236,6 +202,8 @@ class BlockPool:
         fq = self.free_queue
         if n > fq.num_free:
             raise AllocationError(f"blocks: expected <= {fq.num_free} free, got request for {n}")
+        if self._expiry:
+            self.expire()
         out = []
         for _ in range(n):
             b = fq.popleft()
@@ -259,6 +227,8 @@ class BlockPool:
         if h is not None and self.cached.get(h) is b:
             del self.cached[h]
         b.block_hash = None
+        b.priority = PRIORITY_DEFAULT
+        b.ttl = None
         self.num_evictions += 1
 
     def touch(self, blocks: Sequence[KVBlock]) -> None:
@@ -316,9 +286,78 @@ class BlockPool:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 if b.block_hash is None:
+                    b.priority = PRIORITY_DEFAULT
                     fq.appendleft(b)
-                else:
+                elif b.priority == PRIORITY_DEFAULT:
                     fq.append(b)
+                else:
+                    self._release_retained(b)
+
+    def _release_retained(self, b: KVBlock) -> None:
+        """Queue cached block ``b`` at its non-default priority (cap and ttl applied)."""
+        level = b.priority
+        if level > PRIORITY_DEFAULT:
+            if self.free_queue.num_above(PRIORITY_DEFAULT) >= self.max_retained_blocks:
+                self.num_retention_refused += 1
+                b.priority = level = PRIORITY_DEFAULT
+                b.ttl = None
+            elif b.ttl is not None:
+                self._stamp += 1
+                b.stamp = self._stamp
+                heapq.heappush(self._expiry, (self.clock() + b.ttl, self._stamp, b))
+        self.free_queue.append(b, level)
+
+    # ---- retention --------------------------------------------------------------------
+    def set_retention(self, block_ids: Iterable[int], priority: int, ttl: float | None) -> None:
+        """Mark held blocks (null ids skipped) for the level they take when freed.
+
+        A raise (``priority > 1``) keeps the higher of the block's current and the new
+        priority and the longer ttl (None = no expiry wins); a lowering
+        (``priority == 0``) applies only to a block at the default priority, so one
+        request's low decode blocks never undo another's retention.
+
+        Raises:
+            AllocationError: ``priority`` outside ``[0, NUM_PRIORITY_LEVELS)``.
+        """
+        if not 0 <= priority < NUM_PRIORITY_LEVELS:
+            raise AllocationError(
+                f"priority: expected an int in [0, {NUM_PRIORITY_LEVELS - 1}], got {priority!r}"
+            )
+        blocks = self.blocks
+        for i in block_ids:
+            if not i:
+                continue
+            b = blocks[i]
+            if priority > PRIORITY_DEFAULT:
+                if b.priority > PRIORITY_DEFAULT:
+                    b.ttl = None if b.ttl is None or ttl is None else max(b.ttl, ttl)
+                else:
+                    b.ttl = ttl
+                b.priority = max(b.priority, priority)
+            elif priority == PRIORITY_LOW and b.priority == PRIORITY_DEFAULT:
+                b.priority = PRIORITY_LOW
+
+    def expire(self, now: float | None = None) -> int:
+        """Move retained free blocks whose deadline passed to the head of the default
+        level (their last use is at least ``ttl`` ago). Called lazily by
+        :meth:`allocate`; returns how many moved."""
+        heap = self._expiry
+        if not heap:
+            return 0
+        t = self.clock() if now is None else now
+        moved = 0
+        fq = self.free_queue
+        while heap and heap[0][0] <= t:
+            _, stamp, b = heapq.heappop(heap)
+            if b.stamp != stamp or b.level <= PRIORITY_DEFAULT:
+                continue  # revived, evicted or re-queued since: a stale entry
+            fq.remove(b)
+            b.priority = PRIORITY_DEFAULT
+            b.ttl = None
+            b.stamp = 0
+            fq.appendleft(b, PRIORITY_DEFAULT)
+            moved += 1
+        return moved
 
     def cache_block(self, block: KVBlock | int, block_hash: bytes) -> bool:
         """Register ``block`` (a KVBlock or a block id) as holding ``block_hash``'s content.
@@ -346,6 +385,13 @@ class BlockPool:
         for b in self.cached.values():
             b.block_hash = None
         self.cached.clear()
+        fq = self.free_queue
+        order = list(fq)  # nothing is cached now: every free block is empty
+        for b in order:
+            fq.remove(b)
+            b.priority, b.ttl, b.stamp = PRIORITY_DEFAULT, None, 0
+            fq.append(b, PRIORITY_LOW)
+        self._expiry.clear()
         for listener in self.listeners:
             listener.on_cleared()
         return True
@@ -360,20 +406,31 @@ class BlockPool:
                 pointing to a block with another hash, ...).
         """
         seen: set[int] = set()
-        prev = self.free_queue._head
-        for b in self.free_queue:
-            if b.prev_free is not prev:
-                raise IntegrityError(f"free queue: broken back link at block {b.block_id}")
-            if b.block_id in seen:
-                raise IntegrityError(f"free queue: block {b.block_id} appears twice")
-            if b.block_id == NULL_BLOCK_ID:
-                raise IntegrityError("free queue: expected no null block, got block 0")
-            if b.ref_cnt != 0:
-                raise IntegrityError(
-                    f"free queue: block {b.block_id} expected ref_cnt 0, got {b.ref_cnt}"
-                )
-            seen.add(b.block_id)
-            prev = b
+        for level, q in enumerate(self.free_queue.levels):
+            prev = q.head
+            for b in q:
+                if b.prev_free is not prev:
+                    raise IntegrityError(f"free queue: broken back link at block {b.block_id}")
+                if b.block_id in seen:
+                    raise IntegrityError(f"free queue: block {b.block_id} appears twice")
+                if b.block_id == NULL_BLOCK_ID:
+                    raise IntegrityError("free queue: expected no null block, got block 0")
+                if b.ref_cnt != 0:
+                    raise IntegrityError(
+                        f"free queue: block {b.block_id} expected ref_cnt 0, got {b.ref_cnt}"
+                    )
+                if b.level != level or (level > PRIORITY_LOW and b.block_hash is None):
+                    raise IntegrityError(
+                        f"free queue: block {b.block_id} in level {level} with level "
+                        f"{b.level}, hash {b.block_hash is not None} (empty blocks are level 0)"
+                    )
+                seen.add(b.block_id)
+                prev = b
+        if self.num_retained > self.max_retained_blocks:
+            raise IntegrityError(
+                f"retention: expected <= {self.max_retained_blocks} retained free blocks, "
+                f"got {self.num_retained}"
+            )
         if len(seen) != self.free_queue.num_free:
             raise IntegrityError(
                 f"free queue: expected length {self.free_queue.num_free}, "
@@ -403,4 +460,11 @@ class BlockPool:
             )
 
 
-__all__ = ["NULL_BLOCK_ID", "BlockPool", "FreeBlockQueue", "KVBlock"]
+__all__ = [
+    "DEFAULT_RETENTION_SHARE",
+    "NULL_BLOCK_ID",
+    "BlockPool",
+    "FreeBlockQueue",
+    "KVBlock",
+    "PoolListener",
+]

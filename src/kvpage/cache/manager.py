@@ -22,11 +22,20 @@ sliding window: window release, CoW, growth of one table) -> that group's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from kvpage.cache.allocation import Allocation, CacheStats, RequestBlocks
 from kvpage.cache.block_pool import BlockPool
+from kvpage.cache.explain import (
+    DEFAULT_EVICTION_RECORD_CAP,
+    CacheMissExplanation,
+    EvictionRecord,
+    KeyRecord,
+    PoolEvictionRecorder,
+    explain_first_miss,
+)
 from kvpage.cache.group_managers import GroupManager, GrowthPlan, make_group_manager
 from kvpage.cache.hashing import (
     BlockHash,
@@ -37,6 +46,7 @@ from kvpage.cache.hashing import (
 )
 from kvpage.cache.integrity import check_manager_integrity
 from kvpage.cache.prefix import longest_hit
+from kvpage.cache.retention import KVRetention
 from kvpage.errors import AllocationError, SpecError
 from kvpage.specs import CacheSpec
 
@@ -49,6 +59,12 @@ class KVCacheManager:
             is the null block).
         enable_prefix_caching: look up and register block hashes.
         hash_seed: seed of the block-hash chain (see ``kvpage.cache.hashing``).
+        max_retained_blocks: per group, most free blocks a retention policy may hold at
+            a raised priority (None = ``BlockPool``'s default, half the pool).
+        eviction_record_cap: evicted hashes remembered for miss explanations
+            (``kvpage.cache.explain``; 0 = none).
+        clock: seconds for retention deadlines and eviction times
+            (``time.monotonic``).
 
     Attributes:
         block_size: tokens per block.
@@ -56,13 +72,22 @@ class KVCacheManager:
         windows: per group, the sliding window in tokens (None = full attention).
         max_request_tokens: tokens one request can hold when allocated in one call:
             ``(num_blocks - 1) * block_size``.
+        eviction_record: evictions of every tier (the device pool records its own;
+            lower tiers call ``eviction_record.record_eviction``).
 
     Raises:
         SpecError: ``spec.num_blocks < 2``.
     """
 
     def __init__(
-        self, spec: CacheSpec, *, enable_prefix_caching: bool = True, hash_seed: int = 0
+        self,
+        spec: CacheSpec,
+        *,
+        enable_prefix_caching: bool = True,
+        hash_seed: int = 0,
+        max_retained_blocks: int | None = None,
+        eviction_record_cap: int = DEFAULT_EVICTION_RECORD_CAP,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if spec.num_blocks < 2:
             raise SpecError(
@@ -76,13 +101,24 @@ class KVCacheManager:
         self.num_groups = len(self.windows)
         self._groups: list[GroupManager] = [
             make_group_manager(
-                BlockPool(spec.num_blocks, enable_caching=enable_prefix_caching),
+                BlockPool(
+                    spec.num_blocks,
+                    enable_caching=enable_prefix_caching,
+                    max_retained_blocks=max_retained_blocks,
+                    clock=clock,
+                ),
                 spec.block_size,
                 w,
             )
             for w in self.windows
         ]
         self._pools = [gm.pool for gm in self._groups]
+        self.clock = clock
+        self.eviction_record = EvictionRecord(eviction_record_cap)
+        self._keys = KeyRecord()
+        if enable_prefix_caching and eviction_record_cap > 0:
+            for p in self._pools:
+                p.listeners.append(PoolEvictionRecorder(self.eviction_record, p.priority_of, clock))
         self._simple = self.windows == [None]
         self._root = root_hash(hash_seed)
         self._reqs: dict[str, RequestBlocks] = {}
@@ -113,6 +149,16 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         """Blocks held by requests, max over groups."""
         return max(p.num_used for p in self._pools)
+
+    @property
+    def num_retained_blocks(self) -> int:
+        """Free blocks held at a raised retention priority, max over groups."""
+        return max(p.num_retained for p in self._pools)
+
+    @property
+    def max_retained_blocks(self) -> int:
+        """The retention cap per group (blocks)."""
+        return self._pools[0].max_retained_blocks
 
     @property
     def stats(self) -> CacheStats:
@@ -168,6 +214,59 @@ class KVCacheManager:
         # remember the hashes for the allocate that normally follows (keyed by content)
         self._peek_memo = (extra, list(token_ids[: len(hashes) * bs]), hashes)
         return nb * self.block_size
+
+    def explain_miss(
+        self,
+        token_ids: Sequence[int],
+        num_cached_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+        remember_key: bool = True,
+    ) -> CacheMissExplanation:
+        """Why the prefix hit of ``token_ids`` is ``num_cached_tokens`` tokens
+        (``kvpage.cache.explain``); call right after the lookup/allocation it explains.
+        Changes no block or stat; with ``remember_key`` the request's cache key joins
+        the bounded key record (for ``different_cache_key`` checks of later requests).
+        """
+        n = len(token_ids)
+        if not self.enable_prefix_caching:
+            return CacheMissExplanation("prefix_caching_disabled", n, 0)
+        extra = encode_extra_keys(cache_salt, adapter_id)
+        known: list[BlockHash] = []
+        memo = self._peek_memo
+        if memo is not None and memo[0] == extra:
+            k = len(memo[2])
+            if memo[1] == list(token_ids[: k * self.block_size]):
+                known = memo[2]
+        full = [gm.pool for gm in self._groups if gm.window is None]
+        got = explain_first_miss(
+            full,
+            len(full) != self.num_groups,
+            self.eviction_record,
+            self._keys,
+            self._root,
+            extra,
+            token_ids,
+            self.block_size,
+            num_cached_tokens,
+            known,
+        )
+        if remember_key:
+            self._keys.add(extra)
+        return got
+
+    def set_retention(
+        self, request_id: str, retention: KVRetention | None, num_prompt_tokens: int
+    ) -> None:
+        """Give ``request_id`` a retention policy (``kvpage.cache.retention``), applied
+        to its blocks when it frees them; None removes it.
+
+        Raises:
+            AllocationError: unknown request.
+        """
+        req = self._get(request_id)
+        req.retention = None if retention is None else (retention, num_prompt_tokens)
 
     # ---- allocation ---------------------------------------------------------------------
     def allocate(
@@ -245,6 +344,8 @@ class KVCacheManager:
         copies: list[list[tuple[int, int]]] = []
         st = self._stats
         for g, (gm, plan) in enumerate(zip(self._groups, plans)):
+            if plan.release and req.retention is not None:
+                self._retain(req, g, req.freed[g], plan.target)
             done = gm.grow(req.tables[g], req.freed[g], plan)
             req.freed[g] = plan.target
             st.window_blocks_freed += done.num_released
@@ -392,6 +493,7 @@ class KVCacheManager:
             list(p.hashes),
             p.num_committed,
             list(p.freed),
+            p.retention,
         )
 
     def free(self, request_id: str) -> None:
@@ -402,14 +504,32 @@ class KVCacheManager:
         """
         req = self._get(request_id)
         del self._reqs[request_id]
+        if req.retention is not None:
+            for g, table in enumerate(req.tables):
+                self._retain(req, g, 0, len(table))
         for gm, table in zip(self._groups, req.tables):
             gm.free(table)
+
+    def _retain(self, req: RequestBlocks, g: int, lo: int, hi: int) -> None:
+        """Mark table entries ``lo .. hi-1`` of group ``g`` with the request's retention
+        policy, before they are released (freed, or dropped by the sliding window)."""
+        assert req.retention is not None
+        policy, n_prompt = req.retention
+        table = req.tables[g]
+        pool = self._groups[g].pool
+        for a, b, prio, ttl in policy.block_spans(n_prompt, self.block_size, len(table)):
+            if a < hi and b > lo:
+                pool.set_retention(table[max(a, lo) : min(b, hi)], prio, ttl)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every hash entry if no request holds blocks; False (no change) otherwise."""
         if any(p.num_used for p in self._pools):
             return False
+        now = self.clock()
+        rec = self.eviction_record
         for p in self._pools:
+            for h in p.cached_hashes():
+                rec.record_eviction(h, "device", "reset", now)
             p.reset_prefix_cache()
         return True
 

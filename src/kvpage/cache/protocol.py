@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from kvpage.cache.allocation import Allocation
+from kvpage.cache.explain import CacheMissExplanation
+from kvpage.cache.retention import KVRetention
 
 
 @runtime_checkable
@@ -99,4 +101,24 @@ class KVAllocator(Protocol):
     def check_integrity(self) -> None: ...
 
 
-__all__ = ["AllocatorStats", "KVAllocator"]
+@runtime_checkable
+class RetentionAllocator(Protocol):
+    """What an allocator with a prefix cache adds (``KVCacheManager``): retention
+    policies and cache-miss explanations. The scheduler uses them when present."""
+
+    def set_retention(
+        self, request_id: str, retention: KVRetention | None, num_prompt_tokens: int
+    ) -> None: ...
+
+    def explain_miss(
+        self,
+        token_ids: Sequence[int],
+        num_cached_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+        remember_key: bool = True,
+    ) -> CacheMissExplanation: ...
+
+
+__all__ = ["AllocatorStats", "KVAllocator", "RetentionAllocator"]

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 #: most bytes the default (unsized) KV cache takes: 1 GiB
 DEFAULT_KV_CACHE_BYTES_CAP = 1 << 30
+#: share of the usable KV blocks retention policies may hold by default
+DEFAULT_RETENTION_MAX_SHARE = 0.5
 #: CPU threads when ``num_threads`` is None: 1, the configuration that is never the
 #: pathological one on a small or shared machine (see ``EngineConfig.num_threads``)
 DEFAULT_NUM_THREADS = 1
@@ -69,6 +71,10 @@ class EngineConfig:
             a thread the OS has descheduled while its partner spins (``import kvpage``
             sets ``OMP_WAIT_POLICY=PASSIVE`` against that when it loads before torch;
             then 2 threads paid 2-8x on a 125M model). Raise it on cores you own.
+        kv_retention_max_share: most of the usable blocks (a share in [0, 1]) that
+            requests' ``kv_retention`` policies may hold free at a raised priority
+            (default 0.5; 0 = retention off). The cap is also bounded so that one
+            ``max_model_len`` request always fits without evicting a retained block.
     """
 
     model: Any = "stories260K"
@@ -86,6 +92,7 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None
     scheduling_policy: SchedulingPolicy = "fcfs"
+    kv_retention_max_share: float = DEFAULT_RETENTION_MAX_SHARE
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -121,6 +128,9 @@ class EngineConfig:
             raise SpecError(
                 f"scheduling_policy: expected 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
+        rs = self.kv_retention_max_share
+        if isinstance(rs, bool) or not isinstance(rs, (int, float)) or not 0 <= rs <= 1:
+            raise SpecError(f"kv_retention_max_share: expected a number in [0, 1], got {rs!r}")
         sd = self.seed
         if isinstance(sd, bool) or not isinstance(sd, int) or not 0 <= sd < 2**63:
             raise SpecError(f"seed: expected an int in [0, 2**63 - 1], got {sd!r}")
@@ -226,7 +236,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
     """
     from kvpage.attention.metadata import allocate_layer_cache
     from kvpage.backends import select_backend
-    from kvpage.cache import KVCacheManager
+    from kvpage.cache import KVCacheManager, max_retained_blocks
     from kvpage.engine.runner import ModelRunner
     from kvpage.engine.scheduler import Scheduler
     from kvpage.models import load_model
@@ -255,7 +265,12 @@ def build_components(config: EngineConfig) -> EngineComponents:
             f"{num_blocks} blocks of {config.block_size} tokens (~{total:,} bytes): "
             f"{str(e).splitlines()[0][:200]}"
         ) from None
-    kvm = KVCacheManager(spec, enable_prefix_caching=config.enable_prefix_caching)
+    cap = max_retained_blocks(
+        num_blocks - 1, config.kv_retention_max_share, -(-mml // config.block_size)
+    )
+    kvm = KVCacheManager(
+        spec, enable_prefix_caching=config.enable_prefix_caching, max_retained_blocks=cap
+    )
     scheduler = Scheduler(
         kvm,
         max_num_seqs=config.max_num_seqs,
@@ -270,6 +285,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
 __all__ = [
     "DEFAULT_KV_CACHE_BYTES_CAP",
     "DEFAULT_NUM_THREADS",
+    "DEFAULT_RETENTION_MAX_SHARE",
     "EngineComponents",
     "apply_num_threads",
     "EngineConfig",

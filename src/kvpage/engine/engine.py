@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvpage.cache.explain import MISS_REASONS
 from kvpage.engine.config import EngineComponents, EngineConfig, build_components
 from kvpage.engine.params import CompletionOutput, RequestOutput, SamplingParams
 from kvpage.engine.prompts import parse_prompt
@@ -44,7 +45,13 @@ METRIC_NAMES = (
     "kvpage:prompt_tokens_total",
     "kvpage:generation_tokens_total",
     "kvpage:requests_rejected_total",
+    "kvpage:kv_retained_blocks",
 )
+#: the labelled counter of first admissions by cache-miss reason: ``get_metrics`` keys
+#: are ``f'{CACHE_MISS_METRIC}{{reason="{r}"}}'`` for every r in ``kvpage.cache.MISS_REASONS``
+CACHE_MISS_METRIC = "kvpage:cache_miss_reasons_total"
+#: the ``get_metrics`` keys of :data:`CACHE_MISS_METRIC`, after :data:`METRIC_NAMES`
+CACHE_MISS_KEYS = tuple(f'{CACHE_MISS_METRIC}{{reason="{r}"}}' for r in MISS_REASONS)
 
 
 @dataclass
@@ -211,6 +218,12 @@ class LLMEngine:
                 )
             check_priority(priority, getattr(self.scheduler, "policy", "fcfs"))
             text, ids, salt = self._parse_prompt(prompt)
+            if params.kv_retention is not None and not self.config.enable_prefix_caching:
+                raise RequestRejected(
+                    "kv_retention: expected no policy when prefix caching is off (nothing "
+                    "is cached to retain), got a policy",
+                    reason="invalid_sampling_params",
+                )
             if params.prompt_logprobs is not None:
                 # every prompt token must be computed to have logits: a salt of its own
                 # makes the prefix cache miss (vLLM also skips hits for such requests)
@@ -461,11 +474,14 @@ class LLMEngine:
                     cumulative_logprob=preq.cumulative.get(i, 0.0) if want_lp else None,
                 )
             )
+        cached = max(0, seqs[0].num_cached_tokens)
         return RequestOutput(
             request_id=preq.request_id,
             prompt=preq.prompt,
             prompt_token_ids=preq.prompt_token_ids,
-            num_cached_tokens=max(0, seqs[0].num_cached_tokens),
+            num_cached_tokens=cached,
+            num_cached_tokens_by_tier={"device": cached},
+            cache_miss=seqs[0].cache_miss,
             outputs=outs,
             finished=finished,
             arrival_time=preq.arrival_time,
@@ -480,9 +496,13 @@ class LLMEngine:
     def get_metrics(self) -> dict[str, float]:
         """Current values of :data:`METRIC_NAMES`: KV usage as a fraction in [0, 1]
         (cached-but-unreferenced blocks count as free), running/waiting sequences, and
-        counters since the engine started (prefix cache queries/hits in tokens)."""
+        counters since the engine started (prefix cache queries/hits in tokens), the
+        free blocks held at a raised retention priority, and first admissions by
+        cache-miss reason (:data:`CACHE_MISS_METRIC`, one key per reason)."""
         kv = self.kv_cache_manager
         st = kv.stats
+        reasons = self.scheduler.miss_reasons
+        misses = {k: float(reasons.get(r, 0)) for k, r in zip(CACHE_MISS_KEYS, MISS_REASONS)}
         return {
             "kvpage:kv_cache_usage_perc": float(kv.usage),
             "kvpage:num_requests_running": float(self.scheduler.num_running),
@@ -495,7 +515,9 @@ class LLMEngine:
             "kvpage:prompt_tokens_total": float(self._counters["prompt"]),
             "kvpage:generation_tokens_total": float(self._counters["generation"]),
             "kvpage:requests_rejected_total": float(self._counters["rejected"]),
+            "kvpage:kv_retained_blocks": float(kv.num_retained_blocks),
+            **misses,
         }
 
 
-__all__ = ["METRIC_NAMES", "LLMEngine", "StepStats"]
+__all__ = ["CACHE_MISS_KEYS", "CACHE_MISS_METRIC", "METRIC_NAMES", "LLMEngine", "StepStats"]

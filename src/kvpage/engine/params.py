@@ -13,8 +13,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpage.cache.explain import CacheMissExplanation
+from kvpage.cache.retention import KVRetention
 from kvpage.engine.vllm_compat import SAMPLING_NOT_IMPLEMENTED, check_not_implemented
-from kvpage.errors import RequestRejected
+from kvpage.errors import RequestRejected, SpecError
 
 #: most top log-probabilities per token a request may ask for (vLLM's default
 #: ``max_logprobs``)
@@ -99,6 +101,11 @@ class SamplingParams(metaclass=_VLLMCompatible):
             off). Such a request does not reuse prefix-cache hits (every prompt token
             is computed), as in vLLM.
         include_stop_str_in_output: keep the matched stop string in the text.
+        kv_retention: kvpage extension: how long this request's cached blocks stay
+            once it is done (``kvpage.cache.KVRetention``, or its dict form
+            ``{"ranges": [{"start", "end", "priority", "ttl_s"}], "decode_priority",
+            "decode_ttl_s"}``, converted on validation); None = plain LRU. Needs prefix
+            caching. See docs/architecture.md, "Retention".
 
     Raises:
         RequestRejected: reason ``"invalid_sampling_params"``, message
@@ -122,6 +129,7 @@ class SamplingParams(metaclass=_VLLMCompatible):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    kv_retention: KVRetention | None = None
     #: derived by validate(): penalties or min_tokens are set (logits are processed)
     needs_processing: bool = field(default=False, init=False, repr=False, compare=False)
     #: derived by validate(): nothing beyond temperature/top-k/top-p (the fast path)
@@ -189,6 +197,12 @@ class SamplingParams(metaclass=_VLLMCompatible):
                 raise _bad(name, f"None or an int in [0, {MAX_LOGPROBS}]", v)
         if not isinstance(self.include_stop_str_in_output, bool):
             raise _bad("include_stop_str_in_output", "a bool", self.include_stop_str_in_output)
+        kr: Any = self.kv_retention
+        if kr is not None and not isinstance(kr, KVRetention):
+            try:
+                self.kv_retention = KVRetention.from_dict(kr)
+            except SpecError as e:
+                raise RequestRejected(str(e), reason="invalid_sampling_params") from None
         self.needs_processing = bool(
             self.presence_penalty
             or self.frequency_penalty
@@ -274,6 +288,12 @@ class RequestOutput:
             (then ``outputs`` is empty), else None.
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt
             token: None for the first, then its :data:`PositionLogprobs`; else None.
+        num_cached_tokens_by_tier: ``num_cached_tokens`` split by the cache tier that
+            served them (``"device"``: the GPU/CPU block pool; lower tiers add theirs).
+        cache_miss: why the prefix hit ended where it did
+            (``kvpage.cache.CacheMissExplanation``: reason, first missed block, tier,
+            policy and time of an eviction); None before admission. This is the
+            operator's view (the server shows tenants ``cache_miss.public()``).
     """
 
     request_id: str
@@ -289,6 +309,8 @@ class RequestOutput:
     error: RequestRejected | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     first_scheduled_time: float | None = None
+    num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    cache_miss: CacheMissExplanation | None = None
 
     @property
     def ttft(self) -> float | None:

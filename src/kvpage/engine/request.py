@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvpage.cache.explain import CacheMissExplanation
 from kvpage.engine.params import SamplingParams
 
 
@@ -51,6 +52,8 @@ class Request:
         num_preemptions: times this sequence was preempted.
         priority: scheduling priority under the ``priority`` policy (lower is served
             first; vLLM's convention); 0 under ``fcfs``.
+        cache_miss: why the prefix hit at first admission ended where it did (None
+            before admission or with an allocator that cannot tell).
     """
 
     request_id: str
@@ -72,6 +75,7 @@ class Request:
     num_preemptions: int = 0
     stop_token_set: frozenset[int] = field(default_factory=frozenset)
     priority: int = 0
+    cache_miss: CacheMissExplanation | None = None
 
     @property
     def group_id(self) -> str:

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 from kvpage.attention.metadata import slots_of
 from kvpage.cache.allocation import Allocation
-from kvpage.cache.protocol import KVAllocator
+from kvpage.cache.explain import CacheMissExplanation
+from kvpage.cache.protocol import KVAllocator, RetentionAllocator
 from kvpage.engine.queue_policy import SchedulingPolicy, make_queue
 from kvpage.engine.request import Request, RequestStatus, sample_id
 from kvpage.errors import RequestRejected, SpecError
@@ -151,6 +152,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         self._arrivals = 0
+        #: first admissions by cache-miss reason (``kvpage.cache.MISS_REASONS``)
+        self.miss_reasons: dict[str, int] = {}
+        self._retaining = (
+            kv_cache_manager if isinstance(kv_cache_manager, RetentionAllocator) else None
+        )
 
     # ---- admission ------------------------------------------------------------------
     def check_capacity(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -264,6 +270,8 @@ class Scheduler:
                 if alloc is None:
                     break
                 self.waiting.popleft()
+                if not req.has_blocks and self._retaining is not None:
+                    self._first_allocation(req, self._retaining, alloc.num_cached_tokens)
                 req.has_blocks = True
                 req.num_computed_tokens = alloc.num_cached_tokens
                 if req.num_cached_tokens < 0:
@@ -275,6 +283,21 @@ class Scheduler:
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         self.num_steps += 1
         return out
+
+    def _first_allocation(self, req: Request, kv: RetentionAllocator, cached: int) -> None:
+        """Give a newly allocated sequence its retention policy and, at its first
+        admission, the explanation of its prefix hit (counted in ``miss_reasons``)."""
+        policy = req.params.kv_retention
+        if policy is not None:
+            kv.set_retention(req.request_id, policy, req.num_prompt_tokens)
+        if req.num_cached_tokens >= 0:
+            return  # readmitted after preemption: the first admission's reason stands
+        if req.params.prompt_logprobs is not None:  # a unique salt: every token computed
+            why = CacheMissExplanation("prompt_logprobs", req.num_tokens, cached)
+        else:
+            why = kv.explain_miss(req.token_ids, cached, cache_salt=req.cache_salt)
+        req.cache_miss = why
+        self.miss_reasons[why.reason] = self.miss_reasons.get(why.reason, 0) + 1
 
     def _emit(self, out: SchedulerOutput, req: Request, n: int, alloc: Allocation) -> None:
         copies = alloc.copies
@@ -374,6 +397,7 @@ class Scheduler:
                 num_cached_tokens=parent.num_cached_tokens,
                 has_blocks=True,
                 stop_token_set=parent.stop_token_set,
+                cache_miss=parent.cache_miss,
             )
             self.kv.fork(parent.request_id, child.request_id)
             self.requests[child.request_id] = child

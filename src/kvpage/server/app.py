@@ -325,6 +325,10 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
                 max_model_len=state.max_model_len,
                 max_bytes_per_token=state.max_bytes_per_token,
                 allow_unknown_fields=state.config.allow_unknown_fields,
+                retention_limits=(
+                    state.config.admission.kv_retention_max_priority,
+                    state.config.admission.kv_retention_max_ttl_s,
+                ),
             ),
         )
         req.cache_salt = salt
@@ -423,7 +427,7 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
                 )
                 break
         if req.include_usage:
-            u = P.usage_chunk(req, usage.completion_tokens, usage.cached_tokens)
+            u = P.usage_chunk(req, usage.completion_tokens, usage.cached_tokens, [usage.cache_info])
             yield "data: " + json.dumps(u) + "\n\n"
         yield "data: [DONE]\n\n"
 

@@ -100,6 +100,8 @@ class EngineConfig(_Strict):
     #: ``fcfs`` or ``priority`` (vLLM's ``--scheduling-policy``; the tenants' and
     #: requests' ``priority``: docs/serving.md)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    #: most of the pool retention policies may hold (``--kv-retention-max-share``)
+    kv_retention_max_share: float = Field(0.5, ge=0.0, le=1.0)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Return the kwargs for ``LLMEngine.from_config`` (None values are dropped)."""
@@ -129,6 +131,12 @@ class AdmissionConfig(_Strict):
     it above ``kv_high_water``, the request waits in a bounded queue for up to
     ``queue_timeout_s`` (``kv_pressure_action="queue"``) or is refused at once
     (``"reject"``) with 429 and ``Retry-After: retry_after_s``. Short requests still flow.
+
+    Retention (the ``kv_retention`` request field): a request may ask for priority levels
+    up to ``kv_retention_max_priority`` (0..3; 1 = no raise allowed, 0 = the field is
+    refused) and raised levels must expire within ``kv_retention_max_ttl_s`` seconds;
+    anything above is refused with 400 naming the field. The limit is the same for
+    every tenant; the pool-wide cap is ``engine.kv_retention_max_share``.
     """
 
     default_limit: TenantLimit | None = None
@@ -136,6 +144,8 @@ class AdmissionConfig(_Strict):
     kv_high_water: float = Field(0.9, gt=0.0, le=1.0)
     long_prompt_tokens: int = Field(128, ge=1)
     kv_pressure_action: Literal["queue", "reject"] = "queue"
+    kv_retention_max_priority: int = Field(3, ge=0, le=3)
+    kv_retention_max_ttl_s: float = Field(3600.0, gt=0.0)
     queue_timeout_s: float = Field(5.0, ge=0.0)
     max_queued: int = Field(64, ge=0)
     retry_after_s: int = Field(1, ge=1)

@@ -36,6 +36,8 @@ _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 _THROUGHPUT_BUCKETS = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000)
 _COUNT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _NAME_OK = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+#: an engine metric key with one label: ``name{label="value"}``
+_LABELLED = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)\{([a-zA-Z_][a-zA-Z0-9_]*)="([^"]*)"\}$')
 
 
 class _EngineCollector(Collector):
@@ -46,7 +48,12 @@ class _EngineCollector(Collector):
         self._model = model_name
 
     def collect(self) -> Iterator[Metric]:
+        labelled: dict[tuple[str, str], list[tuple[str, float]]] = {}
         for name, value in sorted(self._snapshot().items()):
+            m = _LABELLED.match(name)
+            if m is not None:
+                labelled.setdefault((m.group(1), m.group(2)), []).append((m.group(3), value))
+                continue
             if not _NAME_OK.match(name):
                 continue
             if name.endswith("_total"):
@@ -59,6 +66,18 @@ class _EngineCollector(Collector):
                 g = GaugeMetricFamily(name, f"engine metric {name}", labels=["model_name"])
                 g.add_metric([self._model], float(value))
                 yield g
+        for (name, label), values in sorted(labelled.items()):
+            # e.g. kvpage:cache_miss_reasons_total{reason="evicted"}: one family, one
+            # sample per label value (a bounded set, never per request)
+            if name.endswith("_total"):
+                fam: Metric = CounterMetricFamily(
+                    name[: -len("_total")], f"engine metric {name}", labels=[label, "model_name"]
+                )
+            else:
+                fam = GaugeMetricFamily(name, f"engine metric {name}", labels=[label, "model_name"])
+            for v, x in values:
+                fam.add_metric([v, self._model], float(x))  # type: ignore[attr-defined]
+            yield fam
 
 
 class ServerMetrics:

@@ -108,6 +108,7 @@ async def stream_many(
                 reqs[0],
                 sum(x.completion_tokens for x in usages),
                 sum(x.cached_tokens for x in usages),
+                [x.cache_info for x in usages],
             )
             u["usage"]["prompt_tokens"] = p = sum(len(r.prompt_token_ids) for r in reqs)
             u["usage"]["total_tokens"] = p + u["usage"]["completion_tokens"]

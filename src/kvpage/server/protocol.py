@@ -85,6 +85,9 @@ class _Request(BaseModel):
     #: configured priority; a request may lower its priority, never raise it above its
     #: tenant's (``kvpage.server.auth.request_priority``)
     priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
+    #: kvpage extension: how long this request's cached blocks stay after it
+    #: (``kvpage.cache.KVRetention.from_dict``; limits: ``AdmissionConfig``)
+    kv_retention: dict[str, Any] | None = None
 
     def stop_strings(self) -> list[str]:
         """The stop strings as a list (``prepare_request`` refuses empty ones)."""
@@ -203,6 +206,8 @@ class GenerationRequest(BaseModel):
     cache_salt: str | None = None
     #: the engine's scheduling priority (tenant floor applied, see ``request_priority``)
     priority: int = 0
+    #: the validated ``kv_retention`` policy in its dict form, or None
+    kv_retention: dict[str, Any] | None = None
     created: int = Field(default_factory=lambda: int(time.time()))
     #: ``time.monotonic()`` seconds when the server received the request (TTFT/e2e start)
     arrival_s: float = Field(default_factory=time.monotonic)
@@ -238,12 +243,13 @@ def completion_body(
     cached_tokens: int = 0,
     prompt_tokens: int | None = None,
     prompt_logprobs: list[Any] | None = None,
+    cache_info: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A non-streamed response body (``text_completion`` or ``chat.completion``).
 
     Chat bodies carry vLLM's top-level ``prompt_logprobs`` when the request asked for
     them; a body whose ``max_tokens`` degraded mode capped carries
-    :func:`capped_field`."""
+    :func:`capped_field`; given ``cache_info`` it carries :func:`cache_field`."""
     obj = "chat.completion" if req.kind == "chat" else "text_completion"
     body: dict[str, Any] = {
         "id": req.request_id,
@@ -256,6 +262,8 @@ def completion_body(
     if req.kind == "chat" and prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs
     body.update(capped_field(req))
+    if cache_info is not None:
+        body.update(cache_field(cache_info))
     return body
 
 
@@ -359,9 +367,13 @@ def chunk(
 
 
 def usage_chunk(
-    req: GenerationRequest, completion_tokens: int, cached_tokens: int = 0
+    req: GenerationRequest,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+    cache_info: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The final streamed chunk carrying ``usage`` (``stream_options.include_usage``)."""
+    """The final streamed chunk carrying ``usage`` (``stream_options.include_usage``) and,
+    given ``cache_info`` (one entry per prompt), :func:`cache_field`."""
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     return {
         "id": req.request_id,
@@ -371,7 +383,21 @@ def usage_chunk(
         "choices": [],
         "usage": usage(req, completion_tokens, cached_tokens),
         **capped_field(req),
+        **({} if cache_info is None else cache_field(cache_info)),
     }
+
+
+def cache_field(per_prompt: list[dict[str, Any]]) -> dict[str, Any]:
+    """``{"kvpage_cache": {"cached_tokens_by_tier", "prompts"}}``: the kvpage extension
+    next to ``usage`` (docs/vllm-checklist.md). ``per_prompt`` holds, per prompt in
+    order, ``{"cached_tokens_by_tier": {...}, "miss": {...} | None}`` (the tenant's
+    view of the explanation, ``CacheMissExplanation.public``); ``cached_tokens_by_tier``
+    at the top sums them."""
+    total: dict[str, int] = {}
+    for p in per_prompt:
+        for tier, n in (p.get("cached_tokens_by_tier") or {}).items():
+            total[tier] = total.get(tier, 0) + int(n)
+    return {"kvpage_cache": {"cached_tokens_by_tier": total, "prompts": per_prompt}}
 
 
 class APIError(Exception):

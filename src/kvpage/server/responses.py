@@ -121,6 +121,7 @@ def build_body(
         cached_tokens=sum(r.usage.cached_tokens for r in results),
         prompt_tokens=sum(len(r.req.prompt_token_ids) for r in results),
         prompt_logprobs=chat_plp,
+        cache_info=[r.usage.cache_info for r in results],
     )
 
 

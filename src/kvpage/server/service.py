@@ -67,11 +67,15 @@ class Usage:
         completion_tokens: generated tokens, summed over choices.
         cached_tokens: prompt tokens served from the prefix cache.
         prompt_logprobs: the engine's prompt logprobs (``prompt_logprobs`` requests).
+        cache_info: ``{"cached_tokens_by_tier", "miss"}`` of the request: the tenant's
+            view of the cache-miss explanation (``CacheMissExplanation.public``: a hit
+            held under another tenant's key is reported as ``never_seen``).
     """
 
     completion_tokens: int = 0
     cached_tokens: int = 0
     prompt_logprobs: list[Any] | None = None
+    cache_info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -324,6 +328,7 @@ class ServingState:
                 logprobs=req.logprobs,
                 prompt_logprobs=req.prompt_logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                **({} if req.kv_retention is None else {"kv_retention": req.kv_retention}),
             )
             prompt: Any = list(req.prompt_token_ids)
             if req.cache_salt is not None:
@@ -360,6 +365,15 @@ class ServingState:
                     )
                 done = bool(out.finished)
                 usage.cached_tokens = int(out.num_cached_tokens)
+                if not usage.cache_info:
+                    why = getattr(out, "cache_miss", None)
+                    usage.cache_info = {
+                        "cached_tokens_by_tier": dict(
+                            getattr(out, "num_cached_tokens_by_tier", None)
+                            or {"device": usage.cached_tokens}
+                        ),
+                        "miss": None if why is None else why.public().to_dict(),
+                    }
                 if out.prompt_logprobs is not None:
                     usage.prompt_logprobs = out.prompt_logprobs
                 for comp in out.outputs:

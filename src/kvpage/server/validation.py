@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvpage.cache.retention import KVRetention
 from kvpage.engine.chat import text_part_problem
+from kvpage.errors import SpecError
 from kvpage.server.fields import check_extra_fields
 from kvpage.server.protocol import (
     APIError,
@@ -21,7 +23,7 @@ from kvpage.server.protocol import (
     render_chat,
 )
 
-__all__ = ["max_token_bytes", "min_prompt_tokens", "prepare_request"]
+__all__ = ["check_retention", "max_token_bytes", "min_prompt_tokens", "prepare_request"]
 
 #: largest seed of any choice (choice i samples with seed + i): a signed 64-bit int, the
 #: range the engine's SamplingParams accepts and every torch.Generator takes
@@ -83,6 +85,7 @@ def prepare_request(
     max_model_len: int,
     max_bytes_per_token: int | None = None,
     allow_unknown_fields: bool = False,
+    retention_limits: tuple[int, float] = (3, 3600.0),
 ) -> GenerationRequest:
     """Validate a parsed request and tokenize its prompt.
 
@@ -99,6 +102,8 @@ def prepare_request(
             that provably cannot fit ``max_model_len`` is refused before encoding.
         allow_unknown_fields: ignore fields outside the OpenAI/vLLM schemas instead of
             refusing them (see :mod:`kvpage.server.fields`).
+        retention_limits: ``(max priority, max ttl_s)`` a ``kv_retention`` policy may
+            ask for (``AdmissionConfig.kv_retention_max_priority`` / ``_max_ttl_s``).
 
     Returns:
         The request with token ids and ``max_tokens`` resolved (completions default 16;
@@ -200,6 +205,7 @@ def prepare_request(
             param="seed",
             reason="invalid_sampling_params",
         )
+    retention = check_retention(body.kv_retention, retention_limits)
     tenant = api_key or body.user or "anonymous"
     return GenerationRequest(
         kind=kind,  # type: ignore[arg-type]
@@ -227,7 +233,48 @@ def prepare_request(
         stream=body.stream,
         include_usage=body.include_usage(),
         tenant=tenant,
+        kv_retention=retention,
     )
+
+
+def check_retention(raw: dict[str, Any] | None, limits: tuple[int, float]) -> dict[str, Any] | None:
+    """Validate the ``kv_retention`` field against the policy schema and the server's
+    limits; returns its normalized dict form (None when absent).
+
+    Raises:
+        APIError: 400, ``param="kv_retention"``, naming the offending sub-field.
+    """
+    if raw is None:
+        return None
+    max_prio, max_ttl = limits
+    try:
+        policy = KVRetention.from_dict(raw)
+    except (SpecError, TypeError) as e:
+        raise APIError(
+            400, str(e)[:300], param="kv_retention", code="invalid_kv_retention"
+        ) from None
+    where = [
+        (f"kv_retention.ranges[{i}].", r.priority, r.ttl_s) for i, r in enumerate(policy.ranges)
+    ]
+    where.append(("kv_retention.decode_", policy.decode_priority, policy.decode_ttl_s))
+    for name, prio, ttl in where:
+        if prio > max_prio:
+            raise APIError(
+                400,
+                f"{name}priority: expected <= {max_prio} (this server's "
+                f"kv_retention_max_priority), got {prio}",
+                param="kv_retention",
+                code="invalid_kv_retention",
+            )
+        if prio > 1 and (ttl is None or ttl > max_ttl):
+            raise APIError(
+                400,
+                f"{name}ttl_s: expected a number <= {max_ttl} for a raised priority (this "
+                f"server's kv_retention_max_ttl_s), got {'null' if ttl is None else ttl}",
+                param="kv_retention",
+                code="invalid_kv_retention",
+            )
+    return policy.to_dict()
 
 
 def _check_text_parts(body: ChatCompletionRequest) -> None:

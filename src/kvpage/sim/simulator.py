@@ -43,6 +43,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from kvpage.cache.explain import CacheMissExplanation, aggregate_misses
 from kvpage.cache.protocol import KVAllocator
 from kvpage.capacity import plan_capacity, resolve_model
 from kvpage.errors import RequestRejected, SpecError
@@ -123,6 +124,9 @@ class SimResult:
     prefix_hit_pct: float
     evictions: int
     extra: dict[str, Any] = field(default_factory=dict)
+    #: finished requests by cache-miss reason (``kvpage.cache.explain.aggregate_misses``;
+    #: empty for the contiguous policies, which have no prefix cache)
+    miss_reasons: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -260,6 +264,7 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
     batch_sum = 0
     out_tokens = prompt_tokens = 0
     first_hit = first_query = 0
+    misses: list[CacheMissExplanation | None] = []
     finished = 0
     t_first = arrivals[0][0] if arrivals else 0.0
     while arrivals or sched.has_unfinished():
@@ -327,6 +332,7 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
             out_tokens += n
             prompt_tokens += r.num_prompt_tokens
             first_hit += max(0, r.num_cached_tokens)
+            misses.append(r.cache_miss)
             first_query += r.num_prompt_tokens
             finished += 1
             if n > 1:
@@ -365,6 +371,7 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
         prefix_hit_pct=100.0 * first_hit / first_query if first_query else 0.0,
         evictions=st.evictions,
         extra={"prefix_hit_pct_incl_readmissions": 100.0 * hit_all},
+        miss_reasons=aggregate_misses(misses),
     )
 
 

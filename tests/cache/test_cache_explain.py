@@ -1,0 +1,102 @@
+"""Cache-miss explanations on a real KVCacheManager: one test per reason, the bounded
+eviction record, and the record seam lower tiers report through."""
+
+from __future__ import annotations
+
+from cache_helpers import make_spec
+from test_cache_retention import Clock, serve
+
+from kvpage.cache import EvictionRecord, KVCacheManager, hash_request_blocks
+
+
+def test_never_seen_and_full_hit() -> None:
+    mgr = KVCacheManager(make_spec(16, 4))
+    prompt = list(range(10))
+    why = mgr.explain_miss(prompt, mgr.get_num_cached_tokens(prompt))
+    assert (why.reason, why.first_miss_block, why.num_missed_tokens) == ("never_seen", 0, 10)
+    serve(mgr, "a", prompt)
+    hit = mgr.get_num_cached_tokens(prompt)
+    assert hit == 8
+    why = mgr.explain_miss(prompt, hit)
+    # 2 full blocks hit; the partial block (tokens 8, 9) is never cached
+    assert (why.reason, why.first_miss_block, why.num_missed_tokens) == ("full_hit", None, 2)
+    longer = prompt[:8] + [99] * 6
+    why = mgr.explain_miss(longer, mgr.get_num_cached_tokens(longer))
+    assert (why.reason, why.first_miss_block, why.num_cached_tokens) == ("never_seen", 2, 8)
+
+
+def test_evicted_names_tier_policy_and_time() -> None:
+    clock = Clock()
+    mgr = KVCacheManager(make_spec(5, 4), clock=clock)  # 4 usable blocks
+    prompt = list(range(9))
+    serve(mgr, "a", prompt)
+    clock.t = 1234.0
+    serve(mgr, "b", list(range(100, 116)))  # needs all 4 blocks: evicts a's 2
+    hit = mgr.get_num_cached_tokens(prompt)
+    why = mgr.explain_miss(prompt, hit)
+    assert (why.reason, why.tier, why.policy, why.evicted_at) == (
+        "evicted",
+        "device",
+        "lru",
+        1234.0,
+    )
+    d = why.to_dict(now=1240.0)
+    assert d == {
+        "reason": "evicted",
+        "num_missed_tokens": 9,
+        "first_miss_block": 0,
+        "tier": "device",
+        "policy": "lru",
+        "evicted_s_ago": 6.0,
+    }
+
+
+def test_a_lower_tier_reports_through_record_eviction() -> None:
+    mgr = KVCacheManager(make_spec(8, 4))
+    prompt = list(range(9))
+    h0 = hash_request_blocks(prompt, 4)[0]
+    mgr.eviction_record.record_eviction(h0, "host", "lru", 5.0)
+    why = mgr.explain_miss(prompt, 0)
+    assert (why.reason, why.tier, why.evicted_at) == ("evicted", "host", 5.0)
+
+
+def test_reset_prefix_cache_is_recorded_as_an_eviction() -> None:
+    mgr = KVCacheManager(make_spec(8, 4))
+    prompt = list(range(9))
+    serve(mgr, "a", prompt)
+    assert mgr.reset_prefix_cache()
+    why = mgr.explain_miss(prompt, mgr.get_num_cached_tokens(prompt))
+    assert (why.reason, why.policy) == ("evicted", "reset")
+
+
+def test_sliding_window_group_that_cannot_serve_the_hit() -> None:
+    mgr = KVCacheManager(make_spec(32, 2, windows=(None, 4)))
+    prompt = list(range(10))
+    serve(mgr, "a", prompt)
+    sliding = mgr.pools[1]
+    key = hash_request_blocks(prompt, 2)[3]
+    blk = sliding.cached[key]
+    sliding.free_queue.remove(blk)
+    sliding.free_queue.appendleft(blk)
+    sliding.allocate(1)  # evicts block 3 from the sliding group only
+    hit = mgr.get_num_cached_tokens(prompt)
+    assert hit == 6
+    why = mgr.explain_miss(prompt, hit)
+    assert (why.reason, why.first_miss_block) == ("sliding_window", 3)
+
+
+def test_prefix_caching_disabled() -> None:
+    mgr = KVCacheManager(make_spec(8, 4), enable_prefix_caching=False)
+    assert mgr.explain_miss(list(range(9)), 0).reason == "prefix_caching_disabled"
+
+
+def test_eviction_record_is_bounded_lru() -> None:
+    rec = EvictionRecord(cap=2)
+    for i in range(3):
+        rec.record_eviction(bytes([i]) * 32, "device", "lru", float(i))
+    assert len(rec) == 2 and rec.num_dropped == 1 and rec.num_recorded == 3
+    assert rec.get(bytes([0]) * 32) is None and rec.get(bytes([2]) * 32) == ("device", "lru", 2.0)
+    rec.record_eviction(bytes([1]) * 32, "host", "lru", 9.0)  # refreshed: now the newest
+    rec.record_eviction(bytes([3]) * 32, "device", "lru", 10.0)
+    assert rec.get(bytes([2]) * 32) is None and rec.get(bytes([1]) * 32) == ("host", "lru", 9.0)
+    assert len(EvictionRecord(cap=0)) == 0
