@@ -45,6 +45,23 @@ METRIC_NAMES = (
     "kvpage:requests_rejected_total",
 )
 
+#: per-tier metric name templates (``{tier}`` = ``host`` or ``disk``), present in
+#: ``get_metrics`` for each configured KV tier (``EngineConfig.kv_*_tier_bytes``)
+TIER_METRIC_TEMPLATES = (
+    "kvpage:kv_tier_{tier}_usage_bytes",
+    "kvpage:kv_tier_{tier}_capacity_bytes",
+    "kvpage:kv_tier_{tier}_blocks",
+    "kvpage:kv_tier_{tier}_hit_tokens_total",
+    "kvpage:kv_tier_{tier}_promotions_total",
+    "kvpage:kv_tier_{tier}_demotions_total",
+    "kvpage:kv_tier_{tier}_drops_total",
+    "kvpage:kv_tier_{tier}_corrupt_total",
+    "kvpage:kv_tier_{tier}_write_errors_total",
+    "kvpage:kv_tier_{tier}_bytes_in_total",
+    "kvpage:kv_tier_{tier}_bytes_out_total",
+    "kvpage:kv_tier_{tier}_transfer_seconds_total",
+)
+
 
 @dataclass
 class StepStats:
@@ -131,6 +148,8 @@ class LLMEngine:
         self.kv_cache_manager = components.kv_cache_manager
         self.scheduler = components.scheduler
         self.runner = components.runner
+        #: the KV tiers below the pool (None = none configured)
+        self.tiers = components.tiers
         self.sampler = Sampler()
         self.vocab_size = int(self.model.config.get("vocab_size", 0))
         self.eos_token_id = getattr(self.tokenizer, "eos_id", None)
@@ -467,16 +486,21 @@ class LLMEngine:
             first_scheduled_time=preq.first_scheduled_time,
             num_preemptions=sum(q.num_preemptions for q in seqs),
             prompt_logprobs=None if preq.prompt_logprobs is None else list(preq.prompt_logprobs),
+            num_cached_tokens_by_tier={
+                k: v for k, v in (seqs[0].num_cached_tokens_by_tier or {}).items() if v
+            },
         )
 
     # ---- metrics ------------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float]:
         """Current values of :data:`METRIC_NAMES`: KV usage as a fraction in [0, 1]
         (cached-but-unreferenced blocks count as free), running/waiting sequences, and
-        counters since the engine started (prefix cache queries/hits in tokens)."""
+        counters since the engine started (prefix cache queries/hits in tokens); plus,
+        per configured KV tier, :data:`TIER_METRIC_TEMPLATES` (bytes, blocks, tokens,
+        seconds)."""
         kv = self.kv_cache_manager
         st = kv.stats
-        return {
+        out = {
             "kvpage:kv_cache_usage_perc": float(kv.usage),
             "kvpage:num_requests_running": float(self.scheduler.num_running),
             "kvpage:num_requests_waiting": float(self.scheduler.num_waiting),
@@ -489,6 +513,26 @@ class LLMEngine:
             "kvpage:generation_tokens_total": float(self._counters["generation"]),
             "kvpage:requests_rejected_total": float(self._counters["rejected"]),
         }
+        if self.tiers is not None:
+            for t in self.tiers.tiers:
+                ts = t.stats
+                vals = (
+                    t.used_bytes,
+                    t.capacity_bytes,
+                    len(t),
+                    ts.hits_tokens,
+                    ts.promotions,
+                    ts.demotions,
+                    ts.drops,
+                    ts.corrupt,
+                    ts.write_errors,
+                    ts.bytes_in,
+                    ts.bytes_out,
+                    ts.transfer_s,
+                )
+                for tpl, v in zip(TIER_METRIC_TEMPLATES, vals):
+                    out[tpl.format(tier=t.name)] = float(v)
+        return out
 
 
-__all__ = ["METRIC_NAMES", "LLMEngine", "StepStats"]
+__all__ = ["METRIC_NAMES", "TIER_METRIC_TEMPLATES", "LLMEngine", "StepStats"]

@@ -274,6 +274,11 @@ class RequestOutput:
             (then ``outputs`` is empty), else None.
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt
             token: None for the first, then its :data:`PositionLogprobs`; else None.
+        num_cached_tokens_by_tier: ``num_cached_tokens`` split by where the blocks were
+            found at admission: ``"device"`` (the block pool), ``"host"`` / ``"disk"``
+            (promoted from that KV tier, ``EngineConfig.kv_host_tier_bytes`` /
+            ``kv_disk_tier_bytes``); tiers without hits are absent; empty before
+            admission.
     """
 
     request_id: str
@@ -289,6 +294,7 @@ class RequestOutput:
     error: RequestRejected | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     first_scheduled_time: float | None = None
+    num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     @property
     def ttft(self) -> float | None:

@@ -49,6 +49,10 @@ class Request:
             call done and not freed since).
         cache_salt: isolates its prefix-cache entries (None = shared).
         num_preemptions: times this sequence was preempted.
+        num_cached_tokens_by_tier: ``num_cached_tokens`` split by where the blocks were
+            found (``Allocation.cached_tokens_by_tier``); None before admission.
+        swapped_tokens: tokens whose K/V are swapped out to host memory (swap
+            preemption, ``kvpage.engine.swap``); 0 when not swapped out.
     """
 
     request_id: str
@@ -69,6 +73,8 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     stop_token_set: frozenset[int] = field(default_factory=frozenset)
+    num_cached_tokens_by_tier: dict[str, int] | None = None
+    swapped_tokens: int = 0
 
     @property
     def group_id(self) -> str:

@@ -259,6 +259,7 @@ class Scheduler:
                 req.num_computed_tokens = alloc.num_cached_tokens
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = alloc.num_cached_tokens
+                    req.num_cached_tokens_by_tier = alloc.cached_tokens_by_tier
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 self._emit(out, req, n, alloc)
