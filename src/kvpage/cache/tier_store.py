@@ -304,10 +304,7 @@ class DiskTier(_Tier):
         head = _HEAD.pack(_MAGIC, self.fingerprint, len(block_hash)) + block_hash
         tmp = self.dir / (block_hash.hex() + ".tmp")
         try:
-            with open(tmp, "wb") as f:
-                f.write(head)
-                f.write(_TAIL.pack(n, digest))
-                f.write(payload)
+            self._write_file(tmp, (head, _TAIL.pack(n, digest), payload))
             os.replace(tmp, self._file(block_hash))
         except OSError as e:
             tmp.unlink(missing_ok=True)
@@ -321,6 +318,14 @@ class DiskTier(_Tier):
         self.stats.transfer_s += time.perf_counter() - t0
         self._emit_demoted(block_hash)
         return True
+
+    @staticmethod
+    def _write_file(path: Path, chunks: tuple[Payload, ...]) -> None:
+        """Write ``chunks`` to a new file ``path`` (the one place the tier writes data;
+        fault tests replace it to simulate a full disk)."""
+        with open(path, "wb") as f:
+            for c in chunks:
+                f.write(c)
 
     def get(self, block_hash: BlockHash) -> bytes | None:
         """The verified payload (the file stays: the disk tier is inclusive), or None if
