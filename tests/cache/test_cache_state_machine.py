@@ -16,6 +16,10 @@ groups) and checks after every rule:
 
 from __future__ import annotations
 
+import ast
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,11 +37,6 @@ from hypothesis.stateful import (
 )
 
 from kvpage.cache import KVCacheManager, hash_request_blocks
-import ast
-import shutil
-import tempfile
-from pathlib import Path
-
 from kvpage.cache.tier_store import DiskTier, HostTier, payload_nbytes
 from kvpage.cache.tiered import TieredCache
 
