@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpage.apps.cli_util import prepare_output
-from kvpage.engine.cli_flags import add_prefix_caching_flags
+from kvpage.engine.cli_flags import add_prefix_caching_flags, add_tier_flags, tier_kwargs
 from kvpage.errors import KVPageError
 from kvpage.jsonout import dumps
 
@@ -102,6 +102,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="CPU compute threads (default 1: the fast setting on a small or shared "
         "machine, see docs/benchmarks.md; 0 = torch's default, one per core)",
     )
+    add_tier_flags(g)
 
 
 def _engine(args: argparse.Namespace) -> Any:
@@ -122,6 +123,7 @@ def _engine(args: argparse.Namespace) -> Any:
         device=args.device,
         seed=args.seed,
         num_threads=args.threads,
+        **tier_kwargs(args),
     )
 
 
