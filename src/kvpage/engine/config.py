@@ -277,7 +277,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
     from kvpage.attention.metadata import allocate_layer_cache
     from kvpage.backends import select_backend
     from kvpage.cache import KVCacheManager
-    from kvpage.engine.kv_transfer import build_tiers
+    from kvpage.engine.kv_transfer import build_swapper, build_tiers
     from kvpage.engine.runner import ModelRunner
     from kvpage.engine.scheduler import Scheduler
     from kvpage.models import load_model
@@ -314,6 +314,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=mml,
     )
+    scheduler.swapper = build_swapper(config, kv_caches, kvm)
     runner = ModelRunner(model, backend, kv_caches, spec, device)
     return EngineComponents(model, spec, backend, kv_caches, kvm, scheduler, runner, mml, tiers)
 

@@ -341,6 +341,8 @@ class LLMEngine:
         spans = prompt_logprob_spans(out) if self._num_prompt_lp else []
         logits = self.runner.execute(out, spans) if spans else self.runner.execute(out)
         t2 = time.perf_counter()
+        if self.scheduler.swapper is not None:  # the measured prefill rate of swap's cost model
+            self.scheduler.swapper.cost.observe(out.num_batched_tokens, t2 - t1)
         if spans:
             n_extra = sum(b for _, _, b in spans)
             extra = logits[logits.shape[0] - n_extra :]
@@ -497,7 +499,8 @@ class LLMEngine:
         (cached-but-unreferenced blocks count as free), running/waiting sequences, and
         counters since the engine started (prefix cache queries/hits in tokens); plus,
         per configured KV tier, :data:`TIER_METRIC_TEMPLATES` (bytes, blocks, tokens,
-        seconds)."""
+        seconds), and with swap preemption ``kvpage:swap_*`` (space in use, swap-outs,
+        swap-ins, victims recomputed instead, bytes moved, transfer seconds)."""
         kv = self.kv_cache_manager
         st = kv.stats
         out = {
@@ -513,6 +516,15 @@ class LLMEngine:
             "kvpage:generation_tokens_total": float(self._counters["generation"]),
             "kvpage:requests_rejected_total": float(self._counters["rejected"]),
         }
+        sw = self.scheduler.swapper
+        if sw is not None:
+            ss = sw.stats
+            out["kvpage:swap_space_usage_bytes"] = float(sw.used_bytes)
+            out["kvpage:swap_outs_total"] = float(ss.swap_outs)
+            out["kvpage:swap_ins_total"] = float(ss.swap_ins)
+            out["kvpage:swap_recomputed_total"] = float(ss.recomputed)
+            out["kvpage:swap_bytes_total"] = float(ss.bytes_out + ss.bytes_in)
+            out["kvpage:swap_transfer_seconds_total"] = float(ss.transfer_s)
         if self.tiers is not None:
             for t in self.tiers.tiers:
                 ts = t.stats

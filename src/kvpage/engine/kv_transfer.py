@@ -25,6 +25,8 @@ import torch
 
 from kvpage.cache.tier_store import DiskTier, HostTier, Payload, tier_fingerprint
 from kvpage.cache.tiered import TieredCache
+from kvpage.engine.swap import HOST_BANDWIDTH, SwapCostModel, Swapper
+from kvpage.errors import SpecError
 
 if TYPE_CHECKING:
     from kvpage.attention.metadata import KVCache
@@ -118,6 +120,27 @@ class TorchBlockMover:
             off += size
 
 
+def build_swapper(
+    config: EngineConfig, kv_caches: Sequence[KVCache], kvm: KVCacheManager
+) -> Swapper | None:
+    """The swapper of ``preemption_mode="swap"`` (None for ``recompute``), with the
+    host-bandwidth preset of the cache's device (``kvpage.engine.swap.HOST_BANDWIDTH``).
+
+    Raises:
+        SpecError: swap with more than one KV group or a sliding window.
+    """
+    if config.preemption_mode != "swap":
+        return None
+    if kvm.windows != [None]:
+        raise SpecError(
+            f"preemption_mode: expected 'recompute' for a model with KV groups "
+            f"{kvm.windows} (swap serves one full-attention group), got 'swap'"
+        )
+    mover = TorchBlockMover(kv_caches)
+    bw = HOST_BANDWIDTH["cuda" if mover.device.type == "cuda" else "cpu"]
+    return Swapper(mover, kvm.block_size, config.swap_space_bytes, SwapCostModel(bw))
+
+
 def build_tiers(
     config: EngineConfig, spec: CacheSpec, kv_caches: Sequence[KVCache], kvm: KVCacheManager
 ) -> TieredCache | None:
@@ -159,4 +182,4 @@ def build_tiers(
     return tiers
 
 
-__all__ = ["TorchBlockMover", "build_tiers"]
+__all__ = ["TorchBlockMover", "build_swapper", "build_tiers"]

@@ -9,8 +9,9 @@ One step (:meth:`Scheduler.schedule`):
    ``remaining = num_tokens - num_computed_tokens`` (1 for a decode, the rest of the
    prompt for a chunked prefill) — decode and chunked prefill are one path. If the
    cache manager cannot allocate, the **newest** running sequence is preempted
-   (blocks freed, progress dropped: recompute) and the allocation retried; a sequence
-   that is itself the newest preempts itself.
+   (blocks freed, progress dropped: recompute — or, with a :attr:`Scheduler.swapper`
+   that takes it, its K/V copied to host memory and back on readmission: swap) and the
+   allocation retried; a sequence that is itself the newest preempts itself.
 2. If nothing was preempted, waiting sequences (preempted ones first, then by arrival)
    are admitted in order while the budget, ``max_num_seqs`` and the pool allow, each
    taking its prefix-cache hit (only blocks committed by earlier steps, C04).
@@ -36,6 +37,7 @@ from kvpage.attention.metadata import slots_of
 from kvpage.cache.allocation import Allocation
 from kvpage.cache.protocol import KVAllocator
 from kvpage.engine.request import Request, RequestStatus, sample_id
+from kvpage.engine.swap import Swapper
 from kvpage.errors import RequestRejected, SpecError
 
 
@@ -143,6 +145,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         self._arrivals = 0
+        #: swap preemption (``kvpage.engine.swap.Swapper``); None = always recompute
+        self.swapper: Swapper | None = None
 
     # ---- admission ------------------------------------------------------------------
     def check_capacity(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -242,13 +246,14 @@ class Scheduler:
                 if len(self.running) + 1 + req.num_pending_samples > self.max_num_seqs:
                     break
                 cached = 0
-                if not req.has_blocks:
+                swapped = req.swapped_tokens  # K/V waiting in host memory (swap)
+                if not req.has_blocks and not swapped:
                     cached = self.kv.get_num_cached_tokens(req.token_ids, cache_salt=req.cache_salt)
-                n = min(req.num_tokens - cached, budget)
+                n = min(req.num_tokens - cached - swapped, budget)
                 alloc = self.kv.allocate(
                     req.request_id,
                     req.token_ids,
-                    n,
+                    n + swapped,
                     num_cached_tokens=cached,
                     cache_salt=req.cache_salt,
                 )
@@ -256,7 +261,9 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 req.has_blocks = True
-                req.num_computed_tokens = alloc.num_cached_tokens
+                if swapped:
+                    self._swap_in(req)
+                req.num_computed_tokens = alloc.num_cached_tokens + swapped
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = alloc.num_cached_tokens
                     req.num_cached_tokens_by_tier = alloc.cached_tokens_by_tier
@@ -288,7 +295,14 @@ class Scheduler:
         )
 
     def _preempt(self, req: Request) -> None:
-        """Free ``req``'s blocks and requeue it at the front (recompute later)."""
+        """Free ``req``'s blocks and requeue it at the front: its K/V are swapped out to
+        host memory when :attr:`swapper` takes them (``kvpage.engine.swap``), else
+        recomputed later."""
+        sw = self.swapper
+        if sw is not None and req.num_computed_tokens:
+            table = self.kv.block_table(req.request_id, 0)
+            if sw.swap_out(req.request_id, table, req.num_computed_tokens):
+                req.swapped_tokens = req.num_computed_tokens
         self.kv.free(req.request_id)
         req.has_blocks = False
         req.num_computed_tokens = 0
@@ -296,6 +310,14 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _swap_in(self, req: Request) -> None:
+        """Copy a readmitted request's swapped K/V into its new blocks (before the step
+        that continues it runs)."""
+        assert self.swapper is not None
+        nb = -(-req.swapped_tokens // self.kv.block_size)
+        self.swapper.swap_in(req.request_id, self.kv.block_table(req.request_id, 0)[:nb])
+        req.swapped_tokens = 0
 
     def update(
         self, out: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
@@ -385,6 +407,9 @@ class Scheduler:
         if req.has_blocks:
             self.kv.free(req.request_id)
             req.has_blocks = False
+        if req.swapped_tokens and self.swapper is not None:
+            self.swapper.discard(req.request_id)
+            req.swapped_tokens = 0
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
 
