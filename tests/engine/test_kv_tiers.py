@@ -123,3 +123,29 @@ def test_cli_flags_reach_the_engine(tmp_path: Path) -> None:
     assert eng.tiers is not None and eng.tiers.disk is not None
     with pytest.raises(SystemExit):
         p.parse_args(["--kv-host-tier-bytes", "-5"])
+
+
+def test_tier_and_swap_metrics_exported_to_prometheus() -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvpage.server.metrics import ServerMetrics
+
+    llm = LLM(
+        "stories260K",
+        block_size=16,
+        num_blocks=10,
+        kv_host_tier_bytes=1 << 22,
+        preemption_mode="swap",
+    )
+    run(llm)
+    eng = llm.llm_engine
+    sm = ServerMetrics(eng.get_metrics, model_name="m")
+    fams = {
+        f.name: f for f in text_string_to_metric_families(generate_latest(sm.registry).decode())
+    }
+    hits = fams["kvpage:kv_tier_host_hit_tokens"]
+    assert hits.type == "counter"
+    assert hits.samples[0].value == eng.get_metrics()["kvpage:kv_tier_host_hit_tokens_total"] > 0
+    assert fams["kvpage:kv_tier_host_usage_bytes"].type == "gauge"
+    assert "kvpage:swap_outs" in fams and "kvpage:swap_space_usage_bytes" in fams
