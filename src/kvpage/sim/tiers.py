@@ -296,15 +296,15 @@ def simulate_tiered_eviction(
                 dev.move_to_end(b)
             else:
                 dev[b] = None
-        protect = set(h)
+        protect = set(h)  # the device keeps the request's own blocks if it can
         for i, od in enumerate(tiers):
             while len(od) > caps[i]:
                 b = next(iter(od))
-                if i == 0 and b in protect and len(protect) < len(od):
+                if i == 0 and b in protect:  # (the rule of kvpage.sim.eviction's LRU)
                     od.move_to_end(b)
-                    protect.discard(b)
-                    continue
-                od.popitem(last=False)
+                    if len(protect) < len(od):
+                        continue
+                b, _ = od.popitem(last=False)
                 if i + 1 < len(tiers) and caps[i + 1] > 0:
                     tiers[i + 1][b] = None
     tot = max(total, 1)
