@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpage.apps.cli_util import miss_markdown, prepare_output
-from kvpage.engine.cli_flags import add_prefix_caching_flags
+from kvpage.engine.cli_flags import add_prefix_caching_flags, add_tier_flags, tier_kwargs
 from kvpage.errors import KVPageError
 from kvpage.jsonout import dumps
 from kvpage.report import render_table
@@ -109,6 +109,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=0.5,
         help="most of the KV pool kv_retention policies may hold (default 0.5)",
     )
+    add_tier_flags(g)
 
 
 def _engine(args: argparse.Namespace) -> Any:
@@ -130,6 +131,7 @@ def _engine(args: argparse.Namespace) -> Any:
         seed=args.seed,
         num_threads=args.threads,
         kv_retention_max_share=args.kv_retention_max_share,
+        **tier_kwargs(args),
     )
 
 

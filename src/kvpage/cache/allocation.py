@@ -17,11 +17,15 @@ class Allocation:
         new_blocks: per group, block ids appended to that group's block table.
         copies: per group, copy-on-write ``(src, dst)`` block pairs the backend must
             copy (all layers of the group) BEFORE this step's K/V are written.
+        cached_tokens_by_tier: first call only: ``num_cached_tokens`` split by where the
+            blocks were found (``"device"``: the pool; ``"host"``, ``"disk"``: promoted
+            from that KV tier, ``kvpage.cache.tiered``); None on later calls.
     """
 
     num_cached_tokens: int
     new_blocks: list[list[int]]
     copies: list[list[tuple[int, int]]]
+    cached_tokens_by_tier: dict[str, int] | None = None
 
 
 @dataclass

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from kvpage.cache.allocation import Allocation, CacheStats, RequestBlocks
 from kvpage.cache.block_pool import BlockPool
@@ -49,6 +50,9 @@ from kvpage.cache.prefix import longest_hit
 from kvpage.cache.retention import KVRetention
 from kvpage.errors import AllocationError, SpecError
 from kvpage.specs import CacheSpec
+
+if TYPE_CHECKING:
+    from kvpage.cache.tiered import TieredCache
 
 
 class KVCacheManager:
@@ -126,6 +130,26 @@ class KVCacheManager:
         # hashes of the last get_num_cached_tokens: (extra keys, tokens, hashes)
         self._peek_memo: tuple[bytes, list[int], list[BlockHash]] | None = None
         self.max_request_tokens = (spec.num_blocks - 1) * spec.block_size
+        #: host/disk tiers below the pool (:meth:`attach_tiers`), None = none
+        self.tiers: TieredCache | None = None
+
+    def attach_tiers(self, tiers: TieredCache) -> None:
+        """Put KV tiers below the pool: prefix lookups then promote blocks found in a
+        tier (``kvpage.cache.tiered``). ``tiers`` must be built over ``pools[0]``.
+
+        Raises:
+            SpecError: more than one KV group or a sliding window (tiers serve one
+                full-attention group), prefix caching off, or another pool.
+        """
+        if not self._simple:
+            raise SpecError(
+                f"kv tiers: expected one full-attention KV group, got windows {self.windows}"
+            )
+        if not self.enable_prefix_caching:
+            raise SpecError("kv tiers: expected enable_prefix_caching=True, got False")
+        if tiers.pool is not self._pools[0]:
+            raise SpecError("tiers: expected a TieredCache over this manager's pool")
+        self.tiers = tiers
 
     # ---- queries ------------------------------------------------------------------------
     @property
@@ -203,13 +227,17 @@ class KVCacheManager:
         computed, C05). Full-attention groups need blocks 0 .. hit-1 cached; a
         sliding-window group needs only the blocks within the window of the first
         computed token. Call it right before ``allocate`` (another allocation in
-        between may evict the blocks).
+        between may evict the blocks). With :attr:`tiers` attached, blocks of the
+        prefix found in a tier are first promoted into free pool blocks (that changes
+        the pool: cached blocks, evictions, tier contents; never a table or stat here).
         """
         n = len(token_ids)
         if not self.enable_prefix_caching or n <= self.block_size:
             return 0
         extra = encode_extra_keys(cache_salt, adapter_id)
         bs = self.block_size
+        if self.tiers is not None:
+            self.tiers.promote_prefix(self._root, extra, token_ids, bs)
         nb, hashes = longest_hit(self._groups, self._root, extra, token_ids, bs)
         # remember the hashes for the allocate that normally follows (keyed by content)
         self._peek_memo = (extra, list(token_ids[: len(hashes) * bs]), hashes)
@@ -408,13 +436,16 @@ class KVCacheManager:
             freed.append(gm.first_needed_block(h))
         self._reqs[request_id] = RequestBlocks(tables, h + num_new_tokens, extra, hashes, hb, freed)
         st = self._stats
+        by_tier = {"device": h}
+        if self.tiers is not None and h:
+            by_tier = self.tiers.take_hit(hashes, bs)
         st.prefix_queries += 1
         st.prefix_queries_tokens += len(token_ids)
         st.prefix_hits_tokens += h
         st.prefix_hits += 1 if h else 0
         st.allocations += 1
         st.blocks_allocated += n_new * self.num_groups
-        return Allocation(h, new_blocks, [[] for _ in range(self.num_groups)])
+        return Allocation(h, new_blocks, [[] for _ in range(self.num_groups)], by_tier)
 
     def _hit_tables(self, hashes: list[BlockHash], num_cached_tokens: int) -> list[list[int]]:
         """Per group, the table prefix a hit takes (see ``GroupManager.hit_block_ids``).

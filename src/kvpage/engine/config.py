@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from kvpage.attention.metadata import KVCache
     from kvpage.attention.protocol import AttentionBackend
     from kvpage.cache import KVCacheManager
+    from kvpage.cache.tiered import TieredCache
     from kvpage.engine.runner import ModelRunner
     from kvpage.engine.scheduler import Scheduler
     from kvpage.models.model import ModelRunnerModel
@@ -75,6 +76,21 @@ class EngineConfig:
             requests' ``kv_retention`` policies may hold free at a raised priority
             (default 0.5; 0 = retention off). The cap is also bounded so that one
             ``max_model_len`` request always fits without evicting a retained block.
+        kv_host_tier_bytes: capacity of the host-memory KV tier in payload bytes (0 =
+            no host tier): cached blocks evicted from the pool are kept there and
+            promoted back by a prefix lookup (``kvpage.cache.tiered``; docs/architecture.md,
+            "KV tiers").
+        kv_disk_tier_bytes: capacity of the local-disk KV tier in payload bytes (0 = no
+            disk tier); needs ``kv_disk_tier_path``. Survives a restart.
+        kv_disk_tier_path: directory of the disk tier (created if missing); files of
+            another model or cache layout live in another subdirectory.
+        preemption_mode: ``recompute`` (free the blocks; recompute later) or ``swap``
+            (copy the preempted sequence's blocks to host memory and back when the cost
+            model says that is cheaper; ``kvpage.engine.swap``).
+        swap_space_bytes: host bytes for the K/V of swapped-out sequences (used with
+            ``preemption_mode="swap"``; a sequence that does not fit is recomputed).
+            Default 1 GiB (vLLM's ``swap_space`` default is 4 GiB per GPU; ours is
+            sized for a CPU machine).
     """
 
     model: Any = "stories260K"
@@ -93,8 +109,14 @@ class EngineConfig:
     num_threads: int | None = None
     scheduling_policy: SchedulingPolicy = "fcfs"
     kv_retention_max_share: float = DEFAULT_RETENTION_MAX_SHARE
+    kv_host_tier_bytes: int = 0
+    kv_disk_tier_bytes: int = 0
+    kv_disk_tier_path: str | None = None
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
+        check_tier_config(self)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -134,6 +156,41 @@ class EngineConfig:
         sd = self.seed
         if isinstance(sd, bool) or not isinstance(sd, int) or not 0 <= sd < 2**63:
             raise SpecError(f"seed: expected an int in [0, 2**63 - 1], got {sd!r}")
+
+
+def check_tier_config(config: EngineConfig) -> None:
+    """Validate the KV tier and preemption fields of ``config``.
+
+    Raises:
+        SpecError: a capacity that is not an int >= 0, a disk tier without a path (or a
+            path without a disk capacity), tiers with prefix caching off, or an unknown
+            ``preemption_mode``.
+    """
+    for name in ("kv_host_tier_bytes", "kv_disk_tier_bytes", "swap_space_bytes"):
+        v = getattr(config, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise SpecError(f"{name}: expected an int >= 0 (bytes), got {v!r}")
+    path = config.kv_disk_tier_path
+    if path is not None and (not isinstance(path, str) or not path):
+        raise SpecError(f"kv_disk_tier_path: expected None or a directory path, got {path!r}")
+    if config.kv_disk_tier_bytes and path is None:
+        raise SpecError(
+            f"kv_disk_tier_path: expected a directory when kv_disk_tier_bytes="
+            f"{config.kv_disk_tier_bytes}, got None"
+        )
+    if path is not None and not config.kv_disk_tier_bytes:
+        raise SpecError(f"kv_disk_tier_bytes: expected > 0 with kv_disk_tier_path={path!r}, got 0")
+    if (config.kv_host_tier_bytes or config.kv_disk_tier_bytes) and (
+        config.enable_prefix_caching is False
+    ):
+        raise SpecError(
+            "enable_prefix_caching: expected True with a KV tier (tiers hold prefix-cache "
+            "blocks), got False"
+        )
+    if config.preemption_mode not in ("recompute", "swap"):
+        raise SpecError(
+            f"preemption_mode: expected 'recompute' or 'swap', got {config.preemption_mode!r}"
+        )
 
 
 def check_device(device: Any) -> torch.device:
@@ -211,6 +268,7 @@ class EngineComponents:
         scheduler: the continuous-batching scheduler over ``kv_cache_manager``.
         runner: turns a SchedulerOutput into one forward pass over ``kv_caches``.
         max_model_len: longest sequence in tokens.
+        tiers: the KV tiers below the pool (None = none configured).
     """
 
     model: ModelRunnerModel
@@ -221,6 +279,7 @@ class EngineComponents:
     scheduler: Scheduler
     runner: ModelRunner
     max_model_len: int
+    tiers: TieredCache | None = None
 
 
 def build_components(config: EngineConfig) -> EngineComponents:
@@ -237,6 +296,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
     from kvpage.attention.metadata import allocate_layer_cache
     from kvpage.backends import select_backend
     from kvpage.cache import KVCacheManager, max_retained_blocks
+    from kvpage.engine.kv_transfer import build_swapper, build_tiers
     from kvpage.engine.runner import ModelRunner
     from kvpage.engine.scheduler import Scheduler
     from kvpage.models import load_model
@@ -271,6 +331,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
     kvm = KVCacheManager(
         spec, enable_prefix_caching=config.enable_prefix_caching, max_retained_blocks=cap
     )
+    tiers = build_tiers(config, spec, kv_caches, kvm)
     scheduler = Scheduler(
         kvm,
         max_num_seqs=config.max_num_seqs,
@@ -278,8 +339,9 @@ def build_components(config: EngineConfig) -> EngineComponents:
         max_model_len=mml,
         policy=config.scheduling_policy,
     )
+    scheduler.swapper = build_swapper(config, kv_caches, kvm)
     runner = ModelRunner(model, backend, kv_caches, spec, device)
-    return EngineComponents(model, spec, backend, kv_caches, kvm, scheduler, runner, mml)
+    return EngineComponents(model, spec, backend, kv_caches, kvm, scheduler, runner, mml, tiers)
 
 
 __all__ = [
@@ -290,6 +352,7 @@ __all__ = [
     "apply_num_threads",
     "EngineConfig",
     "check_device",
+    "check_tier_config",
     "build_components",
     "resolve_num_blocks",
 ]

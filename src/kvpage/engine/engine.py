@@ -53,6 +53,23 @@ CACHE_MISS_METRIC = "kvpage:cache_miss_reasons_total"
 #: the ``get_metrics`` keys of :data:`CACHE_MISS_METRIC`, after :data:`METRIC_NAMES`
 CACHE_MISS_KEYS = tuple(f'{CACHE_MISS_METRIC}{{reason="{r}"}}' for r in MISS_REASONS)
 
+#: per-tier metric name templates (``{tier}`` = ``host`` or ``disk``), present in
+#: ``get_metrics`` for each configured KV tier (``EngineConfig.kv_*_tier_bytes``)
+TIER_METRIC_TEMPLATES = (
+    "kvpage:kv_tier_{tier}_usage_bytes",
+    "kvpage:kv_tier_{tier}_capacity_bytes",
+    "kvpage:kv_tier_{tier}_blocks",
+    "kvpage:kv_tier_{tier}_hit_tokens_total",
+    "kvpage:kv_tier_{tier}_promotions_total",
+    "kvpage:kv_tier_{tier}_demotions_total",
+    "kvpage:kv_tier_{tier}_drops_total",
+    "kvpage:kv_tier_{tier}_corrupt_total",
+    "kvpage:kv_tier_{tier}_write_errors_total",
+    "kvpage:kv_tier_{tier}_bytes_in_total",
+    "kvpage:kv_tier_{tier}_bytes_out_total",
+    "kvpage:kv_tier_{tier}_transfer_seconds_total",
+)
+
 
 @dataclass
 class StepStats:
@@ -139,6 +156,8 @@ class LLMEngine:
         self.kv_cache_manager = components.kv_cache_manager
         self.scheduler = components.scheduler
         self.runner = components.runner
+        #: the KV tiers below the pool (None = none configured)
+        self.tiers = components.tiers
         self.sampler = Sampler()
         self.vocab_size = int(self.model.config.get("vocab_size", 0))
         self.eos_token_id = getattr(self.tokenizer, "eos_id", None)
@@ -342,6 +361,8 @@ class LLMEngine:
         spans = prompt_logprob_spans(out) if self._num_prompt_lp else []
         logits = self.runner.execute(out, spans) if spans else self.runner.execute(out)
         t2 = time.perf_counter()
+        if self.scheduler.swapper is not None:  # the measured prefill rate of swap's cost model
+            self.scheduler.swapper.cost.observe(out.num_batched_tokens, t2 - t1)
         if spans:
             n_extra = sum(b for _, _, b in spans)
             extra = logits[logits.shape[0] - n_extra :]
@@ -480,7 +501,6 @@ class LLMEngine:
             prompt=preq.prompt,
             prompt_token_ids=preq.prompt_token_ids,
             num_cached_tokens=cached,
-            num_cached_tokens_by_tier={"device": cached},
             cache_miss=seqs[0].cache_miss,
             outputs=outs,
             finished=finished,
@@ -490,6 +510,12 @@ class LLMEngine:
             first_scheduled_time=preq.first_scheduled_time,
             num_preemptions=sum(q.num_preemptions for q in seqs),
             prompt_logprobs=None if preq.prompt_logprobs is None else list(preq.prompt_logprobs),
+            num_cached_tokens_by_tier={
+                "device": 0,
+                **{k: v for k, v in (seqs[0].num_cached_tokens_by_tier or {}).items() if v},
+            }
+            if seqs[0].num_cached_tokens >= 0
+            else {},
         )
 
     # ---- metrics ------------------------------------------------------------------------
@@ -498,12 +524,15 @@ class LLMEngine:
         (cached-but-unreferenced blocks count as free), running/waiting sequences, and
         counters since the engine started (prefix cache queries/hits in tokens), the
         free blocks held at a raised retention priority, and first admissions by
-        cache-miss reason (:data:`CACHE_MISS_METRIC`, one key per reason)."""
+        cache-miss reason (:data:`CACHE_MISS_METRIC`, one key per reason); plus, per
+        configured KV tier, :data:`TIER_METRIC_TEMPLATES` (bytes, blocks, tokens,
+        seconds), and with swap preemption ``kvpage:swap_*`` (space in use, swap-outs,
+        swap-ins, victims recomputed instead, bytes moved, transfer seconds)."""
         kv = self.kv_cache_manager
         st = kv.stats
         reasons = self.scheduler.miss_reasons
         misses = {k: float(reasons.get(r, 0)) for k, r in zip(CACHE_MISS_KEYS, MISS_REASONS)}
-        return {
+        out = {
             "kvpage:kv_cache_usage_perc": float(kv.usage),
             "kvpage:num_requests_running": float(self.scheduler.num_running),
             "kvpage:num_requests_waiting": float(self.scheduler.num_waiting),
@@ -518,6 +547,42 @@ class LLMEngine:
             "kvpage:kv_retained_blocks": float(kv.num_retained_blocks),
             **misses,
         }
+        sw = self.scheduler.swapper
+        if sw is not None:
+            ss = sw.stats
+            out["kvpage:swap_space_usage_bytes"] = float(sw.used_bytes)
+            out["kvpage:swap_outs_total"] = float(ss.swap_outs)
+            out["kvpage:swap_ins_total"] = float(ss.swap_ins)
+            out["kvpage:swap_recomputed_total"] = float(ss.recomputed)
+            out["kvpage:swap_bytes_total"] = float(ss.bytes_out + ss.bytes_in)
+            out["kvpage:swap_transfer_seconds_total"] = float(ss.transfer_s)
+        if self.tiers is not None:
+            for t in self.tiers.tiers:
+                ts = t.stats
+                vals = (
+                    t.used_bytes,
+                    t.capacity_bytes,
+                    len(t),
+                    ts.hits_tokens,
+                    ts.promotions,
+                    ts.demotions,
+                    ts.drops,
+                    ts.corrupt,
+                    ts.write_errors,
+                    ts.bytes_in,
+                    ts.bytes_out,
+                    ts.transfer_s,
+                )
+                for tpl, v in zip(TIER_METRIC_TEMPLATES, vals):
+                    out[tpl.format(tier=t.name)] = float(v)
+        return out
 
 
-__all__ = ["CACHE_MISS_KEYS", "CACHE_MISS_METRIC", "METRIC_NAMES", "LLMEngine", "StepStats"]
+__all__ = [
+    "CACHE_MISS_KEYS",
+    "CACHE_MISS_METRIC",
+    "METRIC_NAMES",
+    "TIER_METRIC_TEMPLATES",
+    "LLMEngine",
+    "StepStats",
+]

@@ -288,8 +288,11 @@ class RequestOutput:
             (then ``outputs`` is empty), else None.
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt
             token: None for the first, then its :data:`PositionLogprobs`; else None.
-        num_cached_tokens_by_tier: ``num_cached_tokens`` split by the cache tier that
-            served them (``"device"``: the GPU/CPU block pool; lower tiers add theirs).
+        num_cached_tokens_by_tier: ``num_cached_tokens`` split by where the blocks were
+            found at admission: ``"device"`` (the block pool), ``"host"`` / ``"disk"``
+            (promoted from that KV tier, ``EngineConfig.kv_host_tier_bytes`` /
+            ``kv_disk_tier_bytes``); ``"device"`` is always there after admission,
+            lower tiers only when they served tokens; empty before admission.
         cache_miss: why the prefix hit ended where it did
             (``kvpage.cache.CacheMissExplanation``: reason, first missed block, tier,
             policy and time of an eviction); None before admission. This is the

@@ -54,6 +54,10 @@ class Request:
             first; vLLM's convention); 0 under ``fcfs``.
         cache_miss: why the prefix hit at first admission ended where it did (None
             before admission or with an allocator that cannot tell).
+        num_cached_tokens_by_tier: ``num_cached_tokens`` split by where the blocks were
+            found (``Allocation.cached_tokens_by_tier``); None before admission.
+        swapped_tokens: tokens whose K/V are swapped out to host memory (swap
+            preemption, ``kvpage.engine.swap``); 0 when not swapped out.
     """
 
     request_id: str
@@ -76,6 +80,8 @@ class Request:
     stop_token_set: frozenset[int] = field(default_factory=frozenset)
     priority: int = 0
     cache_miss: CacheMissExplanation | None = None
+    num_cached_tokens_by_tier: dict[str, int] | None = None
+    swapped_tokens: int = 0
 
     @property
     def group_id(self) -> str:

@@ -9,8 +9,9 @@ One step (:meth:`Scheduler.schedule`):
    ``remaining = num_tokens - num_computed_tokens`` (1 for a decode, the rest of the
    prompt for a chunked prefill) — decode and chunked prefill are one path. If the
    cache manager cannot allocate, the **newest** running sequence is preempted
-   (blocks freed, progress dropped: recompute) and the allocation retried; a sequence
-   that is itself the newest preempts itself.
+   (blocks freed, progress dropped: recompute — or, with a :attr:`Scheduler.swapper`
+   that takes it, its K/V copied to host memory and back on readmission: swap) and the
+   allocation retried; a sequence that is itself the newest preempts itself.
 2. If nothing was preempted, waiting sequences (preempted ones first, then by arrival)
    are admitted in order while the budget, ``max_num_seqs`` and the pool allow, each
    taking its prefix-cache hit (only blocks committed by earlier steps, C04).
@@ -41,6 +42,7 @@ from kvpage.cache.explain import CacheMissExplanation
 from kvpage.cache.protocol import KVAllocator, RetentionAllocator
 from kvpage.engine.queue_policy import SchedulingPolicy, make_queue
 from kvpage.engine.request import Request, RequestStatus, sample_id
+from kvpage.engine.swap import Swapper
 from kvpage.errors import RequestRejected, SpecError
 
 
@@ -157,6 +159,8 @@ class Scheduler:
         self._retaining = (
             kv_cache_manager if isinstance(kv_cache_manager, RetentionAllocator) else None
         )
+        #: swap preemption (``kvpage.engine.swap.Swapper``); None = always recompute
+        self.swapper: Swapper | None = None
 
     # ---- admission ------------------------------------------------------------------
     def check_capacity(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -257,13 +261,14 @@ class Scheduler:
                 if len(self.running) + 1 + req.num_pending_samples > self.max_num_seqs:
                     break
                 cached = 0
-                if not req.has_blocks:
+                swapped = req.swapped_tokens  # K/V waiting in host memory (swap)
+                if not req.has_blocks and not swapped:
                     cached = self.kv.get_num_cached_tokens(req.token_ids, cache_salt=req.cache_salt)
-                n = min(req.num_tokens - cached, budget)
+                n = min(req.num_tokens - cached - swapped, budget)
                 alloc = self.kv.allocate(
                     req.request_id,
                     req.token_ids,
-                    n,
+                    n + swapped,
                     num_cached_tokens=cached,
                     cache_salt=req.cache_salt,
                 )
@@ -273,9 +278,12 @@ class Scheduler:
                 if not req.has_blocks and self._retaining is not None:
                     self._first_allocation(req, self._retaining, alloc.num_cached_tokens)
                 req.has_blocks = True
-                req.num_computed_tokens = alloc.num_cached_tokens
+                if swapped:
+                    self._swap_in(req)
+                req.num_computed_tokens = alloc.num_cached_tokens + swapped
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = alloc.num_cached_tokens
+                    req.num_cached_tokens_by_tier = alloc.cached_tokens_by_tier
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 self._emit(out, req, n, alloc)
@@ -319,7 +327,14 @@ class Scheduler:
         )
 
     def _preempt(self, req: Request) -> None:
-        """Free ``req``'s blocks and requeue it at the front (recompute later)."""
+        """Free ``req``'s blocks and requeue it at the front: its K/V are swapped out to
+        host memory when :attr:`swapper` takes them (``kvpage.engine.swap``), else
+        recomputed later."""
+        sw = self.swapper
+        if sw is not None and req.num_computed_tokens:
+            table = self.kv.block_table(req.request_id, 0)
+            if sw.swap_out(req.request_id, table, req.num_computed_tokens):
+                req.swapped_tokens = req.num_computed_tokens
         self.kv.free(req.request_id)
         req.has_blocks = False
         req.num_computed_tokens = 0
@@ -327,6 +342,14 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _swap_in(self, req: Request) -> None:
+        """Copy a readmitted request's swapped K/V into its new blocks (before the step
+        that continues it runs)."""
+        assert self.swapper is not None
+        nb = -(-req.swapped_tokens // self.kv.block_size)
+        self.swapper.swap_in(req.request_id, self.kv.block_table(req.request_id, 0)[:nb])
+        req.swapped_tokens = 0
 
     def update(
         self, out: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
@@ -418,6 +441,9 @@ class Scheduler:
         if req.has_blocks:
             self.kv.free(req.request_id)
             req.has_blocks = False
+        if req.swapped_tokens and self.swapper is not None:
+            self.swapper.discard(req.request_id)
+            req.swapped_tokens = 0
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
 

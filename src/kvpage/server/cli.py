@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvpage.engine.cli_flags import add_prefix_caching_flags
+from kvpage.engine.cli_flags import add_prefix_caching_flags, add_tier_flags, tier_kwargs
 from kvpage.errors import KVPageError, SpecError
 from kvpage.server.config import ServerConfig, dump_config, format_validation_error, load_config
 
@@ -82,6 +82,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     for flag, (_, _, typ) in _FLAGS.items():
         p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=typ, default=None)
     add_prefix_caching_flags(p, default=None)  # the spelling generate/replay use too
+    add_tier_flags(p)
     p.add_argument(
         "--allow-unknown-fields",
         dest="allow_unknown_fields",
@@ -170,6 +171,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         data["engine"]["enable_prefix_caching"] = args.enable_prefix_caching
     if getattr(args, "engine_process", None) is not None:
         data["engine_process"] = args.engine_process
+    data["engine"].update(tier_kwargs(args))
     rate, burst = getattr(args, "tenant_rate", None), getattr(args, "tenant_burst", None)
     if (rate is None) != (burst is None):
         raise SpecError(

@@ -102,6 +102,21 @@ class EngineConfig(_Strict):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     #: most of the pool retention policies may hold (``--kv-retention-max-share``)
     kv_retention_max_share: float = Field(0.5, ge=0.0, le=1.0)
+    #: KV tiers and preemption (``kvpage.engine.EngineConfig``; ``--kv-host-tier-bytes``,
+    #: ``--kv-disk-tier-bytes``, ``--kv-disk-tier-path``, ``--preemption-mode``,
+    #: ``--swap-space-bytes``); cross-field rules are checked when the engine is built
+    kv_host_tier_bytes: int = Field(0, ge=0)
+    kv_disk_tier_bytes: int = Field(0, ge=0)
+    kv_disk_tier_path: str | None = None
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    swap_space_bytes: int = Field(1 << 30, ge=0)
+
+    @model_validator(mode="after")
+    def _tiers(self) -> EngineConfig:
+        from kvpage.engine.config import check_tier_config
+
+        check_tier_config(self)  # type: ignore[arg-type]
+        return self
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Return the kwargs for ``LLMEngine.from_config`` (None values are dropped)."""

@@ -49,6 +49,7 @@ from kvpage.capacity import plan_capacity, resolve_model
 from kvpage.errors import RequestRejected, SpecError
 from kvpage.sim.contiguous import ContiguousAllocator
 from kvpage.sim.costmodel import StepCostModel, get_gpu
+from kvpage.sim.tiers import TransferMeter, attach_sim_tiers
 from kvpage.specs import CacheSpec
 from kvpage.stats import summarize
 from kvpage.workload.traces import TokenMapper, Trace, TraceRequest
@@ -78,6 +79,13 @@ class SimConfig:
         flops_efficiency, bandwidth_efficiency, step_overhead_s: cost-model knobs.
         seed, vocab_size: the token mapping (``TokenMapper``).
         max_steps: stop after this many steps (None = run to completion).
+        kv_host_tier_bytes, kv_disk_tier_bytes: KV tiers below the pool (paged
+            policies; the engine's tier code, ``kvpage.sim.tiers``), 0 = none.
+        transfer_preset: link speeds of tier and swap transfers
+            (``kvpage.sim.tiers.TRANSFER_PRESETS``), charged to the step time.
+        preemption_mode: ``recompute`` or ``swap`` (``kvpage.engine.swap``).
+        swap_space_bytes: host bytes for swapped-out sequences (default 4 GiB, vLLM's
+            ``swap_space`` default).
     """
 
     model: str = "llama-3-8b"
@@ -97,6 +105,11 @@ class SimConfig:
     seed: int = 0
     vocab_size: int = 32000
     max_steps: int | None = None
+    kv_host_tier_bytes: int = 0
+    kv_disk_tier_bytes: int = 0
+    transfer_preset: str = "pcie5-nvme"
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int = 4 << 30
 
 
 @dataclass
@@ -245,6 +258,7 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=mml,
     )
+    meter = attach_sim_tiers(cfg, spec, kv, sched, cost)
     hb = trace.hash_block_tokens if isinstance(trace, Trace) else 512
     mapper = TokenMapper(seed=cfg.seed, vocab_size=cfg.vocab_size, hash_block_tokens=hb)
     bs = 1 if isinstance(kv, ContiguousAllocator) else cfg.block_size
@@ -306,6 +320,8 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
         q = [s.num_tokens for s in out.scheduled]
         c = [s.start for s in out.scheduled]
         dt = cost.step_time(q, c)
+        if meter is not None:  # tier promotions/demotions and swaps of this step
+            dt += meter.step_seconds()
         t += dt
         steps += 1
         sampled: dict[str, list[int]] = {}
@@ -370,9 +386,25 @@ def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
         allocation_failures=st.allocation_failures,
         prefix_hit_pct=100.0 * first_hit / first_query if first_query else 0.0,
         evictions=st.evictions,
-        extra={"prefix_hit_pct_incl_readmissions": 100.0 * hit_all},
+        extra={
+            "prefix_hit_pct_incl_readmissions": 100.0 * hit_all,
+            **_tier_extra(kv, sched, meter),
+        },
         miss_reasons=aggregate_misses(misses),
     )
+
+
+def _tier_extra(kv: KVAllocator, sched: Any, meter: TransferMeter | None) -> dict[str, Any]:
+    """Tier and swap counters for ``SimResult.extra`` (empty without them)."""
+    if meter is None:
+        return {}
+    out: dict[str, Any] = {"transfer_s": meter.total_s}
+    tiers = getattr(kv, "tiers", None)
+    if tiers is not None:
+        out["tiers"] = {k: asdict(v) for k, v in tiers.stats().items()}
+    if sched.swapper is not None:
+        out["swap"] = asdict(sched.swapper.stats)
+    return out
 
 
 __all__ = ["POLICIES", "SimConfig", "SimResult", "build_setup", "simulate"]

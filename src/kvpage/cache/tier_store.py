@@ -1,0 +1,394 @@
+"""The two KV tiers below the block pool: host memory and local disk.
+
+Each tier is an LRU map ``block hash -> payload`` with a byte capacity; a *payload* is
+one block's K/V of every layer as a C-contiguous byte buffer (``bytes`` or a 1-D
+``uint8`` numpy array, made by the engine's block mover, ``kvpage.engine.kv_transfer``).
+Block hashes already include the request's cache salt and adapter (``cache/hashing``),
+so tenants stay isolated in every tier exactly as in the pool.
+
+* :class:`HostTier`: an ``OrderedDict`` in process memory. ``put`` returns the entries
+  it evicted to stay within ``capacity_bytes`` (the caller demotes them to disk).
+* :class:`DiskTier`: one file per block under ``<path>/<fingerprint hex>/``, named
+  ``<block hash hex>.kvb``, written atomically (temporary file + ``os.replace``). A file
+  holds a header (magic, fingerprint, block hash, payload length, blake2b-128 checksum of
+  the payload) and the payload; a read verifies every field, and a torn, corrupt or
+  deleted file is a counted miss (``stats.corrupt``) and is removed, never served. The
+  fingerprint (:func:`tier_fingerprint`) covers the model, KV dtype, block size, hash seed
+  and the cache geometry, so files of another model or layout are never even listed.
+  On an ``OSError`` while writing (disk full: ``ENOSPC``) the tier stops accepting
+  demotions (``writable`` False, ``stats.write_errors`` +1) and keeps serving reads.
+  The directory survives a restart: a new tier over the same path and fingerprint
+  indexes the files it finds (oldest modification time evicted first).
+
+Observing tier changes (for eviction records and KV events): every tier calls each of
+its ``listeners`` (:class:`TierListener`) synchronously with ``on_demoted(block_hash,
+tier)`` when a block enters the tier, ``on_promoted(block_hash, tier)`` when a lookup
+takes it back into the pool, and ``on_dropped(block_hash, tier, reason)`` when it
+leaves the tier without going to the pool; reasons are ``"capacity"`` (LRU eviction),
+``"corrupt"`` (failed verification or missing file), ``"stored_in_pool"`` (the pool
+computed the same content again), ``"write_error"`` (the disk write failed) and
+``"cleared"`` (``reset_prefix_cache``). Counters are in ``stats`` (:class:`TierStats`).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvpage.cache.hashing import BlockHash
+from kvpage.errors import SpecError
+
+#: one block's K/V of every layer: ``bytes`` or a 1-D ``uint8`` numpy array
+Payload = Any
+
+_MAGIC = b"KVPGBLK1"
+#: magic, fingerprint (16), block hash length (1) + hash, payload length, checksum (16)
+_HEAD = struct.Struct("<8s16sB")
+_TAIL = struct.Struct("<Q16s")
+_SUFFIX = ".kvb"
+
+
+class TierListener(Protocol):
+    """Observer of one tier's changes (see the module docstring); calls are synchronous
+    and must not call back into the tier."""
+
+    def on_demoted(self, block_hash: BlockHash, tier: str) -> None:
+        """``block_hash`` entered ``tier`` (``"host"`` or ``"disk"``)."""
+
+    def on_promoted(self, block_hash: BlockHash, tier: str) -> None:
+        """``block_hash`` was copied from ``tier`` into a pool block by a prefix lookup."""
+
+    def on_dropped(self, block_hash: BlockHash, tier: str, reason: str) -> None:
+        """``block_hash`` left ``tier`` for ``reason`` (not to the pool)."""
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier since construction (bytes and blocks).
+
+    Attributes:
+        demotions: blocks that entered the tier.
+        promotions: blocks copied from the tier into the pool (lookups).
+        hits_tokens: prompt tokens of admitted requests served from blocks this tier
+            promoted (``KVCacheManager`` counts them when the hit is taken).
+        drops: blocks that left the tier other than by promotion (any reason).
+        corrupt: reads refused (checksum, header, length or missing file).
+        write_errors: failed writes (disk tier; the tier then stops accepting).
+        bytes_in: payload bytes written into the tier.
+        bytes_out: payload bytes read out of the tier.
+        transfer_s: wall seconds (``time.perf_counter``) spent copying blocks between
+            the pool and this tier (device copies by the mover, file I/O).
+    """
+
+    demotions: int = 0
+    promotions: int = 0
+    hits_tokens: int = 0
+    drops: int = 0
+    corrupt: int = 0
+    write_errors: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    transfer_s: float = 0.0
+
+
+def payload_nbytes(payload: Payload) -> int:
+    """Size of a payload in bytes."""
+    return memoryview(payload).nbytes
+
+
+def tier_fingerprint(fields: Mapping[str, Any]) -> bytes:
+    """16-byte fingerprint of everything that decides a block's bytes besides its hash:
+    the model identity and config, KV dtype, block size, hash seed, layers, KV heads,
+    head dims. ``fields`` must be JSON-serialisable (keys sorted for a stable encoding).
+    Source: blake2b-128 of the sorted-key JSON."""
+    enc = json.dumps(fields, sort_keys=True, default=str).encode()
+    return hashlib.blake2b(enc, digest_size=16).digest()
+
+
+class _Tier:
+    """Shared LRU bookkeeping: ``_sizes`` maps hash -> payload bytes, oldest first."""
+
+    name = ""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+            raise SpecError(f"capacity_bytes: expected an int >= 0, got {capacity_bytes!r}")
+        if capacity_bytes < 0:
+            raise SpecError(f"capacity_bytes: expected an int >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self._sizes: OrderedDict[BlockHash, int] = OrderedDict()
+        self.stats = TierStats()
+        self.listeners: list[TierListener] = []
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def hashes(self) -> Iterator[BlockHash]:
+        """Hashes held, least recently used first."""
+        return iter(list(self._sizes))
+
+    def _emit_dropped(self, h: BlockHash, reason: str) -> None:
+        self.stats.drops += 1
+        for listener in self.listeners:
+            listener.on_dropped(h, self.name, reason)
+
+    def _emit_demoted(self, h: BlockHash) -> None:
+        self.stats.demotions += 1
+        for listener in self.listeners:
+            listener.on_demoted(h, self.name)
+
+    def _emit_promoted(self, h: BlockHash) -> None:
+        self.stats.promotions += 1
+        for listener in self.listeners:
+            listener.on_promoted(h, self.name)
+
+
+class HostTier(_Tier):
+    """Host-memory tier (see the module docstring).
+
+    Args:
+        capacity_bytes: most payload bytes held (>= 0).
+    """
+
+    name = "host"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        self._data: dict[BlockHash, Payload] = {}
+
+    def put(self, block_hash: BlockHash, payload: Payload) -> list[tuple[BlockHash, Payload]]:
+        """Insert (most recently used); returns the ``(hash, payload)`` entries evicted
+        (LRU) to stay within capacity, oldest first — the caller demotes or drops them
+        (their ``on_dropped(..., "capacity")`` is the caller's to emit when dropped). A
+        payload larger than the capacity is returned at once, not stored."""
+        n = payload_nbytes(payload)
+        if block_hash in self._sizes:
+            self._sizes.move_to_end(block_hash)
+            return []
+        if n > self.capacity_bytes:
+            return [(block_hash, payload)]
+        out = []
+        while self.used_bytes + n > self.capacity_bytes:
+            h, sz = self._sizes.popitem(last=False)
+            self.used_bytes -= sz
+            out.append((h, self._data.pop(h)))
+        self._sizes[block_hash] = n
+        self._data[block_hash] = payload
+        self.used_bytes += n
+        self.stats.bytes_in += n
+        self._emit_demoted(block_hash)
+        return out
+
+    def take(self, block_hash: BlockHash) -> Payload | None:
+        """Remove and return the payload (a promotion), or None if absent."""
+        sz = self._sizes.pop(block_hash, None)
+        if sz is None:
+            return None
+        self.used_bytes -= sz
+        self.stats.bytes_out += sz
+        self._emit_promoted(block_hash)
+        return self._data.pop(block_hash)
+
+    def peek(self, block_hash: BlockHash) -> Payload | None:
+        """The payload without any change (tests, integrity checks)."""
+        return self._data.get(block_hash)
+
+    def discard(self, block_hash: BlockHash, reason: str) -> bool:
+        """Drop an entry for ``reason``; False if absent."""
+        sz = self._sizes.pop(block_hash, None)
+        if sz is None:
+            return False
+        self.used_bytes -= sz
+        del self._data[block_hash]
+        self._emit_dropped(block_hash, reason)
+        return True
+
+    def clear(self) -> None:
+        """Drop everything (reason ``"cleared"``)."""
+        for h in list(self._sizes):
+            self.discard(h, "cleared")
+
+
+class DiskTier(_Tier):
+    """Local-disk tier (see the module docstring).
+
+    Args:
+        path: the tier's root directory (created if missing).
+        capacity_bytes: most payload bytes held (>= 0); files beyond it found at start
+            are deleted, oldest first.
+        fingerprint: :func:`tier_fingerprint` of the engine's model and layout.
+
+    Raises:
+        SpecError: bad capacity, fingerprint, or a path that cannot be used as a
+            directory.
+    """
+
+    name = "disk"
+
+    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, fingerprint: bytes):
+        super().__init__(capacity_bytes)
+        if not isinstance(fingerprint, bytes) or len(fingerprint) != 16:
+            raise SpecError(f"fingerprint: expected 16 bytes, got {fingerprint!r}")
+        self.fingerprint = fingerprint
+        self.root = Path(path)
+        self.dir = self.root / fingerprint.hex()
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SpecError(
+                f"kv_disk_tier_path: expected a writable directory, got {str(path)!r} ({e})"
+            ) from None
+        self.writable = True
+        #: the error of the write that stopped the tier ("" while writable)
+        self.last_write_error = ""
+        self._scan()
+
+    def _file(self, h: BlockHash) -> Path:
+        return self.dir / (h.hex() + _SUFFIX)
+
+    def _scan(self) -> None:
+        """Index the files left by an earlier run, oldest first; delete temporaries."""
+        found = []
+        for p in self.dir.iterdir():
+            if p.name.endswith(".tmp"):
+                p.unlink(missing_ok=True)  # a write torn by a crash
+                continue
+            if not p.name.endswith(_SUFFIX):
+                continue
+            try:
+                h = bytes.fromhex(p.name[: -len(_SUFFIX)])
+                st = p.stat()
+            except (ValueError, OSError):
+                continue
+            size = st.st_size - _HEAD.size - len(h) - _TAIL.size
+            if size > 0:
+                found.append((st.st_mtime_ns, h, size))
+        for _, h, size in sorted(found):
+            self._sizes[h] = size
+            self.used_bytes += size
+        self._shrink(0)
+
+    def _shrink(self, need: int) -> None:
+        while self._sizes and self.used_bytes + need > self.capacity_bytes:
+            h, sz = self._sizes.popitem(last=False)
+            self.used_bytes -= sz
+            self._file(h).unlink(missing_ok=True)
+            self._emit_dropped(h, "capacity")
+
+    def put(self, block_hash: BlockHash, payload: Payload) -> bool:
+        """Write the block (atomic), evicting the oldest files to fit. Returns False when
+        not stored: too large, the tier stopped after a write error, or this write
+        failed (then ``writable`` becomes False and ``stats.write_errors`` +1)."""
+        if block_hash in self._sizes:
+            self._sizes.move_to_end(block_hash)
+            return True
+        n = payload_nbytes(payload)
+        if not self.writable or n > self.capacity_bytes:
+            return False
+        t0 = time.perf_counter()
+        self._shrink(n)
+        digest = hashlib.blake2b(payload, digest_size=16).digest()
+        head = _HEAD.pack(_MAGIC, self.fingerprint, len(block_hash)) + block_hash
+        tmp = self.dir / (block_hash.hex() + ".tmp")
+        try:
+            self._write_file(tmp, (head, _TAIL.pack(n, digest), payload))
+            os.replace(tmp, self._file(block_hash))
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            self.writable = False
+            self.stats.write_errors += 1
+            self.last_write_error = f"{errno.errorcode.get(e.errno or 0, 'OSError')}: {e}"
+            return False
+        self._sizes[block_hash] = n
+        self.used_bytes += n
+        self.stats.bytes_in += n
+        self.stats.transfer_s += time.perf_counter() - t0
+        self._emit_demoted(block_hash)
+        return True
+
+    @staticmethod
+    def _write_file(path: Path, chunks: tuple[Payload, ...]) -> None:
+        """Write ``chunks`` to a new file ``path`` (the one place the tier writes data;
+        fault tests replace it to simulate a full disk)."""
+        with open(path, "wb") as f:
+            for c in chunks:
+                f.write(c)
+
+    def get(self, block_hash: BlockHash) -> bytes | None:
+        """The verified payload (the file stays: the disk tier is inclusive), or None if
+        absent or refused (then the file is removed and counted in ``stats.corrupt``)."""
+        sz = self._sizes.get(block_hash)
+        if sz is None:
+            return None
+        t0 = time.perf_counter()
+        data = self._read_verified(block_hash, sz)
+        if data is None:
+            self.stats.corrupt += 1
+            self._sizes.pop(block_hash)
+            self.used_bytes -= sz
+            self._file(block_hash).unlink(missing_ok=True)
+            self._emit_dropped(block_hash, "corrupt")
+            return None
+        self._sizes.move_to_end(block_hash)
+        self.stats.bytes_out += sz
+        self.stats.transfer_s += time.perf_counter() - t0
+        self._emit_promoted(block_hash)
+        return data
+
+    def _read_verified(self, h: BlockHash, size: int) -> bytes | None:
+        try:
+            raw = self._file(h).read_bytes()
+        except OSError:
+            return None
+        k = _HEAD.size
+        if len(raw) < k + len(h) + _TAIL.size:
+            return None
+        magic, fp, hl = _HEAD.unpack_from(raw)
+        if magic != _MAGIC or fp != self.fingerprint or raw[k : k + hl] != h:
+            return None
+        n, digest = _TAIL.unpack_from(raw, k + hl)
+        body = raw[k + hl + _TAIL.size :]
+        if n != size or len(body) != n:
+            return None
+        if hashlib.blake2b(body, digest_size=16).digest() != digest:
+            return None
+        return body
+
+    def discard(self, block_hash: BlockHash, reason: str) -> bool:
+        """Delete a block's file for ``reason``; False if absent."""
+        sz = self._sizes.pop(block_hash, None)
+        if sz is None:
+            return False
+        self.used_bytes -= sz
+        self._file(block_hash).unlink(missing_ok=True)
+        self._emit_dropped(block_hash, reason)
+        return True
+
+    def clear(self) -> None:
+        """Delete every file of this fingerprint (reason ``"cleared"``)."""
+        for h in list(self._sizes):
+            self.discard(h, "cleared")
+
+
+__all__ = [
+    "DiskTier",
+    "HostTier",
+    "Payload",
+    "TierListener",
+    "TierStats",
+    "payload_nbytes",
+    "tier_fingerprint",
+]

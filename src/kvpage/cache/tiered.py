@@ -1,0 +1,239 @@
+"""TieredCache: demote evicted prefix blocks to host memory and disk, promote them back.
+
+It attaches to the one :class:`~kvpage.cache.block_pool.BlockPool` of a single
+full-attention KV group as a :class:`~kvpage.cache.block_pool.PoolListener` (the seam
+of docs/architecture.md) and to its :class:`~kvpage.cache.manager.KVCacheManager` as
+``manager.tiers``:
+
+* **Demotion.** ``on_evicted`` (the block's K/V still intact) copies the block out
+  through the :class:`BlockMover` into the host tier; blocks the host tier evicts go
+  to the disk tier (or are dropped, reason ``"capacity"``, when there is none or it
+  stopped). With no host tier (capacity 0) evicted blocks go straight to disk.
+* **Promotion.** :meth:`promote_prefix`, called by
+  ``KVCacheManager.get_num_cached_tokens`` before the pool lookup, walks the prompt's
+  block hashes: blocks in the pool are held for the duration of the call (so the
+  allocation below cannot evict them), blocks found in the host tier (taken out: host
+  and pool are exclusive) or the disk tier (verified read; the file stays) are copied
+  into fresh pool blocks in one :meth:`BlockMover.write_blocks` call and registered
+  with ``cache_block``; the walk stops at the first block found nowhere. The promoted
+  blocks are then ordinary cached blocks, so the group managers never see a tier.
+  :meth:`take_hit` tells the manager which tier each block of a taken hit came from
+  (for ``num_cached_tokens_by_tier`` and ``TierStats.hits_tokens``); a promoted block
+  remembers its tier until a hit takes it or the pool evicts it.
+
+Copies are synchronous and batched per lookup (promotion) or per evicted block
+(demotion): the eviction happens inside ``BlockPool.allocate``, before the step that
+overwrites the block runs, so copying there is always correct. Overlapping them with
+compute (a side stream, per-step batches) is the mover's business
+(``kvpage.engine.kv_transfer``).
+
+Exactness: a block's payload is the full bit pattern of its K/V (and int8 token
+scales) in every layer; a promoted block is bit-identical to the evicted one, so greedy
+outputs with and without tiers are identical (tested in tests/engine/test_kv_tiers.py).
+Listeners: ``host.listeners`` / ``disk.listeners`` (:class:`~kvpage.cache.tier_store.
+TierListener`) see every demotion, promotion and drop with its reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvpage.cache.block_pool import BlockPool
+from kvpage.cache.hashing import BlockHash, iter_block_hashes
+from kvpage.cache.tier_store import DiskTier, HostTier, Payload, TierStats
+from kvpage.errors import SpecError
+
+
+class BlockMover(Protocol):
+    """Copies whole blocks between the pool's per-layer caches and host payloads (the
+    engine's ``kvpage.engine.kv_transfer.TorchBlockMover``; tests use a dict).
+
+    Attributes:
+        block_nbytes: bytes of one block's payload (all layers, K and V, scales).
+    """
+
+    block_nbytes: int
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[Payload]:
+        """Copies (never views) of the blocks' K/V, one payload per id, in order."""
+        ...
+
+    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[Payload]) -> None:
+        """Overwrite the blocks' K/V with the payloads (finished on return)."""
+        ...
+
+
+class TieredCache:
+    """Host and disk tiers below one pool (see the module docstring).
+
+    Args:
+        pool: the pool of the single full-attention KV group.
+        mover: copies block data.
+        host: the host tier (None = none).
+        disk: the disk tier (None = none).
+
+    Attributes:
+        host, disk: the tiers (read their ``stats``, ``used_bytes``, ``listeners``).
+        demote_failures: evicted blocks that no tier stored (dropped).
+
+    Raises:
+        SpecError: neither tier given.
+    """
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        mover: BlockMover,
+        *,
+        host: HostTier | None = None,
+        disk: DiskTier | None = None,
+    ) -> None:
+        if host is None and disk is None:
+            raise SpecError("tiers: expected a host or a disk tier, got neither")
+        self.pool = pool
+        self.mover = mover
+        self.host = host
+        self.disk = disk
+        self.demote_failures = 0
+        self._promoted: dict[BlockHash, str] = {}
+        pool.listeners.append(self)
+
+    @property
+    def tiers(self) -> list[HostTier | DiskTier]:
+        """The configured tiers, top down."""
+        return [t for t in (self.host, self.disk) if t is not None]
+
+    def stats(self) -> dict[str, TierStats]:
+        """Tier name -> its counters (live objects; copy to keep a snapshot)."""
+        return {t.name: t.stats for t in self.tiers}
+
+    def usage_bytes(self) -> dict[str, int]:
+        """Tier name -> payload bytes held now."""
+        return {t.name: t.used_bytes for t in self.tiers}
+
+    def where(self, block_hash: BlockHash) -> list[str]:
+        """Names of the places holding ``block_hash``: ``"device"`` (the pool), then
+        ``"host"``, ``"disk"``."""
+        out = ["device"] if self.pool.is_cached(block_hash) else []
+        return out + [t.name for t in self.tiers if block_hash in t]
+
+    # ---- PoolListener ---------------------------------------------------------------
+    def on_stored(self, block_id: int, block_hash: BlockHash) -> None:
+        """The pool computed content the host tier still holds: drop the host copy
+        (host and pool stay exclusive); a disk copy stays."""
+        if self.host is not None and block_hash in self.host:
+            self.host.discard(block_hash, "stored_in_pool")
+
+    def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:
+        """Demote the block (see the module docstring)."""
+        self._promoted.pop(block_hash, None)
+        t0 = time.perf_counter()
+        payload = self.mover.read_blocks([block_id])[0]
+        dt = time.perf_counter() - t0
+        if self.host is not None:
+            self.host.stats.transfer_s += dt
+            for h, p in self.host.put(block_hash, payload):
+                self._to_disk(h, p, "host")
+        else:
+            self._to_disk(block_hash, payload, None)
+
+    def _to_disk(self, h: BlockHash, payload: Payload, source: str | None) -> None:
+        disk = self.disk
+        stored = disk is not None and (h in disk or disk.put(h, payload))
+        if stored:
+            if source == "host" and self.host is not None:
+                self.host._emit_dropped(h, "capacity")  # left host for disk
+            return
+        self.demote_failures += 1
+        if source == "host" and self.host is not None:
+            self.host._emit_dropped(h, "capacity")
+
+    def on_cleared(self) -> None:
+        """``reset_prefix_cache`` forgets every tier too."""
+        self._promoted.clear()
+        for t in self.tiers:
+            t.clear()
+
+    # ---- promotion ------------------------------------------------------------------
+    def promote_prefix(
+        self,
+        root: BlockHash,
+        extra: bytes,
+        token_ids: Sequence[int],
+        block_size: int,
+    ) -> int:
+        """Copy the prompt's leading blocks found in a tier into the pool (see the module
+        docstring). Considers at most ``(len(token_ids) - 1) // block_size`` blocks (a
+        hit leaves one token to compute). Returns the number of blocks promoted."""
+        pool = self.pool
+        cap = (len(token_ids) - 1) // block_size
+        held: list[int] = []
+        wanted: list[tuple[BlockHash, str]] = []
+        for h in iter_block_hashes(root, extra, token_ids, block_size, 0, cap):
+            bid = pool.cached_block_id(h)
+            if bid is not None:
+                if wanted:
+                    break  # a pool block after a gap: the hit ends at the gap anyway
+                if pool.ref_count(bid) == 0:
+                    held.append(bid)
+                continue
+            if self.host is not None and h in self.host:
+                wanted.append((h, "host"))
+            elif self.disk is not None and h in self.disk:
+                wanted.append((h, "disk"))
+            else:
+                break
+        if not wanted:
+            return 0
+        pool.touch_ids(held)  # protect the pool part of the hit from the allocation
+        try:
+            wanted = wanted[: pool.num_free]
+            payloads: list[Payload] = []
+            got: list[tuple[BlockHash, str]] = []
+            for h, tier in wanted:  # take before allocating: the allocation demotes
+                p = self.host.take(h) if tier == "host" and self.host else None
+                if p is None and self.disk is not None:
+                    t0 = time.perf_counter()
+                    p = self.disk.get(h)
+                    tier = "disk"
+                    if p is not None:
+                        self.disk.stats.transfer_s += time.perf_counter() - t0
+                if p is None:
+                    break  # corrupt or gone: the hit ends here (counted by the tier)
+                payloads.append(p)
+                got.append((h, tier))
+            if not got:
+                return 0
+            ids = pool.allocate_ids(len(got))
+            t0 = time.perf_counter()
+            self.mover.write_blocks(ids, payloads)
+            dt = time.perf_counter() - t0
+            for bid, (h, tier) in zip(ids, got):
+                pool.cache_block(bid, h)
+                self._promoted[h] = tier
+                t = self.host if tier == "host" else self.disk
+                assert t is not None
+                t.stats.transfer_s += dt / len(got)
+            pool.release(reversed(ids))
+            return len(got)
+        finally:
+            pool.release(reversed(held))
+
+    def take_hit(self, hashes: Sequence[BlockHash], block_size: int) -> dict[str, int]:
+        """Account a prefix hit a request takes: per place (``"device"``, ``"host"``,
+        ``"disk"``), the hit's tokens. A block counts for the tier that promoted it
+        the first time a hit takes it (then for ``"device"``); adds to
+        ``TierStats.hits_tokens``."""
+        p = self._promoted
+        out = {"device": 0}
+        for h in hashes:
+            tier = p.pop(h, "device")
+            out[tier] = out.get(tier, 0) + block_size
+        for t in self.tiers:
+            t.stats.hits_tokens += out.get(t.name, 0)
+        return out
+
+
+__all__ = ["BlockMover", "TieredCache"]

@@ -1,0 +1,196 @@
+"""Moving whole KV blocks between the per-layer caches and host memory, and building the
+engine's KV tiers (``kvpage.cache.tiered``) from an :class:`EngineConfig`.
+
+:class:`TorchBlockMover` is the :class:`kvpage.cache.tiered.BlockMover` of the engine.
+A block's *payload* is, for every layer in order, the raw bytes of ``kv[:, block]``
+(``[2, block_size, num_kv_heads, head_dim]``, K then V) followed, for an int8 cache, by
+its token scales ``token_scales[:, block]`` (``[2, block_size, num_kv_heads]`` float32):
+the bit pattern, so a block written back is bit-identical. fp8 per-tensor / per-head
+scales are per layer, not per block, and part of the tier fingerprint's cache layout.
+
+On CPU a transfer is a gather (``index_select``) and a copy into a numpy array. On CUDA
+the gathered blocks are copied into pinned host memory on a side stream and the call
+waits for that stream before returning (so the copy is correct before the next step
+overwrites the block); overlap with compute across steps is not done. The CUDA path is
+short and untested here (no GPU on the development machine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+from kvpage.cache.tier_store import DiskTier, HostTier, Payload, tier_fingerprint
+from kvpage.cache.tiered import TieredCache
+from kvpage.engine.swap import HOST_BANDWIDTH, SwapCostModel, Swapper
+from kvpage.errors import SpecError
+
+if TYPE_CHECKING:
+    from kvpage.attention.metadata import KVCache
+    from kvpage.cache import KVCacheManager
+    from kvpage.specs import CacheSpec
+
+
+class TierConfig(Protocol):
+    """The fields of ``kvpage.engine.EngineConfig`` the tiers and the swapper read
+    (a protocol, so this module does not import the config module that builds it)."""
+
+    model: Any
+    kv_host_tier_bytes: int
+    kv_disk_tier_bytes: int
+    kv_disk_tier_path: str | None
+    preemption_mode: str
+    swap_space_bytes: int
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as raw bytes: ``[..., last * itemsize]`` uint8 view (contiguous input)."""
+    return x.contiguous().view(torch.uint8)
+
+
+class TorchBlockMover:
+    """Block copies over one KV group's per-layer caches (see the module docstring).
+
+    Args:
+        kv_caches: the layer caches of the group, in layer order.
+
+    Attributes:
+        block_nbytes: payload bytes of one block.
+    """
+
+    def __init__(self, kv_caches: Sequence[KVCache]) -> None:
+        self.caches = list(kv_caches)
+        self.device = self.caches[0].kv.device
+        self._parts: list[tuple[torch.Tensor, tuple[int, ...], torch.dtype]] = []
+        for c in self.caches:
+            for t in (c.kv, c.token_scales):
+                if t is not None:
+                    shape = (t.shape[0],) + tuple(t.shape[2:])
+                    self._parts.append((t, shape, t.dtype))
+        self._sizes = [
+            int(np.prod(s)) * torch.empty((), dtype=d).element_size() for _, s, d in self._parts
+        ]
+        self.block_nbytes = sum(self._sizes)
+        self._cuda = self.device.type == "cuda"
+        self._stream: Any = (
+            torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            if self._cuda
+            else None
+        )
+
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: Sequence[int]) -> list[Payload]:
+        """Copies of the blocks' payloads (1-D uint8 numpy arrays), in order."""
+        n = len(block_ids)
+        if n == 0:
+            return []
+        idx = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        cols = []
+        for t, _, _ in self._parts:
+            g = t.index_select(1, idx).transpose(0, 1)  # [n, 2, ...]
+            cols.append(_bits(g).reshape(n, -1))
+        flat = torch.cat(cols, dim=1)
+        if self._cuda:  # pinned staging copy on a side stream, waited for here
+            host = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=True)
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                host.copy_(flat, non_blocking=True)
+            self._stream.synchronize()
+            arr = host.numpy()
+        else:
+            arr = flat.numpy()  # torch.cat made a new tensor: not a view of the cache
+        return [arr[i] for i in range(n)]
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[Payload]) -> None:
+        """Overwrite the blocks with the payloads (each ``block_nbytes`` bytes).
+
+        Raises:
+            ValueError: a payload of the wrong size (nothing written).
+        """
+        n = len(block_ids)
+        if n == 0:
+            return
+        for p in payloads:
+            if memoryview(p).nbytes != self.block_nbytes:
+                raise ValueError(
+                    f"payload: expected {self.block_nbytes} bytes, got {memoryview(p).nbytes}"
+                )
+        host = np.stack([np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8) for p in payloads])
+        src = torch.from_numpy(host)
+        if self._cuda:
+            src = src.pin_memory().to(self.device, non_blocking=True)
+        idx = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        off = 0
+        for (t, shape, dtype), size in zip(self._parts, self._sizes):
+            part = src[:, off : off + size].contiguous().view(dtype).reshape((n, *shape))
+            t.index_copy_(1, idx, part.transpose(0, 1))
+            off += size
+
+
+def build_swapper(
+    config: TierConfig, kv_caches: Sequence[KVCache], kvm: KVCacheManager
+) -> Swapper | None:
+    """The swapper of ``preemption_mode="swap"`` (None for ``recompute``), with the
+    host-bandwidth preset of the cache's device (``kvpage.engine.swap.HOST_BANDWIDTH``).
+
+    Raises:
+        SpecError: swap with more than one KV group or a sliding window.
+    """
+    if config.preemption_mode != "swap":
+        return None
+    if kvm.windows != [None]:
+        raise SpecError(
+            f"preemption_mode: expected 'recompute' for a model with KV groups "
+            f"{kvm.windows} (swap serves one full-attention group), got 'swap'"
+        )
+    mover = TorchBlockMover(kv_caches)
+    bw = HOST_BANDWIDTH["cuda" if mover.device.type == "cuda" else "cpu"]
+    return Swapper(mover, kvm.block_size, config.swap_space_bytes, SwapCostModel(bw))
+
+
+def build_tiers(
+    config: TierConfig, spec: CacheSpec, kv_caches: Sequence[KVCache], kvm: KVCacheManager
+) -> TieredCache | None:
+    """The engine's KV tiers from ``config`` (None when both capacities are 0), attached
+    to ``kvm``. The disk tier's fingerprint covers the model (its name or path and its
+    config), the KV dtype, block size, hash seed and the cache geometry.
+
+    Raises:
+        SpecError: a layout tiers cannot serve (see ``KVCacheManager.attach_tiers``), or
+            an unusable disk path.
+    """
+    host_b = config.kv_host_tier_bytes
+    disk_b = config.kv_disk_tier_bytes
+    if not host_b and not disk_b:
+        return None
+    host = HostTier(host_b) if host_b else None
+    disk = None
+    if disk_b:
+        assert config.kv_disk_tier_path is not None  # checked by EngineConfig
+        model_id = config.model if isinstance(config.model, str) else type(config.model).__name__
+        fields = {
+            "model": model_id,
+            "kv_cache_dtype": spec.kv_dtype,
+            "dtype": spec.dtype,
+            "block_size": spec.block_size,
+            "hash_seed": kvm.hash_seed,
+            "layers": [[a.num_kv_heads, a.head_dim] for a in spec.layers],
+            "kv_scale_granularity": spec.kv_scale_granularity,
+            "format": 1,
+        }
+        disk = DiskTier(config.kv_disk_tier_path, disk_b, tier_fingerprint(fields))
+    mover = TorchBlockMover(kv_caches)
+    tiers = TieredCache(kvm.pools[0], mover, host=host, disk=disk)
+    try:
+        kvm.attach_tiers(tiers)
+    except Exception:
+        kvm.pools[0].listeners.remove(tiers)
+        raise
+    return tiers
+
+
+__all__ = ["TorchBlockMover", "build_swapper", "build_tiers"]

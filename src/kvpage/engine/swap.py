@@ -1,0 +1,179 @@
+"""Swap preemption: a preempted sequence's KV blocks go to host memory and come back.
+
+With ``EngineConfig.preemption_mode="swap"`` the scheduler asks a :class:`Swapper`
+before freeing a victim's blocks (``Scheduler._preempt``); when the swapper copies them
+out, the victim keeps its progress (``Request.swapped_tokens``) and, when readmitted,
+gets fresh blocks into which the swapper copies the K/V back before the step runs
+(``Scheduler.schedule``), instead of recomputing its prompt and output so far.
+
+Cost model (per victim, :class:`SwapCostModel`): swapping ``B`` bytes costs
+``2 * B / host_bandwidth`` seconds (out and back in); recomputing costs
+``T / prefill_tokens_per_s`` seconds for its ``T`` computed tokens. Swap is chosen when
+it is cheaper and the bytes fit in ``swap_space_bytes``; otherwise the victim is
+recomputed as in recompute mode. ``prefill_tokens_per_s`` is measured by the engine: an
+exponential moving average (weight 0.2) of tokens / model seconds over steps that
+compute at least :data:`MIN_PREFILL_TOKENS` tokens (smaller steps are dominated by
+per-step overhead); until a step is seen, :data:`DEFAULT_PREFILL_TOKENS_PER_S`.
+``host_bandwidth`` defaults by device: :data:`HOST_BANDWIDTH` (bytes/s; CPU: a memory
+copy, conservatively 5 GB/s; CUDA: PCIe 4.0 x16 at ~25 GB/s effective, the figure vLLM
+and LMCache use for pinned-memory copies). Recompute here ignores prefix-cache hits the
+victim may get back (a bias towards swap when its blocks would survive in the pool).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvpage.cache.tier_store import Payload, payload_nbytes
+from kvpage.cache.tiered import BlockMover
+
+#: host <-> device copy bandwidth presets, bytes/s (see the module docstring)
+HOST_BANDWIDTH = {"cpu": 5e9, "cuda": 25e9}
+#: steps with fewer computed tokens do not update the prefill rate
+MIN_PREFILL_TOKENS = 32
+#: prefill rate assumed before a step was measured (tokens/s): the bundled model's
+#: order of magnitude on one CPU thread
+DEFAULT_PREFILL_TOKENS_PER_S = 5000.0
+
+
+@dataclass
+class SwapCostModel:
+    """The swap-or-recompute rule (module docstring).
+
+    Attributes:
+        host_bandwidth: bytes/s of one direction of a host <-> device copy.
+        prefill_tokens_per_s: measured prefill rate (EMA).
+    """
+
+    host_bandwidth: float
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
+
+    def swap_seconds(self, num_bytes: int) -> float:
+        """Estimated seconds to swap ``num_bytes`` out and back in."""
+        return 2.0 * num_bytes / self.host_bandwidth
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        """Estimated seconds to recompute ``num_tokens`` tokens."""
+        return num_tokens / self.prefill_tokens_per_s
+
+    def prefer_swap(self, num_tokens: int, num_bytes: int) -> bool:
+        """Whether swapping is cheaper than recomputing."""
+        return self.swap_seconds(num_bytes) < self.recompute_seconds(num_tokens)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Feed one step (tokens computed, model seconds) into the prefill-rate EMA."""
+        if num_tokens >= MIN_PREFILL_TOKENS and seconds > 0:
+            rate = num_tokens / seconds
+            self.prefill_tokens_per_s += 0.2 * (rate - self.prefill_tokens_per_s)
+
+
+@dataclass
+class SwapStats:
+    """Counters of the swapper (blocks, bytes, seconds).
+
+    Attributes:
+        swap_outs / swap_ins: sequences swapped out / back in.
+        recomputed: victims the cost model or the swap space sent to recompute.
+        bytes_out / bytes_in: payload bytes copied to / from host memory.
+        transfer_s: wall seconds of those copies.
+    """
+
+    swap_outs: int = 0
+    swap_ins: int = 0
+    recomputed: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    transfer_s: float = 0.0
+
+
+class Swapper:
+    """Host-memory store of swapped-out sequences (see the module docstring).
+
+    Args:
+        mover: copies blocks of the (single, full-attention) KV group.
+        block_size: tokens per block.
+        swap_space_bytes: most bytes held at once.
+        cost: the decision rule.
+
+    Attributes:
+        used_bytes: bytes held now.
+        stats: :class:`SwapStats`.
+    """
+
+    def __init__(
+        self, mover: BlockMover, block_size: int, swap_space_bytes: int, cost: SwapCostModel
+    ) -> None:
+        self.mover = mover
+        self.block_size = block_size
+        self.capacity_bytes = swap_space_bytes
+        self.cost = cost
+        self.used_bytes = 0
+        self.stats = SwapStats()
+        self._store: dict[str, list[Payload]] = {}
+
+    def swap_out(self, request_id: str, block_table: Sequence[int], num_tokens: int) -> bool:
+        """Copy the blocks holding the first ``num_tokens`` tokens of ``request_id`` to
+        host memory if that is cheaper and fits; True when done (the caller keeps the
+        progress and frees the blocks), False for recompute."""
+        nb = -(-num_tokens // self.block_size)
+        nbytes = nb * self.mover.block_nbytes
+        if (
+            nb == 0
+            or self.used_bytes + nbytes > self.capacity_bytes
+            or not self.cost.prefer_swap(num_tokens, nbytes)
+        ):
+            self.stats.recomputed += 1
+            return False
+        t0 = time.perf_counter()
+        payloads = self.mover.read_blocks(list(block_table[:nb]))
+        self.stats.transfer_s += time.perf_counter() - t0
+        self._store[request_id] = payloads
+        n = sum(payload_nbytes(p) for p in payloads)
+        self.used_bytes += n
+        self.stats.bytes_out += n
+        self.stats.swap_outs += 1
+        return True
+
+    def swap_in(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Copy ``request_id``'s swapped blocks into ``block_ids`` (its new table's
+        first blocks) and forget them.
+
+        Raises:
+            KeyError: nothing swapped out for ``request_id``.
+            ValueError: ``block_ids`` of another length than the swapped blocks.
+        """
+        payloads = self._store[request_id]
+        if len(block_ids) != len(payloads):
+            raise ValueError(
+                f"block_ids: expected {len(payloads)} blocks for {request_id!r}, "
+                f"got {len(block_ids)}"
+            )
+        t0 = time.perf_counter()
+        self.mover.write_blocks(list(block_ids), payloads)
+        self.stats.transfer_s += time.perf_counter() - t0
+        del self._store[request_id]
+        n = sum(payload_nbytes(p) for p in payloads)
+        self.used_bytes -= n
+        self.stats.bytes_in += n
+        self.stats.swap_ins += 1
+
+    def discard(self, request_id: str) -> None:
+        """Forget a swapped-out sequence that finished or was aborted (no-op if none)."""
+        payloads = self._store.pop(request_id, None)
+        if payloads is not None:
+            self.used_bytes -= sum(payload_nbytes(p) for p in payloads)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._store
+
+
+__all__ = [
+    "DEFAULT_PREFILL_TOKENS_PER_S",
+    "HOST_BANDWIDTH",
+    "MIN_PREFILL_TOKENS",
+    "SwapCostModel",
+    "SwapStats",
+    "Swapper",
+]
