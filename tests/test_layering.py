@@ -10,7 +10,7 @@ Layers, bottom up (docs/architecture.md, "Layers"):
 3. ``models``, ``backends``, ``testing``, ``capacity``;
 4. ``engine`` — scheduler, runner, engine, LLM;
 5. ``sim``, ``server`` — simulator and OpenAI server over the engine;
-6. ``apps`` and the top-level facade ``kvpage/__init__.py``;
+6. ``apps``, ``cluster`` (Ray Serve scale-out) and the top-level facade ``kvpage/__init__.py``;
 7. ``cli`` — the ``kvpage`` command; 8. ``__main__`` (``python -m kvpage``).
 """
 
@@ -43,6 +43,7 @@ RANK = {
     "sim": 5,
     "server": 5,
     "apps": 6,
+    "cluster": 6,
     "": 6,  # kvpage/__init__.py
     "cli": 7,
     "__main__": 8,

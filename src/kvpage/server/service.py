@@ -97,6 +97,10 @@ class ServingState:
             arrival times are taken with it).
     """
 
+    #: export the engine loop's metric snapshot as the ``kvpage:*`` engine metrics of
+    #: /metrics (a scaled-out ingress exports each replica's instead, with labels)
+    export_engine_snapshot = True
+
     def __init__(
         self,
         config: ServerConfig,
@@ -123,7 +127,7 @@ class ServingState:
         self.loop = AsyncEngine(engine, on_step=self._on_step)
         total = getattr(spec, "total_bytes", 0)
         self.metrics = ServerMetrics(
-            lambda: self.loop.metrics_snapshot,
+            lambda: self.loop.metrics_snapshot if self.export_engine_snapshot else {},
             float(total() if callable(total) else total),
             model_name=config.model_name,
         )
