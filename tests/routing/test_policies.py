@@ -74,7 +74,9 @@ def test_kv_precise_cost_formula_and_tie_break() -> None:
     h = hash_request_blocks(toks, BS)
     idx.resync(KVSnapshot("a", 0, frozenset(h[:6])))
     idx.resync(KVSnapshot("b", 0, frozenset()))
-    p = make_policy("kv_precise", index=idx, cost=CostWeights(waiting=1.0, running=0.5))
+    p = make_policy(
+        "kv_precise", index=idx, cost=CostWeights(waiting=1.0, running=0.5, kv_usage=1.0)
+    )
     assert isinstance(p, KVPrecisePolicy)
     r = _req(toks)
     # B = 1 before anything was routed: cost = misses + 1 * (waiting + 0.5 running + kv)

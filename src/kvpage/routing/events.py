@@ -222,6 +222,14 @@ class KVSnapshot:
         )
 
 
+def _event(kind: str, hashes: list[bytes]) -> KVEvent:
+    if kind == "stored":
+        return BlockStored(tuple(hashes))
+    if kind == "removed":
+        return BlockRemoved(tuple(hashes))
+    return AllBlocksCleared()
+
+
 class _PoolTap:
     """The :class:`PoolListener` attached to one pool; forwards to the publisher."""
 
@@ -273,7 +281,7 @@ class KVEventPublisher:
         self.epoch = secrets.token_hex(8)
         self.seq = 0
         self._clock = clock
-        self._pending: list[KVEvent] = []
+        self._pending: list[tuple[str, list[bytes]]] = []
         self._pools: list[BlockPool] = []
         self._per_pool: list[set[bytes]] = []
         self._held: set[bytes] = set()
@@ -296,7 +304,7 @@ class KVEventPublisher:
         held = set.intersection(*self._per_pool) if self._per_pool else set()
         if held:
             self._held = held
-            self._pending.append(BlockStored(tuple(held)))
+            self._pending.append(("stored", list(held)))
 
     def detach(self) -> None:
         """Stop listening (the publisher keeps its state; a later attach is refused)."""
@@ -306,33 +314,35 @@ class KVEventPublisher:
             ]
 
     # ---- listener callbacks -------------------------------------------------------
+    # pending events are kept as ("stored" | "removed" | "cleared", hashes) runs and
+    # turned into event objects at drain time (appending to a run is O(1))
+    def _push(self, kind: str, h: bytes) -> None:
+        p = self._pending
+        if p and p[-1][0] == kind:
+            p[-1][1].append(h)
+        else:
+            p.append((kind, [h]))
+
     def _stored(self, i: int, h: bytes) -> None:
-        self._per_pool[i].add(h)
-        if h in self._held or not all(h in s for s in self._per_pool):
+        per = self._per_pool
+        per[i].add(h)
+        if h in self._held or (len(per) > 1 and not all(h in s for s in per)):
             return
         self._held.add(h)
-        last = self._pending[-1] if self._pending else None
-        if isinstance(last, BlockStored):
-            self._pending[-1] = BlockStored(last.block_hashes + (h,))
-        else:
-            self._pending.append(BlockStored((h,)))
+        self._push("stored", h)
 
     def _evicted(self, i: int, h: bytes) -> None:
         self._per_pool[i].discard(h)
         if h not in self._held:
             return
         self._held.discard(h)
-        last = self._pending[-1] if self._pending else None
-        if isinstance(last, BlockRemoved):
-            self._pending[-1] = BlockRemoved(last.block_hashes + (h,))
-        else:
-            self._pending.append(BlockRemoved((h,)))
+        self._push("removed", h)
 
     def _cleared(self, i: int) -> None:
         self._per_pool[i].clear()
         if self._held:
             self._held.clear()
-            self._pending = [AllBlocksCleared()]
+            self._pending = [("cleared", [])]
 
     # ---- output -------------------------------------------------------------------
     @property
@@ -360,7 +370,7 @@ class KVEventPublisher:
         if not self._pending and not heartbeat:
             return None
         self.seq += 1
-        evs = tuple(self._pending)
+        evs = tuple(_event(kind, hs) for kind, hs in self._pending)
         self._pending = []
         return KVEventBatch(self.replica_id, self.seq, self._clock(), evs, self.epoch)
 

@@ -45,7 +45,8 @@ class IndexStats:
         batches_dropped: duplicate / already-covered batches ignored (seq <= last).
         gaps: batches refused because one or more earlier batches were missing.
         unknown: batches refused from an unknown replica or a new epoch (restart).
-        resyncs: snapshots applied.
+        joins: replicas added by their first snapshot.
+        resyncs: snapshots applied to a replica already known (after a gap or restart).
         removals: replicas removed (dead).
         last_lag_s: ``now - batch.ts`` of the last applied batch, seconds.
         max_lag_s: the largest such lag seen.
@@ -56,6 +57,7 @@ class IndexStats:
     batches_dropped: int = 0
     gaps: int = 0
     unknown: int = 0
+    joins: int = 0
     resyncs: int = 0
     removals: int = 0
     last_lag_s: float = 0.0
@@ -212,7 +214,10 @@ class PrefixIndex:
         r = _Replica(snapshot.epoch, snapshot.seq)
         self._replicas[rid] = r
         self._add(rid, r, snapshot.block_hashes)
-        self.stats.resyncs += 1
+        if old is None:
+            self.stats.joins += 1
+        else:
+            self.stats.resyncs += 1
 
     def remove(self, replica_id: str) -> bool:
         """Forget a (dead) replica at once; False if it was unknown."""

@@ -275,6 +275,14 @@ class PrefixApproxPolicy(_Base):
 class CostWeights:
     """Weights of the ``kv_precise`` cost (see :class:`KVPrecisePolicy`).
 
+    Why these defaults (docs/serving.md, "Routing"; tuned on the simulator's Mooncake
+    conversation runs, docs/benchmarks.md): a waiting request brings only its *uncached*
+    part and the scheduler's chunked prefill shares steps between requests, so it counts
+    as half a mean prompt (``waiting=0.5``; a whole prompt, 1.0, gave up hits for no TTFT
+    gain); a running request mostly decodes, one token per step next to a prefill chunk
+    of thousands, so it counts little (``running=0.05``); KV usage is a pressure signal
+    that a full pool stalls admissions, a quarter prompt at 100 % (``kv_usage=0.25``).
+
     Attributes:
         miss: cost of one prompt block the replica does not hold (must be computed).
         waiting: cost of one request waiting on the replica, in units of the mean
@@ -285,9 +293,9 @@ class CostWeights:
     """
 
     miss: float = 1.0
-    waiting: float = 1.0
-    running: float = 0.1
-    kv_usage: float = 1.0
+    waiting: float = 0.5
+    running: float = 0.05
+    kv_usage: float = 0.25
 
     def __post_init__(self) -> None:
         for k in ("miss", "waiting", "running", "kv_usage"):
