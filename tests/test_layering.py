@@ -7,7 +7,8 @@ Layers, bottom up (docs/architecture.md, "Layers"):
 0. ``errors``, ``stats``, ``data`` — no kvpage imports but errors;
 1. ``specs`` — the spec types, config readers, presets;
 2. ``cache``, ``attention``, ``workload`` — allocator, attention contract, traces;
-3. ``models``, ``backends``, ``testing``, ``capacity``;
+3. ``models``, ``backends``, ``testing``, ``capacity``, ``routing`` (KV events, prefix
+   index, router policies: imports only errors, stats, specs, cache);
 4. ``engine`` — scheduler, runner, engine, LLM;
 5. ``sim``, ``server`` — simulator and OpenAI server over the engine;
 6. ``apps``, ``cluster`` (Ray Serve scale-out) and the top-level facade ``kvpage/__init__.py``;
@@ -39,6 +40,7 @@ RANK = {
     "backends": 3,
     "testing": 3,
     "capacity": 3,
+    "routing": 3,
     "engine": 4,
     "sim": 5,
     "server": 5,
