@@ -149,11 +149,12 @@ class KVEventPump:
     async def _pull(self, g: ReplicaGroup, rid: str) -> None:
         try:
             report = await self._call(g, "kv_events", rid)
-            if rid not in g.core.replicas:
-                return
-            self.metrics.set_report(g.name, rid, report.get("metrics") or {})
+            src = str(report["replica_id"])  # the replica that answered (see router)
+            if src not in g.core.replicas:
+                return  # gone, or not announced yet: a later gap brings a resync
+            self.metrics.set_report(g.name, src, report.get("metrics") or {})
             if not g.core.apply_report(report):
-                g.core.resync(await self._call(g, "kv_snapshot", rid))
+                g.core.resync(await self._call(g, "kv_snapshot", src))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a dead replica: Serve's router drops it

@@ -6,7 +6,8 @@ calls :meth:`KVAwareRouter.choose_replicas` for every request with the replicas 
 are running. The router reads the request's routing hint (the ``route`` keyword every
 :class:`~kvpage.cluster.replica.EngineReplica` method takes) and:
 
-* ``{"target": replica_id}`` (KV event pulls, snapshots): that replica only;
+* ``{"target": replica_id}`` (KV event pulls, snapshots): that replica, or any when it
+  is no longer running (pulls and snapshots carry the answering replica's id);
 * ``{"prompt_token_ids": [...], "cache_salt": ..., "request_id": ..., "exclude": [...]}``
   (generation): asks the group's :class:`~kvpage.cluster.core.RouterCore` (the routing
   policy) for a replica among the candidates not in ``exclude`` (a retry never goes
@@ -77,7 +78,10 @@ class KVAwareRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if route is not None and route.get("target") is not None:
             r = by_id.get(str(route["target"]))
-            return [[r]] if r is not None else []
+            # A target that is gone (died, replaced) must not leave the call pending:
+            # Serve's routing tasks would retry it with backoff ahead of every other
+            # request. Any replica answers instead; its report names itself.
+            return [[r]] if r is not None else [list(candidate_replicas)]
         core = self.core
         if route is None or core is None or "prompt_token_ids" not in route:
             return [list(candidate_replicas)]
