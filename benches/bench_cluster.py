@@ -17,7 +17,8 @@ model's 512-token vocabulary, seeded), and a prompt is the runs of its first
 leading token blocks exactly as in the trace, scaled to a 512-token model. Every
 request is greedy with ``max_tokens`` ``--max-tokens`` and ``ignore_eos``.
 
-Reported per policy: prefix hit ratio (prompt tokens served from the replicas' prefix
+With ``--rounds R`` the policies run in turn R times (alternating rounds on the same
+machine). Reported per policy and round: prefix hit ratio (prompt tokens served from the replicas' prefix
 caches / prompt tokens, from ``usage.prompt_tokens_details.cached_tokens``), requests/s
 and tokens/s over the policy's run, the router's predicted vs actual hit blocks and
 resyncs (``/metrics``), and requests per replica. Checked: every completion's tokens
@@ -161,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-blocks", type=int, default=2)
     ap.add_argument("--min-group", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="policies in turn, this many times (alternating)"
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -203,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     ok = True
     try:
-        for i, policy in enumerate(a.policies.split(",")):
+        runs = [p for _ in range(a.rounds) for p in a.policies.split(",")]
+        for i, policy in enumerate(runs):
             cfg = ClusterConfig.model_validate(
                 {
                     "server": {"port": port, "log_level": "warning"},
@@ -225,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             m = _metrics(httpx.get(url + "/metrics", timeout=60).text)
             same = sum(x == y for x, y in zip(res.pop("texts"), want))
             ok &= same == len(want)
-            per_replica = sorted(v for k, v in m.get("kvpage:router_decisions_total", {}).items())
+            per_replica = sorted(v for v in m.get("kvpage:router_decisions_total", {}).values())
             res.update(
                 {
                     "identical_to_single_engine": f"{same}/{len(want)}",
@@ -239,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                     "requests_per_replica": per_replica,
                 }
             )
-            report["policies"][policy] = res
+            report["policies"].setdefault(policy, []).append(res)
             print(policy, json.dumps(res), flush=True)
     finally:
         launch.stop()

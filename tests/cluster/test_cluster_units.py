@@ -354,3 +354,23 @@ def test_remote_loop_passes_engine_refusals_and_aborts() -> None:
             await loop2.add("r3", [1], None)
 
     asyncio.run(main())
+
+
+def test_ingress_reconfigure_sets_the_canary_share() -> None:
+    from kvpage.cluster.ingress import Ingress
+
+    cfg = ClusterConfig.model_validate(
+        {"groups": {"default": {}, "canary": {"replicas": 1, "traffic_fraction": 0.1}}}
+    )
+    ing = Ingress(cfg, default=object(), canary=object())
+    assert ing.selector.canary_fraction == 0.1
+    ing.reconfigure({"canary_fraction": 0.5})  # Ray Serve user_config, applied in place
+    assert ing.selector.canary_fraction == 0.5
+    ing.reconfigure({"canary_fraction": 0})  # roll back
+    assert ing.selector.canary_fraction == 0.0
+    with pytest.raises(ValueError, match="traffic_fraction"):
+        ing.reconfigure({"canary_fraction": 1.5})
+    only = Ingress(ClusterConfig(), default=object())
+    with pytest.raises(ValueError, match="without a canary group"):
+        only.set_canary(0.2)
+    only.set_canary(0.0)

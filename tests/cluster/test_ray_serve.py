@@ -46,6 +46,18 @@ def _metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def _replicas(text: str) -> set[str]:
+    """Replica ids whose engine metrics the ingress exports now."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        s.labels["replica"]
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "kvpage:num_requests_running" and "replica" in s.labels
+    }
+
+
 def _wait(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -150,6 +162,8 @@ def test_two_replicas_on_ray_serve() -> None:
             if "engine-default" in a["name"]
         ]
         assert len(names) == 2
+        dead = names[0]["name"].rsplit("#", 1)[-1]  # SERVE_REPLICA::app#deployment#id
+        assert dead in _replicas(metrics())
         ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]))
         for i in range(6):
             r = client.completions.create(
@@ -161,7 +175,13 @@ def test_two_replicas_on_ray_serve() -> None:
             120,
             "the dead replica's index view to be dropped",
         )
-        # Ray Serve replaces the dead replica; requests keep flowing meanwhile
+        # Ray Serve replaces the dead replica (a new actor, a new replica id) and the
+        # ingress's pump reports two live replicas again
+        _wait(
+            lambda: len(_replicas(metrics())) == 2 and dead not in _replicas(metrics()),
+            180,
+            "a replacement replica",
+        )
         r = client.completions.create(
             model="stories260K", prompt=PROMPTS[0], max_tokens=12, temperature=0
         )
