@@ -7,10 +7,11 @@ Layers, bottom up (docs/architecture.md, "Layers"):
 0. ``errors``, ``stats``, ``data``, ``report`` — no kvpage imports but errors;
 1. ``specs`` — the spec types, config readers, presets;
 2. ``cache``, ``attention``, ``workload`` — allocator, attention contract, traces;
-3. ``models``, ``backends``, ``testing``, ``capacity``;
+3. ``models``, ``backends``, ``testing``, ``capacity``, ``routing`` (KV events, prefix
+   index, router policies: imports only errors, stats, specs, cache);
 4. ``engine`` — scheduler, runner, engine, LLM;
 5. ``sim``, ``server`` — simulator and OpenAI server over the engine;
-6. ``apps`` and the top-level facade ``kvpage/__init__.py``;
+6. ``apps``, ``cluster`` (Ray Serve scale-out) and the top-level facade ``kvpage/__init__.py``;
 7. ``cli`` — the ``kvpage`` command; 8. ``__main__`` (``python -m kvpage``).
 """
 
@@ -40,10 +41,12 @@ RANK = {
     "backends": 3,
     "testing": 3,
     "capacity": 3,
+    "routing": 3,
     "engine": 4,
     "sim": 5,
     "server": 5,
     "apps": 6,
+    "cluster": 6,
     "": 6,  # kvpage/__init__.py
     "cli": 7,
     "__main__": 8,

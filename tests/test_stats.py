@@ -28,6 +28,7 @@ def test_integer_arrays() -> None:
     s = summarize(np.arange(1, 6, dtype=np.int64))
     assert s == {
         "p50": 3.0,
+        "p90": pytest.approx(4.6),
         "p95": 4.8,
         "p99": pytest.approx(4.96),
         "mean": 3.0,

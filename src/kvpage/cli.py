@@ -19,7 +19,7 @@ from typing import Any
 SUBCOMMANDS: list[str] = [
     "kvpage.apps.engine_cli:add_generate_parser",
     "kvpage.apps.engine_cli:add_replay_parser",
-    "kvpage.server.cli:add_serve_parser",
+    "kvpage.cluster.cli:add_serve_parser",
     "kvpage.apps.sim_cli:add_plan_parser",
     "kvpage.apps.sim_cli:add_profile_parser",
     "kvpage.apps.simulate_cli:add_simulate_parser",

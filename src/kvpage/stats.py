@@ -1,6 +1,7 @@
 """The one summary of a latency or length distribution used in kvpage's reports.
 
-:func:`summarize` gives ``p50``, ``p95``, ``p99``, ``mean``, ``min`` and ``max``:
+:func:`summarize` gives ``p50``, ``p90``, ``p95``, ``p99``, ``mean``, ``min`` and ``max``
+(p90 is the TTFT percentile the llm-d and routing comparisons quote):
 
 * percentiles by linear interpolation between order statistics (numpy's default
   ``method="linear"``, Hyndman & Fan 1996 type 7), so p50 of ``[1, 2]`` is 1.5;
@@ -22,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 #: the keys of :func:`summarize`, in order
-SUMMARY_KEYS = ("p50", "p95", "p99", "mean", "min", "max")
+SUMMARY_KEYS = ("p50", "p90", "p95", "p99", "mean", "min", "max")
 
 
 def summarize(
@@ -37,14 +38,15 @@ def summarize(
         scale: multiplies every value first (unit conversion).
 
     Returns:
-        ``{"p50", "p95", "p99", "mean", "min", "max"}`` as floats; all NaN when empty.
+        ``{"p50", "p90", "p95", "p99", "mean", "min", "max"}`` as floats; all NaN when empty.
     """
     a = np.asarray(values, dtype=np.float64) * scale
     if a.size == 0:
         return dict.fromkeys(SUMMARY_KEYS, float("nan"))
-    p50, p95, p99 = np.percentile(a, [50, 95, 99])
+    p50, p90, p95, p99 = np.percentile(a, [50, 90, 95, 99])
     return {
         "p50": float(p50),
+        "p90": float(p90),
         "p95": float(p95),
         "p99": float(p99),
         "mean": float(a.mean()),

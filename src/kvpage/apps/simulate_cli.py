@@ -3,7 +3,12 @@
 ``--limit N`` keeps the first N rows of the trace (default 1000; 0 = all, as
 ``kvpage replay --num-requests 0``). Requests the scheduler refuses (empty prompt, prompt
 longer than ``--max-model-len``) are not simulated: the ``rejected`` column counts them
-and their reasons are printed to stderr.
+and their reasons are printed to stderr. ``--max-output-tokens N`` caps every request's
+output length (the simulation cost grows with output tokens; prompts, arrivals and prefix
+sharing are unchanged).
+
+``--instances N --router POLICY`` (``kvpage.apps.cluster_cli``) routes the trace over N
+simulated instances instead, with the router policies of ``kvpage.routing``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvpage.apps.cli_util import miss_markdown, parse_int_list, prepare_output, trace_limit
+from kvpage.apps.cluster_cli import cap_outputs, cluster_markdown, run_cluster
 from kvpage.errors import KVPageError
 from kvpage.jsonout import dumps
 
@@ -85,6 +91,24 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--flops-efficiency", type=float, default=0.6, help="achieved/peak FLOP/s")
     p.add_argument("--bandwidth-efficiency", type=float, default=0.8, help="achieved/peak B/s")
     p.add_argument("--step-overhead", type=float, default=0.002, help="seconds per step")
+    p.add_argument(
+        "--max-output-tokens", type=int, default=None, help="cap each output length (>= 1)"
+    )
+    p.add_argument(
+        "--instances",
+        type=int,
+        default=None,
+        help="route over N simulated instances (paged-prefix each) instead of one",
+    )
+    p.add_argument(
+        "--router",
+        default="all",
+        help="with --instances: comma list of round_robin, power_of_two, prefix_approx, "
+        "kv_precise, oracle, or all",
+    )
+    p.add_argument(
+        "--event-delay", type=float, default=0.0, help="with --instances: KV-event delay, s"
+    )
     p.add_argument("--json", default=None, help="write results as JSON here ('-' = stdout)")
     p.set_defaults(func=run_simulate)
     return p
@@ -109,7 +133,15 @@ def run_simulate(args: argparse.Namespace) -> int:
                 f"--num-blocks: expected an int >= 2 (the null block + 1 usable), "
                 f"got {args.num_blocks}"
             )
-        trace = load_trace(args.trace, limit=trace_limit(args.limit))
+        if args.max_output_tokens is not None and args.max_output_tokens < 1:
+            raise KVPageError(
+                f"--max-output-tokens: expected an int >= 1, got {args.max_output_tokens}"
+            )
+        if args.instances is None and (args.router != "all" or args.event_delay):
+            raise KVPageError("--router/--event-delay: expected only with --instances, got none")
+        trace = cap_outputs(
+            load_trace(args.trace, limit=trace_limit(args.limit)), args.max_output_tokens
+        )
         base = SimConfig(
             model=args.model,
             gpu=args.gpu,
@@ -124,6 +156,9 @@ def run_simulate(args: argparse.Namespace) -> int:
             step_overhead_s=args.step_overhead,
         )
         rows = []
+        if args.instances is not None:
+            rows = run_cluster(args, trace, base, sizes)
+            sizes = []
         for bs in sizes:
             nb = None if args.num_blocks is None else (args.num_blocks - 1) * 16 // bs + 1
             if nb is not None and nb < 2:
@@ -150,11 +185,14 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(dumps(rows))
         return 0
     print(f"trace {trace.name}: {len(trace)} requests, model {args.model}, GPU {args.gpu}")
-    print(markdown_table(rows))
-    misses = [([r["policy"], str(r["block_size"])], r["miss_reasons"]) for r in rows]
-    if any(agg for _, agg in misses):
-        print("\ncache misses by reason (prompt tokens computed instead of served from cache):")
-        print(miss_markdown(misses, ["policy", "block"]))
+    if args.instances is not None:
+        print(cluster_markdown(rows))
+    else:
+        print(markdown_table(rows))
+        misses = [([r["policy"], str(r["block_size"])], r["miss_reasons"]) for r in rows]
+        if any(agg for _, agg in misses):
+            print("\ncache misses by reason (prompt tokens computed instead of served from cache):")
+            print(miss_markdown(misses, ["policy", "block"]))
     if json_path is not None:
         json_path.write_text(dumps(rows) + "\n")
     return 0

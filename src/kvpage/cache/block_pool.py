@@ -181,9 +181,10 @@ class BlockPool:
         """Whether some block holds ``block_hash``'s content (no state change)."""
         return block_hash in self.cached
 
-    def cached_hashes(self) -> list[bytes]:
-        """Every hash with a cached block (a copy)."""
-        return list(self.cached)
+    def cached_hashes(self) -> frozenset[bytes]:
+        """Every block hash the pool holds now (a copy of the hash map's keys): the
+        state a KV-event publisher announces when it attaches."""
+        return frozenset(self.cached)
 
     def cached_block_id(self, block_hash: bytes) -> int | None:
         """The id of the block holding ``block_hash``'s content, or None."""

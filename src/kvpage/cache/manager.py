@@ -159,6 +159,14 @@ class KVCacheManager:
         return list(self._pools)
 
     @property
+    def prefix_pools(self) -> list[BlockPool]:
+        """The pools whose hash maps decide a prefix hit: those of the full-attention
+        groups (all pools when every group is sliding-window). A KV-event publisher
+        (``kvpage.routing``) listens to these; mutate them only through this manager."""
+        full = [gm.pool for gm in self._groups if gm.window is None]
+        return full or list(self._pools)
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks held by requests, max over groups, in [0, 1]; cached
         blocks nobody holds count as free."""

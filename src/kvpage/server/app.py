@@ -140,6 +140,8 @@ def create_app(
     config: ServerConfig,
     engine: Any | None = None,
     sampling_params_cls: Callable[..., Any] | None = None,
+    *,
+    state: ServingState | None = None,
 ) -> FastAPI:
     """Create the server app.
 
@@ -149,17 +151,23 @@ def create_app(
         engine: an engine honouring the Engine contract; built with :func:`build_engine`
             when None.
         sampling_params_cls: the engine's ``SamplingParams``; required with ``engine``.
+        state: a ready serving state to serve (then ``engine`` and
+            ``sampling_params_cls`` are ignored): the scaled-out ingress passes its
+            :class:`kvpage.cluster.ingress.ClusterState`, whose engine loop sends the
+            requests to replicas.
 
     The serving state is available as ``app.state.serving`` (a :class:`ServingState`).
     With ``security.metrics_port`` set, ``/metrics`` is not served here but by
     ``app.state.metrics_app`` (run it on its own listener). The app is wrapped in the
     HTTP guard (:mod:`kvpage.server.http_limits`): API keys, body and content-type limits.
     """
-    if engine is None:
-        engine, sampling_params_cls = build_engine(config)
-    if sampling_params_cls is None:
-        raise TypeError("sampling_params_cls: expected a SamplingParams class, got None")
-    state = ServingState(config, engine, sampling_params_cls)
+    if state is None:
+        if engine is None:
+            engine, sampling_params_cls = build_engine(config)
+        if sampling_params_cls is None:
+            raise TypeError("sampling_params_cls: expected a SamplingParams class, got None")
+        state = ServingState(config, engine, sampling_params_cls)
+    engine = state.engine
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

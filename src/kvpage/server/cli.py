@@ -144,14 +144,22 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
+def config_from_args(args: argparse.Namespace, base: ServerConfig | None = None) -> ServerConfig:
     """The effective :class:`ServerConfig`: file (if any) overridden by explicit flags.
+
+    Args:
+        args: the parsed ``kvpage serve`` arguments.
+        base: the configuration the flags override when no ``--config`` is given
+            (default ``ServerConfig()``; a deployment file passes its ``server``).
 
     Raises:
         SpecError: unreadable/invalid file, invalid flag value, or only one of
             ``--tenant-rate``/``--tenant-burst``.
     """
-    cfg = load_config(args.config) if getattr(args, "config", None) else ServerConfig()
+    if getattr(args, "config", None):
+        cfg = load_config(args.config)
+    else:
+        cfg = base if base is not None else ServerConfig()
     data = cfg.model_dump()
     pos = getattr(args, "model_positional", None)
     if pos is not None:

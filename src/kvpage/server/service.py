@@ -101,6 +101,10 @@ class ServingState:
             arrival times are taken with it).
     """
 
+    #: export the engine loop's metric snapshot as the ``kvpage:*`` engine metrics of
+    #: /metrics (a scaled-out ingress exports each replica's instead, with labels)
+    export_engine_snapshot = True
+
     def __init__(
         self,
         config: ServerConfig,
@@ -133,7 +137,7 @@ class ServingState:
         )
         total = getattr(spec, "total_bytes", 0)
         self.metrics = ServerMetrics(
-            lambda: self.loop.metrics_snapshot,
+            lambda: self.loop.metrics_snapshot if self.export_engine_snapshot else {},
             float(total() if callable(total) else total),
             model_name=config.model_name,
         )

@@ -39,77 +39,18 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-from kvpage.cache.explain import CacheMissExplanation, aggregate_misses
-from kvpage.cache.protocol import KVAllocator
+from kvpage.cache.explain import aggregate_misses
 from kvpage.capacity import plan_capacity, resolve_model
-from kvpage.errors import RequestRejected, SpecError
-from kvpage.sim.contiguous import ContiguousAllocator
+from kvpage.errors import SpecError
+from kvpage.sim.config import POLICIES, SimConfig
 from kvpage.sim.costmodel import StepCostModel, get_gpu
-from kvpage.sim.tiers import TransferMeter, attach_sim_tiers
+from kvpage.sim.instance import SimInstance
 from kvpage.specs import CacheSpec
 from kvpage.stats import summarize
 from kvpage.workload.traces import TokenMapper, Trace, TraceRequest
-
-if TYPE_CHECKING:
-    from kvpage.engine.request import Request
-
-POLICIES = ("contiguous-max", "contiguous-pow2", "contiguous-oracle", "paged", "paged-prefix")
-
-
-@dataclass
-class SimConfig:
-    """What to simulate.
-
-    Attributes:
-        model: preset name or config.json (see ``kvpage.capacity.resolve_model``).
-        gpu: GPU preset name (``kvpage.sim.costmodel.GPU_PRESETS``).
-        policy: one of :data:`POLICIES`.
-        block_size: tokens per block (paged policies).
-        kv_dtype: KV storage dtype.
-        utilization: fraction of GPU memory for weights + KV.
-        num_blocks: override the pool size (blocks incl. the null block); None = plan it
-            from the GPU memory with ``kvpage.capacity.plan_capacity``.
-        max_model_len: longest sequence; None = the model's.
-        max_num_seqs, max_num_batched_tokens: scheduler limits.
-        time_scale: arrival times are multiplied by this (< 1 = more load).
-        flops_efficiency, bandwidth_efficiency, step_overhead_s: cost-model knobs.
-        seed, vocab_size: the token mapping (``TokenMapper``).
-        max_steps: stop after this many steps (None = run to completion).
-        kv_host_tier_bytes, kv_disk_tier_bytes: KV tiers below the pool (paged
-            policies; the engine's tier code, ``kvpage.sim.tiers``), 0 = none.
-        transfer_preset: link speeds of tier and swap transfers
-            (``kvpage.sim.tiers.TRANSFER_PRESETS``), charged to the step time.
-        preemption_mode: ``recompute`` or ``swap`` (``kvpage.engine.swap``).
-        swap_space_bytes: host bytes for swapped-out sequences (default 4 GiB, vLLM's
-            ``swap_space`` default).
-    """
-
-    model: str = "llama-3-8b"
-    gpu: str = "H100-80GB"
-    policy: str = "paged-prefix"
-    block_size: int = 16
-    kv_dtype: str = "auto"
-    utilization: float = 0.9
-    num_blocks: int | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    time_scale: float = 1.0
-    flops_efficiency: float = 0.6
-    bandwidth_efficiency: float = 0.8
-    step_overhead_s: float = 0.002
-    seed: int = 0
-    vocab_size: int = 32000
-    max_steps: int | None = None
-    kv_host_tier_bytes: int = 0
-    kv_disk_tier_bytes: int = 0
-    transfer_preset: str = "pcie5-nvme"
-    preemption_mode: str = "recompute"
-    swap_space_bytes: int = 4 << 30
 
 
 @dataclass
@@ -214,197 +155,87 @@ def _check_config(cfg: SimConfig) -> None:
         raise SpecError(f"time_scale: expected a finite number > 0, got {ts!r}")
 
 
-def _make_allocator(
-    cfg: SimConfig, spec: CacheSpec, mml: int, slots: int, final: dict[str, int]
-) -> KVAllocator:
-    if cfg.policy.startswith("contiguous"):
-        return ContiguousAllocator(slots, cfg.policy.split("-")[1], mml, final.__getitem__)
-    from kvpage.cache import KVCacheManager
-
-    return KVCacheManager(
-        spec, enable_prefix_caching=cfg.policy == "paged-prefix", hash_seed=cfg.seed
-    )
-
-
-def _reserved_live(kv: KVAllocator, running: list[Request], bs: int) -> tuple[int, int]:
-    if isinstance(kv, ContiguousAllocator):
-        return kv.reserved_slots, kv.live_tokens()
-    reserved = kv.num_used_blocks * bs
-    slack = 0
-    for r in running:
-        if r.has_blocks:
-            n = kv.num_allocated_tokens(r.request_id)
-            slack += -(-n // bs) * bs - r.num_computed_tokens
-    return reserved, reserved - slack
-
-
 def simulate(trace: Trace | list[TraceRequest], cfg: SimConfig) -> SimResult:
     """Replay ``trace`` under ``cfg`` (see the module docstring).
 
     Raises:
         SpecError: bad config (see :func:`build_setup`).
     """
-    from kvpage.engine.params import SamplingParams
-    from kvpage.engine.request import Request
-    from kvpage.engine.scheduler import Scheduler
-
     reqs = list(trace.requests if isinstance(trace, Trace) else trace)
     spec, cost, mml, slots = build_setup(cfg)
     final = {r.request_id: r.prompt_tokens + max(r.output_tokens, 1) for r in reqs}
-    kv = _make_allocator(cfg, spec, mml, slots, final)
-    sched = Scheduler(
-        kv,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_model_len=mml,
-    )
-    meter = attach_sim_tiers(cfg, spec, kv, sched, cost)
     hb = trace.hash_block_tokens if isinstance(trace, Trace) else 512
     mapper = TokenMapper(seed=cfg.seed, vocab_size=cfg.vocab_size, hash_block_tokens=hb)
-    bs = 1 if isinstance(kv, ContiguousAllocator) else cfg.block_size
+    inst = SimInstance(cfg, spec, cost, mml, slots, mapper, final)
     arrivals = [(r.arrival_s * cfg.time_scale, i) for i, r in enumerate(reqs)]
     heapq.heapify(arrivals)
-    by_id = {r.request_id: r for r in reqs}
-    arrival_t: dict[str, float] = {}
-    outputs: dict[str, list[int]] = {}
-    first_tok: dict[str, float] = {}
-    ttft: list[float] = []
-    tpot: list[float] = []
-    rejected: Counter[str] = Counter()
-    t = 0.0
-    steps = 0
-    busy = util_w = 0.0
-    peak_usage = peak_batch = 0
-    batch_sum = 0
-    out_tokens = prompt_tokens = 0
-    first_hit = first_query = 0
-    misses: list[CacheMissExplanation | None] = []
-    finished = 0
     t_first = arrivals[0][0] if arrivals else 0.0
-    while arrivals or sched.has_unfinished():
-        if cfg.max_steps is not None and steps >= cfg.max_steps:
+    while arrivals or inst.has_unfinished():
+        if cfg.max_steps is not None and inst.steps >= cfg.max_steps:
             break
-        if not sched.has_unfinished() and arrivals and arrivals[0][0] > t:
-            t = arrivals[0][0]
-        while arrivals and arrivals[0][0] <= t:
+        if not inst.has_unfinished() and arrivals and arrivals[0][0] > inst.t:
+            inst.t = arrivals[0][0]
+        while arrivals and arrivals[0][0] <= inst.t:
             at, i = heapq.heappop(arrivals)
-            tr = reqs[i]
-            n_out = max(tr.output_tokens, 1)
-            prompt = mapper.prompt(tr)
-            req = Request(
-                request_id=tr.request_id,
-                parent_id=tr.request_id,
-                sample_index=0,
-                token_ids=prompt,
-                num_prompt_tokens=len(prompt),
-                params=SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True),
-                max_tokens=min(n_out, max(mml - len(prompt), 0)),
-            )
-            try:
-                sched.add_request(req)
-            except RequestRejected as e:
-                rejected[e.reason] += 1
-                continue
-            arrival_t[tr.request_id] = at
-        out = sched.schedule()
-        if out.is_empty:
+            inst.submit(reqs[i], at)
+        if not inst.step():
             if arrivals:
-                t = max(t, arrivals[0][0])
+                inst.t = max(inst.t, arrivals[0][0])
                 continue
-            if sched.waiting and not sched.running:  # cannot ever be admitted
-                r = sched.waiting[0]
-                sched.finish(r, "abort")
-                rejected["unschedulable"] += 1
+            if inst.abort_unschedulable():  # cannot ever be admitted
                 continue
             break
-        q = [s.num_tokens for s in out.scheduled]
-        c = [s.start for s in out.scheduled]
-        dt = cost.step_time(q, c)
-        if meter is not None:  # tier promotions/demotions and swaps of this step
-            dt += meter.step_seconds()
-        t += dt
-        steps += 1
-        sampled: dict[str, list[int]] = {}
-        for s in out.scheduled:
-            if s.samples:
-                rid = s.request_id
-                toks = outputs.get(rid)
-                if toks is None:
-                    tr = by_id[rid]
-                    # 0 output tokens in the trace: the request still generates 1
-                    toks = outputs[rid] = mapper.output(
-                        tr if tr.output_tokens else replace(tr, output_tokens=1)
-                    )
-                sampled[rid] = [toks[min(s.request.num_output_tokens, len(toks) - 1)]]
-        _, done = sched.update(out, sampled)
-        for s in out.scheduled:
-            rid = s.request_id
-            if s.samples and rid not in first_tok:
-                first_tok[rid] = t
-                ttft.append(t - arrival_t[rid])
-        for r in done:
-            rid = r.request_id
-            n = r.num_output_tokens
-            out_tokens += n
-            prompt_tokens += r.num_prompt_tokens
-            first_hit += max(0, r.num_cached_tokens)
-            misses.append(r.cache_miss)
-            first_query += r.num_prompt_tokens
-            finished += 1
-            if n > 1:
-                tpot.append((t - first_tok[rid]) / (n - 1))
-            outputs.pop(rid, None)
-            sched.release(r.parent_id)
-        reserved, live = _reserved_live(kv, sched.running, bs)
-        if reserved:
-            util_w += dt * live / reserved
-            busy += dt
-        peak_usage = max(peak_usage, reserved)
-        peak_batch = max(peak_batch, len(q))
-        batch_sum += len(q)
-    makespan = max(t - t_first, 1e-12)
-    st = kv.stats
+    return instance_result(inst, len(reqs), t_first, slots)
+
+
+def instance_result(inst: SimInstance, num_requests: int, t_first: float, slots: int) -> SimResult:
+    """The :class:`SimResult` of one instance whose first arrival was ``t_first``."""
+    cfg = inst.cfg
+    makespan = max(inst.t - t_first, 1e-12)
+    st = inst.kv.stats
     hit_all = st.prefix_hits_tokens / st.prefix_queries_tokens if st.prefix_queries_tokens else 0.0
+    steps = inst.steps
     return SimResult(
         policy=cfg.policy,
         block_size=cfg.block_size,
         num_slots=slots,
-        requests=len(reqs),
-        finished=finished,
-        rejected=dict(rejected),
+        requests=num_requests,
+        finished=inst.finished,
+        rejected=dict(inst.rejected),
         steps=steps,
         makespan_s=makespan,
-        throughput_tok_s=out_tokens / makespan,
-        total_throughput_tok_s=(out_tokens + prompt_tokens) / makespan,
-        effective_kv_util_pct=100.0 * util_w / busy if busy else 0.0,
-        peak_kv_usage_pct=100.0 * peak_usage / slots,
-        peak_batch=peak_batch,
-        mean_batch=batch_sum / steps if steps else 0.0,
-        ttft_s=summarize(ttft),
-        tpot_s=summarize(tpot),
-        preemptions=sched.num_preemptions,
+        throughput_tok_s=inst.out_tokens / makespan,
+        total_throughput_tok_s=(inst.out_tokens + inst.prompt_tokens) / makespan,
+        effective_kv_util_pct=100.0 * inst.util_w / inst.busy if inst.busy else 0.0,
+        peak_kv_usage_pct=100.0 * inst.peak_usage / slots,
+        peak_batch=inst.peak_batch,
+        mean_batch=inst.batch_sum / steps if steps else 0.0,
+        ttft_s=summarize(inst.ttft),
+        tpot_s=summarize(inst.tpot),
+        preemptions=inst.sched.num_preemptions,
         allocation_failures=st.allocation_failures,
-        prefix_hit_pct=100.0 * first_hit / first_query if first_query else 0.0,
+        prefix_hit_pct=100.0 * inst.first_hit / inst.first_query if inst.first_query else 0.0,
         evictions=st.evictions,
         extra={
             "prefix_hit_pct_incl_readmissions": 100.0 * hit_all,
-            **_tier_extra(kv, sched, meter),
+            **_tier_extra(inst),
         },
-        miss_reasons=aggregate_misses(misses),
+        miss_reasons=aggregate_misses(inst.misses),
     )
 
 
-def _tier_extra(kv: KVAllocator, sched: Any, meter: TransferMeter | None) -> dict[str, Any]:
+def _tier_extra(inst: SimInstance) -> dict[str, Any]:
     """Tier and swap counters for ``SimResult.extra`` (empty without them)."""
+    meter = inst.meter
     if meter is None:
         return {}
     out: dict[str, Any] = {"transfer_s": meter.total_s}
-    tiers = getattr(kv, "tiers", None)
+    tiers = getattr(inst.kv, "tiers", None)
     if tiers is not None:
         out["tiers"] = {k: asdict(v) for k, v in tiers.stats().items()}
-    if sched.swapper is not None:
-        out["swap"] = asdict(sched.swapper.stats)
+    if inst.sched.swapper is not None:
+        out["swap"] = asdict(inst.sched.swapper.stats)
     return out
 
 
-__all__ = ["POLICIES", "SimConfig", "SimResult", "build_setup", "simulate"]
+__all__ = ["POLICIES", "SimConfig", "SimResult", "build_setup", "instance_result", "simulate"]

@@ -1,0 +1,268 @@
+"""The ingress deployment: the single server's HTTP app over replica groups.
+
+:class:`Ingress` is wrapped by :func:`kvpage.cluster.launch.build_app` as a Ray Serve
+ingress deployment (``serve.ingress()`` with ``__serve_build_asgi_app__``). It builds
+the app with :func:`kvpage.server.app.create_app` -- the same routes, validation,
+authentication, admission, error bodies and streaming as ``kvpage serve`` -- around a
+:class:`ClusterState`, whose engine loop (:class:`~kvpage.cluster.remote.
+RemoteEngineLoop`) sends each admitted request to a replica. A request refused at the
+ingress never reaches a replica.
+
+It also runs the KV event pump (:class:`KVEventPump`: pulls every replica's event
+batches, load and metrics, resyncs views from snapshots) and adds two admin routes for
+the canary share: ``GET /admin/canary`` and ``POST /admin/canary`` with
+``{"traffic_fraction": f}`` (0 rolls back). With API keys these need an operator key
+(as ``/metrics``). The share can also be set through Ray Serve's ``user_config``
+(``{"canary_fraction": f}``, applied by :meth:`Ingress.reconfigure` without restarting
+anything). Either way requests in flight finish where they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import types
+from typing import Any
+
+from kvpage.cluster.config import ClusterConfig
+from kvpage.cluster.core import CORES, RouterCore
+from kvpage.cluster.metrics import ClusterMetrics
+from kvpage.cluster.remote import GroupSelector, RemoteEngineLoop, ReplicaGroup
+from kvpage.server.config import ServerConfig
+from kvpage.server.service import ServingState
+
+__all__ = ["ClusterState", "Ingress", "KVEventPump", "core_key"]
+
+logger = logging.getLogger("kvpage.cluster")
+
+
+def core_key(app_name: str, group: str) -> str:
+    """Key of a group's :class:`RouterCore` in :data:`kvpage.cluster.core.CORES`."""
+    return f"{app_name}/{group}"
+
+
+class _EngineFacade:
+    """What :class:`ServingState` reads of an engine, from a replica's ``info()``."""
+
+    def __init__(self, info: dict[str, Any], num_blocks: int, max_model_len: int) -> None:
+        self.tokenizer = info["tokenizer"]
+        self.backend_name = info["backend_name"]
+        self.cache_spec = types.SimpleNamespace(
+            block_size=info["block_size"],
+            num_blocks=num_blocks,
+            kv_dtype=info["kv_dtype"],
+            total_bytes=info["total_bytes"],
+        )
+        self.scheduler = types.SimpleNamespace(max_model_len=max_model_len)
+
+    def get_metrics(self) -> dict[str, float]:
+        return {}
+
+
+class ClusterState(ServingState):
+    """The ingress's serving state: a :class:`ServingState` whose engine loop is a
+    :class:`RemoteEngineLoop`.
+
+    The admission KV budget counts the blocks of every replica of every group (a
+    cluster-wide upper bound); ``max_model_len`` is the largest of the groups (a prompt
+    too long for the group it is sent to is refused by that replica's engine, 400).
+    """
+
+    export_engine_snapshot = False  # each replica's metrics are exported, labelled
+
+    def __init__(self, config: ServerConfig, facade: Any, loop: RemoteEngineLoop) -> None:
+        from kvpage.engine import SamplingParams
+
+        super().__init__(config, facade, SamplingParams)
+        self.loop = loop  # type: ignore[assignment]
+
+
+class KVEventPump:
+    """Pulls every replica's KV events (every ``poll_s``, and at once after a request's
+    first output on it) and resyncs views that need it.
+
+    Args:
+        groups: the replica groups.
+        metrics: keeps each replica's engine metrics.
+        loop: the ingress engine loop (its ``metrics_snapshot`` gets the summed counters).
+        poll_s: pull period in seconds.
+        timeout_s: bound of each pull.
+    """
+
+    def __init__(
+        self,
+        groups: dict[str, ReplicaGroup],
+        metrics: ClusterMetrics,
+        loop: RemoteEngineLoop,
+        poll_s: float,
+        timeout_s: float,
+    ) -> None:
+        self.groups = groups
+        self.metrics = metrics
+        self.loop = loop
+        self.poll_s = poll_s
+        self.timeout_s = timeout_s
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start pulling (on the running event loop)."""
+        self._wake = asyncio.Event()
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        """Stop pulling."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def wake(self, group: str = "", replica_id: str = "") -> None:
+        """Pull now (a request's first output: its prompt blocks were just stored)."""
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.poll_s)
+            self._wake.clear()
+            await self.pull_all()
+
+    async def pull_all(self) -> None:
+        """One round: pull every known replica of every group (concurrently)."""
+        jobs = [self._pull(g, rid) for g in self.groups.values() for rid in sorted(g.core.replicas)]
+        if jobs:
+            await asyncio.gather(*jobs)
+        self.loop.metrics_snapshot = self.metrics.summed_counters()
+
+    async def _call(self, g: ReplicaGroup, method: str, rid: str) -> Any:
+        resp = getattr(g.handle, method).remote(route={"target": rid})
+        try:
+            return await asyncio.wait_for(resp, self.timeout_s)
+        except BaseException:
+            resp.cancel()
+            raise
+
+    async def _pull(self, g: ReplicaGroup, rid: str) -> None:
+        try:
+            report = await self._call(g, "kv_events", rid)
+            src = str(report["replica_id"])  # the replica that answered (see router)
+            if src not in g.core.replicas:
+                return  # gone, or not announced yet: a later gap brings a resync
+            self.metrics.set_report(g.name, src, report.get("metrics") or {})
+            if not g.core.apply_report(report):
+                g.core.resync(await self._call(g, "kv_snapshot", src))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a dead replica: Serve's router drops it
+            logger.info("kvpage ingress: KV event pull from %s failed (%r)", rid, exc)
+
+
+class Ingress:
+    """The ingress deployment's user class (see module doc).
+
+    Args:
+        config: the deployment's configuration.
+        groups: group name -> the group's deployment handle (Ray Serve resolves the
+            bound deployments passed by :func:`kvpage.cluster.launch.build_app`).
+    """
+
+    def __init__(self, config: ClusterConfig, **groups: Any) -> None:
+        self.config = config
+        self.handles = groups
+        self.selector = GroupSelector(
+            frozenset(groups),
+            config.long_context_threshold,
+            config.canary_fraction,
+            seed=config.router.seed,
+        )
+        self.state: ClusterState | None = None
+        self.pump: KVEventPump | None = None
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Ray Serve ``user_config``: ``{"canary_fraction": f}`` sets the canary share."""
+        if user_config and "canary_fraction" in user_config:
+            self.set_canary(float(user_config["canary_fraction"]))
+
+    def set_canary(self, fraction: float) -> None:
+        """Send ``fraction`` of the (non-long-context) requests to the canary group.
+
+        Raises:
+            ValueError: ``fraction`` outside [0, 1], or > 0 without a canary group.
+        """
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"traffic_fraction: expected a number in [0, 1], got {fraction}")
+        if fraction > 0.0 and "canary" not in self.handles:
+            raise ValueError(f"traffic_fraction: expected 0 without a canary group, got {fraction}")
+        self.selector.canary_fraction = fraction
+        if self.state is not None:
+            metrics = getattr(self.state, "cluster_metrics", None)
+            if metrics is not None:
+                metrics.canary.set(fraction)
+        logger.info("kvpage ingress: canary traffic fraction now %g", fraction)
+
+    async def __serve_build_asgi_app__(self) -> Any:
+        from kvpage.cluster.admin import register_admin_routes
+        from kvpage.server.app import create_app
+
+        cfg = self.config
+        groups: dict[str, ReplicaGroup] = {}
+        engines: dict[str, Any] = {k: v.engine for k, v in cfg.groups.items()}
+        for name, h in self.handles.items():
+            # registered before the first call through the handle, so the group's Serve
+            # router (created by that call, in this process) finds its core at once
+            core = RouterCore(
+                group=name,
+                policy=cfg.router.policy,
+                block_size=engines[name].block_size,
+                seed=cfg.router.seed,
+            )
+            CORES[core_key(cfg.app_name, name)] = core
+            groups[name] = ReplicaGroup(name, h, core, core.block_size)
+        infos = {}
+        for name, h in self.handles.items():
+            infos[name] = await h.info.remote(route=None)
+            core = groups[name].core
+            core.block_size = groups[name].block_size = int(infos[name]["block_size"])
+            core.hash_seed = int(infos[name]["hash_seed"])
+        replicas: dict[str, int] = {k: v.replicas for k, v in cfg.groups.items()}
+        total_blocks = sum(int(infos[n]["num_blocks"]) * replicas[n] for n in self.handles)
+        max_len = max(int(i["max_model_len"]) for i in infos.values())
+        facade = _EngineFacade(infos["default"], total_blocks, max_len)
+        pump_ref: list[KVEventPump] = []
+        loop = RemoteEngineLoop(
+            groups,
+            self.selector,
+            observer=None,
+            on_first_output=lambda g, r: pump_ref[0].wake(g, r) if pump_ref else None,
+        )
+        server_cfg = cfg.server.model_copy(deep=True)
+        server_cfg.engine = cfg.groups["default"].engine
+        state = ClusterState(server_cfg, facade, loop)
+        metrics = ClusterMetrics(
+            state.metrics.registry,
+            cfg.router.policy,
+            server_cfg.model_name,
+            lambda: {
+                (g.name, rid): g.core.index.num_blocks(rid)
+                for g in groups.values()
+                for rid in list(g.core.index.replicas)
+            },
+        )
+        loop.observer = metrics
+        for g in groups.values():
+            g.core.observer = metrics
+        state.cluster_metrics = metrics  # type: ignore[attr-defined]
+        metrics.canary.set(self.selector.canary_fraction)
+        pump = KVEventPump(
+            groups, metrics, loop, cfg.router.kv_event_poll_s, cfg.router.replica_call_timeout_s
+        )
+        pump_ref.append(pump)
+        self.state, self.pump = state, pump
+        app = create_app(server_cfg, state=state)
+        register_admin_routes(app, state, self)
+        pump.start()
+        return app

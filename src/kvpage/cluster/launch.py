@@ -1,0 +1,136 @@
+"""Starting Ray, deploying the scaled-out server, stopping it.
+
+:func:`build_app` turns a :class:`~kvpage.cluster.config.ClusterConfig` into a Ray
+Serve application: one deployment per replica group (``engine-<group>``, the
+:class:`~kvpage.cluster.replica.EngineReplica` class, ``num_replicas`` and a fractional
+``num_cpus`` from the file, the :class:`~kvpage.cluster.router.KVAwareRouter` as its
+request router) and the ``ingress`` deployment (one replica) that holds their handles.
+:func:`start` initialises Ray (in-process, or joining ``ray_address``), starts Serve's
+HTTP proxy on the configured host/port and deploys; :func:`stop` tears both down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from kvpage.cluster.config import ClusterConfig
+from kvpage.cluster.ingress import Ingress, core_key
+from kvpage.cluster.replica import EngineReplica
+
+__all__ = ["build_app", "run_forever", "start", "stop"]
+
+logger = logging.getLogger("kvpage.cluster")
+
+ROUTER_CLASS = "kvpage.cluster.router.KVAwareRouter"
+
+
+def build_app(cfg: ClusterConfig) -> Any:
+    """The Ray Serve application (a bound ingress deployment) of ``cfg``."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    deployment: Any = serve.deployment  # (Ray's annotations of these are too narrow)
+    router_config: Any = RequestRouterConfig
+    bound: dict[str, Any] = {}
+    for name, g in cfg.groups.items():
+        if g.replicas < 1:
+            continue  # a canary group scaled to zero (traffic_fraction 0)
+        dep = deployment(
+            EngineReplica,
+            name=f"engine-{name}",
+            num_replicas=g.replicas,
+            ray_actor_options={"num_cpus": g.num_cpus},
+            max_ongoing_requests=g.max_ongoing_requests,
+            graceful_shutdown_timeout_s=5.0,
+            request_router_config=router_config(
+                request_router_class=ROUTER_CLASS,
+                request_router_kwargs={"core": core_key(cfg.app_name, name)},
+            ),
+        )
+        bound[name] = dep.bind(name, g.engine.engine_kwargs())
+    ingress = deployment(
+        serve.ingress()(Ingress),
+        name="ingress",
+        num_replicas=1,
+        ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
+        max_ongoing_requests=4096,  # admission is the ingress's own (ServingState)
+        graceful_shutdown_timeout_s=10.0,
+        user_config={"canary_fraction": cfg.canary_fraction},
+    )
+    return ingress.bind(cfg, **bound)
+
+
+def start(cfg: ClusterConfig, *, ray_init_kwargs: dict[str, Any] | None = None) -> str:
+    """Start (or join) Ray, start Serve's HTTP proxy and deploy ``cfg``; blocks until
+    every replica is up. Returns the base URL.
+
+    Raises:
+        SpecError: an unauthenticated server asked to bind a non-loopback address
+            (the single server's rule, :func:`kvpage.server.security.check_bind`).
+    """
+    import ray
+    from ray import serve
+
+    from kvpage.server.security import check_bind
+
+    check_bind(cfg.server, cfg.server.security.auth_enabled)
+    if not ray.is_initialized():
+        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+        if cfg.ray_address is None:
+            kwargs["num_cpus"] = os.cpu_count()
+        else:
+            kwargs["address"] = cfg.ray_address
+        kwargs.update(ray_init_kwargs or {})
+        ray.init(**kwargs)
+    serve.start(
+        proxy_location="HeadOnly",
+        http_options={
+            "host": cfg.server.host,
+            "port": cfg.server.port,
+            "keep_alive_timeout_s": cfg.server.security.keep_alive_timeout_s,
+        },
+    )
+    serve.run(build_app(cfg), name=cfg.app_name, route_prefix="/")
+    return f"http://{cfg.server.host}:{cfg.server.port}"
+
+
+def stop(cfg: ClusterConfig | None = None) -> None:
+    """Remove the deployment and disconnect: with an in-process Ray (``ray_address``
+    None) Serve and Ray are shut down; on a joined cluster only this application is
+    deleted (other applications and the cluster keep running)."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        return
+    try:
+        if cfg is not None and cfg.ray_address is not None:
+            serve.delete(cfg.app_name)
+        else:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def run_forever(cfg: ClusterConfig) -> None:
+    """``kvpage serve --replicas/--ray-address/--deployment``: start, serve until
+    SIGINT/SIGTERM, stop."""
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    url = start(cfg)
+    logger.info(
+        "kvpage serve: %d engine replica(s) in group(s) %s behind %s (router %s)",
+        cfg.num_replicas(),
+        ", ".join(sorted(cfg.groups)),
+        url,
+        cfg.router.policy,
+    )
+    try:
+        done.wait()
+    finally:
+        stop(cfg)

@@ -1,0 +1,313 @@
+"""The ingress side of a request: an engine loop whose engine is a replica group.
+
+:class:`RemoteEngineLoop` has the handler API of :class:`kvpage.server.engine_loop.
+AsyncEngine` (``add``, ``abort``, ``abort_nowait``, ``running``, ``metrics_snapshot``),
+so the server's :class:`~kvpage.server.service.ServingState` -- validation, admission,
+stop strings, streaming, metrics -- runs unchanged at the ingress; only where the
+engine runs differs. ``add`` picks the replica group (:meth:`GroupSelector.select`),
+sends the request through the group's deployment handle (the custom router picks the
+replica) and returns once the replica produced its first output, so refusals and
+failures before the first token are answered as by the single server.
+
+Faults: if the replica fails (its actor died, the call was lost) before the request's
+first output, the request is sent again, once, to another replica of the group
+(``route["exclude"]``); if it fails after, the request's stream ends with an
+:class:`~kvpage.server.engine_loop.EngineFailure` naming the replica, which the server
+turns into an error event (streams) or a 500 (plain requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpage.cluster.core import RouterCore
+from kvpage.errors import RequestRejected
+from kvpage.server.engine_loop import EngineFailure
+from kvpage.server.protocol import APIError
+
+__all__ = ["GroupSelector", "RemoteEngineLoop", "ReplicaGroup"]
+
+logger = logging.getLogger("kvpage.cluster")
+
+
+@dataclass
+class ReplicaGroup:
+    """A group as the ingress sees it: its deployment handle and router state."""
+
+    name: str
+    handle: Any
+    core: RouterCore
+    block_size: int
+
+
+@dataclass
+class GroupSelector:
+    """Which group serves a request.
+
+    Prompts of at least ``long_threshold`` tokens go to ``long_context`` (when that
+    group exists); of the others, a ``canary_fraction`` share (a seeded draw per
+    request) goes to ``canary``; the rest to ``default``. ``canary_fraction`` may be
+    changed at any time (it applies to requests arriving afterwards; requests in flight
+    finish where they are).
+    """
+
+    groups: frozenset[str]
+    long_threshold: int | None = None
+    canary_fraction: float = 0.0
+    seed: int = 0
+    _rng: random.Random = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    def select(self, num_prompt_tokens: int) -> str:
+        """The group name for a prompt of ``num_prompt_tokens`` tokens."""
+        if (
+            self.long_threshold is not None
+            and "long_context" in self.groups
+            and num_prompt_tokens >= self.long_threshold
+        ):
+            return "long_context"
+        if (
+            "canary" in self.groups
+            and self.canary_fraction > 0.0
+            and self._rng.random() < self.canary_fraction
+        ):
+            return "canary"
+        return "default"
+
+
+def _prompt_parts(prompt: Any) -> tuple[list[int], str | None]:
+    if isinstance(prompt, dict):
+        return list(prompt["prompt_token_ids"]), prompt.get("cache_salt")
+    return list(prompt), None
+
+
+def _shift_times(out: Any, arrival: float | None) -> Any:
+    """Put the replica's (monotonic) timestamps on the ingress's clock: the replica's
+    arrival becomes the ingress's arrival (clocks of two hosts are not comparable)."""
+    if arrival is None or getattr(out, "arrival_time", None) is None:
+        return out
+    delta = arrival - out.arrival_time
+    for name in ("first_scheduled_time", "first_token_time", "finish_time"):
+        v = getattr(out, name, None)
+        if v is not None:
+            setattr(out, name, v + delta)
+    out.arrival_time = arrival
+    return out
+
+
+class RemoteEngineLoop:
+    """An ``AsyncEngine`` stand-in whose engine is a set of replica groups.
+
+    Args:
+        groups: name -> :class:`ReplicaGroup`.
+        selector: the group choice.
+        observer: ``retry(group)``, ``failure(group)``, ``request(group)`` and
+            ``hits(group, predicted, actual)`` callbacks (the ingress metrics).
+        on_first_output: called with ``(group, replica_id)`` when a request's first
+            output arrives (the ingress pulls that replica's KV events then).
+
+    Attributes:
+        metrics_snapshot: engine counters summed over replicas (``*_total`` only; see
+            :class:`kvpage.cluster.ingress.ClusterState`), refreshed by the ingress.
+    """
+
+    def __init__(
+        self,
+        groups: dict[str, ReplicaGroup],
+        selector: GroupSelector,
+        observer: Any,
+        on_first_output: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.groups = groups
+        self.selector = selector
+        self.observer = observer
+        self._on_first = on_first_output
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._running = False
+        self.metrics_snapshot: dict[str, float] = {}
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Mark the loop running (the replicas run their own engine loops)."""
+        self._loop = loop
+        self._running = True
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Cancel every request in flight (their replicas abort them); callable from
+        any thread."""
+        self._running = False
+        loop = getattr(self, "_loop", None)
+        if loop is None or loop.is_closed():
+            return
+
+        def cancel_all() -> None:
+            for t in list(self._tasks.values()):
+                t.cancel()
+
+        loop.call_soon_threadsafe(cancel_all)
+
+    @property
+    def running(self) -> bool:
+        """Whether the ingress accepts requests."""
+        return self._running
+
+    # ------------------------------------------------------------ handler API
+    async def add(
+        self, request_id: str, prompt: Any, params: Any, arrival_time: float | None = None
+    ) -> asyncio.Queue[Any]:
+        """Send a request to a replica; return the queue its outputs arrive on (the
+        first one is already there).
+
+        Raises:
+            RequestRejected: the replica's engine refused it.
+            APIError: 503 when no replica could take it (after the one retry).
+            RuntimeError: the loop is not running.
+        """
+        if not self._running:
+            raise RuntimeError("engine loop: expected a running loop, got a stopped one")
+        ids, _ = _prompt_parts(prompt)
+        group = self.groups[self.selector.select(len(ids))]
+        self.observer.request(group.name)
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(
+            self._run(group, request_id, prompt, params, arrival_time, q, ack)
+        )
+        self._tasks[request_id] = task
+        task.add_done_callback(lambda _t: self._tasks.pop(request_id, None))
+        try:
+            await asyncio.shield(ack)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        return q
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Cancel ``request_id``'s call (its replica aborts it); never blocks."""
+        t = self._tasks.pop(request_id, None)
+        if t is not None:
+            t.cancel()
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel ``request_id`` and wait until its call has ended."""
+        t = self._tasks.pop(request_id, None)
+        if t is not None:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Not available: there is no local engine.
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise RuntimeError("engine loop: expected a local engine, got replica groups")
+
+    # ------------------------------------------------------------ one request
+    async def _run(
+        self,
+        group: ReplicaGroup,
+        request_id: str,
+        prompt: Any,
+        params: Any,
+        arrival: float | None,
+        q: asyncio.Queue[Any],
+        ack: asyncio.Future[None],
+    ) -> None:
+        ids, salt = _prompt_parts(prompt)
+        exclude: list[str] = []
+        try:
+            for attempt in range(2):
+                route = {
+                    "request_id": request_id,
+                    "prompt_token_ids": ids,
+                    "cache_salt": salt,
+                    "exclude": exclude,
+                }
+                got_any = False
+                gen = group.handle.options(stream=True).generate.remote(
+                    request_id, prompt, params, route=route
+                )
+                try:
+                    async for item in gen:
+                        if isinstance(item, dict):
+                            if "rejected" in item:
+                                ack.set_exception(
+                                    RequestRejected(item["rejected"], reason=item["reason"])
+                                )
+                                return
+                            self._fail(q, ack, EngineFailure(item["failure"], item["oom"]))
+                            return
+                        out = _shift_times(item, arrival)
+                        if not got_any:
+                            got_any = True
+                            d = group.core.decisions.get(request_id)
+                            if d is not None and self._on_first is not None:
+                                self._on_first(group.name, d.replica_id)
+                        q.put_nowait(out)
+                        if not ack.done():
+                            ack.set_result(None)
+                        if out.finished:
+                            self._record_hits(group, request_id, out)
+                            return
+                    self._fail(q, ack, EngineFailure("replica: stream ended without a result"))
+                    return
+                except asyncio.CancelledError:
+                    gen.cancel()
+                    raise
+                except Exception as exc:
+                    d = group.core.finished(request_id)
+                    where = d.replica_id if d is not None else "?"
+                    self.observer.failure(group.name)
+                    if not got_any and attempt == 0:
+                        logger.warning(
+                            "kvpage ingress: replica %s of group %s failed before the first "
+                            "output of %s (%s); retrying on another replica",
+                            where,
+                            group.name,
+                            request_id,
+                            type(exc).__name__,
+                        )
+                        self.observer.retry(group.name)
+                        exclude = [where]
+                        continue
+                    msg = (
+                        f"replica {where} of group {group.name} failed "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
+                    )
+                    self._fail(q, ack, EngineFailure(msg))
+                    return
+        finally:
+            group.core.finished(request_id)
+
+    @staticmethod
+    def _fail(q: asyncio.Queue[Any], ack: asyncio.Future[None], failure: EngineFailure) -> None:
+        if ack.done():
+            q.put_nowait(failure)
+            return
+        ack.set_exception(
+            APIError(
+                503,
+                f"replicas: expected one to run the request, got a failure ({failure})",
+                type="server_error",
+                code="replica_unavailable",
+                headers={"Retry-After": "1"},
+                reason="replica_unavailable",
+            )
+        )
+
+    def _record_hits(self, group: ReplicaGroup, request_id: str, out: Any) -> None:
+        d = group.core.decisions.get(request_id)
+        if d is None:
+            return
+        actual = int(out.num_cached_tokens) // max(1, group.block_size)
+        self.observer.hits(group.name, d.predicted_blocks, actual)

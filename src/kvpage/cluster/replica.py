@@ -1,0 +1,168 @@
+"""The engine replica deployment: one ``LLMEngine`` behind Ray Serve.
+
+:class:`EngineReplica` is a plain class; :func:`kvpage.cluster.launch.build_app` turns
+it into a Ray Serve deployment per replica group (``serve.deployment(...)``), so the
+Ray options come from the deployment file. Each replica runs the server's engine loop
+(:class:`kvpage.server.engine_loop.AsyncEngine`: one thread owns the engine) and a
+:class:`kvpage.routing.events.KVEventPublisher` on the engine's KV cache manager. The
+publisher is drained on the engine thread after every step (it is not thread-safe);
+the drained batches wait in a queue until the ingress pulls them with
+:meth:`EngineReplica.kv_events` (one consumer, in order, so sequence numbers arrive
+without gaps unless a batch is really lost).
+
+Methods called by the ingress (all through the group's deployment handle and the
+custom router, see :mod:`kvpage.cluster.router`; ``route`` is the routing hint the
+router reads and the replica ignores):
+
+* ``generate(request_id, prompt, params, route)`` -- async generator of the engine's
+  ``RequestOutput`` objects (cumulative, as ``LLMEngine.step`` returns them); an engine
+  failure arrives as a ``{"failure": message, "oom": bool}`` item, an engine refusal
+  as a single ``{"rejected": message, "reason": reason}`` item. Cancelling the stream aborts the
+  request in the engine.
+* ``kv_events(route)`` -- drained event batches (``to_dict`` form), the load and the
+  engine metrics.
+* ``kv_snapshot(route)`` -- a full snapshot (``KVSnapshot.to_dict``) for a resync.
+* ``info(route)`` -- cache facts and the tokenizer (the ingress validates with it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvpage.errors import RequestRejected
+from kvpage.server.engine_loop import AsyncEngine, EngineFailure, StepStats
+
+__all__ = ["EngineReplica", "replica_load"]
+
+#: drained batches a replica keeps for the ingress; older ones are dropped (the ingress
+#: then sees a sequence gap and resyncs from a snapshot: nothing goes silently stale)
+MAX_PENDING_BATCHES = 4096
+
+
+def replica_load(metrics: dict[str, float]) -> dict[str, float]:
+    """The load fields the router uses, from ``LLMEngine.get_metrics()``."""
+    return {
+        "num_running": float(metrics.get("kvpage:num_requests_running", 0.0)),
+        "num_waiting": float(metrics.get("kvpage:num_requests_waiting", 0.0)),
+        "kv_usage": float(metrics.get("kvpage:kv_cache_usage_perc", 0.0)),
+    }
+
+
+class EngineReplica:
+    """One engine replica of a group.
+
+    Args:
+        group: the replica group's name (a metrics label).
+        engine_kwargs: ``LLMEngine.from_config`` keyword arguments
+            (``kvpage.server.config.EngineConfig.engine_kwargs()``).
+        replica_id: the id used in KV events; default the Ray Serve replica's unique id
+            (the id the router knows it by).
+    """
+
+    def __init__(
+        self, group: str, engine_kwargs: dict[str, Any], replica_id: str | None = None
+    ) -> None:
+        from kvpage.engine import LLMEngine
+        from kvpage.routing.events import KVEventPublisher
+
+        if replica_id is None:
+            from ray import serve
+
+            replica_id = serve.get_replica_context().replica_id.unique_id
+        self.replica_id = replica_id
+        self.group = group
+        self.engine = LLMEngine.from_config(**engine_kwargs)
+        self.publisher = KVEventPublisher(replica_id)
+        self.publisher.attach(self.engine.kv_cache_manager)
+        self._batches: collections.deque[Any] = collections.deque(maxlen=MAX_PENDING_BATCHES)
+        self._lock = threading.Lock()
+        self.loop = AsyncEngine(self.engine, on_step=self._on_step)
+
+    # ------------------------------------------------------------ engine thread
+    def _on_step(self, st: StepStats) -> None:
+        batch = self.publisher.drain()
+        if batch is not None:
+            with self._lock:
+                self._batches.append(batch)
+
+    def _ensure_started(self) -> None:
+        if not self.loop.running:
+            self.loop.start(asyncio.get_running_loop())
+
+    # ------------------------------------------------------------ calls
+    async def generate(
+        self, request_id: str, prompt: Any, params: Any, route: Any = None
+    ) -> AsyncIterator[Any]:
+        """Run one request; yield its ``RequestOutput`` objects (see module doc)."""
+        self._ensure_started()
+        try:
+            q = await self.loop.add(request_id, prompt, params)
+        except RequestRejected as exc:  # sent as data: the exception does not pickle
+            yield {"rejected": str(exc), "reason": exc.reason}
+            return
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                if isinstance(out, EngineFailure):
+                    finished = True
+                    yield {"failure": str(out), "oom": out.oom}
+                    return
+                finished = bool(out.finished)
+                yield out
+        finally:
+            if not finished:  # the ingress cancelled the stream (client gone, failure)
+                self.loop.abort_nowait(request_id)
+
+    async def kv_events(self, route: Any = None) -> dict[str, Any]:
+        """Pending KV event batches (oldest first), the load and the engine metrics."""
+        self._ensure_started()
+        if not self.engine.has_unfinished_requests():
+            # idle engine: no step drains the publisher (e.g. after an abort), so drain
+            # on the engine thread now
+            await self.loop.call(lambda _e: self._on_step(StepStats(0.0, 0, {})))
+        with self._lock:
+            batches = list(self._batches)
+            self._batches.clear()
+        metrics = dict(self.loop.metrics_snapshot)
+        return {
+            "replica_id": self.replica_id,
+            "group": self.group,
+            "batches": [b.to_dict() for b in batches],
+            "load": replica_load(metrics),
+            "metrics": metrics,
+        }
+
+    async def kv_snapshot(self, route: Any = None) -> dict[str, Any]:
+        """The publisher's full snapshot, taken on the engine thread between steps."""
+        self._ensure_started()
+        snap = await self.loop.call(lambda _e: self.publisher.snapshot())
+        return dict(snap.to_dict())
+
+    async def info(self, route: Any = None) -> dict[str, Any]:
+        """Cache facts and the tokenizer for the ingress."""
+        self._ensure_started()
+        e = self.engine
+        spec = e.cache_spec
+        total = getattr(spec, "total_bytes", 0)
+        return {
+            "replica_id": self.replica_id,
+            "group": self.group,
+            "tokenizer": e.tokenizer,
+            "block_size": int(spec.block_size),
+            "num_blocks": int(spec.num_blocks),
+            "kv_dtype": str(getattr(spec, "kv_dtype", "auto")),
+            "total_bytes": float(total() if callable(total) else total),
+            "max_model_len": int(e.scheduler.max_model_len),
+            "backend_name": str(getattr(e, "backend_name", "unknown")),
+            "hash_seed": int(e.kv_cache_manager.hash_seed),
+        }
+
+    def __del__(self) -> None:  # replica shutdown: stop the engine thread (bounded)
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop(timeout_s=5.0)

@@ -1,0 +1,459 @@
+"""Router policies: pick a replica for a request from its block hashes and replica loads.
+
+Every policy implements :class:`RouterPolicy` (``choose`` then ``on_routed``); the same
+objects run in the Ray Serve deployment and in the multi-instance simulator
+(``kvpage simulate --instances N --router NAME``). Names (:data:`POLICY_NAMES`):
+
+* ``round_robin``: replicas in turn (the naive baseline).
+* ``power_of_two``: two distinct replicas drawn at random, the one with fewer queued
+  requests (running + waiting) wins; Ray Serve's default request router
+  (``PowerOfTwoChoicesRequestRouter``).
+* ``prefix_approx``: the approximate baseline of Ray Serve LLM's
+  ``PrefixCacheAffinityRouter``, rebuilt here (see :class:`PrefixApproxPolicy` for why
+  it is not imported).
+* ``kv_precise``: ours; the exact blocks each replica holds *now* (a
+  :class:`~kvpage.routing.index.PrefixIndex` fed by KV events) in one cost with load,
+  see :class:`KVPrecisePolicy` and :class:`CostWeights`.
+* ``oracle`` (simulator only): the replica holding the longest prefix according to an
+  exact lookup of every replica's pool, load as the tie-break; the upper bound of
+  prefix-hit routing.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvpage.cache import hash_request_blocks
+from kvpage.routing.events import RoutingError
+from kvpage.routing.index import PrefixIndex
+
+POLICY_NAMES = ("round_robin", "power_of_two", "prefix_approx", "kv_precise", "oracle")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """A replica's load as the router sees it when choosing.
+
+    Attributes:
+        replica_id: the replica.
+        num_running: requests in its running batch.
+        num_waiting: requests queued, not yet admitted (includes ones routed to it and
+            not yet seen by its scheduler).
+        kv_usage: fraction of its KV blocks held by requests, in [0, 1].
+    """
+
+    replica_id: str
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+
+    @property
+    def queued(self) -> int:
+        """``num_running + num_waiting``: Ray Serve's queue length of a replica."""
+        return self.num_running + self.num_waiting
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a policy knows of a request.
+
+    Attributes:
+        prompt_token_ids: the prompt's token ids.
+        block_hashes: the prompt's chained block hashes, block 0 first (from
+            :func:`route_request`, i.e. ``kvpage.cache.hash_request_blocks`` with the
+            engine's block size, hash seed, cache_salt and adapter).
+        block_size: tokens per block of ``block_hashes`` (0 = not given; then
+            ``prefix_approx`` assumes the hashes cover the whole prompt).
+    """
+
+    prompt_token_ids: Sequence[int]
+    block_hashes: Sequence[bytes]
+    block_size: int = 0
+
+
+def route_request(
+    prompt_token_ids: Sequence[int],
+    *,
+    block_size: int,
+    cache_salt: str | None = None,
+    adapter_id: str | None = None,
+    hash_seed: int = 0,
+) -> RouteRequest:
+    """A :class:`RouteRequest` with the engine's block keys.
+
+    Args:
+        prompt_token_ids: the prompt.
+        block_size: the replicas' KV block size (tokens).
+        cache_salt, adapter_id, hash_seed: as the engine uses them for this request
+            (``kvpage.cache.hash_request_blocks``); different values give disjoint keys.
+
+    Raises:
+        SpecError: ``block_size < 1``, a token id outside int64 or a bad seed.
+    """
+    hashes = hash_request_blocks(
+        prompt_token_ids,
+        block_size,
+        cache_salt=cache_salt,
+        adapter_id=adapter_id,
+        hash_seed=hash_seed,
+    )
+    return RouteRequest(prompt_token_ids, hashes, block_size)
+
+
+class RouterPolicy(Protocol):
+    """A routing policy (module docstring). ``choose`` must not mutate its inputs."""
+
+    name: str
+
+    def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> str:
+        """The replica id (one of ``loads``) to send ``req`` to.
+
+        Raises:
+            RoutingError: ``loads`` is empty.
+        """
+        ...
+
+    def on_routed(self, req: RouteRequest, replica_id: str) -> None:
+        """Told after ``req`` was sent to ``replica_id``."""
+        ...
+
+    def forget(self, replica_id: str) -> None:
+        """Drop any per-replica state of a dead / removed replica."""
+        ...
+
+
+def _check(loads: Sequence[ReplicaLoad]) -> None:
+    if not loads:
+        raise RoutingError("loads: expected at least one replica, got none")
+
+
+class _Base:
+    name = ""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def on_routed(self, req: RouteRequest, replica_id: str) -> None:
+        return None
+
+    def forget(self, replica_id: str) -> None:
+        return None
+
+    def _least_queued(self, cands: Sequence[ReplicaLoad]) -> str:
+        """The candidate with the fewest queued requests, ties at random."""
+        best = min(c.queued for c in cands)
+        ties = [c for c in cands if c.queued == best]
+        return ties[0].replica_id if len(ties) == 1 else self._rng.choice(ties).replica_id
+
+    def _pow2(self, loads: Sequence[ReplicaLoad]) -> str:
+        if len(loads) <= 2:
+            return self._least_queued(loads)
+        return self._least_queued(self._rng.sample(list(loads), 2))
+
+
+class RoundRobinPolicy(_Base):
+    """Replicas in turn, in the order of ``loads`` (position = counter mod len)."""
+
+    name = "round_robin"
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        self._next = 0
+
+    def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> str:
+        _check(loads)
+        rid = loads[self._next % len(loads)].replica_id
+        self._next += 1
+        return rid
+
+
+class PowerOfTwoPolicy(_Base):
+    """Two distinct random replicas, fewer queued wins (ties at random): Ray Serve's
+    default ``PowerOfTwoChoicesRequestRouter`` (Mitzenmacher, "The Power of Two Choices
+    in Randomized Load Balancing", 2001)."""
+
+    name = "power_of_two"
+
+    def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> str:
+        _check(loads)
+        return self._pow2(loads)
+
+
+class PrefixApproxPolicy(_Base):
+    """Approximate prefix affinity from past routing decisions, no eviction feedback.
+
+    The algorithm of Ray Serve LLM's ``PrefixCacheAffinityRouter`` (Ray docs,
+    "Prefix-aware routing"), with its defaults:
+
+    1. if the queue lengths (running + waiting) of the replicas differ by more than
+       ``imbalanced_threshold`` (10), fall back to power of two choices;
+    2. else match the prompt against the prefix tree of prompts already routed: if the
+       longest match covers at least ``match_rate_threshold`` (0.1) of the prompt, the
+       candidates are the replicas with that longest match; below it, the replicas with
+       the smallest share of the tree ("smallest tenants");
+    3. among the candidates the one with the fewest queued requests wins; with no tree
+       data at all, power of two choices.
+
+    The tree stores each routed prompt under its replica and never evicts (Ray's default
+    ``do_eviction=False``), so it keeps predicting hits for blocks a replica has long
+    evicted: exactly the staleness ``kv_precise`` removes.
+
+    Why not import Ray's class: it is shipped in ``ray.serve.llm`` (the ``ray[llm]``
+    extra, which pins vLLM), expects text ``prompt``/``messages`` arguments and a
+    detached prefix-tree actor, and kvpage's core must not depend on Ray. This rebuild
+    matches on tokens instead of characters, with block-granular edges: the tree is a
+    dict keyed by the chained block hashes (a chained hash names the whole path from the
+    root, so the dict *is* the trie), and a match counts ``block_size`` tokens per
+    matched block (a prompt's partial last block is never matched).
+
+    Args:
+        seed: the random draws.
+        imbalanced_threshold, match_rate_threshold: as Ray's router.
+    """
+
+    name = "prefix_approx"
+
+    def __init__(
+        self, seed: int = 0, *, imbalanced_threshold: int = 10, match_rate_threshold: float = 0.1
+    ) -> None:
+        super().__init__(seed)
+        self.imbalanced_threshold = imbalanced_threshold
+        self.match_rate_threshold = match_rate_threshold
+        self._tree: dict[bytes, set[str]] = {}
+        self._tenant_size: dict[str, int] = {}
+
+    def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> str:
+        _check(loads)
+        queued = [c.queued for c in loads]
+        if max(queued) - min(queued) > self.imbalanced_threshold or not self._tree:
+            return self._pow2(loads)
+        ids = {c.replica_id for c in loads}
+        alive, matched = set(ids), 0
+        for h in req.block_hashes:
+            nxt = alive & self._tree.get(h, set())
+            if not nxt:
+                break
+            alive, matched = nxt, matched + 1
+        if req.block_size:
+            rate = matched * req.block_size / max(len(req.prompt_token_ids), 1)
+        else:
+            rate = matched / max(len(req.block_hashes), 1)
+        if matched and rate >= self.match_rate_threshold:
+            cands = [c for c in loads if c.replica_id in alive]
+        else:
+            sizes = {c.replica_id: self._tenant_size.get(c.replica_id, 0) for c in loads}
+            small = min(sizes.values())
+            cands = [c for c in loads if sizes[c.replica_id] == small]
+        return self._least_queued(cands)
+
+    def on_routed(self, req: RouteRequest, replica_id: str) -> None:
+        tree = self._tree
+        added = 0
+        for h in req.block_hashes:
+            s = tree.get(h)
+            if s is None:
+                tree[h] = {replica_id}
+                added += 1
+            elif replica_id not in s:
+                s.add(replica_id)
+                added += 1
+        self._tenant_size[replica_id] = self._tenant_size.get(replica_id, 0) + added
+
+    def forget(self, replica_id: str) -> None:
+        self._tenant_size.pop(replica_id, None)
+        for h in [h for h, s in self._tree.items() if replica_id in s]:
+            s = self._tree[h]
+            s.discard(replica_id)
+            if not s:
+                del self._tree[h]
+
+
+@dataclass(frozen=True, slots=True)
+class CostWeights:
+    """Weights of the ``kv_precise`` cost (see :class:`KVPrecisePolicy`).
+
+    Why these defaults (docs/serving.md, "Routing"; tuned on the simulator's Mooncake
+    conversation runs, docs/benchmarks.md): a waiting request brings only its *uncached*
+    part and the scheduler's chunked prefill shares steps between requests, so it counts
+    as half a mean prompt (``waiting=0.5``; a whole prompt, 1.0, gave up hits for no TTFT
+    gain); a running request mostly decodes, one token per step next to a prefill chunk
+    of thousands, so it counts little (``running=0.05``); KV usage is a pressure signal
+    that a full pool stalls admissions, a quarter prompt at 100 % (``kv_usage=0.25``).
+
+    Attributes:
+        miss: cost of one prompt block the replica does not hold (must be computed).
+        waiting: cost of one request waiting on the replica, in units of the mean
+            prompt length in blocks seen so far (``B``).
+        running: cost of one running request, in units of ``B``.
+        kv_usage: cost of a full KV pool (usage 1.0), in units of ``B``: a replica
+            near full preempts or stalls admissions.
+    """
+
+    miss: float = 1.0
+    waiting: float = 0.5
+    running: float = 0.05
+    kv_usage: float = 0.25
+
+    def __post_init__(self) -> None:
+        for k in ("miss", "waiting", "running", "kv_usage"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise RoutingError(f"cost.{k}: expected a number >= 0, got {v!r}")
+
+
+class KVPrecisePolicy(_Base):
+    """Exact prefix hits now, traded against load in one cost (lowest wins).
+
+    For a request of ``n`` blocks and replica ``r``, with ``m_r`` = leading blocks ``r``
+    holds now (``PrefixIndex.matched_blocks``, fed by KV events, so evicted blocks no
+    longer count) and ``B`` = the running mean prompt length in blocks of the requests
+    routed so far::
+
+        cost(r) = w_miss * (n - m_r)
+                + B * (w_waiting * waiting_r + w_running * running_r + w_kv * kv_usage_r)
+
+    The first term is the prefill work the request itself brings to ``r`` (blocks to
+    compute); the second estimates the work already ahead of it there, counting a
+    waiting request as one mean-size prefill, a running one as a fraction of it (it
+    shares every step) and a full pool as one more. Ties go to the fewest queued
+    requests, then at random.
+
+    Where the form comes from: NVIDIA Dynamo's KV router scores a worker by
+    ``overlap_weight * prefill_blocks + decode_blocks`` from KV events (Dynamo docs,
+    "KV cache routing"); llm-d's inference scheduler sums weighted scorers
+    (prefix-cache, queue depth, KV-cache utilization, each normalized to [0, 1]; llm-d
+    docs, "precise prefix cache routing"). Ours differs: the load side is in the same
+    unit as the hit side (blocks of prefill, via ``B``), so the trade "k cached blocks
+    against one queued request" does not depend on which other replicas are candidates
+    (llm-d's min-max normalization does), and it needs only the counts a replica
+    reports (no router-side prediction of each worker's active blocks, as Dynamo keeps).
+
+    Args:
+        index: the KV-event-fed view of the replicas.
+        seed: the random tie-break.
+        cost: the weights (defaults of :class:`CostWeights`).
+    """
+
+    name = "kv_precise"
+
+    def __init__(self, index: PrefixIndex, seed: int = 0, cost: CostWeights | None = None) -> None:
+        super().__init__(seed)
+        self.index = index
+        self.cost = cost or CostWeights()
+        self._blocks_sum = 0
+        self._routed = 0
+
+    @property
+    def mean_blocks(self) -> float:
+        """``B``: mean prompt length in blocks of the requests routed so far (1 before
+        the first)."""
+        return self._blocks_sum / self._routed if self._routed else 1.0
+
+    def scores(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> dict[str, float]:
+        """``cost(r)`` per replica of ``loads`` (the class docstring's formula)."""
+        _check(loads)
+        n = len(req.block_hashes)
+        matched = self.index.matched_blocks(req.block_hashes)
+        w = self.cost
+        b = max(self.mean_blocks, 1.0)
+        return {
+            c.replica_id: w.miss * (n - matched.get(c.replica_id, 0))
+            + b * (w.waiting * c.num_waiting + w.running * c.num_running + w.kv_usage * c.kv_usage)
+            for c in loads
+        }
+
+    def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> str:
+        sc = self.scores(req, loads)
+        best = min(sc.values())
+        ties = [c for c in loads if sc[c.replica_id] <= best + 1e-9]
+        return self._least_queued(ties)
+
+    def on_routed(self, req: RouteRequest, replica_id: str) -> None:
+        self._blocks_sum += len(req.block_hashes)
+        self._routed += 1
+
+    def forget(self, replica_id: str) -> None:
+        self.index.remove(replica_id)
+
+
+class OraclePolicy(_Base):
+    """The replica holding the longest leading run of the request's blocks according
+    to ``lookup`` (exact: the simulator passes a function that reads every replica's
+    pool), ties by fewest queued, then at random. Simulator only: a real router cannot
+    read remote pools."""
+
+    name = "oracle"
+
+    def __init__(self, lookup: Callable[[Sequence[bytes]], dict[str, int]], seed: int = 0) -> None:
+        super().__init__(seed)
+        self._lookup = lookup
+
+    def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> str:
+        _check(loads)
+        m = self._lookup(req.block_hashes)
+        best = max(m.get(c.replica_id, 0) for c in loads)
+        return self._least_queued([c for c in loads if m.get(c.replica_id, 0) == best])
+
+
+def make_policy(
+    name: str,
+    *,
+    index: PrefixIndex | None = None,
+    seed: int = 0,
+    cost: CostWeights | None = None,
+    lookup: Callable[[Sequence[bytes]], dict[str, int]] | None = None,
+) -> RouterPolicy:
+    """A policy by name (:data:`POLICY_NAMES`).
+
+    Args:
+        name: the policy.
+        index: required by ``kv_precise`` (and the default ``lookup`` of ``oracle``).
+        seed: seed of the policy's random draws.
+        cost: ``kv_precise`` weights (refused for other policies).
+        lookup: ``oracle`` only: block hashes -> leading blocks held per replica, exact
+            (default ``index.matched_blocks``).
+
+    Raises:
+        RoutingError: unknown name, a missing index, or ``cost``/``lookup`` given to a
+            policy that does not use it.
+    """
+    if name not in POLICY_NAMES:
+        raise RoutingError(f"router: expected one of {list(POLICY_NAMES)}, got {name!r}")
+    if cost is not None and name != "kv_precise":
+        raise RoutingError(f"cost: expected only with router 'kv_precise', got router {name!r}")
+    if lookup is not None and name != "oracle":
+        raise RoutingError(f"lookup: expected only with router 'oracle', got router {name!r}")
+    if name == "round_robin":
+        return RoundRobinPolicy(seed)
+    if name == "power_of_two":
+        return PowerOfTwoPolicy(seed)
+    if name == "prefix_approx":
+        return PrefixApproxPolicy(seed)
+    if name == "kv_precise":
+        if index is None:
+            raise RoutingError("index: expected a PrefixIndex for router 'kv_precise', got None")
+        return KVPrecisePolicy(index, seed, cost)
+    if lookup is None:
+        if index is None:
+            raise RoutingError("index: expected a PrefixIndex or a lookup for 'oracle', got None")
+        lookup = index.matched_blocks
+    return OraclePolicy(lookup, seed)
+
+
+__all__ = [
+    "POLICY_NAMES",
+    "CostWeights",
+    "KVPrecisePolicy",
+    "OraclePolicy",
+    "PowerOfTwoPolicy",
+    "PrefixApproxPolicy",
+    "ReplicaLoad",
+    "RoundRobinPolicy",
+    "RouteRequest",
+    "RouterPolicy",
+    "make_policy",
+    "route_request",
+]

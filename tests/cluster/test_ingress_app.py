@@ -1,0 +1,275 @@
+"""The ingress app (the server's FastAPI app over replica groups) without Ray: fake
+deployment handles stand in for the replicas, the router core is the real one.
+
+Checks what the HTTP client sees: a stream whose replica dies after its first token
+ends with an error event and ``[DONE]``; a replica dying before the first output is
+retried on the other one; a refusal never reaches a replica; the canary admin route
+validates its body and changes the split; KV events pulled by the pump reach the index
+and /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from kvpage.cluster.config import ClusterConfig
+from kvpage.cluster.core import CORES
+from kvpage.cluster.ingress import Ingress
+from kvpage.engine.params import CompletionOutput, RequestOutput
+from kvpage.routing.events import BlockStored, KVEventBatch, KVSnapshot
+
+
+class _Resp:
+    """A DeploymentResponse stand-in: awaitable, cancellable."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __await__(self) -> Any:
+        async def get() -> Any:
+            await asyncio.sleep(0)
+            return self.value
+
+        return get().__await__()
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Gen:
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __aiter__(self) -> _Gen:
+        return self
+
+    async def __anext__(self) -> Any:
+        await asyncio.sleep(0)
+        if not self.items:
+            raise StopAsyncIteration
+        x = self.items.pop(0)
+        if isinstance(x, BaseException):
+            raise x
+        return x
+
+    def cancel(self) -> None:
+        self.items = []
+
+
+def _out(rid: str, ids: list[int], finished: bool) -> RequestOutput:
+    return RequestOutput(
+        request_id=rid,
+        prompt=None,
+        prompt_token_ids=[1, 2],
+        num_cached_tokens=0,
+        outputs=[
+            CompletionOutput(0, list(ids), "ab" if finished else "", "length" if finished else None)
+        ],
+        finished=finished,
+        arrival_time=0.0,
+    )
+
+
+class _Group:
+    """One group's handle; ``behaviour[replica]`` decides what its generate does."""
+
+    def __init__(self, name: str, info: dict[str, Any], replicas: list[str]) -> None:
+        self.name, self.info_v, self.replicas = name, info, replicas
+        self.behaviour: dict[str, str] = {r: "ok" for r in replicas}
+        self.generated: list[str] = []
+        self.seq = 0
+
+    @property
+    def core(self) -> Any:
+        return CORES[f"kvpage/{self.name}"]
+
+    def options(self, **kw: Any) -> _Group:
+        return self
+
+    @property
+    def info(self) -> Any:
+        return _Method(lambda route: self.info_v)
+
+    @property
+    def kv_events(self) -> Any:
+        def ev(route: dict[str, Any]) -> dict[str, Any]:
+            rid = route["target"]
+            self.seq += 1
+            b = KVEventBatch(rid, 1, 0.0, (BlockStored((b"\x01" * 32,)),), "ep")
+            return {
+                "replica_id": rid,
+                "batches": [b.to_dict()] if self.seq <= len(self.replicas) else [],
+                "load": {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0},
+                "metrics": {"kvpage:prompt_tokens_total": 7.0, "kvpage:num_requests_running": 0},
+            }
+
+        return _Method(ev)
+
+    @property
+    def kv_snapshot(self) -> Any:
+        # as a publisher's: what it holds now, with the seq of its last drained batch
+        return _Method(
+            lambda route: KVSnapshot(route["target"], 1, frozenset({b"\x01" * 32}), "ep").to_dict()
+        )
+
+    @property
+    def generate(self) -> Any:
+        group = self
+
+        class _G:
+            def remote(self, rid: str, prompt: Any, params: Any, route: dict[str, Any]) -> _Gen:
+                cands = [r for r in group.replicas if r not in route["exclude"]]
+                choice = group.core.choose(rid, route, cands)
+                group.core.routed(rid, choice)
+                group.generated.append(choice)
+                how = group.behaviour[choice]
+                if how == "die_before":
+                    return _Gen([RuntimeError("ActorDiedError: killed")])
+                if how == "die_after":
+                    return _Gen([_out(rid, [5], False), RuntimeError("ActorDiedError: killed")])
+                return _Gen([_out(rid, [5], False), _out(rid, [5, 6], True)])
+
+        return _G()
+
+
+class _Method:
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def remote(self, route: Any = None) -> _Resp:
+        return _Resp(self.fn(route))
+
+
+@pytest.fixture(scope="module")
+def info() -> dict[str, Any]:
+    from kvpage.engine import LLMEngine
+
+    e = LLMEngine.from_config(model="stories260K")
+    return {
+        "tokenizer": e.tokenizer,
+        "block_size": 16,
+        "num_blocks": int(e.cache_spec.num_blocks),
+        "kv_dtype": "auto",
+        "total_bytes": 1.0,
+        "max_model_len": int(e.scheduler.max_model_len),
+        "backend_name": "fake",
+        "hash_seed": 0,
+    }
+
+
+def _run(info: dict[str, Any], body: Any) -> None:
+    async def main() -> None:
+        cfg = ClusterConfig.model_validate(
+            {
+                "router": {"policy": "round_robin", "kv_event_poll_s": 0.05},
+                "groups": {
+                    "default": {"replicas": 2},
+                    "canary": {"replicas": 1, "traffic_fraction": 0.0},
+                },
+            }
+        )
+        groups = {
+            "default": _Group("default", info, ["a", "b"]),
+            "canary": _Group("canary", info, ["c"]),
+        }
+        ing = Ingress(cfg, **groups)
+        app = await ing.__serve_build_asgi_app__()
+        assert ing.state is not None and ing.pump is not None
+        for g in groups.values():
+            g.core.set_replicas(g.replicas)
+        ing.state.loop.start(asyncio.get_running_loop())
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            try:
+                await body(c, ing, groups)
+            finally:
+                await ing.pump.stop()
+
+    asyncio.run(main())
+
+
+REQ = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 4}
+
+
+def _events(text: str) -> list[Any]:
+    return [
+        json.loads(line[6:]) if line[6:] != "[DONE]" else "[DONE]"
+        for line in text.splitlines()
+        if line.startswith("data: ")
+    ]
+
+
+def test_stream_ends_with_an_error_event_when_its_replica_dies(info: dict[str, Any]) -> None:
+    async def body(c: httpx.AsyncClient, ing: Ingress, groups: dict[str, _Group]) -> None:
+        d = groups["default"]
+        d.behaviour = {"a": "die_after", "b": "die_after"}
+        r = await c.post("/v1/completions", json={**REQ, "stream": True})
+        assert r.status_code == 200
+        ev = _events(r.text)
+        assert ev[-1] == "[DONE]"
+        err = ev[-2]["error"]
+        assert "replica a of group default failed" in err["message"]
+        assert err["type"] == "server_error"
+        assert len(d.generated) == 1  # not re-run after a token was produced
+        # plain request: 500 with the same message
+        r = await c.post("/v1/completions", json=REQ)
+        assert r.status_code == 500 and "replica b of group default" in r.json()["error"]["message"]
+
+    _run(info, body)
+
+
+def test_retry_before_first_output_and_refusals_stay_at_the_ingress(info: dict[str, Any]) -> None:
+    async def body(c: httpx.AsyncClient, ing: Ingress, groups: dict[str, _Group]) -> None:
+        d = groups["default"]
+        d.behaviour = {"a": "die_before", "b": "ok"}
+        r = await c.post("/v1/completions", json=REQ)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ab"
+        assert d.generated == ["a", "b"]
+        for bad in (
+            {**REQ, "max_tokens": -1},
+            {**REQ, "model": "nope"},
+            {**REQ, "temperature": "hot"},
+            {**REQ, "no_such_field": 1},
+        ):
+            r = await c.post("/v1/completions", json=bad)
+            assert 400 <= r.status_code < 500 and "error" in r.json()
+        assert d.generated == ["a", "b"]  # no refused request reached a replica
+        m = (await c.get("/metrics")).text
+        assert 'kvpage:router_retries_total{group="default"} 1.0' in m
+
+    _run(info, body)
+
+
+def test_canary_admin_route_and_kv_events_on_metrics(info: dict[str, Any]) -> None:
+    async def body(c: httpx.AsyncClient, ing: Ingress, groups: dict[str, _Group]) -> None:
+        assert (await c.get("/admin/canary")).json()["traffic_fraction"] == 0.0
+        for bad in ({"traffic_fraction": 2}, {"traffic_fraction": "x"}, {"fraction": 0.1}, [1]):
+            r = await c.post("/admin/canary", json=bad)
+            assert r.status_code == 400 and "traffic_fraction" in r.json()["error"]["message"]
+        r = await c.post("/admin/canary", json={"traffic_fraction": 1.0})
+        assert r.json()["traffic_fraction"] == 1.0
+        await c.post("/v1/completions", json=REQ)
+        assert groups["canary"].generated == ["c"]
+        await c.post("/admin/canary", json={"traffic_fraction": 0})  # roll back
+        await c.post("/v1/completions", json=REQ)
+        assert groups["canary"].generated == ["c"] and len(groups["default"].generated) == 1
+        for _ in range(100):  # the pump pulls every 0.05 s
+            m = (await c.get("/metrics")).text
+            if 'kvpage:router_index_blocks{group="default",replica="a"} 1.0' in m:
+                break
+            await asyncio.sleep(0.05)
+        assert 'kvpage:router_index_blocks{group="default",replica="a"} 1.0' in m
+        assert 'kvpage:router_resyncs_total{group="default",replica="a"}' in m
+        assert (
+            'kvpage:prompt_tokens_total{group="canary",model_name="stories260K",replica="c"} 7.0'
+            in m
+        )
+        assert 'kvpage:group_requests_total{group="canary"} 1.0' in m
+        assert "kvpage:canary_traffic_fraction 0.0" in m
+
+    _run(info, body)
