@@ -14,6 +14,7 @@ a cached prefix of the same length.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -78,7 +79,7 @@ def main() -> None:
     }
     backends = {n: get_backend(n) for n in ("torch", "numba-cpu")}
     print(
-        f"threads={args.threads} dtype={args.dtype} load={open('/proc/loadavg').read().split()[:3]}"
+        f"threads={args.threads} dtype={args.dtype} load={os.getloadavg()}"
     )
     for shape in SHAPES:
         for kind, (ql, sl) in steps.items():

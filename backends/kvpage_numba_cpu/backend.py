@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
+
 import numpy as np
 import torch
 
