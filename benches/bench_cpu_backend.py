@@ -78,9 +78,7 @@ def main() -> None:
         "prefill": (plens, [p * (1 + i % 2) for i, p in enumerate(plens)]),
     }
     backends = {n: get_backend(n) for n in ("torch", "numba-cpu")}
-    print(
-        f"threads={args.threads} dtype={args.dtype} load={os.getloadavg()}"
-    )
+    print(f"threads={args.threads} dtype={args.dtype} load={os.getloadavg()}")
     for shape in SHAPES:
         for kind, (ql, sl) in steps.items():
             cache, meta, q, spec = make_step(shape, dtype, ql, sl, 0)
