@@ -16,8 +16,7 @@ from kvpage.backends import select_backend
 from kvpage.specs import make_attention_spec, make_cache_spec
 
 numba = pytest.importorskip("numba")
-from kvpage_numba_cpu import NumbaCpuBackend  # noqa: E402
-from kvpage_numba_cpu import kernels  # noqa: E402
+from kvpage_numba_cpu import NumbaCpuBackend, kernels  # noqa: E402
 from kvpage_numba_cpu.plan import ROWS_PER_UNIT, _split  # noqa: E402
 
 
