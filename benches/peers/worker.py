@@ -99,6 +99,7 @@ class KvpageRunner:
             max_num_batched_tokens=2048,
             max_model_len=spec["max_model_len"],
             enable_prefix_caching=True,
+            backend=spec.get("backend", "auto"),
         )
 
     def run(self, work: list[tuple[list[int], int]], spec: dict[str, Any]) -> dict[str, Any]:
@@ -267,6 +268,7 @@ class HfBatchRunner:
 
 RUNNERS = {
     "kvpage": KvpageRunner,
+    "kvpage-torch": KvpageRunner,  # the same with backend="torch" (bench_peers sets it)
     "vllm": VllmRunner,
     "hf_generate": HfGenerateRunner,
     "hf_batch": HfBatchRunner,

@@ -1,0 +1,198 @@
+"""The ``numba-cpu`` backend: paged attention on the CPU as one compiled Numba kernel
+(``kernels.paged_attention``) that reads K/V in place through the block table.
+
+numba is imported lazily (inside methods): importing this module costs nothing and
+works without numba, which then is an unsupported reason. torch tensors reach the
+kernel zero-copy as numpy views (bfloat16 as int16 bits, fp8 as uint8 bits). The
+kernel runs on ``torch.get_num_threads()`` threads — the engine's ``num_threads``
+(``numba.set_num_threads``, capped at numba's pool size). ``write_kv`` and
+``copy_blocks`` are the built-in torch backend's (already vectorized copies; one
+implementation of the quantization formulas).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from kvpage.attention.checks import check_launch_forward
+from kvpage.attention.metadata import AttentionMetadata, KVCache
+from kvpage.attention.protocol import BackendCapabilities
+from kvpage.backends.torch_backend import TorchBackend
+from kvpage.specs import AttentionSpec, CacheSpec
+from kvpage_numba_cpu.plan import CpuPlan, torch_threads
+
+#: the 256 values of each fp8 format's bit patterns, built on first use
+_FP8_TABLES: dict[torch.dtype, np.ndarray] = {}
+_DUMMY_SCALES = np.zeros((1, 1, 1, 1), dtype=np.float32)
+_NO_TABLE = np.zeros(256, dtype=np.float32)
+_NO_FLOATS = np.zeros(1, dtype=np.float32)
+
+
+def _fp8_table(dtype: torch.dtype) -> np.ndarray:
+    """``[256]`` float32: the value of every bit pattern of fp8 ``dtype`` (exact)."""
+    if dtype not in _FP8_TABLES:
+        bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        _FP8_TABLES[dtype] = bits.view(dtype).float().numpy().copy()
+    return _FP8_TABLES[dtype]
+
+
+class NumbaCpuBackend:
+    """Paged attention on CPU with a compiled, multi-threaded Numba kernel.
+
+    Decode, prefill, chunked prefill and prefix-cache hits share one kernel; sliding
+    windows, logit soft caps, GQA/MQA, float32 and bfloat16 queries, and auto (float32
+    or bfloat16), int8 and fp8 KV caches. float16 is refused (Numba has no CPU float16
+    arithmetic). Results are computed in float32 (see ``kernels``) and do not depend on
+    the batch or the thread count.
+
+    ``capabilities.priority["cpu"]`` = 10 ranks it before the torch backend (0) for
+    ``select_backend(prefer="auto")`` on CPU: docs/benchmarks.md ("numba-cpu") has the
+    measurement behind it.
+    """
+
+    name = "numba-cpu"
+    capabilities = BackendCapabilities(
+        devices=frozenset({"cpu"}),
+        priority={"cpu": 10},
+        query_dtypes=frozenset({"float32", "bfloat16"}),
+        notes=(
+            "compiled on first use per KV storage dtype (cached on disk by numba)",
+            "float16 refused: numba has no CPU float16 arithmetic",
+        ),
+    )
+
+    def __init__(self) -> None:
+        self._torch = TorchBackend()
+
+    # ---- selection -------------------------------------------------------------------
+    def unsupported_reasons(self, spec: CacheSpec, device: torch.device | str) -> list[str]:
+        """Why this backend cannot run ``spec`` on ``device`` ([] = it can)."""
+        dev = torch.device(device)
+        why: list[str] = []
+        if dev.type != "cpu":
+            why.append(f"device: expected cpu, got {dev.type}")
+        if importlib.util.find_spec("numba") is None:
+            why.append("numba is not installed (pip install kvpage[numba])")
+        if spec.dtype not in self.capabilities.query_dtypes:
+            why.append(f"dtype: expected float32|bfloat16, got {spec.dtype}")
+        return why
+
+    def test_budget(self, device: torch.device) -> Mapping[str, object] | None:
+        """The suite's full default budget (``{}``: no field changed; ``None`` would
+        give a CPU plugin the small simulator budget). The kernel is compiled — four
+        specializations at most, about 8 s of CPU each the first time, then loaded from
+        numba's on-disk cache — so a case costs about what the torch backend's does."""
+        return {}
+
+    # ---- per step --------------------------------------------------------------------
+    def plan(self, meta: AttentionMetadata) -> CpuPlan:
+        """Validate the step and build the kernel's host arrays (``CpuPlan``); sets
+        numba's thread count to torch's (the engine's ``num_threads``).
+
+        Raises:
+            ShapeError, DTypeError: see ``kvpage.attention.plan.check_step``.
+        """
+        return CpuPlan.from_meta(meta, _sync_threads())
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+    ) -> None:
+        """The torch backend's ``write_kv`` (see ``AttentionBackend.write_kv``)."""
+        self._torch.write_kv(key, value, cache, slot_mapping)
+
+    def copy_blocks(self, caches: list[KVCache], pairs: torch.Tensor) -> None:
+        """The torch backend's ``copy_blocks`` (see ``AttentionBackend.copy_blocks``)."""
+        self._torch.copy_blocks(caches, pairs)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        plan: CpuPlan,
+        spec: AttentionSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of one layer over the step (``AttentionBackend.forward``) by the
+        compiled kernel; writes ``out`` (or a new tensor) and nothing else.
+
+        Raises:
+            ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_forward``.
+        """
+        kind = check_launch_forward(query, cache, plan, spec, out)
+        from kvpage_numba_cpu import kernels
+
+        direct = query.dtype == torch.float32
+        if out is None:
+            out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        if plan.num_tokens == 0:
+            return out
+        res = out if direct and out.is_contiguous() else torch.empty(query.shape, dtype=torch.float32)  # fmt: skip
+        q = query if direct and query.is_contiguous() else query.float().contiguous()
+        group = spec.num_q_heads // spec.num_kv_heads
+        units, bounds = plan.units_for(spec.num_kv_heads, group)
+        kv, code, tsc, fsc, lut = _storage(cache, kind)
+        kernels.paged_attention(
+            q.detach().numpy(),
+            kv,
+            kv.reshape(-1) if code == kernels.KIND_FLOAT else _NO_FLOATS,
+            code,
+            tsc,
+            fsc,
+            lut,
+            plan.block_tables,
+            plan.query_start,
+            plan.seq_lens,
+            units,
+            bounds,
+            np.float32(spec.scale),
+            spec.sliding_window or 0,
+            np.float32(spec.logits_soft_cap or 0.0),
+            res.detach().numpy(),
+        )
+        if res is not out:
+            out.copy_(res)
+        return out
+
+
+def _storage(
+    cache: KVCache, kind: str
+) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]:
+    """The cache as the kernel reads it: ``(kv bits, KIND_*, token scales, fp8 scale
+    table [2, num_kv_heads], fp8 value table)``, numpy views sharing the cache's memory
+    (scales: small copies)."""
+    from kvpage_numba_cpu import kernels
+
+    kv = cache.kv.detach()
+    if kind == "auto":
+        if kv.dtype == torch.bfloat16:
+            return kv.view(torch.int16).numpy(), kernels.KIND_BF16, _DUMMY_SCALES, _ones(cache), _NO_TABLE  # fmt: skip
+        return kv.numpy(), kernels.KIND_FLOAT, _DUMMY_SCALES, _ones(cache), _NO_TABLE
+    if kind == "int8":
+        assert cache.token_scales is not None
+        return kv.numpy(), kernels.KIND_INT8, cache.token_scales.detach().numpy(), _ones(cache), _NO_TABLE  # fmt: skip
+    from kvpage.attention.canonical import fp8_scale_table
+
+    fsc = fp8_scale_table(cache).numpy()
+    return kv.view(torch.uint8).numpy(), kernels.KIND_FP8, _DUMMY_SCALES, fsc, _fp8_table(kv.dtype)
+
+
+def _ones(cache: KVCache) -> np.ndarray:
+    return np.ones((2, cache.num_kv_heads), dtype=np.float32)
+
+
+def _sync_threads() -> int:
+    """Set numba's thread count for this thread to torch's (at most numba's pool size)
+    and return it."""
+    import numba
+
+    n = max(1, min(torch_threads(), int(numba.config.NUMBA_NUM_THREADS)))
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+    return n
+
+
+__all__ = ["NumbaCpuBackend"]
