@@ -82,6 +82,7 @@ class _Group:
         self.name, self.info_v, self.replicas = name, info, replicas
         self.behaviour: dict[str, str] = {r: "ok" for r in replicas}
         self.generated: list[str] = []
+        self.priorities: list[int] = []
         self.seq = 0
 
     @property
@@ -122,7 +123,10 @@ class _Group:
         group = self
 
         class _G:
-            def remote(self, rid: str, prompt: Any, params: Any, route: dict[str, Any]) -> _Gen:
+            def remote(
+                self, rid: str, prompt: Any, params: Any, route: dict[str, Any], priority: int = 0
+            ) -> _Gen:
+                group.priorities.append(priority)
                 cands = [r for r in group.replicas if r not in route["exclude"]]
                 choice = group.core.choose(rid, route, cands)
                 group.core.routed(rid, choice)

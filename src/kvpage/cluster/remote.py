@@ -161,10 +161,16 @@ class RemoteEngineLoop:
 
     # ------------------------------------------------------------ handler API
     async def add(
-        self, request_id: str, prompt: Any, params: Any, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Any,
+        arrival_time: float | None = None,
+        priority: int = 0,
     ) -> asyncio.Queue[Any]:
         """Send a request to a replica; return the queue its outputs arrive on (the
-        first one is already there).
+        first one is already there). ``priority`` goes to the replica's scheduler as in
+        :meth:`AsyncEngine.add <kvpage.server.engine_loop.AsyncEngine.add>`.
 
         Raises:
             RequestRejected: the replica's engine refused it.
@@ -179,7 +185,7 @@ class RemoteEngineLoop:
         q: asyncio.Queue[Any] = asyncio.Queue()
         ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         task = asyncio.ensure_future(
-            self._run(group, request_id, prompt, params, arrival_time, q, ack)
+            self._run(group, request_id, prompt, params, arrival_time, priority, q, ack)
         )
         self._tasks[request_id] = task
         task.add_done_callback(lambda _t: self._tasks.pop(request_id, None))
@@ -220,6 +226,7 @@ class RemoteEngineLoop:
         prompt: Any,
         params: Any,
         arrival: float | None,
+        priority: int,
         q: asyncio.Queue[Any],
         ack: asyncio.Future[None],
     ) -> None:
@@ -235,7 +242,7 @@ class RemoteEngineLoop:
                 }
                 got_any = False
                 gen = group.handle.options(stream=True).generate.remote(
-                    request_id, prompt, params, route=route
+                    request_id, prompt, params, route=route, priority=priority
                 )
                 try:
                     async for item in gen:

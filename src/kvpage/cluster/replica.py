@@ -95,12 +95,13 @@ class EngineReplica:
 
     # ------------------------------------------------------------ calls
     async def generate(
-        self, request_id: str, prompt: Any, params: Any, route: Any = None
+        self, request_id: str, prompt: Any, params: Any, route: Any = None, priority: int = 0
     ) -> AsyncIterator[Any]:
-        """Run one request; yield its ``RequestOutput`` objects (see module doc)."""
+        """Run one request; yield its ``RequestOutput`` objects (see module doc);
+        ``priority`` is the scheduling priority the ingress resolved for its tenant."""
         self._ensure_started()
         try:
-            q = await self.loop.add(request_id, prompt, params)
+            q = await self.loop.add(request_id, prompt, params, priority=priority)
         except RequestRejected as exc:  # sent as data: the exception does not pickle
             yield {"rejected": str(exc), "reason": exc.reason}
             return
