@@ -92,7 +92,7 @@ def ideal_hit_pct(trace: Any) -> float:
     return 100.0 * hit / blocks if blocks else 0.0
 
 
-def run(quick: bool, workloads: list[str] | None) -> list[dict[str, Any]]:
+def run(quick: bool, workloads: list[str] | None, sink: Path) -> list[dict[str, Any]]:
     from kvpage.sim.cluster import simulate_cluster
     from kvpage.sim.simulator import SimConfig
 
@@ -111,6 +111,7 @@ def run(quick: bool, workloads: list[str] | None) -> list[dict[str, Any]]:
                 d = simulate_cluster(trace, cfg, instances=n, router=router).to_dict()
                 d.update(workload=name, ideal_hit_pct=ideal, wall_s=time.perf_counter() - t0)
                 rows.append(d)
+                sink.write_text(json.dumps(rows, indent=1) + "\n")  # partial results survive
                 _log(
                     f"  N={n:2d} {router:13s} hit {d['prefix_hit_pct']:5.1f} % "
                     f"TTFT p90 {d['ttft_s']['p90']:.2f} s ({d['wall_s']:.0f} s wall)"
@@ -206,10 +207,22 @@ def main() -> int:
     ap.add_argument("--workloads", default=None, help="comma list (default: all)")
     ap.add_argument("--quick", action="store_true", help="200 requests, N in {2, 8}")
     ap.add_argument("--no-docs", action="store_true", help="do not write docs/sim_routing.*")
+    ap.add_argument(
+        "--from-json",
+        default=None,
+        help="comma list of routing.json files of earlier runs: tabulate and plot them "
+        "instead of running (e.g. workloads run in two processes)",
+    )
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = run(args.quick, args.workloads.split(",") if args.workloads else None)
+    if args.from_json:
+        rows = [d for f in args.from_json.split(",") for d in json.loads(Path(f).read_text())]
+        order = {w[0]: i for i, w in enumerate(WORKLOADS)}
+        rows.sort(key=lambda d: (order.get(d["workload"], 99), d["instances"]))
+    else:
+        wl = args.workloads.split(",") if args.workloads else None
+        rows = run(args.quick, wl, out / "routing.json")
     (out / "routing.json").write_text(json.dumps(rows, indent=1) + "\n")
     md = table(rows)
     tg = targets(rows)

@@ -383,7 +383,13 @@ class OraclePolicy(_Base):
     """The replica holding the longest leading run of the request's blocks according
     to ``lookup`` (exact: the simulator passes a function that reads every replica's
     pool), ties by fewest queued, then at random. Simulator only: a real router cannot
-    read remote pools."""
+    read remote pools.
+
+    It maximizes each request's own hit, greedily and ignoring load; when every request
+    shares a first block (a system prompt), the instances that hold it first attract
+    all traffic (herding), so under load its cluster-wide hit ratio and TTFT can be
+    worse than ``kv_precise``'s. It bounds one request's hit, not the cluster's (the
+    benchmark's ``ideal`` column, one infinite cache, bounds that)."""
 
     name = "oracle"
 
