@@ -85,13 +85,17 @@ class PrefixApproxPolicy(PolicyBase):
     ``do_eviction=False``), so it keeps predicting hits for blocks a replica has long
     evicted: exactly the staleness ``kv_precise`` removes.
 
-    Why not import Ray's class: it is shipped in ``ray.serve.llm`` (the ``ray[llm]``
-    extra, which pins vLLM), expects text ``prompt``/``messages`` arguments and a
-    detached prefix-tree actor, and kvpage's core must not depend on Ray. This rebuild
-    matches on tokens instead of characters, with block-granular edges: the tree is a
-    dict keyed by the chained block hashes (a chained hash names the whole path from the
-    root, so the dict *is* the trie), and a match counts ``block_size`` tokens per
-    matched block (a prompt's partial last block is never matched).
+    Why not import Ray's class: it lives in ``ray.serve.llm``, which is installed with
+    the ``ray[llm]`` extra (its requirements list ``vllm``); importing
+    ``ray.serve.llm.request_router`` first runs ``ray/serve/llm/__init__.py``, which
+    imports the ``LLMConfig`` / ``LLMServer`` (vLLM engine deployment) modules. A
+    vLLM-free import was not verified (Ray is not installed in kvpage's environment),
+    and the class also expects text ``prompt``/``messages`` request arguments and a
+    detached prefix-tree actor, while kvpage's router core must not need Ray. This
+    rebuild matches on tokens instead of characters, with block-granular edges: the tree
+    is a dict keyed by the chained block hashes (a chained hash names the whole path
+    from the root, so the dict *is* the trie), and a match counts ``block_size`` tokens
+    per matched block (a prompt's partial last block is never matched).
 
     Args:
         seed: the random draws.
