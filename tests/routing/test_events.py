@@ -106,3 +106,36 @@ def test_to_dict_from_dict_round_trip() -> None:
 def test_from_dict_refuses_malformed_batches(bad: object) -> None:
     with pytest.raises(RoutingError):
         KVEventBatch.from_dict(bad)  # type: ignore[arg-type]
+
+
+def test_hybrid_model_publishes_the_full_attention_pool() -> None:
+    mgr = make_manager(num_blocks=6, windows=(None, 4))  # one full, one sliding group
+    assert mgr.num_groups == 2 and mgr.prefix_pools == [mgr.pools[0]]
+    pub = KVEventPublisher("h")
+    pub.attach(mgr)
+    for i in range(4):  # enough traffic to evict in both pools
+        run_request(mgr, f"r{i}", list(range(10 * i, 10 * i + 12)))
+    b = pub.drain()
+    assert b is not None and pub.held() == mgr.pools[0].cached_hashes()
+    assert any(isinstance(e, BlockRemoved) for e in b.events)
+
+
+def test_two_full_pools_a_hash_counts_while_both_hold_it() -> None:
+    from types import SimpleNamespace
+
+    from kvpage.cache import BlockPool
+
+    p0, p1 = BlockPool(4), BlockPool(4)
+    pub = KVEventPublisher("two")
+    pub.attach(SimpleNamespace(prefix_pools=[p0, p1]))  # type: ignore[arg-type]
+    h = bytes(32)
+    b0, b1 = p0.allocate(1)[0], p1.allocate(1)[0]
+    p0.cache_block(b0, h)
+    assert pub.held() == frozenset() and pub.drain() is None  # only one pool holds it
+    p1.cache_block(b1, h)
+    assert pub.held() == {h}
+    p0.free([b0])
+    p0.allocate(3)  # the LRU queue reaches b0: evicted in pool 0 only
+    b = pub.drain()
+    assert b is not None and b.events == (BlockStored((h,)), BlockRemoved((h,)))
+    assert pub.held() == frozenset()
