@@ -5,6 +5,8 @@
   replica attaches to its :class:`~kvpage.cache.KVCacheManager`;
 * :mod:`kvpage.routing.index`: :class:`PrefixIndex`, the router's per-replica view,
   with gap / restart detection and snapshot resync;
+* :mod:`kvpage.routing.base`: ``ReplicaLoad``, ``RouteRequest``, :func:`route_request` and
+  the :class:`RouterPolicy` protocol;
 * :mod:`kvpage.routing.policies`: the policies (``round_robin``, ``power_of_two``,
   ``prefix_approx``, ``kv_precise``, ``oracle``) behind one :class:`RouterPolicy`
   protocol, and :func:`route_request` (block keys from ``kvpage.cache.hash_request_blocks``).

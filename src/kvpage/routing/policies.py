@@ -21,140 +21,24 @@ objects run in the Ray Serve deployment and in the multi-instance simulator
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-from kvpage.cache import hash_request_blocks
+from kvpage.routing.base import (
+    PolicyBase,
+    ReplicaLoad,
+    RouteRequest,
+    RouterPolicy,
+    check_loads,
+    route_request,
+)
 from kvpage.routing.events import RoutingError
 from kvpage.routing.index import PrefixIndex
 
 POLICY_NAMES = ("round_robin", "power_of_two", "prefix_approx", "kv_precise", "oracle")
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaLoad:
-    """A replica's load as the router sees it when choosing.
-
-    Attributes:
-        replica_id: the replica.
-        num_running: requests in its running batch.
-        num_waiting: requests queued, not yet admitted (includes ones routed to it and
-            not yet seen by its scheduler).
-        kv_usage: fraction of its KV blocks held by requests, in [0, 1].
-    """
-
-    replica_id: str
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-
-    @property
-    def queued(self) -> int:
-        """``num_running + num_waiting``: Ray Serve's queue length of a replica."""
-        return self.num_running + self.num_waiting
-
-
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
-    """What a policy knows of a request.
-
-    Attributes:
-        prompt_token_ids: the prompt's token ids.
-        block_hashes: the prompt's chained block hashes, block 0 first (from
-            :func:`route_request`, i.e. ``kvpage.cache.hash_request_blocks`` with the
-            engine's block size, hash seed, cache_salt and adapter).
-        block_size: tokens per block of ``block_hashes`` (0 = not given; then
-            ``prefix_approx`` assumes the hashes cover the whole prompt).
-    """
-
-    prompt_token_ids: Sequence[int]
-    block_hashes: Sequence[bytes]
-    block_size: int = 0
-
-
-def route_request(
-    prompt_token_ids: Sequence[int],
-    *,
-    block_size: int,
-    cache_salt: str | None = None,
-    adapter_id: str | None = None,
-    hash_seed: int = 0,
-) -> RouteRequest:
-    """A :class:`RouteRequest` with the engine's block keys.
-
-    Args:
-        prompt_token_ids: the prompt.
-        block_size: the replicas' KV block size (tokens).
-        cache_salt, adapter_id, hash_seed: as the engine uses them for this request
-            (``kvpage.cache.hash_request_blocks``); different values give disjoint keys.
-
-    Raises:
-        SpecError: ``block_size < 1``, a token id outside int64 or a bad seed.
-    """
-    hashes = hash_request_blocks(
-        prompt_token_ids,
-        block_size,
-        cache_salt=cache_salt,
-        adapter_id=adapter_id,
-        hash_seed=hash_seed,
-    )
-    return RouteRequest(prompt_token_ids, hashes, block_size)
-
-
-class RouterPolicy(Protocol):
-    """A routing policy (module docstring). ``choose`` must not mutate its inputs."""
-
-    name: str
-
-    def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> str:
-        """The replica id (one of ``loads``) to send ``req`` to.
-
-        Raises:
-            RoutingError: ``loads`` is empty.
-        """
-        ...
-
-    def on_routed(self, req: RouteRequest, replica_id: str) -> None:
-        """Told after ``req`` was sent to ``replica_id``."""
-        ...
-
-    def forget(self, replica_id: str) -> None:
-        """Drop any per-replica state of a dead / removed replica."""
-        ...
-
-
-def _check(loads: Sequence[ReplicaLoad]) -> None:
-    if not loads:
-        raise RoutingError("loads: expected at least one replica, got none")
-
-
-class _Base:
-    name = ""
-
-    def __init__(self, seed: int = 0) -> None:
-        self._rng = random.Random(seed)
-
-    def on_routed(self, req: RouteRequest, replica_id: str) -> None:
-        return None
-
-    def forget(self, replica_id: str) -> None:
-        return None
-
-    def _least_queued(self, cands: Sequence[ReplicaLoad]) -> str:
-        """The candidate with the fewest queued requests, ties at random."""
-        best = min(c.queued for c in cands)
-        ties = [c for c in cands if c.queued == best]
-        return ties[0].replica_id if len(ties) == 1 else self._rng.choice(ties).replica_id
-
-    def _pow2(self, loads: Sequence[ReplicaLoad]) -> str:
-        if len(loads) <= 2:
-            return self._least_queued(loads)
-        return self._least_queued(self._rng.sample(list(loads), 2))
-
-
-class RoundRobinPolicy(_Base):
+class RoundRobinPolicy(PolicyBase):
     """Replicas in turn, in the order of ``loads`` (position = counter mod len)."""
 
     name = "round_robin"
@@ -164,13 +48,13 @@ class RoundRobinPolicy(_Base):
         self._next = 0
 
     def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> str:
-        _check(loads)
+        check_loads(loads)
         rid = loads[self._next % len(loads)].replica_id
         self._next += 1
         return rid
 
 
-class PowerOfTwoPolicy(_Base):
+class PowerOfTwoPolicy(PolicyBase):
     """Two distinct random replicas, fewer queued wins (ties at random): Ray Serve's
     default ``PowerOfTwoChoicesRequestRouter`` (Mitzenmacher, "The Power of Two Choices
     in Randomized Load Balancing", 2001)."""
@@ -178,11 +62,11 @@ class PowerOfTwoPolicy(_Base):
     name = "power_of_two"
 
     def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> str:
-        _check(loads)
+        check_loads(loads)
         return self._pow2(loads)
 
 
-class PrefixApproxPolicy(_Base):
+class PrefixApproxPolicy(PolicyBase):
     """Approximate prefix affinity from past routing decisions, no eviction feedback.
 
     The algorithm of Ray Serve LLM's ``PrefixCacheAffinityRouter`` (Ray docs,
@@ -201,13 +85,17 @@ class PrefixApproxPolicy(_Base):
     ``do_eviction=False``), so it keeps predicting hits for blocks a replica has long
     evicted: exactly the staleness ``kv_precise`` removes.
 
-    Why not import Ray's class: it is shipped in ``ray.serve.llm`` (the ``ray[llm]``
-    extra, which pins vLLM), expects text ``prompt``/``messages`` arguments and a
-    detached prefix-tree actor, and kvpage's core must not depend on Ray. This rebuild
-    matches on tokens instead of characters, with block-granular edges: the tree is a
-    dict keyed by the chained block hashes (a chained hash names the whole path from the
-    root, so the dict *is* the trie), and a match counts ``block_size`` tokens per
-    matched block (a prompt's partial last block is never matched).
+    Why not import Ray's class: it lives in ``ray.serve.llm``, which is installed with
+    the ``ray[llm]`` extra (its requirements list ``vllm``); importing
+    ``ray.serve.llm.request_router`` first runs ``ray/serve/llm/__init__.py``, which
+    imports the ``LLMConfig`` / ``LLMServer`` (vLLM engine deployment) modules. A
+    vLLM-free import was not verified (Ray is not installed in kvpage's environment),
+    and the class also expects text ``prompt``/``messages`` request arguments and a
+    detached prefix-tree actor, while kvpage's router core must not need Ray. This
+    rebuild matches on tokens instead of characters, with block-granular edges: the tree
+    is a dict keyed by the chained block hashes (a chained hash names the whole path
+    from the root, so the dict *is* the trie), and a match counts ``block_size`` tokens
+    per matched block (a prompt's partial last block is never matched).
 
     Args:
         seed: the random draws.
@@ -226,7 +114,7 @@ class PrefixApproxPolicy(_Base):
         self._tenant_size: dict[str, int] = {}
 
     def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> str:
-        _check(loads)
+        check_loads(loads)
         queued = [c.queued for c in loads]
         if max(queued) - min(queued) > self.imbalanced_threshold or not self._tree:
             return self._pow2(loads)
@@ -304,7 +192,7 @@ class CostWeights:
                 raise RoutingError(f"cost.{k}: expected a number >= 0, got {v!r}")
 
 
-class KVPrecisePolicy(_Base):
+class KVPrecisePolicy(PolicyBase):
     """Exact prefix hits now, traded against load in one cost (lowest wins).
 
     For a request of ``n`` blocks and replica ``r``, with ``m_r`` = leading blocks ``r``
@@ -354,7 +242,7 @@ class KVPrecisePolicy(_Base):
 
     def scores(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> dict[str, float]:
         """``cost(r)`` per replica of ``loads`` (the class docstring's formula)."""
-        _check(loads)
+        check_loads(loads)
         n = len(req.block_hashes)
         matched = self.index.matched_blocks(req.block_hashes)
         w = self.cost
@@ -379,11 +267,17 @@ class KVPrecisePolicy(_Base):
         self.index.remove(replica_id)
 
 
-class OraclePolicy(_Base):
+class OraclePolicy(PolicyBase):
     """The replica holding the longest leading run of the request's blocks according
     to ``lookup`` (exact: the simulator passes a function that reads every replica's
     pool), ties by fewest queued, then at random. Simulator only: a real router cannot
-    read remote pools."""
+    read remote pools.
+
+    It maximizes each request's own hit, greedily and ignoring load; when every request
+    shares a first block (a system prompt), the instances that hold it first attract
+    all traffic (herding), so under load its cluster-wide hit ratio and TTFT can be
+    worse than ``kv_precise``'s. It bounds one request's hit, not the cluster's (the
+    benchmark's ``ideal`` column, one infinite cache, bounds that)."""
 
     name = "oracle"
 
@@ -392,7 +286,7 @@ class OraclePolicy(_Base):
         self._lookup = lookup
 
     def choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> str:
-        _check(loads)
+        check_loads(loads)
         m = self._lookup(req.block_hashes)
         best = max(m.get(c.replica_id, 0) for c in loads)
         return self._least_queued([c for c in loads if m.get(c.replica_id, 0) == best])
