@@ -19,8 +19,8 @@ router reads and the replica ignores):
   failure arrives as a ``{"failure": message, "oom": bool}`` item, an engine refusal
   as a single ``{"rejected": message, "reason": reason}`` item. Cancelling the stream aborts the
   request in the engine.
-* ``kv_events(route)`` -- drained event batches (``to_dict`` form), the load and the
-  engine metrics.
+* ``kv_events(route)`` -- drained event batches (``to_dict`` form; at least a heartbeat
+  batch every :data:`HEARTBEAT_S`), the load and the engine metrics.
 * ``kv_snapshot(route)`` -- a full snapshot (``KVSnapshot.to_dict``) for a resync.
 * ``info(route)`` -- cache facts and the tokenizer (the ingress validates with it).
 """
