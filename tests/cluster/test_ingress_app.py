@@ -166,10 +166,11 @@ def info() -> dict[str, Any]:
     }
 
 
-def _run(info: dict[str, Any], body: Any) -> None:
+def _run(info: dict[str, Any], body: Any, server: dict[str, Any] | None = None) -> None:
     async def main() -> None:
         cfg = ClusterConfig.model_validate(
             {
+                "server": server or {},
                 "router": {"policy": "round_robin", "kv_event_poll_s": 0.05},
                 "groups": {
                     "default": {"replicas": 2},
@@ -277,3 +278,29 @@ def test_canary_admin_route_and_kv_events_on_metrics(info: dict[str, Any]) -> No
         assert "kvpage:canary_traffic_fraction 0.0" in m
 
     _run(info, body)
+
+
+def test_api_keys_at_the_ingress_and_operator_only_admin(info: dict[str, Any]) -> None:
+    async def body(c: httpx.AsyncClient, ing: Ingress, groups: dict[str, _Group]) -> None:
+        r = await c.post("/v1/completions", json=REQ)
+        assert r.status_code == 401
+        r = await c.post("/v1/completions", json=REQ, headers={"Authorization": "Bearer sk-x"})
+        assert r.status_code == 401
+        assert groups["default"].generated == []  # refused before any replica
+        user = {"Authorization": "Bearer sk-user"}
+        op = {"Authorization": "Bearer sk-op"}
+        r = await c.post("/v1/completions", json=REQ, headers=user)
+        assert r.status_code == 200 and len(groups["default"].generated) == 1
+        for h in ({}, user):  # a tenant key is not an operator key
+            r = await c.post("/admin/canary", json={"traffic_fraction": 0.5}, headers=h)
+            assert r.status_code == 401
+            assert (await c.get("/admin/canary", headers=h)).status_code == 401
+        assert ing.selector.canary_fraction == 0.0
+        r = await c.post("/admin/canary", json={"traffic_fraction": 0.5}, headers=op)
+        assert r.status_code == 200 and ing.selector.canary_fraction == 0.5
+
+    _run(
+        info,
+        body,
+        server={"security": {"api_keys": ["sk-user"], "metrics_api_keys": ["sk-op"]}},
+    )

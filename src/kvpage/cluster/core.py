@@ -172,6 +172,11 @@ class RouterCore:
         if removed:
             self.observer.removed(self.group, replica_id)
 
+    def view_sizes(self) -> dict[str, int]:
+        """Replica id -> blocks in the router's view of it (a consistent copy)."""
+        with self.lock:
+            return {rid: self.index.num_blocks(rid) for rid in self.index.replicas}
+
     # ------------------------------------------------------------ KV events
     def apply_report(self, report: dict[str, Any]) -> bool:
         """Apply a replica's ``kv_events`` report (batches in order, then its load).

@@ -247,9 +247,7 @@ class Ingress:
             cfg.router.policy,
             server_cfg.model_name,
             lambda: {
-                (g.name, rid): g.core.index.num_blocks(rid)
-                for g in groups.values()
-                for rid in list(g.core.index.replicas)
+                (g.name, rid): n for g in groups.values() for rid, n in g.core.view_sizes().items()
             },
         )
         loop.observer = metrics

@@ -19,8 +19,8 @@ router reads and the replica ignores):
   failure arrives as a ``{"failure": message, "oom": bool}`` item, an engine refusal
   as a single ``{"rejected": message, "reason": reason}`` item. Cancelling the stream aborts the
   request in the engine.
-* ``kv_events(route)`` -- drained event batches (``to_dict`` form), the load and the
-  engine metrics.
+* ``kv_events(route)`` -- drained event batches (``to_dict`` form; at least a heartbeat
+  batch every :data:`HEARTBEAT_S`), the load and the engine metrics.
 * ``kv_snapshot(route)`` -- a full snapshot (``KVSnapshot.to_dict``) for a resync.
 * ``info(route)`` -- cache facts and the tokenizer (the ingress validates with it).
 """
@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -41,6 +42,10 @@ __all__ = ["EngineReplica", "replica_load"]
 #: drained batches a replica keeps for the ingress; older ones are dropped (the ingress
 #: then sees a sequence gap and resyncs from a snapshot: nothing goes silently stale)
 MAX_PENDING_BATCHES = 4096
+
+#: a report carries at least a heartbeat batch this often (seconds), so a lost last
+#: batch is noticed (as a gap) within it even when the replica is quiet
+HEARTBEAT_S = 2.0
 
 
 def replica_load(metrics: dict[str, float]) -> dict[str, float]:
@@ -80,11 +85,15 @@ class EngineReplica:
         self.publisher.attach(self.engine.kv_cache_manager)
         self._batches: collections.deque[Any] = collections.deque(maxlen=MAX_PENDING_BATCHES)
         self._lock = threading.Lock()
+        self._last_sent = 0.0  # time.monotonic() of the last report carrying a batch
         self.loop = AsyncEngine(self.engine, on_step=self._on_step)
 
     # ------------------------------------------------------------ engine thread
     def _on_step(self, st: StepStats) -> None:
-        batch = self.publisher.drain()
+        self._drain()
+
+    def _drain(self, heartbeat: bool = False) -> None:
+        batch = self.publisher.drain(heartbeat=heartbeat)
         if batch is not None:
             with self._lock:
                 self._batches.append(batch)
@@ -122,13 +131,18 @@ class EngineReplica:
     async def kv_events(self, route: Any = None) -> dict[str, Any]:
         """Pending KV event batches (oldest first), the load and the engine metrics."""
         self._ensure_started()
-        if not self.engine.has_unfinished_requests():
-            # idle engine: no step drains the publisher (e.g. after an abort), so drain
-            # on the engine thread now
-            await self.loop.call(lambda _e: self._on_step(StepStats(0.0, 0, {})))
+        now = time.monotonic()
+        beat = now - self._last_sent >= HEARTBEAT_S
+        if beat or not self.engine.has_unfinished_requests():
+            # an idle engine runs no step that would drain the publisher (e.g. after an
+            # abort); a heartbeat (an empty batch with the next seq) lets the ingress
+            # notice a lost last batch within HEARTBEAT_S. Drained on the engine thread.
+            await self.loop.call(lambda _e: self._drain(heartbeat=beat))
         with self._lock:
             batches = list(self._batches)
             self._batches.clear()
+        if batches:
+            self._last_sent = now
         metrics = dict(self.loop.metrics_snapshot)
         return {
             "replica_id": self.replica_id,
