@@ -12,6 +12,11 @@ groups) and checks after every rule:
   that request's tokens, and every key its next query can see (all earlier positions,
   or the last ``W`` in a sliding-window group) is still in its block table;
 * a failed allocation (None) changes nothing but the failure counter.
+
+``TierCacheMachine`` runs the same rules with a host and a disk KV tier below the pool
+(``kvpage.cache.tiered``) plus tier rules (restart under the same or another
+fingerprint, a damaged disk file, a full disk) and checks the tier invariants after
+every step (see its docstring).
 """
 
 from __future__ import annotations
