@@ -15,7 +15,11 @@ of docs/architecture.md) and to its :class:`~kvpage.cache.manager.KVCacheManager
   allocation below cannot evict them), blocks found in the host tier (taken out: host
   and pool are exclusive) or the disk tier (verified read; the file stays) are copied
   into fresh pool blocks in one :meth:`BlockMover.write_blocks` call and registered
-  with ``cache_block``; the walk stops at the first block found nowhere. The promoted
+  with ``cache_block``; the walk stops at the first block found nowhere. Promotion
+  waits until the whole prompt fits the pool's free blocks (else the request cannot be
+  admitted yet, and the scheduler's next lookup would promote the same blocks again
+  after the running requests evicted them: churn); a prompt admitted in chunks while
+  the pool is shorter than that gets only the pool's part of its hit. The promoted
   blocks are then ordinary cached blocks, so the group managers never see a tier.
   :meth:`take_hit` tells the manager which tier each block of a taken hit came from
   (for ``num_cached_tokens_by_tier`` and ``TierStats.hits_tokens``); a promoted block
@@ -77,6 +81,8 @@ class TieredCache:
     Attributes:
         host, disk: the tiers (read their ``stats``, ``used_bytes``, ``listeners``).
         demote_failures: evicted blocks that no tier stored (dropped).
+        promotions_deferred: lookups that found blocks in a tier but did not promote
+            them because the whole prompt did not fit the free blocks then.
 
     Raises:
         SpecError: neither tier given.
@@ -97,6 +103,7 @@ class TieredCache:
         self.host = host
         self.disk = disk
         self.demote_failures = 0
+        self.promotions_deferred = 0
         self._promoted: dict[BlockHash, str] = {}
         pool.listeners.append(self)
 
@@ -170,12 +177,14 @@ class TieredCache:
         pool = self.pool
         cap = (len(token_ids) - 1) // block_size
         held: list[int] = []
+        pool_ids: list[int] = []  # pool block ids of the prefix (held or in use)
         wanted: list[tuple[BlockHash, str]] = []
         for h in iter_block_hashes(root, extra, token_ids, block_size, 0, cap):
             bid = pool.cached_block_id(h)
             if bid is not None:
                 if wanted:
                     break  # a pool block after a gap: the hit ends at the gap anyway
+                pool_ids.append(bid)
                 if pool.ref_count(bid) == 0:
                     held.append(bid)
                 continue
@@ -186,6 +195,12 @@ class TieredCache:
             else:
                 break
         if not wanted:
+            return 0
+        # promote only when the whole prompt fits the free blocks now: a request that
+        # cannot be admitted would see its promoted blocks evicted again (churn)
+        in_use = sum(1 for b in pool_ids if pool.ref_count(b) > 0)
+        if -(-len(token_ids) // block_size) - in_use > pool.num_free:
+            self.promotions_deferred += 1
             return 0
         pool.touch_ids(held)  # protect the pool part of the hit from the allocation
         try:
