@@ -16,10 +16,11 @@ of docs/architecture.md) and to its :class:`~kvpage.cache.manager.KVCacheManager
   and pool are exclusive) or the disk tier (verified read; the file stays) are copied
   into fresh pool blocks in one :meth:`BlockMover.write_blocks` call and registered
   with ``cache_block``; the walk stops at the first block found nowhere. Promotion
-  waits until the whole prompt fits the pool's free blocks (else the request cannot be
-  admitted yet, and the scheduler's next lookup would promote the same blocks again
-  after the running requests evicted them: churn); a prompt admitted in chunks while
-  the pool is shorter than that gets only the pool's part of its hit. The promoted
+  waits until the request could be admitted with the whole hit: the free blocks must
+  hold the free hit blocks plus its first chunk (``admission_chunk_tokens``, else the
+  rest of the prompt). Otherwise the scheduler's next lookup for the same queue head
+  would promote the same blocks again after the running requests evicted them (churn,
+  measured on the Mooncake-derived engine run before this rule). The promoted
   blocks are then ordinary cached blocks, so the group managers never see a tier.
   :meth:`take_hit` tells the manager which tier each block of a taken hit came from
   (for ``num_cached_tokens_by_tier`` and ``TierStats.hits_tokens``); a promoted block
@@ -82,7 +83,10 @@ class TieredCache:
         host, disk: the tiers (read their ``stats``, ``used_bytes``, ``listeners``).
         demote_failures: evicted blocks that no tier stored (dropped).
         promotions_deferred: lookups that found blocks in a tier but did not promote
-            them because the whole prompt did not fit the free blocks then.
+            them because the request could not have been admitted then.
+        admission_chunk_tokens: most tokens a first allocation takes after its hit (the
+            scheduler's ``max_num_batched_tokens``; None = the whole prompt), for the
+            admission estimate of :meth:`promote_prefix`.
 
     Raises:
         SpecError: neither tier given.
@@ -104,6 +108,7 @@ class TieredCache:
         self.disk = disk
         self.demote_failures = 0
         self.promotions_deferred = 0
+        self.admission_chunk_tokens: int | None = None
         self._promoted: dict[BlockHash, str] = {}
         pool.listeners.append(self)
 
@@ -196,10 +201,14 @@ class TieredCache:
                 break
         if not wanted:
             return 0
-        # promote only when the whole prompt fits the free blocks now: a request that
-        # cannot be admitted would see its promoted blocks evicted again (churn)
-        in_use = sum(1 for b in pool_ids if pool.ref_count(b) > 0)
-        if -(-len(token_ids) // block_size) - in_use > pool.num_free:
+        # promote only when the request can be admitted with the whole hit now: else its
+        # promoted blocks would be evicted again before the next lookup (churn)
+        hit_tokens = (len(pool_ids) + len(wanted)) * block_size
+        first = len(token_ids) - hit_tokens
+        if self.admission_chunk_tokens is not None:
+            first = min(first, self.admission_chunk_tokens)
+        need = len(held) + len(wanted) + -(-first // block_size)
+        if need > pool.num_free:
             self.promotions_deferred += 1
             return 0
         pool.touch_ids(held)  # protect the pool part of the hit from the allocation
