@@ -15,12 +15,13 @@ of docs/architecture.md) and to its :class:`~kvpage.cache.manager.KVCacheManager
   allocation below cannot evict them), blocks found in the host tier (taken out: host
   and pool are exclusive) or the disk tier (verified read; the file stays) are copied
   into fresh pool blocks in one :meth:`BlockMover.write_blocks` call and registered
-  with ``cache_block``; the walk stops at the first block found nowhere. Promotion
-  waits until the request could be admitted with the whole hit: the free blocks must
-  hold the free hit blocks plus its first chunk (``admission_chunk_tokens``, else the
-  rest of the prompt). Otherwise the scheduler's next lookup for the same queue head
-  would promote the same blocks again after the running requests evicted them (churn,
-  measured on the Mooncake-derived engine run before this rule). The promoted
+  with ``cache_block``; the walk stops at the first block found nowhere. It promotes
+  only as many blocks as still let the request be admitted now (the free blocks must
+  hold the free hit blocks plus its first chunk, ``admission_chunk_tokens``, else the
+  rest of the prompt), none when it cannot be admitted at all: otherwise the
+  scheduler's next lookup for the same queue head would promote the same blocks again
+  after the running requests evicted them (churn, measured on the Mooncake-derived
+  engine run before this rule). The promoted
   blocks are then ordinary cached blocks, so the group managers never see a tier.
   :meth:`take_hit` tells the manager which tier each block of a taken hit came from
   (for ``num_cached_tokens_by_tier`` and ``TierStats.hits_tokens``); a promoted block
@@ -201,16 +202,13 @@ class TieredCache:
                 break
         if not wanted:
             return 0
-        # promote only when the request can be admitted with the whole hit now: else its
+        # promote only as many blocks as still let the request be admitted now: else the
         # promoted blocks would be evicted again before the next lookup (churn)
-        hit_tokens = (len(pool_ids) + len(wanted)) * block_size
-        first = len(token_ids) - hit_tokens
-        if self.admission_chunk_tokens is not None:
-            first = min(first, self.admission_chunk_tokens)
-        need = len(held) + len(wanted) + -(-first // block_size)
-        if need > pool.num_free:
+        k = self._admissible(len(token_ids), len(pool_ids), len(held), len(wanted), block_size)
+        if k == 0:
             self.promotions_deferred += 1
             return 0
+        wanted = wanted[:k]
         pool.touch_ids(held)  # protect the pool part of the hit from the allocation
         try:
             wanted = wanted[: pool.num_free]
@@ -244,6 +242,21 @@ class TieredCache:
             return len(got)
         finally:
             pool.release(reversed(held))
+
+    def _admissible(self, n: int, in_pool: int, held: int, found: int, bs: int) -> int:
+        """Most of the ``found`` tier blocks (after ``in_pool`` pool blocks, ``held`` of
+        them free) that a first allocation of an ``n``-token prompt can take now: the
+        free blocks must hold the free hit blocks plus the first chunk after the hit
+        (``admission_chunk_tokens``, else the rest of the prompt). 0 when none."""
+        chunk = self.admission_chunk_tokens
+        free = self.pool.num_free
+        for k in range(found, 0, -1):
+            first = n - (in_pool + k) * bs
+            if chunk is not None:
+                first = min(first, chunk)
+            if held + k + -(-first // bs) <= free:
+                return k
+        return 0
 
     def take_hit(self, hashes: Sequence[BlockHash], block_size: int) -> dict[str, int]:
         """Account a prefix hit a request takes: per place (``"device"``, ``"host"``,
