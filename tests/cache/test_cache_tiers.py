@@ -231,8 +231,9 @@ def test_bad_config_is_refused(tmp_path: Path) -> None:
         TieredCache(mgr.pools[0], DictMover(5))
 
 
-def test_promotion_waits_until_the_prompt_fits(tmp_path: Path) -> None:
+def test_admissible_only_waits_until_the_prompt_fits(tmp_path: Path) -> None:
     mgr, tiers, mover = build(tmp_path)
+    tiers.admissible_only = True
     run(mgr, mover, "a", A)
     run(mgr, mover, "b", B)  # A in host + disk
     held = mgr.allocate("x", C[:12], 12)  # 3 of the 5 usable blocks in use
@@ -246,3 +247,13 @@ def test_promotion_waits_until_the_prompt_fits(tmp_path: Path) -> None:
     mgr.free("x")
     # (x's allocation evicted B into host, which pushed A's host blocks on to disk)
     assert run(mgr, mover, "a2", A) == {"device": 0, "disk": 16}
+
+
+def test_default_promotes_even_when_not_admissible_yet(tmp_path: Path) -> None:
+    mgr, tiers, mover = build(tmp_path)
+    run(mgr, mover, "a", A)
+    run(mgr, mover, "b", B)
+    assert mgr.allocate("x", C[:12], 12) is not None  # 2 free blocks left
+    assert mgr.get_num_cached_tokens(A) == 8  # two blocks promoted (a prefetch)
+    assert tiers.promotions_deferred == 0
+    mgr.check_integrity()
