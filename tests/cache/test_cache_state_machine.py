@@ -19,6 +19,10 @@ that new blocks come from the head of the eviction order (lowest priority level 
 LRU within it, expired retention already demoted); after every step: each free block's
 level matches its priority, raised levels hold only cached blocks, at most
 ``max_retained_blocks`` are retained, and no live deadline is in the past after expiry.
+``TierCacheMachine`` runs the same rules with a host and a disk KV tier below the pool
+(``kvpage.cache.tiered``) plus tier rules (restart under the same or another
+fingerprint, a damaged disk file, a full disk) and checks the tier invariants after
+every step (see its docstring).
 """
 
 from __future__ import annotations

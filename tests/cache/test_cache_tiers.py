@@ -229,3 +229,31 @@ def test_bad_config_is_refused(tmp_path: Path) -> None:
         mgr.attach_tiers(TieredCache(mgr.pools[0], DictMover(5), host=HostTier(64)))
     with pytest.raises(SpecError, match="host or a disk"):
         TieredCache(mgr.pools[0], DictMover(5))
+
+
+def test_admissible_only_waits_until_the_prompt_fits(tmp_path: Path) -> None:
+    mgr, tiers, mover = build(tmp_path)
+    tiers.admissible_only = True
+    run(mgr, mover, "a", A)
+    run(mgr, mover, "b", B)  # A in host + disk
+    held = mgr.allocate("x", C[:12], 12)  # 3 of the 5 usable blocks in use
+    assert held is not None
+    host = tiers.host
+    assert host is not None
+    before = (len(host), host.stats.promotions)
+    assert mgr.get_num_cached_tokens(A) == 0  # A needs 5 blocks, 2 are free: not now
+    assert (len(host), host.stats.promotions) == before
+    assert tiers.promotions_deferred == 1
+    mgr.free("x")
+    # (x's allocation evicted B into host, which pushed A's host blocks on to disk)
+    assert run(mgr, mover, "a2", A) == {"device": 0, "disk": 16}
+
+
+def test_default_promotes_even_when_not_admissible_yet(tmp_path: Path) -> None:
+    mgr, tiers, mover = build(tmp_path)
+    run(mgr, mover, "a", A)
+    run(mgr, mover, "b", B)
+    assert mgr.allocate("x", C[:12], 12) is not None  # 2 free blocks left
+    assert mgr.get_num_cached_tokens(A) == 8  # two blocks promoted (a prefetch)
+    assert tiers.promotions_deferred == 0
+    mgr.check_integrity()

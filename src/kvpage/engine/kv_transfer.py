@@ -185,6 +185,7 @@ def build_tiers(
         disk = DiskTier(config.kv_disk_tier_path, disk_b, tier_fingerprint(fields))
     mover = TorchBlockMover(kv_caches)
     tiers = TieredCache(kvm.pools[0], mover, host=host, disk=disk)
+    tiers.admission_chunk_tokens = config.max_num_batched_tokens
     try:
         kvm.attach_tiers(tiers)
     except Exception:

@@ -372,6 +372,7 @@ def attach_sim_tiers(
             host=HostTier(host_b) if host_b else None,
             disk=SimDiskTier(disk_b) if disk_b else None,
         )
+        tiers.admission_chunk_tokens = cfg.max_num_batched_tokens
         kv.attach_tiers(tiers)
         meter.sources.extend(tiers.tiers)
     if swap:
