@@ -147,7 +147,7 @@ class BlockPool:
     @property
     def num_retained(self) -> int:
         """Free blocks at a raised retention level (<= ``max_retained_blocks``)."""
-        return self.free_queue.num_above(PRIORITY_DEFAULT)
+        return self.free_queue.num_raised
 
     def get_cached(self, block_hash: bytes) -> KVBlock | None:
         """The block holding ``block_hash``'s content, or None (no state change)."""
@@ -297,7 +297,7 @@ class BlockPool:
         """Queue cached block ``b`` at its non-default priority (cap and ttl applied)."""
         level = b.priority
         if level > PRIORITY_DEFAULT:
-            if self.free_queue.num_above(PRIORITY_DEFAULT) >= self.max_retained_blocks:
+            if self.free_queue.num_raised >= self.max_retained_blocks:
                 self.num_retention_refused += 1
                 b.priority = level = PRIORITY_DEFAULT
                 b.ttl = None
@@ -406,9 +406,10 @@ class BlockPool:
                 pointing to a block with another hash, ...).
         """
         seen: set[int] = set()
-        for level, q in enumerate(self.free_queue.levels):
-            prev = q.head
-            for b in q:
+        fq = self.free_queue
+        for level in range(NUM_PRIORITY_LEVELS):
+            prev = fq.level_head(level)
+            for b in fq.level_blocks(level):
                 if b.prev_free is not prev:
                     raise IntegrityError(f"free queue: broken back link at block {b.block_id}")
                 if b.block_id in seen:
@@ -426,6 +427,12 @@ class BlockPool:
                     )
                 seen.add(b.block_id)
                 prev = b
+        raised = sum(1 for b in self.free_queue if b.level > PRIORITY_DEFAULT)
+        if raised != self.free_queue.num_raised:
+            raise IntegrityError(
+                f"free queue: expected num_raised {self.free_queue.num_raised}, got {raised} "
+                "blocks above the default level"
+            )
         if self.num_retained > self.max_retained_blocks:
             raise IntegrityError(
                 f"retention: expected <= {self.max_retained_blocks} retained free blocks, "
