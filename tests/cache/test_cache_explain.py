@@ -100,3 +100,29 @@ def test_eviction_record_is_bounded_lru() -> None:
     rec.record_eviction(bytes([3]) * 32, "device", "lru", 10.0)
     assert rec.get(bytes([2]) * 32) is None and rec.get(bytes([1]) * 32) == ("host", "lru", 9.0)
     assert len(EvictionRecord(cap=0)) == 0
+
+
+def test_a_shorter_hit_than_cached_is_not_blamed_on_a_window() -> None:
+    mgr = KVCacheManager(make_spec(16, 4))
+    prompt = list(range(13))
+    serve(mgr, "a", prompt)
+    assert mgr.get_num_cached_tokens(prompt) == 12
+    why = mgr.explain_miss(prompt, 4)  # the caller took 1 of the 3 cached blocks
+    assert (why.reason, why.first_miss_block) == ("hit_not_taken", 1)
+
+
+def test_different_key_needs_the_other_keys_chain_up_to_the_missing_block() -> None:
+    mgr = KVCacheManager(make_spec(32, 4))
+    system = list(range(100, 116))  # 4 blocks
+    for salt in ("t:A", "t:B"):
+        mgr.explain_miss(system + [1], 0, cache_salt=salt)  # keys remembered
+        serve(mgr, salt, system + [1], salt=salt)
+    mine = system + [7, 7, 7, 7, 1]  # tenant B: 4 blocks hit, block 4 is new
+    hit = mgr.get_num_cached_tokens(mine, cache_salt="t:B")
+    assert hit == 16
+    # A holds blocks 0..3 of the same tokens, but not block 4: not a cross-key hit
+    assert mgr.explain_miss(mine, hit, cache_salt="t:B").reason == "never_seen"
+    serve(mgr, "a2", mine, salt="t:A")  # now A holds block 4 too
+    hit = mgr.get_num_cached_tokens(mine, cache_salt="t:B")
+    why = mgr.explain_miss(mine, hit, cache_salt="t:B")
+    assert (why.reason, why.first_miss_block) == ("different_cache_key", 4)

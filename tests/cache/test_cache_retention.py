@@ -251,6 +251,8 @@ def test_retention_policy_validation_names_the_field() -> None:
     )
     assert KVRetention.from_dict(r.to_dict()) == r
     assert r.block_spans(20, 4, 7) == [(0, 4, 3, 30.0), (5, 7, 0, None)]
+    # only blocks wholly inside the range: tokens 2..9 cover block 1 (4..7) alone
+    assert KVRetention((RetentionRange(2, 10, 3, None),)).block_spans(20, 4, 5) == [(1, 2, 3, None)]
 
 
 def test_blocks_a_sliding_window_releases_keep_the_policy() -> None:

@@ -594,3 +594,10 @@ class TestCacheMachineLong(CacheMachine.TestCase):  # type: ignore[name-defined,
     """Longer runs (``-m slow``): more examples and more steps per example."""
 
     settings = settings(max_examples=400, stateful_step_count=80, deadline=None)
+
+
+@pytest.mark.slow
+class TestCacheRetentionMachineLong(RetentionRules.TestCase):  # type: ignore[name-defined,misc]
+    """Longer runs of the retention rules (``-m slow``)."""
+
+    settings = settings(max_examples=400, stateful_step_count=80, deadline=None)

@@ -27,7 +27,6 @@ the cap goes to the default level instead (counted in ``num_retention_refused``)
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
@@ -40,6 +39,7 @@ from kvpage.cache.free_queue import (
     KVBlock,
     PriorityFreeQueue,
 )
+from kvpage.cache.pool_retention import PoolRetention
 from kvpage.errors import AllocationError, IntegrityError
 
 NULL_BLOCK_ID = 0
@@ -69,7 +69,7 @@ class PoolListener(Protocol):
         """Every hash entry of the pool was forgotten (``reset_prefix_cache``)."""
 
 
-class BlockPool:
+class BlockPool(PoolRetention):
     """All blocks of one KV group.
 
     Args:
@@ -143,11 +143,6 @@ class BlockPool:
     def usage(self) -> float:
         """``num_used / num_usable`` in [0, 1]."""
         return self.num_used / (self.num_blocks - 1)
-
-    @property
-    def num_retained(self) -> int:
-        """Free blocks at a raised retention level (<= ``max_retained_blocks``)."""
-        return self.free_queue.num_above(PRIORITY_DEFAULT)
 
     def get_cached(self, block_hash: bytes) -> KVBlock | None:
         """The block holding ``block_hash``'s content, or None (no state change)."""
@@ -294,72 +289,6 @@ class BlockPool:
                 else:
                     self._release_retained(b)
 
-    def _release_retained(self, b: KVBlock) -> None:
-        """Queue cached block ``b`` at its non-default priority (cap and ttl applied)."""
-        level = b.priority
-        if level > PRIORITY_DEFAULT:
-            if self.free_queue.num_above(PRIORITY_DEFAULT) >= self.max_retained_blocks:
-                self.num_retention_refused += 1
-                b.priority = level = PRIORITY_DEFAULT
-                b.ttl = None
-            elif b.ttl is not None:
-                self._stamp += 1
-                b.stamp = self._stamp
-                heapq.heappush(self._expiry, (self.clock() + b.ttl, self._stamp, b))
-        self.free_queue.append(b, level)
-
-    # ---- retention --------------------------------------------------------------------
-    def set_retention(self, block_ids: Iterable[int], priority: int, ttl: float | None) -> None:
-        """Mark held blocks (null ids skipped) for the level they take when freed.
-
-        A raise (``priority > 1``) keeps the higher of the block's current and the new
-        priority and the longer ttl (None = no expiry wins); a lowering
-        (``priority == 0``) applies only to a block at the default priority, so one
-        request's low decode blocks never undo another's retention.
-
-        Raises:
-            AllocationError: ``priority`` outside ``[0, NUM_PRIORITY_LEVELS)``.
-        """
-        if not 0 <= priority < NUM_PRIORITY_LEVELS:
-            raise AllocationError(
-                f"priority: expected an int in [0, {NUM_PRIORITY_LEVELS - 1}], got {priority!r}"
-            )
-        blocks = self.blocks
-        for i in block_ids:
-            if not i:
-                continue
-            b = blocks[i]
-            if priority > PRIORITY_DEFAULT:
-                if b.priority > PRIORITY_DEFAULT:
-                    b.ttl = None if b.ttl is None or ttl is None else max(b.ttl, ttl)
-                else:
-                    b.ttl = ttl
-                b.priority = max(b.priority, priority)
-            elif priority == PRIORITY_LOW and b.priority == PRIORITY_DEFAULT:
-                b.priority = PRIORITY_LOW
-
-    def expire(self, now: float | None = None) -> int:
-        """Move retained free blocks whose deadline passed to the head of the default
-        level (their last use is at least ``ttl`` ago). Called lazily by
-        :meth:`allocate`; returns how many moved."""
-        heap = self._expiry
-        if not heap:
-            return 0
-        t = self.clock() if now is None else now
-        moved = 0
-        fq = self.free_queue
-        while heap and heap[0][0] <= t:
-            _, stamp, b = heapq.heappop(heap)
-            if b.stamp != stamp or b.level <= PRIORITY_DEFAULT:
-                continue  # revived, evicted or re-queued since: a stale entry
-            fq.remove(b)
-            b.priority = PRIORITY_DEFAULT
-            b.ttl = None
-            b.stamp = 0
-            fq.appendleft(b, PRIORITY_DEFAULT)
-            moved += 1
-        return moved
-
     def cache_block(self, block: KVBlock | int, block_hash: bytes) -> bool:
         """Register ``block`` (a KVBlock or a block id) as holding ``block_hash``'s content.
 
@@ -407,9 +336,10 @@ class BlockPool:
                 pointing to a block with another hash, ...).
         """
         seen: set[int] = set()
-        for level, q in enumerate(self.free_queue.levels):
-            prev = q.head
-            for b in q:
+        fq = self.free_queue
+        for level in range(NUM_PRIORITY_LEVELS):
+            prev = fq.level_head(level)
+            for b in fq.level_blocks(level):
                 if b.prev_free is not prev:
                     raise IntegrityError(f"free queue: broken back link at block {b.block_id}")
                 if b.block_id in seen:
@@ -427,6 +357,12 @@ class BlockPool:
                     )
                 seen.add(b.block_id)
                 prev = b
+        raised = sum(1 for b in self.free_queue if b.level > PRIORITY_DEFAULT)
+        if raised != self.free_queue.num_raised:
+            raise IntegrityError(
+                f"free queue: expected num_raised {self.free_queue.num_raised}, got {raised} "
+                "blocks above the default level"
+            )
         if self.num_retained > self.max_retained_blocks:
             raise IntegrityError(
                 f"retention: expected <= {self.max_retained_blocks} retained free blocks, "

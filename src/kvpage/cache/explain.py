@@ -19,11 +19,15 @@ the hit did not cover and names one reason (:data:`MISS_REASONS`):
   tenant must report it as ``never_seen`` (:meth:`CacheMissExplanation.public`);
 * ``sliding_window``: the full-attention groups hold the next block, but a
   sliding-window group lacks blocks the first computed token must see;
+* ``hit_not_taken``: every group could serve the next block, but the caller took a
+  shorter hit (the engine never does; an API caller passing less than the lookup);
 * ``prefix_caching_disabled`` and ``prompt_logprobs`` (the engine computes every prompt
   token of such a request): no lookup was made.
 
-Memory is bounded: the eviction record keeps the last ``cap`` evicted hashes (LRU,
-about 200 bytes each), the key record the last :data:`DEFAULT_KEY_RECORD_CAP` keys.
+Memory is bounded: the eviction record keeps the last ``cap`` evictions (oldest
+eviction forgotten first; ~155 bytes each measured with ``tracemalloc``: ~90 for the
+ring slot and dict entry plus the 65-byte hash object), the key record the last
+:data:`DEFAULT_KEY_RECORD_CAP` keys.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ MISS_REASONS = (
     "evicted",
     "different_cache_key",
     "sliding_window",
+    "hit_not_taken",
     "prefix_caching_disabled",
     "prompt_logprobs",
 )
@@ -57,10 +62,11 @@ MISS_ADVICE = {
     "different_cache_key": "same tokens under another salt/tenant/adapter: check routing "
     "and the cache scope",
     "sliding_window": "a sliding-window group dropped the window's blocks: more memory",
+    "hit_not_taken": "the block was cached but a shorter hit was taken",
     "prefix_caching_disabled": "turn prefix caching on",
     "prompt_logprobs": "prompt_logprobs requests compute every token",
 }
-#: evicted hashes remembered (LRU): ~200 bytes each, so ~13 MB at the default
+#: evictions remembered: ~155 bytes each (module docstring), so ~10 MB at the default
 DEFAULT_EVICTION_RECORD_CAP = 65536
 #: distinct cache keys (salt, adapter) remembered for the ``different_cache_key`` check
 DEFAULT_KEY_RECORD_CAP = 8
@@ -340,8 +346,9 @@ def explain_first_miss(
     else:
         parent = known_hashes[i - 1] if i else root
         h = chain_hash(parent, extra, token_ids[i * bs : (i + 1) * bs])
-    if has_sliding and all(p.is_cached(h) for p in full_pools):
-        return CacheMissExplanation("sliding_window", n, num_cached_tokens, i)
+    if all(p.is_cached(h) for p in full_pools):
+        why = "sliding_window" if has_sliding else "hit_not_taken"
+        return CacheMissExplanation(why, n, num_cached_tokens, i)
     got = record.get(h)
     if got is not None:
         tier, policy, when = got

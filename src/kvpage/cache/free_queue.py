@@ -160,24 +160,30 @@ class FreeBlockQueue:
 
 
 class PriorityFreeQueue:
-    """The pool's free queue: one :class:`FreeBlockQueue` per priority level; eviction
+    """The pool's free queue: one doubly linked LRU list per priority level; eviction
     order is level 0 head to tail, then level 1, and so on (see the module docstring).
+
+    The lists are sentinel pairs linked through the blocks' ``prev_free``/``next_free``
+    (the :class:`FreeBlockQueue` layout), operated on directly: one Python call per
+    operation, and only two counters (``num_free``, ``num_raised``), since these are
+    the allocator's inner loop.
 
     Args:
         blocks: initial free (empty) blocks, put in level :data:`PRIORITY_LOW` in order.
 
     Attributes:
-        levels: the per-level lists (read-only use outside this class).
         num_free: free blocks over all levels.
+        num_raised: free blocks in levels above :data:`PRIORITY_DEFAULT` (retained).
     """
 
     def __init__(self, blocks: Sequence[KVBlock] = ()) -> None:
-        self.levels = [FreeBlockQueue() for _ in range(NUM_PRIORITY_LEVELS)]
-        # sentinels per level: the hot operations below link blocks directly (one
-        # Python call per operation instead of two; the allocator's inner loop)
-        self._heads = [q.head for q in self.levels]
-        self._tails = [q.tail for q in self.levels]
+        self._heads = [KVBlock(-1) for _ in range(NUM_PRIORITY_LEVELS)]
+        self._tails = [KVBlock(-2) for _ in range(NUM_PRIORITY_LEVELS)]
+        for h, t in zip(self._heads, self._tails):
+            h.next_free = t
+            t.prev_free = h
         self.num_free = 0
+        self.num_raised = 0
         for b in blocks:
             self.append(b, PRIORITY_LOW)
 
@@ -191,10 +197,10 @@ class PriorityFreeQueue:
         Raises:
             AllocationError: the queue is empty.
         """
-        for q in self.levels:
-            if q.num_free:
-                b = q.head.next_free
-                assert b is not None
+        tails = self._tails
+        for i, h in enumerate(self._heads):
+            b = h.next_free
+            if b is not tails[i] and b is not None:
                 self.remove(b)
                 return b
         raise AllocationError("free queue: expected a free block, got none")
@@ -206,7 +212,8 @@ class PriorityFreeQueue:
         p.next_free = n
         n.prev_free = p
         b.prev_free = b.next_free = None
-        self.levels[b.level].num_free -= 1
+        if b.level > PRIORITY_DEFAULT:
+            self.num_raised -= 1
         b.level = -1
         self.num_free -= 1
 
@@ -219,23 +226,45 @@ class PriorityFreeQueue:
         b.prev_free = last
         b.next_free = tail
         tail.prev_free = b
-        self.levels[level].num_free += 1
+        if level > PRIORITY_DEFAULT:
+            self.num_raised += 1
         b.level = level
         self.num_free += 1
 
     def appendleft(self, b: KVBlock, level: int = PRIORITY_LOW) -> None:
         """Insert ``b`` at the head of ``level`` (default: level 0, reused first)."""
-        self.levels[level].appendleft(b)
+        head = self._heads[level]
+        first = head.next_free
+        assert first is not None
+        first.prev_free = b
+        b.next_free = first
+        b.prev_free = head
+        head.next_free = b
+        if level > PRIORITY_DEFAULT:
+            self.num_raised += 1
         b.level = level
         self.num_free += 1
 
-    def num_above(self, level: int) -> int:
-        """Free blocks in levels strictly above ``level``."""
-        return sum(q.num_free for q in self.levels[level + 1 :])
+    def level_head(self, level: int) -> KVBlock:
+        """The head sentinel of ``level`` (for integrity checks of the back links)."""
+        return self._heads[level]
+
+    def level_blocks(self, level: int) -> Iterator[KVBlock]:
+        """The blocks of ``level``, head (evicted first) to tail."""
+        b = self._heads[level].next_free
+        tail = self._tails[level]
+        while b is not None and b is not tail:
+            yield b
+            b = b.next_free
+
+    @property
+    def levels(self) -> list[list[KVBlock]]:
+        """Per level, its blocks in order (a snapshot, for inspection and tests)."""
+        return [list(self.level_blocks(i)) for i in range(NUM_PRIORITY_LEVELS)]
 
     def __iter__(self) -> Iterator[KVBlock]:
-        for q in self.levels:
-            yield from q
+        for i in range(NUM_PRIORITY_LEVELS):
+            yield from self.level_blocks(i)
 
     def ids(self) -> list[int]:
         """Block ids in eviction order (ignoring retention expiry not yet applied)."""

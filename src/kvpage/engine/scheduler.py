@@ -14,7 +14,10 @@ One step (:meth:`Scheduler.schedule`):
    allocation retried; a sequence that is itself the newest preempts itself.
 2. If nothing was preempted, waiting sequences (preempted ones first, then by arrival)
    are admitted in order while the budget, ``max_num_seqs`` and the pool allow, each
-   taking its prefix-cache hit (only blocks committed by earlier steps, C04).
+   taking its prefix-cache hit (only blocks committed by earlier steps, C04). With a
+   prefix-caching allocator (``RetentionAllocator``), a first admission also records
+   why the hit ended (``Request.cache_miss``, counted in ``miss_reasons``) and every
+   allocation from scratch hands the request's ``kv_retention`` policy to the cache.
 
 After the model ran, :meth:`Scheduler.update` advances every scheduled sequence,
 commits its full blocks to the prefix cache, appends sampled tokens, forks parallel
@@ -262,8 +265,12 @@ class Scheduler:
                     break
                 cached = 0
                 swapped = req.swapped_tokens  # K/V waiting in host memory (swap)
+                why: CacheMissExplanation | None = None
                 if not req.has_blocks and not swapped:
                     cached = self.kv.get_num_cached_tokens(req.token_ids, cache_salt=req.cache_salt)
+                    if req.num_cached_tokens < 0 and self._retaining is not None:
+                        # explained before the allocation, which may evict blocks itself
+                        why = self._explain(req, self._retaining, cached)
                 n = min(req.num_tokens - cached - swapped, budget)
                 alloc = self.kv.allocate(
                     req.request_id,
@@ -275,8 +282,12 @@ class Scheduler:
                 if alloc is None:
                     break
                 self.waiting.popleft()
-                if not req.has_blocks and self._retaining is not None:
-                    self._first_allocation(req, self._retaining, alloc.num_cached_tokens)
+                policy = req.params.kv_retention
+                if not req.has_blocks and policy is not None and self._retaining is not None:
+                    self._retaining.set_retention(req.request_id, policy, req.num_prompt_tokens)
+                if why is not None:
+                    req.cache_miss = why
+                    self.miss_reasons[why.reason] = self.miss_reasons.get(why.reason, 0) + 1
                 req.has_blocks = True
                 if swapped:
                     self._swap_in(req)
@@ -292,20 +303,14 @@ class Scheduler:
         self.num_steps += 1
         return out
 
-    def _first_allocation(self, req: Request, kv: RetentionAllocator, cached: int) -> None:
-        """Give a newly allocated sequence its retention policy and, at its first
-        admission, the explanation of its prefix hit (counted in ``miss_reasons``)."""
-        policy = req.params.kv_retention
-        if policy is not None:
-            kv.set_retention(req.request_id, policy, req.num_prompt_tokens)
-        if req.num_cached_tokens >= 0:
-            return  # readmitted after preemption: the first admission's reason stands
+    @staticmethod
+    def _explain(req: Request, kv: RetentionAllocator, cached: int) -> CacheMissExplanation:
+        """Why the first admission's prefix hit is ``cached`` tokens (kept, and counted
+        in ``miss_reasons``, once the admission succeeds; a readmission after preemption
+        keeps the first reason)."""
         if req.params.prompt_logprobs is not None:  # a unique salt: every token computed
-            why = CacheMissExplanation("prompt_logprobs", req.num_tokens, cached)
-        else:
-            why = kv.explain_miss(req.token_ids, cached, cache_salt=req.cache_salt)
-        req.cache_miss = why
-        self.miss_reasons[why.reason] = self.miss_reasons.get(why.reason, 0) + 1
+            return CacheMissExplanation("prompt_logprobs", req.num_tokens, cached)
+        return kv.explain_miss(req.token_ids, cached, cache_salt=req.cache_salt)
 
     def _emit(self, out: SchedulerOutput, req: Request, n: int, alloc: Allocation) -> None:
         copies = alloc.copies
