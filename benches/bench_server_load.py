@@ -319,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--hostile-frac", type=float, default=0.09, help="with --auth")
     ap.add_argument("--switch-interval-s", type=float, default=0.0, help="sys.setswitchinterval")
+    ap.add_argument("--engine-niceness", type=int, default=0, help="engine process nice")
     ap.add_argument(
         "--engine-thread",
         action="store_true",
@@ -343,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "log_level": "warning",
             "engine_process": not args.engine_thread,
+            "engine_niceness": args.engine_niceness,
             "engine": engine_kw,
             "admission": {
                 "default_limit": {"rate": 2000.0, "burst": 20000.0},
@@ -427,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": len(results),
         "outcomes": {f"{k}:{s}": n for (k, s), n in sorted(by.items(), key=str)},
         "lost_or_wrong": len(bad),
-        "engine": "thread" if args.engine_thread else "process",
+        "engine": "thread" if args.engine_thread else f"process+nice{args.engine_niceness}",
         "loadavg_1m_before_after": [load_before, round(os.getloadavg()[0], 2)],
         "torch_threads": args.torch_threads,
         "wall_s": round(wall, 2),

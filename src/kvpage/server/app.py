@@ -67,9 +67,12 @@ def build_engine(config: ServerConfig) -> tuple[Any, Callable[..., Any]]:
     if config.engine_process:
         from kvpage.server.engine_process import EngineProcess
 
-        return EngineProcess(
-            config.engine.engine_kwargs(), log_level=config.log_level
-        ), SamplingParams
+        proc = EngineProcess(
+            config.engine.engine_kwargs(),
+            log_level=config.log_level,
+            niceness=config.engine_niceness,
+        )
+        return proc, SamplingParams
     return LLMEngine.from_config(**config.engine.engine_kwargs()), SamplingParams
 
 

@@ -27,6 +27,7 @@ _FLAGS: dict[str, tuple[str | None, str, Any]] = {
     "port": (None, "port", int),
     "served_model_name": (None, "served_model_name", str),
     "log_level": (None, "log_level", str),
+    "engine_niceness": (None, "engine_niceness", int),
     "model": ("engine", "model", str),
     "block_size": ("engine", "block_size", int),
     "num_blocks": ("engine", "num_blocks", int),

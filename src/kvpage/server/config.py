@@ -256,6 +256,9 @@ class ServerConfig(_Strict):
     #: event loop (``/health``, streams) never waits for the engine's GIL. False = an
     #: engine thread in the server process (what an injected engine always uses)
     engine_process: bool = True
+    #: added to the engine process's nice value (0-19): the OS prefers the HTTP front
+    #: end (``/health``, streaming) when both want a CPU (docs/serving.md)
+    engine_niceness: int = Field(0, ge=0, le=19)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     degradation: DegradationConfig = Field(default_factory=DegradationConfig)
