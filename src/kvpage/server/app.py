@@ -159,7 +159,13 @@ def create_app(
         engine, sampling_params_cls = build_engine(config)
     if sampling_params_cls is None:
         raise TypeError("sampling_params_cls: expected a SamplingParams class, got None")
-    state = ServingState(config, engine, sampling_params_cls)
+    try:
+        state = ServingState(config, engine, sampling_params_cls)
+    except BaseException:
+        close = getattr(engine, "close", None)  # an engine process does not outlive us
+        if callable(close):
+            close()
+        raise
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -58,7 +58,7 @@ def _picklable(exc: BaseException) -> BaseException:
     import pickle
 
     try:
-        pickle.dumps(exc)
+        pickle.loads(pickle.dumps(exc))  # both ways: a custom __init__ can fail to load
         return exc
     except Exception:
         return RuntimeError(f"{type(exc).__name__}: {exc}")

@@ -232,6 +232,9 @@ class ProcessAsyncEngine:
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 break
+            except Exception:  # a message that does not unpickle: log it, keep reading
+                logger.exception("engine process: unreadable message")
+                continue
             if msg[0] == "final":  # handled here: the loop may be shutting down
                 self.final_report = msg[1]
                 self.metrics_snapshot = dict(msg[1]["metrics"])
