@@ -24,9 +24,10 @@ control probe polls a trivial uvicorn app in a fourth process at the same time: 
 latency is what the machine's scheduling alone costs (on a shared, oversubscribed box
 that floor can exceed 100 ms; compare the two). The
 load clients then run in a child process too (as remote clients would), so the server
-process holds only the server: its event loop and tokenizer pool; the engine runs in
-its own process (``engine_process``, the default; ``--engine-thread``: a thread of the
-server process, as before). Server CPU seconds count the server process only.
+process holds only the server: its event loop, tokenizer pool and the engine thread
+(the default) or, with ``--engine-process``, the pipe to the engine's own process
+(``--engine-niceness``, default 10). Server CPU seconds count the server process
+only.
 
 Checks (exit status 1 if any fails): every valid request completes (finish_reason
 "length", 1 <= completion tokens <= max_tokens) or is refused with 429 + Retry-After;
@@ -320,9 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hostile-frac", type=float, default=0.09, help="with --auth")
     ap.add_argument("--switch-interval-s", type=float, default=0.0, help="sys.setswitchinterval")
     ap.add_argument(
-        "--engine-thread",
+        "--engine-niceness", type=int, default=10, help="with --engine-process: its nice"
+    )
+    ap.add_argument(
+        "--engine-process",
         action="store_true",
-        help="run the engine as a thread of the server process (default: its own process)",
+        help="run the engine in its own process (default: a thread of the server process)",
     )
     ap.add_argument(
         "--no-baseline",
@@ -342,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ServerConfig.model_validate(
         {
             "log_level": "warning",
-            "engine_process": not args.engine_thread,
+            "engine_process": args.engine_process,
+            "engine_niceness": args.engine_niceness,
             "engine": engine_kw,
             "admission": {
                 "default_limit": {"rate": 2000.0, "burst": 20000.0},
@@ -427,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": len(results),
         "outcomes": {f"{k}:{s}": n for (k, s), n in sorted(by.items(), key=str)},
         "lost_or_wrong": len(bad),
-        "engine": "thread" if args.engine_thread else "process",
+        "engine": f"process+nice{args.engine_niceness}" if args.engine_process else "thread",
         "loadavg_1m_before_after": [load_before, round(os.getloadavg()[0], 2)],
         "torch_threads": args.torch_threads,
         "wall_s": round(wall, 2),

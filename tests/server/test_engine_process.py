@@ -26,7 +26,9 @@ ENGINE = {"num_blocks": 65, "max_num_seqs": 8, "scheduling_policy": "priority"}
 
 
 def _config(**kw):
-    return ServerConfig.model_validate({"engine": dict(ENGINE), "log_level": "warning", **kw})
+    return ServerConfig.model_validate(
+        {"engine": dict(ENGINE), "log_level": "warning", "engine_process": True, **kw}
+    )
 
 
 @pytest.fixture(scope="module")

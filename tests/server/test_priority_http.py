@@ -97,7 +97,11 @@ def test_fcfs_server_refuses_priorities(serve, keys_file):
     with pytest.raises(SpecError, match="--scheduling-policy priority"):
         create_app(
             ServerConfig.model_validate(
-                {"engine": {"num_blocks": 65}, "security": {"api_keys_file": keys_file}}
+                {
+                    "engine": {"num_blocks": 65},
+                    "engine_process": False,
+                    "security": {"api_keys_file": keys_file},
+                }
             )
         )
     srv = serve()  # fcfs, no keys (loopback)

@@ -44,6 +44,7 @@ class TierConfig(Protocol):
     kv_disk_tier_path: str | None
     preemption_mode: str
     swap_space_bytes: int
+    max_num_batched_tokens: int
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

@@ -67,9 +67,12 @@ def build_engine(config: ServerConfig) -> tuple[Any, Callable[..., Any]]:
     if config.engine_process:
         from kvpage.server.engine_process import EngineProcess
 
-        return EngineProcess(
-            config.engine.engine_kwargs(), log_level=config.log_level
-        ), SamplingParams
+        proc = EngineProcess(
+            config.engine.engine_kwargs(),
+            log_level=config.log_level,
+            niceness=config.engine_niceness,
+        )
+        return proc, SamplingParams
     return LLMEngine.from_config(**config.engine.engine_kwargs()), SamplingParams
 
 
@@ -166,7 +169,13 @@ def create_app(
             engine, sampling_params_cls = build_engine(config)
         if sampling_params_cls is None:
             raise TypeError("sampling_params_cls: expected a SamplingParams class, got None")
-        state = ServingState(config, engine, sampling_params_cls)
+        try:
+            state = ServingState(config, engine, sampling_params_cls)
+        except BaseException:
+            close = getattr(engine, "close", None)  # an engine process does not outlive us
+            if callable(close):
+                close()
+            raise
     engine = state.engine
 
     @contextlib.asynccontextmanager

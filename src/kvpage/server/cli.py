@@ -27,6 +27,7 @@ _FLAGS: dict[str, tuple[str | None, str, Any]] = {
     "port": (None, "port", int),
     "served_model_name": (None, "served_model_name", str),
     "log_level": (None, "log_level", str),
+    "engine_niceness": (None, "engine_niceness", int),
     "model": ("engine", "model", str),
     "block_size": ("engine", "block_size", int),
     "num_blocks": ("engine", "num_blocks", int),
@@ -96,13 +97,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         dest="engine_process",
         action="store_true",
         default=None,
-        help="run the engine in its own process, apart from the HTTP server (default)",
+        help="run the engine in its own process, apart from the HTTP server's GIL",
     )
     ep.add_argument(
         "--no-engine-process",
         dest="engine_process",
         action="store_false",
-        help="run the engine as a thread of the server process (shares its GIL)",
+        help="run the engine as a thread of the server process (default)",
     )
     p.add_argument("--tenant-rate", type=float, default=None, help="default tokens/s per tenant")
     p.add_argument(

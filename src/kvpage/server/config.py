@@ -277,10 +277,13 @@ class ServerConfig(_Strict):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     #: ignore request fields outside the OpenAI/vLLM schemas instead of refusing them
     allow_unknown_fields: bool = False
-    #: run the engine in its own process (``kvpage.server.engine_process``): the HTTP
-    #: event loop (``/health``, streams) never waits for the engine's GIL. False = an
-    #: engine thread in the server process (what an injected engine always uses)
-    engine_process: bool = True
+    #: run the engine in its own process (``kvpage.server.engine_process``), apart from
+    #: the HTTP event loop and its GIL; False (default, measured better on a loaded
+    #: 2-core machine: docs/benchmarks.md) = an engine thread in the server process
+    engine_process: bool = False
+    #: with ``engine_process``: added to the engine process's nice value (0-19), so the
+    #: OS prefers the HTTP front end (``/health``, streaming) when both want a CPU
+    engine_niceness: int = Field(10, ge=0, le=19)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     degradation: DegradationConfig = Field(default_factory=DegradationConfig)

@@ -9,13 +9,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from kvpage.server.engine_loop import AsyncEngine, StepStats, _Command
+from kvpage.server.output_codec import OutputEncoder
 
 __all__ = ["EngineInfo", "child_main", "engine_report"]
+
+logger = logging.getLogger("kvpage.server.engine")
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ def _picklable(exc: BaseException) -> BaseException:
     import pickle
 
     try:
-        pickle.dumps(exc)
+        pickle.loads(pickle.dumps(exc))  # both ways: a custom __init__ can fail to load
         return exc
     except Exception:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
@@ -70,13 +74,14 @@ class _EngineCore(AsyncEngine):
         self._outbox: list[tuple[str, Any]] = []
         self._last: StepStats | None = None
         self._idle_sent: dict[str, float] | None = None
+        self._codec = OutputEncoder()
 
     def _send(self, msg: Any) -> None:
         with self._send_lock:
             self._conn.send(msg)
 
     def _emit(self, request_id: str, item: Any) -> None:
-        self._outbox.append((request_id, item))
+        self._outbox.append((request_id, self._codec.encode(item)))
 
     def _stats(self, st: StepStats) -> None:
         self._last = StepStats(st.duration_s, st.num_outputs, dict(st.metrics), st.failed, st.oom)
@@ -86,6 +91,8 @@ class _EngineCore(AsyncEngine):
             self._send(("out", self._outbox, self._last))
             self._outbox, self._last = [], None
             self._idle_sent = None
+        if len(self._codec) > len(self._live):  # aborted or failed requests
+            self._codec.prune(self._live)
 
     def _publish_idle(self, snapshot: dict[str, float]) -> None:
         self.metrics_snapshot = snapshot
@@ -138,9 +145,12 @@ class _EngineCore(AsyncEngine):
             self._conn.close()
 
 
-def child_main(conn: Any, engine_kwargs: dict[str, Any], log_level: str) -> None:
+def child_main(conn: Any, engine_kwargs: dict[str, Any], log_level: str, niceness: int = 0) -> None:
+    """Entry point of the engine process: build the engine, report, serve ``conn``."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
+        if niceness:
+            os.nice(niceness)  # yield the CPU to the HTTP front end when both want it
         from kvpage.engine import LLMEngine
 
         engine = LLMEngine.from_config(**engine_kwargs)

@@ -43,6 +43,7 @@ from typing import Any
 
 from kvpage.server.engine_core import EngineInfo, child_main, engine_report
 from kvpage.server.engine_loop import EngineFailure, StepStats
+from kvpage.server.output_codec import OutputDecoder
 
 __all__ = ["EngineInfo", "EngineProcess", "ProcessAsyncEngine", "engine_report"]
 
@@ -74,6 +75,8 @@ class EngineProcess:
     Args:
         engine_kwargs: ``LLMEngine.from_config`` keyword arguments.
         log_level: the child's logging level.
+        niceness: added to the child's nice value (0-19; ``os.nice``): the OS then
+            prefers the server process's threads when both want a CPU.
         start_timeout_s: how long the child may take to build the engine.
 
     Raises:
@@ -86,13 +89,14 @@ class EngineProcess:
         engine_kwargs: dict[str, Any],
         *,
         log_level: str = "warning",
+        niceness: int = 0,
         start_timeout_s: float = 300.0,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=child_main,
-            args=(child, dict(engine_kwargs), log_level),
+            args=(child, dict(engine_kwargs), log_level, niceness),
             name="kvpage-engine-core",
             daemon=True,
         )
@@ -162,6 +166,7 @@ class ProcessAsyncEngine:
         self._outq: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._stopped = False
+        self._decoder = OutputDecoder()
         self._gone = threading.Event()  # the child closed its end (after "final" or dying)
         self.metrics_snapshot: dict[str, float] = proc.get_metrics()
         self.final_report: dict[str, Any] | None = None
@@ -227,6 +232,9 @@ class ProcessAsyncEngine:
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 break
+            except Exception:  # a message that does not unpickle: log it, keep reading
+                logger.exception("engine process: unreadable message")
+                continue
             if msg[0] == "final":  # handled here: the loop may be shutting down
                 self.final_report = msg[1]
                 self.metrics_snapshot = dict(msg[1]["metrics"])
@@ -261,7 +269,10 @@ class ProcessAsyncEngine:
         kind = msg[0]
         if kind == "out":
             for rid, item in msg[1]:
-                self._deliver(rid, item)
+                if rid in self._streams:
+                    self._deliver(rid, self._decoder.decode(rid, item))
+                else:  # its handler went away (abort in flight)
+                    self._decoder.forget(rid)
             st: StepStats | None = msg[2]
             if st is not None:
                 self.metrics_snapshot = dict(st.metrics)
@@ -327,12 +338,14 @@ class ProcessAsyncEngine:
     def abort_nowait(self, request_id: str) -> None:
         """Ask the child to abort ``request_id``; never blocks on the child's answer."""
         self._streams.pop(request_id, None)
+        self._decoder.forget(request_id)
         if not self._stopped:
             self._send(("abort", None, request_id))
 
     async def abort(self, request_id: str) -> None:
         """Abort ``request_id`` and wait until the child has freed its blocks."""
         self._streams.pop(request_id, None)
+        self._decoder.forget(request_id)
         await self._request(("abort",), request_id)
 
     async def call(self, fn: Any) -> Any:
