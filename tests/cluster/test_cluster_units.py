@@ -246,7 +246,9 @@ class _Handle:
     def options(self, **kw: Any) -> _Handle:
         return self
 
-    def remote(self, rid: str, prompt: Any, params: Any, route: dict[str, Any]) -> _Stream:
+    def remote(
+        self, rid: str, prompt: Any, params: Any, route: dict[str, Any], priority: int = 0
+    ) -> _Stream:
         ids = [r for r in sorted(self.script) if r not in route["exclude"]]
         choice = self.core.choose(rid, route, ids)
         self.core.routed(rid, choice)
@@ -374,3 +376,19 @@ def test_ingress_reconfigure_sets_the_canary_share() -> None:
     with pytest.raises(ValueError, match="without a canary group"):
         only.set_canary(0.2)
     only.set_canary(0.0)
+
+
+def test_remote_loop_fails_a_request_instead_of_hanging_on_an_ingress_bug() -> None:
+    async def main() -> None:
+        loop, h, _ = _loop({"a": [_Out(1, True)]})
+
+        def broken(*a: Any, **k: Any) -> Any:
+            raise TypeError("unexpected keyword argument")
+
+        h.remote = broken  # type: ignore[method-assign]
+        loop.start(asyncio.get_running_loop())
+        with pytest.raises(APIError) as ei:
+            await asyncio.wait_for(loop.add("r1", [1, 2, 3], None), 5)
+        assert ei.value.status == 503 and "TypeError" in ei.value.message
+
+    asyncio.run(main())

@@ -293,6 +293,11 @@ class RemoteEngineLoop:
                     )
                     self._fail(q, ack, EngineFailure(msg))
                     return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug of ours: fail the request, never leave add() waiting
+            logger.exception("kvpage ingress: request %s failed in the ingress", request_id)
+            self._fail(q, ack, EngineFailure(f"ingress: {type(exc).__name__}: {exc}"[:300]))
         finally:
             group.core.finished(request_id)
 
