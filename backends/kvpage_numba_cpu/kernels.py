@@ -93,7 +93,7 @@ def _convert(kv, kind, tsc, fsc, lut, blk, j0, j1, h, tile, tile_bits):
 
 
 @njit(cache=True, fastmath=False)
-def _run_part(
+def run_part(
     t,
     q,
     kv,
@@ -256,7 +256,7 @@ def paged_attention(
             for every row of every unit (nothing else).
     """
     for t in prange(bounds.shape[0] - 1):
-        _run_part(
+        run_part(
             t,
             q,
             kv,
