@@ -1,3 +1,4 @@
+# ruff: noqa: I001  (kvpage is imported before torch on purpose)
 """numba-cpu vs the torch backend on CPU: one layer's attention call, same cache and
 step, alternating calls, process CPU time and wall time per call.
 
@@ -17,6 +18,7 @@ import argparse
 import os
 import time
 
+import kvpage  # noqa: F401  (before torch: sets OMP_WAIT_POLICY=PASSIVE for libgomp)
 import torch
 
 from kvpage.attention.metadata import AttentionMetadata, allocate_kv_cache
