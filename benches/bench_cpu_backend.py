@@ -1,3 +1,4 @@
+# ruff: noqa: I001  (kvpage is imported before torch on purpose)
 """numba-cpu vs the torch backend on CPU: one layer's attention call, same cache and
 step, alternating calls, process CPU time and wall time per call.
 
@@ -9,6 +10,12 @@ decode = ``--seqs`` sequences, one new token each, contexts uniform in
 a cached prefix of the same length.
 
     .venv/bin/python benches/bench_cpu_backend.py [--threads 1] [--dtype float32]
+
+``--engine MODEL_DIR``: instead, the whole engine with each backend in one process,
+alternating (the ``bench_peers.py`` workload file ``--workload``, first ``--seqs``
+requests, outputs capped at ``--max-tokens``): tokens per CPU-second and where the
+engine thread's CPU goes (attention ``forward``, ``write_kv``, ``plan``, the rest),
+plus token-id equality of the two backends' outputs.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import argparse
 import os
 import time
 
+import kvpage  # noqa: F401  (before torch: sets OMP_WAIT_POLICY=PASSIVE for libgomp)
 import torch
 
 from kvpage.attention.metadata import AttentionMetadata, allocate_kv_cache
@@ -58,6 +66,74 @@ def time_calls(backend, cache, meta, q, spec, reps: int) -> tuple[float, float]:
     return (time.process_time() - c0) / reps, (time.perf_counter() - w0) / reps
 
 
+def engine_ab(args: argparse.Namespace) -> None:
+    import json
+
+    from kvpage.engine import LLMEngine, SamplingParams
+
+    with open(args.workload) as f:
+        work = json.load(f)[: args.seqs]
+    engines, spent = {}, {}
+    for name in ("torch", "numba-cpu"):
+        eng = LLMEngine.from_config(
+            model=args.engine, dtype=args.dtype, num_threads=args.threads, max_num_seqs=256,
+            max_num_batched_tokens=2048, max_model_len=512, enable_prefix_caching=True,
+            backend=name,
+        )  # fmt: skip
+        spent[name] = {"forward": 0.0, "write_kv": 0.0, "plan": 0.0}
+        for method in spent[name]:
+            orig = getattr(eng.backend, method)
+
+            def timed(*a, _o=orig, _d=spent[name], _m=method, **k):  # type: ignore[no-untyped-def]
+                t = time.thread_time()
+                try:
+                    return _o(*a, **k)
+                finally:
+                    _d[_m] += time.thread_time() - t
+
+            setattr(eng.backend, method, timed)
+        engines[name] = eng
+
+    def run(eng):  # type: ignore[no-untyped-def]
+        for i, (p, m) in enumerate(work):
+            sp = SamplingParams(
+                max_tokens=min(m, args.max_tokens), ignore_eos=True, temperature=0.0
+            )
+            eng.add_request(f"r{i}-{time.perf_counter_ns()}", p, sp)
+        ids = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    ids[o.request_id.split("-")[0]] = list(o.outputs[0].token_ids)
+        return ids
+
+    outs = {n: run(e) for n, e in engines.items()}  # warm-up (and numba's compile)
+    same = sum(outs["torch"][k] == outs["numba-cpu"][k] for k in outs["torch"])
+    print(
+        f"engine {args.engine} {args.dtype} threads={args.threads}: equal outputs {same}/{len(work)}"
+    )
+    for r in range(args.rounds):
+        for name, eng in engines.items():
+            for k in spent[name]:
+                spent[name][k] = 0.0
+            c0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
+            ids = run(eng)
+            cpu, thr, wall = (
+                time.process_time() - c0,
+                time.thread_time() - t0,
+                time.perf_counter() - w0,
+            )
+            toks = sum(len(v) for v in ids.values())
+            sh = {k: v / thr * 100 for k, v in spent[name].items()}
+            print(
+                f"round {r} {name:9s}: {toks / cpu:6.0f} tok/CPU-s {toks / wall:6.0f} tok/s; engine "
+                f"thread CPU {thr:.2f} s: attention {sh['forward']:.0f} %, write_kv "
+                f"{sh['write_kv']:.0f} %, plan {sh['plan']:.0f} %, rest "
+                f"{100 - sum(sh.values()):.0f} %; load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--threads", type=int, default=1)
@@ -67,7 +143,12 @@ def main() -> None:
     p.add_argument("--max-ctx", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--engine", default=None, help="model folder: engine A/B instead")
+    p.add_argument("--workload", default="out/peers/workload-200-0.json")
+    p.add_argument("--max-tokens", type=int, default=96)
     args = p.parse_args()
+    if args.engine:
+        return engine_ab(args)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(1)

@@ -5,7 +5,8 @@ numba is imported lazily (inside methods): importing this module costs nothing a
 works without numba, which then is an unsupported reason. torch tensors reach the
 kernel zero-copy as numpy views (bfloat16 as int16 bits, fp8 as uint8 bits). The
 kernel runs on ``torch.get_num_threads()`` threads — the engine's ``num_threads``
-(``numba.set_num_threads``, capped at numba's pool size). ``write_kv`` and
+(``numba.set_num_threads``, capped at numba's pool size); with one thread the serial
+worker is called directly and numba's thread pool is never started. ``write_kv`` and
 ``copy_blocks`` are the built-in torch backend's (already vectorized copies; one
 implementation of the quantization formulas).
 """
@@ -135,7 +136,7 @@ class NumbaCpuBackend:
         group = spec.num_q_heads // spec.num_kv_heads
         units, bounds = plan.units_for(spec.num_kv_heads, group)
         kv, code, tsc, fsc, lut = _storage(cache, kind)
-        kernels.paged_attention(
+        args = (
             q.detach().numpy(),
             kv,
             kv.reshape(-1) if code == kernels.KIND_FLOAT else _NO_FLOATS,
@@ -153,6 +154,13 @@ class NumbaCpuBackend:
             np.float32(spec.logits_soft_cap or 0.0),
             res.detach().numpy(),
         )
+        if plan.threads == 1:
+            # one part: the serial worker, called directly — no parallel region, so
+            # numba's thread pool is never started or woken (measured: a 1-thread
+            # parallel region cost ~50 % extra process CPU in the pool's threads)
+            kernels.run_part(0, *args)
+        else:
+            kernels.paged_attention(*args)
         if res is not out:
             out.copy_(res)
         return out
@@ -186,11 +194,11 @@ def _ones(cache: KVCache) -> np.ndarray:
 
 def _sync_threads() -> int:
     """Set numba's thread count for this thread to torch's (at most numba's pool size)
-    and return it."""
+    and return it. One thread touches nothing (asking numba would start its pool)."""
     import numba
 
     n = max(1, min(torch_threads(), int(numba.config.NUMBA_NUM_THREADS)))
-    if numba.get_num_threads() != n:
+    if n > 1 and numba.get_num_threads() != n:
         numba.set_num_threads(n)
     return n
 
