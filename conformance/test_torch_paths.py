@@ -95,3 +95,41 @@ def test_torch_accepts_non_contiguous_inputs(path: str) -> None:
     backend.write_kv(k, v, c1, m.slot_mapping)
     backend.write_kv(k.contiguous(), v.contiguous(), c2, m.slot_mapping)
     assert torch.equal(c1.kv.nan_to_num(7.0), c2.kv.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("path", ["streamed", "padded"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_one_plan_serves_every_layer(path: str, kv_dtype: str) -> None:
+    """The plan's per-layer-shape memo (groups, compute path, the padded decode's
+    block-diagonal query buffer) is built by the first layer and reused by the others:
+    layers with different caches and queries, run in any order on one plan, give what
+    each gives on a fresh plan, and the memo holds one entry per layer shape."""
+    import torch
+
+    from kvpage.testing import materialize
+
+    backend = TorchBackend(stream_min_bytes=PATHS[path])
+    shapes = [(4, 2, 16), (4, 2, 16), (6, 3, 8)]  # (Hq, Hkv, D): layers 0 and 1 share one
+    layers = []
+    for i, (hq, hkv, d) in enumerate(shapes):
+        case = AttentionCase(
+            spec=make_attention_spec(num_q_heads=hq, num_kv_heads=hkv, head_dim=d),
+            dtype="float32",
+            kv_dtype=kv_dtype,
+            block_size=4,
+            num_blocks=12,
+            seq_lens=(9, 13, 2),
+            query_lens=(1, 1, 1),
+            block_tables=((3, 7, 1), (2, 9, 11, 5), (4,)),
+            seed=i,
+        )
+        layers.append((case, materialize(case)))
+    shared = backend.plan(layers[0][1].meta)
+    for i in [0, 1, 2, 1, 0]:
+        case, m = layers[i]
+        got = backend.forward(m.query, m.cache, shared, case.spec)
+        want = backend.forward(m.query, m.cache, backend.plan(m.meta), case.spec)
+        assert torch.equal(got, want), f"layer {i}"
+    assert len(shared.runs) == 2
+    runs_0 = shared.runs[next(iter(shared.runs))]
+    assert all(g.streamed == (path == "streamed") for _, g in runs_0)

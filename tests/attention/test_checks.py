@@ -28,6 +28,29 @@ def test_check_cache_layout() -> None:
     checks.check_cache(_cache("fp8_e4m3", kv_scale_granularity="per_head"))
 
 
+def test_check_cache_scale_messages_name_both_shapes() -> None:
+    """Scale errors state the expected and the actual shape in full (num_kv_heads = 2
+    and head_dim = 8 differ, so a message naming the wrong dimension is caught)."""
+    c = _cache("int8")
+    c.token_scales = torch.zeros(2, 4, 2, 3)
+    with pytest.raises(
+        ShapeError, match=r"^cache.token_scales: expected \[2, 4, 2, 2\], got \[2, 4, 2, 3\]$"
+    ):
+        checks.check_cache(c)
+    c.token_scales = None
+    with pytest.raises(
+        ShapeError, match=r"^cache.token_scales: expected \[2, 4, 2, 2\], got None$"
+    ):
+        checks.check_cache(c)
+    f = _cache("fp8_e4m3", kv_scale_granularity="per_head")
+    f.k_scale = torch.ones(3)
+    with pytest.raises(ShapeError, match=r"^cache.k_scale: expected \[\] or \[2\], got \[3\]$"):
+        checks.check_cache(f)
+    f.k_scale, f.v_scale = torch.ones(()), None
+    with pytest.raises(ShapeError, match=r"^cache.v_scale: expected \[\] or \[2\], got None$"):
+        checks.check_cache(f)
+
+
 def test_check_device_one_error_type() -> None:
     checks.check_device("x", torch.zeros(1), torch.device("cpu"))
     with pytest.raises(ShapeError, match="x.device: expected meta, got cpu"):

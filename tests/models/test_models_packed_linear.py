@@ -72,3 +72,74 @@ def test_fused_linear_with_some_parts_bias_free() -> None:
     x = torch.randn(2, 6)
     want = torch.cat([parts[0](x), parts[1](x)], dim=-1)
     torch.testing.assert_close(L.FusedLinear(parts)(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_weight_decision_follows_dtype_and_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The per-weight decision (``pack_min_rows``) is kept between calls but follows a
+    weight of another dtype or shape and a change of the module settings."""
+    calls: list[int] = []
+    real = L.pack_min_rows
+
+    def counting(w: torch.Tensor) -> int:
+        calls.append(1)
+        return real(w)
+
+    monkeypatch.setattr(L, "pack_min_rows", counting)
+    monkeypatch.setattr(L, "PACK_MIN_MACS", 0)
+    pw = L.PackedWeight()
+    x, w = torch.randn(3, 8), torch.randn(6, 8)
+    for _ in range(3):
+        torch.testing.assert_close(pw(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1 and pw.min_rows == 0 and pw.key is not None  # decided once, packed
+    monkeypatch.setattr(L, "PACK_MIN_MACS", 10**9)  # settings changed: decided again
+    pw.key = None
+    assert torch.equal(pw(x, w, None), F.linear(x, w)) and len(calls) == 2
+    assert pw.key is None  # the plain path: nothing packed
+    monkeypatch.setattr(L, "PACK_MIN_MACS", 0)
+    w16 = w.to(torch.float16)  # another dtype: never packed
+    x16 = x.to(torch.float16)
+    assert torch.equal(pw(x16, w16, None), F.linear(x16, w16)) and len(calls) == 3
+    assert pw.min_rows == L.NEVER_PACK and pw.key is None
+
+
+@pytest.mark.parametrize(
+    ("macs", "shape", "rows"),
+    [(0, (6, 8), 0), (48, (6, 8), 1), (49, (6, 8), 2), (96, (6, 8), 2), (97, (6, 8), 3)],
+)
+def test_pack_min_rows_is_the_smallest_row_count(
+    macs: int, shape: tuple[int, int], rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rows * out * in >= PACK_MIN_MACS`` exactly from ``pack_min_rows`` rows on."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("oneDNN (mkldnn) not available in this torch build")
+    monkeypatch.setattr(L, "PACK_MIN_MACS", macs)
+    assert L.pack_min_rows(torch.zeros(shape)) == rows
+    assert L.pack_min_rows(torch.zeros(shape, dtype=torch.float16)) == L.NEVER_PACK
+    monkeypatch.setattr(L, "PACK_LINEARS", False)
+    assert L.pack_min_rows(torch.zeros(shape)) == L.NEVER_PACK
+
+
+def test_fused_linear_follows_settings_after_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused weight's decision is re-made when the settings change after use."""
+    parts = [nn.Linear(8, 4, bias=False), nn.Linear(8, 2, bias=False)]
+    fused = L.FusedLinear(parts)
+    x = torch.randn(3, 8)
+    want = torch.cat([F.linear(x, m.weight) for m in parts], dim=-1)
+    monkeypatch.setattr(L, "PACK_MIN_MACS", 10**9)
+    torch.testing.assert_close(fused(x), want)
+    assert fused._packed.key is None  # plain F.linear
+    monkeypatch.setattr(L, "PACK_MIN_MACS", 0)
+    torch.testing.assert_close(fused(x), want, rtol=1e-5, atol=1e-5)
+    if torch.backends.mkldnn.is_available():
+        assert fused._packed.key is not None  # now the oneDNN path
+
+
+def test_apply_rope_qk_equals_apply_rope_of_each() -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(5, 4, 8, generator=g), torch.randn(5, 2, 8, generator=g)
+    cos, sin = torch.randn(5, 1, 8, generator=g), torch.randn(5, 1, 8, generator=g)
+    rq, rk = L.apply_rope_qk(q, k, cos, sin)
+    assert torch.equal(rq, L.apply_rope(q, cos, sin))
+    assert torch.equal(rk, L.apply_rope(k, cos, sin))

@@ -64,7 +64,7 @@ def batch_block_tables(tables: Sequence[Sequence[int]], pad: int = PAD_BLOCK) ->
         ``[num_seqs, max_blocks_per_seq]`` int32 (``[0, 0]`` for no sequences).
     """
     n = len(tables)
-    width = max((len(t) for t in tables), default=0)
+    width = max(map(len, tables), default=0)
     out = np.full((n, width), pad, dtype=np.int32)
     for i, t in enumerate(tables):
         if t:

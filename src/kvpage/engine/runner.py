@@ -42,14 +42,23 @@ class StepInputs:
     def __init__(self, out: SchedulerOutput, block_size: int, num_groups: int) -> None:
         sched = out.scheduled
         n = len(sched)
-        starts = np.fromiter((s.start for s in sched), dtype=np.int64, count=n)
-        qlens = np.fromiter((s.num_tokens for s in sched), dtype=np.int64, count=n)
+        # one host pass over the scheduled sequences (loops, not generators: this runs
+        # every step for every sequence)
+        start_list, qlen_list = [], []
+        decode = True
+        for s in sched:
+            start_list.append(s.start)
+            qlen_list.append(s.num_tokens)
+            if s.num_tokens != 1:
+                decode = False
+        starts = np.array(start_list, dtype=np.int64).reshape(n)
+        qlens = np.array(qlen_list, dtype=np.int64).reshape(n)
         total = int(qlens.sum())
         cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(qlens, out=cu[1:])
         seq_idx = np.repeat(np.arange(n, dtype=np.int64), qlens)
         positions = np.arange(total, dtype=np.int64) - cu[seq_idx] + starts[seq_idx]
-        if all(s.num_tokens == 1 for s in sched):
+        if decode:
             ids = [s.token_ids[0] for s in sched]
         else:
             ids = [t for s in sched for t in s.token_ids]

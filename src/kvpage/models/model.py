@@ -177,8 +177,10 @@ class ModelRunnerModel(nn.Module):
         if self.arch.embed_scale is not None:
             x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
         # positions < seq_len of their sequence: a host-side bound, no device sync
-        top = max(p.meta.max_seq_len for p in plans) - 1
-        cos, sin = self.rotary(positions, x.dtype, max(top, 0))
+        top = 0
+        for p in plans:
+            top = max(top, p.meta.max_seq_len - 1)
+        cos, sin = self.rotary(positions, x.dtype, top)
         for lid, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, kv_caches[lid], plans[self.layer_groups[lid]], backend)
         x = self.model.norm(x[logits_indices])

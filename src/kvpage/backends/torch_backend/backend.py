@@ -6,7 +6,7 @@ against it by the conformance suite. Quantization follows ``kvpage.attention.qua
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -14,8 +14,8 @@ from kvpage.attention.checks import check_block_pairs, check_forward, check_writ
 from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.attention.quant import quantize_fp8, quantize_int8
-from kvpage.backends.torch_backend.compute import attend_group
-from kvpage.backends.torch_backend.plan import STREAM_MIN_BYTES, TorchPlan
+from kvpage.backends.torch_backend.compute import pick_attend
+from kvpage.backends.torch_backend.plan import STREAM_MIN_BYTES, GroupIndex, TorchPlan
 from kvpage.errors import ShapeError
 from kvpage.specs import AttentionSpec, CacheSpec
 
@@ -128,29 +128,57 @@ class TorchBackend:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of one layer over the step (``AttentionBackend.forward``): the
-        plan's groups for this cache and window, each gathered and attended
-        (``compute.attend_group``) into ``out``.
+        plan's groups for this cache and window, each attended by the compute path
+        chosen for it (``compute.pick_attend``) into ``out``. Groups, paths and their
+        step-constant buffers are built by the first layer of each layer shape and
+        kept in ``plan.runs``; later layers only look them up.
 
         Raises:
             ShapeError, DTypeError: see ``kvpage.attention.checks.check_forward``.
         """
         check_forward(query, cache, plan, spec, out)
+        key = (
+            cache.block_size,
+            cache.num_blocks,
+            cache.num_kv_heads,
+            cache.head_dim,
+            cache.kv.dtype,
+            spec.num_q_heads,
+            spec.sliding_window,
+            self.stream_min_bytes,
+        )
+        runs = plan.runs.get(key)
+        if runs is None:
+            runs = self._layer_runs(cache, plan, spec)
+            plan.runs[key] = runs
+        if out is None:
+            out = torch.empty_like(query)
+        for attend, g in runs:
+            attend(query, cache, g, spec, out)
+        return out
+
+    def _layer_runs(
+        self, cache: KVCache, plan: TorchPlan, spec: AttentionSpec
+    ) -> list[tuple[Callable[..., None], GroupIndex]]:
+        """The groups of a layer shape with their compute paths (once per step and
+        shape). Off the CPU, checks the block ids the groups read against the pool
+        (CPU block tables were checked by ``check_forward``).
+
+        Raises:
+            ShapeError: a block id outside ``[0, cache.num_blocks)``.
+        """
         row_bytes = cache.num_kv_heads * cache.head_dim * cache.kv.element_size()
         groups = plan.groups(
             cache.block_size, spec.sliding_window, row_bytes, self.stream_min_bytes
         )
-        if plan.device.type != "cpu":  # CPU block tables were checked by check_forward
+        if plan.device.type != "cpu":
             for g in groups:
                 if g.min_block < 0 or g.max_block >= cache.num_blocks:
                     raise ShapeError(
                         f"meta.block_tables: expected block ids in [0, {cache.num_blocks - 1}], "
                         f"got [{g.min_block}, {g.max_block}]"
                     )
-        if out is None:
-            out = torch.empty_like(query)
-        for g in groups:
-            attend_group(query, cache, g, spec, out)
-        return out
+        return [(pick_attend(g, cache, spec), g) for g in groups]
 
     def copy_blocks(self, caches: list[KVCache], pairs: torch.Tensor) -> None:
         """``cache[:, dst] = cache[:, src]`` for each ``(src, dst)`` row of ``pairs``

@@ -11,6 +11,10 @@ matmuls when a logit soft cap is set (SDPA has none).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -182,59 +186,79 @@ def _attend_streamed(
     out[g.q_start : g.q_start + g.max_q] = res[0]
 
 
-def _block_diag_query(q: torch.Tensor, hkv: int) -> torch.Tensor:
-    """q ``[n, Hq, D]`` -> ``[n, Hq, Hkv * D]`` float32 where query head ``h`` (of KV
-    head ``h // G``) holds its values in columns ``(h // G) * D ..`` and zeros elsewhere,
-    so ``qbd @ k_row`` with a K row ``[Hkv * D]`` gives every head's logit at once."""
-    n, hq, d = q.shape
-    grp = hq // hkv
-    qbd = q.new_zeros(n, hkv, grp, hkv, d, dtype=torch.float32)
-    qbd.diagonal(dim1=1, dim2=3).copy_(q.view(n, hkv, grp, d).permute(0, 2, 3, 1))
-    return qbd.view(n, hq, hkv * d)
+@dataclass(frozen=True)
+class PaddedDecode:
+    """Step-constant data of one padded decode group for one layer shape (built once per
+    step by :func:`layer_runs`, used by every layer of that shape).
+
+    Attributes:
+        kv_index: ``[2 * n * max_keys]`` int64: the group's slots, then the same slots
+            shifted by the cache's slot count (the V half of ``cache.kv`` viewed as
+            ``[2 * slots, ...]``), so K and V rows come in one gather; None for
+            quantized caches (dequantized per half).
+        qbd: ``[n, Hq, Hkv * D]`` float32 block-diagonal query buffer: query head ``h``
+            (of KV head ``h // G``) holds its values in columns ``(h // G) * D ..`` and
+            zeros elsewhere, so ``qbd @ k_row`` with a K row ``[Hkv * D]`` gives every
+            head's logit at once. Zeroed once; each layer overwrites only the diagonal.
+        qbd_diag: ``[n, G, D, Hkv]``: the diagonal blocks of ``qbd`` (a view), where
+            each layer copies its query.
+    """
+
+    kv_index: torch.Tensor | None
+    qbd: torch.Tensor
+    qbd_diag: torch.Tensor
 
 
-def _kv_index(g: GroupIndex, cache: KVCache) -> torch.Tensor:
-    """``[2 * n * max_keys]`` int64: the group's slots, then the same slots shifted by
-    the cache's slot count (the V half of ``cache.kv`` viewed as ``[2 * slots, ...]``);
-    built once per cache size and kept on the group (shared by the step's layers)."""
-    slots = cache.num_blocks * cache.block_size
-    idx = g.kv_index.get(slots)
-    if idx is None:
+def padded_decode_data(g: GroupIndex, cache: KVCache, spec: AttentionSpec) -> PaddedDecode:
+    """The :class:`PaddedDecode` of group ``g`` for caches shaped like ``cache`` and
+    layers like ``spec`` (tensors on the group's device)."""
+    n, _ = g.index.shape
+    hkv, d, hq = cache.num_kv_heads, cache.head_dim, spec.num_q_heads
+    kv_index = None
+    if cache.kv_dtype == "auto":
+        slots = cache.num_blocks * cache.block_size
         flat = g.index.reshape(-1)
-        idx = torch.cat([flat, flat + slots])
-        g.kv_index[slots] = idx
-    return idx
+        kv_index = torch.cat([flat, flat + slots])
+    qbd = torch.zeros(n, hq, hkv * d, dtype=torch.float32, device=g.index.device)
+    diag = qbd.view(n, hkv, hq // hkv, hkv, d).diagonal(dim1=1, dim2=3)
+    return PaddedDecode(kv_index=kv_index, qbd=qbd, qbd_diag=diag)
 
 
 def _decode_padded(
-    query: torch.Tensor, cache: KVCache, g: GroupIndex, spec: AttentionSpec, out: torch.Tensor
+    query: torch.Tensor,
+    cache: KVCache,
+    g: GroupIndex,
+    spec: AttentionSpec,
+    out: torch.Tensor,
+    data: PaddedDecode,
 ) -> None:
     """One query row per sequence over ``[n, max_keys]`` gathered keys (padding masked
     by the plan's additive ``key_bias``), in float32: logits ``[n, Hq, L]`` from one
-    batched matmul against the K rows ``[n, L, Hkv * D]`` (block-diagonal query, no
-    per-head copy of K), soft cap, bias, softmax, then ``P @ V`` and the diagonal
-    blocks of the result. Groups are small (``plan.GROUP_BYTES``), so the gathered
-    K/V are read back from cache."""
+    batched matmul against the K rows ``[n, L, Hkv * D]`` (block-diagonal query
+    ``data.qbd``, no per-head copy of K), soft cap, bias, softmax, then ``P @ V`` and
+    the diagonal blocks of the result. Groups are small (``plan.GROUP_BYTES``), so the
+    gathered K/V are read back from cache."""
     assert g.key_bias is not None
     n, L = g.index.shape
     hkv, d, hq = cache.num_kv_heads, cache.head_dim, spec.num_q_heads
-    idx = g.index.reshape(-1)
     if g.identity_rows:
         q = query
     else:
         q = query.index_select(0, g.q_rows.reshape(-1))
-    if cache.kv_dtype == "auto":  # K and V rows in one gather from the [2 * slots] view
-        kv = F.embedding(_kv_index(g, cache), cache.kv.view(-1, hkv * d)).float()
+    if data.kv_index is not None:  # K and V rows in one gather from the [2 * slots] view
+        kv = F.embedding(data.kv_index, cache.kv.view(-1, hkv * d)).float()
         k, v = kv[: n * L].view(n, L, hkv * d), kv[n * L :].view(n, L, hkv * d)
     else:
+        idx = g.index.reshape(-1)
         k = _gather(cache, 0, idx, False, torch.float32).view(n, L, hkv * d)
         v = _gather(cache, 1, idx, False, torch.float32).view(n, L, hkv * d)
-    qbd, kt = _block_diag_query(q, hkv), k.transpose(1, 2)
+    data.qbd_diag.copy_(q.view(n, hkv, hq // hkv, d).permute(0, 2, 3, 1))
+    kt = k.transpose(1, 2)
     if spec.logits_soft_cap is None:  # one fused pass: bias + scale * (q @ k)
-        logits = torch.baddbmm(g.key_bias, qbd, kt, alpha=spec.scale)  # [n, Hq, L]
+        logits = torch.baddbmm(g.key_bias, data.qbd, kt, alpha=spec.scale)  # [n, Hq, L]
     else:
         c = spec.logits_soft_cap
-        logits = torch.bmm(qbd, kt).mul_(spec.scale / c)
+        logits = torch.bmm(data.qbd, kt).mul_(spec.scale / c)
         logits = torch.tanh_(logits).mul_(c).add_(g.key_bias)
     p = torch.softmax(logits, dim=-1)
     o = torch.bmm(p, v).view(n, hkv, hq // hkv, hkv, d)
@@ -248,9 +272,7 @@ def _decode_padded(
 def _attend_padded(
     query: torch.Tensor, cache: KVCache, g: GroupIndex, spec: AttentionSpec, out: torch.Tensor
 ) -> None:
-    if g.key_bias is not None and cache.num_kv_heads * cache.head_dim <= BLOCK_DIAG_MAX_ROW:
-        _decode_padded(query, cache, g, spec, out)
-        return
+    """A padded group through SDPA (or explicit float32 matmuls with a soft cap)."""
     dtype = compute_dtype(cache, streamed=False)
     n, max_q = g.q_rows.shape
     k = _gather(cache, 0, g.index.reshape(-1), False, dtype).view(
@@ -278,12 +300,26 @@ def _attend_padded(
     out.index_copy_(0, g.out_rows, res.to(out.dtype))
 
 
+#: one layer's work on one group: ``attend(query, cache, group, spec, out)``
+Attend = Callable[[torch.Tensor, KVCache, GroupIndex, AttentionSpec, torch.Tensor], None]
+
+
+def pick_attend(g: GroupIndex, cache: KVCache, spec: AttentionSpec) -> Attend:
+    """The compute path of group ``g`` for caches shaped like ``cache`` and layers like
+    ``spec``: streamed decode (two chunked passes), streamed prefill, padded decode
+    (block-diagonal query, while ``num_kv_heads * head_dim <= BLOCK_DIAG_MAX_ROW``; its
+    step-constant buffers built here, once) or padded SDPA."""
+    if g.streamed:
+        return _decode_streamed if g.max_q == 1 else _attend_streamed
+    if g.key_bias is not None and cache.num_kv_heads * cache.head_dim <= BLOCK_DIAG_MAX_ROW:
+        return partial(_decode_padded, data=padded_decode_data(g, cache, spec))
+    return _attend_padded
+
+
 def attend_group(
     query: torch.Tensor, cache: KVCache, g: GroupIndex, spec: AttentionSpec, out: torch.Tensor
 ) -> None:
     """Compute one group and write its real rows into ``out`` ``[num_tokens, Hq, D]``
-    (rows of other groups untouched)."""
-    if g.streamed:
-        _attend_streamed(query, cache, g, spec, out)
-    else:
-        _attend_padded(query, cache, g, spec, out)
+    (rows of other groups untouched). ``TorchBackend.forward`` takes the path from the
+    plan's memo (``pick_attend`` once per step and layer shape) instead."""
+    pick_attend(g, cache, spec)(query, cache, g, spec, out)

@@ -21,7 +21,9 @@ is built on first use and memoized (all layers of one KV group share them).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -104,6 +106,12 @@ class TorchPlan(StepPlan):
     memo: dict[tuple[int, int | None, int, int], list[GroupIndex]] = field(
         default_factory=dict, repr=False, compare=False
     )
+    #: ``TorchBackend.forward``'s memo: per layer shape (block size, pool size, heads,
+    #: head_dim, storage dtype, query heads, window, stream threshold), the groups with
+    #: the compute path of each (``compute.pick_attend``)
+    runs: dict[tuple[Any, ...], list[tuple[Callable[..., None], GroupIndex]]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @classmethod
     def from_meta(cls, meta: AttentionMetadata) -> TorchPlan:
@@ -149,13 +157,20 @@ class TorchPlan(StepPlan):
     def _build(
         self, bs: int, window: int | None, row_bytes: int, stream_min: int
     ) -> list[GroupIndex]:
-        live = [i for i in range(len(self.seq_lens)) if self.query_lens[i] > 0]
-        spans = {i: self._key_range(i, window) for i in live}
-        big = [i for i in live if (spans[i][1] - spans[i][0]) * row_bytes >= stream_min]
-        small = [i for i in live if i not in set(big)]
+        # one pass over the sequences: key spans (``_key_range``, inlined: this runs per
+        # step) and the streamed/batched split
+        spans: dict[int, tuple[int, int]] = {}
+        big: list[int] = []
+        small: list[int] = []
+        for i, (q, s) in enumerate(zip(self.query_lens, self.seq_lens)):
+            if q <= 0:
+                continue
+            lo = 0 if window is None else max(0, s - q - window + 1)
+            spans[i] = (lo, s)
+            (big if (s - lo) * row_bytes >= stream_min else small).append(i)
         out = [self._streamed(i, bs, window) for i in big]
         for seqs in self._partition(small, spans, row_bytes):
-            out.append(self._padded(seqs, bs, window))
+            out.append(self._padded(seqs, bs, window, spans))
         return out
 
     def _partition(
@@ -164,13 +179,14 @@ class TorchPlan(StepPlan):
         """Greedy: sorted by query length then key span, a group grows while its padded
         work stays within PAD_FACTOR of the real work (plus PAD_SLACK) and its padded
         K rows within GROUP_BYTES."""
-        order = sorted(live, key=lambda i: (self.query_lens[i], spans[i][1] - spans[i][0]))
-        order.reverse()
+        keyed = []
+        for i in live:
+            keyed.append((self.query_lens[i], spans[i][1] - spans[i][0], i))
+        keyed.sort(reverse=True)
         groups: list[list[int]] = []
         cur: list[int] = []
         real = max_q = max_k = 0
-        for i in order:
-            q, k = self.query_lens[i], spans[i][1] - spans[i][0]
+        for q, k, i in keyed:
             nq, nk, nreal = max(max_q, q), max(max_k, k), real + q * k
             pad = (len(cur) + 1) * nq * nk
             if cur and (
@@ -230,12 +246,18 @@ class TorchPlan(StepPlan):
             max_block=int(blocks.max()),
         )
 
-    def _padded(self, seqs: list[int], bs: int, window: int | None) -> GroupIndex:
+    def _padded(
+        self,
+        seqs: list[int],
+        bs: int,
+        window: int | None,
+        spans: dict[int, tuple[int, int]],
+    ) -> GroupIndex:
         dev = self.device
-        lo = torch.tensor([self._key_range(i, window)[0] for i in seqs], dtype=torch.int64)
-        hi = torch.tensor([self.seq_lens[i] for i in seqs], dtype=torch.int64)
-        ql = torch.tensor([self.query_lens[i] for i in seqs], dtype=torch.int64)
-        qs = torch.tensor([self.query_starts[i] for i in seqs], dtype=torch.int64)
+        rows = []  # one host pass: (lo, seq_len, query_len, query_start) per sequence
+        for i in seqs:
+            rows.append((spans[i][0], self.seq_lens[i], self.query_lens[i], self.query_starts[i]))
+        lo, hi, ql, qs = torch.tensor(rows, dtype=torch.int64).unbind(1)
         max_k, max_q = int((hi - lo).max()), int(ql.max())
         t = torch.arange(max_k)[None, :]
         kpos = lo[:, None] + t
