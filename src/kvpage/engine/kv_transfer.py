@@ -31,7 +31,6 @@ from kvpage.errors import SpecError
 if TYPE_CHECKING:
     from kvpage.attention.metadata import KVCache
     from kvpage.cache import KVCacheManager
-    from kvpage.engine.config import EngineConfig
     from kvpage.specs import CacheSpec
 
 
@@ -120,11 +119,11 @@ class TorchBlockMover:
             off += size
 
 
-def build_swapper(
-    config: EngineConfig, kv_caches: Sequence[KVCache], kvm: KVCacheManager
-) -> Swapper | None:
+def build_swapper(config: Any, kv_caches: Sequence[KVCache], kvm: KVCacheManager) -> Swapper | None:
     """The swapper of ``preemption_mode="swap"`` (None for ``recompute``), with the
     host-bandwidth preset of the cache's device (``kvpage.engine.swap.HOST_BANDWIDTH``).
+    ``config`` is an ``EngineConfig`` (typed Any: ``kvpage.engine.config`` imports this
+    module).
 
     Raises:
         SpecError: swap with more than one KV group or a sliding window.
@@ -142,9 +141,10 @@ def build_swapper(
 
 
 def build_tiers(
-    config: EngineConfig, spec: CacheSpec, kv_caches: Sequence[KVCache], kvm: KVCacheManager
+    config: Any, spec: CacheSpec, kv_caches: Sequence[KVCache], kvm: KVCacheManager
 ) -> TieredCache | None:
-    """The engine's KV tiers from ``config`` (None when both capacities are 0), attached
+    """The engine's KV tiers from ``config`` (an ``EngineConfig``; None when both
+    capacities are 0), attached
     to ``kvm``. The disk tier's fingerprint covers the model (its name or path and its
     config), the KV dtype, block size, hash seed and the cache geometry.
 
