@@ -156,8 +156,8 @@ def build_swapper(
 def build_tiers(
     config: TierConfig, spec: CacheSpec, kv_caches: Sequence[KVCache], kvm: KVCacheManager
 ) -> TieredCache | None:
-    """The engine's KV tiers from ``config`` (None when both capacities are 0), attached
-    to ``kvm``. The disk tier's fingerprint covers the model (its name or path and its
+    """The engine's KV tiers from ``config`` (an ``EngineConfig``; None when both
+    capacities are 0), attached to ``kvm``. The disk tier's fingerprint covers the model (its name or path and its
     config), the KV dtype, block size, hash seed and the cache geometry.
 
     Raises:
