@@ -257,3 +257,20 @@ def test_default_promotes_even_when_not_admissible_yet(tmp_path: Path) -> None:
     assert mgr.get_num_cached_tokens(A) == 8  # two blocks promoted (a prefetch)
     assert tiers.promotions_deferred == 0
     mgr.check_integrity()
+
+
+def test_host_eviction_after_disk_full_is_reported_as_write_error(tmp_path: Path) -> None:
+    mgr, tiers, mover = build(tmp_path, host_blocks=1)
+    rec = Recorder()
+    assert tiers.host is not None and tiers.disk is not None
+    tiers.host.listeners.append(rec)
+
+    def enospc(path: Path, chunks: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    tiers.disk._write_file = enospc  # type: ignore[method-assign]
+    run(mgr, mover, "a", A)
+    run(mgr, mover, "b", B)
+    reasons = [e[3] for e in rec.events if e[0] == "dropped"]
+    assert reasons and set(reasons) == {"write_error"}
+    assert tiers.demote_failures == len(reasons)

@@ -78,3 +78,22 @@ def test_bad_tier_configs_refused() -> None:
     with pytest.raises(SpecError, match="preemption_mode"):
         simulate(tr, SimConfig(preemption_mode="drop"))
     assert set(TRANSFER_PRESETS) >= {"pcie4-nvme", "pcie5-nvme"}
+
+
+def test_simulate_cli_tier_and_swap_flags(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from kvpage.cli import main
+
+    out = tmp_path / "r.json"
+    argv = ["simulate", "--trace", "mooncake-conv", "--limit", "4", "--max-model-len", "131072"]
+    rc = main(
+        argv
+        + ["--policies", "paged-prefix", "--kv-host-tier-bytes", str(10**11)]
+        + ["--preemption-mode", "swap", "--json", str(out)]
+    )
+    assert rc == 0
+    (row,) = json.loads(out.read_text())
+    assert "tiers" in row["extra"] and "swap" in row["extra"]
+    assert main(argv + ["--policies", "paged", "--kv-host-tier-bytes", "100"]) == 2
+    assert "expected --policies with paged-prefix" in capsys.readouterr().err

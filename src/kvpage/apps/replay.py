@@ -147,7 +147,9 @@ def replay(
         A ReplayResult whose ``summary`` has: requests, completed, rejected, prompt and
         generated tokens, TTFT/TPOT/e2e percentiles (ms), prefill and decode tokens per
         second (tokens computed / wall time of the run), output tokens/s, peak and mean
-        (over steps) KV usage, prefix hit ratio (hit / queried prompt tokens),
+        (over steps) KV usage, prefix hit ratio (hit / queried prompt tokens), the
+        finished requests' first-admission hit tokens by tier
+        (``prefix_hit_tokens_by_tier``: device, host, disk),
         preemptions, allocation failures, steps, duration, ``interrupted`` (True
         when Ctrl-C or SIGTERM stopped the run early; unfinished requests are aborted)
         and ``interrupted_by`` (``"SIGINT"``, ``"SIGTERM"`` or None). A percentile
@@ -240,6 +242,11 @@ def replay(
         "interrupted": interrupted is not None,
         "interrupted_by": interrupted,
     }
+    by_tier: dict[str, int] = {}  # first-admission hits by where they were found
+    for o in done:
+        for k, v in o.num_cached_tokens_by_tier.items():
+            by_tier[k] = by_tier.get(k, 0) + v
+    summary["prefix_hit_tokens_by_tier"] = by_tier
     return ReplayResult(summary, done)
 
 

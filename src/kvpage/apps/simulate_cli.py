@@ -109,6 +109,19 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--event-delay", type=float, default=0.0, help="with --instances: KV-event delay, s"
     )
+    p.add_argument(
+        "--kv-host-tier-bytes", type=int, default=0, help="host KV tier below the pool (bytes)"
+    )
+    p.add_argument(
+        "--kv-disk-tier-bytes", type=int, default=0, help="disk KV tier (bytes; simulated)"
+    )
+    p.add_argument(
+        "--transfer-preset",
+        default="pcie5-nvme",
+        help="tier/swap link speeds: pcie4-nvme, pcie5-nvme, nvlink-c2c-nvme",
+    )
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--swap-space-bytes", type=int, default=4 << 30, help="host bytes for swap")
     p.add_argument("--json", default=None, help="write results as JSON here ('-' = stdout)")
     p.set_defaults(func=run_simulate)
     return p
@@ -154,10 +167,28 @@ def run_simulate(args: argparse.Namespace) -> int:
             flops_efficiency=args.flops_efficiency,
             bandwidth_efficiency=args.bandwidth_efficiency,
             step_overhead_s=args.step_overhead,
+            transfer_preset=args.transfer_preset,
+            swap_space_bytes=args.swap_space_bytes,
         )
+        tiers = dict(
+            kv_host_tier_bytes=args.kv_host_tier_bytes, kv_disk_tier_bytes=args.kv_disk_tier_bytes
+        )
+        if any(tiers.values()) and "paged-prefix" not in pols:
+            raise KVPageError(
+                f"--kv-host-tier-bytes/--kv-disk-tier-bytes: expected --policies with "
+                f"paged-prefix (tiers hold prefix-cache blocks), got {pols}"
+            )
+        if any(tiers.values()) or args.preemption_mode == "swap":
+            print(
+                "note: KV tiers apply to paged-prefix rows, swap to paged rows; "
+                "other rows run without them",
+                file=sys.stderr,
+            )
         rows = []
         if args.instances is not None:
-            rows = run_cluster(args, trace, base, sizes)
+            # every instance is paged-prefix: the tiers and the preemption mode apply to all
+            inst = replace(base, **tiers, preemption_mode=args.preemption_mode)
+            rows = run_cluster(args, trace, inst, sizes)
             sizes = []
         for bs in sizes:
             nb = None if args.num_blocks is None else (args.num_blocks - 1) * 16 // bs + 1
@@ -170,6 +201,10 @@ def run_simulate(args: argparse.Namespace) -> int:
                 if pol.startswith("contiguous") and bs != sizes[0]:
                     continue  # block size does not apply
                 cfg = replace(base, policy=pol, block_size=bs, num_blocks=nb)
+                if pol == "paged-prefix":
+                    cfg = replace(cfg, **tiers)
+                if pol.startswith("paged"):
+                    cfg = replace(cfg, preemption_mode=args.preemption_mode)
                 row = simulate(trace, cfg).to_dict()
                 rows.append(row)
                 print(f"done {pol} block {bs}", file=sys.stderr)

@@ -159,15 +159,16 @@ class TieredCache:
             self._to_disk(block_hash, payload, None)
 
     def _to_disk(self, h: BlockHash, payload: Payload, source: str | None) -> None:
+        """Demote one block to disk; ``source`` "host" when the host tier evicted it
+        (the host then reports it dropped: ``capacity``, or ``write_error`` when the
+        disk tier stopped after a failed write and the block is lost)."""
         disk = self.disk
         stored = disk is not None and (h in disk or disk.put(h, payload))
-        if stored:
-            if source == "host" and self.host is not None:
-                self.host._emit_dropped(h, "capacity")  # left host for disk
-            return
-        self.demote_failures += 1
+        if not stored:
+            self.demote_failures += 1
         if source == "host" and self.host is not None:
-            self.host._emit_dropped(h, "capacity")
+            lost_to_error = not stored and disk is not None and not disk.writable
+            self.host._emit_dropped(h, "write_error" if lost_to_error else "capacity")
 
     def on_cleared(self) -> None:
         """``reset_prefix_cache`` forgets every tier too."""
@@ -224,11 +225,8 @@ class TieredCache:
             for h, tier in wanted:  # take before allocating: the allocation demotes
                 p = self.host.take(h) if tier == "host" and self.host else None
                 if p is None and self.disk is not None:
-                    t0 = time.perf_counter()
-                    p = self.disk.get(h)
+                    p = self.disk.get(h)  # (times its own read)
                     tier = "disk"
-                    if p is not None:
-                        self.disk.stats.transfer_s += time.perf_counter() - t0
                 if p is None:
                     break  # corrupt or gone: the hit ends here (counted by the tier)
                 payloads.append(p)
