@@ -63,6 +63,7 @@ class NumbaCpuBackend:
         notes=(
             "compiled on first use per KV storage dtype (cached on disk by numba)",
             "float16 refused: numba has no CPU float16 arithmetic",
+            "more than one thread starts numba's OpenMP pool (GNU OpenMP: not fork-safe)",
         ),
     )
 
@@ -156,8 +157,9 @@ class NumbaCpuBackend:
         )
         if plan.threads == 1:
             # one part: the serial worker, called directly — no parallel region, so
-            # numba's thread pool is never started or woken (measured: a 1-thread
-            # parallel region cost ~50 % extra process CPU in the pool's threads)
+            # numba's thread pool is never started (a 1-thread region ran the kernel
+            # on a pool thread and kept a second OpenMP runtime alive next to torch's:
+            # docs/benchmarks.md, "numba-cpu")
             kernels.run_part(0, *args)
         else:
             kernels.paged_attention(*args)

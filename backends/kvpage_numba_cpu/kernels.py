@@ -17,7 +17,7 @@ a time:
 Everything is float32 and ``fastmath=False`` except the K dot product ``_dot``, the
 one function compiled with ``fastmath={"reassoc", "contract"}`` (no finite-math
 assumptions: infinities and NaN keep their meaning) so that LLVM vectorizes its sum:
-1.6-1.8x less CPU per decode call than the strict in-order sum (measured, see
+1.5-1.7x less CPU per decode call than the strict in-order sum (measured, see
 docs/benchmarks.md). Its order is fixed by the compiled code and the head_dim, so a
 unit's result still does not depend on the batch, the thread count or the other units
 (tested bit-for-bit). float32 caches are read
