@@ -50,15 +50,18 @@ class NumbaCpuBackend:
     arithmetic). Results are computed in float32 (see ``kernels``) and do not depend on
     the batch or the thread count.
 
-    ``capabilities.priority["cpu"]`` = 10 ranks it before the torch backend (0) for
-    ``select_backend(prefer="auto")`` on CPU: docs/benchmarks.md ("numba-cpu") has the
-    measurement behind it.
+    ``capabilities.priority["cpu"]`` = -10 ranks it after the torch backend (0), so
+    ``select_backend(prefer="auto")`` keeps torch on CPU and this backend is chosen by
+    name (``--backend numba-cpu``): measured (docs/benchmarks.md, "numba-cpu") it
+    takes 0.7-0.85x the torch backend's CPU on ~125M-class models (head_dim 64) but
+    1.1x on the bundled stories260K replay of the main job (head_dim 8), and ``auto``
+    must not make the default run slower.
     """
 
     name = "numba-cpu"
     capabilities = BackendCapabilities(
         devices=frozenset({"cpu"}),
-        priority={"cpu": 10},
+        priority={"cpu": -10},
         query_dtypes=frozenset({"float32", "bfloat16"}),
         notes=(
             "compiled on first use per KV storage dtype (cached on disk by numba)",

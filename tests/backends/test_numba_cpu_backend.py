@@ -31,9 +31,10 @@ def _spec(dtype: str = "float32"):  # type: ignore[no-untyped-def]
     )
 
 
-def test_auto_picks_it_on_cpu_and_refuses_float16_by_name() -> None:
-    assert select_backend(_spec(), "cpu").name == "numba-cpu"
-    assert select_backend(_spec("bfloat16"), "cpu").name == "numba-cpu"
+def test_chosen_by_name_after_torch_in_auto_and_refuses_float16_by_name() -> None:
+    assert select_backend(_spec(), "cpu").name == "torch"  # auto keeps torch (priority)
+    assert select_backend(_spec(), "cpu", prefer="numba-cpu").name == "numba-cpu"
+    assert select_backend(_spec("bfloat16"), "cpu", prefer="numba-cpu").name == "numba-cpu"
     b = NumbaCpuBackend()
     assert b.unsupported_reasons(_spec("float16"), torch.device("cpu")) == [
         "dtype: expected float32|bfloat16, got float16"

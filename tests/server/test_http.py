@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 import json
 import time
 
@@ -181,7 +180,7 @@ def test_models_health_metrics(client, server):
         "kvpage:cache_config_info{",
     ):
         assert name in text, name
-    backend = "numba-cpu" if importlib.util.find_spec("numba") else "torch"
+    backend = "torch"
     assert 'block_size="16"' in text and 'num_blocks="65"' in text
     assert f'backend="{backend}"' in text  # what "auto" picked on CPU
     m = metrics_dict(text)
