@@ -72,7 +72,7 @@ class EngineReplica:
         self, group: str, engine_kwargs: dict[str, Any], replica_id: str | None = None
     ) -> None:
         from kvpage.engine import LLMEngine
-        from kvpage.routing.events import KVEventPublisher
+        from kvpage.routing.publisher import KVEventPublisher
 
         if replica_id is None:
             from ray import serve
