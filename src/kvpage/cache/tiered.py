@@ -8,7 +8,8 @@ of docs/architecture.md) and to its :class:`~kvpage.cache.manager.KVCacheManager
 * **Demotion.** ``on_evicted`` (the block's K/V still intact) copies the block out
   through the :class:`BlockMover` into the host tier; blocks the host tier evicts go
   to the disk tier (or are dropped, reason ``"capacity"``, when there is none or it
-  stopped). With no host tier (capacity 0) evicted blocks go straight to disk.
+  stopped; a block the stopped disk tier could not take is also reported by the disk
+  tier as dropped, reason ``"write_error"``, though it never entered it). With no host tier (capacity 0) evicted blocks go straight to disk.
 * **Promotion.** :meth:`promote_prefix`, called by
   ``KVCacheManager.get_num_cached_tokens`` before the pool lookup, walks the prompt's
   block hashes: blocks in the pool are held for the duration of the call (so the
@@ -168,6 +169,8 @@ class TieredCache:
         self.demote_failures += 1
         if source == "host" and self.host is not None:
             self.host._emit_dropped(h, "capacity")
+        if disk is not None and not disk.writable:  # the write failed (disk full)
+            disk._emit_dropped(h, "write_error")
 
     def on_cleared(self) -> None:
         """``reset_prefix_cache`` forgets every tier too."""
