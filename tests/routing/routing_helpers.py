@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpage.cache import KVCacheManager
+from kvpage.cache.tier_store import DiskTier, HostTier
+from kvpage.cache.tiered import TieredCache
 from kvpage.routing import KVEventPublisher, PrefixIndex
 from kvpage.specs import make_cache_spec
 
@@ -50,3 +52,40 @@ def sync(index: PrefixIndex, pub: KVEventPublisher) -> None:
 
 def pool_hashes(mgr: KVCacheManager) -> frozenset[bytes]:
     return mgr.prefix_pools[0].cached_hashes()
+
+
+class BytesMover:
+    """A BlockMover over a dict: block 'K/V' is 8 bytes per block id (payload = copy)."""
+
+    block_nbytes = 8
+
+    def __init__(self, num_blocks: int) -> None:
+        self.data = {i: bytes(8) for i in range(num_blocks)}
+
+    def read_blocks(self, ids: Sequence[int]) -> list[bytes]:
+        return [bytes(self.data[i]) for i in ids]
+
+    def write_blocks(self, ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+        for i, p in zip(ids, payloads):
+            self.data[i] = bytes(p)
+
+
+def make_tiered_replica(
+    rid: str, num_blocks: int = 8, host_blocks: int = 3, disk: DiskTier | None = None
+) -> tuple[KVCacheManager, KVEventPublisher]:
+    """A manager with a host tier of ``host_blocks`` blocks (and ``disk`` when given)
+    below its pool, and a publisher attached after the tiers (as the engine does)."""
+    mgr = make_manager(num_blocks)
+    host = HostTier(host_blocks * BytesMover.block_nbytes) if host_blocks else None
+    tiers = TieredCache(mgr.pools[0], BytesMover(num_blocks), host=host, disk=disk)
+    mgr.attach_tiers(tiers)
+    pub = KVEventPublisher(rid)
+    pub.attach(mgr)
+    return mgr, pub
+
+
+def tier_hashes(mgr: KVCacheManager, medium: str) -> frozenset[bytes]:
+    """What the manager's tier ``medium`` holds now (empty without it)."""
+    tiers = mgr.tiers
+    t = None if tiers is None else (tiers.host if medium == "host" else tiers.disk)
+    return frozenset() if t is None else frozenset(t.hashes())

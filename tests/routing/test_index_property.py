@@ -1,14 +1,23 @@
 """Property: after any interleaving of allocations, commits, frees, evictions, prefix-cache
 resets and event deliveries on real KVCacheManagers (deliveries may be dropped, which forces
-a resync), the router's view of each replica equals that replica's pool hash map."""
+a resync), the router's view of each replica equals that replica's pool hash map; with KV
+tiers below the pools, also each tier's contents (medium "host" / "disk")."""
 
 from __future__ import annotations
 
 from hypothesis import example, given
 from hypothesis import strategies as st
-from routing_helpers import BS, make_replica, pool_hashes, sync
+from routing_helpers import (
+    BS,
+    make_replica,
+    make_tiered_replica,
+    pool_hashes,
+    sync,
+    tier_hashes,
+)
 
 from kvpage.routing import PrefixIndex
+from kvpage.sim.tiers import SimDiskTier
 
 REPLICAS = ("r0", "r1", "r2")
 # prompts from a few shared stems, so replicas share and evict prefixes
@@ -28,7 +37,24 @@ op = st.one_of(
     [("start", 1, 0, 4), ("deliver", 1, True), ("free", 1, 0), ("reset", 1), ("start", 1, 1, 9)]
 )
 def test_view_equals_pool_hash_map_after_any_interleaving(ops: list[tuple]) -> None:
-    reps = {rid: make_replica(rid, num_blocks=10) for rid in REPLICAS}
+    _check(ops, tiers=False)
+
+
+@given(st.lists(op, max_size=60))
+@example([("start", 0, 0, 1), ("start", 0, 1, 9), ("start", 0, 2, 9), ("deliver", 0, True)])
+@example([("start", 2, 0, 8), ("start", 2, 1, 8), ("deliver", 2, True), ("reset", 2)])
+def test_views_equal_pool_and_tiers_after_any_interleaving(ops: list[tuple]) -> None:
+    _check(ops, tiers=True)
+
+
+def _check(ops: list[tuple], tiers: bool) -> None:
+    if tiers:  # host of 3 blocks, an in-memory disk tier of 5 (payloads are 8 bytes)
+        reps = {
+            rid: make_tiered_replica(rid, 10, 3, SimDiskTier(5 * 8) if rid != "r1" else None)
+            for rid in REPLICAS
+        }
+    else:
+        reps = {rid: make_replica(rid, num_blocks=10) for rid in REPLICAS}
     idx = PrefixIndex()
     for _, pub in reps.values():
         idx.resync(pub.snapshot())
@@ -58,5 +84,7 @@ def test_view_equals_pool_hash_map_after_any_interleaving(ops: list[tuple]) -> N
         sync(idx, pub)
         # the heartbeat in sync() turns a lost last batch into a gap -> resync
         assert idx.view(rid) == pool_hashes(mgr) == pub.held(), rid
+        for m in ("host", "disk"):
+            assert idx.view(rid, m) == tier_hashes(mgr, m) == pub.held(m), (rid, m)
         assert not idx.is_stale(rid)
         mgr.check_integrity()

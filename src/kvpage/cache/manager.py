@@ -18,24 +18,26 @@ hashes, stats, all-or-nothing across groups) -> one
 :class:`~kvpage.cache.group_managers.GroupManager` per KV group (full attention or
 sliding window: window release, CoW, growth of one table) -> that group's
 :class:`~kvpage.cache.block_pool.BlockPool` (ref counts, free queue, hash map).
+
+The class is split over three modules: this one (construction, allocation, commit,
+fork, free), ``kvpage.cache.manager_prefix`` (prefix lookup, KV tiers, miss
+explanations, retention, reset) and ``kvpage.cache.manager_queries`` (read-only
+queries, integrity check).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvpage.cache.allocation import Allocation, CacheStats, RequestBlocks
 from kvpage.cache.block_pool import BlockPool
 from kvpage.cache.explain import (
     DEFAULT_EVICTION_RECORD_CAP,
-    CacheMissExplanation,
     EvictionRecord,
     KeyRecord,
     PoolEvictionRecorder,
-    explain_first_miss,
 )
 from kvpage.cache.group_managers import GroupManager, GrowthPlan, make_group_manager
 from kvpage.cache.hashing import (
@@ -45,9 +47,7 @@ from kvpage.cache.hashing import (
     iter_block_hashes,
     root_hash,
 )
-from kvpage.cache.integrity import check_manager_integrity
-from kvpage.cache.prefix import longest_hit
-from kvpage.cache.retention import KVRetention
+from kvpage.cache.manager_prefix import ManagerPrefix
 from kvpage.errors import AllocationError, SpecError
 from kvpage.specs import CacheSpec
 
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from kvpage.cache.tiered import TieredCache
 
 
-class KVCacheManager:
+class KVCacheManager(ManagerPrefix):
     """Paged KV-cache bookkeeping for one model: prefix caching, CoW, sliding windows.
 
     Args:
@@ -132,177 +132,6 @@ class KVCacheManager:
         self.max_request_tokens = (spec.num_blocks - 1) * spec.block_size
         #: host/disk tiers below the pool (:meth:`attach_tiers`), None = none
         self.tiers: TieredCache | None = None
-
-    def attach_tiers(self, tiers: TieredCache) -> None:
-        """Put KV tiers below the pool: prefix lookups then promote blocks found in a
-        tier (``kvpage.cache.tiered``). ``tiers`` must be built over ``pools[0]``.
-
-        Raises:
-            SpecError: more than one KV group or a sliding window (tiers serve one
-                full-attention group), prefix caching off, or another pool.
-        """
-        if not self._simple:
-            raise SpecError(
-                f"kv tiers: expected one full-attention KV group, got windows {self.windows}"
-            )
-        if not self.enable_prefix_caching:
-            raise SpecError("kv tiers: expected enable_prefix_caching=True, got False")
-        if tiers.pool is not self._pools[0]:
-            raise SpecError("tiers: expected a TieredCache over this manager's pool")
-        self.tiers = tiers
-
-    # ---- queries ------------------------------------------------------------------------
-    @property
-    def pools(self) -> list[BlockPool]:
-        """The per-group pools, for inspection (tests, debugging); mutate them only
-        through this manager."""
-        return list(self._pools)
-
-    @property
-    def prefix_pools(self) -> list[BlockPool]:
-        """The pools whose hash maps decide a prefix hit: those of the full-attention
-        groups (all pools when every group is sliding-window). A KV-event publisher
-        (``kvpage.routing``) listens to these; mutate them only through this manager."""
-        full = [gm.pool for gm in self._groups if gm.window is None]
-        return full or list(self._pools)
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks held by requests, max over groups, in [0, 1]; cached
-        blocks nobody holds count as free."""
-        return max(p.usage for p in self._pools)
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Free blocks (cached-but-unreferenced included), min over groups."""
-        return min(p.num_free for p in self._pools)
-
-    @property
-    def num_used_blocks(self) -> int:
-        """Blocks held by requests, max over groups."""
-        return max(p.num_used for p in self._pools)
-
-    @property
-    def num_retained_blocks(self) -> int:
-        """Free blocks held at a raised retention priority, max over groups."""
-        return max(p.num_retained for p in self._pools)
-
-    @property
-    def max_retained_blocks(self) -> int:
-        """The retention cap per group (blocks)."""
-        return self._pools[0].max_retained_blocks
-
-    @property
-    def stats(self) -> CacheStats:
-        """A snapshot of the counters."""
-        return replace(self._stats, evictions=sum(p.num_evictions for p in self._pools))
-
-    def has_request(self, request_id: str) -> bool:
-        """Whether ``request_id`` holds blocks (allocated and not freed)."""
-        return request_id in self._reqs
-
-    @property
-    def num_requests(self) -> int:
-        """Requests holding blocks."""
-        return len(self._reqs)
-
-    def block_table(self, request_id: str, group: int = 0) -> list[int]:
-        """A copy of the request's block table in ``group`` (null block 0 marks blocks
-        released by sliding-window freeing). Raises AllocationError if unknown."""
-        return list(self._get(request_id).tables[group])
-
-    def num_allocated_tokens(self, request_id: str) -> int:
-        """Tokens the request has room for (cached + allocated)."""
-        return self._get(request_id).num_tokens
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks one request needs in each group to hold ``num_tokens`` allocated in one
-        call: ``ceil(num_tokens / block_size)`` (max over groups)."""
-        return -(-max(num_tokens, 0) // self.block_size)
-
-    def get_num_cached_tokens(
-        self,
-        token_ids: Sequence[int],
-        *,
-        cache_salt: str | None = None,
-        adapter_id: str | None = None,
-    ) -> int:
-        """Prefix-cache hit for a new request, in tokens; changes no block, table or
-        stat (it only remembers the hashes it computed, for the ``allocate`` that follows).
-
-        The hit is a multiple of ``block_size``, covers only committed blocks, and is at
-        most ``len(token_ids) - 1`` rounded down to a block (one token is always
-        computed, C05). Full-attention groups need blocks 0 .. hit-1 cached; a
-        sliding-window group needs only the blocks within the window of the first
-        computed token. Call it right before ``allocate`` (another allocation in
-        between may evict the blocks). With :attr:`tiers` attached, blocks of the
-        prefix found in a tier are first promoted into free pool blocks (that changes
-        the pool: cached blocks, evictions, tier contents; never a table or stat here).
-        """
-        n = len(token_ids)
-        if not self.enable_prefix_caching or n <= self.block_size:
-            return 0
-        extra = encode_extra_keys(cache_salt, adapter_id)
-        bs = self.block_size
-        if self.tiers is not None:
-            self.tiers.promote_prefix(self._root, extra, token_ids, bs)
-        nb, hashes = longest_hit(self._groups, self._root, extra, token_ids, bs)
-        # remember the hashes for the allocate that normally follows (keyed by content)
-        self._peek_memo = (extra, list(token_ids[: len(hashes) * bs]), hashes)
-        return nb * self.block_size
-
-    def explain_miss(
-        self,
-        token_ids: Sequence[int],
-        num_cached_tokens: int,
-        *,
-        cache_salt: str | None = None,
-        adapter_id: str | None = None,
-        remember_key: bool = True,
-    ) -> CacheMissExplanation:
-        """Why the prefix hit of ``token_ids`` is ``num_cached_tokens`` tokens
-        (``kvpage.cache.explain``); call right after the lookup/allocation it explains.
-        Changes no block or stat; with ``remember_key`` the request's cache key joins
-        the bounded key record (for ``different_cache_key`` checks of later requests).
-        """
-        n = len(token_ids)
-        if not self.enable_prefix_caching:
-            return CacheMissExplanation("prefix_caching_disabled", n, 0)
-        extra = encode_extra_keys(cache_salt, adapter_id)
-        known: list[BlockHash] = []
-        memo = self._peek_memo
-        if memo is not None and memo[0] == extra:
-            k = len(memo[2])
-            if memo[1] == list(token_ids[: k * self.block_size]):
-                known = memo[2]
-        full = [gm.pool for gm in self._groups if gm.window is None]
-        got = explain_first_miss(
-            full,
-            len(full) != self.num_groups,
-            self.eviction_record,
-            self._keys,
-            self._root,
-            extra,
-            token_ids,
-            self.block_size,
-            num_cached_tokens,
-            known,
-        )
-        if remember_key:
-            self._keys.add(extra)
-        return got
-
-    def set_retention(
-        self, request_id: str, retention: KVRetention | None, num_prompt_tokens: int
-    ) -> None:
-        """Give ``request_id`` a retention policy (``kvpage.cache.retention``), applied
-        to its blocks when it frees them; None removes it.
-
-        Raises:
-            AllocationError: unknown request.
-        """
-        req = self._get(request_id)
-        req.retention = None if retention is None else (retention, num_prompt_tokens)
 
     # ---- allocation ---------------------------------------------------------------------
     def allocate(
@@ -548,41 +377,6 @@ class KVCacheManager:
                 self._retain(req, g, 0, len(table))
         for gm, table in zip(self._groups, req.tables):
             gm.free(table)
-
-    def _retain(self, req: RequestBlocks, g: int, lo: int, hi: int) -> None:
-        """Mark table entries ``lo .. hi-1`` of group ``g`` with the request's retention
-        policy, before they are released (freed, or dropped by the sliding window)."""
-        assert req.retention is not None
-        policy, n_prompt = req.retention
-        table = req.tables[g]
-        pool = self._groups[g].pool
-        for a, b, prio, ttl in policy.block_spans(n_prompt, self.block_size, len(table)):
-            if a < hi and b > lo:
-                pool.set_retention(table[max(a, lo) : min(b, hi)], prio, ttl)
-
-    def reset_prefix_cache(self) -> bool:
-        """Drop every hash entry if no request holds blocks; False (no change) otherwise."""
-        if any(p.num_used for p in self._pools):
-            return False
-        now = self.clock()
-        rec = self.eviction_record
-        for p in self._pools:
-            for h in p.cached_hashes():
-                rec.record_eviction(h, "device", "reset", now)
-            p.reset_prefix_cache()
-        return True
-
-    def check_integrity(self) -> None:
-        """Verify pool and table invariants. Raises IntegrityError with the numbers."""
-        check_manager_integrity(
-            self._pools, self._reqs, self.block_size, self.enable_prefix_caching
-        )
-
-    def _get(self, request_id: str) -> RequestBlocks:
-        req = self._reqs.get(request_id)
-        if req is None:
-            raise AllocationError(f"request_id: expected an allocated request, got {request_id!r}")
-        return req
 
 
 __all__ = ["Allocation", "CacheStats", "KVCacheManager"]

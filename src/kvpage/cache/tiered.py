@@ -8,7 +8,8 @@ of docs/architecture.md) and to its :class:`~kvpage.cache.manager.KVCacheManager
 * **Demotion.** ``on_evicted`` (the block's K/V still intact) copies the block out
   through the :class:`BlockMover` into the host tier; blocks the host tier evicts go
   to the disk tier (or are dropped, reason ``"capacity"``, when there is none or it
-  stopped). With no host tier (capacity 0) evicted blocks go straight to disk.
+  stopped; a block the stopped disk tier could not take is also reported by the disk
+  tier as dropped, reason ``"write_error"``, though it never entered it). With no host tier (capacity 0) evicted blocks go straight to disk.
 * **Promotion.** :meth:`promote_prefix`, called by
   ``KVCacheManager.get_num_cached_tokens`` before the pool lookup, walks the prompt's
   block hashes: blocks in the pool are held for the duration of the call (so the
@@ -161,7 +162,9 @@ class TieredCache:
     def _to_disk(self, h: BlockHash, payload: Payload, source: str | None) -> None:
         """Demote one block to disk; ``source`` "host" when the host tier evicted it
         (the host then reports it dropped: ``capacity``, or ``write_error`` when the
-        disk tier stopped after a failed write and the block is lost)."""
+        disk tier stopped after a failed write and the block is lost). A block that came
+        straight from the pool and is lost that way is reported by the disk tier
+        (``write_error``), so a later miss names the failed write."""
         disk = self.disk
         stored = disk is not None and (h in disk or disk.put(h, payload))
         if not stored:
@@ -169,6 +172,9 @@ class TieredCache:
         if source == "host" and self.host is not None:
             lost_to_error = not stored and disk is not None and not disk.writable
             self.host._emit_dropped(h, "write_error" if lost_to_error else "capacity")
+        elif not stored and disk is not None and not disk.writable:
+            # straight from the pool (no host tier) and lost to the failed disk write
+            disk._emit_dropped(h, "write_error")
 
     def on_cleared(self) -> None:
         """``reset_prefix_cache`` forgets every tier too."""

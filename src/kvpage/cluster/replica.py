@@ -4,7 +4,7 @@
 it into a Ray Serve deployment per replica group (``serve.deployment(...)``), so the
 Ray options come from the deployment file. Each replica runs the server's engine loop
 (:class:`kvpage.server.engine_loop.AsyncEngine`: one thread owns the engine) and a
-:class:`kvpage.routing.events.KVEventPublisher` on the engine's KV cache manager. The
+:class:`kvpage.routing.publisher.KVEventPublisher` on the engine's KV cache manager. The
 publisher is drained on the engine thread after every step (it is not thread-safe);
 the drained batches wait in a queue until the ingress pulls them with
 :meth:`EngineReplica.kv_events` (one consumer, in order, so sequence numbers arrive
@@ -72,7 +72,7 @@ class EngineReplica:
         self, group: str, engine_kwargs: dict[str, Any], replica_id: str | None = None
     ) -> None:
         from kvpage.engine import LLMEngine
-        from kvpage.routing.events import KVEventPublisher
+        from kvpage.routing.publisher import KVEventPublisher
 
         if replica_id is None:
             from ray import serve

@@ -32,6 +32,9 @@ and every admitted request fits the pool on its own (:meth:`Scheduler.check_capa
 so the oldest always completes (no deadlock); preempted sequences go to the front of
 the queue and no new request is admitted in a step that preempted (no starvation).
 Source of the policy: vLLM v1 scheduler design (docs.vllm.ai, "vLLM V1" blog, 2025).
+
+Preemption (with swap), forks of parallel samples and finishing live in the base class
+:class:`~kvpage.engine.scheduler_lifecycle.SequenceLifecycle`.
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ from kvpage.cache.allocation import Allocation
 from kvpage.cache.explain import CacheMissExplanation
 from kvpage.cache.protocol import KVAllocator, RetentionAllocator
 from kvpage.engine.queue_policy import SchedulingPolicy, make_queue
-from kvpage.engine.request import Request, RequestStatus, sample_id
+from kvpage.engine.request import Request, RequestStatus
 from kvpage.engine.scheduled import ScheduledRequest
+from kvpage.engine.scheduler_lifecycle import SequenceLifecycle
 from kvpage.engine.swap import Swapper
 from kvpage.errors import RequestRejected, SpecError
 
@@ -71,7 +75,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class Scheduler:
+class Scheduler(SequenceLifecycle):
     """Continuous-batching scheduler over one :class:`KVCacheManager`.
 
     Args:
@@ -290,31 +294,6 @@ class Scheduler:
             ScheduledRequest(req, start, n, toks[start:end], tables, end == len(toks))
         )
 
-    def _preempt(self, req: Request) -> None:
-        """Free ``req``'s blocks and requeue it at the front: its K/V are swapped out to
-        host memory when :attr:`swapper` takes them (``kvpage.engine.swap``), else
-        recomputed later."""
-        sw = self.swapper
-        if sw is not None and req.num_computed_tokens:
-            table = self.kv.block_table(req.request_id, 0)
-            if sw.swap_out(req.request_id, table, req.num_computed_tokens):
-                req.swapped_tokens = req.num_computed_tokens
-        self.kv.free(req.request_id)
-        req.has_blocks = False
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(req)
-
-    def _swap_in(self, req: Request) -> None:
-        """Copy a readmitted request's swapped K/V into its new blocks (before the step
-        that continues it runs)."""
-        assert self.swapper is not None
-        nb = -(-req.swapped_tokens // self.kv.block_size)
-        self.swapper.swap_in(req.request_id, self.kv.block_table(req.request_id, 0)[:nb])
-        req.swapped_tokens = 0
-
     def update(
         self, out: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
     ) -> tuple[list[Request], list[Request]]:
@@ -357,100 +336,6 @@ class Scheduler:
                     self.finish(seq, reason)
                     finished.append(seq)
         return progressed, finished
-
-    def _fork(self, parent: Request) -> list[Request]:
-        """Create the parent's pending samples, sharing its blocks (copy-on-write)."""
-        k = parent.num_pending_samples
-        if k == 0:
-            return []
-        parent.num_pending_samples = 0
-        children = []
-        pos = self.running.index(parent) + 1
-        for idx in range(1, k + 1):
-            child = Request(
-                request_id=sample_id(parent.parent_id, idx),
-                parent_id=parent.parent_id,
-                sample_index=idx,
-                token_ids=list(parent.token_ids),
-                num_prompt_tokens=parent.num_prompt_tokens,
-                params=parent.params,
-                max_tokens=parent.max_tokens,
-                eos_token_id=parent.eos_token_id,
-                cache_salt=parent.cache_salt,
-                arrival_order=parent.arrival_order,
-                priority=parent.priority,
-                status=RequestStatus.RUNNING,
-                num_computed_tokens=parent.num_computed_tokens,
-                num_cached_tokens=parent.num_cached_tokens,
-                has_blocks=True,
-                stop_token_set=parent.stop_token_set,
-                cache_miss=parent.cache_miss,
-            )
-            self.kv.fork(parent.request_id, child.request_id)
-            self.requests[child.request_id] = child
-            self.samples[parent.parent_id].append(child)
-            children.append(child)
-        self.running[pos:pos] = children
-        return children
-
-    # ---- finishing ----------------------------------------------------------------------
-    def finish(self, req: Request, reason: str) -> None:
-        """Mark ``req`` finished with ``reason`` and free its blocks (idempotent)."""
-        if req.status is RequestStatus.FINISHED:
-            return
-        if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        if req.has_blocks:
-            self.kv.free(req.request_id)
-            req.has_blocks = False
-        if req.swapped_tokens and self.swapper is not None:
-            self.swapper.discard(req.request_id)
-            req.swapped_tokens = 0
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-
-    def abort(self, parent_id: str) -> list[Request]:
-        """Abort every sample of user request ``parent_id`` and free their blocks now.
-
-        Returns the aborted sequences (empty for an unknown or finished id)."""
-        seqs = self.samples.get(parent_id, [])
-        out = [r for r in seqs if not r.is_finished]
-        for r in out:
-            self.finish(r, "abort")
-            r.num_pending_samples = 0
-        return out
-
-    @property
-    def groups(self) -> dict[str, list[Request]]:
-        """Deprecated alias of :attr:`samples`."""
-        return self.samples
-
-    def group_finished(self, parent_id: str) -> bool:
-        """Deprecated alias of :meth:`samples_finished`."""
-        return self.samples_finished(parent_id)
-
-    def samples_finished(self, parent_id: str) -> bool:
-        """True when every sample of ``parent_id`` has finished (and none is pending)."""
-        seqs = self.samples[parent_id]
-        return all(r.is_finished and r.num_pending_samples == 0 for r in seqs)
-
-    def release(self, parent_id: str) -> None:
-        """Forget a finished user request (its sequences and ids)."""
-        for r in self.samples.pop(parent_id, []):
-            self.requests.pop(r.request_id, None)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.running or self.waiting)
 
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]

@@ -1,8 +1,10 @@
 """KV-aware request routing over many engine replicas (no Ray, no torch, no engine).
 
 * :mod:`kvpage.routing.events`: KV events (``BlockStored``, ``BlockRemoved``,
-  ``AllBlocksCleared``) in numbered batches, and the :class:`KVEventPublisher` that a
-  replica attaches to its :class:`~kvpage.cache.KVCacheManager`;
+  ``AllBlocksCleared``, each with its medium: device pool, host or disk tier) in numbered
+  batches;
+* :mod:`kvpage.routing.publisher`: the :class:`KVEventPublisher` that a replica
+  attaches to its :class:`~kvpage.cache.KVCacheManager` (pool and KV tiers);
 * :mod:`kvpage.routing.index`: :class:`PrefixIndex`, the router's per-replica view,
   with gap / restart detection and snapshot resync;
 * :mod:`kvpage.routing.base`: ``ReplicaLoad``, ``RouteRequest``, :func:`route_request` and
@@ -21,7 +23,6 @@ from kvpage.routing.events import (
     BlockStored,
     KVEvent,
     KVEventBatch,
-    KVEventPublisher,
     KVSnapshot,
     RoutingError,
 )
@@ -35,6 +36,7 @@ from kvpage.routing.policies import (
     make_policy,
     route_request,
 )
+from kvpage.routing.publisher import KVEventPublisher
 
 __all__ = [
     "POLICY_NAMES",

@@ -6,7 +6,14 @@ hash map into one of three events:
 
 * :class:`BlockStored`: blocks now hold these hashes (a prefix-cache hit candidate);
 * :class:`BlockRemoved`: these hashes were evicted (their blocks were reused);
-* :class:`AllBlocksCleared`: every hash was forgotten (``reset_prefix_cache``).
+* :class:`AllBlocksCleared`: every hash was forgotten (``reset_prefix_cache``), in every
+  medium.
+
+Every stored/removed event names its *medium* (:data:`MEDIA`): ``"device"`` is the block
+pool (the default, and the only medium of a replica without KV tiers), ``"host"`` and
+``"disk"`` are the KV tiers below it (``kvpage.cache.tiered``). A replica's state is one
+hash set per medium; a hash may be in several (the disk tier keeps its file after a
+promotion), except that host and device are exclusive.
 
 Events are *set operations* on the replica's hash set, grouped into numbered
 :class:`KVEventBatch` objects: ``seq`` starts at 1 and grows by exactly 1 per batch, so
@@ -20,6 +27,8 @@ The event names follow vLLM's KV-events (``BlockStored``, ``BlockRemoved``,
 fields and the JSON form here are kvpage's own. ``to_dict``/``from_dict`` give a JSON-able
 form (hashes as hex strings) for any transport (a Ray actor call, HTTP, a queue).
 
+The publisher (``KVEventPublisher``, in :mod:`kvpage.routing.publisher`) turns pool and tier changes into these events.
+
 Replaying events over a snapshot that already contains them is harmless: each event sets
 or clears set members and the last operation on a hash wins, so a snapshot taken while
 events were still pending (its ``seq`` is the last *drained* batch) followed by the next
@@ -28,20 +37,33 @@ batch gives the same set as the replica's pool.
 
 from __future__ import annotations
 
-import secrets
-import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from kvpage.errors import KVPageError, SpecError
-
-if TYPE_CHECKING:
-    from kvpage.cache import BlockPool, KVCacheManager
+from kvpage.errors import KVPageError
 
 
 class RoutingError(KVPageError, ValueError):
     """Bad routing input: a malformed event or snapshot, an unknown policy or replica."""
+
+
+#: where a replica holds a block: the device pool, then the KV tiers top down (the order
+#: a prefix lookup tries them in, ``kvpage.cache.tiered.TieredCache.promote_prefix``)
+MEDIA = ("device", "host", "disk")
+#: the media below the pool
+TIER_MEDIA = MEDIA[1:]
+
+
+def check_medium(medium: object, what: str = "medium") -> str:
+    """``medium`` if it is one of :data:`MEDIA`.
+
+    Raises:
+        RoutingError: anything else.
+    """
+    if medium not in MEDIA:
+        raise RoutingError(f"{what}: expected one of {list(MEDIA)}, got {medium!r}")
+    return str(medium)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,21 +77,29 @@ class BlockStored:
             The pool seam reports blocks one at a time without their parent, so the
             publisher sends None; the index does not need it because a chained hash
             already fixes the whole prefix.
+        medium: where the blocks now are (:data:`MEDIA`; ``"host"``/``"disk"``: demoted
+            into that KV tier). Absent in the JSON form = ``"device"``.
     """
 
     block_hashes: tuple[bytes, ...]
     parent_hash: bytes | None = None
+    medium: str = "device"
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Blocks holding these hashes were evicted (reused for other content).
+    """These hashes left a medium: evicted from the pool (``"device"``), dropped by a
+    tier or, for ``"host"``, promoted back into the pool (host and pool are exclusive;
+    the disk tier keeps its file on a promotion).
 
     Attributes:
-        block_hashes: the evicted hashes.
+        block_hashes: the removed hashes.
+        medium: the medium they left (:data:`MEDIA`; absent in the JSON form =
+            ``"device"``).
     """
 
     block_hashes: tuple[bytes, ...]
+    medium: str = "device"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,27 +127,36 @@ def event_to_dict(ev: KVEvent) -> dict[str, Any]:
     """One event as a JSON-able dict with a ``type`` key (``stored``/``removed``/``cleared``)."""
     if isinstance(ev, BlockStored):
         parent = None if ev.parent_hash is None else ev.parent_hash.hex()
-        return {"type": "stored", "block_hashes": _hex(ev.block_hashes), "parent_hash": parent}
+        return {
+            "type": "stored",
+            "block_hashes": _hex(ev.block_hashes),
+            "parent_hash": parent,
+            "medium": ev.medium,
+        }
     if isinstance(ev, BlockRemoved):
-        return {"type": "removed", "block_hashes": _hex(ev.block_hashes)}
+        return {"type": "removed", "block_hashes": _hex(ev.block_hashes), "medium": ev.medium}
     return {"type": "cleared"}
 
 
 def event_from_dict(d: Mapping[str, Any]) -> KVEvent:
     """Inverse of :func:`event_to_dict`.
 
+    A missing ``medium`` reads as ``"device"`` (the form before KV tiers).
+
     Raises:
-        RoutingError: not a mapping, an unknown ``type``, or bad hashes.
+        RoutingError: not a mapping, an unknown ``type`` or ``medium``, or bad hashes.
     """
     if not isinstance(d, Mapping):
         raise RoutingError(f"event: expected an object, got {type(d).__name__}")
     kind = d.get("type")
-    if kind == "stored":
+    if kind in ("stored", "removed"):
+        medium = check_medium(d.get("medium", "device"), "event.medium")
+        hashes = _unhex(d.get("block_hashes"), "block_hashes")
+        if kind == "removed":
+            return BlockRemoved(hashes, medium)
         parent = d.get("parent_hash")
         ph = None if parent is None else _unhex([parent], "parent_hash")[0]
-        return BlockStored(_unhex(d.get("block_hashes"), "block_hashes"), ph)
-    if kind == "removed":
-        return BlockRemoved(_unhex(d.get("block_hashes"), "block_hashes"))
+        return BlockStored(hashes, ph, medium)
     if kind == "cleared":
         return AllBlocksCleared()
     raise RoutingError(f"event.type: expected 'stored', 'removed' or 'cleared', got {kind!r}")
@@ -187,14 +226,17 @@ class KVSnapshot:
         replica_id: the replica.
         seq: the seq of the last batch drained before the snapshot (0 = none yet); the
             next batch to apply after it is ``seq + 1``.
-        block_hashes: every hash the replica holds.
+        block_hashes: every hash the replica holds in its pool (medium ``"device"``).
         epoch: the publisher instance's random id.
+        tier_hashes: per KV tier medium (``"host"``, ``"disk"``), the hashes it holds;
+            empty without tiers (absent in the JSON form = empty).
     """
 
     replica_id: str
     seq: int
     block_hashes: frozenset[bytes]
     epoch: str = ""
+    tier_hashes: Mapping[str, frozenset[bytes]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (hashes as hex, sorted)."""
@@ -203,6 +245,7 @@ class KVSnapshot:
             "seq": self.seq,
             "epoch": self.epoch,
             "block_hashes": sorted(_hex(self.block_hashes)),
+            "tier_hashes": {m: sorted(_hex(hs)) for m, hs in self.tier_hashes.items()},
         }
 
     @classmethod
@@ -214,171 +257,23 @@ class KVSnapshot:
         """
         if not isinstance(d, Mapping):
             raise RoutingError(f"snapshot: expected an object, got {type(d).__name__}")
+        tiers = d.get("tier_hashes", {})
+        if not isinstance(tiers, Mapping):
+            raise RoutingError(f"snapshot.tier_hashes: expected an object, got {tiers!r}")
+        th = {}
+        for m, hs in tiers.items():
+            if m not in TIER_MEDIA:
+                raise RoutingError(
+                    f"snapshot.tier_hashes: expected keys in {list(TIER_MEDIA)}, got {m!r}"
+                )
+            th[m] = frozenset(_unhex(hs, f"snapshot.tier_hashes.{m}"))
         return cls(
             replica_id=_field(d, "replica_id", str, "snapshot"),
             seq=_field(d, "seq", int, "snapshot"),
             block_hashes=frozenset(_unhex(d.get("block_hashes"), "snapshot.block_hashes")),
             epoch=str(d.get("epoch", "")),
+            tier_hashes=th,
         )
-
-
-def _event(kind: str, hashes: list[bytes]) -> KVEvent:
-    if kind == "stored":
-        return BlockStored(tuple(hashes))
-    if kind == "removed":
-        return BlockRemoved(tuple(hashes))
-    return AllBlocksCleared()
-
-
-class _PoolTap:
-    """The :class:`PoolListener` attached to one pool; forwards to the publisher."""
-
-    __slots__ = ("pub", "index")
-
-    def __init__(self, pub: KVEventPublisher, index: int) -> None:
-        self.pub = pub
-        self.index = index
-
-    def on_stored(self, block_id: int, block_hash: bytes) -> None:
-        self.pub._stored(self.index, block_hash)
-
-    def on_evicted(self, block_id: int, block_hash: bytes) -> None:
-        self.pub._evicted(self.index, block_hash)
-
-    def on_cleared(self) -> None:
-        self.pub._cleared(self.index)
-
-
-class KVEventPublisher:
-    """Turns a replica's pool changes into numbered :class:`KVEventBatch` objects.
-
-    Attach it to a :class:`~kvpage.cache.KVCacheManager` with :meth:`attach`; it then
-    listens to the pools of the manager's full-attention KV groups
-    (``KVCacheManager.prefix_pools``), the ones whose hash maps decide a prefix hit.
-    With several such pools a hash counts as held while *every* one of them holds it
-    (a hit needs all full-attention groups). Sliding-window groups are not tracked:
-    for a hybrid model the router's view is the full-attention part.
-
-    Consecutive stores (or removals) are merged into one event; a clear drops the events
-    still pending before it (they are overridden) and is sent as one
-    :class:`AllBlocksCleared`.
-
-    Args:
-        replica_id: the replica's id, copied into every batch and snapshot.
-        clock: ``ts`` of a drained batch (default ``time.time``; a simulator passes its
-            own clock).
-
-    Attributes:
-        replica_id: as given.
-        epoch: a random 16-hex-digit id of this publisher instance.
-        seq: the seq of the last drained batch (0 before the first).
-    """
-
-    def __init__(self, replica_id: str, *, clock: Callable[[], float] = time.time) -> None:
-        if not isinstance(replica_id, str) or not replica_id:
-            raise SpecError(f"replica_id: expected a non-empty str, got {replica_id!r}")
-        self.replica_id = replica_id
-        self.epoch = secrets.token_hex(8)
-        self.seq = 0
-        self._clock = clock
-        self._pending: list[tuple[str, list[bytes]]] = []
-        self._pools: list[BlockPool] = []
-        self._per_pool: list[set[bytes]] = []
-        self._held: set[bytes] = set()
-
-    # ---- wiring -------------------------------------------------------------------
-    def attach(self, manager: KVCacheManager) -> None:
-        """Listen to ``manager.prefix_pools``; hashes already cached there are announced
-        in the first batch (as one :class:`BlockStored`).
-
-        Raises:
-            SpecError: already attached.
-        """
-        if self._pools:
-            raise SpecError(f"publisher {self.replica_id!r}: expected one attach, got a second")
-        pools = manager.prefix_pools
-        for i, pool in enumerate(pools):
-            self._pools.append(pool)
-            self._per_pool.append(set(pool.cached_hashes()))
-            pool.listeners.append(_PoolTap(self, i))
-        held = set.intersection(*self._per_pool) if self._per_pool else set()
-        if held:
-            self._held = held
-            self._pending.append(("stored", list(held)))
-
-    def detach(self) -> None:
-        """Stop listening (the publisher keeps its state; a later attach is refused)."""
-        for pool in self._pools:
-            pool.listeners[:] = [
-                x for x in pool.listeners if not (isinstance(x, _PoolTap) and x.pub is self)
-            ]
-
-    # ---- listener callbacks -------------------------------------------------------
-    # pending events are kept as ("stored" | "removed" | "cleared", hashes) runs and
-    # turned into event objects at drain time (appending to a run is O(1))
-    def _push(self, kind: str, h: bytes) -> None:
-        p = self._pending
-        if p and p[-1][0] == kind:
-            p[-1][1].append(h)
-        else:
-            p.append((kind, [h]))
-
-    def _stored(self, i: int, h: bytes) -> None:
-        per = self._per_pool
-        per[i].add(h)
-        if h in self._held or (len(per) > 1 and not all(h in s for s in per)):
-            return
-        self._held.add(h)
-        self._push("stored", h)
-
-    def _evicted(self, i: int, h: bytes) -> None:
-        self._per_pool[i].discard(h)
-        if h not in self._held:
-            return
-        self._held.discard(h)
-        self._push("removed", h)
-
-    def _cleared(self, i: int) -> None:
-        self._per_pool[i].clear()
-        if self._held:
-            self._held.clear()
-            self._pending = [("cleared", [])]
-
-    # ---- output -------------------------------------------------------------------
-    @property
-    def num_pending(self) -> int:
-        """Events waiting for the next :meth:`drain`."""
-        return len(self._pending)
-
-    def held(self) -> frozenset[bytes]:
-        """The hashes held now (what a snapshot would carry)."""
-        return frozenset(self._held)
-
-    def drain(self, *, heartbeat: bool = False) -> KVEventBatch | None:
-        """All events since the last drain as one batch with the next seq.
-
-        Args:
-            heartbeat: when nothing is pending, still return a batch (with no events and
-                the next seq) instead of None. A receiver can only see a lost batch as a
-                gap before a *later* one, so a publisher that goes quiet sends heartbeats
-                (the simulator every step, the Ray replica every few seconds) to bound
-                how long a lost last batch stays unnoticed.
-
-        Returns:
-            The batch, or None (no seq used) when nothing is pending and not ``heartbeat``.
-        """
-        if not self._pending and not heartbeat:
-            return None
-        self.seq += 1
-        evs = tuple(_event(kind, hs) for kind, hs in self._pending)
-        self._pending = []
-        return KVEventBatch(self.replica_id, self.seq, self._clock(), evs, self.epoch)
-
-    def snapshot(self) -> KVSnapshot:
-        """The current hash set with the seq of the last drained batch (events still
-        pending are already in the set; replaying them later is harmless, see the
-        module docstring)."""
-        return KVSnapshot(self.replica_id, self.seq, frozenset(self._held), self.epoch)
 
 
 __all__ = [
@@ -387,9 +282,11 @@ __all__ = [
     "BlockStored",
     "KVEvent",
     "KVEventBatch",
-    "KVEventPublisher",
     "KVSnapshot",
+    "MEDIA",
     "RoutingError",
+    "TIER_MEDIA",
+    "check_medium",
     "event_from_dict",
     "event_to_dict",
 ]

@@ -17,6 +17,13 @@ to be stale:
 Lookups use an inverted map ``hash -> replicas holding it``: the leading-match count of
 a request costs one dict lookup and one set intersection per matched block, whatever
 the number of replicas.
+
+Media: each replica's view is one hash set per medium (``"device"``, the pool; and the
+KV tiers ``"host"``, ``"disk"``; events carry it, see :mod:`kvpage.routing.events`).
+:meth:`PrefixIndex.matched_blocks` and :meth:`PrefixIndex.view` answer for the device
+by default, as before tiers; :meth:`PrefixIndex.matched_media` counts a leading run of
+blocks each held in *some* medium, per medium, for a cost that weighs tier hits
+(``kvpage.routing.policies.CostWeights``).
 """
 
 from __future__ import annotations
@@ -27,11 +34,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvpage.routing.events import (
+    MEDIA,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
     KVSnapshot,
+    check_medium,
 )
 
 
@@ -68,13 +77,19 @@ class IndexStats:
 
 
 class _Replica:
-    __slots__ = ("epoch", "seq", "hashes", "stale")
+    __slots__ = ("epoch", "seq", "hashes", "tiers", "stale")
 
     def __init__(self, epoch: str, seq: int) -> None:
         self.epoch = epoch
         self.seq = seq
-        self.hashes: set[bytes] = set()
+        self.hashes: set[bytes] = set()  # medium "device"
+        self.tiers: dict[str, set[bytes]] = {}  # "host" / "disk"
         self.stale = False
+
+    def media(self, medium: str) -> set[bytes]:
+        if medium == "device":
+            return self.hashes
+        return self.tiers.setdefault(medium, set())
 
 
 class PrefixIndex:
@@ -91,7 +106,9 @@ class PrefixIndex:
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._replicas: dict[str, _Replica] = {}
-        self._where: dict[bytes, set[str]] = {}
+        # per medium, hash -> replicas holding it there
+        self._wheres: dict[str, dict[bytes, set[str]]] = {m: {} for m in MEDIA}
+        self._where = self._wheres["device"]
         self.stats = IndexStats()
 
     # ---- queries ------------------------------------------------------------------
@@ -120,15 +137,56 @@ class PrefixIndex:
         r = self._replicas.get(replica_id)
         return r is None or r.stale
 
-    def view(self, replica_id: str) -> frozenset[bytes]:
-        """The hashes the index believes ``replica_id`` holds (empty if unknown)."""
-        r = self._replicas.get(replica_id)
-        return frozenset() if r is None else frozenset(r.hashes)
+    def view(self, replica_id: str, medium: str = "device") -> frozenset[bytes]:
+        """The hashes the index believes ``replica_id`` holds in ``medium`` (empty if
+        unknown).
 
-    def num_blocks(self, replica_id: str) -> int:
-        """How many hashes the view of ``replica_id`` holds (0 if unknown)."""
+        Raises:
+            RoutingError: ``medium`` not one of ``kvpage.routing.events.MEDIA``.
+        """
+        check_medium(medium)
         r = self._replicas.get(replica_id)
-        return 0 if r is None else len(r.hashes)
+        if r is None:
+            return frozenset()
+        return frozenset(r.hashes if medium == "device" else r.tiers.get(medium, ()))
+
+    def num_blocks(self, replica_id: str, medium: str = "device") -> int:
+        """How many hashes the view of ``replica_id`` holds in ``medium`` (0 if unknown)."""
+        return len(self.view(replica_id, medium))
+
+    @property
+    def has_tiers(self) -> bool:
+        """True while some replica's view holds a hash in a tier medium."""
+        return any(self._wheres[m] for m in MEDIA[1:])
+
+    def matched_media(self, block_hashes: Sequence[bytes]) -> dict[str, dict[str, int]]:
+        """Per known replica, the leading run of ``block_hashes`` held in any medium,
+        counted per medium that would serve each block: the device when the pool holds
+        it, else the first tier holding it (host before disk, the order a lookup tries).
+        The run ends at the first block the replica holds nowhere (a lookup promotes
+        tier blocks, so a tier block between device blocks does not end it).
+
+        Returns:
+            ``{replica_id: {medium: n}}`` for every known replica (media with n > 0
+            only); a stale replica gets ``{}``.
+        """
+        out: dict[str, dict[str, int]] = {rid: {} for rid in self._replicas}
+        alive = {rid for rid, r in self._replicas.items() if not r.stale}
+        wheres = [(m, self._wheres[m]) for m in MEDIA]
+        for h in block_hashes:
+            if not alive:
+                break
+            holders = [(m, w.get(h)) for m, w in wheres]
+            nxt = set()
+            for rid in alive:
+                for m, hs in holders:
+                    if hs and rid in hs:
+                        c = out[rid]
+                        c[m] = c.get(m, 0) + 1
+                        nxt.add(rid)
+                        break
+            alive = nxt
+        return out
 
     def matched_blocks(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """Per known replica, how many leading blocks of ``block_hashes`` it holds now.
@@ -191,11 +249,11 @@ class PrefixIndex:
         rid = batch.replica_id
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                self._add(rid, r, ev.block_hashes)
+                self._add(rid, r, ev.block_hashes, ev.medium)
             elif isinstance(ev, BlockRemoved):
-                self._discard(rid, r, ev.block_hashes)
+                self._discard(rid, r, ev.block_hashes, ev.medium)
             elif isinstance(ev, AllBlocksCleared):
-                self._discard(rid, r, list(r.hashes))
+                self._discard_all(rid, r)
         r.seq = batch.seq
         st.batches_applied += 1
         st.events_applied += len(batch.events)
@@ -210,10 +268,12 @@ class PrefixIndex:
         rid = snapshot.replica_id
         old = self._replicas.get(rid)
         if old is not None:
-            self._discard(rid, old, list(old.hashes))
+            self._discard_all(rid, old)
         r = _Replica(snapshot.epoch, snapshot.seq)
         self._replicas[rid] = r
         self._add(rid, r, snapshot.block_hashes)
+        for m, hs in snapshot.tier_hashes.items():
+            self._add(rid, r, hs, check_medium(m))
         if old is None:
             self.stats.joins += 1
         else:
@@ -224,26 +284,35 @@ class PrefixIndex:
         r = self._replicas.pop(replica_id, None)
         if r is None:
             return False
-        self._discard(replica_id, r, list(r.hashes))
+        self._discard_all(replica_id, r)
         self.stats.removals += 1
         return True
 
-    def _add(self, rid: str, r: _Replica, hashes: Iterable[bytes]) -> None:
-        where = self._where
+    def _add(self, rid: str, r: _Replica, hashes: Iterable[bytes], medium: str = "device") -> None:
+        where = self._wheres[medium]
+        held = r.media(medium)
         for h in hashes:
-            if h not in r.hashes:
-                r.hashes.add(h)
+            if h not in held:
+                held.add(h)
                 s = where.get(h)
                 if s is None:
                     where[h] = {rid}
                 else:
                     s.add(rid)
 
-    def _discard(self, rid: str, r: _Replica, hashes: Iterable[bytes]) -> None:
-        where = self._where
+    def _discard_all(self, rid: str, r: _Replica) -> None:
+        self._discard(rid, r, list(r.hashes))
+        for m, hs in list(r.tiers.items()):
+            self._discard(rid, r, list(hs), m)
+
+    def _discard(
+        self, rid: str, r: _Replica, hashes: Iterable[bytes], medium: str = "device"
+    ) -> None:
+        where = self._wheres[medium]
+        held = r.media(medium)
         for h in hashes:
-            if h in r.hashes:
-                r.hashes.discard(h)
+            if h in held:
+                held.discard(h)
                 s = where.get(h)
                 if s is not None:
                     s.discard(rid)

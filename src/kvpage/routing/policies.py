@@ -171,6 +171,18 @@ class CostWeights:
     of thousands, so it counts little (``running=0.05``); KV usage is a pressure signal
     that a full pool stalls admissions, a quarter prompt at 100 % (``kv_usage=0.25``).
 
+    Tier weights (``host``, ``disk``): a leading block a replica holds only in a KV tier
+    saves its prefill but costs a promotion copy, so it counts as
+    ``1 - promote_s / recompute_s`` of a device block (:meth:`tier_weight`), with the
+    transfer-cost model of ``kvpage.sim.tiers`` (a block costs ``bytes / bandwidth``,
+    ``TRANSFER_PRESETS``) and the recompute side of ``kvpage.engine.swap``
+    (``tokens / prefill_tokens_per_s``). The defaults are that ratio for Llama-3-8B
+    (128 KiB of KV per token, 16-token blocks: 2 MiB a block) on an H100 (prefill
+    ~37k tokens/s: ``2 x 8e9`` FLOPs per token at 0.6 of 989 TFLOPS, the simulator's
+    ``StepCostModel`` rule) with the ``pcie4-nvme`` preset: host at 25 GB/s is 0.084 ms
+    against 0.43 ms of prefill (weight 0.8), disk at 6 GB/s 0.35 ms (weight 0.2). Both
+    stay below 1 so a device hit always wins over the same hit in a tier.
+
     Attributes:
         miss: cost of one prompt block the replica does not hold (must be computed).
         waiting: cost of one request waiting on the replica, in units of the mean
@@ -178,18 +190,42 @@ class CostWeights:
         running: cost of one running request, in units of ``B``.
         kv_usage: cost of a full KV pool (usage 1.0), in units of ``B``: a replica
             near full preempts or stalls admissions.
+        host: share of a device hit that a leading block held only in the host tier
+            is worth (``0 <= host < 1``).
+        disk: the same for the disk tier (``0 <= disk < 1``).
     """
 
     miss: float = 1.0
     waiting: float = 0.5
     running: float = 0.05
     kv_usage: float = 0.25
+    host: float = 0.8
+    disk: float = 0.2
 
     def __post_init__(self) -> None:
-        for k in ("miss", "waiting", "running", "kv_usage"):
+        for k in ("miss", "waiting", "running", "kv_usage", "host", "disk"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise RoutingError(f"cost.{k}: expected a number >= 0, got {v!r}")
+        for k in ("host", "disk"):
+            if not getattr(self, k) < 1:
+                raise RoutingError(f"cost.{k}: expected a number < 1, got {getattr(self, k)!r}")
+
+    def medium_weight(self, medium: str) -> float:
+        """What one leading block held in ``medium`` is worth (device 1.0)."""
+        return 1.0 if medium == "device" else float(getattr(self, medium))
+
+    @staticmethod
+    def tier_weight(
+        block_nbytes: int, bandwidth: float, block_size: int, prefill_tokens_per_s: float
+    ) -> float:
+        """``max(0, 1 - promote_s / recompute_s)`` for one block: ``promote_s =
+        block_nbytes / bandwidth`` (bytes, bytes/s; ``kvpage.sim.tiers``),
+        ``recompute_s = block_size / prefill_tokens_per_s`` (``kvpage.engine.swap``).
+        Use it to set ``host`` / ``disk`` for another model or machine."""
+        promote = block_nbytes / bandwidth
+        recompute = block_size / prefill_tokens_per_s
+        return max(0.0, 1.0 - promote / recompute)
 
 
 class KVPrecisePolicy(PolicyBase):
@@ -202,6 +238,11 @@ class KVPrecisePolicy(PolicyBase):
 
         cost(r) = w_miss * (n - m_r)
                 + B * (w_waiting * waiting_r + w_running * running_r + w_kv * kv_usage_r)
+
+    With KV tiers, ``m_r`` is weighted: the leading run of blocks ``r`` holds in any
+    medium (``PrefixIndex.matched_media``), a device block counting 1 and a block held
+    only in the host / disk tier ``w_host`` / ``w_disk`` (< 1, :class:`CostWeights`).
+    Without tier events this is exactly the device count.
 
     The first term is the prefill work the request itself brings to ``r`` (blocks to
     compute); the second estimates the work already ahead of it there, counting a
@@ -244,8 +285,15 @@ class KVPrecisePolicy(PolicyBase):
         """``cost(r)`` per replica of ``loads`` (the class docstring's formula)."""
         check_loads(loads)
         n = len(req.block_hashes)
-        matched = self.index.matched_blocks(req.block_hashes)
         w = self.cost
+        matched: dict[str, float]
+        if self.index.has_tiers:
+            matched = {
+                rid: sum(w.medium_weight(m) * k for m, k in per.items())
+                for rid, per in self.index.matched_media(req.block_hashes).items()
+            }
+        else:
+            matched = dict(self.index.matched_blocks(req.block_hashes))
         b = max(self.mean_blocks, 1.0)
         return {
             c.replica_id: w.miss * (n - matched.get(c.replica_id, 0))
