@@ -257,3 +257,32 @@ def test_smallest_pool_and_allocation_messages() -> None:
     blk = KVBlock(7)
     q.appendleft(blk)  # into an empty queue: the head sentinel links to the tail
     assert q.ids() == [7] and q.popleft() is blk and q.ids() == []
+
+
+def test_manager_integrity_messages() -> None:
+    """The manager's table checks name the request, group and numbers (an id equal to
+    num_blocks is outside the pool). Written for mutmut survivors."""
+    mgr = KVCacheManager(make_spec(6, 2))
+    assert mgr.allocate("a", [1, 2, 3], 3) is not None
+    mgr.commit("a", [1, 2, 3], 3)
+    mgr.check_integrity()
+    req = mgr._reqs["a"]
+    table, first = req.tables[0], req.tables[0][0]
+    table[0] = 6
+    with pytest.raises(
+        IntegrityError, match=r"^request 'a' group 0: block id expected in \[0, 6\), got 6$"
+    ):
+        mgr.check_integrity()
+    table[0] = 0
+    with pytest.raises(
+        IntegrityError,
+        match=r"^request 'a' group 0: table\[0\] = 0 but the window-freed prefix is 0 blocks$",
+    ):
+        mgr.check_integrity()
+    table[0] = first
+    hashes = list(req.hashes)
+    req.hashes.clear()
+    with pytest.raises(IntegrityError, match=r"^request 'a': expected 1 block hashes, got 0$"):
+        mgr.check_integrity()
+    req.hashes.extend(hashes)
+    mgr.check_integrity()
