@@ -198,7 +198,7 @@ def test_slot_mapping_refusals_name_the_numbers() -> None:
         with pytest.raises(ShapeError, match=want):
             slot_mapping([3, 4], *args)
     with pytest.raises(
-        ShapeError, match=r"^block_table: expected >= 3 blocks for positions up to 5, got 2$"
+        ShapeError, match=r"^block_table: expected >= 3 blocks for positions up to 4, got 2$"
     ):
-        slot_mapping([3, 4], 2, 4, 2)  # positions 2..5 need blocks 0..2
+        slot_mapping([3, 4], 2, 3, 2)  # positions 2..4 need blocks 0..2
     assert slot_mapping([3, 4], 2, 2, 2).tolist() == [8, 9]  # exactly enough blocks
