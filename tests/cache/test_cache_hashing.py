@@ -180,3 +180,25 @@ def test_allocate_never_reuses_hashes_of_another_peek() -> None:
     assert mgr.allocate("a2", a, 2, num_cached_tokens=8) is not None  # the memo itself
     assert mgr.block_table("a2")[:2] == mgr.block_table("a")[:2]
     mgr.check_integrity()
+
+
+def test_slot_mapping_refusals_name_the_numbers() -> None:
+    """Each bad argument alone is refused with the full message (block_size 0 with
+    valid start and count included); the table-length message gives the blocks needed
+    and the last position. Written for mutmut survivors (docs/mutation-testing.md)."""
+
+    from kvpage.cache.tables import slot_mapping
+    from kvpage.errors import ShapeError
+
+    for args in ((-1, 1, 2), (0, -1, 2), (0, 1, 0)):
+        want = (
+            r"^slot_mapping: expected start >= 0, num_tokens >= 0, block_size >= 1, "
+            rf"got {args[0]}, {args[1]}, {args[2]}$"
+        )
+        with pytest.raises(ShapeError, match=want):
+            slot_mapping([3, 4], *args)
+    with pytest.raises(
+        ShapeError, match=r"^block_table: expected >= 3 blocks for positions up to 4, got 2$"
+    ):
+        slot_mapping([3, 4], 2, 3, 2)  # positions 2..4 need blocks 0..2
+    assert slot_mapping([3, 4], 2, 2, 2).tolist() == [8, 9]  # exactly enough blocks

@@ -143,3 +143,146 @@ def test_pool_listeners_see_store_evict_clear_in_order():
     pool.cache_block(1, b"h2")
     assert pool.reset_prefix_cache()
     assert rec.events[-2:] == [("stored", 1, b"h2"), ("cleared",)]
+
+
+# ---- found by mutation testing (docs/mutation-testing.md): exact counts, return values
+# and messages that no other test pinned down ----------------------------------------------
+
+
+def test_count_free_and_exclusive_count_each_block_once() -> None:
+    """count_free / count_exclusive: one per matching block, null ids skipped, exact
+    ref-count comparisons (0 and 1, not 2)."""
+    pool = BlockPool(6)  # blocks 1..5
+    a, b, c = pool.allocate(3)  # ref 1 each
+    pool.touch([b, b])  # b: ref 3
+    pool.touch([c])  # c: ref 2
+    ids = [0, a.block_id, b.block_id, c.block_id, 4, 5]  # 4, 5 free; 0 the null block
+    assert pool.count_free(ids) == 2
+    assert pool.count_exclusive(ids) == 1  # only a
+    assert pool.count_free([0, 0]) == 0 and pool.count_exclusive([0]) == 0
+    pool.free([c])  # c: ref 1
+    assert pool.count_exclusive(ids) == 2
+
+
+def test_evictions_are_counted_one_each() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(3)
+    for i, blk in enumerate(blocks):
+        assert pool.cache_block(blk, bytes([i + 1]) * 8)
+    pool.free(blocks)
+    assert pool.num_evictions == 0
+    pool.allocate(2)  # takes two cached blocks: two evictions
+    assert pool.num_evictions == 2
+    pool.allocate(1)
+    assert pool.num_evictions == 3
+
+
+def test_cache_block_and_reset_report_no_change() -> None:
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    assert pool.cache_block(a, b"h1") is True
+    assert pool.cache_block(a, b"h2") is False  # a already holds content
+    assert pool.cached_block_id(b"h2") is None
+    assert pool.reset_prefix_cache() is False  # blocks in use: nothing forgotten
+    assert pool.cached_block_id(b"h1") == a.block_id
+    pool.free([a, b])
+    assert pool.reset_prefix_cache() is True and pool.cached_block_id(b"h1") is None
+
+
+def test_free_of_the_null_block_names_it() -> None:
+    pool = BlockPool(3)
+    with pytest.raises(
+        AllocationError, match=r"^block: expected a data block, got the null block 0$"
+    ):
+        pool.free([pool.null_block])
+
+
+def test_pool_integrity_messages() -> None:
+    """Each pool invariant broken alone gives its own message (block 1 included: the
+    loop over data blocks starts there)."""
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)  # blocks 1, 2; block 3 free
+    pool.check_integrity()
+
+    def broken(pattern: str) -> None:
+        with pytest.raises(IntegrityError, match=pattern):
+            pool.check_integrity()
+
+    a.ref_cnt = -1
+    broken(r"^block 1: expected ref_cnt >= 0, got -1$")
+    a.ref_cnt = 0  # free but not queued
+    broken(r"^block 1: ref_cnt 0 but not in the free queue$")
+    a.ref_cnt = 1
+    nb = pool.null_block
+    for attr, bad in (("ref_cnt", 1), ("block_hash", b"x"), ("prev_free", a)):
+        good = getattr(nb, attr)
+        setattr(nb, attr, bad)
+        broken(r"^null block: expected untouched, got ")
+        setattr(nb, attr, good)
+    pool.check_integrity()
+    assert pool.cache_block(a, bytes(range(16)))
+    pool.cached[bytes(range(16))] = b  # entry -> a block without a hash
+    broken(r"^block 1: has a hash but no matching entry$")
+    del pool.cached[bytes(range(16))]
+    a.block_hash = None
+    pool.cached[bytes(range(16))] = b
+    broken(r"^hash map: entry 00010203 points to block 2 whose hash is None$")
+    b.block_hash = bytes(range(1, 17))
+    pool.cached[bytes(range(1, 17))] = b
+    broken(r"^hash map: entry 00010203 points to block 2 whose hash is 01020304$")
+    del pool.cached[bytes(range(16))]
+    pool.check_integrity()
+    c = pool.blocks[3]
+    c.ref_cnt = 1  # queued but held
+    broken(r"^free queue: block 3 expected ref_cnt 0, got 1$")
+    c.ref_cnt = 0
+    pool.free_queue.append(nb)
+    broken(r"^free queue: expected no null block, got block 0$")
+    pool.free_queue.remove(nb)
+    pool.check_integrity()
+    c.prev_free = a
+    broken(r"^free queue: broken back link at block 3$")
+    c.prev_free = pool.free_queue._head
+    pool.check_integrity()
+
+
+def test_smallest_pool_and_allocation_messages() -> None:
+    pool = BlockPool(2)  # the smallest pool: one data block
+    assert pool.num_free == 1 and pool.allocate_ids(1) == [1]
+    with pytest.raises(AllocationError, match=r"^blocks: expected <= 0 free, got request for 1$"):
+        pool.allocate(1)
+    q = FreeBlockQueue()
+    with pytest.raises(AllocationError, match=r"^free queue: expected a free block, got none$"):
+        q.popleft()
+    blk = KVBlock(7)
+    q.appendleft(blk)  # into an empty queue: the head sentinel links to the tail
+    assert q.ids() == [7] and q.popleft() is blk and q.ids() == []
+
+
+def test_manager_integrity_messages() -> None:
+    """The manager's table checks name the request, group and numbers (an id equal to
+    num_blocks is outside the pool). Written for mutmut survivors."""
+    mgr = KVCacheManager(make_spec(6, 2))
+    assert mgr.allocate("a", [1, 2, 3], 3) is not None
+    mgr.commit("a", [1, 2, 3], 3)
+    mgr.check_integrity()
+    req = mgr._reqs["a"]
+    table, first = req.tables[0], req.tables[0][0]
+    table[0] = 6
+    with pytest.raises(
+        IntegrityError, match=r"^request 'a' group 0: block id expected in \[0, 6\), got 6$"
+    ):
+        mgr.check_integrity()
+    table[0] = 0
+    with pytest.raises(
+        IntegrityError,
+        match=r"^request 'a' group 0: table\[0\] = 0 but the window-freed prefix is 0 blocks$",
+    ):
+        mgr.check_integrity()
+    table[0] = first
+    hashes = list(req.hashes)
+    req.hashes.clear()
+    with pytest.raises(IntegrityError, match=r"^request 'a': expected 1 block hashes, got 0$"):
+        mgr.check_integrity()
+    req.hashes.extend(hashes)
+    mgr.check_integrity()
