@@ -242,7 +242,7 @@ def test_pool_integrity_messages() -> None:
     pool.check_integrity()
     c.prev_free = a
     broken(r"^free queue: broken back link at block 3$")
-    c.prev_free = pool.free_queue._head
+    c.prev_free = pool.free_queue._heads[0]  # level 0: empty blocks
     pool.check_integrity()
 
 
