@@ -392,3 +392,37 @@ def test_remote_loop_fails_a_request_instead_of_hanging_on_an_ingress_bug() -> N
         assert ei.value.status == 503 and "TypeError" in ei.value.message
 
     asyncio.run(main())
+
+
+def test_new_user_refusals_of_the_cluster_cli(tmp_path: Any, capsys: Any) -> None:
+    from kvpage.cluster.cli import serve_entry
+    from kvpage.cluster.launch import check_cpus_fit
+
+    # the server section's engine would be ignored (each group has its own): refused
+    f = tmp_path / "d.yaml"
+    f.write_text("server: {engine: {block_size: 32}}\ngroups: {default: {}}\n")
+    with pytest.raises(SpecError, match=r"server.engine: expected no engine section"):
+        load_cluster_config(f)
+    # the dump has no server.engine, so it loads back
+    assert serve_entry(_serve_args(["--replicas", "1", "--dump-config"])) == 0
+    assert "engine" not in yaml.safe_load(capsys.readouterr().out)["server"]
+    # whole-model rules are one line, without the whole config echoed
+    f.write_text("groups: {default: {}, canary: {replicas: 1}}\n")
+    with pytest.raises(SpecError) as ei:
+        load_cluster_config(f)
+    assert "traffic_fraction" in str(ei.value) and "'groups':" not in str(ei.value)
+    # options the scaled-out server cannot honour are refused by name, not ignored
+    for flags, said in (
+        (["--metrics-port", "9100"], "--metrics-port: expected none with --replicas"),
+        (["--engine-process"], "--engine-process: expected off with --replicas"),
+    ):
+        assert serve_entry(_serve_args(["--replicas", "2", *flags])) == 2
+        assert said in capsys.readouterr().err
+    # replicas the in-process Ray could never place are refused before Serve waits forever
+    cfg = cluster_config_from_args(_serve_args(["--replicas", "2"]))
+    check_cpus_fit(cfg, 64.0)
+    with pytest.raises(SpecError, match=r"expected replicas needing <= 0.5 CPUs"):
+        check_cpus_fit(cfg, 0.5)
+    big = ClusterConfig.model_validate({"groups": {"default": {"num_cpus": 64}}})
+    with pytest.raises(SpecError, match=r"groups.default.num_cpus: expected <= 2"):
+        check_cpus_fit(big, 2.0)

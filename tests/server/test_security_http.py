@@ -138,7 +138,10 @@ def test_tenant_state_bounded_under_10000_distinct_keys(server):
 def test_metrics_needs_operator_key_and_leaks_no_request_data(server):
     url = server.base_url + "/metrics"
     assert httpx.get(url).status_code == 401
-    assert httpx.get(url, headers={"Authorization": f"Bearer {KEY_SOLO}"}).status_code == 401
+    # a valid tenant key is not an operator's: 403 saying so (not "an unknown key")
+    r = httpx.get(url, headers={"Authorization": f"Bearer {KEY_SOLO}"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "operator_key_required"
+    assert "got a tenant's key" in r.json()["error"]["message"]
     r = httpx.get(url, headers={"Authorization": f"Bearer {KEY_OPS}"})
     assert r.status_code == 200
     secret = "the purple elephant whispered"

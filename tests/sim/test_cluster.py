@@ -83,7 +83,8 @@ def test_simulate_cli_instances(tmp_path: Path, capsys: pytest.CaptureFixture[st
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--instances", "0"], "--instances: expected an int >= 1"),
+        (["--instances", "0"], "--instances: expected an int in [1, 256]"),
+        (["--instances", "100000"], "--instances: expected an int in [1, 256]"),
         (["--instances", "2", "--router", "nope"], "--router: expected"),
         (["--instances", "2", "--policies", "paged"], "--policies: expected 'paged-prefix'"),
         (["--router", "kv_precise"], "--router/--event-delay: expected only with --instances"),

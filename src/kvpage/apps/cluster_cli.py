@@ -55,6 +55,12 @@ def cap_outputs(trace: Any, cap: int | None) -> Any:
     return replace(trace, requests=reqs)
 
 
+#: most simulated instances: each holds a full KVCacheManager of the planned pool (about
+#: 2.4 MB for Llama-3-8B on an H100 at block 64), so 1,000 took 2.4 GB; 256 covers the
+#: study's range (2-64) with room
+MAX_INSTANCES = 256
+
+
 def run_cluster(args: argparse.Namespace, trace: Any, base: Any, sizes: list[int]) -> list[dict]:
     """Every router x block size on ``trace`` with ``args.instances`` instances.
 
@@ -65,8 +71,11 @@ def run_cluster(args: argparse.Namespace, trace: Any, base: Any, sizes: list[int
     from kvpage.routing import POLICY_NAMES
     from kvpage.sim.cluster import simulate_cluster
 
-    if args.instances < 1:
-        raise KVPageError(f"--instances: expected an int >= 1, got {args.instances}")
+    if not 1 <= args.instances <= MAX_INSTANCES:
+        raise KVPageError(
+            f"--instances: expected an int in [1, {MAX_INSTANCES}] (each instance holds a "
+            f"whole simulated KV pool), got {args.instances}"
+        )
     if args.policies not in ("all", "paged-prefix"):
         raise KVPageError(
             f"--policies: expected 'paged-prefix' (or the default) with --instances, "

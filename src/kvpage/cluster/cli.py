@@ -82,6 +82,16 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     server = server_cli.config_from_args(args, base=base)
     if args.replicas is not None and args.replicas < 1:
         raise SpecError(f"--replicas: expected >= 1, got {args.replicas}")
+    if server.security.metrics_port is not None:
+        raise SpecError(
+            "--metrics-port: expected none with --replicas/--deployment (the ingress serves "
+            f"/metrics on the API port, with every replica's metrics), got {server.security.metrics_port}"
+        )
+    if server.engine_process:
+        raise SpecError(
+            "--engine-process: expected off with --replicas/--deployment (each replica is "
+            "already its own Ray actor process), got on"
+        )
     groups = dict(dep.groups)
     default = groups["default"]
     groups["default"] = GroupConfig(

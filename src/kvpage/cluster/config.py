@@ -178,6 +178,12 @@ def load_cluster_config(path: str | Path) -> ClusterConfig:
         data = {}
     if not isinstance(data, dict):
         raise SpecError(f"deployment: expected a mapping at top level, got {type(data).__name__}")
+    server = data.get("server")
+    if isinstance(server, dict) and "engine" in server:
+        raise SpecError(
+            f"deployment: server.engine: expected no engine section in {p} (each replica "
+            "group has its own: groups.<name>.engine), got one"
+        )
     try:
         return ClusterConfig.model_validate(data)
     except ValidationError as exc:
@@ -189,6 +195,7 @@ def load_cluster_config(path: str | Path) -> ClusterConfig:
 def dump_cluster_config(config: ClusterConfig, fmt: Literal["yaml", "json"] = "yaml") -> str:
     """Serialise ``config`` completely (defaults included; API keys never written)."""
     data = config.model_dump(mode="json")
+    data.get("server", {}).pop("engine", None)  # the groups' engines are the engines
     if fmt == "json":
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
     return str(yaml.safe_dump(data, sort_keys=True))

@@ -64,13 +64,41 @@ def build_app(cfg: ClusterConfig) -> Any:
     return ingress.bind(cfg, **bound)
 
 
+def check_cpus_fit(cfg: ClusterConfig, have: float) -> None:
+    """Refuse a deployment the in-process Ray can never place: Serve would wait forever
+    for a replica whose ``num_cpus`` (or all replicas' sum plus the ingress's) exceeds the
+    CPUs Ray was started with. Not applied with ``--ray-address`` (a cluster may add nodes).
+
+    Raises:
+        SpecError: naming the group and the numbers.
+    """
+    from kvpage.errors import SpecError
+
+    total = cfg.ingress_num_cpus
+    for name, g in cfg.groups.items():
+        if g.replicas and g.num_cpus > have:
+            raise SpecError(
+                f"groups.{name}.num_cpus: expected <= {have:g} (the CPUs of this machine's "
+                f"Ray), got {g.num_cpus:g}: the replica could never be placed"
+            )
+        total += g.num_cpus * g.replicas
+    if total > have:
+        raise SpecError(
+            f"deployment: expected replicas needing <= {have:g} CPUs in all (num_cpus x "
+            f"replicas per group + ingress_num_cpus), got {total:g}: lower num_cpus (it may "
+            "be fractional) or the replica counts"
+        )
+
+
 def start(cfg: ClusterConfig, *, ray_init_kwargs: dict[str, Any] | None = None) -> str:
     """Start (or join) Ray, start Serve's HTTP proxy and deploy ``cfg``; blocks until
     every replica is up. Returns the base URL.
 
     Raises:
         SpecError: an unauthenticated server asked to bind a non-loopback address
-            (the single server's rule, :func:`kvpage.server.security.check_bind`).
+            (the single server's rule, :func:`kvpage.server.security.check_bind`), or
+            replicas that need more CPUs than the in-process Ray has
+            (:func:`check_cpus_fit`).
     """
     import ray
     from ray import serve
@@ -86,6 +114,8 @@ def start(cfg: ClusterConfig, *, ray_init_kwargs: dict[str, Any] | None = None) 
             kwargs["address"] = cfg.ray_address
         kwargs.update(ray_init_kwargs or {})
         ray.init(**kwargs)
+    if cfg.ray_address is None:
+        check_cpus_fit(cfg, float(ray.cluster_resources().get("CPU", 0.0)))
     serve.start(
         proxy_location="HeadOnly",
         http_options={

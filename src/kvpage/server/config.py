@@ -60,6 +60,9 @@ def format_validation_error(exc: ValidationError) -> str:
         else:
             want = str(err.get("msg", "a valid value"))
             want = want.removeprefix("Input should be ").removeprefix("Value error, ")
+        if kind == "value_error" and not err.get("loc"):
+            lines.append(want)  # a whole-model rule: its message names fields and values
+            continue
         got = "missing" if kind == "missing" else repr(err.get("input"))[:120]
         lines.append(f"{loc}: expected {want}, got {got}")
     return "; ".join(lines)

@@ -147,7 +147,13 @@ class HTTPGuard:
         token = bearer_token(_Headers(scope))
         tenant = self.auth.authenticate(token)
         if tenant is not None and metrics and self.auth.has_operator_keys and not tenant.operator:
-            tenant = None
+            raise _Refusal(
+                403,
+                "Authorization: expected an operator's key for /metrics, got a tenant's key",
+                "invalid_request_error",
+                "operator_key_required",
+                "forbidden",
+            )
         if tenant is not None and api and tenant.cache_id == "":
             tenant = None  # a metrics-only key
         if tenant is None:
