@@ -89,6 +89,11 @@ def test_disk_tier_same_output_and_survives_restart(
         ),
         (dict(preemption_mode="drop"), "preemption_mode: expected 'recompute' or 'swap'"),
         (dict(swap_space_bytes=True), "swap_space_bytes"),
+        (dict(kv_host_tier_bytes=10), r"kv_host_tier_bytes: expected 0 \(off\) or at least one"),
+        (
+            dict(kv_disk_tier_bytes=100, kv_disk_tier_path="/tmp/kvpage-test-tiny-disk"),
+            r"kv_disk_tier_bytes: expected 0 \(off\) or at least one",
+        ),
     ],
 )
 def test_bad_tier_config_refused(kw: dict[str, object], match: str) -> None:

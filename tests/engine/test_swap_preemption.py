@@ -4,8 +4,11 @@ swapped-out request that is aborted frees its host memory."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvpage.engine import LLM, LLMEngine, SamplingParams
 from kvpage.engine.swap import SwapCostModel
+from kvpage.errors import SpecError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 PROMPTS = [[1 + (i * 53 + j * 7) % 500 for j in range(40)] for i in range(6)]
@@ -33,10 +36,13 @@ def test_swap_same_output_as_recompute_and_no_preemption() -> None:
     assert llm_s.llm_engine.step_stats.prefill_tokens < llm_r.llm_engine.step_stats.prefill_tokens
 
 
-def test_no_swap_space_means_recompute() -> None:
-    swp, llm = outputs(num_blocks=12, preemption_mode="swap", swap_space_bytes=0)
-    m = llm.get_metrics()
-    assert m["kvpage:swap_outs_total"] == 0 and m["kvpage:swap_recomputed_total"] > 0
+def test_swap_space_that_holds_no_block_is_refused() -> None:
+    # swap mode with no room for one block could never swap: refused by name
+    for space in (0, 100):
+        with pytest.raises(
+            SpecError, match=r"swap_space_bytes: expected \(with swap\) at least one block"
+        ):
+            outputs(num_blocks=12, preemption_mode="swap", swap_space_bytes=space)
 
 
 def test_cost_model_rule() -> None:

@@ -149,8 +149,27 @@ def build_swapper(
             f"{kvm.windows} (swap serves one full-attention group), got 'swap'"
         )
     mover = TorchBlockMover(kv_caches)
+    _check_holds_a_block(
+        "swap_space_bytes", config.swap_space_bytes, mover.block_nbytes, "(with swap) "
+    )
     bw = HOST_BANDWIDTH["cuda" if mover.device.type == "cuda" else "cpu"]
     return Swapper(mover, kvm.block_size, config.swap_space_bytes, SwapCostModel(bw))
+
+
+def _check_holds_a_block(name: str, capacity: int, block_nbytes: int, off: str = "") -> None:
+    """Refuse a capacity that cannot hold one block's K/V (it could never do anything).
+
+    Args:
+        off: how the option is turned off, named in the message (e.g. ``"0 (off) or "``).
+
+    Raises:
+        SpecError: ``capacity < block_nbytes``.
+    """
+    if capacity < block_nbytes:
+        raise SpecError(
+            f"{name}: expected {off}at least one block's K/V ({block_nbytes:,} bytes for "
+            f"this model and block size), got {capacity:,}"
+        )
 
 
 def build_tiers(
@@ -168,6 +187,10 @@ def build_tiers(
     disk_b = config.kv_disk_tier_bytes
     if not host_b and not disk_b:
         return None
+    block_nbytes = TorchBlockMover(kv_caches).block_nbytes
+    for name, cap in (("kv_host_tier_bytes", host_b), ("kv_disk_tier_bytes", disk_b)):
+        if cap:
+            _check_holds_a_block(name, cap, block_nbytes, "0 (off) or ")
     host = HostTier(host_b) if host_b else None
     disk = None
     if disk_b:
