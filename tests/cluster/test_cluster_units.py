@@ -426,3 +426,11 @@ def test_new_user_refusals_of_the_cluster_cli(tmp_path: Any, capsys: Any) -> Non
     big = ClusterConfig.model_validate({"groups": {"default": {"num_cpus": 64}}})
     with pytest.raises(SpecError, match=r"groups.default.num_cpus: expected <= 2"):
         check_cpus_fit(big, 2.0)
+
+
+def test_a_disk_tier_directory_is_not_shared_by_replicas(tmp_path: Any) -> None:
+    flags = ["--kv-disk-tier-bytes", "100000000", "--kv-disk-tier-path", str(tmp_path)]
+    with pytest.raises(SpecError, match=r"kv_disk_tier_path: expected a directory used by one"):
+        cluster_config_from_args(_serve_args(["--replicas", "2", *flags]))
+    cfg = cluster_config_from_args(_serve_args(["--replicas", "1", *flags]))
+    assert cfg.groups["default"].engine.kv_disk_tier_path == str(tmp_path)

@@ -104,6 +104,21 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     router = dep.router
     if args.router is not None:
         router = router.model_copy(update={"policy": args.router})
+    paths: dict[str, str] = {}
+    for name, g in groups.items():
+        e = g.engine
+        if not (e.kv_disk_tier_bytes and e.kv_disk_tier_path):
+            continue
+        if g.replicas > 1 or e.kv_disk_tier_path in paths:
+            other = paths.get(e.kv_disk_tier_path, name)
+            raise SpecError(
+                f"groups.{name}.engine.kv_disk_tier_path: expected a directory used by one "
+                f"replica (replicas of one engine each keep their own index and byte limit, "
+                f"so sharing files would double the disk use and delete each other's "
+                f"blocks), got {e.kv_disk_tier_path!r} for {g.replicas} replica(s) of "
+                f"{name!r}" + (f" and group {other!r}" if other != name else "")
+            )
+        paths[e.kv_disk_tier_path] = name
     try:
         return ClusterConfig(
             server=server,
