@@ -46,6 +46,8 @@ def build_app(cfg: ClusterConfig) -> Any:
             ray_actor_options={"num_cpus": g.num_cpus},
             max_ongoing_requests=g.max_ongoing_requests,
             graceful_shutdown_timeout_s=5.0,
+            # no per-call access log: the ingress polls kv_events about 10 times a second
+            logging_config={"enable_access_log": False},
             request_router_config=router_config(
                 request_router_class=ROUTER_CLASS,
                 request_router_kwargs={"core": core_key(cfg.app_name, name)},
