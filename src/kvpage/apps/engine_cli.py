@@ -292,8 +292,15 @@ def _rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("decode tokens/s", f"{s['decode_tokens_per_s']:,.0f}"),
         ("KV cache usage peak / mean", f"{s['kv_usage_peak']:.1%} / {s['kv_usage_mean']:.1%}"),
         (
-            "prefix cache hit ratio",
-            f"{s['prefix_hit_ratio']:.1%} ({s['prefix_hit_tokens']:,} tokens)",
+            "prefix hits, first admission",
+            f"{s['first_admission_hit_ratio']:.1%} ("
+            + ", ".join(f"{k} {v:,}" for k, v in s["prefix_hit_tokens_by_tier"].items())
+            + " tokens)",
+        ),
+        (
+            "prefix hits, all lookups",
+            f"{s['prefix_hit_ratio']:.1%} ({s['prefix_hit_tokens']:,} tokens; readmissions "
+            "after preemption included)",
         ),
         ("preemptions", f"{s['preemptions']}"),
         ("block allocation failures", f"{s['allocation_failures']}"),

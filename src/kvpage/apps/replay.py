@@ -147,9 +147,10 @@ def replay(
         A ReplayResult whose ``summary`` has: requests, completed, rejected, prompt and
         generated tokens, TTFT/TPOT/e2e percentiles (ms), prefill and decode tokens per
         second (tokens computed / wall time of the run), output tokens/s, peak and mean
-        (over steps) KV usage, prefix hit ratio (hit / queried prompt tokens), the
-        finished requests' first-admission hit tokens by tier
-        (``prefix_hit_tokens_by_tier``: device, host, disk),
+        (over steps) KV usage, prefix hit ratio (hit / queried prompt tokens, every
+        lookup: readmissions after preemption included), the finished requests'
+        first-admission hit tokens by tier (``prefix_hit_tokens_by_tier``: device,
+        host, disk) and their share of the prompt tokens (``first_admission_hit_ratio``),
         preemptions, allocation failures, steps, duration, ``interrupted`` (True
         when Ctrl-C or SIGTERM stopped the run early; unfinished requests are aborted)
         and ``interrupted_by`` (``"SIGINT"``, ``"SIGTERM"`` or None). A percentile
@@ -247,6 +248,8 @@ def replay(
         for k, v in o.num_cached_tokens_by_tier.items():
             by_tier[k] = by_tier.get(k, 0) + v
     summary["prefix_hit_tokens_by_tier"] = by_tier
+    first = sum(by_tier.values())
+    summary["first_admission_hit_ratio"] = first / summary["prompt_tokens"] if done else 0.0
     return ReplayResult(summary, done)
 
 
