@@ -240,6 +240,7 @@ def test_admissible_only_waits_until_the_prompt_fits(tmp_path: Path) -> None:
     run(mgr, mover, "b", B)  # A in host + disk
     held = mgr.allocate("x", C[:12], 12)  # 3 of the 5 usable blocks in use
     assert held is not None
+    tiers.flush()  # x's step: the engine flushes the evicted B blocks before its forward
     host = tiers.host
     assert host is not None
     before = (len(host), host.stats.promotions)

@@ -39,9 +39,10 @@ reused block, so the evicted K/V stays readable until the next write. Every writ
 pool blocks must therefore be preceded by :meth:`flush`: the engine flushes once per step
 after ``schedule()`` and before the forward (which also runs the copy-on-write
 ``copy_blocks``), the scheduler flushes before a swap-in writes a readmitted request's
-blocks, :meth:`promote_prefix` flushes before it looks the prompt up (so a block evicted
-earlier in the same step is found) and again before it writes the promoted blocks (the
-allocation may have evicted them), and :meth:`on_stored` flushes when the stored block or
+blocks, :meth:`promote_prefix` flushes before it looks the prompt up when one of the
+prompt's blocks is pending (so a block evicted earlier in the same step is found) and
+before it writes the promoted blocks when its own allocation evicted them (so a step
+with promotions can take more than one copy-out), and :meth:`on_stored` flushes when the stored block or
 hash is pending (so a reused block id is read before it is re-cached). Pending blocks are
 in no tier (``where`` does not list them) until flushed; ``on_cleared`` forgets them.
 The copy itself is synchronous (see ``kvpage.engine.kv_transfer`` for the device side).
@@ -250,11 +251,15 @@ class TieredCache:
     ) -> int:
         """Copy the prompt's leading blocks found in a tier into the pool (see the module
         docstring). Considers at most ``(len(token_ids) - 1) // block_size`` blocks (a
-        hit leaves one token to compute). Flushes first, so blocks evicted earlier in
-        this step are found in their tier. Returns the number of blocks promoted."""
-        self.flush()
+        hit leaves one token to compute). Flushes first when one of the prompt's blocks
+        is pending (evicted earlier in this step), so it is found in its tier. Returns
+        the number of blocks promoted."""
         pool = self.pool
         cap = (len(token_ids) - 1) // block_size
+        if self._pending_hashes and not self._pending_hashes.isdisjoint(
+            iter_block_hashes(root, extra, token_ids, block_size, 0, cap)
+        ):
+            self.flush()
         held: list[int] = []
         pool_ids: list[int] = []  # pool block ids of the prefix (held or in use)
         wanted: list[tuple[BlockHash, str]] = []
@@ -300,7 +305,8 @@ class TieredCache:
             if not got:
                 return 0
             ids = pool.allocate_ids(len(got))
-            self.flush()  # the allocation may have evicted (and now reuses) blocks
+            if not self._pending_ids.isdisjoint(ids):
+                self.flush()  # the allocation evicted blocks it reuses: copy them out first
             t0 = time.perf_counter()
             self.mover.write_blocks(ids, payloads)
             dt = time.perf_counter() - t0
