@@ -409,9 +409,16 @@ class ContentMover:
         self.block_nbytes = 0  # variable-size payloads: exact byte accounting is checked
 
     def read_blocks(self, block_ids: Any) -> list[bytes]:
-        return [repr((self.tag, self.m.content[0][b])).encode() for b in block_ids]
+        self.m.read_calls += 1
+        out = []
+        for b in block_ids:  # the device still holds an evicted block's old K/V
+            cells = self.m.device_old.pop(b, None) or self.m.content[0][b]
+            out.append(repr((self.tag, cells)).encode())
+        return out
 
     def write_blocks(self, block_ids: Any, payloads: Any) -> None:
+        for b in block_ids:
+            assert b not in self.m.device_old, "write into a pending block before flush"
         for b, p in zip(block_ids, payloads):
             tag, cells = ast.literal_eval(bytes(p).decode())
             if tag != self.tag:
@@ -452,6 +459,10 @@ class TierCacheMachine(CacheMachine):
         self.disk_cap = max(1, disk_blocks) * unit if disk_blocks or not host_blocks else 0
         self.fp = "A"
         self.broken: set[bytes] = set()
+        # block id -> the old K/V the device still holds for a pending (evicted, not
+        # yet flushed) block that the model already reset for its new owner
+        self.device_old: dict[int, list[Any]] = {}
+        self.read_calls = 0
         self._attach()
 
     def _attach(self) -> None:
@@ -465,12 +476,43 @@ class TierCacheMachine(CacheMachine):
     def teardown(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
+    def _apply(self, rid: str, alloc: Any) -> None:
+        """Scheduling reset the model's content of the new blocks; the device keeps a
+        pending block's old K/V until the step's forward writes (after the flush)."""
+        old = {b: list(self.content[0][b]) for b, _ in self.tiers.pending}
+        super()._apply(rid, alloc)
+        for b, cells in old.items():
+            if self.content[0][b] != cells:
+                self.device_old.setdefault(b, cells)
+
+    def _run_step(self, rid: str) -> None:
+        """The engine's order: flush (the step's one batched copy-out), then the forward."""
+        self.tiers.flush()
+        assert not self.device_old, "the forward would overwrite a pending block"
+        super()._run_step(rid)
+
     # ---- tier rules ------------------------------------------------------------------
+    @rule()
+    def flush(self) -> None:
+        """The step boundary: all pending demotions in one ``read_blocks`` call."""
+        n = len(self.tiers.pending)
+        calls = self.read_calls
+        assert self.tiers.flush() == n
+        assert self.read_calls == calls + (1 if n else 0)
+        assert not self.tiers.pending and not self.device_old
+
+    @rule(prompt=TIER_PROMPTS, salt=st.sampled_from([None, None, "s"]))
+    def lookup(self, prompt: list[int], salt: str | None) -> None:
+        """A prefix lookup between scheduling and the step (promotes; sees pending)."""
+        self.mgr.get_num_cached_tokens(prompt, cache_salt=salt)
+
     @rule(go=st.integers(0, 15))
     def reset_prefix_cache(self, go: int) -> None:  # type: ignore[override]
         """Rare here (it clears every tier): 1 draw in 16."""
         if go == 0:
             super().reset_prefix_cache()
+            pend = {b for b, _ in self.tiers.pending}  # a reset forgets pending blocks
+            self.device_old = {b: c for b, c in self.device_old.items() if b in pend}
             if not any(p.num_used for p in self.mgr.pools):
                 assert all(len(t) == 0 for t in self.tiers.tiers)
 
@@ -494,6 +536,7 @@ class TierCacheMachine(CacheMachine):
         self.content = [[[None] * self.bs for _ in range(self.num_blocks)]]
         self.fp = fp
         self.broken = set()
+        self.device_old = {}
         self._attach()
         if self.tiers.disk is not None:
             on_disk = {p.name for p in self.tiers.disk.dir.iterdir()}
@@ -552,6 +595,15 @@ class TierCacheMachine(CacheMachine):
         tiers = self.tiers
         pool = self.mgr.pools[0]
         host, disk = tiers.host, tiers.disk
+        # pending blocks are in no tier yet (disk may keep an older copy of the hash)
+        # and the device still holds their K/V; stale device content only for them
+        pend = tiers.pending
+        assert set(self.device_old) <= {b for b, _ in pend}
+        assert len({b for b, _ in pend}) == len(pend), "a block id pending twice"
+        for b, h in pend:
+            assert h not in pool.cached and (host is None or h not in host)
+            cells = self.device_old.get(b, self.content[0][b])
+            self._check_cells(h, list(cells))
         if host is not None:
             assert set(host._data) == set(host._sizes)
             assert host.used_bytes == sum(payload_nbytes(p) for p in host._data.values())

@@ -76,6 +76,8 @@ def run(mgr: KVCacheManager, mover: DictMover, rid: str, tokens: list[int]) -> d
     alloc = mgr.allocate(rid, tokens, len(tokens) - hit, num_cached_tokens=hit)
     assert alloc is not None
     table = mgr.block_table(rid)
+    if mgr.tiers is not None:
+        mgr.tiers.flush()  # the engine's step order: flush, then the forward writes
     for i in range(hit // BS):
         assert mover.data[table[i]] == content(tokens, i), "wrong K/V served"
     for i in range(hit // BS, len(tokens) // BS):
@@ -238,6 +240,7 @@ def test_admissible_only_waits_until_the_prompt_fits(tmp_path: Path) -> None:
     run(mgr, mover, "b", B)  # A in host + disk
     held = mgr.allocate("x", C[:12], 12)  # 3 of the 5 usable blocks in use
     assert held is not None
+    tiers.flush()  # x's step: the engine flushes the evicted B blocks before its forward
     host = tiers.host
     assert host is not None
     before = (len(host), host.stats.promotions)
@@ -274,3 +277,77 @@ def test_host_eviction_after_disk_full_is_reported_as_write_error(tmp_path: Path
     reasons = [e[3] for e in rec.events if e[0] == "dropped"]
     assert reasons and set(reasons) == {"write_error"}
     assert tiers.demote_failures == len(reasons)
+
+
+class CountingMover(DictMover):
+    """DictMover that records the ids of every ``read_blocks`` call."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self.reads: list[list[int]] = []
+
+    def read_blocks(self, ids: Any) -> list[bytes]:
+        self.reads.append(list(ids))
+        return super().read_blocks(ids)
+
+
+def build_counting(tmp: Path) -> tuple[KVCacheManager, TieredCache, CountingMover]:
+    mgr = KVCacheManager(make_spec(6, BS))
+    mover = CountingMover(6)
+    tiers = TieredCache(mgr.pools[0], mover, host=HostTier(2 * 32), disk=DiskTier(tmp, 8 * 32, FP))
+    mgr.attach_tiers(tiers)
+    return mgr, tiers, mover
+
+
+def test_evictions_of_one_step_are_one_batched_read(tmp_path: Path) -> None:
+    mgr, tiers, mover = build_counting(tmp_path)
+    run(mgr, mover, "a", A)
+    assert mover.reads == [] and tiers.pending == []
+    # scheduling B evicts A's 4 cached blocks: recorded, nothing copied yet
+    assert mgr.allocate("b", B, len(B)) is not None
+    evicted = [bid for bid, _ in tiers.pending]
+    assert len(evicted) == 4 and mover.reads == []
+    assert all(tiers.where(content(A, i)) == [] for i in range(4))  # in no tier yet
+    assert tiers.flush() == 4
+    assert mover.reads == [evicted]  # exactly one read_blocks call with the 4 ids
+    assert tiers.flush() == 0 and mover.reads == [evicted]  # nothing pending: no call
+    assert tiers.host is not None and tiers.disk is not None
+    assert tiers.host.stats.demotions == 4 and tiers.disk.stats.demotions == 2
+    assert tiers.host.stats.transfer_s > 0
+
+
+def test_lookup_in_the_eviction_step_finds_pending_blocks(tmp_path: Path) -> None:
+    mgr, tiers, mover = build_counting(tmp_path)
+    run(mgr, mover, "a", A)
+    assert mgr.allocate("b", B, len(B)) is not None  # evicts A (pending)
+    mgr.free("b")  # B never ran: its blocks (A's old K/V) go back to the free queue
+    assert len(tiers.pending) == 4
+    # the lookup of the same step flushes first and promotes A back, bit-exact
+    assert run(mgr, mover, "a2", A) == {"device": 0, "host": 8, "disk": 8}
+    assert len(mover.reads) == 1 and tiers.pending == []
+
+
+def test_store_of_a_pending_block_id_flushes_it_first(tmp_path: Path) -> None:
+    mgr, tiers, mover = build_counting(tmp_path)
+    run(mgr, mover, "a", A)
+    assert mgr.allocate("b", B, len(B)) is not None  # reuses A's evicted block ids
+    assert len(tiers.pending) == 4
+    # caching a reused block id before any flush: that block is copied out first,
+    # while it still holds A's K/V (nothing was written into it yet)
+    mgr.commit("b", B, len(B))
+    assert tiers.pending == [] and len(mover.reads) == 1
+    assert tiers.host is not None and tiers.disk is not None
+    for i in range(4):
+        h = content(A, i)
+        got = tiers.host._data.get(h) if h in tiers.host else tiers.disk.get(h)
+        assert got == content(A, i), "a pending block was demoted with other content"
+
+
+def test_reset_forgets_pending_blocks(tmp_path: Path) -> None:
+    mgr, tiers, mover = build_counting(tmp_path)
+    run(mgr, mover, "a", A)
+    assert mgr.allocate("b", B, len(B)) is not None
+    mgr.free("b")
+    assert len(tiers.pending) == 4
+    assert mgr.reset_prefix_cache()
+    assert tiers.pending == [] and tiers.flush() == 0 and mover.reads == []

@@ -5,8 +5,10 @@ full-attention KV group as a :class:`~kvpage.cache.block_pool.PoolListener` (the
 of docs/architecture.md) and to its :class:`~kvpage.cache.manager.KVCacheManager` as
 ``manager.tiers``:
 
-* **Demotion.** ``on_evicted`` (the block's K/V still intact) copies the block out
-  through the :class:`BlockMover` into the host tier; blocks the host tier evicts go
+* **Demotion.** ``on_evicted`` (the block's K/V still intact) only records the
+  block as *pending*; :meth:`flush` copies every pending block out with one
+  :meth:`BlockMover.read_blocks` call and puts them, in eviction order, into the host
+  tier; blocks the host tier evicts go
   to the disk tier (or are dropped, reason ``"capacity"``, when there is none or it
   stopped; a block the stopped disk tier could not take is also reported by the disk
   tier as dropped, reason ``"write_error"``, though it never entered it). With no host tier (capacity 0) evicted blocks go straight to disk.
@@ -31,11 +33,19 @@ of docs/architecture.md) and to its :class:`~kvpage.cache.manager.KVCacheManager
   (for ``num_cached_tokens_by_tier`` and ``TierStats.hits_tokens``); a promoted block
   remembers its tier until a hit takes it or the pool evicts it.
 
-Copies are synchronous and batched per lookup (promotion) or per evicted block
-(demotion): the eviction happens inside ``BlockPool.allocate``, before the step that
-overwrites the block runs, so copying there is always correct. Overlapping them with
-compute (a side stream, per-step batches) is the mover's business
-(``kvpage.engine.kv_transfer``).
+Copies are batched per lookup (promotion) and per step (demotion). The eviction
+happens inside ``BlockPool.allocate`` during scheduling, before anything writes into the
+reused block, so the evicted K/V stays readable until the next write. Every write into
+pool blocks must therefore be preceded by :meth:`flush`: the engine flushes once per step
+after ``schedule()`` and before the forward (which also runs the copy-on-write
+``copy_blocks``), the scheduler flushes before a swap-in writes a readmitted request's
+blocks, :meth:`promote_prefix` flushes before it looks the prompt up when one of the
+prompt's blocks is pending (so a block evicted earlier in the same step is found) and
+before it writes the promoted blocks when its own allocation evicted them (so a step
+with promotions can take more than one copy-out), and :meth:`on_stored` flushes when the stored block or
+hash is pending (so a reused block id is read before it is re-cached). Pending blocks are
+in no tier (``where`` does not list them) until flushed; ``on_cleared`` forgets them.
+The copy itself is synchronous (see ``kvpage.engine.kv_transfer`` for the device side).
 
 Exactness: a block's payload is the full bit pattern of its K/V (and int8 token
 scales) in every layer; a promoted block is bit-identical to the evicted one, so greedy
@@ -118,7 +128,18 @@ class TieredCache:
         self.admission_chunk_tokens: int | None = None
         self.admissible_only = False
         self._promoted: dict[BlockHash, str] = {}
+        #: evicted blocks not yet copied out, in eviction order (see :meth:`flush`)
+        self._pending: list[tuple[int, BlockHash]] = []
+        self._pending_ids: set[int] = set()
+        self._pending_hashes: set[BlockHash] = set()
+        #: flushes that copied at least one block (one ``read_blocks`` call each)
+        self.flushes = 0
         pool.listeners.append(self)
+
+    @property
+    def pending(self) -> list[tuple[int, BlockHash]]:
+        """``(block_id, block_hash)`` of the evicted blocks not yet flushed (a copy)."""
+        return list(self._pending)
 
     @property
     def tiers(self) -> list[HostTier | DiskTier]:
@@ -142,22 +163,57 @@ class TieredCache:
     # ---- PoolListener ---------------------------------------------------------------
     def on_stored(self, block_id: int, block_hash: BlockHash) -> None:
         """The pool computed content the host tier still holds: drop the host copy
-        (host and pool stay exclusive); a disk copy stays."""
+        (host and pool stay exclusive); a disk copy stays. A pending block of this id
+        or hash is flushed first (its K/V is still the evicted content)."""
+        if block_id in self._pending_ids or block_hash in self._pending_hashes:
+            self.flush()
         if self.host is not None and block_hash in self.host:
             self.host.discard(block_hash, "stored_in_pool")
 
     def on_evicted(self, block_id: int, block_hash: BlockHash) -> None:
-        """Demote the block (see the module docstring)."""
+        """Record the block for demotion at the next :meth:`flush` (module docstring)."""
         self._promoted.pop(block_hash, None)
+        self._pending.append((block_id, block_hash))
+        self._pending_ids.add(block_id)
+        self._pending_hashes.add(block_hash)
+
+    def flush(self) -> int:
+        """Demote every pending block: one ``mover.read_blocks`` call for all of them,
+        then, in eviction order, into the host tier (its LRU victims to disk) or, with
+        no host tier, to disk. Must run before anything writes into pool blocks (module
+        docstring). The copy time is added to the host tier's ``transfer_s``.
+
+        Returns:
+            The number of blocks copied out (0: nothing pending, no mover call).
+
+        Raises:
+            Exception: whatever the mover raised; the pending blocks are then dropped
+                (counted in ``demote_failures``), never demoted with unknown content.
+        """
+        pend = self._pending
+        if not pend:
+            return 0
+        self._pending = []
+        self._pending_ids.clear()
+        self._pending_hashes.clear()
         t0 = time.perf_counter()
-        payload = self.mover.read_blocks([block_id])[0]
+        try:
+            payloads = self.mover.read_blocks([bid for bid, _ in pend])
+        except BaseException:
+            self.demote_failures += len(pend)
+            raise
         dt = time.perf_counter() - t0
-        if self.host is not None:
-            self.host.stats.transfer_s += dt
-            for h, p in self.host.put(block_hash, payload):
-                self._to_disk(h, p, "host")
-        else:
-            self._to_disk(block_hash, payload, None)
+        self.flushes += 1
+        host = self.host
+        if host is not None:
+            host.stats.transfer_s += dt
+        for (_, block_hash), payload in zip(pend, payloads):
+            if host is not None:
+                for h, p in host.put(block_hash, payload):
+                    self._to_disk(h, p, "host")
+            else:
+                self._to_disk(block_hash, payload, None)
+        return len(pend)
 
     def _to_disk(self, h: BlockHash, payload: Payload, source: str | None) -> None:
         """Demote one block to disk; ``source`` "host" when the host tier evicted it
@@ -177,8 +233,11 @@ class TieredCache:
             disk._emit_dropped(h, "write_error")
 
     def on_cleared(self) -> None:
-        """``reset_prefix_cache`` forgets every tier too."""
+        """``reset_prefix_cache`` forgets every tier and the pending blocks too."""
         self._promoted.clear()
+        self._pending.clear()
+        self._pending_ids.clear()
+        self._pending_hashes.clear()
         for t in self.tiers:
             t.clear()
 
@@ -192,9 +251,15 @@ class TieredCache:
     ) -> int:
         """Copy the prompt's leading blocks found in a tier into the pool (see the module
         docstring). Considers at most ``(len(token_ids) - 1) // block_size`` blocks (a
-        hit leaves one token to compute). Returns the number of blocks promoted."""
+        hit leaves one token to compute). Flushes first when one of the prompt's blocks
+        is pending (evicted earlier in this step), so it is found in its tier. Returns
+        the number of blocks promoted."""
         pool = self.pool
         cap = (len(token_ids) - 1) // block_size
+        if self._pending_hashes and not self._pending_hashes.isdisjoint(
+            iter_block_hashes(root, extra, token_ids, block_size, 0, cap)
+        ):
+            self.flush()
         held: list[int] = []
         pool_ids: list[int] = []  # pool block ids of the prefix (held or in use)
         wanted: list[tuple[BlockHash, str]] = []
@@ -240,6 +305,8 @@ class TieredCache:
             if not got:
                 return 0
             ids = pool.allocate_ids(len(got))
+            if not self._pending_ids.isdisjoint(ids):
+                self.flush()  # the allocation evicted blocks it reuses: copy them out first
             t0 = time.perf_counter()
             self.mover.write_blocks(ids, payloads)
             dt = time.perf_counter() - t0

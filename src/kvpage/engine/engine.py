@@ -334,8 +334,14 @@ class LLMEngine:
             self._fail_requests({r.parent_id for r in self.scheduler.running})
             raise
         if out.is_empty:
+            if self.tiers is not None:
+                self.tiers.flush()  # demote this step's evictions (nothing runs)
             return []
         try:
+            if self.tiers is not None:
+                # one batched copy-out of the blocks evicted while scheduling, before
+                # the forward (and its copy-on-write copies) writes into them
+                self.tiers.flush()
             return self._run_step(out, t0, finished_only)
         except BaseException:
             # a model, sampler or bookkeeping failure: the requests of this step are

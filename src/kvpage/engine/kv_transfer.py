@@ -11,7 +11,9 @@ scales are per layer, not per block, and part of the tier fingerprint's cache la
 On CPU a transfer is a gather (``index_select``) and a copy into a numpy array. On CUDA
 the gathered blocks are copied into pinned host memory on a side stream and the call
 waits for that stream before returning (so the copy is correct before the next step
-overwrites the block); overlap with compute across steps is not done. The CUDA path is
+overwrites the block). ``TieredCache.flush`` calls :meth:`TorchBlockMover.read_blocks`
+once per step with all the blocks evicted while scheduling (one gather, one copy);
+overlapping that copy with the step's forward is not done. The CUDA path is
 short and untested here (no GPU on the development machine).
 """
 

@@ -47,6 +47,9 @@ class SequenceLifecycle:
         that continues it runs)."""
         assert self.swapper is not None
         nb = -(-req.swapped_tokens // self.kv.block_size)
+        tiers = getattr(self.kv, "tiers", None)
+        if tiers is not None:
+            tiers.flush()  # the new blocks may be pending demotions: copy them out first
         self.swapper.swap_in(req.request_id, self.kv.block_table(req.request_id, 0)[:nb])
         req.swapped_tokens = 0
 

@@ -181,6 +181,9 @@ class SimInstance:
         """
         sched = self.sched
         out = sched.schedule()
+        tiers = getattr(sched.kv, "tiers", None)
+        if tiers is not None:
+            tiers.flush()  # the step's batched demotion, as the engine does
         if out.is_empty:
             return False
         q = [s.num_tokens for s in out.scheduled]

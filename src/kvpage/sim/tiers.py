@@ -5,7 +5,9 @@ Transfer-cost model (:class:`TransferPreset`, presets in :data:`TRANSFER_PRESETS
 block moved between device and host memory costs ``bytes / host_bandwidth``; a block
 read from the disk tier costs ``bytes / disk_read_bandwidth`` (the disk is the slower
 link of disk -> host -> device). Demotions (device -> host copies of evicted blocks,
-host -> disk writes) are assumed overlapped with compute (a side stream and a background
+host -> disk writes; ``TieredCache.flush`` batches a step's evictions into one copy,
+called once per step by ``kvpage.sim.instance`` as by the engine) are assumed
+overlapped with compute (a side stream and a background
 writer, as vLLM's offloading connector and LMCache store asynchronously) and cost no
 step time. In :func:`kvpage.sim.simulator.simulate` the step time becomes
 ``cost_model.step_time + transfers of the step`` for promotions (host or disk),
