@@ -224,3 +224,38 @@ def test_nan_and_lone_surrogate_messages_name_the_problem(body, said):
     with pytest.raises(ValidationError) as ei:
         CompletionRequest.model_validate_json(body)
     assert said in _validation_message(ei.value)[0]
+
+
+def test_until_disconnect_leaves_no_step_of_the_source_running_when_cancelled():
+    """Cancelling the consumer while the source is mid-``__anext__`` must leave the source
+    closable (no "aclose(): asynchronous generator is already running")."""
+    import asyncio
+
+    from kvpage.server.app import _until_disconnect
+
+    class _Req:
+        async def is_disconnected(self) -> bool:
+            return False
+
+    async def source():
+        yield 1
+        await asyncio.sleep(3600)  # an engine step that never ends
+        yield 2
+
+    async def main() -> None:
+        gen = source()
+        wrapped = _until_disconnect(gen, _Req(), every_s=0.01)  # type: ignore[arg-type]
+
+        async def consume() -> None:
+            async for _ in wrapped:
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)  # the first item is out, the second __anext__ is pending
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wrapped.aclose()
+        await gen.aclose()  # raised RuntimeError before the fix
+
+    asyncio.run(main())

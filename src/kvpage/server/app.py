@@ -483,20 +483,27 @@ async def _until_disconnect(
     loop = asyncio.get_running_loop()
     it = gen.__aiter__()
     next_check = loop.time() + every_s
-    while True:
-        nxt = asyncio.ensure_future(it.__anext__())
+    nxt: asyncio.Future[Any] | None = None
+    try:
         while True:
-            done, _ = await asyncio.wait({nxt}, timeout=max(0.0, next_check - loop.time()))
-            if loop.time() >= next_check:
-                next_check = loop.time() + every_s
-                if await request.is_disconnected():
-                    nxt.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                        await nxt
-                    return
-            if done:
-                break
-        try:
-            yield nxt.result()
-        except StopAsyncIteration:
-            return
+            nxt = asyncio.ensure_future(it.__anext__())
+            while True:
+                done, _ = await asyncio.wait({nxt}, timeout=max(0.0, next_check - loop.time()))
+                if loop.time() >= next_check:
+                    next_check = loop.time() + every_s
+                    if await request.is_disconnected():
+                        return
+                if done:
+                    break
+            try:
+                yield nxt.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        # leave no __anext__ of ``gen`` running (also when this generator is cancelled or
+        # closed from outside): closing ``gen`` while one runs raises "aclose(): asynchronous
+        # generator is already running" (seen when Ray's proxy dropped a connection)
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
+                await nxt
