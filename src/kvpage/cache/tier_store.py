@@ -156,7 +156,27 @@ class _Tier:
             listener.on_promoted(h, self.name)
 
 
-class HostTier(_Tier):
+class _InMemoryTier(_Tier):
+    """A tier whose payloads live in a dict beside the LRU sizes (the host tier, and the
+    simulator's file-less disk tier ``kvpage.sim.tiers.SimDiskTier``)."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        # _Tier's, named: in SimDiskTier's MRO the next class is DiskTier (other arguments)
+        _Tier.__init__(self, capacity_bytes)
+        self._data: dict[BlockHash, Payload] = {}
+
+    def discard(self, block_hash: BlockHash, reason: str) -> bool:
+        """Drop an entry for ``reason``; False if absent."""
+        sz = self._sizes.pop(block_hash, None)
+        if sz is None:
+            return False
+        self.used_bytes -= sz
+        del self._data[block_hash]
+        self._emit_dropped(block_hash, reason)
+        return True
+
+
+class HostTier(_InMemoryTier):
     """Host-memory tier (see the module docstring).
 
     Args:
@@ -164,10 +184,6 @@ class HostTier(_Tier):
     """
 
     name = "host"
-
-    def __init__(self, capacity_bytes: int) -> None:
-        super().__init__(capacity_bytes)
-        self._data: dict[BlockHash, Payload] = {}
 
     def put(self, block_hash: BlockHash, payload: Payload) -> list[tuple[BlockHash, Payload]]:
         """Insert (most recently used); returns the ``(hash, payload)`` entries evicted
@@ -205,16 +221,6 @@ class HostTier(_Tier):
     def peek(self, block_hash: BlockHash) -> Payload | None:
         """The payload without any change (tests, integrity checks)."""
         return self._data.get(block_hash)
-
-    def discard(self, block_hash: BlockHash, reason: str) -> bool:
-        """Drop an entry for ``reason``; False if absent."""
-        sz = self._sizes.pop(block_hash, None)
-        if sz is None:
-            return False
-        self.used_bytes -= sz
-        del self._data[block_hash]
-        self._emit_dropped(block_hash, reason)
-        return True
 
     def clear(self) -> None:
         """Drop everything (reason ``"cleared"``)."""

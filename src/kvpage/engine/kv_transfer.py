@@ -178,8 +178,9 @@ def build_tiers(
     config: TierConfig, spec: CacheSpec, kv_caches: Sequence[KVCache], kvm: KVCacheManager
 ) -> TieredCache | None:
     """The engine's KV tiers from ``config`` (an ``EngineConfig``; None when both
-    capacities are 0), attached to ``kvm``. The disk tier's fingerprint covers the model (its name or path and its
-    config), the KV dtype, block size, hash seed and the cache geometry.
+    capacities are 0), attached to ``kvm``. The disk tier's fingerprint covers the model
+    (its name or path and its config), the KV dtype, block size, hash seed and the cache
+    geometry.
 
     Raises:
         SpecError: a layout tiers cannot serve (see ``KVCacheManager.attach_tiers``), or
@@ -189,10 +190,10 @@ def build_tiers(
     disk_b = config.kv_disk_tier_bytes
     if not host_b and not disk_b:
         return None
-    block_nbytes = TorchBlockMover(kv_caches).block_nbytes
+    mover = TorchBlockMover(kv_caches)
     for name, cap in (("kv_host_tier_bytes", host_b), ("kv_disk_tier_bytes", disk_b)):
         if cap:
-            _check_holds_a_block(name, cap, block_nbytes, "0 (off) or ")
+            _check_holds_a_block(name, cap, mover.block_nbytes, "0 (off) or ")
     host = HostTier(host_b) if host_b else None
     disk = None
     if disk_b:
@@ -209,7 +210,6 @@ def build_tiers(
             "format": 1,
         }
         disk = DiskTier(config.kv_disk_tier_path, disk_b, tier_fingerprint(fields))
-    mover = TorchBlockMover(kv_caches)
     tiers = TieredCache(kvm.pools[0], mover, host=host, disk=disk)
     tiers.admission_chunk_tokens = config.max_num_batched_tokens
     try:

@@ -38,8 +38,7 @@ from typing import Any
 import numpy as np
 
 from kvpage.cache.hashing import BlockHash
-from kvpage.cache.tier_store import DiskTier, Payload, payload_nbytes
-from kvpage.cache.tier_store import _Tier as _TierBase
+from kvpage.cache.tier_store import DiskTier, Payload, _InMemoryTier, payload_nbytes
 from kvpage.errors import SpecError
 from kvpage.sim.costmodel import StepCostModel
 from kvpage.workload.traces import Trace
@@ -123,15 +122,15 @@ class NullMover:
         return None
 
 
-class SimDiskTier(DiskTier):
+class SimDiskTier(_InMemoryTier, DiskTier):
     """The disk tier's LRU and capacity rules in memory (no files): ``put`` stores,
-    ``get`` returns the payload and keeps it (inclusive), never corrupt."""
+    ``get`` returns the payload and keeps it (inclusive), never corrupt; ``discard`` is
+    the host tier's (``_InMemoryTier``)."""
 
     def __init__(self, capacity_bytes: int) -> None:  # no directory, no fingerprint
-        _TierBase.__init__(self, capacity_bytes)
+        _InMemoryTier.__init__(self, capacity_bytes)
         self.writable = True
         self.last_write_error = ""
-        self._data: dict[BlockHash, Payload] = {}
 
     def _shrink(self, need: int) -> None:
         while self._sizes and self.used_bytes + need > self.capacity_bytes:
@@ -163,15 +162,6 @@ class SimDiskTier(DiskTier):
         self.stats.bytes_out += sz
         self._emit_promoted(block_hash)
         return self._data[block_hash]
-
-    def discard(self, block_hash: BlockHash, reason: str) -> bool:
-        sz = self._sizes.pop(block_hash, None)
-        if sz is None:
-            return False
-        self.used_bytes -= sz
-        del self._data[block_hash]
-        self._emit_dropped(block_hash, reason)
-        return True
 
 
 @dataclass
