@@ -4,22 +4,6 @@
 them to token ids; the simulator replays them through the real KVCacheManager.
 """
 
-from kvpage.workload.traces import (
-    BUNDLED_TRACES,
-    TokenMapper,
-    Trace,
-    TraceError,
-    TraceRequest,
-    bundled_trace_path,
-    load_trace,
-)
-
-__all__ = [
-    "BUNDLED_TRACES",
-    "TokenMapper",
-    "Trace",
-    "TraceError",
-    "TraceRequest",
-    "bundled_trace_path",
-    "load_trace",
-]
+# the same names as kvpage.workload (one list: this package re-exports it)
+from kvpage.workload import *  # noqa: F403
+from kvpage.workload import __all__ as __all__
