@@ -29,15 +29,20 @@ the same model (one tokenizer at the ingress). This module imports no Ray.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from kvpage.errors import SpecError
-from kvpage.server.config import EngineConfig, ServerConfig, _Strict, format_validation_error
+from kvpage.server.config import (
+    EngineConfig,
+    ServerConfig,
+    _Strict,
+    dump_mapping,
+    format_validation_error,
+    read_config_file,
+)
 
 __all__ = [
     "POLICIES",
@@ -169,15 +174,7 @@ def load_cluster_config(path: str | Path) -> ClusterConfig:
         SpecError: unreadable file or invalid content (the message names the field).
     """
     p = Path(path)
-    try:
-        text = p.read_text()
-        data: Any = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as exc:
-        raise SpecError(f"deployment: expected a readable YAML/JSON file, got {p} ({exc})") from exc
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise SpecError(f"deployment: expected a mapping at top level, got {type(data).__name__}")
+    data = read_config_file(p, "deployment")
     server = data.get("server")
     if isinstance(server, dict) and "engine" in server:
         raise SpecError(
@@ -196,6 +193,4 @@ def dump_cluster_config(config: ClusterConfig, fmt: Literal["yaml", "json"] = "y
     """Serialise ``config`` completely (defaults included; API keys never written)."""
     data = config.model_dump(mode="json")
     data.get("server", {}).pop("engine", None)  # the groups' engines are the engines
-    if fmt == "json":
-        return json.dumps(data, indent=2, sort_keys=True) + "\n"
-    return str(yaml.safe_dump(data, sort_keys=True))
+    return dump_mapping(data, fmt)

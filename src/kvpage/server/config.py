@@ -29,8 +29,10 @@ __all__ = [
     "ServerConfig",
     "TenantLimit",
     "dump_config",
+    "dump_mapping",
     "format_validation_error",
     "load_config",
+    "read_config_file",
 ]
 
 #: KV cache dtypes the engine accepts (``kvpage.specs.KVCacheDType``)
@@ -298,6 +300,37 @@ class ServerConfig(_Strict):
         return self.served_model_name or self.engine.model
 
 
+def read_config_file(path: str | Path, what: str = "config") -> dict[str, Any]:
+    """The top-level mapping of a YAML or JSON config file (``.json`` = JSON, anything
+    else YAML; an empty file = ``{}``), for :func:`load_config` and the cluster's
+    deployment file.
+
+    Args:
+        what: the name errors start with (``"config"``, ``"deployment"``).
+
+    Raises:
+        SpecError: the file is unreadable, unparsable or not a mapping.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise SpecError(f"{what}: expected a readable YAML/JSON file, got {p} ({exc})") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError(f"{what}: expected a mapping at top level, got {type(data).__name__}")
+    return data
+
+
+def dump_mapping(data: dict[str, Any], fmt: Literal["yaml", "json"] = "yaml") -> str:
+    """``data`` as the text :func:`read_config_file` reads back (keys sorted)."""
+    if fmt == "json":
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+    return str(yaml.safe_dump(data, sort_keys=True))
+
+
 def load_config(path: str | Path) -> ServerConfig:
     """Read a :class:`ServerConfig` from a YAML or JSON file.
 
@@ -307,27 +340,16 @@ def load_config(path: str | Path) -> ServerConfig:
     Raises:
         SpecError: the file is unreadable or does not validate (message names the field).
     """
-    p = Path(path)
-    try:
-        text = p.read_text()
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as exc:
-        raise SpecError(f"config: expected a readable YAML/JSON file, got {p} ({exc})") from exc
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise SpecError(f"config: expected a mapping at top level, got {type(data).__name__}")
+    data = read_config_file(path)
     try:
         return ServerConfig.model_validate(data)
     except ValidationError as exc:
         raise SpecError(
-            f"config: expected a valid ServerConfig in {p}, got {format_validation_error(exc)}"
+            f"config: expected a valid ServerConfig in {Path(path)}, got "
+            f"{format_validation_error(exc)}"
         ) from exc
 
 
 def dump_config(config: ServerConfig, fmt: Literal["yaml", "json"] = "yaml") -> str:
     """Serialise ``config`` completely (defaults included) so it can be restored exactly."""
-    data = config.model_dump(mode="json")
-    if fmt == "json":
-        return json.dumps(data, indent=2, sort_keys=True) + "\n"
-    return str(yaml.safe_dump(data, sort_keys=True))
+    return dump_mapping(config.model_dump(mode="json"), fmt)
