@@ -222,7 +222,8 @@ def bench_model(name: str, args: argparse.Namespace, work_file: Path, max_new: i
             "vllm_multiprocess": args.vllm_multiprocess,
             "vllm_bind": args.vllm_bind,
             "warmup_requests": args.warmup_requests,
-            "backend": "torch" if eng == "kvpage-torch" else "auto",
+            "backend": "torch" if eng == "kvpage-torch" else args.kvpage_backend,
+            "block_size": args.block_size,
         }
         py = args.vllm_python if eng == "vllm" else sys.executable
         print(f"[{name}] starting {eng}", flush=True)
@@ -340,6 +341,15 @@ def main() -> None:
         choices=["cores", "nobind"],
         default="nobind",
         help="vLLM OMP threads pinned to cores 0..threads-1, or not pinned",
+    )
+    ap.add_argument(
+        "--block-size",
+        type=int,
+        default=0,
+        help="KV block size of every engine (0 = each engine's default: kvpage 16, vLLM CPU 128)",
+    )
+    ap.add_argument(
+        "--kvpage-backend", default="auto", help="backend of the `kvpage` engine (auto, torch, ...)"
     )
     ap.add_argument("--workdir", default="out/peers")
     ap.add_argument("--out", default="out/bench_peers.json")

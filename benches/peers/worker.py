@@ -100,6 +100,7 @@ class KvpageRunner:
             max_model_len=spec["max_model_len"],
             enable_prefix_caching=True,
             backend=spec.get("backend", "auto"),
+            **({"block_size": spec["block_size"]} if spec.get("block_size") else {}),
         )
 
     def run(self, work: list[tuple[list[int], int]], spec: dict[str, Any]) -> dict[str, Any]:
@@ -138,6 +139,7 @@ class VllmRunner:
             max_model_len=spec["max_model_len"],
             enable_prefix_caching=True,
             seed=0,
+            **({"block_size": spec["block_size"]} if spec.get("block_size") else {}),
         )
         self.engine = self.llm.llm_engine
 
