@@ -145,6 +145,38 @@ def test_echo_stop_token_ids_and_include_stop_str(client, llm):
         assert r.choices[0].model_extra["stop_reason"] == word
 
 
+def _offsets_agree(text: str, lp) -> None:
+    """OpenAI's ``text_offset``: ``text[text_offset[i]:]`` starts with ``tokens[i]``."""
+    assert len(lp.tokens) == len(lp.text_offset)
+    for tok, off in zip(lp.tokens, lp.text_offset):
+        assert text[off : off + len(tok)] == tok, (tok, off, text)
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, " Two spaces  here", "Lily"])
+def test_echo_text_offset_points_into_text(client, prompt):
+    # the first prompt word's single-token text carries the SentencePiece dummy-prefix
+    # space that the echoed prompt lacks; every later offset used to be one too far
+    kw = dict(model=M, prompt=prompt, max_tokens=6, temperature=0, logprobs=1)
+    for echo in (True, False):
+        r = client.completions.create(echo=echo, **kw)
+        _offsets_agree(r.choices[0].text, r.choices[0].logprobs)
+        text, tokens, offsets = "", [], []
+        for ch in client.completions.create(echo=echo, stream=True, **kw):
+            if not ch.choices:
+                continue
+            c = ch.choices[0]
+            text += c.text
+            if c.logprobs:
+                tokens += c.logprobs.tokens
+                offsets += c.logprobs.text_offset
+        assert text == r.choices[0].text
+        assert (tokens, offsets) == (
+            r.choices[0].logprobs.tokens,
+            r.choices[0].logprobs.text_offset,
+        )
+
+
 def test_several_prompts_and_cached_tokens(client, llm):
     prompts = [PROMPT, "The dog ran"]
     r = client.completions.create(model=M, prompt=prompts, max_tokens=5, temperature=0, n=2)

@@ -42,8 +42,17 @@ def completion_logprobs(
     prompt: tuple[list[int], list[Any]] | None = None,
     offset: int = 0,
     decode: Callable[[int], str] | None = None,
+    prompt_text: str | None = None,
 ) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object.
+
+    ``text_offset[i]`` is where ``tokens[i]`` starts in the choice's ``text`` (OpenAI's
+    field; ``text[text_offset[i]:]`` starts with ``tokens[i]``). With ``echo`` the text
+    starts with ``prompt_text``: a prompt token whose single-token text has a leading
+    space that the echoed text lacks at that point (the SentencePiece dummy prefix, which
+    decoding a whole sequence drops before its first word) is listed without it, and
+    the generated tokens' offsets start at ``offset + len(prompt_text)`` whatever the
+    prompt tokens' texts add up to.
 
     Args:
         token_ids: generated token ids.
@@ -51,6 +60,7 @@ def completion_logprobs(
         prompt: with ``echo``, the prompt's ids and its prompt logprobs (first None).
         offset: ``text_offset`` of the first token (characters before it in ``text``).
         decode: token id -> text, for tokens without an entry (the first prompt token).
+        prompt_text: with ``echo``, the echoed prompt text (``text`` starts with it).
     """
     tokens: list[str] = []
     token_lps: list[float | None] = []
@@ -59,10 +69,17 @@ def completion_logprobs(
     pairs: list[tuple[int, Any]] = []
     if prompt is not None:
         pairs.extend(zip(prompt[0], prompt[1]))
+    num_prompt = len(pairs)
     pairs.extend(zip(token_ids, entries))
     pos = offset
-    for tid, ent in pairs:
+    for i, (tid, ent) in enumerate(pairs):
         s = _text(ent, tid, decode)
+        if prompt_text is not None and i < num_prompt:
+            rest = prompt_text[pos - offset :]
+            if s.startswith(" ") and not rest.startswith(s) and rest.startswith(s[1:]):
+                s = s[1:]
+        elif prompt_text is not None and i == num_prompt:
+            pos = offset + len(prompt_text)
         tokens.append(s)
         offsets.append(pos)
         pos += len(s)

@@ -67,6 +67,7 @@ def _logprobs(
     echo: tuple[list[int], list[Any]] | None,
     offset: int,
     tokenizer: Any = None,
+    echo_text: str = "",
 ) -> dict[str, Any] | None:
     if req.logprobs is None:
         return None
@@ -76,7 +77,14 @@ def _logprobs(
     def decode(t: int) -> str:
         return str(t) if tokenizer is None else str(tokenizer.decode([t]))
 
-    return completion_logprobs(ids, entries, prompt=echo, offset=offset, decode=decode)
+    return completion_logprobs(
+        ids,
+        entries,
+        prompt=echo,
+        offset=offset,
+        decode=decode,
+        prompt_text=echo_text if echo is not None else None,
+    )
 
 
 def build_body(
@@ -99,6 +107,7 @@ def build_body(
                 echo=echo if req.echo else None,
                 offset=0,
                 tokenizer=tokenizer,
+                echo_text=res.echo_text,
             )
             choices.append(
                 P.choice(
@@ -145,6 +154,7 @@ def stream_chunk(
         echo=echo_entries if first and req.echo else None,
         offset=offset,
         tokenizer=tokenizer,
+        echo_text=echo_text,
     )
     return P.chunk(
         req,
