@@ -9,6 +9,22 @@ from test_cache_retention import Clock, serve
 from kvpage.cache import EvictionRecord, KVCacheManager, hash_request_blocks
 
 
+def test_prompt_without_a_full_block_is_not_a_full_hit() -> None:
+    # 4-token blocks: a prompt of at most 4 tokens has no block before its last token
+    mgr = KVCacheManager(make_spec(16, 4))
+    for prompt in ([1], [1, 2, 3, 4]):
+        serve(mgr, f"r{len(prompt)}", prompt)
+        why = mgr.explain_miss(prompt, mgr.get_num_cached_tokens(prompt))
+        assert (why.reason, why.first_miss_block, why.num_cached_tokens) == (
+            "no_full_block",
+            None,
+            0,
+        )
+    five = [1, 2, 3, 4, 5]  # one full block, now cached by the 4-token prompt's request
+    why = mgr.explain_miss(five, mgr.get_num_cached_tokens(five))
+    assert why.reason == "full_hit" and why.num_cached_tokens == 4
+
+
 def test_never_seen_and_full_hit() -> None:
     mgr = KVCacheManager(make_spec(16, 4))
     prompt = list(range(10))

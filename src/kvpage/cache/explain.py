@@ -6,6 +6,8 @@ the hit did not cover and names one reason (:data:`MISS_REASONS`):
 * ``full_hit``: every block that can be a hit was one; only the tail is computed (the
   partial last block, which is never cached, and the last prompt token, always
   computed so the model has logits to sample);
+* ``no_full_block``: the prompt has no full block before its last token (at most
+  ``block_size`` tokens), so there is nothing a cache could serve;
 * ``never_seen``: no block with this content under this request's cache key is cached
   or in the eviction record (so: never seen, or evicted longer ago than the record
   remembers, see :data:`DEFAULT_EVICTION_RECORD_CAP`);
@@ -45,6 +47,7 @@ from kvpage.cache.hashing import BlockHash, chain_hash, iter_block_hashes
 #: every reason a :class:`CacheMissExplanation` can carry
 MISS_REASONS = (
     "full_hit",
+    "no_full_block",
     "never_seen",
     "evicted",
     "different_cache_key",
@@ -57,6 +60,7 @@ MISS_REASONS = (
 #: tables)
 MISS_ADVICE = {
     "full_hit": "nothing to gain: only the partial last block was computed",
+    "no_full_block": "prompt shorter than one block plus a token: nothing is cacheable",
     "never_seen": "new content: no cache can help",
     "evicted": "buy memory or add a host/disk tier (or retain the prefix)",
     "different_cache_key": "same tokens under another salt/tenant/adapter: check routing "
@@ -83,7 +87,7 @@ class CacheMissExplanation:
         num_prompt_tokens: the prompt's length in tokens.
         num_cached_tokens: tokens served from the cache (all tiers).
         first_miss_block: index of the first block that was not a hit (None for
-            ``full_hit`` and when no lookup was made).
+            ``full_hit``, ``no_full_block`` and when no lookup was made).
         tier: ``evicted``: the tier it was evicted from ("device", or a lower tier).
         policy: ``evicted``: the eviction policy that chose it (e.g. "lru",
             "lru:low-priority", "lru:retained", "reset").
@@ -338,6 +342,8 @@ def explain_first_miss(
     n = len(token_ids)
     bs = block_size
     hb = num_cached_tokens // bs
+    if (n - 1) // bs == 0:
+        return CacheMissExplanation("no_full_block", n, num_cached_tokens)
     if hb >= (n - 1) // bs:
         return CacheMissExplanation("full_hit", n, num_cached_tokens)
     i = hb
