@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpage.workload.trace_readers import MAX_TRACE_SPAN_S, load_azure_csv, load_mooncake_jsonl
+from kvpage.workload.trace_readers import MAX_TRACE_SPAN_S as MAX_TRACE_SPAN_S  # re-exported
+from kvpage.workload.trace_readers import load_azure_csv, load_mooncake_jsonl
 from kvpage.workload.trace_types import (
     MOONCAKE_BLOCK_TOKENS,
     Trace,
@@ -167,7 +168,6 @@ def sim_blocks_per_hash_block(block_size: int) -> float:
 
 __all__ = [
     "BUNDLED_TRACES",
-    "MAX_TRACE_SPAN_S",
     "MOONCAKE_BLOCK_TOKENS",
     "TokenMapper",
     "Trace",
