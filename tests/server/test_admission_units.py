@@ -10,7 +10,7 @@ import pytest
 from kvpage.server.admission import KVBudget, TenantLimiter, TokenBucket
 from kvpage.server.config import AdmissionConfig, DegradationConfig, TenantLimit
 from kvpage.server.degradation import DegradationController, p99
-from kvpage.server.service import _find_stop, _safe_end
+from kvpage.server.generation import _find_stop, _safe_end
 
 
 def test_token_bucket_take_refill_retry_after():

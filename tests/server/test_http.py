@@ -572,14 +572,14 @@ def test_huge_text_prompt_is_refused_without_tokenizing(server):
 def test_unexpected_errors_are_counted_500s(server, monkeypatch):
     """Finding 2: an unexpected exception answered 500 but was not counted in
     kvpage:server_requests_total{status="500"}."""
-    import kvpage.server.app as app_mod
+    import kvpage.server.generate_route as route_mod
 
     def boom(*a, **k):
         raise RuntimeError("injected")
 
     key = 'kvpage:server_requests_total{endpoint="completions",status="500"}'
     before = metrics_dict(httpx.get(server.base_url + "/metrics").text).get(key, 0.0)
-    monkeypatch.setattr(app_mod, "prepare_request", boom)
+    monkeypatch.setattr(route_mod, "prepare_request", boom)
     r = httpx.post(
         server.base_url + "/v1/completions",
         json={"model": "stories260K", "prompt": "Once", "max_tokens": 2},

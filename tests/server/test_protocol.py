@@ -219,7 +219,7 @@ def test_chat_content_required_and_stream_options_typed(body):
     ],
 )
 def test_nan_and_lone_surrogate_messages_name_the_problem(body, said):
-    from kvpage.server.app import _validation_message
+    from kvpage.server.generate_route import _validation_message
 
     with pytest.raises(ValidationError) as ei:
         CompletionRequest.model_validate_json(body)
@@ -231,7 +231,7 @@ def test_until_disconnect_leaves_no_step_of_the_source_running_when_cancelled():
     closable (no "aclose(): asynchronous generator is already running")."""
     import asyncio
 
-    from kvpage.server.app import _until_disconnect
+    from kvpage.server.sse import _until_disconnect
 
     class _Req:
         async def is_disconnected(self) -> bool:

@@ -10,14 +10,21 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvpage.cache.explain import MISS_REASONS
 from kvpage.engine.config import EngineComponents, EngineConfig, build_components
-from kvpage.engine.params import CompletionOutput, RequestOutput, SamplingParams
+from kvpage.engine.engine_metrics import (
+    CACHE_MISS_KEYS,
+    CACHE_MISS_METRIC,
+    METRIC_NAMES,
+    TIER_METRIC_TEMPLATES,
+    EngineMetrics,
+    StepStats,
+)
+from kvpage.engine.engine_output import EngineOutputs, _ParentRequest
+from kvpage.engine.params import RequestOutput, SamplingParams
 from kvpage.engine.prompts import parse_prompt
 from kvpage.engine.queue_policy import check_priority
 from kvpage.engine.request import Request
@@ -26,114 +33,13 @@ from kvpage.engine.request_extras import (
     record_logprobs,
     record_prompt_logprobs,
     row_context,
-    stop_reason,
 )
 from kvpage.engine.sampler import Sampler, make_generator
 from kvpage.engine.scheduler import SchedulerOutput
 from kvpage.errors import RequestRejected
 
-#: names of the engine metrics (the server exports the same; Prometheus style)
-METRIC_NAMES = (
-    "kvpage:kv_cache_usage_perc",
-    "kvpage:num_requests_running",
-    "kvpage:num_requests_waiting",
-    "kvpage:prefix_cache_queries_total",
-    "kvpage:prefix_cache_hits_total",
-    "kvpage:num_preemptions_total",
-    "kvpage:block_allocation_failures_total",
-    "kvpage:evictions_total",
-    "kvpage:prompt_tokens_total",
-    "kvpage:generation_tokens_total",
-    "kvpage:requests_rejected_total",
-    "kvpage:kv_retained_blocks",
-)
-#: the labelled counter of first admissions by cache-miss reason: ``get_metrics`` keys
-#: are ``f'{CACHE_MISS_METRIC}{{reason="{r}"}}'`` for every r in ``kvpage.cache.MISS_REASONS``
-CACHE_MISS_METRIC = "kvpage:cache_miss_reasons_total"
-#: the ``get_metrics`` keys of :data:`CACHE_MISS_METRIC`, after :data:`METRIC_NAMES`
-CACHE_MISS_KEYS = tuple(f'{CACHE_MISS_METRIC}{{reason="{r}"}}' for r in MISS_REASONS)
 
-#: per-tier metric name templates (``{tier}`` = ``host`` or ``disk``), present in
-#: ``get_metrics`` for each configured KV tier (``EngineConfig.kv_*_tier_bytes``)
-TIER_METRIC_TEMPLATES = (
-    "kvpage:kv_tier_{tier}_usage_bytes",
-    "kvpage:kv_tier_{tier}_capacity_bytes",
-    "kvpage:kv_tier_{tier}_blocks",
-    "kvpage:kv_tier_{tier}_hit_tokens_total",
-    "kvpage:kv_tier_{tier}_promotions_total",
-    "kvpage:kv_tier_{tier}_demotions_total",
-    "kvpage:kv_tier_{tier}_drops_total",
-    "kvpage:kv_tier_{tier}_corrupt_total",
-    "kvpage:kv_tier_{tier}_write_errors_total",
-    "kvpage:kv_tier_{tier}_bytes_in_total",
-    "kvpage:kv_tier_{tier}_bytes_out_total",
-    "kvpage:kv_tier_{tier}_transfer_seconds_total",
-)
-
-
-@dataclass
-class StepStats:
-    """Cumulative timing and token counts of ``LLMEngine.step`` (wall seconds from
-    ``time.perf_counter``).
-
-    Attributes:
-        schedule_s: in ``Scheduler.schedule`` (admission, allocation, preemption).
-        model_s: in ``ModelRunner.execute`` (metadata tensors, plan, forward).
-        sample_s: in the sampler.
-        update_s: in ``Scheduler.update`` (commit, append, stop checks, fork, free).
-        output_s: building the RequestOutputs (timings, stop strings, text).
-        prefill_tokens / decode_tokens: tokens computed as prompt (or recompute) chunks
-            and as single decode tokens.
-    """
-
-    num_steps: int = 0
-    num_seqs: int = 0
-    schedule_s: float = 0.0
-    model_s: float = 0.0
-    sample_s: float = 0.0
-    update_s: float = 0.0
-    output_s: float = 0.0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    last_batch_size: int = 0
-
-    @property
-    def total_s(self) -> float:
-        return self.schedule_s + self.model_s + self.sample_s + self.update_s + self.output_s
-
-    @property
-    def bookkeeping_share(self) -> float:
-        """Share of step time in scheduling and block bookkeeping: ``Scheduler.schedule``
-        (admission, allocation, preemption) plus ``Scheduler.update`` (commit, append,
-        free), over all step time."""
-        t = self.total_s
-        return (self.schedule_s + self.update_s) / t if t > 0 else 0.0
-
-
-@dataclass
-class _ParentRequest:
-    """Engine-side state of one user request."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    arrival_order: int
-    generators: dict[int, torch.Generator | None] = field(default_factory=dict)
-    texts: dict[int, str] = field(default_factory=dict)
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    first_scheduled_time: float | None = None
-    #: per sample: the PositionLogprobs of each generated token (params.logprobs)
-    logprobs: dict[int, list[Any]] = field(default_factory=dict)
-    cumulative: dict[int, float] = field(default_factory=dict)
-    #: per prompt position (params.prompt_logprobs); position 0 stays None
-    prompt_logprobs: list[Any] | None = None
-    stop_reasons: dict[int, int | str] = field(default_factory=dict)
-
-
-class LLMEngine:
+class LLMEngine(EngineMetrics, EngineOutputs):
     """The engine (see the module docstring). Build with :meth:`from_config`.
 
     Attributes:
@@ -458,130 +364,6 @@ class LLMEngine:
                 st.prefill_tokens += s.num_tokens
         st.last_batch_size = len(out.scheduled)
         return results
-
-    def _decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return str(self.tokenizer.decode(ids))
-
-    def _check_stop_strings(self, seq: Request, preq: _ParentRequest) -> None:
-        text = self._decode(seq.output_token_ids)
-        mt = preq.params.min_tokens
-        # with min_tokens, a stop string must end in the min_tokens-th token or later
-        floor = len(self._decode(seq.output_token_ids[: mt - 1])) if mt > 1 else 0
-        for stop in preq.params.stop or ():
-            k = text.find(stop, max(0, floor - len(stop) + 1))
-            if k >= 0:
-                keep = k + len(stop) if preq.params.include_stop_str_in_output else k
-                preq.texts[seq.sample_index] = text[:keep]
-                preq.stop_reasons[seq.sample_index] = stop
-                self.scheduler.finish(seq, "stop")
-                return
-
-    def _make_output(self, preq: _ParentRequest, finished: bool) -> RequestOutput:
-        seqs = self.scheduler.samples[preq.request_id]  # sample-index order (forks append)
-        outs = []
-        want_lp = preq.params.logprobs is not None
-        for q in seqs:
-            i = q.sample_index
-            text = preq.texts.get(i)
-            if text is None and (finished or self.stream_text):
-                text = self._decode(q.output_token_ids)
-            reason = q.finish_reason if q.is_finished else None
-            outs.append(
-                CompletionOutput(
-                    index=i,
-                    token_ids=q.output_token_ids,
-                    text=text or "",
-                    finish_reason=reason,
-                    stop_reason=stop_reason(preq, q, self.eos_token_id)
-                    if reason == "stop"
-                    else None,
-                    logprobs=list(preq.logprobs.get(i, ())) if want_lp else None,
-                    cumulative_logprob=preq.cumulative.get(i, 0.0) if want_lp else None,
-                )
-            )
-        cached = max(0, seqs[0].num_cached_tokens)
-        return RequestOutput(
-            request_id=preq.request_id,
-            prompt=preq.prompt,
-            prompt_token_ids=preq.prompt_token_ids,
-            num_cached_tokens=cached,
-            cache_miss=seqs[0].cache_miss,
-            outputs=outs,
-            finished=finished,
-            arrival_time=preq.arrival_time,
-            first_token_time=preq.first_token_time,
-            finish_time=preq.finish_time,
-            first_scheduled_time=preq.first_scheduled_time,
-            num_preemptions=sum(q.num_preemptions for q in seqs),
-            prompt_logprobs=None if preq.prompt_logprobs is None else list(preq.prompt_logprobs),
-            num_cached_tokens_by_tier={
-                "device": 0,
-                **{k: v for k, v in (seqs[0].num_cached_tokens_by_tier or {}).items() if v},
-            }
-            if seqs[0].num_cached_tokens >= 0
-            else {},
-        )
-
-    # ---- metrics ------------------------------------------------------------------------
-    def get_metrics(self) -> dict[str, float]:
-        """Current values of :data:`METRIC_NAMES`: KV usage as a fraction in [0, 1]
-        (cached-but-unreferenced blocks count as free), running/waiting sequences, and
-        counters since the engine started (prefix cache queries/hits in tokens), the
-        free blocks held at a raised retention priority, and first admissions by
-        cache-miss reason (:data:`CACHE_MISS_METRIC`, one key per reason); plus, per
-        configured KV tier, :data:`TIER_METRIC_TEMPLATES` (bytes, blocks, tokens,
-        seconds), and with swap preemption ``kvpage:swap_*`` (space in use, swap-outs,
-        swap-ins, victims recomputed instead, bytes moved, transfer seconds)."""
-        kv = self.kv_cache_manager
-        st = kv.stats
-        reasons = self.scheduler.miss_reasons
-        misses = {k: float(reasons.get(r, 0)) for k, r in zip(CACHE_MISS_KEYS, MISS_REASONS)}
-        out = {
-            "kvpage:kv_cache_usage_perc": float(kv.usage),
-            "kvpage:num_requests_running": float(self.scheduler.num_running),
-            "kvpage:num_requests_waiting": float(self.scheduler.num_waiting),
-            "kvpage:prefix_cache_queries_total": float(st.prefix_queries_tokens),
-            "kvpage:prefix_cache_hits_total": float(st.prefix_hits_tokens),
-            "kvpage:num_preemptions_total": float(self.scheduler.num_preemptions),
-            "kvpage:block_allocation_failures_total": float(st.allocation_failures),
-            "kvpage:evictions_total": float(st.evictions),
-            "kvpage:prompt_tokens_total": float(self._counters["prompt"]),
-            "kvpage:generation_tokens_total": float(self._counters["generation"]),
-            "kvpage:requests_rejected_total": float(self._counters["rejected"]),
-            "kvpage:kv_retained_blocks": float(kv.num_retained_blocks),
-            **misses,
-        }
-        sw = self.scheduler.swapper
-        if sw is not None:
-            ss = sw.stats
-            out["kvpage:swap_space_usage_bytes"] = float(sw.used_bytes)
-            out["kvpage:swap_outs_total"] = float(ss.swap_outs)
-            out["kvpage:swap_ins_total"] = float(ss.swap_ins)
-            out["kvpage:swap_recomputed_total"] = float(ss.recomputed)
-            out["kvpage:swap_bytes_total"] = float(ss.bytes_out + ss.bytes_in)
-            out["kvpage:swap_transfer_seconds_total"] = float(ss.transfer_s)
-        if self.tiers is not None:
-            for t in self.tiers.tiers:
-                ts = t.stats
-                vals = (
-                    t.used_bytes,
-                    t.capacity_bytes,
-                    len(t),
-                    ts.hits_tokens,
-                    ts.promotions,
-                    ts.demotions,
-                    ts.drops,
-                    ts.corrupt,
-                    ts.write_errors,
-                    ts.bytes_in,
-                    ts.bytes_out,
-                    ts.transfer_s,
-                )
-                for tpl, v in zip(TIER_METRIC_TEMPLATES, vals):
-                    out[tpl.format(tier=t.name)] = float(v)
-        return out
 
 
 __all__ = [

@@ -12,9 +12,9 @@ import torch
 from kvpage.attention.metadata import MODEL_DTYPES
 from kvpage.errors import SpecError
 from kvpage.models.config import arch_from_hf
-from kvpage.models.layers import RotaryEmbedding
 from kvpage.models.llama2c import BUNDLED_MODEL, bundled_model_path, read_llama2c
 from kvpage.models.model import ModelRunnerModel
+from kvpage.models.rope import RotaryEmbedding
 from kvpage.models.tokenizer import (
     HFTokenizer,
     Llama2cTokenizer,

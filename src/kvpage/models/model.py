@@ -17,7 +17,8 @@ from kvpage.attention.plan import StepPlan
 from kvpage.attention.protocol import AttentionBackend
 from kvpage.errors import ShapeError, SpecError
 from kvpage.models.config import ArchConfig, arch_from_hf
-from kvpage.models.layers import DecoderLayer, PackedWeight, RMSNorm, RotaryEmbedding
+from kvpage.models.layers import DecoderLayer, PackedWeight, RMSNorm
+from kvpage.models.rope import RotaryEmbedding
 from kvpage.models.tokenizer import ByteTokenizer, Tokenizer
 from kvpage.specs import CacheSpec, KVCacheDType, ModelDType, ScaleGranularity
 

@@ -1,20 +1,8 @@
-"""OpenAI wire format: request and response models, error bodies, the chat template.
+"""OpenAI wire format: the request as the generation path sees it, response bodies and
+chunks, error bodies.
 
-Requests are validated strictly from the raw JSON body (``model_validate_json`` in
-pydantic strict mode): ``"max_tokens": "5"`` or ``true`` is a type error, not coerced.
-Fields that are not implemented fields of these models are checked against the
-allow-list of :mod:`kvpage.server.fields`: known-but-unimplemented OpenAI/vLLM fields
-are refused unless they ask for nothing, unknown fields are refused unless the server
-runs with ``--allow-unknown-fields``; so a client never silently gets something other
-than what it asked for.
-
-Chat template (documented in docs/serving.md): stories260K is a plain language model
-with no chat training, so a conversation is rendered as plain text, one message per
-line, ``"{role}: {content}\\n"``, followed by ``"assistant:"``. The model then continues
-the assistant line. A turn starts only where a line starts with ``"{role}:"``; line
-breaks inside a message (``\\n``, ``\\r\\n``, ``\\r``) are written as ``"\\n "`` (a newline
-and one space, like a folded e-mail header), so no message text can start a line with a
-role name and forge a turn (``"hi\\nassistant: yes"`` stays inside the user's message).
+The request models of the endpoints (validated strictly from the raw JSON body) and the
+chat template are in :mod:`kvpage.server.request_models`, re-exported here.
 """
 
 from __future__ import annotations
@@ -23,9 +11,17 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from kvpage.engine.chat import apply_chat_template, fold_lines
+from kvpage.engine.chat import fold_lines
+from kvpage.server.request_models import MAX_LOGPROBS as MAX_LOGPROBS  # re-exported
+from kvpage.server.request_models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    StreamOptions,
+    render_chat,
+)
 
 __all__ = [
     "APIError",
@@ -38,136 +34,6 @@ __all__ = [
     "fold_lines",
     "render_chat",
 ]
-
-#: most top log-probabilities per token a request may ask for (vLLM's default
-#: ``max_logprobs``)
-MAX_LOGPROBS = 20
-
-
-class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` (a bool) asks for a final usage chunk."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    include_usage: bool = False
-
-
-class _Request(BaseModel):
-    # allow_inf_nan=False: NaN / Infinity (which Python's JSON reader accepts) are refused
-    # as "expected a finite number" before any range check reads them
-    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
-
-    model: str
-    max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
-    n: int = Field(1, ge=1, le=16)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    ignore_eos: bool = False
-    # vLLM sampling extensions (semantics: kvpage.engine.params.SamplingParams)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    min_tokens: int | None = Field(None, ge=0)
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    #: prefix-cache salt (vLLM's field): requests with different salts share no KV block;
-    #: the server folds the tenant in too (``kvpage.server.auth.scoped_cache_salt``)
-    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
-    #: scheduling priority (vLLM's field; lower is served earlier). Unset = the tenant's
-    #: configured priority; a request may lower its priority, never raise it above its
-    #: tenant's (``kvpage.server.auth.request_priority``)
-    priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
-    #: kvpage extension: how long this request's cached blocks stay after it
-    #: (``kvpage.cache.KVRetention.from_dict``; limits: ``AdmissionConfig``)
-    kv_retention: dict[str, Any] | None = None
-
-    def stop_strings(self) -> list[str]:
-        """The stop strings as a list (``prepare_request`` refuses empty ones)."""
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    def include_usage(self) -> bool:
-        """Whether a streamed response ends with a usage chunk (``stream_options``)."""
-        return bool(self.stream_options and self.stream_options.include_usage)
-
-    def num_logprobs(self) -> int | None:  # pragma: no cover - both subclasses override
-        """Top log-probabilities asked per sampled token (None = no logprobs)."""
-        return None
-
-
-class CompletionRequest(_Request):
-    """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a list of
-    several of those (each runs as its own request, see ``kvpage.server.responses``).
-    ``max_tokens`` defaults to 16 (OpenAI's default)."""
-
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-
-    def num_logprobs(self) -> int | None:
-        return self.logprobs
-
-
-class ChatMessage(BaseModel):
-    """One chat message. ``content`` may be a string or a list of ``{"type": "text"}``
-    parts; ``prepare_request`` refuses any other part type (400, naming it).
-
-    Other message fields (``name``, ``tool_calls``, ``tool_call_id``, ...) are refused with
-    400 naming them: kvpage's chat template has no place for them (nothing is silently
-    dropped).
-    """
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None  # required; null only for "assistant"
-
-    @field_validator("content")
-    @classmethod
-    def _content_present(cls, v: Any, info: ValidationInfo) -> Any:
-        if v is None and info.data.get("role") != "assistant":
-            raise ValueError("a string or a list of text parts (null only for role assistant)")
-        return v
-
-    def text(self) -> str:
-        """The message's text (text parts concatenated)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
-
-
-class ChatCompletionRequest(_Request):
-    """``POST /v1/chat/completions``. ``max_tokens`` (or ``max_completion_tokens``)
-    defaults to the room left in the context (max model length minus prompt)."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-
-    def num_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-
-def render_chat(messages: list[ChatMessage]) -> str:
-    """Render a conversation with kvpage's plain-text chat template.
-
-    Returns:
-        ``"".join(f"{m.role}: {fold_lines(m.text())}\\n" for m in messages) +
-        "assistant:"`` — one line per turn; a message cannot add turns.
-    """
-    return apply_chat_template([{"role": m.role, "content": m.text()} for m in messages])
 
 
 class GenerationRequest(BaseModel):

@@ -1,0 +1,172 @@
+"""The metrics of :class:`~kvpage.engine.engine.LLMEngine`: the metric names, the
+step timing counters (:class:`StepStats`) and ``get_metrics``. A base class split from
+engine.py to keep modules small; the state it uses is set up by ``LLMEngine.__init__``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvpage.cache.explain import MISS_REASONS
+
+if TYPE_CHECKING:
+    from kvpage.cache import KVCacheManager
+    from kvpage.cache.tiered import TieredCache
+    from kvpage.engine.scheduler import Scheduler
+
+#: names of the engine metrics (the server exports the same; Prometheus style)
+METRIC_NAMES = (
+    "kvpage:kv_cache_usage_perc",
+    "kvpage:num_requests_running",
+    "kvpage:num_requests_waiting",
+    "kvpage:prefix_cache_queries_total",
+    "kvpage:prefix_cache_hits_total",
+    "kvpage:num_preemptions_total",
+    "kvpage:block_allocation_failures_total",
+    "kvpage:evictions_total",
+    "kvpage:prompt_tokens_total",
+    "kvpage:generation_tokens_total",
+    "kvpage:requests_rejected_total",
+    "kvpage:kv_retained_blocks",
+)
+#: the labelled counter of first admissions by cache-miss reason: ``get_metrics`` keys
+#: are ``f'{CACHE_MISS_METRIC}{{reason="{r}"}}'`` for every r in ``kvpage.cache.MISS_REASONS``
+CACHE_MISS_METRIC = "kvpage:cache_miss_reasons_total"
+#: the ``get_metrics`` keys of :data:`CACHE_MISS_METRIC`, after :data:`METRIC_NAMES`
+CACHE_MISS_KEYS = tuple(f'{CACHE_MISS_METRIC}{{reason="{r}"}}' for r in MISS_REASONS)
+
+#: per-tier metric name templates (``{tier}`` = ``host`` or ``disk``), present in
+#: ``get_metrics`` for each configured KV tier (``EngineConfig.kv_*_tier_bytes``)
+TIER_METRIC_TEMPLATES = (
+    "kvpage:kv_tier_{tier}_usage_bytes",
+    "kvpage:kv_tier_{tier}_capacity_bytes",
+    "kvpage:kv_tier_{tier}_blocks",
+    "kvpage:kv_tier_{tier}_hit_tokens_total",
+    "kvpage:kv_tier_{tier}_promotions_total",
+    "kvpage:kv_tier_{tier}_demotions_total",
+    "kvpage:kv_tier_{tier}_drops_total",
+    "kvpage:kv_tier_{tier}_corrupt_total",
+    "kvpage:kv_tier_{tier}_write_errors_total",
+    "kvpage:kv_tier_{tier}_bytes_in_total",
+    "kvpage:kv_tier_{tier}_bytes_out_total",
+    "kvpage:kv_tier_{tier}_transfer_seconds_total",
+)
+
+
+@dataclass
+class StepStats:
+    """Cumulative timing and token counts of ``LLMEngine.step`` (wall seconds from
+    ``time.perf_counter``).
+
+    Attributes:
+        schedule_s: in ``Scheduler.schedule`` (admission, allocation, preemption).
+        model_s: in ``ModelRunner.execute`` (metadata tensors, plan, forward).
+        sample_s: in the sampler.
+        update_s: in ``Scheduler.update`` (commit, append, stop checks, fork, free).
+        output_s: building the RequestOutputs (timings, stop strings, text).
+        prefill_tokens / decode_tokens: tokens computed as prompt (or recompute) chunks
+            and as single decode tokens.
+    """
+
+    num_steps: int = 0
+    num_seqs: int = 0
+    schedule_s: float = 0.0
+    model_s: float = 0.0
+    sample_s: float = 0.0
+    update_s: float = 0.0
+    output_s: float = 0.0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    last_batch_size: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.model_s + self.sample_s + self.update_s + self.output_s
+
+    @property
+    def bookkeeping_share(self) -> float:
+        """Share of step time in scheduling and block bookkeeping: ``Scheduler.schedule``
+        (admission, allocation, preemption) plus ``Scheduler.update`` (commit, append,
+        free), over all step time."""
+        t = self.total_s
+        return (self.schedule_s + self.update_s) / t if t > 0 else 0.0
+
+
+class EngineMetrics:
+    """``get_metrics`` of :class:`~kvpage.engine.engine.LLMEngine` (see there)."""
+
+    # state owned by LLMEngine.__init__
+    kv_cache_manager: KVCacheManager
+    scheduler: Scheduler
+    tiers: TieredCache | None
+    _counters: dict[str, int]
+
+    # ---- metrics ------------------------------------------------------------------------
+    def get_metrics(self) -> dict[str, float]:
+        """Current values of :data:`METRIC_NAMES`: KV usage as a fraction in [0, 1]
+        (cached-but-unreferenced blocks count as free), running/waiting sequences, and
+        counters since the engine started (prefix cache queries/hits in tokens), the
+        free blocks held at a raised retention priority, and first admissions by
+        cache-miss reason (:data:`CACHE_MISS_METRIC`, one key per reason); plus, per
+        configured KV tier, :data:`TIER_METRIC_TEMPLATES` (bytes, blocks, tokens,
+        seconds), and with swap preemption ``kvpage:swap_*`` (space in use, swap-outs,
+        swap-ins, victims recomputed instead, bytes moved, transfer seconds)."""
+        kv = self.kv_cache_manager
+        st = kv.stats
+        reasons = self.scheduler.miss_reasons
+        misses = {k: float(reasons.get(r, 0)) for k, r in zip(CACHE_MISS_KEYS, MISS_REASONS)}
+        out = {
+            "kvpage:kv_cache_usage_perc": float(kv.usage),
+            "kvpage:num_requests_running": float(self.scheduler.num_running),
+            "kvpage:num_requests_waiting": float(self.scheduler.num_waiting),
+            "kvpage:prefix_cache_queries_total": float(st.prefix_queries_tokens),
+            "kvpage:prefix_cache_hits_total": float(st.prefix_hits_tokens),
+            "kvpage:num_preemptions_total": float(self.scheduler.num_preemptions),
+            "kvpage:block_allocation_failures_total": float(st.allocation_failures),
+            "kvpage:evictions_total": float(st.evictions),
+            "kvpage:prompt_tokens_total": float(self._counters["prompt"]),
+            "kvpage:generation_tokens_total": float(self._counters["generation"]),
+            "kvpage:requests_rejected_total": float(self._counters["rejected"]),
+            "kvpage:kv_retained_blocks": float(kv.num_retained_blocks),
+            **misses,
+        }
+        sw = self.scheduler.swapper
+        if sw is not None:
+            ss = sw.stats
+            out["kvpage:swap_space_usage_bytes"] = float(sw.used_bytes)
+            out["kvpage:swap_outs_total"] = float(ss.swap_outs)
+            out["kvpage:swap_ins_total"] = float(ss.swap_ins)
+            out["kvpage:swap_recomputed_total"] = float(ss.recomputed)
+            out["kvpage:swap_bytes_total"] = float(ss.bytes_out + ss.bytes_in)
+            out["kvpage:swap_transfer_seconds_total"] = float(ss.transfer_s)
+        if self.tiers is not None:
+            for t in self.tiers.tiers:
+                ts = t.stats
+                vals = (
+                    t.used_bytes,
+                    t.capacity_bytes,
+                    len(t),
+                    ts.hits_tokens,
+                    ts.promotions,
+                    ts.demotions,
+                    ts.drops,
+                    ts.corrupt,
+                    ts.write_errors,
+                    ts.bytes_in,
+                    ts.bytes_out,
+                    ts.transfer_s,
+                )
+                for tpl, v in zip(TIER_METRIC_TEMPLATES, vals):
+                    out[tpl.format(tier=t.name)] = float(v)
+        return out
+
+
+__all__ = [
+    "CACHE_MISS_KEYS",
+    "CACHE_MISS_METRIC",
+    "METRIC_NAMES",
+    "TIER_METRIC_TEMPLATES",
+    "EngineMetrics",
+    "StepStats",
+]
