@@ -25,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvpage.engine.chat import apply_chat_template
+from kvpage.engine.params import MAX_LOGPROBS
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -34,10 +35,6 @@ __all__ = [
     "StreamOptions",
     "render_chat",
 ]
-
-#: most top log-probabilities per token a request may ask for (vLLM's default
-#: ``max_logprobs``)
-MAX_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):

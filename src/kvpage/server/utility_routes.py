@@ -124,7 +124,9 @@ def register_utility_routes(
 
         return {"version": __version__}
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    # one route per method: a shared route gives both OpenAPI operations one operation id
+    @app.get("/ping", operation_id="ping_get")
+    @app.post("/ping", operation_id="ping_post")
     async def ping() -> JSONResponse:
         ok = state.loop.running
         return JSONResponse({} if ok else {"status": "engine loop not running"}, 200 if ok else 503)
