@@ -148,8 +148,10 @@ def test_echo_stop_token_ids_and_include_stop_str(client, llm):
 def _offsets_agree(text: str, lp) -> None:
     """OpenAI's ``text_offset``: ``text[text_offset[i]:]`` starts with ``tokens[i]``."""
     assert len(lp.tokens) == len(lp.text_offset)
-    for tok, off in zip(lp.tokens, lp.text_offset):
+    for i, (tok, off) in enumerate(zip(lp.tokens, lp.text_offset)):
         assert text[off : off + len(tok)] == tok, (tok, off, text)
+        if lp.top_logprobs[i] is not None:  # the chosen token is among its top entries
+            assert lp.top_logprobs[i][tok] == lp.token_logprobs[i]
     assert lp.text_offset == sorted(lp.text_offset)
 
 

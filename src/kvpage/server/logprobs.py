@@ -50,7 +50,8 @@ def completion_logprobs(
     field; ``text[text_offset[i]:]`` starts with ``tokens[i]``). With ``echo`` the text
     starts with ``prompt_text``: a prompt token whose single-token text has a leading
     space that the echoed text lacks at that point (the SentencePiece dummy prefix, which
-    decoding a whole sequence drops before its first word) is listed without it, and
+    decoding a whole sequence drops before its first word) is listed without it (in
+    ``tokens`` and in that position's ``top_logprobs`` keys alike), and
     the generated tokens' offsets start at ``offset + len(prompt_text)`` whatever the
     prompt tokens' texts add up to.
 
@@ -74,12 +75,14 @@ def completion_logprobs(
     pos = offset
     for i, (tid, ent) in enumerate(pairs):
         s = _text(ent, tid, decode)
+        strip = False
         if prompt_text is not None and i < num_prompt:
             rest = prompt_text[pos - offset :]
-            if s.startswith(" ") and not rest.startswith(s) and rest.startswith(s[1:]):
-                s = s[1:]
+            strip = s.startswith(" ") and not rest.startswith(s) and rest.startswith(s[1:])
         elif prompt_text is not None and i == num_prompt:
             pos = offset + len(prompt_text)
+        if strip:
+            s = s[1:]
         tokens.append(s)
         offsets.append(pos)
         pos += len(s)
@@ -88,7 +91,13 @@ def completion_logprobs(
             tops.append(None)
             continue
         token_lps.append(float(ent[tid].logprob))
-        tops.append({_text(ent, t): float(v.logprob) for t, v in ent.items()})
+        # the same spelling as ``tokens[i]`` (``top_logprobs[i][tokens[i]]`` holds), and
+        # the alternatives at this position without the dummy-prefix space as well
+        top: dict[str, float] = {}
+        for t, v in ent.items():
+            alt = _text(ent, t)
+            top[alt[1:] if strip and alt.startswith(" ") else alt] = float(v.logprob)
+        tops.append(top)
     return {
         "tokens": tokens,
         "token_logprobs": token_lps,
