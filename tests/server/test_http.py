@@ -367,17 +367,20 @@ def test_disconnect_while_waiting_non_streamed_aborts(server, monkeypatch):
 
 
 def test_engine_refusal_and_step_failure(serve):
-    """A request the pool can never hold gets the engine's 400; an engine step that
-    raises fails its requests with 500, frees their blocks, and the server keeps serving."""
+    """A request the pool can never hold gets a 400 before it reaches the engine (the
+    server validates against the pool's limit, ``Scheduler.max_servable_len``); an engine
+    step that raises fails its requests with 500, frees their blocks, and the server keeps
+    serving."""
     small = serve(engine={"num_blocks": 17})  # 16 usable blocks = 256 tokens
     url = small.base_url + "/v1/completions"
     body = {"model": "stories260K", "prompt": list(range(3, 203)), "max_tokens": 100}
     r = httpx.post(url, json=body, timeout=30)
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["code"] == "engine_rejected"
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "<= 257" in err["message"]
     m = wait_idle(small.base_url)
-    assert m['kvpage:server_requests_rejected_total{reason="exceeds_kv_capacity"}'] == 1
-    assert m["kvpage:requests_rejected_total"] == 1  # the engine's own counter
+    assert m['kvpage:server_requests_rejected_total{reason="prompt_too_long"}'] == 1
+    assert m["kvpage:requests_rejected_total"] == 0  # the engine never saw it
 
     engine = small.app.state.serving.engine
     real_step = engine.step

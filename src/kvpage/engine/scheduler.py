@@ -128,6 +128,15 @@ class Scheduler(SequenceLifecycle):
         #: swap preemption (``kvpage.engine.swap.Swapper``); None = always recompute
         self.swapper: Swapper | None = None
 
+    @property
+    def max_servable_len(self) -> int:
+        """Longest sequence (prompt + max_tokens, in tokens) one request can be given:
+        ``min(max_model_len, kv.max_request_tokens + 1)`` (see :meth:`check_capacity`
+        for the ``+ 1``). Below ``max_model_len`` when the pool is smaller than one
+        full-length sequence; servers validate against it (and default ``max_tokens``
+        to it) so such requests are refused up front, not cut."""
+        return min(self.max_model_len, self.kv.max_request_tokens + 1)
+
     # ---- admission ------------------------------------------------------------------
     def check_capacity(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise unless one sequence of this size can ever fit the pool alone.

@@ -159,7 +159,7 @@ def child_main(conn: Any, engine_kwargs: dict[str, Any], log_level: str, nicenes
             engine.tokenizer,
             engine.cache_spec,
             engine.backend_name,
-            int(sched.max_model_len),
+            int(sched.max_servable_len),
             str(getattr(sched, "policy", "fcfs")),
             dict(engine.get_metrics()),
         )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -80,9 +81,25 @@ class ServingState(RequestGeneration):
         self.clock = clock
         spec = engine.cache_spec
         sched = getattr(engine, "scheduler", None)
+        #: the longest prompt + max_tokens served: the engine's max_model_len, or less
+        #: when one sequence of that length cannot fit the KV pool (then requests are
+        #: validated against the pool's limit, and the default max_tokens fits it)
         self.max_model_len = int(
-            getattr(sched, "max_model_len", None) or config.engine.max_model_len or 1 << 30
+            getattr(sched, "max_servable_len", None)
+            or getattr(sched, "max_model_len", None)
+            or config.engine.max_model_len
+            or 1 << 30
         )
+        configured = getattr(sched, "max_model_len", None)
+        if configured is not None and self.max_model_len < configured:
+            logging.getLogger("kvpage.server").warning(
+                "max_model_len %d is served as %d: the KV cache pool holds at most %d tokens "
+                "for one sequence (raise --num-blocks / the KV memory, or lower "
+                "--max-model-len); longer requests are refused with context_length_exceeded",
+                configured,
+                self.max_model_len,
+                self.max_model_len - 1,
+            )
         #: the engine loop: a thread here, or the pipe to an engine process
         make_loop = getattr(engine, "make_async_engine", None)
         self.loop: Any = (
