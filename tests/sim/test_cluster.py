@@ -88,6 +88,7 @@ def test_simulate_cli_instances(tmp_path: Path, capsys: pytest.CaptureFixture[st
         (["--instances", "2", "--router", "nope"], "--router: expected"),
         (["--instances", "2", "--policies", "paged"], "--policies: expected 'paged-prefix'"),
         (["--router", "kv_precise"], "--router/--event-delay: expected only with --instances"),
+        (["--router", "all"], "--router/--event-delay: expected only with --instances"),
         (["--max-output-tokens", "0"], "--max-output-tokens: expected an int >= 1"),
     ],
 )

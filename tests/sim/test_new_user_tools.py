@@ -245,3 +245,10 @@ def test_plan_refuses_non_finite_percentiles(pct: str, capsys: pytest.CaptureFix
     args = ["plan", "--model", "llama-3-8b", "--memory", "80GB"]
     assert main([*args, "--prompt-pct", pct, "--output-pct", "1,2,3"]) == 2
     assert "expected finite 0 < p50 <= p95 <= p99" in capsys.readouterr().err
+
+
+def test_plan_refuses_percentiles_beside_a_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    """With --trace the lengths come from the trace; --prompt-pct was silently ignored."""
+    args = ["plan", "--model", "llama-3-8b", "--memory", "80GB", "--trace", "azure-conv"]
+    assert main([*args, "--prompt-pct", "1,2,3", "--output-pct", "1,2,3"]) == 2
+    assert "--prompt-pct/--output-pct: expected none with --trace" in capsys.readouterr().err

@@ -81,7 +81,7 @@ def run_cluster(args: argparse.Namespace, trace: Any, base: Any, sizes: list[int
             f"--policies: expected 'paged-prefix' (or the default) with --instances, "
             f"got {args.policies!r}"
         )
-    routers = list(POLICY_NAMES) if args.router == "all" else args.router.split(",")
+    routers = list(POLICY_NAMES) if args.router in (None, "all") else args.router.split(",")
     bad = [r for r in routers if r not in POLICY_NAMES]
     if bad:
         raise KVPageError(f"--router: expected 'all' or a comma list of {POLICY_NAMES}, got {bad}")

@@ -156,7 +156,10 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
     gt0 = _float_type(0.0, lo_open=True)
     p.add_argument("--speedup", type=gt0, default=1.0, help="divide arrival times by this (> 0)")
     p.add_argument(
-        "--prompt-scale", type=gt0, default=None, help="> 0; default: 8 Azure, 32 Mooncake"
+        "--prompt-scale",
+        type=gt0,
+        default=None,
+        help="divide prompt lengths by this (> 0); default: 8 Azure, 32 Mooncake",
     )
     p.add_argument(
         "--output-scale", type=gt0, default=1.0, help="divide output lengths by this (> 0)"
@@ -189,7 +192,7 @@ def _rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         (
             "prefix hits, first admission",
             f"{s['first_admission_hit_ratio']:.1%} ("
-            + ", ".join(f"{k} {v:,}" for k, v in s["prefix_hit_tokens_by_tier"].items())
+            + (", ".join(f"{k} {v:,}" for k, v in s["prefix_hit_tokens_by_tier"].items()) or "0")
             + " tokens)",
         ),
         (

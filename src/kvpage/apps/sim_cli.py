@@ -80,6 +80,11 @@ def run_plan(args: argparse.Namespace) -> int:
 
     try:
         wl = None
+        if args.trace and (args.prompt_pct or args.output_pct):
+            raise KVPageError(
+                "--prompt-pct/--output-pct: expected none with --trace (the trace gives the "
+                f"lengths), got {args.prompt_pct or args.output_pct!r}"
+            )
         if args.trace:
             wl = Workload.from_trace(load_trace(args.trace, limit=trace_limit(args.limit)))
         elif args.prompt_pct or args.output_pct:

@@ -102,9 +102,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--router",
-        default="all",
+        default=None,
         help="with --instances: comma list of round_robin, power_of_two, prefix_approx, "
-        "kv_precise, oracle, or all",
+        "kv_precise, oracle, or all (the default)",
     )
     p.add_argument(
         "--event-delay", type=float, default=0.0, help="with --instances: KV-event delay, s"
@@ -150,7 +150,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             raise KVPageError(
                 f"--max-output-tokens: expected an int >= 1, got {args.max_output_tokens}"
             )
-        if args.instances is None and (args.router != "all" or args.event_delay):
+        if args.instances is None and (args.router is not None or args.event_delay):
             raise KVPageError("--router/--event-delay: expected only with --instances, got none")
         trace = cap_outputs(
             load_trace(args.trace, limit=trace_limit(args.limit)), args.max_output_tokens
