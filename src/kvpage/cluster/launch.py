@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from kvpage.cluster.config import ClusterConfig
@@ -92,9 +93,15 @@ def check_cpus_fit(cfg: ClusterConfig, have: float) -> None:
         )
 
 
-def start(cfg: ClusterConfig, *, ray_init_kwargs: dict[str, Any] | None = None) -> str:
+def start(
+    cfg: ClusterConfig,
+    *,
+    ray_init_kwargs: dict[str, Any] | None = None,
+    on_ray_started: Callable[[], None] | None = None,
+) -> str:
     """Start (or join) Ray, start Serve's HTTP proxy and deploy ``cfg``; blocks until
-    every replica is up. Returns the base URL.
+    every replica is up. Returns the base URL. ``on_ray_started`` runs right after
+    ``ray.init`` (which replaces the process's SIGTERM handler).
 
     Raises:
         SpecError: an unauthenticated server asked to bind a non-loopback address
@@ -111,11 +118,17 @@ def start(cfg: ClusterConfig, *, ray_init_kwargs: dict[str, Any] | None = None) 
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
         if cfg.ray_address is None:
+            # "local": always a new in-process instance; without it ray.init joins
+            # RAY_ADDRESS or the last `ray start` cluster of this machine (and then
+            # refuses num_cpus), which --replicas without --ray-address never means
+            kwargs["address"] = "local"
             kwargs["num_cpus"] = os.cpu_count()
         else:
             kwargs["address"] = cfg.ray_address
         kwargs.update(ray_init_kwargs or {})
         ray.init(**kwargs)
+        if on_ray_started is not None:
+            on_ray_started()
     if cfg.ray_address is None:
         check_cpus_fit(cfg, float(ray.cluster_resources().get("CPU", 0.0)))
     serve.start(
@@ -152,9 +165,19 @@ def run_forever(cfg: ClusterConfig) -> None:
     """``kvpage serve --replicas/--ray-address/--deployment``: start, serve until
     SIGINT/SIGTERM, stop."""
     done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    url = start(cfg)
+
+    def on_signal(*_: object) -> None:
+        done.set()
+
+    def install() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    install()
+    # ray.init installs its own SIGTERM handler (exit at once, without shutting Serve and
+    # Ray down, leaving Ray's agents behind): ours again right after it, so SIGTERM (what
+    # systemd, Docker and Kubernetes send) stops as cleanly as Ctrl-C, even mid-start
+    url = start(cfg, on_ray_started=install)
     logger.info(
         "kvpage serve: %d engine replica(s) in group(s) %s behind %s (router %s)",
         cfg.num_replicas(),
