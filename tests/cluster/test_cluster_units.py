@@ -51,6 +51,10 @@ def test_config_roles_are_checked() -> None:
         ClusterConfig.model_validate({"groups": {"default": {"no_such": 1}}})
     with pytest.raises(ValueError):
         ClusterConfig.model_validate({"groups": {"default": {}, "blue": {}}})
+    # several ingress replicas: refused by name, with the reason
+    with pytest.raises(ValueError, match="ingress_replicas: expected 1, got 2: .*one consumer"):
+        ClusterConfig(ingress_replicas=2)
+    assert ClusterConfig().ingress_replicas == 1
 
 
 def test_config_dump_load_round_trip(tmp_path: Any) -> None:

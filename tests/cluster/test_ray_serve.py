@@ -4,15 +4,19 @@ One test, in the default run (about a minute on 2 cores, most of it Ray starting
 official ``openai`` client against ``kvpage serve --replicas 2`` (``launch.start``, the
 code path of the CLI), plain and streaming greedy output equal to ``LLM.generate``, bad
 input refused at the ingress without reaching a replica, a repeated long prompt routed
-to the replica that holds its blocks (``kv_precise`` fed by KV events), one replica's
-actor killed with ``ray.kill`` and the next requests still answered, and at the end
-Ray shut down with none of its processes left.
+to the replica that holds its blocks (``kv_precise`` fed by KV events), the replica
+serving a stream killed with ``ray.kill`` after its first tokens (the stream ends with
+an OpenAI-shaped error event naming the replica; a request waiting unstarted on that
+replica is retried once on the other and answered; the router drops the dead
+replica's view), the next requests still answered, a replacement replica started by
+Ray Serve, and at the end Ray shut down with none of its processes left.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +31,8 @@ pytestmark = [pytest.mark.xdist_group("ray_serve"), pytest.mark.timeout(600)]
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park"]
 LONG = " ".join(["One day a girl named Lily found a shiny red ball in the garden."] * 4)
+#: a stream long enough (about 2 s of decoding on 2 cores) to be killed in the middle
+STREAM_TOKENS = 400
 
 
 def _free_port() -> int:
@@ -93,13 +99,16 @@ def test_two_replicas_on_ray_serve() -> None:
         {
             "server": {"port": _free_port(), "log_level": "warning"},
             "router": {"policy": "kv_precise", "kv_event_poll_s": 0.1},
-            "groups": {"default": {"replicas": 2, "num_cpus": 0.5}},
+            # max_num_seqs=1: a request routed to a busy replica waits there unstarted
+            "groups": {"default": {"replicas": 2, "num_cpus": 0.5, "engine": {"max_num_seqs": 1}}},
             "ingress_num_cpus": 0.25,
         }
     )
     llm = LLM(model="stories260K")
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     want = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy)]
+    want_then = llm.generate([LONG + " Then"], SamplingParams(temperature=0.0, max_tokens=8))
+    want_then = want_then[0].outputs[0].text
     session = ""
     try:
         url = launch.start(cfg, ray_init_kwargs={"logging_level": "warning"})
@@ -155,16 +164,80 @@ def test_two_replicas_on_ray_serve() -> None:
         assert _metric(m, "kvpage:router_actual_hit_blocks_total") >= 4
         assert _metric(m, "kvpage:router_predicted_hit_blocks_total") >= 4
 
-        # kill one replica's actor: the next requests are still answered
-        names = [
+        # kill the replica serving a stream after its first tokens (max_num_seqs=1, so
+        # a second request routed there waits, not started): the stream ends with an
+        # OpenAI-shaped error event, the waiting request is retried on the other replica
+        # and answered, the router drops the dead replica's view at once
+        def per_replica(name: str) -> dict[str, float]:
+            from prometheus_client.parser import text_string_to_metric_families
+
+            out: dict[str, float] = {}
+            for fam in text_string_to_metric_families(metrics()):
+                for smp in fam.samples:
+                    if smp.name == name and "replica" in smp.labels:
+                        out[smp.labels["replica"]] = smp.value
+            return out
+
+        dec0 = per_replica("kvpage:router_decisions_total")
+        stream = client.completions.create(
+            model="stories260K",
+            prompt=LONG,
+            max_tokens=STREAM_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        head = next(chunks)
+        assert head.choices and head.choices[0].finish_reason is None
+        dec1 = per_replica("kvpage:router_decisions_total")
+        (dead,) = [r for r, v in dec1.items() if v > dec0.get(r, 0.0)]
+        _wait(
+            lambda: per_replica("kvpage:router_index_blocks").get(dead, 0) >= 4,
+            30,
+            "the stream's prompt blocks in the router's view of its replica",
+        )
+        retries0 = _metric(metrics(), "kvpage:router_retries_total")
+        waiting: dict[str, object] = {}
+
+        def send_waiting() -> None:
+            try:
+                waiting["r"] = client.completions.create(
+                    model="stories260K", prompt=LONG + " Then", max_tokens=8, temperature=0
+                )
+            except Exception as exc:  # reported by the assertion below
+                waiting["r"] = exc
+
+        sender = threading.Thread(target=send_waiting, daemon=True)
+        sender.start()
+        _wait(
+            lambda: per_replica("kvpage:router_decisions_total").get(dead, 0) > dec1[dead],
+            30,
+            "the second request routed to the replica holding its prefix",
+        )
+        (actor,) = [
             a
             for a in ray.util.list_named_actors(all_namespaces=True)
-            if "engine-default" in a["name"]
+            if a["name"].endswith("#" + dead)
         ]
-        assert len(names) == 2
-        dead = names[0]["name"].rsplit("#", 1)[-1]  # SERVE_REPLICA::app#deployment#id
-        assert dead in _replicas(metrics())
-        ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]))
+        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+        rest = []
+        with pytest.raises(openai.APIError) as err:
+            for c in chunks:
+                rest.append(c)
+        # not a silent truncation: no chunk claimed a normal finish, the stream was cut
+        # short of STREAM_TOKENS, and the error names the failed replica
+        assert all(c.choices[0].finish_reason is None for c in rest if c.choices)
+        assert len(rest) + 1 < STREAM_TOKENS
+        assert f"replica {dead} of group default failed" in str(err.value), str(err.value)
+        sender.join(120)
+        got = waiting.get("r")
+        assert not isinstance(got, Exception) and got is not None, got
+        assert got.choices[0].text == want_then  # type: ignore[attr-defined]
+        m = metrics()
+        assert _metric(m, "kvpage:router_retries_total") == retries0 + 1
+        assert _metric(m, "kvpage:router_replicas_removed_total") >= 1
+        assert dead not in per_replica("kvpage:router_index_blocks")
         for i in range(6):
             r = client.completions.create(
                 model="stories260K", prompt=PROMPTS[i % 3], max_tokens=12, temperature=0

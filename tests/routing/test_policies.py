@@ -83,10 +83,14 @@ def test_kv_precise_cost_formula_and_tie_break() -> None:
     sc = p.scores(r, [L("a", 2, 1, 0.5), L("b")])
     assert sc == {"a": 4 + (1 + 1.0 + 0.5), "b": 10.0}
     assert p.choose(r, [L("a", 2, 1, 0.5), L("b")]) == "a"
-    p.on_routed(r, "a")  # B = 10 blocks now: one waiting request costs 10 blocks
-    assert p.mean_blocks == 10.0
-    assert p.choose(r, [L("a", 0, 1), L("b")]) == "b"
-    assert p.choose(r, [L("a", 0, 0), L("b")]) == "a"
+    p.on_routed(r, "a")  # B = its 4 uncached blocks at "a": one waiting request costs 4
+    assert p.mean_blocks == 4.0
+    assert p.scores(r, [L("a", 0, 1), L("b")]) == {"a": 4 + 4.0, "b": 10.0}
+    assert p.choose(r, [L("a", 0, 1), L("b")]) == "a"
+    assert p.choose(r, [L("a", 0, 2), L("b")]) == "b"
+    # routed without a scores() call first (or to another replica): B from the index
+    p.on_routed(_req(toks), "b")  # 10 uncached blocks at "b"
+    assert p.mean_blocks == (4 + 10) / 2
 
 
 def test_oracle_longest_prefix_then_least_queued() -> None:

@@ -102,18 +102,31 @@ class ClusterConfig(_Strict):
     ``server`` configures the ingress exactly as ``kvpage serve`` is configured (its
     ``engine`` section is ignored: each group has its own). ``ingress_num_cpus`` is the
     Ray CPU share of the ingress replica; ``ray_address`` None starts Ray in-process.
+
+    ``ingress_replicas`` must be 1, refused otherwise with the reason: every engine
+    replica's KV event batches are drained by one consumer (the ingress's pump), so a
+    second ingress would see a gap on every pull and resync from snapshots; and the
+    admission KV budget, the ``/admin/canary`` route and ``/metrics`` are each one
+    ingress's own (a second would double-admit, miss canary changes, and report half).
     """
 
     server: ServerConfig = Field(default_factory=ServerConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     groups: dict[GroupName, GroupConfig] = Field(default_factory=lambda: _default_groups())
     ingress_num_cpus: float = Field(0.25, ge=0.0)
+    ingress_replicas: int = 1
     ray_address: str | None = None
     app_name: str = Field("kvpage", min_length=1)
 
     @model_validator(mode="after")
     def _roles(self) -> ClusterConfig:
         g = self.groups
+        if self.ingress_replicas != 1:
+            raise ValueError(
+                f"ingress_replicas: expected 1, got {self.ingress_replicas}: the engine "
+                "replicas' KV event streams have one consumer (a second ingress would resync "
+                "on every pull) and admission, /admin/canary and /metrics are per ingress"
+            )
         if "default" not in g:
             raise ValueError(f"groups: expected a 'default' group, got {sorted(g)}")
         if g["default"].replicas < 1:
