@@ -4,8 +4,9 @@
 ``POST /admin/canary`` with ``{"traffic_fraction": f}`` sets it (0 = roll back) for
 requests arriving afterwards; requests in flight finish on the replica they are on.
 With API keys configured these need an operator key (the rule of ``/metrics``: an
-operator key, or any valid key when no operator key exists); errors are the server's
-OpenAI-style bodies.
+operator key, or any valid key when no operator key exists): no or an unknown key ->
+401 ``invalid_api_key``, a tenant's key -> 403 ``operator_key_required`` (as
+``/metrics``); errors are the server's OpenAI-style bodies.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def register_admin_routes(app: FastAPI, state: Any, ingress: Any) -> None:
         if not auth.enabled:
             return None
         tenant = auth.authenticate(bearer_token(request.headers))
-        if tenant is None or (auth.has_operator_keys and not tenant.operator):
+        if tenant is None:
             return JSONResponse(
                 P.error_body(
                     "Authorization: expected 'Bearer <a valid API key>' of an operator",
@@ -49,6 +50,14 @@ def register_admin_routes(app: FastAPI, state: Any, ingress: Any) -> None:
                 ),
                 status_code=401,
                 headers={"WWW-Authenticate": "Bearer"},
+            )
+        if auth.has_operator_keys and not tenant.operator:
+            # a valid key without the right: 403, as /metrics answers it
+            return _err(
+                403,
+                f"Authorization: expected an operator's key for {request.url.path}, "
+                "got a tenant's key",
+                code="operator_key_required",
             )
         return None
 
