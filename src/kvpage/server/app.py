@@ -133,8 +133,15 @@ def create_app(
             await asyncio.to_thread(state.loop.stop)
             state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
+    # redirect_slashes=False: "/tokenize/" is an unknown route (404, OpenAI body), never
+    # an empty 307 whose Location is built from the client's Host header
     app = FastAPI(
-        title="kvpage", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        title="kvpage",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
     )
     app.state.serving = state
     app.state.metrics_app = (

@@ -82,7 +82,9 @@ def create_metrics_app(state: Any) -> Any:
     async def metrics(request: Request) -> Response:
         return metrics_response(state)  # type: ignore[no-any-return]
 
-    return Starlette(routes=[Route("/metrics", metrics, methods=["GET"])])
+    app = Starlette(routes=[Route("/metrics", metrics, methods=["GET"])])
+    app.router.redirect_slashes = False  # "/metrics/" is a 404, not a redirect
+    return app
 
 
 def request_tenant(request: Any, user: str | None) -> Tenant:
