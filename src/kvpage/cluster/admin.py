@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from kvpage.errors import got_repr
 from kvpage.server import protocol as P
 from kvpage.server.auth import bearer_token
 
@@ -84,13 +85,15 @@ def register_admin_routes(app: FastAPI, state: Any, ingress: Any) -> None:
         if not isinstance(body, dict) or set(body) != {"traffic_fraction"}:
             return _err(
                 400,
-                f'body: expected {{"traffic_fraction": <number in [0, 1]>}}, got {body!r}'[:300],
+                f'body: expected {{"traffic_fraction": <number in [0, 1]>}}, got {got_repr(body)}'[
+                    :300
+                ],
             )
         f = body["traffic_fraction"]
         if isinstance(f, bool) or not isinstance(f, (int, float)):
             return _err(
                 400,
-                f"traffic_fraction: expected a number in [0, 1], got {f!r}"[:200],
+                f"traffic_fraction: expected a number in [0, 1], got {got_repr(f)}"[:200],
                 param="traffic_fraction",
             )
         try:

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpage.errors import RequestRejected
+from kvpage.errors import RequestRejected, got_repr
 from kvpage.server import protocol as P
 from kvpage.server.config import ServerConfig
 from kvpage.server.generate_route import _generate, _validation_message
@@ -213,7 +213,7 @@ def create_app(
             return JSONResponse(model_card())
         raise P.APIError(
             404,
-            f"model: expected {config.model_name!r}, got {model_id!r}",
+            f"model: expected {config.model_name!r}, got {got_repr(model_id)}",
             code="model_not_found",
             param="model",
         )
