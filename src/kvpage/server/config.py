@@ -295,6 +295,18 @@ class ServerConfig(_Strict):
     security: SecurityConfig = Field(default_factory=SecurityConfig)
 
     @model_validator(mode="after")
+    def _ports_differ(self) -> ServerConfig:
+        # both listeners on one port: the second bind would fail with "Address already
+        # in use" (0 = any free port, never equal)
+        mp = self.security.metrics_port
+        if mp is not None and mp != 0 and mp == self.port:
+            raise ValueError(
+                f"security.metrics_port: expected a port other than port ({self.port}) "
+                f"for the separate /metrics listener, got {mp}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _served_name(self) -> ServerConfig:
         # "" would silently become engine.model; a name with spaces around it could
         # never be matched by a client
