@@ -70,3 +70,50 @@ def test_multi_prompt_charged_once_and_refused_as_one(server):
     assert _tokens(server) >= left
     m = metrics_dict(httpx.get(server.base_url + "/metrics").text)
     assert m['kvpage:server_requests_rejected_total{reason="tenant_rate_limit"}'] == 1
+
+
+MARK = 77  # the engine (patched) refuses any prompt starting with this token id
+
+
+@pytest.fixture
+def refusing_engine(server):
+    from kvpage.errors import RequestRejected
+
+    loop = server.app.state.serving.loop
+    orig = loop.add
+
+    async def add(request_id, prompt, params, **kw):
+        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
+        if ids[0] == MARK:
+            raise RequestRejected(
+                "seed: expected a prompt the test engine takes, got the marked one",
+                reason="invalid_sampling_params",
+                request_id=request_id,
+            )
+        return await orig(request_id, prompt, params, **kw)
+
+    loop.add = add
+    yield
+    loop.add = orig
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_one_prompt_refused_by_the_engine_refunds_all_and_counts_siblings(
+    server, refusing_engine, stream
+):
+    before = wait_idle(server.base_url)
+    full = _tokens(server)
+    body = {"prompt": [[5, 6, 7], [8, 9, 10], [MARK, 12, 13]], "max_tokens": 60}
+    r = _post(server, {**body, "stream": stream})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "engine_rejected"
+    assert _tokens(server) >= full  # the whole charge refunded
+    after = wait_idle(server.base_url)
+    key = 'kvpage:request_cancellations_total{cause="%s"}'
+    gone = after.get(key % "client_disconnect", 0) - before.get(key % "client_disconnect", 0)
+    assert gone == 0  # the client never left
+    sib = after.get(key % "sibling_failed", 0) - before.get(key % "sibling_failed", 0)
+    if stream:  # prompts 1 and 2 were started (first output) before 3 was refused
+        assert sib == 2
+    else:  # concurrent: each sibling is aborted unless it already finished
+        assert 0 <= sib <= 2
