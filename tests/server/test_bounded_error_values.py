@@ -45,3 +45,6 @@ def test_huge_values_are_not_echoed(server) -> None:
         assert len(r.content) < 1000, (path, len(r.content), r.text[:300])
     r = httpx.get(server.base_url + "/v1/models/" + "q" * 8_000, timeout=60)
     assert r.status_code == 404 and len(r.content) < 1000
+    r = httpx.get(server.base_url + "/no-such-route-" + "q" * 8_000, timeout=60)
+    assert r.status_code == 404 and len(r.content) < 1000
+    assert r.json()["error"]["message"].endswith("... (8015 characters): Not Found")

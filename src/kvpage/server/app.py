@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpage.errors import RequestRejected, got_repr
+from kvpage.errors import GOT_REPR_MAX, RequestRejected, got_repr
 from kvpage.server import protocol as P
 from kvpage.server.config import ServerConfig
 from kvpage.server.generate_route import _generate, _validation_message
@@ -157,7 +157,10 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _HTTP_CODES.get(exc.status_code, str(exc.status_code))
-        return _error(APIError(exc.status_code, f"{request.url.path}: {exc.detail}", code=code))
+        path = request.url.path
+        if len(path) > GOT_REPR_MAX:  # the path is the client's: quote it bounded
+            path = f"{path[:GOT_REPR_MAX]}... ({len(path)} characters)"
+        return _error(APIError(exc.status_code, f"{path}: {exc.detail}", code=code))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
