@@ -9,6 +9,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+#: most characters of an offending value's repr that an error message quotes
+GOT_REPR_MAX = 200
+
+
+def got_repr(value: object, limit: int = GOT_REPR_MAX) -> str:
+    """``repr(value)`` for the "got Y" part of an error message, at most ``limit``
+    characters plus ``"... (N characters)"`` (N: the full repr's length).
+
+    Every message that quotes a user-supplied value uses it, so a 3 MB field, a
+    deeply nested list or a file's contents is never echoed back at full length.
+    """
+    try:
+        r = repr(value)
+    except RecursionError:
+        return f"a {type(value).__name__} nested too deeply to show"
+    if len(r) <= limit:
+        return r
+    return f"{r[:limit]}... ({len(r)} characters)"
+
 
 class KVPageError(Exception):
     """Base class of every error kvpage raises on purpose."""
@@ -85,9 +104,11 @@ __all__ = [
     "AllocationError",
     "BackendUnavailableError",
     "DTypeError",
+    "GOT_REPR_MAX",
     "IntegrityError",
     "KVPageError",
     "RequestRejected",
     "ShapeError",
     "SpecError",
+    "got_repr",
 ]

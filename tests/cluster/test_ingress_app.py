@@ -291,10 +291,22 @@ def test_api_keys_at_the_ingress_and_operator_only_admin(info: dict[str, Any]) -
         op = {"Authorization": "Bearer sk-op"}
         r = await c.post("/v1/completions", json=REQ, headers=user)
         assert r.status_code == 200 and len(groups["default"].generated) == 1
-        for h in ({}, user):  # a tenant key is not an operator key
-            r = await c.post("/admin/canary", json={"traffic_fraction": 0.5}, headers=h)
-            assert r.status_code == 401
-            assert (await c.get("/admin/canary", headers=h)).status_code == 401
+        for h, status, code in (
+            ({}, 401, "invalid_api_key"),
+            ({"Authorization": "Bearer sk-x"}, 401, "invalid_api_key"),
+            (user, 403, "operator_key_required"),  # a tenant key is not an operator key
+        ):
+            for r in (
+                await c.post("/admin/canary", json={"traffic_fraction": 0.5}, headers=h),
+                await c.get("/admin/canary", headers=h),
+            ):
+                assert r.status_code == status and r.json()["error"]["code"] == code
+        r = await c.get("/admin/canary", headers=user)
+        assert r.json()["error"]["message"] == (
+            "Authorization: expected an operator's key for /admin/canary, got a tenant's key"
+        )
+        m = await c.get("/metrics", headers=user)  # the same answer as /metrics gives
+        assert m.status_code == 403 and m.json()["error"]["code"] == "operator_key_required"
         assert ing.selector.canary_fraction == 0.0
         r = await c.post("/admin/canary", json={"traffic_fraction": 0.5}, headers=op)
         assert r.status_code == 200 and ing.selector.canary_fraction == 0.5

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpage.cache.free_queue import NUM_PRIORITY_LEVELS, PRIORITY_DEFAULT
-from kvpage.errors import SpecError
+from kvpage.errors import SpecError, got_repr
 
 #: longest ``ttl_s`` accepted (one week, in seconds): a bound against typos, not a policy
 MAX_TTL_S = 7 * 24 * 3600.0
@@ -41,7 +41,7 @@ _PRIO = f"an int in [0, {NUM_PRIORITY_LEVELS - 1}]"
 
 def _check_priority(name: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < NUM_PRIORITY_LEVELS:
-        raise SpecError(f"{name}: expected {_PRIO}, got {v!r}")
+        raise SpecError(f"{name}: expected {_PRIO}, got {got_repr(v)}")
     return v
 
 
@@ -50,11 +50,11 @@ def _check_ttl(name: str, v: Any) -> float | None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise SpecError(
-            f"{name}: expected None or a number of seconds in (0, {MAX_TTL_S}], got {v!r}"
+            f"{name}: expected None or a number of seconds in (0, {MAX_TTL_S}], got {got_repr(v)}"
         )
     if not 0 < v <= MAX_TTL_S:
         raise SpecError(
-            f"{name}: expected None or a number of seconds in (0, {MAX_TTL_S}], got {v!r}"
+            f"{name}: expected None or a number of seconds in (0, {MAX_TTL_S}], got {got_repr(v)}"
         )
     return float(v)
 
@@ -82,10 +82,12 @@ class RetentionRange:
         """Validate (``where`` prefixes the field names of the error)."""
         s = self.start
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-            raise SpecError(f"{where}.start: expected an int >= 0, got {s!r}")
+            raise SpecError(f"{where}.start: expected an int >= 0, got {got_repr(s)}")
         e = self.end
         if e is not None and (isinstance(e, bool) or not isinstance(e, int) or e <= s):
-            raise SpecError(f"{where}.end: expected None or an int > start ({s}), got {e!r}")
+            raise SpecError(
+                f"{where}.end: expected None or an int > start ({s}), got {got_repr(e)}"
+            )
         _check_priority(f"{where}.priority", self.priority)
         _check_ttl(f"{where}.ttl_s", self.ttl_s)
 
@@ -116,7 +118,9 @@ class KVRetention:
             )
         for i, r in enumerate(self.ranges):
             if not isinstance(r, RetentionRange):
-                raise SpecError(f"kv_retention.ranges[{i}]: expected a RetentionRange, got {r!r}")
+                raise SpecError(
+                    f"kv_retention.ranges[{i}]: expected a RetentionRange, got {got_repr(r)}"
+                )
             r.check(f"kv_retention.ranges[{i}]")
         _check_priority("kv_retention.decode_priority", self.decode_priority)
         _check_ttl("kv_retention.decode_ttl_s", self.decode_ttl_s)
@@ -131,19 +135,19 @@ class KVRetention:
             SpecError: naming the bad or unknown field.
         """
         if not isinstance(d, Mapping):
-            raise SpecError(f"kv_retention: expected an object, got {d!r}")
+            raise SpecError(f"kv_retention: expected an object, got {got_repr(d)}")
         allowed = {"ranges", "decode_priority", "decode_ttl_s"}
         unknown = sorted(str(k) for k in d if k not in allowed)
         if unknown:
             raise SpecError(f"kv_retention: expected keys among {sorted(allowed)}, got {unknown}")
         raw = d.get("ranges") or []
         if not isinstance(raw, (list, tuple)):
-            raise SpecError(f"kv_retention.ranges: expected a list, got {raw!r}")
+            raise SpecError(f"kv_retention.ranges: expected a list, got {got_repr(raw)}")
         ranges = []
         keys = {"start", "end", "priority", "ttl_s"}
         for i, r in enumerate(raw):
             if not isinstance(r, Mapping):
-                raise SpecError(f"kv_retention.ranges[{i}]: expected an object, got {r!r}")
+                raise SpecError(f"kv_retention.ranges[{i}]: expected an object, got {got_repr(r)}")
             bad = sorted(str(k) for k in r if k not in keys)
             if bad:
                 raise SpecError(
@@ -220,7 +224,9 @@ def max_retained_blocks(num_usable: int, share: float, blocks_for_one_request: i
         SpecError: ``share`` outside [0, 1].
     """
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
-        raise SpecError(f"kv_retention_max_share: expected a number in [0, 1], got {share!r}")
+        raise SpecError(
+            f"kv_retention_max_share: expected a number in [0, 1], got {got_repr(share)}"
+        )
     return max(0, min(int(share * num_usable), num_usable - blocks_for_one_request))
 
 

@@ -4,8 +4,9 @@
 ``POST /admin/canary`` with ``{"traffic_fraction": f}`` sets it (0 = roll back) for
 requests arriving afterwards; requests in flight finish on the replica they are on.
 With API keys configured these need an operator key (the rule of ``/metrics``: an
-operator key, or any valid key when no operator key exists); errors are the server's
-OpenAI-style bodies.
+operator key, or any valid key when no operator key exists): no or an unknown key ->
+401 ``invalid_api_key``, a tenant's key -> 403 ``operator_key_required`` (as
+``/metrics``); errors are the server's OpenAI-style bodies.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from kvpage.errors import got_repr
 from kvpage.server import protocol as P
 from kvpage.server.auth import bearer_token
 
@@ -41,7 +43,7 @@ def register_admin_routes(app: FastAPI, state: Any, ingress: Any) -> None:
         if not auth.enabled:
             return None
         tenant = auth.authenticate(bearer_token(request.headers))
-        if tenant is None or (auth.has_operator_keys and not tenant.operator):
+        if tenant is None:
             return JSONResponse(
                 P.error_body(
                     "Authorization: expected 'Bearer <a valid API key>' of an operator",
@@ -49,6 +51,14 @@ def register_admin_routes(app: FastAPI, state: Any, ingress: Any) -> None:
                 ),
                 status_code=401,
                 headers={"WWW-Authenticate": "Bearer"},
+            )
+        if auth.has_operator_keys and not tenant.operator:
+            # a valid key without the right: 403, as /metrics answers it
+            return _err(
+                403,
+                f"Authorization: expected an operator's key for {request.url.path}, "
+                "got a tenant's key",
+                code="operator_key_required",
             )
         return None
 
@@ -75,13 +85,15 @@ def register_admin_routes(app: FastAPI, state: Any, ingress: Any) -> None:
         if not isinstance(body, dict) or set(body) != {"traffic_fraction"}:
             return _err(
                 400,
-                f'body: expected {{"traffic_fraction": <number in [0, 1]>}}, got {body!r}'[:300],
+                f'body: expected {{"traffic_fraction": <number in [0, 1]>}}, got {got_repr(body)}'[
+                    :300
+                ],
             )
         f = body["traffic_fraction"]
         if isinstance(f, bool) or not isinstance(f, (int, float)):
             return _err(
                 400,
-                f"traffic_fraction: expected a number in [0, 1], got {f!r}"[:200],
+                f"traffic_fraction: expected a number in [0, 1], got {got_repr(f)}"[:200],
                 param="traffic_fraction",
             )
         try:

@@ -14,6 +14,7 @@ the server flags, the engine flags applied to the ``default`` group's engine, th
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -21,6 +22,7 @@ from kvpage.cluster.config import (
     POLICIES,
     ClusterConfig,
     GroupConfig,
+    check_cpus_fit,
     dump_cluster_config,
     load_cluster_config,
 )
@@ -144,7 +146,11 @@ def serve_entry(args: argparse.Namespace) -> int:
     if args.dump_config:
         try:
             for grp in cfg.groups.values():
-                server_cli.check_engine_config(cfg.server.model_copy(update={"engine": grp.engine}))
+                server_cli.check_startup_config(
+                    cfg.server.model_copy(update={"engine": grp.engine})
+                )
+            if cfg.ray_address is None:  # the in-process Ray gets this machine's CPUs
+                check_cpus_fit(cfg, float(os.cpu_count() or 1))
         except KVPageError as exc:
             print(f"kvpage serve: {exc}", file=sys.stderr)
             return 2

@@ -49,6 +49,7 @@ __all__ = [
     "ClusterConfig",
     "GroupConfig",
     "RouterConfig",
+    "check_cpus_fit",
     "dump_cluster_config",
     "load_cluster_config",
 ]
@@ -207,3 +208,27 @@ def dump_cluster_config(config: ClusterConfig, fmt: Literal["yaml", "json"] = "y
     data = config.model_dump(mode="json")
     data.get("server", {}).pop("engine", None)  # the groups' engines are the engines
     return dump_mapping(data, fmt)
+
+
+def check_cpus_fit(cfg: ClusterConfig, have: float) -> None:
+    """Refuse a deployment the in-process Ray can never place: Serve would wait forever
+    for a replica whose ``num_cpus`` (or all replicas' sum plus the ingress's) exceeds the
+    CPUs Ray was started with. Not applied with ``--ray-address`` (a cluster may add nodes).
+
+    Raises:
+        SpecError: naming the group and the numbers.
+    """
+    total = cfg.ingress_num_cpus
+    for name, g in cfg.groups.items():
+        if g.replicas and g.num_cpus > have:
+            raise SpecError(
+                f"groups.{name}.num_cpus: expected <= {have:g} (the CPUs of this machine's "
+                f"Ray), got {g.num_cpus:g}: the replica could never be placed"
+            )
+        total += g.num_cpus * g.replicas
+    if total > have:
+        raise SpecError(
+            f"deployment: expected replicas needing <= {have:g} CPUs in all (num_cpus x "
+            f"replicas per group + ingress_num_cpus), got {total:g}: lower num_cpus (it may "
+            "be fractional) or the replica counts"
+        )

@@ -65,8 +65,10 @@ class ClusterState(ServingState):
     :class:`RemoteEngineLoop`.
 
     The admission KV budget counts the blocks of every replica of every group (a
-    cluster-wide upper bound); ``max_model_len`` is the largest of the groups (a prompt
-    too long for the group it is sent to is refused by that replica's engine, 400).
+    cluster-wide upper bound); ``max_model_len`` is the largest of the groups: a
+    request too long (or with ``n`` too large) for the group the rules choose is sent
+    to a group that can take it (:meth:`GroupSelector.route
+    <kvpage.cluster.remote.GroupSelector.route>`).
     """
 
     export_engine_snapshot = False  # each replica's metrics are exported, labelled
@@ -230,6 +232,12 @@ class Ingress:
             core.hash_seed = int(infos[name]["hash_seed"])
         replicas: dict[str, int] = {k: v.replicas for k, v in cfg.groups.items()}
         total_blocks = sum(int(infos[n]["num_blocks"]) * replicas[n] for n in self.handles)
+        # every request that fits the largest group is routed to a group it fits
+        # (GroupSelector.route), so the largest max_model_len is a true promise
+        self.selector.limits = {
+            n: (int(i["max_model_len"]), int(i.get("max_num_seqs", 1 << 30)))
+            for n, i in infos.items()
+        }
         max_len = max(int(i["max_model_len"]) for i in infos.values())
         facade = _EngineFacade(infos["default"], total_blocks, max_len)
         pump_ref: list[KVEventPump] = []

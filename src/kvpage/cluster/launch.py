@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvpage.cluster.config import ClusterConfig
+from kvpage.cluster.config import ClusterConfig, check_cpus_fit
 from kvpage.cluster.ingress import Ingress, core_key
 from kvpage.cluster.replica import EngineReplica
 
@@ -67,32 +67,6 @@ def build_app(cfg: ClusterConfig) -> Any:
     return ingress.bind(cfg, **bound)
 
 
-def check_cpus_fit(cfg: ClusterConfig, have: float) -> None:
-    """Refuse a deployment the in-process Ray can never place: Serve would wait forever
-    for a replica whose ``num_cpus`` (or all replicas' sum plus the ingress's) exceeds the
-    CPUs Ray was started with. Not applied with ``--ray-address`` (a cluster may add nodes).
-
-    Raises:
-        SpecError: naming the group and the numbers.
-    """
-    from kvpage.errors import SpecError
-
-    total = cfg.ingress_num_cpus
-    for name, g in cfg.groups.items():
-        if g.replicas and g.num_cpus > have:
-            raise SpecError(
-                f"groups.{name}.num_cpus: expected <= {have:g} (the CPUs of this machine's "
-                f"Ray), got {g.num_cpus:g}: the replica could never be placed"
-            )
-        total += g.num_cpus * g.replicas
-    if total > have:
-        raise SpecError(
-            f"deployment: expected replicas needing <= {have:g} CPUs in all (num_cpus x "
-            f"replicas per group + ingress_num_cpus), got {total:g}: lower num_cpus (it may "
-            "be fractional) or the replica counts"
-        )
-
-
 def start(
     cfg: ClusterConfig,
     *,
@@ -115,6 +89,10 @@ def start(
     from kvpage.server.security import check_bind
 
     check_bind(cfg.server, cfg.server.security.auth_enabled)
+    if cfg.ray_address is None and not ray.is_initialized():
+        # before starting Ray (the CPUs it will be given), and again once it runs
+        have = (ray_init_kwargs or {}).get("num_cpus") or os.cpu_count() or 1
+        check_cpus_fit(cfg, float(have))
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
         if cfg.ray_address is None:

@@ -161,6 +161,13 @@ class ClusterMetrics(RouterObserver):
         self.group_requests = Counter(
             "kvpage:group_requests", "Requests sent to each replica group", ["group"], registry=r
         )
+        self.fallbacks = Counter(
+            "kvpage:group_fallbacks",
+            "Requests the routing rules sent to a group that could not take them "
+            "(max_model_len, max_num_seqs), served by another group instead",
+            ["drawn", "group"],
+            registry=r,
+        )
         self.canary = Gauge(
             "kvpage:canary_traffic_fraction",
             "Configured share of requests sent to the canary group",
@@ -205,6 +212,9 @@ class ClusterMetrics(RouterObserver):
     # ---------------------------------------------------------- RemoteEngineLoop
     def request(self, group: str) -> None:
         self.group_requests.labels(group=group).inc()
+
+    def fallback(self, drawn: str, group: str) -> None:
+        self.fallbacks.labels(drawn=drawn, group=group).inc()
 
     def retry(self, group: str) -> None:
         self.retries.labels(group=group).inc()

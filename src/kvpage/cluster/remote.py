@@ -55,12 +55,22 @@ class GroupSelector:
     request) goes to ``canary``; the rest to ``default``. ``canary_fraction`` may be
     changed at any time (it applies to requests arriving afterwards; requests in flight
     finish where they are).
+
+    :meth:`route` then checks the chosen group's limits (``limits``): a request that
+    group cannot take (prompt + ``max_tokens`` above its ``max_model_len``, ``n`` above
+    its ``max_num_seqs``) goes to the first of ``default``, ``long_context``, ``canary``
+    that can (a fallback, counted by the ingress); one that fits no group goes to
+    ``default`` (or ``long_context`` when chosen by the prompt length), whose engine
+    refuses it as the single server does. So the answer never depends on the draw.
     """
 
     groups: frozenset[str]
     long_threshold: int | None = None
     canary_fraction: float = 0.0
     seed: int = 0
+    #: group -> (max_model_len, max_num_seqs), from the replicas' ``info()`` (set by
+    #: the ingress); a group without an entry takes any request
+    limits: dict[str, tuple[int, int]] = field(default_factory=dict)
     _rng: random.Random = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +91,25 @@ class GroupSelector:
         ):
             return "canary"
         return "default"
+
+    def fits(self, group: str, num_prompt_tokens: int, max_tokens: int, n: int) -> bool:
+        """Whether ``group``'s engines can take the request (see ``limits``)."""
+        lim = self.limits.get(group)
+        if lim is None:
+            return True
+        max_len, max_seqs = lim
+        return num_prompt_tokens + max(1, max_tokens) <= max_len and n <= max_seqs
+
+    def route(self, num_prompt_tokens: int, max_tokens: int = 1, n: int = 1) -> tuple[str, str]:
+        """``(group, drawn)``: the group that serves the request and the one the rules
+        chose (:meth:`select`); they differ when ``drawn`` cannot take it (a fallback)."""
+        drawn = self.select(num_prompt_tokens)
+        if self.fits(drawn, num_prompt_tokens, max_tokens, n):
+            return drawn, drawn
+        for g in ("default", "long_context", "canary"):
+            if g in self.groups and self.fits(g, num_prompt_tokens, max_tokens, n):
+                return g, drawn
+        return ("default" if drawn == "canary" else drawn), drawn
 
 
 def _prompt_parts(prompt: Any) -> tuple[list[int], str | None]:
@@ -109,8 +138,8 @@ class RemoteEngineLoop:
     Args:
         groups: name -> :class:`ReplicaGroup`.
         selector: the group choice.
-        observer: ``retry(group)``, ``failure(group)``, ``request(group)`` and
-            ``hits(group, predicted, actual)`` callbacks (the ingress metrics).
+        observer: ``retry(group)``, ``failure(group)``, ``request(group)``,
+            ``fallback(drawn, group)`` and ``hits(group, predicted, actual)`` callbacks (the ingress metrics).
         on_first_output: called with ``(group, replica_id)`` when a request's first
             output arrives (the ingress pulls that replica's KV events then).
 
@@ -180,8 +209,13 @@ class RemoteEngineLoop:
         if not self._running:
             raise RuntimeError("engine loop: expected a running loop, got a stopped one")
         ids, _ = _prompt_parts(prompt)
-        group = self.groups[self.selector.select(len(ids))]
+        name, drawn = self.selector.route(
+            len(ids), int(getattr(params, "max_tokens", 1) or 1), int(getattr(params, "n", 1))
+        )
+        group = self.groups[name]
         self.observer.request(group.name)
+        if name != drawn:
+            self.observer.fallback(drawn, name)
         q: asyncio.Queue[Any] = asyncio.Queue()
         ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         task = asyncio.ensure_future(

@@ -173,6 +173,7 @@ class EngineReplica:
             "kv_dtype": str(getattr(spec, "kv_dtype", "auto")),
             "total_bytes": float(total() if callable(total) else total),
             "max_model_len": int(e.scheduler.max_model_len),
+            "max_num_seqs": int(e.scheduler.max_num_seqs),
             "backend_name": str(getattr(e, "backend_name", "unknown")),
             "hash_seed": int(e.kv_cache_manager.hash_seed),
         }

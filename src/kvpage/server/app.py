@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpage.errors import RequestRejected
+from kvpage.errors import GOT_REPR_MAX, RequestRejected, got_repr
 from kvpage.server import protocol as P
 from kvpage.server.config import ServerConfig
 from kvpage.server.generate_route import _generate, _validation_message
@@ -133,8 +133,15 @@ def create_app(
             await asyncio.to_thread(state.loop.stop)
             state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
+    # redirect_slashes=False: "/tokenize/" is an unknown route (404, OpenAI body), never
+    # an empty 307 whose Location is built from the client's Host header
     app = FastAPI(
-        title="kvpage", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        title="kvpage",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
     )
     app.state.serving = state
     app.state.metrics_app = (
@@ -150,7 +157,10 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _HTTP_CODES.get(exc.status_code, str(exc.status_code))
-        return _error(APIError(exc.status_code, f"{request.url.path}: {exc.detail}", code=code))
+        path = request.url.path
+        if len(path) > GOT_REPR_MAX:  # the path is the client's: quote it bounded
+            path = f"{path[:GOT_REPR_MAX]}... ({len(path)} characters)"
+        return _error(APIError(exc.status_code, f"{path}: {exc.detail}", code=code))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -206,7 +216,7 @@ def create_app(
             return JSONResponse(model_card())
         raise P.APIError(
             404,
-            f"model: expected {config.model_name!r}, got {model_id!r}",
+            f"model: expected {config.model_name!r}, got {got_repr(model_id)}",
             code="model_not_found",
             param="model",
         )

@@ -38,6 +38,7 @@ import hmac
 import ipaddress
 import os
 import stat
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -66,6 +67,18 @@ def key_tenant_name(key: str) -> str:
     """Log/metrics name of an ``--api-key`` tenant: ``key-`` + 12 hex digits of
     ``sha256(b"kvpage.tenant.v1\\0" + key)`` (stable across restarts, not reversible)."""
     return "key-" + hashlib.sha256(_KEY_DOMAIN + key.encode("utf-8")).hexdigest()[:12]
+
+
+def _bad_key_chars(key: str) -> str:
+    """What makes ``key`` unusable in an ``Authorization`` header ("" when nothing):
+    leading/trailing whitespace, inner whitespace or control characters."""
+    if key != key.strip():
+        return "leading or trailing whitespace"
+    if any(c.isspace() for c in key):
+        return "whitespace inside"
+    if any(unicodedata.category(c).startswith("C") for c in key):
+        return "a control character"
+    return ""
 
 
 def _digest(key: str) -> bytes:
@@ -159,7 +172,8 @@ class Authenticator:
         config: the security section (keys, keys file).
 
     Raises:
-        SpecError: an invalid keys file, an empty key or the same key twice.
+        SpecError: an invalid keys file, an empty key, a key with whitespace or
+            control characters (it could never log in) or the same key twice.
     """
 
     def __init__(self, config: SecurityConfig) -> None:
@@ -177,6 +191,13 @@ class Authenticator:
         for k, t in pairs:
             if not k:
                 raise SpecError(f"api key of {t.name}: expected a non-empty string, got ''")
+            bad = _bad_key_chars(k)
+            if bad:  # never quote the key itself
+                raise SpecError(
+                    f"api key of {t.name}: expected no whitespace or control characters "
+                    f"(HTTP strips or refuses them: such a key could never log in), got a "
+                    f"key with {bad}"
+                )
             d = _digest(k)
             if d in seen:
                 raise SpecError(f"api keys: expected each key once, got a repeated key ({t.name})")

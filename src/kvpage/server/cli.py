@@ -225,6 +225,54 @@ def check_engine_config(cfg: ServerConfig) -> None:
         )
 
 
+def model_max_position(model: str) -> int | None:
+    """The model's ``max_position_embeddings`` read from its header or ``config.json``
+    alone (no weights loaded); None when the model is not a file this can read.
+
+    Raises:
+        SpecError: an unreadable or invalid header / config file.
+    """
+    from pathlib import Path
+
+    from kvpage.models.llama2c import BUNDLED_MODEL, bundled_model_path
+    from kvpage.specs.hf import llama2c_header_to_hf, read_hf_config_file
+
+    path = bundled_model_path() if model == BUNDLED_MODEL else Path(model).expanduser()
+    if path.is_file() and path.suffix == ".bin":
+        cfg = llama2c_header_to_hf(path)
+    elif (path / "config.json").is_file():
+        cfg = read_hf_config_file(path / "config.json", str(path / "config.json"))
+    else:
+        return None
+    mpe = cfg.get("max_position_embeddings")
+    return int(mpe) if mpe else None
+
+
+def check_startup_config(cfg: ServerConfig) -> None:
+    """The start-up checks that need no model load, for ``--dump-config`` (a dumped
+    config must start): the engine's argument checks (:func:`check_engine_config`),
+    ``max_model_len`` against the model's context (read from its header/config only),
+    the bind rule (:func:`kvpage.server.security.check_bind`) and the API keys
+    (keys file, key characters). The listener ports are checked by the config itself.
+
+    Raises:
+        SpecError: the first failing check, named.
+    """
+    from kvpage.server.auth import Authenticator
+    from kvpage.server.security import check_bind
+
+    check_engine_config(cfg)
+    mml = cfg.engine.max_model_len
+    if mml is not None:
+        mpe = model_max_position(cfg.engine.model)
+        if mpe is not None and mml > mpe:
+            raise SpecError(
+                f"max_model_len: expected <= {mpe} (the model's max_position_embeddings), got {mml}"
+            )
+    check_bind(cfg, cfg.security.auth_enabled, log=False)
+    Authenticator(cfg.security)
+
+
 def serve_main(args: argparse.Namespace) -> int:
     """Run ``kvpage serve`` (or print the config with ``--dump-config``)."""
     try:
@@ -233,8 +281,8 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"kvpage serve: {exc}", file=sys.stderr)
         return 2
     if args.dump_config:
-        try:  # a dumped config must start: run the engine's own checks before writing it
-            check_engine_config(cfg)
+        try:  # a dumped config must start: run the start-up checks before writing it
+            check_startup_config(cfg)
         except KVPageError as exc:
             print(f"kvpage serve: {exc}", file=sys.stderr)
             return 2

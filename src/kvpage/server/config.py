@@ -294,10 +294,34 @@ class ServerConfig(_Strict):
     degradation: DegradationConfig = Field(default_factory=DegradationConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
 
+    @model_validator(mode="after")
+    def _ports_differ(self) -> ServerConfig:
+        # both listeners on one port: the second bind would fail with "Address already
+        # in use" (0 = any free port, never equal)
+        mp = self.security.metrics_port
+        if mp is not None and mp != 0 and mp == self.port:
+            raise ValueError(
+                f"security.metrics_port: expected a port other than port ({self.port}) "
+                f"for the separate /metrics listener, got {mp}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _served_name(self) -> ServerConfig:
+        # "" would silently become engine.model; a name with spaces around it could
+        # never be matched by a client
+        n = self.served_model_name
+        if n is not None and (not n or n != n.strip()):
+            raise ValueError(
+                "served_model_name: expected a non-empty name without leading/trailing "
+                f"whitespace (or unset for the model's name), got {n!r}"[:300]
+            )
+        return self
+
     @property
     def model_name(self) -> str:
         """The model id clients must use."""
-        return self.served_model_name or self.engine.model
+        return self.engine.model if self.served_model_name is None else self.served_model_name
 
 
 def read_config_file(path: str | Path, what: str = "config") -> dict[str, Any]:

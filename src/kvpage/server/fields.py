@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpage.errors import got_repr
+
 __all__ = [
     "CHAT_NOT_IMPLEMENTED",
     "COMPLETION_NOT_IMPLEMENTED",
@@ -128,12 +130,12 @@ def check_extra_fields(
                 shown = ", ".join("null" if v is None else repr(v) for v in noops)
                 return name, (
                     f"{name}: expected unset or one of {shown} (not implemented by kvpage), "
-                    f"got {value!r}"[:300]
+                    f"got {got_repr(value)}"[:300]
                 )
         elif not allow_unknown:
             return name, (
                 f"{name}: expected no such field (unknown to the OpenAI and vLLM schemas of "
                 f"{endpoint}; start the server with --allow-unknown-fields to ignore "
-                f"unknown fields), got {value!r}"[:300]
+                f"unknown fields), got {got_repr(value)}"[:300]
             )
     return None

@@ -31,7 +31,7 @@ from kvpage.server.responses import (
     stream_chunk,
 )
 from kvpage.server.security import request_tenant
-from kvpage.server.service import APIError, ServingState, Usage
+from kvpage.server.service import APIError, Charge, ServingState, Usage
 from kvpage.server.sse import _Stream, _until_disconnect
 from kvpage.server.validation import prepare_request
 
@@ -144,9 +144,13 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
     req = reqs[0]
     if not req.stream:
 
-        async def one_request(r: P.GenerationRequest, echo_text: str) -> RequestResult:
+        async def one_request(
+            r: P.GenerationRequest, echo_text: str, charge: Charge | None = None
+        ) -> RequestResult:
             res = RequestResult(r, [ChoiceState() for _ in range(r.n)], Usage(), echo_text)
-            async with state.admitted(r):
+            async with state.admitted(r, charge):
+                if charge is not None:
+                    charge.started = True
                 gen = state.generate(r, res.usage)
                 async with contextlib.aclosing(gen):
                     async for d in _until_disconnect(gen, request):
@@ -156,14 +160,25 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
         if len(reqs) == 1:
             results = [await one_request(req, echo_texts[0])]
         else:
-            tasks = [asyncio.ensure_future(one_request(r, e)) for r, e in zip(reqs, echo_texts)]
-            try:
-                results = list(await asyncio.gather(*tasks))
-            except BaseException:  # one prompt failed: cancel (abort) the others
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
+            # One request, one charge: the tenant pays the summed cost before any
+            # prompt starts (refused -> nothing charged, nothing runs).
+            async with state.charged(reqs) as charge:
+                tasks = [
+                    asyncio.ensure_future(one_request(r, e, charge))
+                    for r, e in zip(reqs, echo_texts)
+                ]
+                try:
+                    results = list(await asyncio.gather(*tasks))
+                except BaseException as exc:  # one prompt failed: abort the others
+                    if isinstance(exc, APIError):
+                        for r in reqs:
+                            state.cancel_causes[r.request_id] = "sibling_failed"
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    for r in reqs:
+                        state.cancel_causes.pop(r.request_id, None)
+                    raise
         capped = [r.max_tokens for r in reqs if r.requested_max_tokens is not None]
         return JSONResponse(
             build_body(results, asked_plp, state.tokenizer),

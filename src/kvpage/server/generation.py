@@ -80,6 +80,9 @@ class RequestGeneration:
     loop: Any
     metrics: ServerMetrics
     degradation: DegradationController
+    #: request id -> why it is being aborted, when not its client leaving (e.g.
+    #: ``"sibling_failed"``: another prompt of the same request failed); read once
+    cancel_causes: dict[str, str]
 
     # ------------------------------------------------------------ generation
     async def generate(self, req: GenerationRequest, usage: Usage) -> AsyncGenerator[Delta, None]:
@@ -221,8 +224,10 @@ class RequestGeneration:
         finally:
             if not done:
                 self.loop.abort_nowait(req.request_id)
-                self.metrics.cancellations.labels(cause="client_disconnect").inc()
+                cause = self.cancel_causes.pop(req.request_id, "client_disconnect")
+                self.metrics.cancellations.labels(cause=cause).inc()
             else:
+                self.cancel_causes.pop(req.request_id, None)
                 self._finished(arrival, first_token_at, choices, last)
         for c in choices:  # choices the engine ended without a final output (defensive)
             if c.finish is None:

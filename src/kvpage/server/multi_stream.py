@@ -1,8 +1,10 @@
 """Streaming several prompts of one ``/v1/completions`` request at once.
 
-Each prompt is its own engine request (admitted, and accepted or refused by the engine,
-before the 200 is sent, so a refusal is a plain 4xx and releases the ones already
-admitted); their deltas are merged into one SSE stream as they arrive, choice ``i`` of
+The tenant is charged once for the summed cost of all prompts, then every prompt is
+admitted (KV budget), then each becomes its own engine request (accepted or refused by
+the engine before the 200 is sent, so a refusal is a plain 4xx, refunds the whole
+charge and aborts the ones already started, counted as cancellations with cause
+``sibling_failed``); their deltas are merged into one SSE stream as they arrive, choice ``i`` of
 prompt ``j`` with index ``j * n + i``. When the response ends however it ends (done,
 client gone, server stopping) every prompt's generator is closed, which aborts what is
 still running, and every admission is released.
@@ -35,24 +37,37 @@ async def stream_many(
         APIError: a prompt was refused (the others were aborted and released).
     """
     usages = [Usage() for _ in reqs]
+    # One request, one charge: the tenant pays the summed cost before any prompt is
+    # admitted (refused -> nothing charged, nothing runs); every prompt is admitted
+    # (KV budget) before the first one reaches the engine.
+    charging = state.charged(reqs)
+    charge = await charging.__aenter__()
     admissions: list[Any] = []
     gens: list[Any] = []
     firsts: list[Any] = []
     try:
-        for r, u in zip(reqs, usages):
-            adm = state.admitted(r)
+        for r in reqs:
+            adm = state.admitted(r, charge)
             await adm.__aenter__()
             admissions.append(adm)
+        charge.started = True
+        for r, u in zip(reqs, usages):
             gens.append(state.generate(r, u))
             try:
                 firsts.append(await gens[-1].__anext__())
             except StopAsyncIteration:
                 firsts.append(None)
     except BaseException as exc:
+        if isinstance(exc, APIError):  # the ones already started did not fail
+            for r in reqs:
+                state.cancel_causes[r.request_id] = "sibling_failed"
         for g in gens:
             await g.aclose()
+        for r in reqs:
+            state.cancel_causes.pop(r.request_id, None)
         for adm in reversed(admissions):
             await adm.__aexit__(type(exc), exc, exc.__traceback__)
+        await charging.__aexit__(type(exc), exc, exc.__traceback__)
         raise
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     pumps: list[asyncio.Task[None]] = []
@@ -125,5 +140,6 @@ async def stream_many(
             await g.aclose()  # aborts a request still running (client gone)
         for adm in reversed(admissions):
             await adm.__aexit__(None, None, None)
+        await charging.__aexit__(None, None, None)
 
     return make_response(sse(), cleanup)

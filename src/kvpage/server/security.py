@@ -82,7 +82,9 @@ def create_metrics_app(state: Any) -> Any:
     async def metrics(request: Request) -> Response:
         return metrics_response(state)  # type: ignore[no-any-return]
 
-    return Starlette(routes=[Route("/metrics", metrics, methods=["GET"])])
+    app = Starlette(routes=[Route("/metrics", metrics, methods=["GET"])])
+    app.router.redirect_slashes = False  # "/metrics/" is a 404, not a redirect
+    return app
 
 
 def request_tenant(request: Any, user: str | None) -> Tenant:
@@ -94,8 +96,13 @@ def request_tenant(request: Any, user: str | None) -> Tenant:
     return unauthenticated_tenant(bearer_token(request.headers), user)
 
 
-def check_bind(config: ServerConfig, auth_enabled: bool) -> None:
-    """Refuse to expose an unauthenticated server; log the security mode.
+def _silent(*_args: Any) -> None:
+    pass
+
+
+def check_bind(config: ServerConfig, auth_enabled: bool, log: bool = True) -> None:
+    """Refuse to expose an unauthenticated server; log the security mode (``log``;
+    ``--dump-config`` runs the check without logging).
 
     Raises:
         SpecError: ``security.allow_unauthenticated`` is not set and either there is
@@ -106,7 +113,8 @@ def check_bind(config: ServerConfig, auth_enabled: bool) -> None:
     metrics = (
         f"{sec.metrics_host}:{sec.metrics_port}" if sec.metrics_port is not None else "API port"
     )
-    logger.info(
+    info, warning = (logger.info, logger.warning) if log else (_silent, _silent)
+    info(
         "kvpage serve: prefix cache scope %s; /metrics on %s; CORS origins %s",
         sec.prefix_cache_scope,
         metrics,
@@ -123,14 +131,14 @@ def check_bind(config: ServerConfig, auth_enabled: bool) -> None:
             f"Security), or --allow-unauthenticated, got {sec.metrics_host!r}"
         )
     if auth_enabled:
-        logger.info("kvpage serve: API keys required on /v1/*, /tokenize, /detokenize")
+        info("kvpage serve: API keys required on /v1/*, /tokenize, /detokenize")
         return
     if not is_loopback_host(config.host) and not sec.allow_unauthenticated:
         raise SpecError(
             f"host: expected a loopback address without API keys (or "
             f"--allow-unauthenticated), got {config.host!r}; set --api-key/--api-keys-file"
         )
-    logger.warning(
+    warning(
         "kvpage serve: running WITHOUT authentication on %s (%s); tenants are client-chosen labels",
         config.host,
         "loopback only" if is_loopback_host(config.host) else "--allow-unauthenticated",

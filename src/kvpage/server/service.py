@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvpage.server.admission import Decision, KVBudget, TenantLimiter
@@ -35,7 +36,19 @@ from kvpage.server.metrics import ServerMetrics
 from kvpage.server.protocol import APIError, GenerationRequest
 from kvpage.server.validation import max_token_bytes
 
-__all__ = ["APIError", "Delta", "ServingState", "Usage", "rejection_error"]
+__all__ = ["APIError", "Charge", "Delta", "ServingState", "Usage", "rejection_error"]
+
+
+@dataclass
+class Charge:
+    """One tenant charge (see :meth:`ServingState.charged`).
+
+    Attributes:
+        started: set once every prompt is admitted and generation begins; from then
+            on a cancellation (client gone) keeps the charge.
+    """
+
+    started: bool = False
 
 
 def _rate_limited(d: Decision) -> APIError:
@@ -144,6 +157,7 @@ class ServingState(RequestGeneration):
         self.long_slots = asyncio.Semaphore(config.degradation.long_context_concurrency)
         self.num_long_waiting = 0
         self.num_active = 0
+        self.cancel_causes = {}
         self._prev_snapshot: dict[str, float] = dict(self.loop.metrics_snapshot)
 
     # ------------------------------------------------------------ engine thread hook
@@ -205,35 +219,67 @@ class ServingState(RequestGeneration):
         m.active.set(self.num_active)
 
     # ------------------------------------------------------------ admission
-    @contextlib.asynccontextmanager
-    async def admitted(self, req: GenerationRequest) -> AsyncIterator[None]:
-        """Admit ``req`` for the duration of the ``async with`` block.
-
-        Caps ``req.max_tokens`` when degraded, charges the tenant, reserves KV budget and
-        (degraded, long context) a long-context slot; gives back the reservation and slot
-        on exit, and refunds the tenant if the engine refuses the request.
-
-        Raises:
-            APIError: 429 with ``Retry-After`` when refused.
-        """
+    def cap_max_tokens(self, req: GenerationRequest) -> None:
+        """Cap ``req.max_tokens`` when degraded (remembering the asked value)."""
         capped = self.degradation.cap_max_tokens(req.max_tokens)
         if capped != req.max_tokens:
             req.requested_max_tokens = req.max_tokens
             req.max_tokens = capped
             self.metrics.max_tokens_capped.inc()
-        now = self.clock()
-        d = self.limiter.try_take(req.tenant, req.cost, now)
+
+    @contextlib.asynccontextmanager
+    async def charged(self, reqs: list[GenerationRequest]) -> AsyncIterator[Charge]:
+        """Charge the tenant once for ``reqs`` (the prompts of ONE HTTP request).
+
+        Caps every ``max_tokens`` when degraded, then takes the summed cost from the
+        tenant bucket as one unit: refused -> nothing charged, nothing started. On the
+        way out the whole charge is refunded when the block raised an :class:`APIError`
+        (a refusal by the KV budget, the long-context queue or the engine, or an engine
+        failure), or anything else (cancelled, client gone) before
+        :attr:`Charge.started` was set; a request that reached the engine and was then
+        abandoned by its client keeps its charge (docs/serving.md, Admission).
+
+        Raises:
+            APIError: 429 ``tenant_rate_limit`` (with ``Retry-After``) or
+                ``cost_exceeds_burst`` (without: the summed cost can never pass).
+        """
+        for r in reqs:
+            self.cap_max_tokens(r)
+        tenant, cost = reqs[0].tenant, sum(r.cost for r in reqs)
+        d = self.limiter.try_take(tenant, cost, self.clock())
         if not d.ok:
             raise _rate_limited(d)
+        charge = Charge()
+        try:
+            yield charge
+        except BaseException as e:
+            if isinstance(e, APIError) or not charge.started:
+                self.limiter.refund(tenant, cost, self.clock())
+            raise
+
+    @contextlib.asynccontextmanager
+    async def admitted(
+        self, req: GenerationRequest, charge: Charge | None = None
+    ) -> AsyncIterator[None]:
+        """Admit ``req`` for the duration of the ``async with`` block.
+
+        Without ``charge``, first charges the tenant for ``req`` alone (see
+        :meth:`charged`); with one, the caller charged it already (several prompts of
+        one request, charged as one unit). Then reserves KV budget and (degraded, long
+        context) a long-context slot, given back on exit.
+
+        Raises:
+            APIError: 429 with ``Retry-After`` when refused.
+        """
+        if charge is None:
+            async with self.charged([req]) as own, self.admitted(req, own):
+                own.started = True
+                yield
+            return
         n_prompt = len(req.prompt_token_ids)
         blocks = self.kv_budget.blocks_for(n_prompt, req.max_tokens, req.n)
-        try:
-            d = await self.kv_budget.acquire(n_prompt, blocks)
-        except BaseException:
-            self.limiter.refund(req.tenant, req.cost, self.clock())
-            raise
+        d = await self.kv_budget.acquire(n_prompt, blocks)
         if not d.ok:
-            self.limiter.refund(req.tenant, req.cost, self.clock())
             raise _rate_limited(d)
         slot = False
         try:
@@ -261,10 +307,6 @@ class ServingState(RequestGeneration):
                 yield
             finally:
                 self.num_active -= 1
-        except APIError as e:
-            if e.status != 429 or e.reason == "long_context_queue" or e.code == "engine_rejected":
-                self.limiter.refund(req.tenant, req.cost, self.clock())
-            raise
         finally:
             if slot:
                 self.long_slots.release()

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvpage.errors import got_repr
 from kvpage.server.protocol import APIError, ChatMessage, render_chat
 from kvpage.server.validation import check_text_fits
 
@@ -71,7 +72,7 @@ def register_utility_routes(
         if body.model is not None and body.model != name:  # type: ignore[attr-defined]
             raise APIError(
                 404,
-                f"model: expected {name!r}, got {body.model!r}",  # type: ignore[attr-defined]
+                f"model: expected {name!r}, got {got_repr(body.model)}",  # type: ignore[attr-defined]
                 code="model_not_found",
                 param="model",
             )

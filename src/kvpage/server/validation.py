@@ -12,7 +12,7 @@ from typing import Any
 
 from kvpage.cache.retention import KVRetention
 from kvpage.engine.chat import text_part_problem
-from kvpage.errors import SpecError
+from kvpage.errors import SpecError, got_repr
 from kvpage.server.fields import check_extra_fields
 from kvpage.server.protocol import (
     APIError,
@@ -131,7 +131,7 @@ def prepare_request(
         raise APIError(
             400,
             f"stop_token_ids: expected ids in [0, {tokenizer.vocab_size}), "
-            f"got {body.stop_token_ids!r}"[:300],
+            f"got {got_repr(body.stop_token_ids)}"[:300],
             param="stop_token_ids",
         )
     if body.stream_options is not None and not body.stream:
@@ -145,13 +145,13 @@ def prepare_request(
     if any(not x for x in stops):
         raise APIError(
             400,
-            f"stop: expected a non-empty string or a list of them, got {body.stop!r}",
+            f"stop: expected a non-empty string or a list of them, got {got_repr(body.stop)}",
             param="stop",
         )
     if body.model != model_name:
         raise APIError(
             404,
-            f"model: expected {model_name!r}, got {body.model!r}",
+            f"model: expected {model_name!r}, got {got_repr(body.model)}",
             code="model_not_found",
             param="model",
             reason="unknown_model",

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvpage.errors import SpecError
+from kvpage.errors import SpecError, got_repr
 from kvpage.specs.hf import (
     attention_layers_from_hf,
     dtype_from_config,
@@ -306,22 +306,30 @@ class CacheSpec(BaseModel):
         )
 
 
-def validated(model: type[BaseModel], data: Mapping[str, Any]) -> Any:
+def validated(model: type[BaseModel], data: Mapping[str, Any], source: str | None = None) -> Any:
+    """``model.model_validate(data)`` with pydantic's errors as one :class:`SpecError`.
+
+    ``source`` (a file name) is for data read from a file: the message then names the
+    file and its first failing field and quotes no value (a wrong file, e.g. an API
+    keys file, must not be printed back).
+    """
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise SpecError(_format_validation(e, model.__name__)) from None
+        raise SpecError(_format_validation(e, model.__name__, source)) from None
 
 
-def _format_validation(e: ValidationError, what: str) -> str:
+def _format_validation(e: ValidationError, what: str, source: str | None = None) -> str:
     parts: list[str] = []
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
+        if source is not None:
+            return f"{source}: invalid {what}: {loc or what}: {msg.split(', got ')[0]}"
         if "got" in msg:  # our own "name: expected X, got Y" (a model validator)
             part = f"{loc}: {msg}" if loc else msg
         else:
-            part = f"{loc or what}: {msg} (got {err.get('input')!r})"
+            part = f"{loc or what}: {msg} (got {got_repr(err.get('input'))})"
         if part not in parts:  # the same fault in many layers is reported once per layer
             parts.append(part)
     return f"invalid {what}: " + "; ".join(parts)

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvpage.errors import SpecError
+from kvpage.errors import SpecError, got_repr
 from kvpage.specs.core import CacheSpec, KVCacheDType, ModelDType, validated
 
 
@@ -87,13 +87,13 @@ def load_preset(name: str) -> Preset:
                 path = d / f"{name}.yaml"
                 break
         else:
-            raise SpecError(f"preset: expected one of {list_presets()}, got {name!r}")
+            raise SpecError(f"preset: expected one of {list_presets()}, got {got_repr(name)}")
     text = path.read_text()
     data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     if not isinstance(data, dict):
         raise SpecError(f"preset {path}: expected a mapping, got {type(data).__name__}")
     data.setdefault("name", path.stem)
-    return validated(Preset, data)  # type: ignore[no-any-return]
+    return validated(Preset, data, source=str(path))  # type: ignore[no-any-return]
 
 
 __all__ = ["Preset", "list_presets", "load_preset"]
