@@ -143,3 +143,25 @@ def test_apply_rope_qk_equals_apply_rope_of_each() -> None:
     rq, rk = L.apply_rope_qk(q, k, cos, sin)
     assert torch.equal(rq, L.apply_rope(q, cos, sin))
     assert torch.equal(rk, L.apply_rope(k, cos, sin))
+
+
+def test_apply_rope_qkv_bit_identical_to_apply_rope_qk() -> None:
+    """The fused-projection rotation (signed sine table, one swap for q and k) rounds
+    exactly as the rotate-half form, through the real tables."""
+    g = torch.Generator().manual_seed(1)
+    hq, hk, d, t = 4, 2, 8, 7
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g)
+    rot = L.RotaryEmbedding(d, 10000.0, max_positions=4)
+    pos = torch.tensor([0, 3, 5, 9, 1, 2, 40])
+    cos, sin = rot(pos, torch.float32)
+    cos2, sin_signed = rot(pos, torch.float32, signed=True)
+    assert torch.equal(cos, cos2)
+    assert torch.equal(sin_signed[..., d // 2 :], sin[..., d // 2 :])
+    assert torch.equal(sin_signed[..., : d // 2], -sin[..., : d // 2])
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    want_q, want_k = L.apply_rope_qk(q, k, cos, sin)
+    got_q, got_k = L.apply_rope_qkv(qkv, hq, hk, cos, sin_signed)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_k, want_k)

@@ -19,7 +19,13 @@ from kvpage.attention.metadata import KVCache
 from kvpage.attention.plan import StepPlan
 from kvpage.attention.protocol import AttentionBackend
 from kvpage.models.config import ArchConfig
-from kvpage.models.rope import RotaryEmbedding, apply_rope, apply_rope_qk, rope_inv_freq
+from kvpage.models.rope import (
+    RotaryEmbedding,
+    apply_rope,
+    apply_rope_qk,
+    apply_rope_qkv,
+    rope_inv_freq,
+)
 from kvpage.specs import AttentionSpec
 
 
@@ -299,7 +305,9 @@ class PagedAttention(nn.Module):
 
         Args:
             x: ``[num_tokens, hidden_size]`` normalised hidden states.
-            cos, sin: ``[num_tokens, 1, head_dim]`` RoPE tables at each token's position.
+            cos, sin: ``[num_tokens, 1, head_dim]`` RoPE tables at each token's position
+                (``sin`` with its first half negated: ``RotaryEmbedding(...,
+                signed=True)``, see ``apply_rope_qkv``).
             cache: the layer's cache; mutated at ``plan.meta.slot_mapping``.
             plan: the backend's plan of this layer's KV group for the step.
             backend: the attention backend.
@@ -309,11 +317,9 @@ class PagedAttention(nn.Module):
         """
         t = x.shape[0]
         qkv = self._qkv(x)
-        a, b = self._splits[0], self._splits[0] + self._splits[1]
-        q = qkv[:, :a].view(t, self.num_q_heads, self.head_dim)
-        k = qkv[:, a:b].view(t, self.num_kv_heads, self.head_dim)
+        b = self._splits[0] + self._splits[1]
         v = qkv[:, b:].view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope_qk(q, k, cos, sin)
+        q, k = apply_rope_qkv(qkv, self.num_q_heads, self.num_kv_heads, cos, sin)
         backend.write_kv(k, v, cache, plan.meta.slot_mapping)
         o = backend.forward(q, cache, plan, self.spec)
         o = o.reshape(t, self.num_q_heads * self.head_dim)
@@ -368,5 +374,6 @@ __all__ = [
     "NEVER_PACK",
     "apply_rope",
     "apply_rope_qk",
+    "apply_rope_qkv",
     "pack_min_rows",
 ]
