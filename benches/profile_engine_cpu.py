@@ -51,7 +51,7 @@ def _categories(backend: Any) -> list[tuple[str, list[Any]]]:
         ("metadata tensors (build_metadata, incl. plan)", [runner.ModelRunner.build_metadata]),
         ("linears (fused + packed)", [layers.FusedLinear.__call__, layers.PackedWeight.__call__]),
         ("RMSNorm", [layers.RMSNorm.forward]),
-        ("RoPE rotation", [rope.apply_rope_qk]),
+        ("RoPE rotation", [getattr(rope, "apply_rope_qkv", rope.apply_rope_qk)]),
         ("RoPE tables", [rope.RotaryEmbedding.forward]),
         ("MLP (incl. its linears)", [layers.MLP.forward]),
         ("attention layer (incl. qkv/o, rope, write, attn)", [layers.PagedAttention.forward]),
@@ -125,7 +125,10 @@ def instrument(eng: Any) -> dict[str, float]:
         _wrap(cls, "__call__", spent, "linears")
     _wrap(layers.RMSNorm, "forward", spent, "rmsnorm")
     _wrap(layers.RotaryEmbedding, "forward", spent, "rope")
-    _wrap(layers, "apply_rope_qk", spent, "rope")
+    for fn in ("apply_rope_qkv", "apply_rope_qk"):  # whichever the layer calls
+        if hasattr(layers, fn):
+            _wrap(layers, fn, spent, "rope")
+            break
     return spent
 
 
