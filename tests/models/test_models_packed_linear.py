@@ -11,6 +11,13 @@ from torch import nn
 from kvpage.models import layers as L
 
 
+@pytest.fixture(autouse=True)
+def _pack_small_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests use tiny weights: let them take the oneDNN path when the MACs rule
+    says so (the weight-size floor has its own test)."""
+    monkeypatch.setattr(L, "PACK_MIN_WEIGHT", 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_packed_weight_equals_f_linear(
@@ -165,3 +172,22 @@ def test_apply_rope_qkv_bit_identical_to_apply_rope_qk() -> None:
     assert got_q.is_contiguous() and got_k.is_contiguous()
     assert torch.equal(got_q, want_q)
     assert torch.equal(got_k, want_k)
+
+
+def test_pack_min_weight_keeps_small_weights_on_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights under ``PACK_MIN_WEIGHT`` elements never take the oneDNN path, whatever
+    the row count; the decision is re-made when the setting changes."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("oneDNN (mkldnn) not available in this torch build")
+    monkeypatch.setattr(L, "PACK_MIN_MACS", 0)
+    monkeypatch.setattr(L, "PACK_MIN_WEIGHT", 6 * 8 + 1)
+    assert L.pack_min_rows(torch.zeros(6, 8)) == L.NEVER_PACK
+    monkeypatch.setattr(L, "PACK_MIN_WEIGHT", 6 * 8)
+    assert L.pack_min_rows(torch.zeros(6, 8)) == 0
+    pw, x, w = L.PackedWeight(), torch.randn(4, 8), torch.randn(6, 8)
+    monkeypatch.setattr(L, "PACK_MIN_WEIGHT", 10**9)
+    torch.testing.assert_close(pw(x, w, None), F.linear(x, w))
+    assert pw.key is None  # F.linear
+    monkeypatch.setattr(L, "PACK_MIN_WEIGHT", 0)
+    torch.testing.assert_close(pw(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert pw.key is not None  # oneDNN now
