@@ -11,6 +11,13 @@ from torch import nn
 from kvpage.models import layers as L
 
 
+@pytest.fixture(autouse=True)
+def _pack_small_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests use tiny weights: let them take the oneDNN path when the MACs rule
+    says so (the weight-size floor has its own test)."""
+    monkeypatch.setattr(L, "PACK_MIN_WEIGHT", 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_packed_weight_equals_f_linear(
@@ -143,3 +150,44 @@ def test_apply_rope_qk_equals_apply_rope_of_each() -> None:
     rq, rk = L.apply_rope_qk(q, k, cos, sin)
     assert torch.equal(rq, L.apply_rope(q, cos, sin))
     assert torch.equal(rk, L.apply_rope(k, cos, sin))
+
+
+def test_apply_rope_qkv_bit_identical_to_apply_rope_qk() -> None:
+    """The fused-projection rotation (signed sine table, one swap for q and k) rounds
+    exactly as the rotate-half form, through the real tables."""
+    g = torch.Generator().manual_seed(1)
+    hq, hk, d, t = 4, 2, 8, 7
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g)
+    rot = L.RotaryEmbedding(d, 10000.0, max_positions=4)
+    pos = torch.tensor([0, 3, 5, 9, 1, 2, 40])
+    cos, sin = rot(pos, torch.float32)
+    cos2, sin_signed = rot(pos, torch.float32, signed=True)
+    assert torch.equal(cos, cos2)
+    assert torch.equal(sin_signed[..., d // 2 :], sin[..., d // 2 :])
+    assert torch.equal(sin_signed[..., : d // 2], -sin[..., : d // 2])
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    want_q, want_k = L.apply_rope_qk(q, k, cos, sin)
+    got_q, got_k = L.apply_rope_qkv(qkv, hq, hk, cos, sin_signed)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_k, want_k)
+
+
+def test_pack_min_weight_keeps_small_weights_on_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights under ``PACK_MIN_WEIGHT`` elements never take the oneDNN path, whatever
+    the row count; the decision is re-made when the setting changes."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("oneDNN (mkldnn) not available in this torch build")
+    monkeypatch.setattr(L, "PACK_MIN_MACS", 0)
+    monkeypatch.setattr(L, "PACK_MIN_WEIGHT", 6 * 8 + 1)
+    assert L.pack_min_rows(torch.zeros(6, 8)) == L.NEVER_PACK
+    monkeypatch.setattr(L, "PACK_MIN_WEIGHT", 6 * 8)
+    assert L.pack_min_rows(torch.zeros(6, 8)) == 0
+    pw, x, w = L.PackedWeight(), torch.randn(4, 8), torch.randn(6, 8)
+    monkeypatch.setattr(L, "PACK_MIN_WEIGHT", 10**9)
+    torch.testing.assert_close(pw(x, w, None), F.linear(x, w))
+    assert pw.key is None  # F.linear
+    monkeypatch.setattr(L, "PACK_MIN_WEIGHT", 0)
+    torch.testing.assert_close(pw(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert pw.key is not None  # oneDNN now

@@ -285,43 +285,57 @@ class LLMEngine(EngineMetrics, EngineOutputs):
         gens: list[torch.Generator | None] = []
         owners: list[str] = []
         row_reqs: list[tuple[Request, int]] = []
+        # one pass over the batch: rows to sample, and whether every row is the plain
+        # greedy case (one sample, argmax, no logits processing: no per-row objects)
+        simple = True
+        decode_tokens = prefill_tokens = 0
         r = 0
         for s in out.scheduled:
             req = s.request
+            if s.num_tokens == 1 and s.start >= req.num_prompt_tokens:
+                decode_tokens += 1
+            else:
+                prefill_tokens += s.num_tokens
             preq = parents[req.parent_id]
             if preq.first_scheduled_time is None:
                 preq.first_scheduled_time = step_start
             if not s.samples:
                 continue
+            p = preq.params
             k = 1 + req.num_pending_samples
+            if k > 1 or not p.plain or p.temperature != 0.0:
+                simple = False
             for j in range(k):
                 rows.append(r)
-                params.append(preq.params)
-                gens.append(
-                    None if preq.params.greedy else self._generator(preq, j or req.sample_index)
-                )
+                params.append(p)
+                gens.append(None if p.greedy else self._generator(preq, j or req.sample_index))
                 owners.append(req.request_id)
                 row_reqs.append((req, j or req.sample_index))
             r += 1
         if len(rows) != int(logits.shape[0]):
             rows_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
             logits = logits.index_select(0, rows_t)
-        if all(p.plain for p in params):
-            tokens = self.sampler(logits, params, gens)
-        else:
-            ctx = None
-            if any(p.needs_processing for p in params):
-                ctx = [row_context(q, self.eos_token_id) for q, _ in row_reqs]
-            tokens = self.sampler(logits, params, gens, ctx)
-            record_logprobs(parents, logits, params, tokens, row_reqs, self.tokenizer)
-        t3 = time.perf_counter()
         sampled: dict[str, list[int]] = {}
-        for rid, tok in zip(owners, tokens):
-            got = sampled.get(rid)
-            if got is None:
+        if simple:  # the Sampler's greedy path (argmax, lowest index on ties)
+            tokens: list[int] = torch.argmax(logits, dim=-1).tolist() if owners else []
+            for rid, tok in zip(owners, tokens):
                 sampled[rid] = [tok]
+        else:
+            if all(p.plain for p in params):
+                tokens = self.sampler(logits, params, gens)
             else:
-                got.append(tok)
+                ctx = None
+                if any(p.needs_processing for p in params):
+                    ctx = [row_context(q, self.eos_token_id) for q, _ in row_reqs]
+                tokens = self.sampler(logits, params, gens, ctx)
+                record_logprobs(parents, logits, params, tokens, row_reqs, self.tokenizer)
+            for rid, tok in zip(owners, tokens):
+                got = sampled.get(rid)
+                if got is None:
+                    sampled[rid] = [tok]
+                else:
+                    got.append(tok)
+        t3 = time.perf_counter()
         progressed, _ = self.scheduler.update(out, sampled)
         t4 = time.perf_counter()
         now = time.monotonic()
@@ -357,11 +371,8 @@ class LLMEngine(EngineMetrics, EngineOutputs):
         st.update_s += t4 - t3
         st.output_s += t5 - t4
         st.num_seqs += len(out.scheduled)
-        for s in out.scheduled:
-            if s.num_tokens == 1 and s.start >= s.request.num_prompt_tokens:
-                st.decode_tokens += 1
-            else:
-                st.prefill_tokens += s.num_tokens
+        st.decode_tokens += decode_tokens
+        st.prefill_tokens += prefill_tokens
         st.last_batch_size = len(out.scheduled)
         return results
 

@@ -71,13 +71,16 @@ class EngineOutputs:
                 return
 
     def _make_output(self, preq: _ParentRequest, finished: bool) -> RequestOutput:
+        # runs for every request that progressed, every step: no generators or
+        # comprehensions on the common path (one sample, no logprobs, no KV tiers)
         seqs = self.scheduler.samples[preq.request_id]  # sample-index order (forks append)
         outs = []
         want_lp = preq.params.logprobs is not None
+        decode_text = finished or self.stream_text
         for q in seqs:
             i = q.sample_index
             text = preq.texts.get(i)
-            if text is None and (finished or self.stream_text):
+            if text is None and decode_text:
                 text = self._decode(q.output_token_ids)
             reason = q.finish_reason if q.is_finished else None
             outs.append(
@@ -93,27 +96,34 @@ class EngineOutputs:
                     cumulative_logprob=preq.cumulative.get(i, 0.0) if want_lp else None,
                 )
             )
-        cached = max(0, seqs[0].num_cached_tokens)
+        first = seqs[0]
+        if len(seqs) == 1:
+            preemptions = first.num_preemptions
+        else:
+            preemptions = 0
+            for q in seqs:
+                preemptions += q.num_preemptions
+        by_tier: dict[str, int] = {}
+        if first.num_cached_tokens >= 0:
+            by_tier["device"] = 0
+            for k, v in (first.num_cached_tokens_by_tier or {}).items():
+                if v:
+                    by_tier[k] = v
         return RequestOutput(
             request_id=preq.request_id,
             prompt=preq.prompt,
             prompt_token_ids=preq.prompt_token_ids,
-            num_cached_tokens=cached,
-            cache_miss=seqs[0].cache_miss,
+            num_cached_tokens=max(0, first.num_cached_tokens),
+            cache_miss=first.cache_miss,
             outputs=outs,
             finished=finished,
             arrival_time=preq.arrival_time,
             first_token_time=preq.first_token_time,
             finish_time=preq.finish_time,
             first_scheduled_time=preq.first_scheduled_time,
-            num_preemptions=sum(q.num_preemptions for q in seqs),
+            num_preemptions=preemptions,
             prompt_logprobs=None if preq.prompt_logprobs is None else list(preq.prompt_logprobs),
-            num_cached_tokens_by_tier={
-                "device": 0,
-                **{k: v for k, v in (seqs[0].num_cached_tokens_by_tier or {}).items() if v},
-            }
-            if seqs[0].num_cached_tokens >= 0
-            else {},
+            num_cached_tokens_by_tier=by_tier,
         )
 
 

@@ -128,8 +128,10 @@ class SequenceLifecycle:
 
     def samples_finished(self, parent_id: str) -> bool:
         """True when every sample of ``parent_id`` has finished (and none is pending)."""
-        seqs = self.samples[parent_id]
-        return all(r.is_finished and r.num_pending_samples == 0 for r in seqs)
+        for r in self.samples[parent_id]:  # a loop: this runs per request per step
+            if r.status is not RequestStatus.FINISHED or r.num_pending_samples:
+                return False
+        return True
 
     def release(self, parent_id: str) -> None:
         """Forget a finished user request (its sequences and ids)."""

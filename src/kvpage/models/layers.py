@@ -19,7 +19,13 @@ from kvpage.attention.metadata import KVCache
 from kvpage.attention.plan import StepPlan
 from kvpage.attention.protocol import AttentionBackend
 from kvpage.models.config import ArchConfig
-from kvpage.models.rope import RotaryEmbedding, apply_rope, apply_rope_qk, rope_inv_freq
+from kvpage.models.rope import (
+    RotaryEmbedding,
+    apply_rope,
+    apply_rope_qk,
+    apply_rope_qkv,
+    rope_inv_freq,
+)
 from kvpage.specs import AttentionSpec
 
 
@@ -59,6 +65,15 @@ PACK_LINEARS = True
 #: costs ~10 us more than ``F.linear``, which wins below ~1M (e.g. 13 vs 15 us at
 #: 16 x 512 x 64, 22 vs 18 us at 256 x 64 x 64, float32, one thread; docs/benchmarks.md)
 PACK_MIN_MACS = 1 << 20
+#: ... and only weights of at least this many elements (``out * in``): below it
+#: ``F.linear`` costs less CPU in the engine at any row count (stories260K-hd32, weights
+#: of 8-33k elements, 200-2,048 rows: linears 3.0-3.3 vs 3.4-5.9 ms per step, the
+#: step's non-attention CPU 0.79-0.86x, alternating in one process; the attention
+#: kernel's K/V stream leaves the caches cold between layers, where oneDNN's larger
+#: call path costs more than its faster kernel saves; docs/benchmarks.md). The ~125M
+#: Llama's weights (>= 590k elements) keep the oneDNN path that made them 1.9-2.0x
+#: faster.
+PACK_MIN_WEIGHT = 1 << 16
 
 
 def _version(t: torch.Tensor) -> int:
@@ -74,9 +89,10 @@ def pack_min_rows(w: torch.Tensor) -> int:
     """The fewest input rows for which ``x @ w.T`` takes the oneDNN path: the smallest
     ``rows`` with ``rows * out * in >= PACK_MIN_MACS``, or :data:`NEVER_PACK` unless
     :data:`PACK_LINEARS` is on and ``w`` is a 2-D float32/bfloat16 CPU tensor with
-    oneDNN available. Depends only on ``w``'s shape, dtype and device and the two
-    module settings, so callers compute it once per weight and keep it while
-    ``(w.shape, w.dtype, w.device, PACK_LINEARS, PACK_MIN_MACS)`` stays the same
+    oneDNN available and ``w`` has at least :data:`PACK_MIN_WEIGHT` elements. Depends
+    only on ``w``'s shape, dtype and device and the three module settings, so callers
+    compute it once per weight and keep it while ``(w.shape, w.dtype, w.device,
+    PACK_LINEARS, PACK_MIN_MACS, PACK_MIN_WEIGHT)`` stays the same
     (see ``PackedWeight.__call__``); the input's dtype must also equal ``w.dtype``.
     """
     if not (
@@ -88,6 +104,8 @@ def pack_min_rows(w: torch.Tensor) -> int:
     ):
         return NEVER_PACK
     per_row = w.shape[0] * w.shape[1]
+    if per_row < PACK_MIN_WEIGHT:
+        return NEVER_PACK
     if per_row == 0:
         return 0 if PACK_MIN_MACS <= 0 else NEVER_PACK
     return max(0, -(-PACK_MIN_MACS // per_row))
@@ -100,7 +118,7 @@ class PackedWeight:
 
     Call ``packed(x, w, b)`` = ``F.linear(x, w, b)``: x ``[rows, in]``, w ``[out, in]``,
     b ``[out]`` or None; falls back to ``F.linear`` off the CPU, for float16, below
-    :data:`PACK_MIN_MACS` or with :data:`PACK_LINEARS` off. Results equal ``F.linear``
+    :data:`PACK_MIN_MACS` or :data:`PACK_MIN_WEIGHT` or with :data:`PACK_LINEARS` off. Results equal ``F.linear``
     up to float summation order.
     """
 
@@ -108,7 +126,7 @@ class PackedWeight:
         self.key: tuple[int, Any] | None = None
         self.packed: torch.Tensor | None = None
         #: what ``min_rows`` was computed from: ``(shape, dtype, device, PACK_LINEARS,
-        #: PACK_MIN_MACS)`` of the last weight seen
+        #: PACK_MIN_MACS, PACK_MIN_WEIGHT)`` of the last weight seen
         self.rule: tuple[Any, ...] = ()
         #: ``pack_min_rows`` of that weight
         self.min_rows = NEVER_PACK
@@ -125,7 +143,7 @@ class PackedWeight:
         Whether ``w`` can be packed is decided once per weight (``pack_min_rows``, kept
         while the weight's shape, dtype and device and the module settings stay the
         same); per call only the input's rows and dtype are compared."""
-        rule = (w.shape, w.dtype, w.device, PACK_LINEARS, PACK_MIN_MACS)
+        rule = (w.shape, w.dtype, w.device, PACK_LINEARS, PACK_MIN_MACS, PACK_MIN_WEIGHT)
         if rule != self.rule:
             self.rule, self.min_rows = rule, pack_min_rows(w)
         if x.dim() != 2 or x.shape[0] < self.min_rows or x.dtype != w.dtype:
@@ -228,7 +246,7 @@ class FusedLinear:
             w = self.weights()[0]
         assert w is not None
         pw = self._packed
-        rule = (w.shape, w.dtype, w.device, PACK_LINEARS, PACK_MIN_MACS)
+        rule = (w.shape, w.dtype, w.device, PACK_LINEARS, PACK_MIN_MACS, PACK_MIN_WEIGHT)
         if rule != pw.rule:
             pw.rule, pw.min_rows = rule, pack_min_rows(w)
         if x.dim() != 2 or x.shape[0] < pw.min_rows or x.dtype != w.dtype:
@@ -299,7 +317,9 @@ class PagedAttention(nn.Module):
 
         Args:
             x: ``[num_tokens, hidden_size]`` normalised hidden states.
-            cos, sin: ``[num_tokens, 1, head_dim]`` RoPE tables at each token's position.
+            cos, sin: ``[num_tokens, 1, head_dim]`` RoPE tables at each token's position
+                (``sin`` with its first half negated: ``RotaryEmbedding(...,
+                signed=True)``, see ``apply_rope_qkv``).
             cache: the layer's cache; mutated at ``plan.meta.slot_mapping``.
             plan: the backend's plan of this layer's KV group for the step.
             backend: the attention backend.
@@ -309,11 +329,9 @@ class PagedAttention(nn.Module):
         """
         t = x.shape[0]
         qkv = self._qkv(x)
-        a, b = self._splits[0], self._splits[0] + self._splits[1]
-        q = qkv[:, :a].view(t, self.num_q_heads, self.head_dim)
-        k = qkv[:, a:b].view(t, self.num_kv_heads, self.head_dim)
+        b = self._splits[0] + self._splits[1]
         v = qkv[:, b:].view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope_qk(q, k, cos, sin)
+        q, k = apply_rope_qkv(qkv, self.num_q_heads, self.num_kv_heads, cos, sin)
         backend.write_kv(k, v, cache, plan.meta.slot_mapping)
         o = backend.forward(q, cache, plan, self.spec)
         o = o.reshape(t, self.num_q_heads * self.head_dim)
@@ -357,6 +375,7 @@ class DecoderLayer(nn.Module):
 __all__ = [
     "PACK_LINEARS",
     "PACK_MIN_MACS",
+    "PACK_MIN_WEIGHT",
     "FusedLinear",
     "PackedWeight",
     "rope_inv_freq",
@@ -368,5 +387,6 @@ __all__ = [
     "NEVER_PACK",
     "apply_rope",
     "apply_rope_qk",
+    "apply_rope_qkv",
     "pack_min_rows",
 ]

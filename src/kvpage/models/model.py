@@ -181,7 +181,7 @@ class ModelRunnerModel(nn.Module):
         top = 0
         for p in plans:
             top = max(top, p.meta.max_seq_len - 1)
-        cos, sin = self.rotary(positions, x.dtype, top)
+        cos, sin = self.rotary(positions, x.dtype, top, signed=True)
         for lid, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, kv_caches[lid], plans[self.layer_groups[lid]], backend)
         x = self.model.norm(x[logits_indices])

@@ -67,6 +67,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
         self.register_buffer("cos_table", torch.empty(0), persistent=False)
         self.register_buffer("sin_table", torch.empty(0), persistent=False)
+        #: ``sin_table`` with its first half negated (see :func:`apply_rope_qkv`)
+        self.register_buffer("sin_signed_table", torch.empty(0), persistent=False)
         self._build(max_positions)
 
     def _build(self, n: int) -> None:
@@ -76,9 +78,15 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos_table = emb.cos()
         self.sin_table = emb.sin()
+        half = freqs.shape[-1]
+        self.sin_signed_table = torch.cat((-self.sin_table[:, :half], self.sin_table[:, half:]), -1)
 
     def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
+        self,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+        max_position: int | None = None,
+        signed: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables at ``positions``.
 
@@ -88,6 +96,8 @@ class RotaryEmbedding(nn.Module):
             max_position: an upper bound of ``positions`` known on the host (e.g. the
                 step's ``max_seq_len - 1``), so that no device sync is needed; default
                 ``positions.max()``.
+            signed: return the sine with its first half negated (the table
+                :func:`apply_rope_qkv` takes) instead of the plain sine.
 
         Returns:
             cos, sin: ``[num_tokens, 1, head_dim]``.
@@ -97,7 +107,8 @@ class RotaryEmbedding(nn.Module):
             if top >= self.cos_table.shape[0]:
                 self._build(max(2 * self.cos_table.shape[0], top + 1))
         cos = self.cos_table[positions].to(dtype)[:, None, :]
-        sin = self.sin_table[positions].to(dtype)[:, None, :]
+        sin_t = self.sin_signed_table if signed else self.sin_table
+        sin = sin_t[positions].to(dtype)[:, None, :]
         return cos, sin
 
 
@@ -120,4 +131,40 @@ def apply_rope_qk(
     return q * cos + rq * sin, k * cos + rk * sin
 
 
-__all__ = ["RotaryEmbedding", "apply_rope", "apply_rope_qk", "rope_inv_freq"]
+def apply_rope_qkv(
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_rope_qk` of the query and key columns of a fused q/k/v projection,
+    in 6 tensor ops instead of 10, bit-identical to it.
+
+    The halves of q and k are swapped by one ``cat`` over both, and the sign of
+    ``rotate_half`` is carried by the table: ``rotate_half(x) * sin ==
+    cat(x2, x1) * cat(-s, s)`` elementwise (negation is exact), so ``q * cos +
+    swapped * sin_signed`` rounds exactly as :func:`apply_rope` does.
+
+    Args:
+        qkv: ``[num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim]`` (q, k, v
+            columns in that order; only q and k are read; not mutated).
+        num_q_heads, num_kv_heads: head counts.
+        cos: ``[num_tokens, 1, head_dim]``.
+        sin_signed: ``[num_tokens, 1, head_dim]`` sine with its first half negated
+            (``RotaryEmbedding(..., signed=True)``).
+
+    Returns:
+        q ``[num_tokens, num_q_heads, head_dim]`` and k ``[num_tokens, num_kv_heads,
+        head_dim]``, new contiguous tensors.
+    """
+    t, d = qkv.shape[0], cos.shape[-1]
+    half = d // 2
+    qk = qkv[:, : (num_q_heads + num_kv_heads) * d].view(t, num_q_heads + num_kv_heads, d)
+    rot = torch.cat((qk[..., half:], qk[..., :half]), dim=-1).mul_(sin_signed)
+    q = qk[:, :num_q_heads] * cos
+    k = qk[:, num_q_heads:] * cos
+    return q.add_(rot[:, :num_q_heads]), k.add_(rot[:, num_q_heads:])
+
+
+__all__ = ["RotaryEmbedding", "apply_rope", "apply_rope_qk", "apply_rope_qkv", "rope_inv_freq"]
