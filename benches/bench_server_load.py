@@ -57,7 +57,7 @@ import numpy as np
 
 from kvpage.server.app import create_app
 from kvpage.server.config import ServerConfig
-from kvpage.server.runner import BackgroundServer
+from kvpage.server.runner import BackgroundServer, freeze_startup_heap
 from kvpage.workload.traces import bundled_trace_path, load_trace
 
 MODEL = "stories260K"
@@ -329,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run the engine in its own process (default: a thread of the server process)",
     )
     ap.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="skip gc.freeze() after start-up (kvpage serve freezes its start-up heap)",
+    )
+    ap.add_argument(
         "--no-baseline",
         action="store_true",
         help="skip the offline LLM.generate baseline on the same workload",
@@ -361,7 +366,10 @@ def main(argv: list[str] | None = None) -> int:
             },
         }
     )
-    srv = BackgroundServer(create_app(cfg)).start()
+    app = create_app(cfg)
+    if not args.no_gc_freeze:
+        freeze_startup_heap()  # as kvpage serve does (runner.run_server)
+    srv = BackgroundServer(app).start()
     state = srv.app.state.serving
     probe = None
     if args.auth:
@@ -435,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine": f"process+nice{args.engine_niceness}" if args.engine_process else "thread",
         "loadavg_1m_before_after": [load_before, round(os.getloadavg()[0], 2)],
         "torch_threads": args.torch_threads,
+        "gc_freeze": not args.no_gc_freeze,
         "wall_s": round(wall, 2),
         "cpu_s": round(cpu, 2),
         "completed_requests_per_s": round(len(done) / wall, 2),
