@@ -57,7 +57,7 @@ import numpy as np
 
 from kvpage.server.app import create_app
 from kvpage.server.config import ServerConfig
-from kvpage.server.runner import BackgroundServer, freeze_startup_heap
+from kvpage.server.runner import BackgroundServer, prepare_serving_process
 from kvpage.workload.traces import bundled_trace_path, load_trace
 
 MODEL = "stories260K"
@@ -329,9 +329,10 @@ def main(argv: list[str] | None = None) -> int:
         help="run the engine in its own process (default: a thread of the server process)",
     )
     ap.add_argument(
-        "--no-gc-freeze",
+        "--no-prepare",
         action="store_true",
-        help="skip gc.freeze() after start-up (kvpage serve freezes its start-up heap)",
+        help="skip prepare_serving_process (kvpage serve's pre-imports, tokenizer pool start "
+        "and gc.freeze of the start-up heap)",
     )
     ap.add_argument(
         "--no-baseline",
@@ -367,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         }
     )
     app = create_app(cfg)
-    if not args.no_gc_freeze:
-        freeze_startup_heap()  # as kvpage serve does (runner.run_server)
+    if not args.no_prepare:
+        prepare_serving_process(app)  # as kvpage serve does (runner.run_server)
     srv = BackgroundServer(app).start()
     state = srv.app.state.serving
     probe = None
@@ -443,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine": f"process+nice{args.engine_niceness}" if args.engine_process else "thread",
         "loadavg_1m_before_after": [load_before, round(os.getloadavg()[0], 2)],
         "torch_threads": args.torch_threads,
-        "gc_freeze": not args.no_gc_freeze,
+        "prepared": not args.no_prepare,
         "wall_s": round(wall, 2),
         "cpu_s": round(cpu, 2),
         "completed_requests_per_s": round(len(done) / wall, 2),
