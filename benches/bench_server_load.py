@@ -335,6 +335,12 @@ def main(argv: list[str] | None = None) -> int:
         "and gc.freeze of the start-up heap)",
     )
     ap.add_argument(
+        "--trace-stalls",
+        metavar="FILE",
+        help="trace the server's event loop: stacks of every stall >= 40 ms go to FILE, and "
+        "the summary gains 'loop_stalls' (collections, loop lags; benches/loop_stalls.py)",
+    )
+    ap.add_argument(
         "--no-baseline",
         action="store_true",
         help="skip the offline LLM.generate baseline on the same workload",
@@ -372,6 +378,12 @@ def main(argv: list[str] | None = None) -> int:
         prepare_serving_process(app)  # as kvpage serve does (runner.run_server)
     srv = BackgroundServer(app).start()
     state = srv.app.state.serving
+    tracer = None
+    if args.trace_stalls:
+        from loop_stalls import StallTracer
+
+        tracer = StallTracer(open(args.trace_stalls, "w"))  # noqa: SIM115 (closed below)
+        tracer.start(state.loop._loop)
     probe = None
     if args.auth:
         import multiprocessing as mp
@@ -421,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.05)
         snap = dict(state.loop.metrics_snapshot)
     finally:
+        if tracer is not None:
+            tracer.stop()
+            tracer.out.close()
         srv.stop()
     report = getattr(state.loop, "final_report", None)
     if report is None:  # the engine thread ran here: inspect it directly
@@ -472,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
             **pct(ctl_lat),
             "max": round(max(ctl_lat), 4) if ctl_lat else None,
         }
+    if tracer is not None:
+        summary["loop_stalls"] = tracer.summary()
     if not args.no_baseline:
         summary["baseline"] = offline_baseline(specs, engine_kw, args.clients)
         summary["server_over_offline_tokens_per_s"] = round(
