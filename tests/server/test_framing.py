@@ -255,3 +255,25 @@ def test_stop_without_a_running_loop_reads_the_final_report():
     finally:
         loop.close()
         proc.close()
+
+
+def test_a_command_larger_than_the_socket_buffer_is_written_without_blocking():
+    eng, proc, theirs = _pair()
+    child = _Child(theirs)
+    prompt = list(range(2_000_000))  # ~10 MB frame: the socket takes it in pieces
+
+    async def main() -> None:
+        eng.start(asyncio.get_running_loop())
+        task = asyncio.ensure_future(eng.add("big", prompt, None))
+        await asyncio.sleep(0)  # the add ran up to its send, and the loop has us back
+        assert len(eng._wbuf) > 0  # the socket took a part; the rest waits for add_writer
+        await asyncio.wait_for(task, 60)
+        assert not eng._wbuf  # all of it was sent
+
+    try:
+        asyncio.run(main())
+        assert child.commands[0][0] == "add" and child.commands[0][3][0] == prompt
+    finally:
+        eng._stopped = True
+        theirs.close()
+        proc.close()
