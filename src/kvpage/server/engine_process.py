@@ -6,7 +6,7 @@ operating system deschedules it while it holds the GIL, the event loop cannot an
 even ``/health`` until the engine thread is scheduled again.
 
 Layout (vLLM V1's AsyncLLM / EngineCore split, our own code): :class:`EngineProcess`
-spawns a child that builds the ``LLMEngine`` and runs the same engine loop as the
+(its spawning half in :mod:`kvpage.server.engine_spawn`) spawns a child that builds the ``LLMEngine`` and runs the same engine loop as the
 threaded server (:class:`kvpage.server.engine_loop.AsyncEngine`, with its deliveries
 redirected to a socket), and stands in for the engine in the HTTP process with what the
 server reads (``tokenizer``, ``cache_spec``, ``backend_name``,
@@ -39,19 +39,16 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import multiprocessing as mp
 import pickle
-import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from kvpage.server.engine_core import EngineInfo, child_main, engine_report
+from kvpage.server.engine_core import EngineInfo, engine_report
 from kvpage.server.engine_loop import EngineFailure, StepStats
-from kvpage.server.framing import FrameError, FrameReader, encode_frame, recv_frame
+from kvpage.server.engine_spawn import SpawnedEngine
+from kvpage.server.framing import FrameError, encode_frame, recv_frame
 from kvpage.server.output_codec import OutputDecoder
 
 __all__ = ["EngineInfo", "EngineProcess", "ProcessAsyncEngine", "engine_report"]
@@ -62,110 +59,6 @@ logger = logging.getLogger("kvpage.server.engine")
 #: a child that writes faster than the server reads cannot keep the loop in one callback
 _READ_BYTES = 1 << 18
 _MAX_READS = 16
-
-
-@dataclass(frozen=True)
-class _SchedulerView:
-    max_model_len: int
-    policy: str
-
-
-def _terminate(process: Any) -> None:
-    if process.is_alive():
-        process.terminate()
-        process.join(5)
-        if process.is_alive():
-            process.kill()
-
-
-class EngineProcess:
-    """An ``LLMEngine`` built and run in a child process (``spawn``).
-
-    Stands in for the engine where the server reads it: ``tokenizer``, ``cache_spec``,
-    ``backend_name``, ``scheduler.max_model_len`` / ``scheduler.policy`` and
-    :meth:`get_metrics` (the latest snapshot); requests go through
-    :meth:`make_async_engine`.
-
-    Args:
-        engine_kwargs: ``LLMEngine.from_config`` keyword arguments.
-        log_level: the child's logging level.
-        niceness: added to the child's nice value (0-19; ``os.nice``): the OS then
-            prefers the server process's threads when both want a CPU.
-        start_timeout_s: how long the child may take to build the engine.
-
-    Attributes:
-        sock: this side of the socket pair (blocking until a loop takes it over).
-        reader, backlog: the frame reader of ``sock`` and frames read but not handled
-            (handed to :class:`ProcessAsyncEngine`).
-
-    Raises:
-        SpecError, RequestRejected, ...: the child's engine construction error, re-raised.
-        RuntimeError: the child died or did not answer within ``start_timeout_s``.
-    """
-
-    def __init__(
-        self,
-        engine_kwargs: dict[str, Any],
-        *,
-        log_level: str = "warning",
-        niceness: int = 0,
-        start_timeout_s: float = 300.0,
-    ) -> None:
-        ctx = mp.get_context("spawn")
-        self.sock, child = socket.socketpair()
-        self.reader = FrameReader()
-        self.backlog: list[bytes] = []
-        self.process = ctx.Process(
-            target=child_main,
-            args=(child, dict(engine_kwargs), log_level, niceness),
-            name="kvpage-engine-core",
-            daemon=True,
-        )
-        try:
-            self.process.start()
-        finally:
-            child.close()
-        self._finalizer = weakref.finalize(self, _terminate, self.process)
-        try:
-            self.sock.settimeout(start_timeout_s)
-            msg = recv_frame(self.sock, self.reader, self.backlog)
-        except TimeoutError:
-            self.close()
-            raise RuntimeError(
-                f"engine process: expected it ready within {start_timeout_s:g}s, got no answer"
-            ) from None
-        except (EOFError, FrameError, OSError):
-            self.process.join(5)
-            code = self.process.exitcode
-            self.close()
-            raise RuntimeError(
-                f"engine process: expected it to start, got exit code {code}"
-            ) from None
-        except BaseException:
-            self.close()
-            raise
-        if msg[0] == "error":
-            self.close()
-            raise msg[1]
-        info: EngineInfo = msg[1]
-        self.tokenizer = info.tokenizer
-        self.cache_spec = info.cache_spec
-        self.backend_name = info.backend_name
-        self.scheduler = _SchedulerView(info.max_model_len, info.policy)
-        self._metrics = info.metrics
-
-    def get_metrics(self) -> dict[str, float]:
-        """The engine metrics as of the child's start (live ones: the loop's snapshot)."""
-        return dict(self._metrics)
-
-    def make_async_engine(self, on_step: Any = None) -> ProcessAsyncEngine:
-        """The HTTP-side engine loop talking to this child."""
-        return ProcessAsyncEngine(self, on_step=on_step)
-
-    def close(self) -> None:
-        """Terminate the child (if still alive) and close the socket."""
-        self._finalizer()
-        self.sock.close()
 
 
 class ProcessAsyncEngine:
@@ -182,7 +75,7 @@ class ProcessAsyncEngine:
         final_report: :func:`engine_report` of the child at stop (None before).
     """
 
-    def __init__(self, proc: EngineProcess, *, on_step: Any = None) -> None:
+    def __init__(self, proc: SpawnedEngine, *, on_step: Any = None) -> None:
         self.engine = proc
         self._sock = proc.sock
         self._fd = proc.sock.fileno()
@@ -498,3 +391,13 @@ class ProcessAsyncEngine:
         """Run ``fn(engine)`` in the child between steps (``fn`` must pickle: a
         module-level function) and return its (picklable) result."""
         return await self._request(("call",), fn)
+
+
+class EngineProcess(SpawnedEngine):
+    """An ``LLMEngine`` built and run in a child process (``spawn``); see
+    :class:`~kvpage.server.engine_spawn.SpawnedEngine` for the arguments and errors.
+    Requests go through :meth:`make_async_engine`."""
+
+    def make_async_engine(self, on_step: Any = None) -> ProcessAsyncEngine:
+        """The HTTP-side engine loop talking to this child."""
+        return ProcessAsyncEngine(self, on_step=on_step)
