@@ -180,4 +180,10 @@ def child_main(sock: Any, engine_kwargs: dict[str, Any], log_level: str, nicenes
     gc.collect()
     gc.freeze()  # the engine's start-up heap is never garbage: keep it out of GC scans
     send_frame(sock, ("ready", info))
-    _EngineCore(engine, sock).serve()
+    try:
+        _EngineCore(engine, sock).serve()
+    finally:
+        # back to the collector before the interpreter's final collection: extensions
+        # that check for leaks at exit (triton's nanobind) otherwise report frozen
+        # cycles as leaked
+        gc.unfreeze()

@@ -63,8 +63,10 @@ def prepare_serving_process(app: Any = None) -> None:
        process under the load test: full collections of 230-800 ms each, each a stall
        of the event loop (``/health`` included); vLLM's engine core freezes its
        start-up heap for the same reason. Cost: cyclic garbage made of frozen objects is
-       never collected (there is none now: the collection just ran).
+       not collected while serving (there is none now: the collection just ran); an
+       ``atexit`` hook unfreezes the heap before the interpreter's last collection.
     """
+    import atexit
     import gc
     import importlib
 
@@ -81,6 +83,9 @@ def prepare_serving_process(app: Any = None) -> None:
             fut.result()
     gc.collect()
     gc.freeze()
+    # unfrozen again at exit, before the interpreter's final collection: extensions that
+    # check for leaks then (triton's nanobind) would report frozen cycles as leaked
+    atexit.register(gc.unfreeze)
 
 
 def bind_listener(host: str, port: int, what: str = "port") -> socket.socket:
