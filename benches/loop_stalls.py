@@ -37,6 +37,7 @@ class StallTracer:
         self.threshold_s = threshold_s
         self.tick_s = tick_s
         self.lags_ms: list[float] = []
+        self.lag_times_s: list[float] = []  # when each of them ended, since start
         self.gc_ms: list[tuple[int, float]] = []  # (generation, ms) of collections > 5 ms
         self.num_ticks = 0
         self._gc_t0 = 0.0
@@ -55,6 +56,7 @@ class StallTracer:
         self._running = True
         gc.callbacks.append(self._gc)
         last = [time.perf_counter()]
+        t0 = last[0]
 
         def tick() -> None:
             if not self._running:
@@ -63,6 +65,7 @@ class StallTracer:
             lag = now - last[0] - self.tick_s
             if lag > 0.02:
                 self.lags_ms.append(round(lag * 1000, 1))
+                self.lag_times_s.append(round(now - t0, 2))
             last[0] = now
             self.num_ticks += 1
             faulthandler.dump_traceback_later(self.threshold_s, repeat=False, file=self.out)
@@ -79,13 +82,15 @@ class StallTracer:
 
     def summary(self) -> dict[str, Any]:
         """Collections over 5 ms (count, max, full ones), loop lags over 20 ms (count,
-        the 5 largest), ticks."""
+        the 5 largest with when they ended, in seconds since start), ticks."""
         full = [ms for g, ms in self.gc_ms if g == 2]
+        top = sorted(zip(self.lags_ms, self.lag_times_s), reverse=True)[:5]
         return {
             "ticks": self.num_ticks,
             "gc_over_5ms": len(self.gc_ms),
             "gc_max_ms": max((ms for _, ms in self.gc_ms), default=0.0),
             "gc_full_ms": full,
             "loop_lags_over_20ms": len(self.lags_ms),
-            "loop_lag_top5_ms": sorted(self.lags_ms, reverse=True)[:5],
+            "loop_lag_top5_ms": [ms for ms, _ in top],
+            "loop_lag_top5_at_s": [t for _, t in top],
         }
