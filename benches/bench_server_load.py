@@ -57,7 +57,7 @@ import numpy as np
 
 from kvpage.server.app import create_app
 from kvpage.server.config import ServerConfig
-from kvpage.server.runner import BackgroundServer
+from kvpage.server.runner import BackgroundServer, prepare_serving_process
 from kvpage.workload.traces import bundled_trace_path, load_trace
 
 MODEL = "stories260K"
@@ -329,6 +329,18 @@ def main(argv: list[str] | None = None) -> int:
         help="run the engine in its own process (default: a thread of the server process)",
     )
     ap.add_argument(
+        "--no-prepare",
+        action="store_true",
+        help="skip prepare_serving_process (kvpage serve's pre-imports, tokenizer pool start "
+        "and gc.freeze of the start-up heap)",
+    )
+    ap.add_argument(
+        "--trace-stalls",
+        metavar="FILE",
+        help="trace the server's event loop: stacks of every stall >= 40 ms go to FILE, and "
+        "the summary gains 'loop_stalls' (collections, loop lags; benches/loop_stalls.py)",
+    )
+    ap.add_argument(
         "--no-baseline",
         action="store_true",
         help="skip the offline LLM.generate baseline on the same workload",
@@ -361,8 +373,17 @@ def main(argv: list[str] | None = None) -> int:
             },
         }
     )
-    srv = BackgroundServer(create_app(cfg)).start()
+    app = create_app(cfg)
+    if not args.no_prepare:
+        prepare_serving_process(app)  # as kvpage serve does (runner.run_server)
+    srv = BackgroundServer(app).start()
     state = srv.app.state.serving
+    tracer = None
+    if args.trace_stalls:
+        from loop_stalls import StallTracer
+
+        tracer = StallTracer(open(args.trace_stalls, "w"))  # noqa: SIM115 (closed below)
+        tracer.start(state.loop._loop)
     probe = None
     if args.auth:
         import multiprocessing as mp
@@ -412,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.05)
         snap = dict(state.loop.metrics_snapshot)
     finally:
+        if tracer is not None:
+            tracer.stop()
+            tracer.out.close()
         srv.stop()
     report = getattr(state.loop, "final_report", None)
     if report is None:  # the engine thread ran here: inspect it directly
@@ -435,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine": f"process+nice{args.engine_niceness}" if args.engine_process else "thread",
         "loadavg_1m_before_after": [load_before, round(os.getloadavg()[0], 2)],
         "torch_threads": args.torch_threads,
+        "prepared": not args.no_prepare,
         "wall_s": round(wall, 2),
         "cpu_s": round(cpu, 2),
         "completed_requests_per_s": round(len(done) / wall, 2),
@@ -462,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
             **pct(ctl_lat),
             "max": round(max(ctl_lat), 4) if ctl_lat else None,
         }
+    if tracer is not None:
+        summary["loop_stalls"] = tracer.summary()
     if not args.no_baseline:
         summary["baseline"] = offline_baseline(specs, engine_kw, args.clients)
         summary["server_over_offline_tokens_per_s"] = round(

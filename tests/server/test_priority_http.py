@@ -175,3 +175,58 @@ def test_higher_priority_tenant_is_served_first(server):
     names = {i: n for n, i in ids.items()}
     order = [next(n for i, n in names.items() if rid.startswith(i)) for rid in finished]
     assert order == ["gold", "bronze-0", "bronze-1", "bronze-2", "bronze-3"]
+
+
+def test_kv_pressure_queue_serves_the_higher_priority_tenant_first(serve, keys_file):
+    """27 blocks of the KV budget are reserved (standing in for a long request in
+    flight); a bronze long request, then a gold one, wait in the KV-pressure queue (each
+    would push the projection over the high-water mark, and only one fits once the
+    reservation is returned). Returned: gold is admitted first although bronze queued
+    first, and bronze only after gold finished. The order is recorded on the server (the
+    budget's successful reservations), not from the answers' arrival at the client
+    threads. (Before priorities applied to this queue, bronze went first.)"""
+    srv = serve(
+        engine={"scheduling_policy": "priority", "max_num_seqs": 4},
+        security={"api_keys_file": keys_file},
+        admission={"kv_high_water": 0.5, "long_prompt_tokens": 16, "queue_timeout_s": 60.0},
+    )
+    state = srv.app.state.serving
+    kv, loop = state.kv_budget, state.loop._loop
+    assert kv.num_blocks == 64  # high water 0.5 = 32 blocks of 16 tokens
+    assert asyncio.run_coroutine_threadsafe(kv.acquire(100, 27), loop).result(30).ok
+    admitted: list[int] = []  # priorities, in the order the budget admitted them
+    acquire = kv.acquire
+
+    async def recording_acquire(prompt_tokens, blocks, priority=0):
+        d = await acquire(prompt_tokens, blocks, priority)
+        if d.ok:
+            admitted.append(priority)
+        return d
+
+    kv.acquire = recording_acquire
+    prompt = list(range(3, 23))  # 20 tokens: long
+
+    def send(key: str) -> None:
+        # 20 + 300 tokens = 20 blocks: 27 + 20 > 32 waits, and 20 + 20 > 32: one at a time
+        r = _post(srv, key, {"prompt": prompt, "max_tokens": 300, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+
+    def wait_queued(n: int) -> None:
+        deadline = time.monotonic() + 30
+        while kv.num_queued < n and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert kv.num_queued == n
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futs = [pool.submit(send, KEY_BRONZE)]
+            wait_queued(1)
+            futs.append(pool.submit(send, KEY_GOLD))
+            wait_queued(2)
+            assert admitted == []
+            loop.call_soon_threadsafe(kv.release, 27)
+            for f in futs:
+                f.result(timeout=120)
+    finally:
+        del kv.acquire
+    assert admitted == [0, 10]  # gold (priority 0), then bronze (10)

@@ -11,19 +11,23 @@ the clock is an argument (``now``, seconds, monotonic) so tests can drive it.
 * :class:`KVBudget` — reservations of KV blocks by admitted, unfinished requests;
   ``projected_usage(extra)`` is the share of the pool they may hold at their maximum
   length. Long-context requests that would push it over the high-water mark wait in a
-  bounded FIFO queue or are refused; short ones always pass this check.
+  bounded queue (by ``(priority, arrival)`` under the ``priority`` scheduling policy,
+  FIFO under ``fcfs``) or are refused; short ones always pass this check.
+* :class:`PrioritySlots` — the degraded mode's long-context slots, served in the same
+  order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvpage.server.config import AdmissionConfig, TenantLimit
 
-__all__ = ["Decision", "KVBudget", "TenantLimiter", "TokenBucket"]
+__all__ = ["Decision", "KVBudget", "PrioritySlots", "TenantLimiter", "TokenBucket"]
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,13 @@ class TenantLimiter:
             bucket.refund(cost, now)
 
 
+def _wait_key(policy: str, priority: int, order: int) -> tuple[int, int]:
+    """The service order of a waiter: ``(priority, arrival)`` under the ``priority``
+    scheduling policy (lower first, FCFS among equals, as the engine's queue), plain
+    arrival order under ``fcfs``."""
+    return (priority if policy == "priority" else 0, order)
+
+
 class KVBudget:
     """Global admission budget tied to KV pressure.
 
@@ -161,12 +172,16 @@ class KVBudget:
         num_blocks: usable blocks in the pool (the null block excluded).
         block_size: tokens per block.
         config: high-water mark, long-context threshold, queue policy.
+        policy: the engine's scheduling policy: ``"priority"`` serves the queue of
+            waiting long requests by ``(priority, arrival)``, ``"fcfs"`` by arrival.
 
-    State: ``reserved_blocks`` (sum of active reservations) and a FIFO of waiters.
-    All methods must be called from the event loop thread.
+    State: ``reserved_blocks`` (sum of active reservations) and the waiters with their
+    keys. All methods must be called from the event loop thread.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, config: AdmissionConfig) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, config: AdmissionConfig, policy: str = "fcfs"
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"kv budget: expected num_blocks, block_size >= 1, got {num_blocks}, {block_size}"
@@ -174,8 +189,11 @@ class KVBudget:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.config = config
+        self.policy = policy
         self.reserved_blocks = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        #: waiter -> its key (woken waiters stay until they resume, holding their place)
+        self._waiters: dict[asyncio.Future[None], tuple[int, int]] = {}
+        self._order = itertools.count()
 
     def blocks_for(self, prompt_tokens: int, max_tokens: int, n: int) -> int:
         """Upper bound of blocks a request may hold: ``n * ceil((prompt + max) / block_size)``."""
@@ -200,16 +218,26 @@ class KVBudget:
             self.reserved_blocks == 0 or self.projected_usage(blocks) <= self.config.kv_high_water
         )
 
-    async def acquire(self, prompt_tokens: int, blocks: int) -> Decision:
+    async def acquire(self, prompt_tokens: int, blocks: int, priority: int = 0) -> Decision:
         """Reserve ``blocks`` for a request, waiting or refusing under KV pressure.
 
-        Short requests reserve at once. A long request reserves at once if the projection
-        stays at or under the high-water mark (or nothing is reserved); otherwise it is
-        refused (``reject`` policy, full queue) or waits FIFO up to ``queue_timeout_s``.
-        A cancelled waiter reserves nothing.
+        Short requests reserve at once. A long request reserves at once if no waiter
+        comes before it (by key: ``(priority, arrival)`` under the ``priority`` policy,
+        arrival under ``fcfs``) and the projection stays at or under the high-water
+        mark (or nothing is reserved); otherwise it is refused (``reject`` policy, full
+        queue) or waits up to ``queue_timeout_s``. Waiters are served strictly by key:
+        a release wakes the first, and one that still does not fit keeps its place
+        (the ones behind it wait too, so a large urgent request is not starved by
+        smaller later ones). A cancelled waiter reserves nothing and passes a wake-up
+        it received on.
         """
         cfg = self.config
-        if not self.is_long(prompt_tokens) or (not self._waiters and self._fits(blocks)):
+        key = _wait_key(self.policy, priority, next(self._order))
+        if not self.is_long(prompt_tokens):
+            self.reserved_blocks += blocks
+            return Decision(True)
+        first_key = min(self._waiters.values(), default=None)
+        if (first_key is None or key < first_key) and self._fits(blocks):
             self.reserved_blocks += blocks
             return Decision(True)
         refusal = Decision(
@@ -231,22 +259,20 @@ class KVBudget:
             )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.queue_timeout_s
-        first = True
         while True:
             fut: asyncio.Future[None] = loop.create_future()
-            # FIFO: a woken waiter that still does not fit keeps its place at the head.
-            if first:
-                self._waiters.append(fut)
-            else:
-                self._waiters.appendleft(fut)
-            first = False
+            self._waiters[fut] = key  # the same key again after a wake: the same place
             try:
                 await asyncio.wait_for(fut, timeout=max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 return refusal
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():
+                    self._waiters.pop(fut, None)
+                    self._wake()  # woken, then cancelled: the next waiter may fit
+                raise
             finally:
-                if fut in self._waiters:
-                    self._waiters.remove(fut)
+                self._waiters.pop(fut, None)
             if self._fits(blocks):
                 self.reserved_blocks += blocks
                 self._wake()  # the next waiter may fit too
@@ -255,7 +281,7 @@ class KVBudget:
                 return refusal
 
     def release(self, blocks: int) -> None:
-        """Return a reservation and wake the oldest waiter."""
+        """Return a reservation and wake the first waiter."""
         self.reserved_blocks -= blocks
         if self.reserved_blocks < 0:
             raise AssertionError(
@@ -264,7 +290,63 @@ class KVBudget:
         self._wake()
 
     def _wake(self) -> None:
-        for w in self._waiters:
-            if not w.done():
-                w.set_result(None)
-                return
+        live = [(k, w) for w, k in self._waiters.items() if not w.done()]
+        if live:
+            min(live, key=lambda kw: kw[0])[1].set_result(None)
+
+
+class PrioritySlots:
+    """A counting semaphore whose waiters get a freed slot by key (``(priority,
+    arrival)`` under the ``priority`` policy, arrival under ``fcfs``): the degraded
+    mode's long-context slots. A release hands the slot to the first waiter directly,
+    so a later arrival cannot take it in between.
+
+    Args:
+        value: the number of slots (>= 1).
+        policy: ``"priority"`` or ``"fcfs"``.
+
+    All methods must be called from the event loop thread.
+    """
+
+    def __init__(self, value: int, policy: str = "fcfs") -> None:
+        if value < 1:
+            raise ValueError(f"slots: expected >= 1, got {value}")
+        self.free = value
+        self.policy = policy
+        self._waiters: dict[asyncio.Future[None], tuple[int, int]] = {}
+        self._order = itertools.count()
+
+    @property
+    def num_waiting(self) -> int:
+        """Waiters not yet handed a slot."""
+        return sum(1 for w in self._waiters if not w.done())
+
+    async def acquire(self, priority: int = 0) -> None:
+        """Take a slot, waiting behind every waiter with a smaller key. Cancelled (e.g.
+        by ``asyncio.wait_for``'s timeout), it takes none (a slot handed to it in the
+        meantime goes to the next waiter)."""
+        key = _wait_key(self.policy, priority, next(self._order))
+        if self.free > 0 and not self._waiters:
+            self.free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters[fut] = key
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._waiters.pop(fut, None)
+                self.release()  # handed a slot, then cancelled: pass it on
+            raise
+        finally:
+            self._waiters.pop(fut, None)
+
+    def release(self) -> None:
+        """Give a slot back: to the first waiter if any, else to the free count."""
+        live = [(k, w) for w, k in self._waiters.items() if not w.done()]
+        if live:
+            w = min(live, key=lambda kw: kw[0])[1]
+            del self._waiters[w]
+            w.set_result(None)
+        else:
+            self.free += 1

@@ -1,13 +1,19 @@
 """The child side of the engine process (:mod:`kvpage.server.engine_process`): builds
-the ``LLMEngine`` and runs the server's engine loop with its deliveries sent down a pipe.
+the ``LLMEngine`` and runs the server's engine loop with its deliveries sent down a
+socket as length-prefixed frames (:mod:`kvpage.server.framing`).
 
-See :mod:`kvpage.server.engine_process` for the message protocol.
+See :mod:`kvpage.server.engine_process` for the message protocol. The child's own side
+blocks: its main thread reads commands, the engine thread sends each step's outputs.
+After the engine is built the child freezes its heap (``gc.freeze``, as vLLM's engine
+core does): the model and engine objects are then never scanned again by the cyclic
+garbage collector, whose full collections otherwise stall steps for hundreds of ms.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import os
 import threading
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpage.server.engine_loop import AsyncEngine, StepStats, _Command
+from kvpage.server.framing import FrameError, FrameReader, recv_frame, send_frame
 from kvpage.server.output_codec import OutputEncoder
 
 __all__ = ["EngineInfo", "child_main", "engine_report"]
@@ -65,11 +72,11 @@ def _picklable(exc: BaseException) -> BaseException:
 
 
 class _EngineCore(AsyncEngine):
-    """The child's engine loop: ``AsyncEngine`` whose deliveries go down ``conn``."""
+    """The child's engine loop: ``AsyncEngine`` whose deliveries go down ``sock``."""
 
-    def __init__(self, engine: Any, conn: Any) -> None:
+    def __init__(self, engine: Any, sock: Any) -> None:
         super().__init__(engine, on_step=self._stats)
-        self._conn = conn
+        self._sock = sock
         self._send_lock = threading.Lock()
         self._outbox: list[tuple[str, Any]] = []
         self._last: StepStats | None = None
@@ -78,7 +85,7 @@ class _EngineCore(AsyncEngine):
 
     def _send(self, msg: Any) -> None:
         with self._send_lock:
-            self._conn.send(msg)
+            send_frame(self._sock, msg)
 
     def _emit(self, request_id: str, item: Any) -> None:
         self._outbox.append((request_id, self._codec.encode(item)))
@@ -115,11 +122,13 @@ class _EngineCore(AsyncEngine):
         import concurrent.futures
 
         self._start_thread()
+        reader = FrameReader()
+        backlog: list[bytes] = []
         try:
             while True:
                 try:
-                    msg = self._conn.recv()
-                except (EOFError, OSError):
+                    msg = recv_frame(self._sock, reader, backlog)
+                except (EOFError, OSError, FrameError):
                     break  # the parent is gone
                 kind = msg[0]
                 if kind == "stop":
@@ -142,11 +151,12 @@ class _EngineCore(AsyncEngine):
                 self._thread.join(30)
             with contextlib.suppress(OSError, ValueError):
                 self._send(("final", engine_report(self.engine)))
-            self._conn.close()
+            self._sock.close()
 
 
-def child_main(conn: Any, engine_kwargs: dict[str, Any], log_level: str, niceness: int = 0) -> None:
-    """Entry point of the engine process: build the engine, report, serve ``conn``."""
+def child_main(sock: Any, engine_kwargs: dict[str, Any], log_level: str, niceness: int = 0) -> None:
+    """Entry point of the engine process: build the engine, report, serve ``sock``
+    (a connected stream socket)."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         if niceness:
@@ -164,8 +174,16 @@ def child_main(conn: Any, engine_kwargs: dict[str, Any], log_level: str, nicenes
             dict(engine.get_metrics()),
         )
     except BaseException as exc:
-        conn.send(("error", _picklable(exc)))
-        conn.close()
+        send_frame(sock, ("error", _picklable(exc)))
+        sock.close()
         return
-    conn.send(("ready", info))
-    _EngineCore(engine, conn).serve()
+    gc.collect()
+    gc.freeze()  # the engine's start-up heap is never garbage: keep it out of GC scans
+    send_frame(sock, ("ready", info))
+    try:
+        _EngineCore(engine, sock).serve()
+    finally:
+        # back to the collector before the interpreter's final collection: extensions
+        # that check for leaks at exit (triton's nanobind) otherwise report frozen
+        # cycles as leaked
+        gc.unfreeze()

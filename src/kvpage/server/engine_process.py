@@ -1,31 +1,36 @@
 """The engine in its own process: the HTTP front end and the engine core share no GIL.
 
-Why (measured, docs/serving.md "Health under load"): in one process the engine thread
+Why (measured, docs/serving.md "The engine process"): in one process the engine thread
 holds the GIL for most of each step (Python bookkeeping around small kernels); when the
 operating system deschedules it while it holds the GIL, the event loop cannot answer
-even ``/health`` until the engine thread is scheduled again. On an oversubscribed CPU
-that wait is tens to hundreds of milliseconds. A CPU-bound thread in the same process
-tripled a trivial app's ``/health`` p99; the same load in another process did not.
+even ``/health`` until the engine thread is scheduled again.
 
 Layout (vLLM V1's AsyncLLM / EngineCore split, our own code): :class:`EngineProcess`
-spawns a child that builds the ``LLMEngine`` and runs the same engine loop as the
+(its spawning half in :mod:`kvpage.server.engine_spawn`) spawns a child that builds the ``LLMEngine`` and runs the same engine loop as the
 threaded server (:class:`kvpage.server.engine_loop.AsyncEngine`, with its deliveries
-redirected to a pipe), and stands in for the engine in the HTTP process with what the
+redirected to a socket), and stands in for the engine in the HTTP process with what the
 server reads (``tokenizer``, ``cache_spec``, ``backend_name``,
 ``scheduler.max_model_len`` / ``.policy``). :class:`ProcessAsyncEngine` is the
-HTTP-side twin of ``AsyncEngine`` (same methods): commands go down the pipe, and the
-child's per-step batch of outputs and step statistics comes back. Two small I/O threads
-move the messages so the event loop never waits on the pipe.
+HTTP-side twin of ``AsyncEngine`` (same methods): commands go down the socket, and the
+child's per-step batch of outputs and step statistics comes back.
 
-Messages (pickled, one ``Connection`` each way):
+The server side has no I/O thread: the event loop watches the socket
+(``loop.add_reader``) and reads it without blocking, reassembling length-prefixed
+frames (:mod:`kvpage.server.framing`) from whatever pieces arrive, so a step's outputs
+cost one wake-up of the loop, as in thread mode, and a child descheduled in the middle
+of a frame never blocks it. Commands are written without blocking too (what the socket
+does not take at once waits for ``loop.add_writer``).
+
+Messages (one pickled frame each, over a ``socket.socketpair``):
 
 * parent -> child: ``("add", cid, request_id, (prompt, params, arrival_time), kwargs)``,
   ``("abort", cid | None, request_id)``, ``("call", cid, fn)`` (``fn`` must pickle: a
   module-level function), ``("stop",)``.
 * child -> parent: ``("ready", EngineInfo)`` or ``("error", exc)`` at start;
-  ``("res", cid, ok, value)``; ``("out", [(request_id, RequestOutput | EngineFailure)],
-  StepStats | None)`` after each step; ``("metrics", snapshot)`` when it goes idle;
-  ``("final", report)`` (:func:`engine_report`) before it exits.
+  ``("res", cid, ok, value)``; ``("out", [(request_id, delta | EngineFailure)],
+  StepStats | None)`` after each step (:mod:`kvpage.server.output_codec`);
+  ``("metrics", snapshot)`` when it goes idle; ``("final", report)``
+  (:func:`engine_report`) before it exits.
 """
 
 from __future__ import annotations
@@ -34,137 +39,55 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import multiprocessing as mp
-import queue
+import pickle
 import threading
-import weakref
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
 from typing import Any
 
-from kvpage.server.engine_core import EngineInfo, child_main, engine_report
+from kvpage.server.engine_core import EngineInfo, engine_report
 from kvpage.server.engine_loop import EngineFailure, StepStats
+from kvpage.server.engine_spawn import SpawnedEngine
+from kvpage.server.framing import FrameError, encode_frame, recv_frame
 from kvpage.server.output_codec import OutputDecoder
 
 __all__ = ["EngineInfo", "EngineProcess", "ProcessAsyncEngine", "engine_report"]
 
 logger = logging.getLogger("kvpage.server.engine")
 
-
-@dataclass(frozen=True)
-class _SchedulerView:
-    max_model_len: int
-    policy: str
-
-
-def _terminate(process: Any) -> None:
-    if process.is_alive():
-        process.terminate()
-        process.join(5)
-        if process.is_alive():
-            process.kill()
-
-
-class EngineProcess:
-    """An ``LLMEngine`` built and run in a child process (``spawn``).
-
-    Stands in for the engine where the server reads it: ``tokenizer``, ``cache_spec``,
-    ``backend_name``, ``scheduler.max_model_len`` / ``scheduler.policy`` and
-    :meth:`get_metrics` (the latest snapshot); requests go through
-    :meth:`make_async_engine`.
-
-    Args:
-        engine_kwargs: ``LLMEngine.from_config`` keyword arguments.
-        log_level: the child's logging level.
-        niceness: added to the child's nice value (0-19; ``os.nice``): the OS then
-            prefers the server process's threads when both want a CPU.
-        start_timeout_s: how long the child may take to build the engine.
-
-    Raises:
-        SpecError, RequestRejected, ...: the child's engine construction error, re-raised.
-        RuntimeError: the child died or did not answer within ``start_timeout_s``.
-    """
-
-    def __init__(
-        self,
-        engine_kwargs: dict[str, Any],
-        *,
-        log_level: str = "warning",
-        niceness: int = 0,
-        start_timeout_s: float = 300.0,
-    ) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=child_main,
-            args=(child, dict(engine_kwargs), log_level, niceness),
-            name="kvpage-engine-core",
-            daemon=True,
-        )
-        self.process.start()
-        child.close()
-        self._finalizer = weakref.finalize(self, _terminate, self.process)
-        try:
-            if not self.conn.poll(start_timeout_s):
-                raise RuntimeError(
-                    f"engine process: expected it ready within {start_timeout_s:g}s, got no answer"
-                )
-            msg = self.conn.recv()
-        except EOFError:
-            self.close()
-            raise RuntimeError(
-                f"engine process: expected it to start, got exit code {self.process.exitcode}"
-            ) from None
-        except BaseException:
-            self.close()
-            raise
-        if msg[0] == "error":
-            self.close()
-            raise msg[1]
-        info: EngineInfo = msg[1]
-        self.tokenizer = info.tokenizer
-        self.cache_spec = info.cache_spec
-        self.backend_name = info.backend_name
-        self.scheduler = _SchedulerView(info.max_model_len, info.policy)
-        self._metrics = info.metrics
-
-    def get_metrics(self) -> dict[str, float]:
-        """The engine metrics as of the child's start (live ones: the loop's snapshot)."""
-        return dict(self._metrics)
-
-    def make_async_engine(self, on_step: Any = None) -> ProcessAsyncEngine:
-        """The HTTP-side engine loop talking to this child."""
-        return ProcessAsyncEngine(self, on_step=on_step)
-
-    def close(self) -> None:
-        """Terminate the child (if still alive) and close the pipe."""
-        self._finalizer()
-        self.conn.close()
+#: bytes asked of the socket per read, and most reads per wake-up of the loop (4 MiB):
+#: a child that writes faster than the server reads cannot keep the loop in one callback
+_READ_BYTES = 1 << 18
+_MAX_READS = 16
 
 
 class ProcessAsyncEngine:
     """``AsyncEngine``'s interface over an :class:`EngineProcess` (see module doc).
 
-    Two daemon threads move the messages, so the event loop never blocks on the pipe
-    (a message larger than the pipe's buffer arrives in pieces, and the child may be
-    descheduled between them): ``kvpage-engine-rx`` receives (the blocking read
-    releases the GIL) and hands each message to the loop; ``kvpage-engine-tx`` sends
-    what the handlers queue.
+    Everything runs on the event loop given to :meth:`start`: the socket is read when
+    it is readable (non-blocking, framed), each complete frame is unpickled and handled
+    in the same callback, and commands are written without blocking. :meth:`stop` may
+    be called from another thread (the server calls it from a worker thread while the
+    loop still runs) or after the loop ended.
 
     Attributes:
         metrics_snapshot: the latest engine metrics the child sent.
         final_report: :func:`engine_report` of the child at stop (None before).
     """
 
-    def __init__(self, proc: EngineProcess, *, on_step: Any = None) -> None:
+    def __init__(self, proc: SpawnedEngine, *, on_step: Any = None) -> None:
         self.engine = proc
-        self._conn = proc.conn
+        self._sock = proc.sock
+        self._fd = proc.sock.fileno()
+        self._reader = proc.reader
+        self._backlog = proc.backlog
         self._on_step = on_step
         self._streams: dict[str, asyncio.Queue[Any]] = {}
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._outq: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
+        self._attached = False
+        self._wbuf = bytearray()  # command bytes the socket has not taken yet
         self._stopped = False
         self._decoder = OutputDecoder()
         self._gone = threading.Event()  # the child closed its end (after "final" or dying)
@@ -173,14 +96,17 @@ class ProcessAsyncEngine:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Deliver the child's messages on ``loop`` from now on."""
+        """Read the child's messages on ``loop`` from now on (call it on ``loop``'s
+        thread, or before ``loop`` runs)."""
         if self._loop is not None:
             raise RuntimeError("engine loop: expected a stopped loop, got a running one")
         self._loop = loop
-        for name, target in (("kvpage-engine-rx", self._rx), ("kvpage-engine-tx", self._tx)):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+        self._sock.setblocking(False)
+        loop.add_reader(self._fd, self._on_readable)
+        self._attached = True
+        if self._backlog:  # frames read with the "ready" answer at start
+            frames, self._backlog[:] = list(self._backlog), []
+            loop.call_soon(self._handle_frames, frames)
 
     @property
     def running(self) -> bool:
@@ -192,27 +118,85 @@ class ProcessAsyncEngine:
             and self.engine.process.is_alive()
         )
 
+    def _on_loop_thread(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the child (it aborts every live request and reports its end state in
         :attr:`final_report`), wait for it (bounded), fail every waiting handler."""
         if self._stopped:
             return
         self._stopped = True
-        if self._loop is None:  # never started: no threads
+        loop = self._loop
+        if loop is None:  # never started
             self.engine.close()
             return
-        self._outq.put(("stop",))
-        self._gone.wait(timeout_s)
-        self._outq.put(None)
+        if loop.is_running() and not loop.is_closed() and not self._on_loop_thread():
+            # the loop keeps reading: it gets "final" and then the end of the stream
+            try:
+                loop.call_soon_threadsafe(self._write, encode_frame(("stop",)))
+                self._gone.wait(timeout_s)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+            self._run_on_loop(self._detach, timeout_s)
+        else:
+            self._detach()
+            self._stop_blocking(timeout_s)
         self.engine.process.join(timeout_s)
         self.engine.close()
-        for t in self._threads:
-            t.join(timeout_s)
+        if loop.is_running() and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._fail_waiting, "engine process stopped")
+                return
+        self._fail_waiting("engine process stopped")
+
+    def _run_on_loop(self, fn: Callable[[], None], timeout_s: float) -> None:
         loop = self._loop
-        if not loop.is_closed() and loop.is_running():
-            loop.call_soon_threadsafe(self._fail_waiting, "engine process stopped")
-        else:
-            self._fail_waiting("engine process stopped")
+        assert loop is not None
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                done.set()
+
+        try:
+            loop.call_soon_threadsafe(run)
+        except RuntimeError:  # closed: nothing runs on it any more
+            fn()
+            return
+        if not done.wait(timeout_s):
+            logger.warning("engine process: the event loop did not release the socket")
+
+    def _stop_blocking(self, timeout_s: float) -> None:
+        """Stop the child without the event loop: send "stop", read to the end."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._sock.settimeout(timeout_s)
+            self._sock.sendall(bytes(self._wbuf) + encode_frame(("stop",)))
+            self._wbuf.clear()
+            while True:
+                self._sock.settimeout(max(0.01, deadline - time.monotonic()))
+                msg = recv_frame(self._sock, self._reader, self._backlog)
+                if msg[0] == "final":
+                    self._take_final(msg[1])
+        except (EOFError, FrameError, OSError):
+            pass  # the end of the stream (or a timeout): the caller joins the child
+        self._gone.set()
+
+    def _detach(self) -> None:
+        """Stop watching the socket (on the loop, or with the loop not running)."""
+        if not self._attached:
+            return
+        self._attached = False
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self._fd)
+            loop.remove_writer(self._fd)
 
     def _fail_waiting(self, why: str) -> None:
         """Fail every pending command and waiting handler with ``why`` (on the loop)."""
@@ -223,47 +207,100 @@ class ProcessAsyncEngine:
         for rid in list(self._streams):
             self._deliver(rid, EngineFailure(why))
 
-    # ---------------------------------------------------------------- pipe threads
-    def _rx(self) -> None:
-        loop = self._loop
-        assert loop is not None
-        while True:
+    # ---------------------------------------------------------------- the socket
+    def _on_readable(self) -> None:
+        frames: list[bytes] = []
+        end: str | None = None
+        try:
+            for _ in range(_MAX_READS):
+                data = self._sock.recv(_READ_BYTES)
+                if not data:
+                    self._reader.check_end()
+                    end = "closed its pipe"
+                    break
+                frames.extend(self._reader.feed(data))
+                if len(data) < _READ_BYTES:
+                    break  # drained: skip the read that would say so
+        except (BlockingIOError, InterruptedError):
+            pass
+        except FrameError as exc:
+            end = f"broke its pipe mid-message ({exc})"
+        except OSError as exc:
+            end = f"pipe error ({exc})"
+        self._handle_frames(frames)
+        if end is not None:
+            self._lost(end)
+
+    def _handle_frames(self, frames: list[bytes]) -> None:
+        for payload in frames:
             try:
-                msg = self._conn.recv()
-            except (EOFError, OSError):
-                break
+                msg = pickle.loads(payload)
             except Exception:  # a message that does not unpickle: log it, keep reading
                 logger.exception("engine process: unreadable message")
                 continue
-            if msg[0] == "final":  # handled here: the loop may be shutting down
-                self.final_report = msg[1]
-                self.metrics_snapshot = dict(msg[1]["metrics"])
-                continue
-            with contextlib.suppress(RuntimeError):  # loop closed
-                loop.call_soon_threadsafe(self._handle, msg)
-        self._gone.set()
-        if not self._stopped:
-            code = self.engine.process.exitcode
-            logger.error("engine process: exited (code %s); failing all requests", code)
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(
-                    self._fail_waiting, f"engine process exited (code {code})"
-                )
-
-    def _tx(self) -> None:
-        while True:
-            msg = self._outq.get()
-            if msg is None:
-                return
             try:
-                self._conn.send(msg)
-            except (OSError, ValueError):
-                return  # the child is gone: _rx reports it
+                self._handle(msg)
+            except Exception:
+                logger.exception("engine process: handling %r failed", msg[0])
+
+    def _lost(self, how: str) -> None:
+        """The child's end of the stream is gone: stop watching it; unless stopping,
+        fail every waiting request (the child died)."""
+        self._detach()
+        self._gone.set()
+        if self._stopped:
+            return
+        self.engine.process.join(0.05)  # a dying child: its exit code, if already there
+        code = self.engine.process.exitcode
+        logger.error("engine process: %s (exit code %s); failing all requests", how, code)
+        self._fail_waiting(f"engine process exited (code {code})")
+
+    def _write(self, frame: bytes) -> None:
+        # On the loop: send what the socket takes now, queue the rest for add_writer.
+        if self._gone.is_set() or not self._attached:
+            return
+        if self._wbuf:
+            self._wbuf += frame
+            return
+        try:
+            n = self._sock.send(frame)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError:
+            return  # the child is gone: the reader reports it
+        if n < len(frame):
+            self._wbuf += frame[n:]
+            assert self._loop is not None
+            self._loop.add_writer(self._fd, self._on_writable)
+
+    def _on_writable(self) -> None:
+        assert self._loop is not None
+        try:
+            n = self._sock.send(self._wbuf)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            n = len(self._wbuf)  # the child is gone: drop it, the reader reports it
+        del self._wbuf[:n]
+        if not self._wbuf:
+            self._loop.remove_writer(self._fd)
 
     def _send(self, msg: Any) -> None:
         if not self.running and msg[0] != "abort":
             raise RuntimeError("engine loop: expected a running engine process, got none")
-        self._outq.put(msg)
+        loop = self._loop
+        if loop is None:
+            return  # never started: nothing to abort
+        frame = encode_frame(msg)
+        if self._on_loop_thread():
+            self._write(frame)
+        else:
+            with contextlib.suppress(RuntimeError):  # loop closed: the child is stopping
+                loop.call_soon_threadsafe(self._write, frame)
+
+    def _take_final(self, report: dict[str, Any]) -> None:
+        self.final_report = report
+        self.metrics_snapshot = dict(report["metrics"])
 
     def _handle(self, msg: Any) -> None:
         kind = msg[0]
@@ -290,6 +327,8 @@ class ProcessAsyncEngine:
                     fut.set_result(msg[3])
                 else:
                     fut.set_exception(msg[3])
+        elif kind == "final":
+            self._take_final(msg[1])
 
     def _deliver(self, request_id: str, item: Any) -> None:
         q = self._streams.get(request_id)
@@ -352,3 +391,13 @@ class ProcessAsyncEngine:
         """Run ``fn(engine)`` in the child between steps (``fn`` must pickle: a
         module-level function) and return its (picklable) result."""
         return await self._request(("call",), fn)
+
+
+class EngineProcess(SpawnedEngine):
+    """An ``LLMEngine`` built and run in a child process (``spawn``); see
+    :class:`~kvpage.server.engine_spawn.SpawnedEngine` for the arguments and errors.
+    Requests go through :meth:`make_async_engine`."""
+
+    def make_async_engine(self, on_step: Any = None) -> ProcessAsyncEngine:
+        """The HTTP-side engine loop talking to this child."""
+        return ProcessAsyncEngine(self, on_step=on_step)

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvpage.server.admission import Decision, KVBudget, TenantLimiter
+from kvpage.server.admission import Decision, KVBudget, PrioritySlots, TenantLimiter
 from kvpage.server.auth import Authenticator
 from kvpage.server.config import ServerConfig
 from kvpage.server.degradation import DegradationController
@@ -150,11 +150,15 @@ class ServingState(RequestGeneration):
         )
         #: engine steps that ran out of device or host memory
         self.num_oom = 0
-        self.kv_budget = KVBudget(max(1, spec.num_blocks - 1), spec.block_size, config.admission)
+        self.kv_budget = KVBudget(
+            max(1, spec.num_blocks - 1), spec.block_size, config.admission, self.scheduling_policy
+        )
         self.degradation = DegradationController(
             config.degradation, clock(), on_change=lambda d, _r: self.metrics.set_degraded(d)
         )
-        self.long_slots = asyncio.Semaphore(config.degradation.long_context_concurrency)
+        self.long_slots = PrioritySlots(
+            config.degradation.long_context_concurrency, self.scheduling_policy
+        )
         self.num_long_waiting = 0
         self.num_active = 0
         self.cancel_causes = {}
@@ -278,7 +282,7 @@ class ServingState(RequestGeneration):
             return
         n_prompt = len(req.prompt_token_ids)
         blocks = self.kv_budget.blocks_for(n_prompt, req.max_tokens, req.n)
-        d = await self.kv_budget.acquire(n_prompt, blocks)
+        d = await self.kv_budget.acquire(n_prompt, blocks, req.priority)
         if not d.ok:
             raise _rate_limited(d)
         slot = False
@@ -287,7 +291,7 @@ class ServingState(RequestGeneration):
                 self.num_long_waiting += 1
                 try:
                     await asyncio.wait_for(
-                        self.long_slots.acquire(), self.config.admission.queue_timeout_s
+                        self.long_slots.acquire(req.priority), self.config.admission.queue_timeout_s
                     )
                     slot = True
                 except asyncio.TimeoutError:
