@@ -109,23 +109,44 @@ static inline __attribute__((always_inline)) float dot(const float *restrict a,
     return s;
 }
 
-/* acc[x] = acc[x] * alpha (the running output's rescale) */
-static inline __attribute__((always_inline)) void scale_row(float *restrict acc, float alpha,
-                                                            int64_t d) {
-    for (int64_t x = 0; x < d; x++) acc[x] *= alpha;
-}
+/* acc = alpha * acc + sum_j p[j] * v[j * stride] over n keys. For head_dim <= 128 in
+ * whole vectors the row lives in registers for the whole block, in two accumulators
+ * (even and odd keys, added at the end) so that consecutive keys do not wait on each
+ * other's multiply-add. */
+#define PV_BODY(VT, W, LD, ST)                                                          \
+    do {                                                                                \
+        enum { MAXV = 128 / (W) };                                                      \
+        const int64_t nv = d / (W);                                                     \
+        VT o[MAXV], e[MAXV];                                                            \
+        for (int64_t i = 0; i < nv; i++) { o[i] = LD(acc + (W) * i) * alpha; e[i] = o[i] * 0.0f; } \
+        int64_t j = 0;                                                                  \
+        for (; j + 1 < n; j += 2) {                                                     \
+            const float *restrict v0 = v + j * stride, *restrict v1 = v0 + stride;      \
+            const float p0 = p[j], p1 = p[j + 1];                                       \
+            for (int64_t i = 0; i < nv; i++) {                                          \
+                o[i] += p0 * LD(v0 + (W) * i);                                          \
+                e[i] += p1 * LD(v1 + (W) * i);                                          \
+            }                                                                           \
+        }                                                                               \
+        if (j < n)                                                                      \
+            for (int64_t i = 0; i < nv; i++) o[i] += p[j] * LD(v + j * stride + (W) * i); \
+        for (int64_t i = 0; i < nv; i++) ST(acc + (W) * i, o[i] + e[i]);                \
+    } while (0)
 
-/* acc[x] += p * v[x] */
-static inline __attribute__((always_inline)) void axpy(float *restrict acc, float p,
-                                                       const float *restrict v, int64_t d) {
-    if (d % 16 == 0) {
-        for (int64_t x = 0; x < d; x += 16) st16(acc + x, ld16(acc + x) + p * ld16(v + x));
-    } else if (d % 8 == 0) {
-        for (int64_t x = 0; x < d; x += 8) st8(acc + x, ld8(acc + x) + p * ld8(v + x));
-    } else if (d % 4 == 0) {
-        for (int64_t x = 0; x < d; x += 4) st4(acc + x, ld4(acc + x) + p * ld4(v + x));
+static inline __attribute__((always_inline)) void pv(float *restrict acc, float alpha,
+                                                     const float *restrict p,
+                                                     const float *restrict v, int64_t stride,
+                                                     int64_t n, int64_t d) {
+    if (d % 16 == 0 && d <= 128) {
+        PV_BODY(vf16, 16, ld16, st16);
+    } else if (d % 8 == 0 && d <= 128) {
+        PV_BODY(vf8, 8, ld8, st8);
+    } else if (d % 4 == 0 && d <= 128) {
+        PV_BODY(vf4, 4, ld4, st4);
     } else {
-        for (int64_t x = 0; x < d; x++) acc[x] += p * v[x];
+        for (int64_t x = 0; x < d; x++) acc[x] *= alpha;
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t x = 0; x < d; x++) acc[x] += p[j] * v[j * stride + x];
     }
 }
 
@@ -166,16 +187,17 @@ static inline vf16 vexp16(vf16 x) {
     return y;
 }
 
-/* K (tile rows 0..bs-1) and V (rows bs..2bs-1) of keys j0..j1-1 of block blk, KV head
- * h, as float32 rows of d in tile */
-static void convert(const kvp_args *a, int64_t blk, int64_t j0, int64_t j1, int64_t h,
-                    float *restrict tile) {
-    const int64_t bs = a->block_size, hkv = a->num_kv_heads, d = a->head_dim;
+/* K (tile rows 0..bs-1) and V (rows bs..2bs-1) of keys j0..j1-1 of block blk, KV
+ * heads h0..h1-1, as float32 rows of (h1 - h0) * d in tile */
+static void convert(const kvp_args *a, int64_t blk, int64_t j0, int64_t j1, int64_t h0,
+                    int64_t h1, float *restrict tile) {
+    const int64_t bs = a->block_size, hkv = a->num_kv_heads, d = a->head_dim, nh = h1 - h0;
     for (int64_t c = 0; c < 2; c++) {
         const int64_t plane = (c * a->num_blocks + blk) * bs;
-        for (int64_t j = j0; j < j1; j++) {
+        for (int64_t j = j0; j < j1; j++)
+        for (int64_t h = h0; h < h1; h++) {
             const int64_t src = (plane + j) * hkv * d + h * d;
-            float *restrict dst = tile + (c * bs + j) * d;
+            float *restrict dst = tile + ((c * bs + j) * nh + h - h0) * d;
             if (a->kind == KIND_BF16) {
                 const uint16_t *restrict s = (const uint16_t *)a->kv + src;
                 uint32_t *restrict o = (uint32_t *)dst;
@@ -198,6 +220,30 @@ static inline int64_t block_id(const kvp_args *a, int64_t seq, int64_t b) {
     return ((const int32_t *)a->block_tables)[seq * a->bt_stride + b];
 }
 
+#ifndef PF_DIST
+#define PF_DIST 1
+#endif
+static const int64_t ELEM_SIZE[4] = {4, 2, 1, 1};
+
+/* Ask for K and V of keys 0..bs-1, KV heads h0..h1-1, of block blk to be brought into
+ * the cache (the block the unit reads next: a block is a few KiB in its own place in
+ * memory, where the hardware prefetcher would start cold). */
+static inline void prefetch_block(const kvp_args *a, int64_t blk, int64_t h0, int64_t h1) {
+    const int64_t es = ELEM_SIZE[a->kind], row = a->num_kv_heads * a->head_dim * es;
+    const int64_t lo = h0 * a->head_dim * es, hi = h1 * a->head_dim * es;
+    const int64_t bs = a->block_size;
+    for (int64_t c = 0; c < 2; c++) {
+        const char *base = (const char *)a->kv + (c * a->num_blocks + blk) * bs * row;
+        if (lo == 0 && hi == row) {
+            for (int64_t off = 0; off < bs * row; off += 64) __builtin_prefetch(base + off, 0, 3);
+        } else {
+            for (int64_t j = 0; j < bs; j++)
+                for (int64_t off = lo; off < hi; off += 64)
+                    __builtin_prefetch(base + j * row + off, 0, 3);
+        }
+    }
+}
+
 static inline int64_t max64(int64_t x, int64_t y) { return x > y ? x : y; }
 static inline int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
 
@@ -211,11 +257,12 @@ static inline __attribute__((always_inline)) int run(const kvp_args *a, const in
         const int64_t *un = a->units + 5 * u;
         max_states = max64(max_states, (un[2] - un[1]) * (un[4] - un[3]) * group);
     }
-    float *mem = malloc(sizeof(float) * (size_t)(2 * max_states + max_states * d + sp +
-                                                 (a->kind == KIND_FLOAT ? 0 : 2 * bs * d)));
+    const int64_t nsc = hkv * group * sp; /* scores of every head of a unit */
+    float *mem = malloc(sizeof(float) * (size_t)(2 * max_states + max_states * d + nsc +
+                                                 (a->kind == KIND_FLOAT ? 0 : 2 * bs * hkv * d)));
     if (!mem) return -1;
     float *restrict m = mem, *restrict l_sum = m + max_states, *restrict acc = l_sum + max_states;
-    float *restrict s = acc + max_states * d, *restrict tile = s + sp;
+    float *restrict s = acc + max_states * d, *restrict tile = s + nsc;
     const float *kvf = (const float *)a->kv;
     for (int64_t u = a->u0; u < a->u1; u++) {
         const int64_t *un = a->units + 5 * u;
@@ -232,63 +279,81 @@ static inline __attribute__((always_inline)) int run(const kvp_args *a, const in
             const int64_t kp0 = b * bs;
             const int64_t j0 = max64(first - kp0, 0), j1 = min64(last + 1 - kp0, bs);
             const int64_t blk = block_id(a, seq, b);
-            for (int64_t hh = 0; hh < nh; hh++) {
-                const int64_t h = h0 + hh;
-                const float *kb, *vb;
-                int64_t stride;
-                if (a->kind == KIND_FLOAT) {
-                    kb = kvf + (blk * bs) * hkv * d + h * d;
-                    vb = kvf + ((nb + blk) * bs) * hkv * d + h * d;
-                    stride = hkv * d;
-                } else {
-                    convert(a, blk, j0, j1, h, tile);
-                    kb = tile;
-                    vb = tile + bs * d;
-                    stride = d;
-                }
-                for (int64_t r = 0; r < nr; r++) {
-                    const int64_t pos = ctx + r0 + r;
-                    const int64_t lo = a->window > 0 ? pos - a->window + 1 - kp0 : 0;
-                    const int64_t a0 = max64(j0, lo), a1 = min64(j1, pos + 1 - kp0);
-                    if (a1 <= a0) continue;
-                    const int64_t c0 = a0 / 16 * 16, c1 = (a1 + 15) / 16 * 16;
-                    const int64_t qrow = qs + r0 + r;
-                    for (int64_t g = 0; g < group; g++) {
-                        const float *restrict qv = a->q + (qrow * nq + h * group + g) * d;
-                        const int64_t st = (r * nh + hh) * group + g;
-                        for (int64_t j = c0; j < a0; j++) s[j] = -INFINITY;
-                        for (int64_t j = a0; j < a1; j++) {
-                            float v = dot(qv, kb + j * stride, d) * a->scale;
+            if (PF_DIST == 0) {
+            } else if (b + PF_DIST <= last / bs) {
+                prefetch_block(a, block_id(a, seq, b + PF_DIST), h0, h0 + nh);
+            } else if (b < last / bs) {
+            } else if (u + 1 < a->u1) { /* the next unit's first block */
+                const int64_t *nx = un + 5;
+                const int64_t nqs = a->query_start[nx[0]];
+                const int64_t nctx = a->seq_lens[nx[0]] - (a->query_start[nx[0] + 1] - nqs);
+                const int64_t nfirst =
+                    a->window > 0 ? max64(0, nctx + nx[1] - a->window + 1) : 0;
+                prefetch_block(a, block_id(a, nx[0], nfirst / bs), nx[3], nx[4]);
+            }
+            const float *kb, *vb;
+            int64_t stride;
+            if (a->kind == KIND_FLOAT) {
+                kb = kvf + (blk * bs) * hkv * d + h0 * d;
+                vb = kvf + ((nb + blk) * bs) * hkv * d + h0 * d;
+                stride = hkv * d;
+            } else {
+                convert(a, blk, j0, j1, h0, h0 + nh, tile);
+                kb = tile;
+                vb = tile + bs * nh * d;
+                stride = nh * d;
+            }
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t pos = ctx + r0 + r;
+                const int64_t lo = a->window > 0 ? pos - a->window + 1 - kp0 : 0;
+                const int64_t a0 = max64(j0, lo), a1 = min64(j1, pos + 1 - kp0);
+                if (a1 <= a0) continue;
+                const int64_t c0 = a0 / 16 * 16, c1 = (a1 + 15) / 16 * 16;
+                const float *restrict qr = a->q + ((qs + r0 + r) * nq + h0 * group) * d;
+                /* scores, key by key: K rows are read in memory order (all the unit's
+                 * heads of a key are one contiguous run) and the V row of the key is
+                 * requested for the pass below */
+                for (int64_t j = a0; j < a1; j++) {
+                    const float *restrict krow = kb + j * stride;
+                    for (int64_t off = 0; off < nh * d; off += 16)
+                        __builtin_prefetch(vb + j * stride + off, 0, 3);
+                    for (int64_t hh = 0, i = 0; hh < nh; hh++) {
+                        for (int64_t g = 0; g < group; g++, i++) {
+                            float v = dot(qr + i * d, krow + hh * d, d) * a->scale;
                             if (a->soft_cap > 0.0f) v = a->soft_cap * tanhf(v / a->soft_cap);
-                            s[j] = v;
+                            s[i * sp + j] = v;
                         }
-                        for (int64_t j = a1; j < c1; j++) s[j] = -INFINITY;
-                        vf16 mv = (vf16){0} - INFINITY;
-                        for (int64_t j = c0; j < c1; j += 16) {
-                            vf16 v = ld16(s + j);
-                            vi16 gt = v > mv;
-                            vi16 vb_, mb;
-                            memcpy(&vb_, &v, sizeof vb_);
-                            memcpy(&mb, &mv, sizeof mb);
-                            mb = (vb_ & gt) | (mb & ~gt);
-                            memcpy(&mv, &mb, sizeof mv);
-                        }
-                        const float mold = m[st];
-                        float mx = hmax16(mv);
-                        if (!(mx > mold)) mx = mold;
-                        const float alpha = expf(mold - mx);
-                        m[st] = mx;
-                        vf16 ps = (vf16){0};
-                        for (int64_t j = c0; j < c1; j += 16) {
-                            vf16 p = vexp16(ld16(s + j) - mx);
-                            ps += p;
-                            st16(s + j, p);
-                        }
-                        l_sum[st] = l_sum[st] * alpha + hsum16(ps);
-                        float *restrict ab = acc + st * d;
-                        if (alpha != 1.0f) scale_row(ab, alpha, d);
-                        for (int64_t j = a0; j < a1; j++) axpy(ab, s[j], vb + j * stride, d);
                     }
+                }
+                for (int64_t i = 0; i < nh * group; i++) {
+                    float *restrict si = s + i * sp;
+                    const int64_t st = r * nh * group + i;
+                    for (int64_t j = c0; j < a0; j++) si[j] = -INFINITY;
+                    for (int64_t j = a1; j < c1; j++) si[j] = -INFINITY;
+                    vf16 mv = (vf16){0} - INFINITY;
+                    for (int64_t j = c0; j < c1; j += 16) {
+                        vf16 v = ld16(si + j);
+                        vi16 gt = v > mv;
+                        vi16 vb_, mb;
+                        memcpy(&vb_, &v, sizeof vb_);
+                        memcpy(&mb, &mv, sizeof mb);
+                        mb = (vb_ & gt) | (mb & ~gt);
+                        memcpy(&mv, &mb, sizeof mv);
+                    }
+                    const float mold = m[st];
+                    float mx = hmax16(mv);
+                    if (!(mx > mold)) mx = mold;
+                    const float alpha = expf(mold - mx);
+                    m[st] = mx;
+                    vf16 ps = (vf16){0};
+                    for (int64_t j = c0; j < c1; j += 16) {
+                        vf16 p = vexp16(ld16(si + j) - mx);
+                        ps += p;
+                        st16(si + j, p);
+                    }
+                    l_sum[st] = l_sum[st] * alpha + hsum16(ps);
+                    pv(acc + st * d, alpha, si + a0, vb + (i / group) * d + a0 * stride, stride,
+                       a1 - a0, d);
                 }
             }
         }
