@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+from kvpage_numba_cpu.plan import CpuPlan, torch_threads
 
 from kvpage.attention.checks import check_launch_forward
 from kvpage.attention.metadata import KVCache
@@ -28,7 +29,6 @@ from kvpage.backends.torch_backend import TorchBackend
 from kvpage.errors import BackendUnavailableError
 from kvpage.specs import AttentionSpec, CacheSpec
 from kvpage_native_cpu import build
-from kvpage_numba_cpu.plan import CpuPlan, torch_threads
 
 KIND_FLOAT, KIND_BF16, KIND_INT8, KIND_FP8 = 0, 1, 2, 3
 
@@ -218,8 +218,7 @@ def _run(lib: ctypes.CDLL, args: build.KvpArgs, bounds: np.ndarray) -> None:
         a.u0, a.u1 = u0, u1
         calls.append(a)
     futures = [
-        _workers(len(calls) - 1).submit(lib.kvp_paged_attention, ctypes.byref(a))
-        for a in calls[1:]
+        _workers(len(calls) - 1).submit(lib.kvp_paged_attention, ctypes.byref(a)) for a in calls[1:]
     ]
     codes = [lib.kvp_paged_attention(ctypes.byref(calls[0]))]
     codes += [f.result() for f in futures]

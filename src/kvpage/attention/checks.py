@@ -121,7 +121,9 @@ def check_tables(plan: StepPlan, block_size: int, num_blocks: int) -> None:
         if bool(bad.any()):
             i = int(bad.any(dim=1).nonzero()[0, 0])
             ids = bt[i, : int(used_n[i])].tolist()
-            raise ShapeError(f"meta.block_tables[{i}]: expected ids in [0, {num_blocks}), got {ids}")
+            raise ShapeError(
+                f"meta.block_tables[{i}]: expected ids in [0, {num_blocks}), got {ids}"
+            )
     plan.tables_checked.add(key)
 
 
