@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from kvpage_numba_cpu.plan import CpuPlan, torch_threads
 
-from kvpage.attention.checks import check_launch_forward
+from kvpage.attention.checks import check_launch_forward, check_write_kv
 from kvpage.attention.metadata import KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.backends.torch_backend import TorchBackend
@@ -121,8 +121,34 @@ class NativeCpuBackend:
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
     ) -> None:
-        """The torch backend's ``write_kv`` (see ``AttentionBackend.write_kv``)."""
-        self._torch.write_kv(key, value, cache, slot_mapping)
+        """Store K/V at ``slot_mapping`` (see ``AttentionBackend.write_kv``): one C
+        call of row copies when nothing needs converting (auto KV in the model dtype,
+        int64 slots, rows contiguous), else the torch backend's ``write_kv`` (the one
+        implementation of the int8/fp8 quantization).
+
+        Raises:
+            ShapeError, DTypeError: see ``kvpage.attention.checks.check_write_kv``.
+        """
+        kv = cache.kv
+        lib = build.load()[0]
+        if (
+            lib is None
+            or cache.kv_dtype != "auto"
+            or key.dtype != kv.dtype
+            or value.dtype != kv.dtype
+            or slot_mapping.dtype != torch.int64
+            or not slot_mapping.is_contiguous()
+            or not (_rows_contiguous(key) and _rows_contiguous(value))
+        ):
+            self._torch.write_kv(key, value, cache, slot_mapping)
+            return
+        check_write_kv(key, value, cache, slot_mapping)
+        es = kv.element_size()
+        lib.kvp_write_kv(
+            key.data_ptr(), key.stride(0) * es, value.data_ptr(), value.stride(0) * es,
+            slot_mapping.data_ptr(), slot_mapping.shape[0], kv.data_ptr(),
+            cache.num_blocks * cache.block_size, cache.num_kv_heads * cache.head_dim * es,
+        )  # fmt: skip
 
     def copy_blocks(self, caches: list[KVCache], pairs: torch.Tensor) -> None:
         """The torch backend's ``copy_blocks`` (see ``AttentionBackend.copy_blocks``)."""
@@ -182,6 +208,12 @@ class NativeCpuBackend:
         if res is not out:
             out.copy_(res)
         return out
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """``[n, h, d]`` with each token's ``h * d`` values contiguous (a row slice of a
+    fused QKV projection is)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def _kind(cache: KVCache, kind: str, args: build.KvpArgs, keep: list[torch.Tensor]) -> int:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernel.c")
 #: must match KVP_ABI in kernel.c
-ABI = 1
+ABI = 2
 BASE_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=gnu11")
 
 _lock = threading.Lock()
@@ -158,4 +158,7 @@ def _load(cc: str, _cache: str) -> tuple[ctypes.CDLL | None, str]:
         return None, f"native kernel ABI: expected {ABI}, got {lib.kvp_abi_version()}"
     lib.kvp_paged_attention.argtypes = [ctypes.POINTER(KvpArgs)]
     lib.kvp_paged_attention.restype = ctypes.c_int
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.kvp_write_kv.argtypes = [p, i64, p, i64, p, i64, p, i64, i64]
+    lib.kvp_write_kv.restype = None
     return lib, ""

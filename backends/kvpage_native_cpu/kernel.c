@@ -31,7 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KVP_ABI 1
+#define KVP_ABI 2
 
 enum { KIND_FLOAT = 0, KIND_BF16 = 1, KIND_INT8 = 2, KIND_FP8 = 3 };
 
@@ -373,5 +373,20 @@ int kvp_paged_attention(const kvp_args *a) {
     case 128: return run(a, 128);
     case 256: return run(a, 256);
     default: return run(a, a->head_dim);
+    }
+}
+
+/* Store n tokens' K and V rows (row_bytes each: num_kv_heads * head_dim values of the
+ * cache's storage dtype, already converted) at their slots of kv: K of token t at
+ * kv[0] slot slots[t], V at kv[1]; a slot of -1 is skipped. key/value rows are
+ * key_stride/value_stride bytes apart (a row's own values contiguous). */
+void kvp_write_kv(const char *key, int64_t key_stride, const char *value,
+                  int64_t value_stride, const int64_t *slots, int64_t n, char *kv,
+                  int64_t num_slots, int64_t row_bytes) {
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t s = slots[t];
+        if (s < 0) continue;
+        memcpy(kv + s * row_bytes, key + t * key_stride, (size_t)row_bytes);
+        memcpy(kv + (num_slots + s) * row_bytes, value + t * value_stride, (size_t)row_bytes);
     }
 }

@@ -184,3 +184,19 @@ def test_any_block_size_and_head_dim_matches_the_torch_backend(bs: int, d: int) 
     want = torch_b.forward(q, cache, torch_b.plan(meta), spec)
     got = native.forward(q, cache, native.plan(meta), spec)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_fast_path_matches_the_torch_backend(dtype: torch.dtype) -> None:
+    """Row copies in C (strided rows of a fused projection, slot -1 skipped) store the
+    same bits as the torch backend's ``write_kv``."""
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(6, 16, 8, generator=g).to(dtype)
+    key, value = qkv[:, 8:12], qkv[:, 12:16]
+    slots = torch.tensor([5, -1, 0, 47, 17, -1])
+    caches = [allocate_kv_cache(3, 16, 4, 8, dtype=dtype) for _ in range(2)]
+    NativeCpuBackend().write_kv(key, value, caches[0], slots)
+    get_backend("torch").write_kv(key, value, caches[1], slots)
+    assert torch.equal(caches[0].kv, caches[1].kv)
+    assert caches[0].kv.abs().sum() > 0
