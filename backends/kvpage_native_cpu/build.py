@@ -153,12 +153,15 @@ def _load(cc: str, _cache: str) -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"native kernel build/load failed: {e}"
-    lib.kvp_abi_version.restype = ctypes.c_int
-    if lib.kvp_abi_version() != ABI:
-        return None, f"native kernel ABI: expected {ABI}, got {lib.kvp_abi_version()}"
-    lib.kvp_paged_attention.argtypes = [ctypes.POINTER(KvpArgs)]
-    lib.kvp_paged_attention.restype = ctypes.c_int
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.kvp_write_kv.argtypes = [p, i64, p, i64, p, i64, p, i64, i64]
-    lib.kvp_write_kv.restype = None
+    try:
+        lib.kvp_abi_version.restype = ctypes.c_int
+        if lib.kvp_abi_version() != ABI:
+            return None, f"native kernel ABI: expected {ABI}, got {lib.kvp_abi_version()}"
+        lib.kvp_paged_attention.argtypes = [ctypes.POINTER(KvpArgs)]
+        lib.kvp_paged_attention.restype = ctypes.c_int
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.kvp_write_kv.argtypes = [p, i64, p, i64, p, i64, p, i64, i64]
+        lib.kvp_write_kv.restype = None
+    except AttributeError as e:  # a symbol missing: not this kernel's library
+        return None, f"native kernel library {target}: {e}"
     return lib, ""

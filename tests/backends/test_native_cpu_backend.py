@@ -41,6 +41,7 @@ def fresh_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     stub.write_text(
         f"int kvp_abi_version(void) {{ return {build.ABI}; }}\n"
         "int kvp_paged_attention(const void *a) { (void)a; return 0; }\n"
+        "void kvp_write_kv(void) {}\n"
     )
     monkeypatch.setattr(build, "SOURCE", stub)
     return tmp_path / "cache" / "native-cpu"
