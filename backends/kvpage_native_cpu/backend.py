@@ -67,14 +67,18 @@ class NativeCpuBackend:
     math is float32, vectorized explicitly (``kernel.c``); results do not depend on the
     batch or the thread count (tested bit for bit).
 
-    Without a working C compiler (``$CC``, default ``cc``) every spec gets the reason
-    and ``auto`` skips the backend.
+    ``capabilities.priority["cpu"]`` = 5 ranks it before the torch backend (0), so
+    ``select_backend(prefer="auto")`` picks it on CPU: measured (docs/benchmarks.md,
+    "native CPU kernel") it is faster than the torch backend on the bundled model's
+    replay (the main job) and on the stories260K-hd32 peer workload. Without a working
+    C compiler (``$CC``, default ``cc``) every spec gets the reason and ``auto`` falls
+    back to the torch backend.
     """
 
     name = "native-cpu"
     capabilities = BackendCapabilities(
         devices=frozenset({"cpu"}),
-        priority={"cpu": -5},
+        priority={"cpu": 5},
         query_dtypes=frozenset({"float32", "bfloat16"}),
         notes=(
             "compiled at first use by $CC (default cc), cached under ~/.cache/kvpage",
