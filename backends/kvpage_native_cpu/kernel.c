@@ -225,102 +225,123 @@ static const int64_t ELEM_SIZE[4] = {4, 2, 1, 1};
 static inline int64_t max64(int64_t x, int64_t y) { return x > y ? x : y; }
 static inline int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
 
+/* keys per softmax step: consecutive blocks of a sequence are taken together up to this
+ * many keys (one block when blocks are larger), so that small blocks do not pay the
+ * per-step bookkeeping (max, rescale, accumulator load/store) every few keys */
+#define CHUNK_KEYS 64
+
 /* the units u0..u1-1 with head_dim d (a constant in the specialized copies) */
 static inline __attribute__((always_inline)) int run(const kvp_args *a, const int64_t d) {
     const int64_t nq = a->num_q_heads, hkv = a->num_kv_heads, bs = a->block_size;
     const int64_t nb = a->num_blocks, group = nq / hkv;
-    const int64_t sp = (bs + 15) / 16 * 16; /* score row padded to whole vectors */
+    const int64_t per = bs >= CHUNK_KEYS ? 1 : CHUNK_KEYS / bs; /* blocks per step */
+    const int64_t sp = (per * bs + 15) / 16 * 16; /* score row padded to whole vectors */
+    const int64_t es = ELEM_SIZE[a->kind];
     int64_t max_states = 1;
     for (int64_t u = a->u0; u < a->u1; u++) {
         const int64_t *un = a->units + 5 * u;
         max_states = max64(max_states, (un[2] - un[1]) * (un[4] - un[3]) * group);
     }
     const int64_t nsc = hkv * group * sp; /* scores of every head of a unit */
-    float *mem = malloc(sizeof(float) * (size_t)(2 * max_states + max_states * d + nsc +
-                                                 (a->kind == KIND_FLOAT ? 0 : 2 * bs * hkv * d)));
+    const int64_t ntile = a->kind == KIND_FLOAT ? 0 : per * 2 * bs * hkv * d;
+    float *mem = malloc(sizeof(float) * (size_t)(2 * max_states + max_states * d + nsc + ntile));
     if (!mem) return -1;
     float *restrict m = mem, *restrict l_sum = m + max_states, *restrict acc = l_sum + max_states;
     float *restrict s = acc + max_states * d, *restrict tile = s + nsc;
     const float *kvf = (const float *)a->kv;
+    /* per block of a step: first key, key range, K/V rows and the next block's K */
+    int64_t kp0[CHUNK_KEYS], j0[CHUNK_KEYS], j1[CHUNK_KEYS], a0[CHUNK_KEYS], a1[CHUNK_KEYS];
+    const float *kb[CHUNK_KEYS], *vb[CHUNK_KEYS];
+    const char *nk[CHUNK_KEYS];
     for (int64_t u = a->u0; u < a->u1; u++) {
         const int64_t *un = a->units + 5 * u;
         const int64_t seq = un[0], r0 = un[1], nr = un[2] - un[1], h0 = un[3];
-        const int64_t nh = un[4] - h0;
+        const int64_t nh = un[4] - h0, ns = nh * group;
         const int64_t qs = a->query_start[seq];
         const int64_t ctx = a->seq_lens[seq] - (a->query_start[seq + 1] - qs);
-        const int64_t nst = nr * nh * group;
-        for (int64_t i = 0; i < nst; i++) { m[i] = -INFINITY; l_sum[i] = 0.0f; }
-        memset(acc, 0, sizeof(float) * (size_t)(nst * d));
+        for (int64_t i = 0; i < nr * ns; i++) { m[i] = -INFINITY; l_sum[i] = 0.0f; }
+        memset(acc, 0, sizeof(float) * (size_t)(nr * ns * d));
         const int64_t last = ctx + r0 + nr - 1; /* last key any row of the unit sees */
         const int64_t first = a->window > 0 ? max64(0, ctx + r0 - a->window + 1) : 0;
-        for (int64_t b = first / bs; b <= last / bs; b++) {
-            const int64_t kp0 = b * bs;
-            const int64_t j0 = max64(first - kp0, 0), j1 = min64(last + 1 - kp0, bs);
-            const int64_t blk = block_id(a, seq, b);
-            /* the block read next (this unit's or the next unit's first) */
-            int64_t nblk = -1, nh0 = h0;
-            if (b < last / bs) {
-                nblk = block_id(a, seq, b + 1);
-            } else if (u + 1 < a->u1) {
-                const int64_t *nx = un + 5;
-                const int64_t nqs = a->query_start[nx[0]];
-                const int64_t nctx = a->seq_lens[nx[0]] - (a->query_start[nx[0] + 1] - nqs);
-                const int64_t nfirst =
-                    a->window > 0 ? max64(0, nctx + nx[1] - a->window + 1) : 0;
-                nblk = block_id(a, nx[0], nfirst / bs);
-                nh0 = nx[3];
+        const int64_t blast = last / bs;
+        const int64_t stride = a->kind == KIND_FLOAT ? hkv * d : nh * d;
+        const int64_t nk_row = hkv * d * es, nk_len = nh * d * es;
+        for (int64_t b = first / bs; b <= blast; b += per) {
+            const int64_t cnt = min64(per, blast - b + 1);
+            for (int64_t k = 0; k < cnt; k++) {
+                kp0[k] = (b + k) * bs;
+                j0[k] = max64(first - kp0[k], 0);
+                j1[k] = min64(last + 1 - kp0[k], bs);
+                const int64_t blk = block_id(a, seq, b + k);
+                if (a->kind == KIND_FLOAT) {
+                    kb[k] = kvf + (blk * bs) * hkv * d + h0 * d;
+                    vb[k] = kvf + ((nb + blk) * bs) * hkv * d + h0 * d;
+                } else {
+                    float *t = tile + k * 2 * bs * nh * d;
+                    convert(a, blk, j0[k], j1[k], h0, h0 + nh, t);
+                    kb[k] = t;
+                    vb[k] = t + bs * nh * d;
+                }
+                /* the block read after this one (this unit's or the next unit's first) */
+                int64_t nblk = -1, nh0 = h0;
+                if (b + k < blast) {
+                    nblk = block_id(a, seq, b + k + 1);
+                } else if (u + 1 < a->u1) {
+                    const int64_t *nx = un + 5;
+                    const int64_t nqs = a->query_start[nx[0]];
+                    const int64_t nctx = a->seq_lens[nx[0]] - (a->query_start[nx[0] + 1] - nqs);
+                    const int64_t nfirst =
+                        a->window > 0 ? max64(0, nctx + nx[1] - a->window + 1) : 0;
+                    nblk = block_id(a, nx[0], nfirst / bs);
+                    nh0 = nx[3];
+                }
+                nk[k] = nblk >= 0 ? (const char *)a->kv + ((nblk * bs) * hkv + nh0) * d * es
+                                  : NULL;
             }
-            const int64_t es = ELEM_SIZE[a->kind], nk_row = hkv * d * es, nk_len = nh * d * es;
-            const char *nk =
-                nblk >= 0 ? (const char *)a->kv + ((nblk * bs) * hkv + nh0) * d * es : NULL;
-            const float *kb, *vb;
-            int64_t stride;
-            if (a->kind == KIND_FLOAT) {
-                kb = kvf + (blk * bs) * hkv * d + h0 * d;
-                vb = kvf + ((nb + blk) * bs) * hkv * d + h0 * d;
-                stride = hkv * d;
-            } else {
-                convert(a, blk, j0, j1, h0, h0 + nh, tile);
-                kb = tile;
-                vb = tile + bs * nh * d;
-                stride = nh * d;
-            }
+            const int64_t len = (cnt * bs + 15) / 16 * 16;
             for (int64_t r = 0; r < nr; r++) {
                 const int64_t pos = ctx + r0 + r;
-                const int64_t lo = a->window > 0 ? pos - a->window + 1 - kp0 : 0;
-                const int64_t a0 = max64(j0, lo), a1 = min64(j1, pos + 1 - kp0);
-                if (a1 <= a0) continue;
-                const int64_t c0 = a0 / 16 * 16, c1 = (a1 + 15) / 16 * 16;
+                int any = 0;
+                for (int64_t k = 0; k < cnt; k++) {
+                    const int64_t lo = a->window > 0 ? pos - a->window + 1 - kp0[k] : 0;
+                    a0[k] = max64(j0[k], lo);
+                    a1[k] = min64(j1[k], pos + 1 - kp0[k]);
+                    any |= a1[k] > a0[k];
+                }
+                if (!any) continue;
                 const float *restrict qr = a->q + ((qs + r0 + r) * nq + h0 * group) * d;
+                for (int64_t i = 0; i < ns; i++)
+                    for (int64_t j = 0; j < len; j++) s[i * sp + j] = -INFINITY;
                 /* scores, key by key: K rows are read in memory order (all the unit's
                  * heads of a key are one contiguous run). Prefetches: the V row of the
                  * key (read by the pass below) and, on the first row, K row j of the
-                 * next block — a block is a few KiB in its own place in memory, where
+                 * block after — a block is a few KiB in its own place in memory, where
                  * the hardware prefetcher would start cold (measured: 1.6x less time
                  * per decode call than prefetching nothing or the whole next block at
                  * once, docs/benchmarks.md) */
-                for (int64_t j = a0; j < a1; j++) {
-                    const float *restrict krow = kb + j * stride;
-                    for (int64_t off = 0; off < nh * d; off += 16)
-                        __builtin_prefetch(vb + j * stride + off, 0, 3);
-                    if (nk != NULL && r == 0)
-                        for (int64_t off = 0; off < nk_len; off += 64)
-                            __builtin_prefetch(nk + j * nk_row + off, 0, 3);
-                    for (int64_t hh = 0, i = 0; hh < nh; hh++) {
-                        for (int64_t g = 0; g < group; g++, i++) {
-                            float v = dot(qr + i * d, krow + hh * d, d) * a->scale;
-                            if (a->soft_cap > 0.0f) v = a->soft_cap * tanhf(v / a->soft_cap);
-                            s[i * sp + j] = v;
+                for (int64_t k = 0; k < cnt; k++) {
+                    for (int64_t j = a0[k]; j < a1[k]; j++) {
+                        const float *restrict krow = kb[k] + j * stride;
+                        for (int64_t off = 0; off < nh * d; off += 16)
+                            __builtin_prefetch(vb[k] + j * stride + off, 0, 3);
+                        if (nk[k] != NULL && r == 0)
+                            for (int64_t off = 0; off < nk_len; off += 64)
+                                __builtin_prefetch(nk[k] + j * nk_row + off, 0, 3);
+                        for (int64_t hh = 0, i = 0; hh < nh; hh++) {
+                            for (int64_t g = 0; g < group; g++, i++) {
+                                float v = dot(qr + i * d, krow + hh * d, d) * a->scale;
+                                if (a->soft_cap > 0.0f)
+                                    v = a->soft_cap * tanhf(v / a->soft_cap);
+                                s[i * sp + k * bs + j] = v;
+                            }
                         }
                     }
                 }
-                for (int64_t i = 0; i < nh * group; i++) {
+                for (int64_t i = 0; i < ns; i++) {
                     float *restrict si = s + i * sp;
-                    const int64_t st = r * nh * group + i;
-                    for (int64_t j = c0; j < a0; j++) si[j] = -INFINITY;
-                    for (int64_t j = a1; j < c1; j++) si[j] = -INFINITY;
+                    const int64_t st = r * ns + i;
                     vf16 mv = (vf16){0} - INFINITY;
-                    for (int64_t j = c0; j < c1; j += 16) {
+                    for (int64_t j = 0; j < len; j += 16) {
                         vf16 v = ld16(si + j);
                         vi16 gt = v > mv;
                         vi16 vb_, mb;
@@ -332,29 +353,32 @@ static inline __attribute__((always_inline)) int run(const kvp_args *a, const in
                     const float mold = m[st];
                     float mx = hmax16(mv);
                     if (!(mx > mold)) mx = mold;
-                    const float alpha = expf(mold - mx);
+                    float alpha = mx == mold ? 1.0f : expf(mold - mx);
                     m[st] = mx;
                     vf16 ps = (vf16){0};
-                    for (int64_t j = c0; j < c1; j += 16) {
+                    for (int64_t j = 0; j < len; j += 16) {
                         vf16 p = vexp16(ld16(si + j) - mx);
                         ps += p;
                         st16(si + j, p);
                     }
                     l_sum[st] = l_sum[st] * alpha + hsum16(ps);
-                    pv(acc + st * d, alpha, si + a0, vb + (i / group) * d + a0 * stride, stride,
-                       a1 - a0, d);
+                    const int64_t hh = i / group;
+                    for (int64_t k = 0; k < cnt; k++) {
+                        if (a1[k] <= a0[k]) continue;
+                        pv(acc + st * d, alpha, si + k * bs + a0[k],
+                           vb[k] + hh * d + a0[k] * stride, stride, a1[k] - a0[k], d);
+                        alpha = 1.0f;
+                    }
                 }
             }
         }
         for (int64_t r = 0; r < nr; r++) {
             const int64_t qrow = qs + r0 + r;
-            for (int64_t hh = 0; hh < nh; hh++) {
-                for (int64_t g = 0; g < group; g++) {
-                    const int64_t st = (r * nh + hh) * group + g;
-                    const float inv = 1.0f / l_sum[st];
-                    float *restrict o = a->out + (qrow * nq + (h0 + hh) * group + g) * d;
-                    for (int64_t x = 0; x < d; x++) o[x] = acc[st * d + x] * inv;
-                }
+            for (int64_t i = 0; i < ns; i++) {
+                const int64_t st = r * ns + i;
+                const float inv = 1.0f / l_sum[st];
+                float *restrict o = a->out + (qrow * nq + h0 * group + i) * d;
+                for (int64_t x = 0; x < d; x++) o[x] = acc[st * d + x] * inv;
             }
         }
     }
