@@ -15,6 +15,7 @@ backend's (already vectorized copies; one implementation of the quantization for
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,7 +24,7 @@ import torch
 from kvpage_numba_cpu.plan import CpuPlan, torch_threads
 
 from kvpage.attention.checks import check_launch_forward, check_write_kv
-from kvpage.attention.metadata import KVCache
+from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.backends.torch_backend import TorchBackend
 from kvpage.errors import BackendUnavailableError
@@ -44,6 +45,15 @@ def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
         bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
         _FP8_TABLES[dtype] = bits.view(dtype).float().contiguous()
     return _FP8_TABLES[dtype]
+
+
+def _forget_pool() -> None:
+    """In a forked child the pool's threads do not exist: start a new pool on demand."""
+    global _pool, _pool_size
+    _pool, _pool_size = None, 0
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _workers(n: int) -> ThreadPoolExecutor:
@@ -113,14 +123,14 @@ class NativeCpuBackend:
         return {}
 
     # ---- per step --------------------------------------------------------------------
-    def plan(self, meta: object) -> CpuPlan:
+    def plan(self, meta: AttentionMetadata) -> CpuPlan:
         """Validate the step and build the kernel's host arrays (``CpuPlan``) for
         ``torch.get_num_threads()`` threads.
 
         Raises:
             ShapeError, DTypeError: see ``kvpage.attention.plan.check_step``.
         """
-        return CpuPlan.from_meta(meta, torch_threads())  # type: ignore[arg-type]
+        return CpuPlan.from_meta(meta, torch_threads())
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor

@@ -201,3 +201,32 @@ def test_write_kv_fast_path_matches_the_torch_backend(dtype: torch.dtype) -> Non
     get_backend("torch").write_kv(key, value, caches[1], slots)
     assert torch.equal(caches[0].kv, caches[1].kv)
     assert caches[0].kv.abs().sum() > 0
+
+
+@needs_cc
+@pytest.mark.slow  # a forked torch process: ~20 s on a loaded 2-core box
+def test_a_forked_child_starts_its_own_thread_pool() -> None:
+    """After 2-thread use, a forked child (fork start method) runs 2-thread steps on a
+    new pool instead of waiting on the parent's threads, which it does not have."""
+    import multiprocessing as mp
+
+    b = NativeCpuBackend()
+    spec = make_attention_spec(num_q_heads=8, num_kv_heads=4, head_dim=32)
+    cache, meta, q, _ = _step([70, 5, 130, 33, 300, 12, 64, 90, 41], [70, 1, 20, 1, 1, 1, 3, 1, 1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = b.forward(q, cache, b.plan(meta), spec)
+        ctx = mp.get_context("fork")
+        with ctx.Pool(1) as pool:
+            got = pool.apply_async(_child_forward, (cache, meta, q)).get(timeout=60)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(want, got)
+
+
+def _child_forward(cache, meta, q):  # type: ignore[no-untyped-def]
+    torch.set_num_threads(2)
+    b = NativeCpuBackend()
+    spec = make_attention_spec(num_q_heads=8, num_kv_heads=4, head_dim=32)
+    return b.forward(q, cache, b.plan(meta), spec)
