@@ -6,7 +6,8 @@
  * paged cache kv[2, num_blocks, block_size, num_kv_heads, head_dim] (the one layout of
  * kvpage.attention.metadata.kv_cache_shape). A unit (sequence, query rows r0..r1-1, KV
  * heads h0..h1-1) keeps a streaming softmax per (row, query head) (FlashAttention, Dao
- * et al. 2022), one block of keys at a time:
+ * et al. 2022), one step of keys at a time (a block, or consecutive small blocks up to
+ * CHUNK_KEYS keys):
  *
  *     s_j = scale * q . k_j            (soft cap: cap * tanh(s_j / cap))
  *     m'  = max(m, max_j s_j);  a = exp(m - m')
