@@ -1,6 +1,7 @@
 # ruff: noqa: I001  (kvpage is imported before torch on purpose)
-"""numba-cpu vs the torch backend on CPU: one layer's attention call, same cache and
-step, alternating calls, process CPU time and wall time per call.
+"""CPU attention backends (``--backends``, default torch, numba-cpu and native-cpu) vs
+the first one: one layer's attention call, same cache and step, alternating calls,
+process CPU time and wall time per call.
 
 Shapes (block_size 16, blocks a random permutation of the pool):
 ``hd32`` = stories260K-hd32 (8 query heads, 4 KV heads, head_dim 32) and ``125m`` =
@@ -9,10 +10,11 @@ decode = ``--seqs`` sequences, one new token each, contexts uniform in
 [``--min-ctx``, ``--max-ctx``]; prefill = 8 prompts of 64-256 tokens, half of them with
 a cached prefix of the same length.
 
-    .venv/bin/python benches/bench_cpu_backend.py [--threads 1] [--dtype float32]
+    .venv/bin/python benches/bench_cpu_backend.py [--threads 1] [--dtype float32] \
+        [--backends torch,numba-cpu,native-cpu] [--block-size 16]
 
 ``--engine MODEL_DIR``: instead, the whole engine with each backend in one process,
-alternating (the ``bench_peers.py`` workload file ``--workload``, first ``--seqs``
+alternating (the first two of ``--backends``; the ``bench_peers.py`` workload file ``--workload``, first ``--seqs``
 requests, outputs capped at ``--max-tokens``): tokens per CPU-second and where the
 engine thread's CPU goes (attention ``forward``, ``write_kv``, ``plan``, the rest),
 plus token-id equality of the two backends' outputs.
@@ -74,7 +76,8 @@ def engine_ab(args: argparse.Namespace) -> None:
     with open(args.workload) as f:
         work = json.load(f)[: args.seqs]
     engines, spent = {}, {}
-    for name in ("torch", "numba-cpu"):
+    names = args.backends.split(",")[:2]
+    for name in names:
         eng = LLMEngine.from_config(
             model=args.engine, dtype=args.dtype, num_threads=args.threads, max_num_seqs=256,
             max_num_batched_tokens=2048, max_model_len=512, enable_prefix_caching=True,
@@ -107,8 +110,8 @@ def engine_ab(args: argparse.Namespace) -> None:
                     ids[o.request_id.split("-")[0]] = list(o.outputs[0].token_ids)
         return ids
 
-    outs = {n: run(e) for n, e in engines.items()}  # warm-up (and numba's compile)
-    same = sum(outs["torch"][k] == outs["numba-cpu"][k] for k in outs["torch"])
+    outs = {n: run(e) for n, e in engines.items()}  # warm-up (and any compile)
+    same = sum(outs[names[0]][k] == outs[names[1]][k] for k in outs[names[0]])
     print(
         f"engine {args.engine} {args.dtype} threads={args.threads}: equal outputs {same}/{len(work)}"
     )
@@ -126,7 +129,7 @@ def engine_ab(args: argparse.Namespace) -> None:
             toks = sum(len(v) for v in ids.values())
             sh = {k: v / thr * 100 for k, v in spent[name].items()}
             print(
-                f"round {r} {name:9s}: {toks / cpu:6.0f} tok/CPU-s {toks / wall:6.0f} tok/s; engine "
+                f"round {r} {name:10s}: {toks / cpu:6.0f} tok/CPU-s {toks / wall:6.0f} tok/s; engine "
                 f"thread CPU {thr:.2f} s: attention {sh['forward']:.0f} %, write_kv "
                 f"{sh['write_kv']:.0f} %, plan {sh['plan']:.0f} %, rest "
                 f"{100 - sum(sh.values()):.0f} %; load {os.getloadavg()[0]:.1f}",
@@ -146,7 +149,12 @@ def main() -> None:
     p.add_argument("--engine", default=None, help="model folder: engine A/B instead")
     p.add_argument("--workload", default="out/peers/workload-200-0.json")
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--backends", default="torch,numba-cpu,native-cpu", help="first = baseline")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--shapes", default=",".join(SHAPES))
     args = p.parse_args()
+    global BS
+    BS = args.block_size
     if args.engine:
         return engine_ab(args)
     torch.set_num_threads(args.threads)
@@ -158,25 +166,27 @@ def main() -> None:
         "decode": ([1] * args.seqs, ctx),
         "prefill": (plens, [p * (1 + i % 2) for i, p in enumerate(plens)]),
     }
-    backends = {n: get_backend(n) for n in ("torch", "numba-cpu")}
-    print(f"threads={args.threads} dtype={args.dtype} load={os.getloadavg()}")
-    for shape in SHAPES:
+    backends = {n: get_backend(n) for n in args.backends.split(",")}
+    base = next(iter(backends))
+    print(
+        f"threads={args.threads} dtype={args.dtype} block_size={BS} load={os.getloadavg()}; "
+        f"ms of CPU (wall) per call, ratio = {base} CPU / backend CPU"
+    )
+    for shape in args.shapes.split(","):
         for kind, (ql, sl) in steps.items():
             cache, meta, q, spec = make_step(shape, dtype, ql, sl, 0)
-            ref = backends["torch"].forward(q, cache, backends["torch"].plan(meta), spec)
-            got = backends["numba-cpu"].forward(q, cache, backends["numba-cpu"].plan(meta), spec)
-            err = (ref.float() - got.float()).abs().max().item()
+            outs = {n: b.forward(q, cache, b.plan(meta), spec) for n, b in backends.items()}
+            err = {n: (outs[base].float() - o.float()).abs().max().item() for n, o in outs.items()}
             for r in range(args.rounds):
                 res = {
                     n: time_calls(b, cache, meta, q, spec, args.reps) for n, b in backends.items()
                 }
-                t, n = res["torch"], res["numba-cpu"]
-                print(
-                    f"{shape:5s} {kind:8s} round {r}: torch {t[0] * 1e3:8.2f} ms CPU "
-                    f"({t[1] * 1e3:8.2f} wall)  numba-cpu {n[0] * 1e3:8.2f} ms CPU "
-                    f"({n[1] * 1e3:8.2f} wall)  torch/numba CPU {t[0] / n[0]:5.2f}x "
-                    f"wall {t[1] / n[1]:5.2f}x  max|diff| {err:.1e}"
+                cols = "  ".join(
+                    f"{n} {c * 1e3:7.2f} ({w * 1e3:7.2f}) {res[base][0] / c:5.2f}x "
+                    f"|diff| {err[n]:.0e}"
+                    for n, (c, w) in res.items()
                 )
+                print(f"{shape:5s} {kind:8s} round {r}: {cols}", flush=True)
 
 
 if __name__ == "__main__":

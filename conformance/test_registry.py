@@ -38,15 +38,16 @@ def test_builtins_and_reference_is_not_a_backend() -> None:
         get_backend("no-such-backend")
 
 
-#: what "auto" picks on CPU: the torch backend (priority 0); the compiled numba-cpu
-#: kernel ranks after it (priority -10: slower on the bundled model, docs/benchmarks.md)
-CPU_AUTO = "torch"
+#: what "auto" picks on CPU: the native-cpu C kernel (priority 5) where a C compiler
+#: builds it, else the torch backend (priority 0); the numba-cpu kernel ranks after
+#: torch (priority -10: slower on the bundled model, docs/benchmarks.md)
+CPU_AUTO = "native-cpu" if not backend_reasons("native-cpu", SPEC, "cpu") else "torch"
 
 
-def test_cpu_auto_selects_torch_then_the_compiled_kernel() -> None:
+def test_cpu_auto_selects_the_c_kernel_then_torch_then_numba() -> None:
     assert select_backend(SPEC, "cpu").name == CPU_AUTO
     order = auto_order("cpu")
-    assert order[0] == "torch"
+    assert order[:2] == ["native-cpu", "torch"]
     if importlib.util.find_spec("numba") is not None:
         assert order.index("numba-cpu") > order.index("torch")
     assert select_backend(SPEC, torch.device("cpu"), prefer="torch").name == "torch"
@@ -54,7 +55,7 @@ def test_cpu_auto_selects_torch_then_the_compiled_kernel() -> None:
         num_layers=1, block_size=16, num_blocks=8, dtype="float16",
         layers=[dict(num_q_heads=4, num_kv_heads=2, head_dim=64)],
     )  # fmt: skip
-    assert select_backend(fp16, "cpu").name == "torch"  # numba-cpu refuses float16
+    assert select_backend(fp16, "cpu").name == "torch"  # native-cpu, numba-cpu refuse it
 
 
 def test_broken_plugin_is_a_reason_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:

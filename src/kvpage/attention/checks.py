@@ -111,13 +111,19 @@ def check_tables(plan: StepPlan, block_size: int, num_blocks: int) -> None:
             f"meta.block_tables[{i}]: expected >= {-(-s // block_size)} blocks for {s} tokens, "
             f"got {bt.shape[1]}"
         )
-    if bt.device.type == "cpu":
-        for i, s in enumerate(meta.seq_lens_cpu):
-            used = bt[i, : -(-s // block_size)]
-            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
-                raise ShapeError(
-                    f"meta.block_tables[{i}]: expected ids in [0, {num_blocks}), got {used.tolist()}"
-                )
+    if bt.device.type == "cpu" and bt.numel():
+        # every row at once (a per-row loop cost ~1.4 ms per 200-sequence step); the
+        # row named in the message is looked for only when something is wrong
+        used_n = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64).add_(block_size - 1)
+        used_n = used_n.div_(block_size, rounding_mode="floor")
+        used = torch.arange(bt.shape[1]).unsqueeze(0) < used_n.unsqueeze(1)
+        bad = used & ((bt < 0) | (bt >= num_blocks))
+        if bool(bad.any()):
+            i = int(bad.any(dim=1).nonzero()[0, 0])
+            ids = bt[i, : int(used_n[i])].tolist()
+            raise ShapeError(
+                f"meta.block_tables[{i}]: expected ids in [0, {num_blocks}), got {ids}"
+            )
     plan.tables_checked.add(key)
 
 

@@ -1,0 +1,275 @@
+"""The ``native-cpu`` backend: paged attention on the CPU by a C kernel (``kernel.c``)
+compiled at first use by the system C compiler (``build.py``) and called through
+``ctypes``, reading K/V in place through the block table.
+
+The step plan and its work split are the ``numba-cpu`` backend's (``CpuPlan``: units
+``(sequence, query rows, KV heads)`` dealt to threads by estimated cost): the split is
+a property of the step, not of the kernel that runs it. With ``n > 1`` compute threads
+(``torch.get_num_threads()``, the engine's ``num_threads``) the caller runs part 0 and
+``n - 1`` Python threads of a small pool run the others; ``ctypes`` releases the GIL for
+the duration of each call, so the parts run in parallel without a second OpenMP
+runtime in the process. ``write_kv`` and ``copy_blocks`` are the built-in torch
+backend's (already vectorized copies; one implementation of the quantization formulas).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from kvpage_numba_cpu.plan import CpuPlan, torch_threads
+
+from kvpage.attention.checks import check_launch_forward, check_write_kv
+from kvpage.attention.metadata import AttentionMetadata, KVCache
+from kvpage.attention.protocol import BackendCapabilities
+from kvpage.backends.torch_backend import TorchBackend
+from kvpage.errors import BackendUnavailableError
+from kvpage.specs import AttentionSpec, CacheSpec
+from kvpage_native_cpu import build
+
+KIND_FLOAT, KIND_BF16, KIND_INT8, KIND_FP8 = 0, 1, 2, 3
+
+#: the 256 values of each fp8 format's bit patterns, built on first use
+_FP8_TABLES: dict[torch.dtype, torch.Tensor] = {}
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
+    """``[256]`` float32: the value of every bit pattern of fp8 ``dtype`` (exact)."""
+    if dtype not in _FP8_TABLES:
+        bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        _FP8_TABLES[dtype] = bits.view(dtype).float().contiguous()
+    return _FP8_TABLES[dtype]
+
+
+def _forget_pool() -> None:
+    """In a forked child the pool's threads do not exist: start a new pool on demand."""
+    global _pool, _pool_size
+    _pool, _pool_size = None, 0
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _workers(n: int) -> ThreadPoolExecutor:
+    """A pool of at least ``n`` threads (grown, never shrunk)."""
+    global _pool, _pool_size
+    if _pool is None or _pool_size < n:
+        if _pool is not None:
+            _pool.shutdown(wait=True)
+        _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvpage-native-cpu")
+        _pool_size = n
+    return _pool
+
+
+class NativeCpuBackend:
+    """Paged attention on CPU with a C kernel built by the system compiler.
+
+    Decode, prefill, chunked prefill and prefix-cache hits share one kernel; sliding
+    windows, logit soft caps, GQA/MQA, any head_dim and block size, float32 and
+    bfloat16 queries, and auto (float32 or bfloat16), int8 and fp8 KV caches. float16
+    is refused by name (the kernel reads float32 or bfloat16 storage for "auto"). All
+    math is float32, vectorized explicitly (``kernel.c``); results do not depend on the
+    batch or the thread count (tested bit for bit).
+
+    ``capabilities.priority["cpu"]`` = 5 ranks it before the torch backend (0), so
+    ``select_backend(prefer="auto")`` picks it on CPU: measured (docs/benchmarks.md,
+    "native CPU kernel") it is faster than the torch backend on the bundled model's
+    replay (the main job) and on the stories260K-hd32 peer workload. Without a working
+    C compiler (``$CC``, default ``cc``) every spec gets the reason and ``auto`` falls
+    back to the torch backend.
+    """
+
+    name = "native-cpu"
+    capabilities = BackendCapabilities(
+        devices=frozenset({"cpu"}),
+        priority={"cpu": 5},
+        query_dtypes=frozenset({"float32", "bfloat16"}),
+        notes=(
+            "compiled at first use by $CC (default cc), cached under ~/.cache/kvpage",
+            "float16 refused: the kernel reads float32 or bfloat16 storage",
+            "threads are Python threads calling the kernel (ctypes releases the GIL)",
+        ),
+    )
+
+    def __init__(self) -> None:
+        self._torch = TorchBackend()
+
+    # ---- selection -------------------------------------------------------------------
+    def unsupported_reasons(self, spec: CacheSpec, device: torch.device | str) -> list[str]:
+        """Why this backend cannot run ``spec`` on ``device`` ([] = it can). Builds (or
+        loads the cached) kernel library the first time, so a failing compiler is a
+        reason here rather than an error at the first step."""
+        dev = torch.device(device)
+        why: list[str] = []
+        if dev.type != "cpu":
+            why.append(f"device: expected cpu, got {dev.type}")
+        if spec.dtype not in self.capabilities.query_dtypes:
+            why.append(f"dtype: expected float32|bfloat16, got {spec.dtype}")
+        if not why:
+            lib, reason = build.load()
+            if lib is None:
+                why.append(reason)
+        return why
+
+    def test_budget(self, device: torch.device) -> Mapping[str, object] | None:
+        """The suite's full default budget (``{}``: the kernel is as fast as the torch
+        backend's per case once built, about a second of compile the first time)."""
+        return {}
+
+    # ---- per step --------------------------------------------------------------------
+    def plan(self, meta: AttentionMetadata) -> CpuPlan:
+        """Validate the step and build the kernel's host arrays (``CpuPlan``) for
+        ``torch.get_num_threads()`` threads.
+
+        Raises:
+            ShapeError, DTypeError: see ``kvpage.attention.plan.check_step``.
+        """
+        return CpuPlan.from_meta(meta, torch_threads())
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store K/V at ``slot_mapping`` (see ``AttentionBackend.write_kv``): one C
+        call of row copies when nothing needs converting (auto KV in the model dtype,
+        int64 slots, rows contiguous), else the torch backend's ``write_kv`` (the one
+        implementation of the int8/fp8 quantization).
+
+        Raises:
+            ShapeError, DTypeError: see ``kvpage.attention.checks.check_write_kv``.
+        """
+        kv = cache.kv
+        lib = build.load()[0]
+        if (
+            lib is None
+            or cache.kv_dtype != "auto"
+            or key.dtype != kv.dtype
+            or value.dtype != kv.dtype
+            or slot_mapping.dtype != torch.int64
+            or not slot_mapping.is_contiguous()
+            or not (_rows_contiguous(key) and _rows_contiguous(value))
+        ):
+            self._torch.write_kv(key, value, cache, slot_mapping)
+            return
+        check_write_kv(key, value, cache, slot_mapping)
+        es = kv.element_size()
+        lib.kvp_write_kv(
+            key.data_ptr(), key.stride(0) * es, value.data_ptr(), value.stride(0) * es,
+            slot_mapping.data_ptr(), slot_mapping.shape[0], kv.data_ptr(),
+            cache.num_blocks * cache.block_size, cache.num_kv_heads * cache.head_dim * es,
+        )  # fmt: skip
+
+    def copy_blocks(self, caches: list[KVCache], pairs: torch.Tensor) -> None:
+        """The torch backend's ``copy_blocks`` (see ``AttentionBackend.copy_blocks``)."""
+        self._torch.copy_blocks(caches, pairs)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        plan: CpuPlan,
+        spec: AttentionSpec,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of one layer over the step (``AttentionBackend.forward``) by the
+        C kernel; writes ``out`` (or a new tensor) and nothing else.
+
+        Raises:
+            ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_forward``.
+            BackendUnavailableError: the kernel library cannot be built or loaded.
+            MemoryError: the kernel could not allocate its scratch memory.
+        """
+        kind = check_launch_forward(query, cache, plan, spec, out)
+        lib, reason = build.load()
+        if lib is None:
+            raise BackendUnavailableError("native-cpu: kernel unavailable", {self.name: [reason]})
+        direct = query.dtype == torch.float32
+        if out is None:
+            out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        if plan.num_tokens == 0:
+            return out
+        res = out if direct and out.is_contiguous() else torch.empty(query.shape, dtype=torch.float32)  # fmt: skip
+        q = query if direct and query.is_contiguous() else query.float().contiguous()
+        group = spec.num_q_heads // spec.num_kv_heads
+        units, bounds = plan.units_for(spec.num_kv_heads, group)
+        kv = cache.kv
+        keep: list[torch.Tensor] = []  # tensors the call reads, alive until it returns
+        args = build.KvpArgs()
+        args.kind = _kind(cache, kind, args, keep)
+        args.q = q.data_ptr()
+        args.kv = kv.data_ptr()
+        args.block_tables = plan.block_tables.ctypes.data
+        args.bt_stride = plan.block_tables.shape[1]
+        args.bt_int64 = 0
+        args.query_start = plan.query_start.ctypes.data
+        args.seq_lens = plan.seq_lens.ctypes.data
+        args.units = units.ctypes.data
+        args.out = res.data_ptr()
+        args.num_q_heads = spec.num_q_heads
+        args.num_kv_heads = spec.num_kv_heads
+        args.head_dim = spec.head_dim
+        args.num_blocks = kv.shape[1]
+        args.block_size = kv.shape[2]
+        args.window = spec.sliding_window or 0
+        args.scale = spec.scale
+        args.soft_cap = spec.logits_soft_cap or 0.0
+        _run(lib, args, bounds)
+        if res is not out:
+            out.copy_(res)
+        return out
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """``[n, h, d]`` with each token's ``h * d`` values contiguous (a row slice of a
+    fused QKV projection is)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def _kind(cache: KVCache, kind: str, args: build.KvpArgs, keep: list[torch.Tensor]) -> int:
+    """Fill the storage-specific fields of ``args``; returns the kernel's storage kind."""
+    kv = cache.kv
+    if kind == "auto":
+        return KIND_BF16 if kv.dtype == torch.bfloat16 else KIND_FLOAT
+    if kind == "int8":
+        assert cache.token_scales is not None
+        tsc = cache.token_scales.contiguous()
+        keep.append(tsc)
+        args.tsc = tsc.data_ptr()
+        return KIND_INT8
+    from kvpage.attention.canonical import fp8_scale_table
+
+    fsc = fp8_scale_table(cache).float().contiguous()
+    lut = _fp8_table(kv.dtype)
+    keep += [fsc, lut]
+    args.fsc = fsc.data_ptr()
+    args.lut = lut.data_ptr()
+    return KIND_FP8
+
+
+def _run(lib: ctypes.CDLL, args: build.KvpArgs, bounds: np.ndarray) -> None:
+    """Run the parts ``bounds[t] .. bounds[t+1]-1``: part 0 here, the others on pool
+    threads (ctypes releases the GIL during each call)."""
+    parts = [(int(bounds[t]), int(bounds[t + 1])) for t in range(bounds.shape[0] - 1)]
+    parts = [p for p in parts if p[1] > p[0]]
+    if not parts:
+        return
+    calls = []
+    for u0, u1 in parts:
+        a = build.KvpArgs.from_buffer_copy(args)
+        a.u0, a.u1 = u0, u1
+        calls.append(a)
+    futures = [
+        _workers(len(calls) - 1).submit(lib.kvp_paged_attention, ctypes.byref(a)) for a in calls[1:]
+    ]
+    codes = [lib.kvp_paged_attention(ctypes.byref(calls[0]))]
+    codes += [f.result() for f in futures]
+    if any(c != 0 for c in codes):
+        raise MemoryError("native-cpu: the kernel could not allocate its scratch memory")
+
+
+__all__ = ["NativeCpuBackend"]

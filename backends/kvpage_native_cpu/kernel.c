@@ -1,0 +1,417 @@
+/* kvpage native-cpu backend: paged attention on the CPU, compiled at first use by the
+ * system C compiler (see build.py) and called through ctypes.
+ *
+ * One function, kvp_paged_attention, serves decode, prefill, chunked prefill and
+ * prefix-cache hits. It walks each unit's block table and reads K/V in place from the
+ * paged cache kv[2, num_blocks, block_size, num_kv_heads, head_dim] (the one layout of
+ * kvpage.attention.metadata.kv_cache_shape). A unit (sequence, query rows r0..r1-1, KV
+ * heads h0..h1-1) keeps a streaming softmax per (row, query head) (FlashAttention, Dao
+ * et al. 2022), one step of keys at a time (a block, or consecutive small blocks up to
+ * CHUNK_KEYS keys):
+ *
+ *     s_j = scale * q . k_j            (soft cap: cap * tanh(s_j / cap))
+ *     m'  = max(m, max_j s_j);  a = exp(m - m')
+ *     l   = a * l + sum_j exp(s_j - m');  acc = a * acc + sum_j exp(s_j - m') v_j
+ *     out = acc / l
+ *
+ * Vectorization is explicit (GCC/Clang vector extensions: 16, 8 or 4 float lanes, which
+ * the compiler maps to AVX-512, AVX2, SSE or NEON registers), so no reassociation flag
+ * is needed: every sum has an order fixed by this source and the head_dim, and a unit's
+ * result does not depend on the batch, the other units or the thread that runs it.
+ * exp of the probabilities is a vectorized Cody-Waite range reduction with the Cephes
+ * single-precision polynomial (relative error ~2 ulp; exactly 0 below -87.3, which
+ * covers the -inf of masked lanes); the rescale factor a uses libm's expf.
+ *
+ * Storage kinds: float32 read in place; bfloat16 bits widened by << 16 (exact); int8
+ * codes times the float32 token scale; fp8 bits through a 256-entry float32 value table
+ * times the per-head K/V scale. Non-float32 storage is converted block by block into a
+ * small float32 tile first.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KVP_ABI 2
+
+enum { KIND_FLOAT = 0, KIND_BF16 = 1, KIND_INT8 = 2, KIND_FP8 = 3 };
+
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+typedef struct {
+    const float *q;          /* [num_tokens, num_q_heads, head_dim] */
+    const void *kv;          /* [2, num_blocks, block_size, num_kv_heads, head_dim] */
+    const float *tsc;        /* int8: [2, num_blocks, block_size, num_kv_heads] */
+    const float *fsc;        /* fp8: [2, num_kv_heads] */
+    const float *lut;        /* fp8: [256] */
+    const void *block_tables;/* [num_seqs, bt_stride] int32 or int64 */
+    const int64_t *query_start; /* [num_seqs + 1] */
+    const int64_t *seq_lens; /* [num_seqs] */
+    const int64_t *units;    /* [num_units, 5] (seq, r0, r1, h0, h1) */
+    float *out;              /* [num_tokens, num_q_heads, head_dim] */
+    int64_t u0, u1;          /* units u0 .. u1-1 */
+    int64_t bt_stride, bt_int64;
+    int64_t kind, num_q_heads, num_kv_heads, head_dim, num_blocks, block_size, window;
+    float scale, soft_cap;
+} kvp_args;
+
+int kvp_abi_version(void) { return KVP_ABI; }
+
+/* ---- vector helpers (unaligned loads/stores through memcpy) ---------------------- */
+static inline vf16 ld16(const float *p) { vf16 v; memcpy(&v, p, sizeof v); return v; }
+static inline vf8 ld8(const float *p) { vf8 v; memcpy(&v, p, sizeof v); return v; }
+static inline vf4 ld4(const float *p) { vf4 v; memcpy(&v, p, sizeof v); return v; }
+static inline void st16(float *p, vf16 v) { memcpy(p, &v, sizeof v); }
+static inline void st8(float *p, vf8 v) { memcpy(p, &v, sizeof v); }
+static inline void st4(float *p, vf4 v) { memcpy(p, &v, sizeof v); }
+
+static inline float hsum4(vf4 v) { return (v[0] + v[2]) + (v[1] + v[3]); }
+static inline float hsum8(vf8 v) {
+    vf4 a, b;
+    memcpy(&a, &v, sizeof a);
+    memcpy(&b, (const char *)&v + sizeof a, sizeof b);
+    return hsum4(a + b);
+}
+static inline float hsum16(vf16 v) {
+    vf8 a, b;
+    memcpy(&a, &v, sizeof a);
+    memcpy(&b, (const char *)&v + sizeof a, sizeof b);
+    return hsum8(a + b);
+}
+static inline float hmax16(vf16 v) {
+    float m = v[0];
+    for (int i = 1; i < 16; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+/* q . k over d floats; the lane width follows d (constant after inlining) */
+static inline __attribute__((always_inline)) float dot(const float *restrict a,
+                                                       const float *restrict b, int64_t d) {
+    if (d % 16 == 0) {
+        vf16 s = ld16(a) * ld16(b);
+        for (int64_t x = 16; x < d; x += 16) s += ld16(a + x) * ld16(b + x);
+        return hsum16(s);
+    }
+    if (d % 8 == 0) {
+        vf8 s = ld8(a) * ld8(b);
+        for (int64_t x = 8; x < d; x += 8) s += ld8(a + x) * ld8(b + x);
+        return hsum8(s);
+    }
+    if (d % 4 == 0) {
+        vf4 s = ld4(a) * ld4(b);
+        for (int64_t x = 4; x < d; x += 4) s += ld4(a + x) * ld4(b + x);
+        return hsum4(s);
+    }
+    float s = 0.0f;
+    for (int64_t x = 0; x < d; x++) s += a[x] * b[x];
+    return s;
+}
+
+/* acc = alpha * acc + sum_j p[j] * v[j * stride] over n keys. For head_dim <= 128 in
+ * whole vectors the row lives in registers for the whole block, in two accumulators
+ * (even and odd keys, added at the end) so that consecutive keys do not wait on each
+ * other's multiply-add. */
+#define PV_BODY(VT, W, LD, ST)                                                          \
+    do {                                                                                \
+        enum { MAXV = 128 / (W) };                                                      \
+        const int64_t nv = d / (W);                                                     \
+        VT o[MAXV], e[MAXV];                                                            \
+        for (int64_t i = 0; i < nv; i++) { o[i] = LD(acc + (W) * i) * alpha; e[i] = o[i] * 0.0f; } \
+        int64_t j = 0;                                                                  \
+        for (; j + 1 < n; j += 2) {                                                     \
+            const float *restrict v0 = v + j * stride, *restrict v1 = v0 + stride;      \
+            const float p0 = p[j], p1 = p[j + 1];                                       \
+            for (int64_t i = 0; i < nv; i++) {                                          \
+                o[i] += p0 * LD(v0 + (W) * i);                                          \
+                e[i] += p1 * LD(v1 + (W) * i);                                          \
+            }                                                                           \
+        }                                                                               \
+        if (j < n)                                                                      \
+            for (int64_t i = 0; i < nv; i++) o[i] += p[j] * LD(v + j * stride + (W) * i); \
+        for (int64_t i = 0; i < nv; i++) ST(acc + (W) * i, o[i] + e[i]);                \
+    } while (0)
+
+static inline __attribute__((always_inline)) void pv(float *restrict acc, float alpha,
+                                                     const float *restrict p,
+                                                     const float *restrict v, int64_t stride,
+                                                     int64_t n, int64_t d) {
+    if (d % 16 == 0 && d <= 128) {
+        PV_BODY(vf16, 16, ld16, st16);
+    } else if (d % 8 == 0 && d <= 128) {
+        PV_BODY(vf8, 8, ld8, st8);
+    } else if (d % 4 == 0 && d <= 128) {
+        PV_BODY(vf4, 4, ld4, st4);
+    } else {
+        for (int64_t x = 0; x < d; x++) acc[x] *= alpha;
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t x = 0; x < d; x++) acc[x] += p[j] * v[j * stride + x];
+    }
+}
+
+/* exp(x) for 16 lanes with x <= 0 (or -inf): Cody-Waite reduction x = n ln2 + r and the
+ * Cephes expf polynomial; lanes below -87.33 (exp < FLT_MIN) give exactly 0. */
+static inline vf16 vexp16(vf16 x) {
+    const vf16 lo = (vf16){0} - 87.3365447f;
+    vi16 under = x < lo;
+    vf16 xc = x;
+    vi16 xb, lb;
+    memcpy(&xb, &xc, sizeof xb);
+    memcpy(&lb, &lo, sizeof lb);
+    xb = (xb & ~under) | (lb & under);
+    memcpy(&xc, &xb, sizeof xc);
+    const vf16 magic = (vf16){0} + 12582912.0f; /* 1.5 * 2^23: round to nearest */
+    vf16 t = xc * 1.44269504088896341f + magic;
+    vf16 fn = t - magic;
+    vf16 r = xc - fn * 0.693359375f;
+    r = r - fn * -2.12194440e-4f;
+    vf16 z = r * r;
+    vf16 y = 1.9875691500E-4f * r + 1.3981999507E-3f;
+    y = y * r + 8.3334519073E-3f;
+    y = y * r + 4.1665795894E-2f;
+    y = y * r + 1.6666665459E-1f;
+    y = y * r + 5.0000001201E-1f;
+    y = y * z + r + 1.0f;
+    /* t = magic + n exactly (ulp 1 near 1.5 * 2^23): its low bits are n */
+    vi16 tb;
+    memcpy(&tb, &t, sizeof tb);
+    vi16 pw = (tb - 0x4B400000 + 127) << 23;
+    vf16 p2;
+    memcpy(&p2, &pw, sizeof p2);
+    y = y * p2;
+    vi16 yb;
+    memcpy(&yb, &y, sizeof yb);
+    yb &= ~under;
+    memcpy(&y, &yb, sizeof y);
+    return y;
+}
+
+/* K (tile rows 0..bs-1) and V (rows bs..2bs-1) of keys j0..j1-1 of block blk, KV
+ * heads h0..h1-1, as float32 rows of (h1 - h0) * d in tile */
+static void convert(const kvp_args *a, int64_t blk, int64_t j0, int64_t j1, int64_t h0,
+                    int64_t h1, float *restrict tile) {
+    const int64_t bs = a->block_size, hkv = a->num_kv_heads, d = a->head_dim, nh = h1 - h0;
+    for (int64_t c = 0; c < 2; c++) {
+        const int64_t plane = (c * a->num_blocks + blk) * bs;
+        for (int64_t j = j0; j < j1; j++)
+        for (int64_t h = h0; h < h1; h++) {
+            const int64_t src = (plane + j) * hkv * d + h * d;
+            float *restrict dst = tile + ((c * bs + j) * nh + h - h0) * d;
+            if (a->kind == KIND_BF16) {
+                const uint16_t *restrict s = (const uint16_t *)a->kv + src;
+                uint32_t *restrict o = (uint32_t *)dst;
+                for (int64_t x = 0; x < d; x++) o[x] = (uint32_t)s[x] << 16;
+            } else if (a->kind == KIND_INT8) {
+                const int8_t *restrict s = (const int8_t *)a->kv + src;
+                const float sc = a->tsc[(plane + j) * hkv + h];
+                for (int64_t x = 0; x < d; x++) dst[x] = (float)s[x] * sc;
+            } else {
+                const uint8_t *restrict s = (const uint8_t *)a->kv + src;
+                const float sc = a->fsc[c * hkv + h];
+                for (int64_t x = 0; x < d; x++) dst[x] = a->lut[s[x]] * sc;
+            }
+        }
+    }
+}
+
+static inline int64_t block_id(const kvp_args *a, int64_t seq, int64_t b) {
+    if (a->bt_int64) return ((const int64_t *)a->block_tables)[seq * a->bt_stride + b];
+    return ((const int32_t *)a->block_tables)[seq * a->bt_stride + b];
+}
+
+static const int64_t ELEM_SIZE[4] = {4, 2, 1, 1};
+
+static inline int64_t max64(int64_t x, int64_t y) { return x > y ? x : y; }
+static inline int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
+
+/* keys per softmax step: consecutive blocks of a sequence are taken together up to this
+ * many keys (one block when blocks are larger), so that small blocks do not pay the
+ * per-step bookkeeping (max, rescale, accumulator load/store) every few keys */
+#define CHUNK_KEYS 64
+
+/* the units u0..u1-1 with head_dim d (a constant in the specialized copies) */
+static inline __attribute__((always_inline)) int run(const kvp_args *a, const int64_t d) {
+    const int64_t nq = a->num_q_heads, hkv = a->num_kv_heads, bs = a->block_size;
+    const int64_t nb = a->num_blocks, group = nq / hkv;
+    const int64_t per = bs >= CHUNK_KEYS ? 1 : CHUNK_KEYS / bs; /* blocks per step */
+    const int64_t sp = (per * bs + 15) / 16 * 16; /* score row padded to whole vectors */
+    const int64_t es = ELEM_SIZE[a->kind];
+    int64_t max_states = 1;
+    for (int64_t u = a->u0; u < a->u1; u++) {
+        const int64_t *un = a->units + 5 * u;
+        max_states = max64(max_states, (un[2] - un[1]) * (un[4] - un[3]) * group);
+    }
+    const int64_t nsc = hkv * group * sp; /* scores of every head of a unit */
+    const int64_t ntile = a->kind == KIND_FLOAT ? 0 : per * 2 * bs * hkv * d;
+    float *mem = malloc(sizeof(float) * (size_t)(2 * max_states + max_states * d + nsc + ntile));
+    if (!mem) return -1;
+    float *restrict m = mem, *restrict l_sum = m + max_states, *restrict acc = l_sum + max_states;
+    float *restrict s = acc + max_states * d, *restrict tile = s + nsc;
+    const float *kvf = (const float *)a->kv;
+    /* per block of a step: first key, key range, K/V rows and the next block's K */
+    int64_t kp0[CHUNK_KEYS], j0[CHUNK_KEYS], j1[CHUNK_KEYS], a0[CHUNK_KEYS], a1[CHUNK_KEYS];
+    const float *kb[CHUNK_KEYS], *vb[CHUNK_KEYS];
+    const char *nk[CHUNK_KEYS];
+    for (int64_t u = a->u0; u < a->u1; u++) {
+        const int64_t *un = a->units + 5 * u;
+        const int64_t seq = un[0], r0 = un[1], nr = un[2] - un[1], h0 = un[3];
+        const int64_t nh = un[4] - h0, ns = nh * group;
+        const int64_t qs = a->query_start[seq];
+        const int64_t ctx = a->seq_lens[seq] - (a->query_start[seq + 1] - qs);
+        for (int64_t i = 0; i < nr * ns; i++) { m[i] = -INFINITY; l_sum[i] = 0.0f; }
+        memset(acc, 0, sizeof(float) * (size_t)(nr * ns * d));
+        const int64_t last = ctx + r0 + nr - 1; /* last key any row of the unit sees */
+        const int64_t first = a->window > 0 ? max64(0, ctx + r0 - a->window + 1) : 0;
+        const int64_t blast = last / bs;
+        const int64_t stride = a->kind == KIND_FLOAT ? hkv * d : nh * d;
+        const int64_t nk_row = hkv * d * es, nk_len = nh * d * es;
+        for (int64_t b = first / bs; b <= blast; b += per) {
+            const int64_t cnt = min64(per, blast - b + 1);
+            for (int64_t k = 0; k < cnt; k++) {
+                kp0[k] = (b + k) * bs;
+                j0[k] = max64(first - kp0[k], 0);
+                j1[k] = min64(last + 1 - kp0[k], bs);
+                const int64_t blk = block_id(a, seq, b + k);
+                if (a->kind == KIND_FLOAT) {
+                    kb[k] = kvf + (blk * bs) * hkv * d + h0 * d;
+                    vb[k] = kvf + ((nb + blk) * bs) * hkv * d + h0 * d;
+                } else {
+                    float *t = tile + k * 2 * bs * nh * d;
+                    convert(a, blk, j0[k], j1[k], h0, h0 + nh, t);
+                    kb[k] = t;
+                    vb[k] = t + bs * nh * d;
+                }
+                /* the block read after this one (this unit's or the next unit's first) */
+                int64_t nblk = -1, nh0 = h0;
+                if (b + k < blast) {
+                    nblk = block_id(a, seq, b + k + 1);
+                } else if (u + 1 < a->u1) {
+                    const int64_t *nx = un + 5;
+                    const int64_t nqs = a->query_start[nx[0]];
+                    const int64_t nctx = a->seq_lens[nx[0]] - (a->query_start[nx[0] + 1] - nqs);
+                    const int64_t nfirst =
+                        a->window > 0 ? max64(0, nctx + nx[1] - a->window + 1) : 0;
+                    nblk = block_id(a, nx[0], nfirst / bs);
+                    nh0 = nx[3];
+                }
+                nk[k] = nblk >= 0 ? (const char *)a->kv + ((nblk * bs) * hkv + nh0) * d * es
+                                  : NULL;
+            }
+            const int64_t len = (cnt * bs + 15) / 16 * 16;
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t pos = ctx + r0 + r;
+                int any = 0;
+                for (int64_t k = 0; k < cnt; k++) {
+                    const int64_t lo = a->window > 0 ? pos - a->window + 1 - kp0[k] : 0;
+                    a0[k] = max64(j0[k], lo);
+                    a1[k] = min64(j1[k], pos + 1 - kp0[k]);
+                    any |= a1[k] > a0[k];
+                }
+                if (!any) continue;
+                const float *restrict qr = a->q + ((qs + r0 + r) * nq + h0 * group) * d;
+                for (int64_t i = 0; i < ns; i++)
+                    for (int64_t j = 0; j < len; j++) s[i * sp + j] = -INFINITY;
+                /* scores, key by key: K rows are read in memory order (all the unit's
+                 * heads of a key are one contiguous run). Prefetches: the V row of the
+                 * key (read by the pass below) and, on the first row, K row j of the
+                 * block after — a block is a few KiB in its own place in memory, where
+                 * the hardware prefetcher would start cold (measured: 1.6x less time
+                 * per decode call than prefetching nothing or the whole next block at
+                 * once, docs/benchmarks.md) */
+                for (int64_t k = 0; k < cnt; k++) {
+                    for (int64_t j = a0[k]; j < a1[k]; j++) {
+                        const float *restrict krow = kb[k] + j * stride;
+                        for (int64_t off = 0; off < nh * d; off += 16)
+                            __builtin_prefetch(vb[k] + j * stride + off, 0, 3);
+                        if (nk[k] != NULL && r == 0)
+                            for (int64_t off = 0; off < nk_len; off += 64)
+                                __builtin_prefetch(nk[k] + j * nk_row + off, 0, 3);
+                        for (int64_t hh = 0, i = 0; hh < nh; hh++) {
+                            for (int64_t g = 0; g < group; g++, i++) {
+                                float v = dot(qr + i * d, krow + hh * d, d) * a->scale;
+                                if (a->soft_cap > 0.0f)
+                                    v = a->soft_cap * tanhf(v / a->soft_cap);
+                                s[i * sp + k * bs + j] = v;
+                            }
+                        }
+                    }
+                }
+                for (int64_t i = 0; i < ns; i++) {
+                    float *restrict si = s + i * sp;
+                    const int64_t st = r * ns + i;
+                    vf16 mv = (vf16){0} - INFINITY;
+                    for (int64_t j = 0; j < len; j += 16) {
+                        vf16 v = ld16(si + j);
+                        vi16 gt = v > mv;
+                        vi16 vb_, mb;
+                        memcpy(&vb_, &v, sizeof vb_);
+                        memcpy(&mb, &mv, sizeof mb);
+                        mb = (vb_ & gt) | (mb & ~gt);
+                        memcpy(&mv, &mb, sizeof mv);
+                    }
+                    const float mold = m[st];
+                    float mx = hmax16(mv);
+                    if (!(mx > mold)) mx = mold;
+                    float alpha = mx == mold ? 1.0f : expf(mold - mx);
+                    m[st] = mx;
+                    vf16 ps = (vf16){0};
+                    for (int64_t j = 0; j < len; j += 16) {
+                        vf16 p = vexp16(ld16(si + j) - mx);
+                        ps += p;
+                        st16(si + j, p);
+                    }
+                    l_sum[st] = l_sum[st] * alpha + hsum16(ps);
+                    const int64_t hh = i / group;
+                    for (int64_t k = 0; k < cnt; k++) {
+                        if (a1[k] <= a0[k]) continue;
+                        pv(acc + st * d, alpha, si + k * bs + a0[k],
+                           vb[k] + hh * d + a0[k] * stride, stride, a1[k] - a0[k], d);
+                        alpha = 1.0f;
+                    }
+                }
+            }
+        }
+        for (int64_t r = 0; r < nr; r++) {
+            const int64_t qrow = qs + r0 + r;
+            for (int64_t i = 0; i < ns; i++) {
+                const int64_t st = r * ns + i;
+                const float inv = 1.0f / l_sum[st];
+                float *restrict o = a->out + (qrow * nq + h0 * group + i) * d;
+                for (int64_t x = 0; x < d; x++) o[x] = acc[st * d + x] * inv;
+            }
+        }
+    }
+    free(mem);
+    return 0;
+}
+
+/* Attention of units a->u0 .. a->u1-1 into a->out (nothing else is written).
+ * Returns 0, or -1 when the scratch memory could not be allocated. */
+int kvp_paged_attention(const kvp_args *a) {
+    switch (a->head_dim) {
+    case 8: return run(a, 8);
+    case 16: return run(a, 16);
+    case 32: return run(a, 32);
+    case 64: return run(a, 64);
+    case 128: return run(a, 128);
+    case 256: return run(a, 256);
+    default: return run(a, a->head_dim);
+    }
+}
+
+/* Store n tokens' K and V rows (row_bytes each: num_kv_heads * head_dim values of the
+ * cache's storage dtype, already converted) at their slots of kv: K of token t at
+ * kv[0] slot slots[t], V at kv[1]; a slot of -1 is skipped. key/value rows are
+ * key_stride/value_stride bytes apart (a row's own values contiguous). */
+void kvp_write_kv(const char *key, int64_t key_stride, const char *value,
+                  int64_t value_stride, const int64_t *slots, int64_t n, char *kv,
+                  int64_t num_slots, int64_t row_bytes) {
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t s = slots[t];
+        if (s < 0) continue;
+        memcpy(kv + s * row_bytes, key + t * key_stride, (size_t)row_bytes);
+        memcpy(kv + (num_slots + s) * row_bytes, value + t * value_stride, (size_t)row_bytes);
+    }
+}
