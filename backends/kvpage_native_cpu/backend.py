@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-from kvpage_numba_cpu.plan import CpuPlan, torch_threads
+from kvpage_numba_cpu.plan import CpuPlan, forward_operands, torch_threads
 
 from kvpage.attention.checks import check_launch_forward, check_write_kv
 from kvpage.attention.metadata import AttentionMetadata, KVCache
@@ -188,15 +188,10 @@ class NativeCpuBackend:
         lib, reason = build.load()
         if lib is None:
             raise BackendUnavailableError("native-cpu: kernel unavailable", {self.name: [reason]})
-        direct = query.dtype == torch.float32
-        if out is None:
-            out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        if plan.num_tokens == 0:
+        out, ops = forward_operands(query, plan, spec, out)
+        if ops is None:
             return out
-        res = out if direct and out.is_contiguous() else torch.empty(query.shape, dtype=torch.float32)  # fmt: skip
-        q = query if direct and query.is_contiguous() else query.float().contiguous()
-        group = spec.num_q_heads // spec.num_kv_heads
-        units, bounds = plan.units_for(spec.num_kv_heads, group)
+        res, q, units, bounds = ops
         kv = cache.kv
         keep: list[torch.Tensor] = []  # tensors the call reads, alive until it returns
         args = build.KvpArgs()

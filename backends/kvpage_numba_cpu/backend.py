@@ -24,7 +24,7 @@ from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.backends.torch_backend import TorchBackend
 from kvpage.specs import AttentionSpec, CacheSpec
-from kvpage_numba_cpu.plan import CpuPlan, torch_threads
+from kvpage_numba_cpu.plan import CpuPlan, forward_operands, torch_threads
 
 #: the 256 values of each fp8 format's bit patterns, built on first use
 _FP8_TABLES: dict[torch.dtype, np.ndarray] = {}
@@ -130,15 +130,10 @@ class NumbaCpuBackend:
         kind = check_launch_forward(query, cache, plan, spec, out)
         from kvpage_numba_cpu import kernels
 
-        direct = query.dtype == torch.float32
-        if out is None:
-            out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        if plan.num_tokens == 0:
+        out, ops = forward_operands(query, plan, spec, out)
+        if ops is None:
             return out
-        res = out if direct and out.is_contiguous() else torch.empty(query.shape, dtype=torch.float32)  # fmt: skip
-        q = query if direct and query.is_contiguous() else query.float().contiguous()
-        group = spec.num_q_heads // spec.num_kv_heads
-        units, bounds = plan.units_for(spec.num_kv_heads, group)
+        res, q, units, bounds = ops
         kv, code, tsc, fsc, lut = _storage(cache, kind)
         args = (
             q.detach().numpy(),

@@ -23,6 +23,7 @@ import torch
 
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.attention.plan import StepPlan, step_fields
+from kvpage.specs import AttentionSpec
 
 #: query rows per work unit: a unit converts each K/V block once for all its rows, so
 #: longer units convert less; shorter ones balance a lone long prefill across threads
@@ -124,3 +125,27 @@ def _split(
 def torch_threads() -> int:
     """The process's torch intra-op thread count (the engine's ``num_threads``)."""
     return int(torch.get_num_threads())
+
+
+def forward_operands(
+    query: torch.Tensor, plan: CpuPlan, spec: AttentionSpec, out: torch.Tensor | None
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray] | None]:
+    """What a CPU kernel's ``forward`` hands the kernel (numba-cpu and native-cpu alike).
+
+    Returns:
+        ``(out, None)`` for an empty step (``out`` as given, or a new empty tensor shaped
+        like ``query``), else ``(out, (res, q, units, bounds))``: ``res`` the float32
+        contiguous ``[num_tokens, num_q_heads, head_dim]`` the kernel writes (``out``
+        itself when it is float32 and contiguous, else a scratch tensor the caller
+        copies into ``out``), ``q`` the query as float32 contiguous, and the plan's work
+        units and part bounds for ``spec``'s GQA group (:meth:`CpuPlan.units_for`).
+    """
+    direct = query.dtype == torch.float32
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if plan.num_tokens == 0:
+        return out, None
+    res = out if direct and out.is_contiguous() else torch.empty(query.shape, dtype=torch.float32)  # fmt: skip
+    q = query if direct and query.is_contiguous() else query.float().contiguous()
+    units, bounds = plan.units_for(spec.num_kv_heads, spec.num_q_heads // spec.num_kv_heads)
+    return out, (res, q, units, bounds)
