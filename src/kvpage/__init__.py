@@ -6,12 +6,17 @@
 
 import os as _os
 
-# OpenMP threads that wait at a barrier sleep instead of spinning (GNU OpenMP reads this
-# when torch loads it, so it only takes effect when kvpage is imported before torch;
-# an explicit setting wins). Spinning is what made more than one thread 20-200x slower
-# on a small or shared machine: a spinning waiter burns the core the thread it waits
-# for needs (docs/benchmarks.md, "Threads").
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP threads that wait at a barrier spin briefly (5,000 turns, tens of microseconds)
+# and then sleep, instead of GNU OpenMP's default 300,000 turns (GNU OpenMP reads both
+# when torch loads it, so this only takes effect when kvpage is imported before torch;
+# an explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT wins). Long spinning is what made more
+# than one thread 20-200x slower on a small or shared machine: a spinning waiter burns
+# the core the thread it waits for needs; never spinning (a futex sleep at every one of
+# a step's many small parallel ops) cost ~1.25x in wall time on free cores at 2 threads
+# (docs/benchmarks.md, "Threads"). One thread (the default) has no barriers.
+if "OMP_WAIT_POLICY" not in _os.environ:
+    _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    _os.environ.setdefault("GOMP_SPINCOUNT", "5000")
 
 from kvpage.errors import (  # noqa: E402
     BackendUnavailableError,

@@ -70,8 +70,9 @@ class EngineConfig:
             default made the README example 19x slower than 1 thread (12.4 s vs 0.65 s)
             and up to 200x under heavier load, because every op waits at a barrier for
             a thread the OS has descheduled while its partner spins (``import kvpage``
-            sets ``OMP_WAIT_POLICY=PASSIVE`` against that when it loads before torch;
-            then 2 threads paid 2-8x on a 125M model). Raise it on cores you own.
+            sets ``OMP_WAIT_POLICY=PASSIVE`` with ``GOMP_SPINCOUNT=5000``, a short spin
+            then sleep, against that when it loads before torch). Raise it on cores
+            you own.
         kv_retention_max_share: most of the usable blocks (a share in [0, 1]) that
             requests' ``kv_retention`` policies may hold free at a raised priority
             (default 0.5; 0 = retention off). The cap is also bounded so that one
