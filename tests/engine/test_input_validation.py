@@ -290,3 +290,26 @@ def test_failing_schedule_drops_running_requests(monkeypatch: pytest.MonkeyPatch
         done += [o.request_id for o in eng.step() if o.finished]
     assert done == ["b"] and eng.kv_cache_manager.usage == 0.0
     eng.kv_cache_manager.check_integrity()
+
+
+# ---- fresh-user finding 14: the Python API refuses what the HTTP API refuses --------------
+@pytest.mark.parametrize("ids", [[32000], [5, 512], [2**40]])
+def test_stop_token_ids_outside_the_vocabulary_rejected(llm: LLM, ids: list[int]) -> None:
+    eng = llm.llm_engine
+    before = eng.get_metrics()["kvpage:requests_rejected_total"]
+    with pytest.raises(RequestRejected, match=r"^stop_token_ids: expected ids in \[0, 512\)"):
+        eng.add_request("r-stop", [1, 2, 3], SamplingParams(stop_token_ids=ids))
+    assert eng.get_metrics()["kvpage:requests_rejected_total"] == before + 1
+    _assert_clean(llm)
+    # the largest id of the vocabulary is a valid stop token
+    eng.add_request("r-ok", [1, 2, 3], SamplingParams(stop_token_ids=[511], max_tokens=2))
+    while eng.has_unfinished_requests():
+        eng.step()
+    _assert_clean(llm)
+
+
+@pytest.mark.parametrize("salt", ["", 7, b"x"])
+def test_cache_salt_must_be_a_nonempty_string(llm: LLM, salt: Any) -> None:
+    with pytest.raises(RequestRejected, match=r"^cache_salt: expected None or a non-empty"):
+        llm.llm_engine.add_request("r-salt", {"prompt_token_ids": [1, 2], "cache_salt": salt})
+    _assert_clean(llm)

@@ -36,7 +36,7 @@ from kvpage.engine.request_extras import (
 )
 from kvpage.engine.sampler import Sampler, make_generator
 from kvpage.engine.scheduler import SchedulerOutput
-from kvpage.errors import RequestRejected
+from kvpage.errors import RequestRejected, got_repr
 
 
 class LLMEngine(EngineMetrics, EngineOutputs):
@@ -132,6 +132,13 @@ class LLMEngine(EngineMetrics, EngineOutputs):
                     reason="invalid_sampling_params",
                 )
             params.validate()
+            bad_stop = [t for t in params.stop_token_ids or () if not t < self.vocab_size]
+            if bad_stop:
+                raise RequestRejected(
+                    f"stop_token_ids: expected ids in [0, {self.vocab_size}) (the model's "
+                    f"vocabulary), got {got_repr(bad_stop)}",
+                    reason="invalid_sampling_params",
+                )
             at = arrival_time
             if at is not None and (
                 isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at)

@@ -81,9 +81,11 @@ def parse_prompt(
                 reason="invalid_prompt",
             )
         salt = prompt.get("cache_salt")
-        if salt is not None and not isinstance(salt, str):
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            # "" is refused, not read as "no salt" (the HTTP API refuses it likewise)
             raise RequestRejected(
-                f"cache_salt: expected a string, got {salt!r}", reason="invalid_prompt"
+                f"cache_salt: expected None or a non-empty string, got {salt!r}",
+                reason="invalid_prompt",
             )
         if "prompt_token_ids" in prompt and "prompt" in prompt:
             raise RequestRejected(
