@@ -99,6 +99,20 @@ class NativeCpuBackend:
 
     def __init__(self) -> None:
         self._torch = TorchBackend()
+        #: the kernel library once ``build.load()`` returned it (that call resolves the
+        #: compiler and cache path, ~16 us, and would otherwise run on every
+        #: ``forward``/``write_kv`` call: 2 per layer per step)
+        self._lib: ctypes.CDLL | None = None
+
+    def _library(self) -> tuple[ctypes.CDLL | None, str]:
+        """``build.load()``, kept on the instance once it succeeded (a failure is not
+        kept: a later call retries, e.g. after ``$CC`` was fixed)."""
+        if self._lib is None:
+            lib, reason = build.load()
+            if lib is None:
+                return None, reason
+            self._lib = lib
+        return self._lib, ""
 
     # ---- selection -------------------------------------------------------------------
     def unsupported_reasons(self, spec: CacheSpec, device: torch.device | str) -> list[str]:
@@ -144,7 +158,7 @@ class NativeCpuBackend:
             ShapeError, DTypeError: see ``kvpage.attention.checks.check_write_kv``.
         """
         kv = cache.kv
-        lib = build.load()[0]
+        lib = self._library()[0]
         if (
             lib is None
             or cache.kv_dtype != "auto"
@@ -185,7 +199,7 @@ class NativeCpuBackend:
             MemoryError: the kernel could not allocate its scratch memory.
         """
         kind = check_launch_forward(query, cache, plan, spec, out)
-        lib, reason = build.load()
+        lib, reason = self._library()
         if lib is None:
             raise BackendUnavailableError("native-cpu: kernel unavailable", {self.name: [reason]})
         out, ops = forward_operands(query, plan, spec, out)

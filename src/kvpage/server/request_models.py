@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from kvpage.engine.chat import apply_chat_template
 from kvpage.engine.params import MAX_LOGPROBS
@@ -81,6 +81,21 @@ class _Request(BaseModel):
     #: kvpage extension: how long this request's cached blocks stay after it
     #: (``kvpage.cache.KVRetention.from_dict``; limits: ``AdmissionConfig``)
     kv_retention: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """An explicit ``null`` for an optional field means its default (``"temperature":
+        null`` = 1.0), as OpenAI's API marks these fields nullable and clients such as
+        LiteLLM and LangChain send them; required fields stay required."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {
+                k: v
+                for k, v in data.items()
+                if not (v is None and k in fields and not fields[k].is_required())
+            }
+        return data
 
     def stop_strings(self) -> list[str]:
         """The stop strings as a list (``prepare_request`` refuses empty ones)."""

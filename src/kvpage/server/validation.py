@@ -161,6 +161,18 @@ def prepare_request(
         text = render_chat(body.messages)
         check_text_fits(text, max_bytes_per_token, max_model_len, "messages")
         ids = tokenizer.encode(text, bos=True)
+        if (
+            body.max_tokens is not None
+            and body.max_completion_tokens is not None
+            and body.max_tokens != body.max_completion_tokens
+        ):
+            raise APIError(
+                400,
+                "max_completion_tokens: expected the same value as max_tokens when both "
+                f"are given (max_tokens is its older name), got {body.max_completion_tokens} "
+                f"and max_tokens {body.max_tokens}",
+                param="max_completion_tokens",
+            )
         max_name = "max_completion_tokens" if body.max_tokens is None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
     else:
