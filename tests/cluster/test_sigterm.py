@@ -74,3 +74,39 @@ def test_sigterm_shuts_serve_and_ray_down(tmp_path: Path) -> None:
     assert "SIGTERM received" not in text and "PC: @" not in text, text[-2000:]
     time.sleep(5)
     assert not (ours & _agents()), "Ray agents left running after SIGTERM"
+
+
+@pytest.mark.parametrize("after_s", [1.0, 2.5])
+def test_sigterm_inside_ray_init_leaves_no_ray_process(tmp_path: Path, after_s: float) -> None:
+    """SIGTERM while ``ray.init`` runs reaches Ray's handler (it exits at once); the
+    start-up path must still take down the node it started (fresh-user finding F1:
+    DashboardAgent and RuntimeEnvAgent were left running)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    before = _agents()
+    log_path = tmp_path / "serve.log"
+    log = log_path.open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpage.cli", "serve", "--replicas", "1", "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        # the last line before ray.init starts the node (kvpage's bind warning)
+        while "WITHOUT authentication" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        time.sleep(after_s)
+        started = _agents() - before
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    time.sleep(8)
+    left = (_agents() - before) | (started & _agents())
+    assert not left, f"Ray agents left running: {left}\n{log_path.read_text()[-2000:]}"

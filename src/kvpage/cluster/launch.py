@@ -11,11 +11,12 @@ HTTP proxy on the configured host/port and deploys; :func:`stop` tears both down
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvpage.cluster.config import ClusterConfig, check_cpus_fit
@@ -67,6 +68,32 @@ def build_app(cfg: ClusterConfig) -> Any:
     return ingress.bind(cfg, **bound)
 
 
+@contextlib.contextmanager
+def _keep_sigterm_handler() -> Iterator[None]:
+    """While ``ray.init`` runs, keep the process's SIGTERM handler.
+
+    ``ray.init`` begins by installing a handler that exits at once (``sys.exit``),
+    *before* it starts the local node's processes; a SIGTERM in that window killed the
+    driver with half a node started and Ray's DashboardAgent and RuntimeEnvAgent were
+    left running (no ``_global_node`` yet, so ``ray.shutdown`` cannot reach them). Ray
+    2.60 installs it through ``ray._private.utils.set_sigterm_handler`` (a private hook,
+    so: only when it exists, and only for the duration of the call)."""
+    try:
+        from ray._private import utils as ray_utils
+    except ImportError:  # pragma: no cover - another Ray layout: plain ray.init
+        yield
+        return
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+    if original is None:  # pragma: no cover
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = original
+
+
 def start(
     cfg: ClusterConfig,
     *,
@@ -74,8 +101,10 @@ def start(
     on_ray_started: Callable[[], None] | None = None,
 ) -> str:
     """Start (or join) Ray, start Serve's HTTP proxy and deploy ``cfg``; blocks until
-    every replica is up. Returns the base URL. ``on_ray_started`` runs right after
-    ``ray.init`` (which replaces the process's SIGTERM handler).
+    every replica is up. Returns the base URL. With ``on_ray_started`` (a caller that
+    handles signals itself) the process's SIGTERM handler is kept while ``ray.init``
+    runs and ``on_ray_started`` runs right after it (Ray replaces the handler again
+    when it connects); it may raise to stop the start (then nothing is deployed).
 
     Raises:
         SpecError: an unauthenticated server asked to bind a non-loopback address
@@ -104,7 +133,8 @@ def start(
         else:
             kwargs["address"] = cfg.ray_address
         kwargs.update(ray_init_kwargs or {})
-        ray.init(**kwargs)
+        with _keep_sigterm_handler() if on_ray_started is not None else contextlib.nullcontext():
+            ray.init(**kwargs)
         if on_ray_started is not None:
             on_ray_started()
     if cfg.ray_address is None:
@@ -129,6 +159,10 @@ def stop(cfg: ClusterConfig | None = None) -> None:
     from ray import serve
 
     if not ray.is_initialized():
+        if cfg is None or cfg.ray_address is None:
+            # a start cut short inside ray.init (e.g. SIGTERM: Ray's own handler exits)
+            # may have started the local node's processes already: stop them too
+            ray.shutdown()
         return
     try:
         if cfg is not None and cfg.ray_address is not None:
@@ -137,6 +171,10 @@ def stop(cfg: ClusterConfig | None = None) -> None:
             serve.shutdown()
     finally:
         ray.shutdown()
+
+
+class _StopDuringStart(Exception):
+    """SIGINT/SIGTERM arrived while ``ray.init`` ran: stop before deploying."""
 
 
 def run_forever(cfg: ClusterConfig) -> None:
@@ -151,18 +189,35 @@ def run_forever(cfg: ClusterConfig) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
 
+    def after_ray_init() -> None:
+        install()
+        if done.is_set():
+            raise _StopDuringStart
+
     install()
     # ray.init installs its own SIGTERM handler (exit at once, without shutting Serve and
-    # Ray down, leaving Ray's agents behind): ours again right after it, so SIGTERM (what
-    # systemd, Docker and Kubernetes send) stops as cleanly as Ctrl-C, even mid-start
-    url = start(cfg, on_ray_started=install)
-    logger.info(
-        "kvpage serve: %d engine replica(s) in group(s) %s behind %s (router %s)",
-        cfg.num_replicas(),
-        ", ".join(sorted(cfg.groups)),
-        url,
-        cfg.router.policy,
-    )
+    # Ray down, leaving Ray's agents behind): start() keeps ours while ray.init runs and
+    # we install ours again right after it, so SIGTERM (what systemd, Docker and
+    # Kubernetes send) stops as cleanly as Ctrl-C, even mid-start
+    try:
+        url = start(cfg, on_ray_started=after_ray_init)
+    except _StopDuringStart:
+        logger.info("kvpage serve: stop signal received while Ray started; shutting down")
+        stop(cfg)
+        return
+    except BaseException:
+        stop(cfg)  # a failed deploy: take down what was started
+        raise
+    if done.is_set():  # SIGINT/SIGTERM arrived while deploying: do not announce
+        logger.info("kvpage serve: stop signal received during start-up; shutting down")
+    else:
+        logger.info(
+            "kvpage serve: %d engine replica(s) in group(s) %s behind %s (router %s)",
+            cfg.num_replicas(),
+            ", ".join(sorted(cfg.groups)),
+            url,
+            cfg.router.policy,
+        )
     try:
         done.wait()
     finally:
