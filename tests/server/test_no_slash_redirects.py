@@ -57,3 +57,12 @@ def test_metrics_listener_has_no_slash_redirect(servers):
     _, side = servers
     r = httpx.get(side.base_url + "/metrics/", follow_redirects=False)
     assert r.status_code == 404 and "location" not in r.headers
+
+
+def test_models_trailing_slash_is_an_unknown_route(servers):
+    srv, _ = servers
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.get(srv.base_url + "/v1/models/", headers=auth, follow_redirects=False)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(srv.base_url + "/v1/models/other", headers=auth)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -80,7 +80,12 @@ def get_backend(name: str) -> AttentionBackend:
     except KeyError:
         raise BackendUnavailableError(
             f"backend: expected one of {available_backends()}, got {name!r}",
-            {name: ["not registered (no built-in and no 'kvpage.backends' entry point)"]},
+            {
+                name: [
+                    "not registered (no built-in and no 'kvpage.backends' entry point; "
+                    f"registered: {', '.join(available_backends())})"
+                ]
+            },
         ) from None
     except Exception as e:  # a broken plugin is a reason, not a crash
         raise BackendUnavailableError(

@@ -81,7 +81,9 @@ class TokenBucket:
                 "cost_exceeds_burst",
                 None,
                 f"request cost: expected at most the tenant burst of {self.burst:g} tokens, "
-                f"got {cost:g} (prompt tokens + n * max_tokens)",
+                f"got {cost:g} (prompt tokens + n * max_tokens; an unset max_tokens counts "
+                "as its default, 16 for completions and the room left in the context for "
+                "chat: send a smaller max_tokens)",
             )
         if self.tokens >= cost:
             self.tokens -= cost

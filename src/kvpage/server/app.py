@@ -214,6 +214,8 @@ def create_app(
         # OpenAI's "retrieve model"; the openai client's models.retrieve() calls it
         if model_id == config.model_name:
             return JSONResponse(model_card())
+        if not model_id:  # "/v1/models/": a trailing slash is an unknown route, as elsewhere
+            raise StarletteHTTPException(404, "Not Found")
         raise P.APIError(
             404,
             f"model: expected {config.model_name!r}, got {got_repr(model_id)}",
