@@ -206,3 +206,16 @@ def test_threads_flag_reaches_the_engine_config():
     assert cfg.engine.engine_kwargs()["num_threads"] == 2
     with pytest.raises(SpecError, match="num_threads"):
         config_from_args(_parser().parse_args(["serve", "--threads", "-1"]))
+
+
+def test_every_config_flag_has_help_naming_its_field() -> None:
+    import argparse
+
+    from kvpage.server.cli import _FLAGS, add_serve_parser
+
+    parser = add_serve_parser(argparse.ArgumentParser().add_subparsers())
+    helps = {a.dest: a.help or "" for a in parser._actions}
+    for flag, (section, field, _) in _FLAGS.items():
+        where = field if section is None else f"{section}.{field}"
+        assert helps[flag].startswith(f"config {where}; default "), (flag, helps[flag])
+    assert "one of queue, reject" in helps["kv_pressure_action"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 from typing import Any
 
 from pydantic import ValidationError
@@ -63,12 +64,27 @@ _FLAGS: dict[str, tuple[str | None, str, Any]] = {
 API_KEY_ENV = "KVPAGE_API_KEY"
 
 
+def _flag_help(section: str | None, field: str) -> str:
+    """``--help`` text of a config flag, from its ServerConfig field: where it lives in a
+    ``--config`` file, its default and, for a fixed set, the choices (the field's
+    validation, not argparse's, still decides what is accepted)."""
+    model: Any = ServerConfig if section is None else ServerConfig.model_fields[section].annotation
+    info = model.model_fields[field]
+    where = field if section is None else f"{section}.{field}"
+    text = f"config {where}; default {info.default!r}"
+    if typing.get_origin(info.annotation) is typing.Literal:
+        text += "; one of " + ", ".join(str(a) for a in typing.get_args(info.annotation))
+    return text.replace("%", "%%")
+
+
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``serve`` on an argparse subparsers object; returns the new parser."""
     p = subparsers.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
-        description="Serve a model over an OpenAI-compatible HTTP API (binds 127.0.0.1 by default).",
+        description="Serve a model over an OpenAI-compatible HTTP API (binds 127.0.0.1 by "
+        "default). Each config flag sets the ServerConfig field it names (a flag wins over "
+        "--config); docs/serving.md, 'The rollback-friendly config file', lists every field.",
     )
     p.add_argument(
         "model_positional",
@@ -80,8 +96,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="YAML/JSON ServerConfig (see --dump-config)")
     p.add_argument("--dump-config", action="store_true", help="print the effective config and exit")
     p.add_argument("--dump-format", choices=["yaml", "json"], default="yaml")
-    for flag, (_, _, typ) in _FLAGS.items():
-        p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=typ, default=None)
+    for flag, (section, field, typ) in _FLAGS.items():
+        p.add_argument(
+            "--" + flag.replace("_", "-"),
+            dest=flag,
+            type=typ,
+            default=None,
+            help=_flag_help(section, field),
+        )
     add_prefix_caching_flags(p, default=None)  # the spelling generate/replay use too
     add_tier_flags(p)
     p.add_argument(
