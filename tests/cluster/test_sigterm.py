@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -39,18 +40,27 @@ def _agents() -> set[int]:
     return pids
 
 
-def test_sigterm_shuts_serve_and_ray_down(tmp_path: Path) -> None:
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    before = _agents()
-    log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen(
+        return int(s.getsockname()[1])
+
+
+def _serve(port: int, log: Any) -> subprocess.Popen[bytes]:
+    """``kvpage serve --replicas 1`` on ``port``, output to ``log``."""
+    return subprocess.Popen(
         [sys.executable, "-m", "kvpage.cli", "serve", "--replicas", "1", "--port", str(port)],
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+
+
+def test_sigterm_shuts_serve_and_ray_down(tmp_path: Path) -> None:
+    port = _free_port()
+    before = _agents()
+    log = (tmp_path / "serve.log").open("w")
+    proc = _serve(port, log)
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
@@ -81,18 +91,11 @@ def test_sigterm_inside_ray_init_leaves_no_ray_process(tmp_path: Path, after_s: 
     """SIGTERM while ``ray.init`` runs reaches Ray's handler (it exits at once); the
     start-up path must still take down the node it started (fresh-user finding F1:
     DashboardAgent and RuntimeEnvAgent were left running)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     before = _agents()
     log_path = tmp_path / "serve.log"
     log = log_path.open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpage.cli", "serve", "--replicas", "1", "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = _serve(port, log)
     try:
         deadline = time.monotonic() + 120
         # the last line before ray.init starts the node (kvpage's bind warning)
