@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from kvpage_native_cpu import NativeCpuBackend, build
+from paged_steps import paged_step
 
 from kvpage.attention.metadata import AttentionMetadata, allocate_kv_cache
 from kvpage.backends import get_backend, select_backend
@@ -125,29 +126,13 @@ def test_concurrent_builds_leave_one_whole_library(fresh_cache: Path) -> None:
     assert build.load()[0] is not None
 
 
-def _step(seq_lens: list[int], query_lens: list[int], bs: int = 16, d: int = 32, seed: int = 0):  # type: ignore[no-untyped-def]
-    g = torch.Generator().manual_seed(seed)
-    hkv = 4
-    nblk = [-(-s // bs) for s in seq_lens]
-    cache = allocate_kv_cache(sum(nblk) + 1, bs, hkv, d, dtype=torch.float32)
-    cache.kv.copy_(torch.randn(cache.kv.shape, generator=g))
-    perm = (torch.randperm(sum(nblk), generator=g) + 1).tolist()
-    tables, at = [], 0
-    for n in nblk:
-        tables.append(perm[at : at + n])
-        at += n
-    meta = AttentionMetadata.build(
-        query_lens=query_lens, seq_lens=seq_lens, block_tables=tables, block_size=bs
-    )
-    q = torch.randn(sum(query_lens), 8, d, generator=g)
-    return cache, meta, q, tables
-
-
 @needs_cc
 def test_two_threads_give_the_same_bits_as_one() -> None:
     b = NativeCpuBackend()
     spec = make_attention_spec(num_q_heads=8, num_kv_heads=4, head_dim=32)
-    cache, meta, q, _ = _step([70, 5, 130, 33, 300, 12, 64, 90, 41], [70, 1, 20, 1, 1, 1, 3, 1, 1])
+    cache, meta, q, _ = paged_step(
+        [70, 5, 130, 33, 300, 12, 64, 90, 41], [70, 1, 20, 1, 1, 1, 3, 1, 1]
+    )
     before = torch.get_num_threads()
     outs = []
     try:
@@ -167,7 +152,7 @@ def test_two_threads_give_the_same_bits_as_one() -> None:
 def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch() -> None:
     b = NativeCpuBackend()
     spec = make_attention_spec(num_q_heads=8, num_kv_heads=4, head_dim=32, sliding_window=40)
-    cache, meta, q, tables = _step([90, 17, 200], [90, 1, 3])
+    cache, meta, q, tables = paged_step([90, 17, 200], [90, 1, 3])
     full = b.forward(q, cache, b.plan(meta), spec)
     alone_meta = AttentionMetadata.build(
         query_lens=[3], seq_lens=[200], block_tables=[tables[2]], block_size=16
@@ -180,7 +165,7 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch() -> None:
 @pytest.mark.parametrize(("bs", "d"), [(1, 8), (7, 12), (16, 8), (16, 80), (128, 32), (5, 256)])
 def test_any_block_size_and_head_dim_matches_the_torch_backend(bs: int, d: int) -> None:
     spec = make_attention_spec(num_q_heads=8, num_kv_heads=4, head_dim=d, logits_soft_cap=30.0)
-    cache, meta, q, _ = _step([40, 3, 77], [40, 1, 5], bs=bs, d=d, seed=bs + d)
+    cache, meta, q, _ = paged_step([40, 3, 77], [40, 1, 5], bs=bs, d=d, seed=bs + d)
     torch_b, native = get_backend("torch"), NativeCpuBackend()
     want = torch_b.forward(q, cache, torch_b.plan(meta), spec)
     got = native.forward(q, cache, native.plan(meta), spec)
@@ -212,7 +197,9 @@ def test_a_forked_child_starts_its_own_thread_pool() -> None:
 
     b = NativeCpuBackend()
     spec = make_attention_spec(num_q_heads=8, num_kv_heads=4, head_dim=32)
-    cache, meta, q, _ = _step([70, 5, 130, 33, 300, 12, 64, 90, 41], [70, 1, 20, 1, 1, 1, 3, 1, 1])
+    cache, meta, q, _ = paged_step(
+        [70, 5, 130, 33, 300, 12, 64, 90, 41], [70, 1, 20, 1, 1, 1, 3, 1, 1]
+    )
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

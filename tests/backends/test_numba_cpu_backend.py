@@ -10,8 +10,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from paged_steps import paged_step
 
-from kvpage.attention.metadata import AttentionMetadata, allocate_kv_cache
+from kvpage.attention.metadata import AttentionMetadata
 from kvpage.backends import select_backend
 from kvpage.specs import make_attention_spec, make_cache_spec
 
@@ -54,28 +55,10 @@ def test_kernel_is_a_cpu_njit_even_under_the_cuda_simulator() -> None:
     assert kernels.paged_attention.targetoptions.get("parallel")
 
 
-def _step(seq_lens: list[int], query_lens: list[int], seed: int = 0):  # type: ignore[no-untyped-def]
-    g = torch.Generator().manual_seed(seed)
-    bs, hkv, d = 16, 4, 32
-    nblk = [-(-s // bs) for s in seq_lens]
-    cache = allocate_kv_cache(sum(nblk) + 1, bs, hkv, d, dtype=torch.float32)
-    cache.kv.copy_(torch.randn(cache.kv.shape, generator=g))
-    perm = (torch.randperm(sum(nblk), generator=g) + 1).tolist()
-    tables, at = [], 0
-    for n in nblk:
-        tables.append(perm[at : at + n])
-        at += n
-    meta = AttentionMetadata.build(
-        query_lens=query_lens, seq_lens=seq_lens, block_tables=tables, block_size=bs
-    )
-    q = torch.randn(sum(query_lens), 8, d, generator=g)
-    return cache, meta, q, tables
-
-
 def test_thread_count_follows_torch_and_results_are_bit_identical() -> None:
     b = NumbaCpuBackend()
     spec = make_attention_spec(num_q_heads=8, num_kv_heads=4, head_dim=32)
-    cache, meta, q, _ = _step([70, 5, 130, 33], [70, 1, 20, 1])
+    cache, meta, q, _ = paged_step([70, 5, 130, 33], [70, 1, 20, 1])
     before = torch.get_num_threads()
     outs = []
     try:
@@ -94,7 +77,7 @@ def test_thread_count_follows_torch_and_results_are_bit_identical() -> None:
 def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch() -> None:
     b = NumbaCpuBackend()
     spec = make_attention_spec(num_q_heads=8, num_kv_heads=4, head_dim=32, sliding_window=40)
-    cache, meta, q, tables = _step([90, 17, 200], [90, 1, 3])
+    cache, meta, q, tables = paged_step([90, 17, 200], [90, 1, 3])
     full = b.forward(q, cache, b.plan(meta), spec)
     alone_meta = AttentionMetadata.build(
         query_lens=[3], seq_lens=[200], block_tables=[tables[2]], block_size=16
