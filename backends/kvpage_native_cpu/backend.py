@@ -8,8 +8,9 @@ a property of the step, not of the kernel that runs it. With ``n > 1`` compute t
 (``torch.get_num_threads()``, the engine's ``num_threads``) the caller runs part 0 and
 ``n - 1`` Python threads of a small pool run the others; ``ctypes`` releases the GIL for
 the duration of each call, so the parts run in parallel without a second OpenMP
-runtime in the process. ``write_kv`` and ``copy_blocks`` are the built-in torch
-backend's (already vectorized copies; one implementation of the quantization formulas).
+runtime in the process. ``write_kv`` is one C call of row copies when nothing needs
+converting, else the built-in torch backend's (one implementation of the quantization
+formulas), as is ``copy_blocks`` (already a vectorized copy).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ class NativeCpuBackend:
         if spec.dtype not in self.capabilities.query_dtypes:
             why.append(f"dtype: expected float32|bfloat16, got {spec.dtype}")
         if not why:
-            lib, reason = build.load()
+            lib, reason = self._library()
             if lib is None:
                 why.append(reason)
         return why

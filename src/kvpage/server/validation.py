@@ -157,10 +157,6 @@ def prepare_request(
             reason="unknown_model",
         )
     if isinstance(body, ChatCompletionRequest):
-        _check_text_parts(body)
-        text = render_chat(body.messages)
-        check_text_fits(text, max_bytes_per_token, max_model_len, "messages")
-        ids = tokenizer.encode(text, bos=True)
         if (
             body.max_tokens is not None
             and body.max_completion_tokens is not None
@@ -173,6 +169,10 @@ def prepare_request(
                 f"and max_tokens {body.max_tokens}",
                 param="max_completion_tokens",
             )
+        _check_text_parts(body)
+        text = render_chat(body.messages)
+        check_text_fits(text, max_bytes_per_token, max_model_len, "messages")
+        ids = tokenizer.encode(text, bos=True)
         max_name = "max_completion_tokens" if body.max_tokens is None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
     else:
