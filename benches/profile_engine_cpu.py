@@ -20,7 +20,8 @@ Usage (model folder and workload written by ``bench_peers.py``'s ``prepare_model
         --model out/peers/stories260K-hd32 --workload out/peers/workload-200-0.json \\
         --backend torch [--profile out/engine.prof]
 
-For an A/B of two trees run it alternately with ``PYTHONPATH=<tree>/src:<tree>/backends``.
+For an A/B of two trees run it alternately with ``PYTHONPATH=<tree>/src:<tree>/backends``;
+for a boolean setting, ``--toggle MODULE:ATTR`` alternates it round by round in one process.
 """
 
 from __future__ import annotations
@@ -189,6 +190,12 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="also one cProfile round, stats to FILE")
     ap.add_argument("--label", default="")
     ap.add_argument("--no-split", action="store_true", help="no per-part CPU counters")
+    ap.add_argument(
+        "--toggle",
+        default="",
+        help="MODULE:ATTR of a boolean setting to A/B in this process: rounds alternate "
+        "it off (even rounds) and on (odd), e.g. kvpage_native_cpu.backend:LAYER_OPS",
+    )
     args = ap.parse_args()
 
     from kvpage.engine import LLMEngine, SamplingParams
@@ -204,7 +211,16 @@ def main() -> None:
     )  # fmt: skip
     spent = instrument(eng) if not args.no_split else {}
     run_once(eng, work[: args.warmup], SamplingParams)
+    toggle = None
+    if args.toggle:
+        import importlib
+
+        mod_name, _, attr = args.toggle.partition(":")
+        toggle = (importlib.import_module(mod_name), attr)
+        getattr(toggle[0], attr)  # AttributeError now, not after the warm-up
     for r in range(args.rounds):
+        if toggle is not None:
+            setattr(toggle[0], toggle[1], r % 2 == 1)
         for k in spent:
             spent[k] = 0.0
         s0 = eng.step_stats.num_steps
@@ -219,6 +235,8 @@ def main() -> None:
             "tok_per_s": round(toks / wall, 1), "thread_cpu_s": round(thr, 3), "steps": steps,
             "load": round(os.getloadavg()[0], 1),
         }  # fmt: skip
+        if toggle is not None:
+            row[args.toggle] = r % 2 == 1
         if spent:
             row["attention_s"] = round(spent["attention"], 3)
             row["non_attention_s"] = round(thr - spent["attention"], 3)

@@ -5,10 +5,10 @@ compiled at first use by the system C compiler (``build.py``) and called through
 The step plan and its work split are the ``numba-cpu`` backend's (``CpuPlan``: units
 ``(sequence, query rows, KV heads)`` dealt to threads by estimated cost): the split is
 a property of the step, not of the kernel that runs it. With ``n > 1`` compute threads
-(``torch.get_num_threads()``, the engine's ``num_threads``) the caller runs part 0 and
-``n - 1`` Python threads of a small pool run the others; ``ctypes`` releases the GIL for
-the duration of each call, so the parts run in parallel without a second OpenMP
-runtime in the process. ``write_kv`` is one C call of row copies when nothing needs
+(``torch.get_num_threads()``, the engine's ``num_threads``) one C call runs part 0 on
+the calling thread and the others on ``n - 1`` worker threads the kernel keeps
+(``kvp_paged_attention_parts``: a bounded spin, then a condition variable; no second
+OpenMP runtime in the process); ``ctypes`` releases the GIL for the call. ``write_kv`` is one C call of row copies when nothing needs
 converting, else the built-in torch backend's (one implementation of the quantization
 formulas), as is ``copy_blocks`` (already a vectorized copy).
 """
@@ -16,9 +16,7 @@ formulas), as is ``copy_blocks`` (already a vectorized copy).
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -31,13 +29,16 @@ from kvpage.backends.torch_backend import TorchBackend
 from kvpage.errors import BackendUnavailableError
 from kvpage.specs import AttentionSpec, CacheSpec
 from kvpage_native_cpu import build
+from kvpage_native_cpu.layer_ops import NativeLayerOps
 
 KIND_FLOAT, KIND_BF16, KIND_INT8, KIND_FP8 = 0, 1, 2, 3
 
+#: offer the C layer ops (``layer_ops``) to the model; False = the model's torch ops
+#: (an A/B switch for benchmarks, docs/benchmarks.md)
+LAYER_OPS = True
+
 #: the 256 values of each fp8 format's bit patterns, built on first use
 _FP8_TABLES: dict[torch.dtype, torch.Tensor] = {}
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
 
 
 def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
@@ -46,26 +47,6 @@ def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
         bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
         _FP8_TABLES[dtype] = bits.view(dtype).float().contiguous()
     return _FP8_TABLES[dtype]
-
-
-def _forget_pool() -> None:
-    """In a forked child the pool's threads do not exist: start a new pool on demand."""
-    global _pool, _pool_size
-    _pool, _pool_size = None, 0
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _workers(n: int) -> ThreadPoolExecutor:
-    """A pool of at least ``n`` threads (grown, never shrunk)."""
-    global _pool, _pool_size
-    if _pool is None or _pool_size < n:
-        if _pool is not None:
-            _pool.shutdown(wait=True)
-        _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvpage-native-cpu")
-        _pool_size = n
-    return _pool
 
 
 class NativeCpuBackend:
@@ -94,7 +75,7 @@ class NativeCpuBackend:
         notes=(
             "compiled at first use by $CC (default cc), cached under ~/.cache/kvpage",
             "float16 refused: the kernel reads float32 or bfloat16 storage",
-            "threads are Python threads calling the kernel (ctypes releases the GIL)",
+            "threads are the kernel's own pthreads, one C call per layer (GIL released)",
         ),
     )
 
@@ -104,6 +85,12 @@ class NativeCpuBackend:
         #: compiler and cache path, ~16 us, and would otherwise run on every
         #: ``forward``/``write_kv`` call: 2 per layer per step)
         self._lib: ctypes.CDLL | None = None
+        self._ops: NativeLayerOps | None = None
+        #: this step's prepared kernel arguments per layer shape (see ``forward``):
+        #: ``(plan, spec, num_blocks, block_size, dtype) -> (plan, parts, n)``
+        self._step_args: dict[
+            tuple[object, ...], tuple[CpuPlan, ctypes.Array[build.KvpArgs], int]
+        ] = {}
 
     def _library(self) -> tuple[ctypes.CDLL | None, str]:
         """``build.load()``, kept on the instance once it succeeded (a failure is not
@@ -136,6 +123,19 @@ class NativeCpuBackend:
         """The suite's full default budget (``{}``: the kernel is as fast as the torch
         backend's per case once built, about a second of compile the first time)."""
         return {}
+
+    def layer_ops(self, dtype: torch.dtype, device: torch.device) -> NativeLayerOps | None:
+        """The C ``LayerOps`` (``kvpage.attention.protocol``) for float32 on the CPU
+        while :data:`LAYER_OPS` is on and the library loads, else None (the model keeps
+        its torch ops)."""
+        if not LAYER_OPS or dtype != torch.float32 or device.type != "cpu":
+            return None
+        if self._ops is None:
+            lib = self._library()[0]
+            if lib is None:
+                return None
+            self._ops = NativeLayerOps(lib)
+        return self._ops
 
     # ---- per step --------------------------------------------------------------------
     def plan(self, meta: AttentionMetadata) -> CpuPlan:
@@ -208,30 +208,67 @@ class NativeCpuBackend:
             return out
         res, q, units, bounds = ops
         kv = cache.kv
-        keep: list[torch.Tensor] = []  # tensors the call reads, alive until it returns
-        args = build.KvpArgs()
-        args.kind = _kind(cache, kind, args, keep)
-        args.q = q.data_ptr()
-        args.kv = kv.data_ptr()
-        args.block_tables = plan.block_tables.ctypes.data
-        args.bt_stride = plan.block_tables.shape[1]
-        args.bt_int64 = 0
-        args.query_start = plan.query_start.ctypes.data
-        args.seq_lens = plan.seq_lens.ctypes.data
-        args.units = units.ctypes.data
-        args.out = res.data_ptr()
-        args.num_q_heads = spec.num_q_heads
-        args.num_kv_heads = spec.num_kv_heads
-        args.head_dim = spec.head_dim
-        args.num_blocks = kv.shape[1]
-        args.block_size = kv.shape[2]
-        args.window = spec.sliding_window or 0
-        args.scale = spec.scale
-        args.soft_cap = spec.logits_soft_cap or 0.0
-        _run(lib, args, bounds)
+        if kind == "auto":  # the step's arguments once per KV group, three pointers per layer
+            key = (id(plan), spec, kv.shape[1], kv.shape[2], kv.dtype)
+            got = self._step_args.get(key)
+            if got is None or got[0] is not plan:
+                if self._step_args and next(iter(self._step_args.values()))[0] is not plan:
+                    self._step_args = {}  # a new step: forget the last one's
+                args = _step_args(plan, spec, kv, units, KIND_BF16 if kv.dtype == torch.bfloat16 else KIND_FLOAT)  # fmt: skip
+                got = (plan, *_parts(args, bounds))
+                self._step_args[key] = got
+            if got[2] and lib.kvp_paged_attention_layer(got[1], got[2], q.data_ptr(), kv.data_ptr(), res.data_ptr()):  # fmt: skip
+                raise MemoryError("native-cpu: the kernel could not allocate its scratch memory")
+        else:
+            keep: list[torch.Tensor] = []  # tensors the call reads, alive until it returns
+            args = _step_args(plan, spec, kv, units, 0)
+            args.kind = _kind(cache, kind, args, keep)
+            args.q, args.kv, args.out = q.data_ptr(), kv.data_ptr(), res.data_ptr()
+            parts, n = _parts(args, bounds)
+            if n and lib.kvp_paged_attention_parts(parts, n) != 0:
+                raise MemoryError("native-cpu: the kernel could not allocate its scratch memory")
         if res is not out:
             out.copy_(res)
         return out
+
+
+def _step_args(
+    plan: CpuPlan, spec: AttentionSpec, kv: torch.Tensor, units: np.ndarray, kind: int
+) -> build.KvpArgs:
+    """The kernel arguments every layer of ``spec``'s shape shares in this step (q, kv,
+    out and the scale pointers left 0)."""
+    args = build.KvpArgs()
+    args.kind = kind
+    args.block_tables = plan.block_tables.ctypes.data
+    args.bt_stride = plan.block_tables.shape[1]
+    args.bt_int64 = 0
+    args.query_start = plan.query_start.ctypes.data
+    args.seq_lens = plan.seq_lens.ctypes.data
+    args.units = units.ctypes.data
+    args.num_q_heads = spec.num_q_heads
+    args.num_kv_heads = spec.num_kv_heads
+    args.head_dim = spec.head_dim
+    args.num_blocks = kv.shape[1]
+    args.block_size = kv.shape[2]
+    args.window = spec.sliding_window or 0
+    args.scale = spec.scale
+    args.soft_cap = spec.logits_soft_cap or 0.0
+    return args
+
+
+def _parts(args: build.KvpArgs, bounds: np.ndarray) -> tuple[ctypes.Array[build.KvpArgs], int]:
+    """``(parts, n)``: copies of ``args`` for the non-empty parts ``bounds[t] ..
+    bounds[t+1]-1``, which ``kvp_paged_attention_parts`` runs at once (part 0 on the
+    calling thread, the others on the kernel's worker threads)."""
+    parts = (build.KvpArgs * (bounds.shape[0] - 1))()
+    n = 0
+    for t in range(bounds.shape[0] - 1):
+        u0, u1 = int(bounds[t]), int(bounds[t + 1])
+        if u1 > u0:
+            parts[n] = args
+            parts[n].u0, parts[n].u1 = u0, u1
+            n += 1
+    return parts, n
 
 
 def _rows_contiguous(x: torch.Tensor) -> bool:
@@ -259,27 +296,6 @@ def _kind(cache: KVCache, kind: str, args: build.KvpArgs, keep: list[torch.Tenso
     args.fsc = fsc.data_ptr()
     args.lut = lut.data_ptr()
     return KIND_FP8
-
-
-def _run(lib: ctypes.CDLL, args: build.KvpArgs, bounds: np.ndarray) -> None:
-    """Run the parts ``bounds[t] .. bounds[t+1]-1``: part 0 here, the others on pool
-    threads (ctypes releases the GIL during each call)."""
-    parts = [(int(bounds[t]), int(bounds[t + 1])) for t in range(bounds.shape[0] - 1)]
-    parts = [p for p in parts if p[1] > p[0]]
-    if not parts:
-        return
-    calls = []
-    for u0, u1 in parts:
-        a = build.KvpArgs.from_buffer_copy(args)
-        a.u0, a.u1 = u0, u1
-        calls.append(a)
-    futures = [
-        _workers(len(calls) - 1).submit(lib.kvp_paged_attention, ctypes.byref(a)) for a in calls[1:]
-    ]
-    codes = [lib.kvp_paged_attention(ctypes.byref(calls[0]))]
-    codes += [f.result() for f in futures]
-    if any(c != 0 for c in codes):
-        raise MemoryError("native-cpu: the kernel could not allocate its scratch memory")
 
 
 __all__ = ["NativeCpuBackend"]

@@ -34,7 +34,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernel.c")
 #: must match KVP_ABI in kernel.c
-ABI = 2
+ABI = 5
 BASE_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=gnu11")
 
 _lock = threading.Lock()
@@ -69,6 +69,21 @@ class KvpArgs(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("soft_cap", ctypes.c_float),
     ]
+
+
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_ARGS = ctypes.POINTER(KvpArgs)
+#: the library's functions besides ``kvp_abi_version``: name -> (argtypes, restype), as
+#: declared in ``kernel.c``
+SYMBOLS: dict[str, tuple[list[type], type | None]] = {
+    "kvp_paged_attention": ([_ARGS], ctypes.c_int),
+    "kvp_paged_attention_parts": ([_ARGS, _I64], ctypes.c_int),
+    "kvp_paged_attention_layer": ([_ARGS, _I64, _P, _P, _P], ctypes.c_int),
+    "kvp_write_kv": ([_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64], None),
+    "kvp_rms_norm": ([_P, _P, _P, _F32, _I64, _I64, _P, _P], None),
+    "kvp_rope_qk": ([_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _P], None),
+    "kvp_silu_mul": ([_P, _I64, _I64, _P], None),
+}
 
 
 def compiler() -> str:
@@ -110,7 +125,7 @@ def _build(cc_argv: list[str], target: Path) -> str:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [*cc_argv, *flags(), "-o", tmp, str(SOURCE), "-lm"],
+            [*cc_argv, *flags(), "-o", tmp, str(SOURCE), "-lm", "-pthread"],
             capture_output=True,
             text=True,
             timeout=300,
@@ -157,11 +172,9 @@ def _load(cc: str, _cache: str) -> tuple[ctypes.CDLL | None, str]:
         lib.kvp_abi_version.restype = ctypes.c_int
         if lib.kvp_abi_version() != ABI:
             return None, f"native kernel ABI: expected {ABI}, got {lib.kvp_abi_version()}"
-        lib.kvp_paged_attention.argtypes = [ctypes.POINTER(KvpArgs)]
-        lib.kvp_paged_attention.restype = ctypes.c_int
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.kvp_write_kv.argtypes = [p, i64, p, i64, p, i64, p, i64, i64]
-        lib.kvp_write_kv.restype = None
+        for name, (argtypes, restype) in SYMBOLS.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
     except AttributeError as e:  # a symbol missing: not this kernel's library
         return None, f"native kernel library {target}: {e}"
     return lib, ""

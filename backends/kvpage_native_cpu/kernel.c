@@ -28,11 +28,14 @@
  * small float32 tile first.
  */
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define KVP_ABI 2
+#define KVP_ABI 5
 
 enum { KIND_FLOAT = 0, KIND_BF16 = 1, KIND_INT8 = 2, KIND_FP8 = 3 };
 
@@ -399,6 +402,276 @@ int kvp_paged_attention(const kvp_args *a) {
     case 256: return run(a, 256);
     default: return run(a, a->head_dim);
     }
+}
+
+
+/* ---- layer ops: the small float32 ops around attention -----------------------------
+ * One C call each instead of several torch ops (LayerOps in kvpage.attention.protocol;
+ * the torch formulas in kvpage.models are the reference and the fallback). Rows are
+ * contiguous float32 [rows, n] unless a stride is given; results equal the torch ops
+ * up to float32 summation order (tested). */
+
+/* sum of x[0..n-1]^2 in 16 lanes, then the lanes in a fixed order */
+static inline float sumsq(const float *restrict x, int64_t n) {
+    vf16 s = (vf16){0};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) { vf16 v = ld16(x + j); s += v * v; }
+    float t = hsum16(s);
+    for (; j < n; j++) t += x[j] * x[j];
+    return t;
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * w per row (Llama RMSNorm, Zhang & Sennrich 2019);
+ * with res != NULL first x = x + res, written to sum_out, and the norm is of the sum
+ * (the residual add before a norm, as vLLM's fused_add_rms_norm) */
+void kvp_rms_norm(const float *x, const float *res, const float *w, float eps, int64_t rows,
+                  int64_t n, float *sum_out, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict xr = x + r * n;
+        float *restrict o = out + r * n;
+        if (res != NULL) {
+            const float *restrict rr = res + r * n;
+            float *restrict sr = sum_out + r * n;
+            int64_t j = 0;
+            for (; j + 16 <= n; j += 16) st16(sr + j, ld16(xr + j) + ld16(rr + j));
+            for (; j < n; j++) sr[j] = xr[j] + rr[j];
+            xr = sr;
+        }
+        const float inv = 1.0f / sqrtf(sumsq(xr, n) / (float)n + eps);
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) st16(o + j, ld16(xr + j) * inv * ld16(w + j));
+        for (; j < n; j++) o[j] = xr[j] * inv * w[j];
+    }
+}
+
+/* no fused multiply-add in the functions marked with it: their products and sums round
+ * one by one, as the torch ops they replace do */
+#if defined(__clang__)
+#define NO_CONTRACT
+#define NO_CONTRACT_BODY _Pragma("clang fp contract(off)")
+#else
+#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#define NO_CONTRACT_BODY
+#endif
+
+/* RoPE of the q and k columns of a fused q/k/v projection (rotate-half layout, RoFormer,
+ * Su et al. 2021): q_out/k_out[t, h, :] = x * cos[t] + swap_halves(x) * sin_signed[t],
+ * where x is head h of row t of qkv (row stride qkv_stride floats) and sin_signed has
+ * its first half negated: the products and the sum of
+ * kvpage.models.rope.apply_rope_qkv, each rounded as there (bit-identical, tested) */
+NO_CONTRACT void kvp_rope_qk(const float *qkv, int64_t qkv_stride, const float *cos,
+                             const float *sin, int64_t rows, int64_t nq, int64_t nkv,
+                             int64_t d, float *q_out, float *k_out) {
+    NO_CONTRACT_BODY
+    const int64_t half = d / 2;
+    for (int64_t t = 0; t < rows; t++) {
+        const float *restrict c = cos + t * d, *restrict s = sin + t * d;
+        for (int64_t h = 0; h < nq + nkv; h++) {
+            const float *restrict x = qkv + t * qkv_stride + h * d;
+            float *restrict o = h < nq ? q_out + (t * nq + h) * d : k_out + (t * nkv + h - nq) * d;
+            for (int64_t j = 0; j < half; j++) {
+                const float a = x[j] * c[j], b = x[j + half] * s[j];
+                o[j] = a + b;
+            }
+            for (int64_t j = half; j < d; j++) {
+                const float a = x[j] * c[j], b = x[j - half] * s[j];
+                o[j] = a + b;
+            }
+        }
+    }
+}
+
+/* silu(g) * u for 16 lanes: g * sigmoid(g), sigmoid from e = exp(-|g|) (never
+ * overflows): 1 / (1 + e) for g >= 0, e / (1 + e) below; exp as in the attention
+ * kernel (vexp16) */
+static inline vf16 silu_mul16(vf16 g, vf16 u) {
+    vi16 bits;
+    memcpy(&bits, &g, sizeof bits);
+    const vi16 neg = bits < 0;
+    const vi16 nb = bits | ((vi16){0} + INT32_MIN); /* -|g| */
+    vf16 na;
+    memcpy(&na, &nb, sizeof na);
+    const vf16 e = vexp16(na), one = (vf16){0} + 1.0f;
+    vi16 eb, ob;
+    memcpy(&eb, &e, sizeof eb);
+    memcpy(&ob, &one, sizeof ob);
+    const vi16 numb = (eb & neg) | (ob & ~neg);
+    vf16 num;
+    memcpy(&num, &numb, sizeof num);
+    return g * (num / (one + e)) * u;
+}
+
+/* out[t, j] = silu(gu[t, j]) * gu[t, i + j] for j < i (SwiGLU, Shazeer 2020); every
+ * element by the same 16-lane code (a row's tail through a zero-padded copy) */
+void kvp_silu_mul(const float *gu, int64_t rows, int64_t i, float *out) {
+    for (int64_t t = 0; t < rows; t++) {
+        const float *restrict g = gu + t * 2 * i, *restrict u = g + i;
+        float *restrict o = out + t * i;
+        int64_t j = 0;
+        for (; j + 16 <= i; j += 16) st16(o + j, silu_mul16(ld16(g + j), ld16(u + j)));
+        if (j < i) {
+            float gt[16] = {0}, ut[16] = {0}, ot[16];
+            memcpy(gt, g + j, sizeof(float) * (size_t)(i - j));
+            memcpy(ut, u + j, sizeof(float) * (size_t)(i - j));
+            st16(ot, silu_mul16(ld16(gt), ld16(ut)));
+            memcpy(o + j, ot, sizeof(float) * (size_t)(i - j));
+        }
+    }
+}
+
+/* ---- parts on a pool of worker threads ------------------------------------------
+ * kvp_paged_attention_parts runs parts[0] on the calling thread and parts[1..n-1] on
+ * persistent worker threads (created at first use, grown, never shrunk), one C call per
+ * layer instead of one Python thread hand-off per part. A worker spins for a few tens
+ * of microseconds after its part (the next layer's call follows soon) and then sleeps
+ * on a condition variable; the caller spins likewise, then sleeps, while it waits for
+ * the workers. Spinning is bounded, so an oversubscribed machine costs at most the
+ * spin, not a time slice per call (the failure of unbounded OpenMP spinning,
+ * docs/benchmarks.md "Threads"). One caller at a time uses the pool; a second
+ * concurrent caller runs all its parts itself (same results: a unit's result does not
+ * depend on the thread that computes it). A forked child starts with no workers. */
+#define POOL_MAX 64
+/* pause loops (~20-140 cycles each, by CPU) before sleeping: a worker between layers
+ * (the next call is a layer's non-attention work away), the caller waiting for parts */
+#define WORKER_SPIN 200
+#define CALLER_SPIN 4000
+
+typedef struct {
+    pthread_t th;
+    _Atomic int64_t posted;   /* generation of the last part handed to this worker */
+    _Atomic int64_t finished; /* generation of the last part it completed */
+    const kvp_args *job;
+    int result;
+} kvp_worker;
+
+static kvp_worker pool_w[POOL_MAX];
+static int pool_n = 0;
+static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER; /* one caller at a time */
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;   /* guards the sleeps */
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;   /* workers wait here */
+static pthread_cond_t pool_done = PTHREAD_COND_INITIALIZER;   /* the caller waits here */
+static int pool_caller_sleeps = 0;
+static int pool_atfork = 0;
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void *pool_main(void *arg) {
+    kvp_worker *w = arg;
+    int64_t seen = 0;
+    for (;;) {
+        int64_t g = atomic_load_explicit(&w->posted, memory_order_acquire);
+        for (int i = 0; g == seen && i < WORKER_SPIN; i++) {
+            cpu_relax();
+            g = atomic_load_explicit(&w->posted, memory_order_acquire);
+        }
+        if (g == seen) {
+            pthread_mutex_lock(&pool_mu);
+            while ((g = atomic_load_explicit(&w->posted, memory_order_acquire)) == seen)
+                pthread_cond_wait(&pool_wake, &pool_mu);
+            pthread_mutex_unlock(&pool_mu);
+        }
+        seen = g;
+        w->result = kvp_paged_attention(w->job);
+        pthread_mutex_lock(&pool_mu);
+        atomic_store_explicit(&w->finished, g, memory_order_release);
+        if (pool_caller_sleeps) pthread_cond_signal(&pool_done);
+        pthread_mutex_unlock(&pool_mu);
+    }
+    return NULL;
+}
+
+static void pool_forget(void) {
+    /* in a forked child only the forking thread exists: no workers, fresh locks */
+    pool_n = 0;
+    pool_caller_sleeps = 0;
+    pthread_mutex_init(&pool_busy, NULL);
+    pthread_mutex_init(&pool_mu, NULL);
+    pthread_cond_init(&pool_wake, NULL);
+    pthread_cond_init(&pool_done, NULL);
+}
+
+/* at least n workers; returns how many there are (fewer if a thread failed to start) */
+static int pool_grow(int n) {
+    if (!pool_atfork) {
+        pthread_atfork(NULL, NULL, pool_forget);
+        pool_atfork = 1;
+    }
+    while (pool_n < n && pool_n < POOL_MAX) {
+        kvp_worker *w = &pool_w[pool_n];
+        atomic_store(&w->posted, 0);
+        atomic_store(&w->finished, 0);
+        if (pthread_create(&w->th, NULL, pool_main, w) != 0) break;
+        pthread_detach(w->th);
+        pool_n++;
+    }
+    return pool_n;
+}
+
+/* Attention of parts[0..n-1] (each a kvp_args with its own u0..u1): parts[0] here,
+ * the others on the pool's workers. Returns 0, or -1 when some part could not
+ * allocate its scratch memory. */
+int kvp_paged_attention_parts(const kvp_args *parts, int64_t n) {
+    if (n <= 0) return 0;
+    if (n == 1 || pthread_mutex_trylock(&pool_busy) != 0) {
+        int rc = 0;
+        for (int64_t i = 0; i < n; i++) rc |= kvp_paged_attention(&parts[i]);
+        return rc;
+    }
+    const int nw = pool_grow((int)(n - 1));
+    int64_t gen[POOL_MAX];
+    pthread_mutex_lock(&pool_mu);
+    for (int i = 0; i < nw && i + 1 < n; i++) {
+        kvp_worker *w = &pool_w[i];
+        w->job = &parts[i + 1];
+        gen[i] = atomic_load_explicit(&w->posted, memory_order_relaxed) + 1;
+        atomic_store_explicit(&w->posted, gen[i], memory_order_release);
+    }
+    pthread_cond_broadcast(&pool_wake);
+    pthread_mutex_unlock(&pool_mu);
+    int rc = kvp_paged_attention(&parts[0]);
+    for (int64_t i = nw + 1; i < n; i++) rc |= kvp_paged_attention(&parts[i]); /* no worker */
+    for (int i = 0; i < nw && i + 1 < n; i++) {
+        kvp_worker *w = &pool_w[i];
+        int k = 0;
+        while (atomic_load_explicit(&w->finished, memory_order_acquire) != gen[i] &&
+               k++ < CALLER_SPIN)
+            cpu_relax();
+        if (atomic_load_explicit(&w->finished, memory_order_acquire) != gen[i]) {
+            pthread_mutex_lock(&pool_mu);
+            pool_caller_sleeps = 1;
+            while (atomic_load_explicit(&w->finished, memory_order_acquire) != gen[i])
+                pthread_cond_wait(&pool_done, &pool_mu);
+            pool_caller_sleeps = 0;
+            pthread_mutex_unlock(&pool_mu);
+        }
+        rc |= w->result;
+    }
+    pthread_mutex_unlock(&pool_busy);
+    return rc;
+}
+
+/* kvp_paged_attention_parts of copies of parts[0..n-1] (a step's prepared arguments,
+ * shared by the layers of a KV group) with this layer's q, kv and out: one call per
+ * layer that sets three pointers instead of every field. parts is not written. */
+int kvp_paged_attention_layer(const kvp_args *parts, int64_t n, const float *q, const void *kv,
+                              float *out) {
+    kvp_args loc[16];
+    int rc = 0;
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int64_t m = n - i0 < 16 ? n - i0 : 16;
+        for (int64_t i = 0; i < m; i++) {
+            loc[i] = parts[i0 + i];
+            loc[i].q = q;
+            loc[i].kv = kv;
+            loc[i].out = out;
+        }
+        rc |= kvp_paged_attention_parts(loc, m);
+    }
+    return rc;
 }
 
 /* Store n tokens' K and V rows (row_bytes each: num_kv_heads * head_dim values of the

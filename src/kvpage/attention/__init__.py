@@ -13,7 +13,7 @@ from kvpage.attention.metadata import (
     slots_of,
 )
 from kvpage.attention.plan import StepPlan, check_step, plan_step, step_fields
-from kvpage.attention.protocol import AttentionBackend, BackendCapabilities
+from kvpage.attention.protocol import AttentionBackend, BackendCapabilities, LayerOps
 
 __all__ = [
     "PAD_BLOCK",
@@ -21,6 +21,7 @@ __all__ = [
     "AttentionMetadata",
     "BackendCapabilities",
     "KVCache",
+    "LayerOps",
     "StepPlan",
     "allocate_kv_cache",
     "allocate_layer_cache",

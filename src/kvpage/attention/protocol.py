@@ -170,3 +170,62 @@ class AttentionBackend(Protocol[PlanT]):
             ShapeError, DTypeError: bad pairs or ids out of range; nothing is copied.
         """
         ...
+
+
+@runtime_checkable
+class LayerOps(Protocol):
+    """Optional kernels for the small per-layer ops around attention (RMSNorm with the
+    residual add before it, RoPE of the fused q/k/v projection, SiLU·mul), which a
+    backend may offer through a method ``layer_ops(dtype, device) -> LayerOps | None``
+    (not part of ``AttentionBackend``: a backend without it, or answering ``None`` for
+    a dtype/device, leaves the model on its torch ops). On a small model these ops are
+    a large share of a decode step, paid per op call rather than per element. The
+    torch formulas in ``kvpage.models.layers`` / ``kvpage.models.rope`` are the
+    reference; a backend's ops must equal them up to float summation order (RoPE:
+    bit-identical). Every op returns new tensors and mutates nothing.
+    """
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Llama RMSNorm of ``x`` (``[rows, n]``) with ``weight`` ``[n]``; with
+        ``residual`` (same shape as ``x``), the norm of ``s = residual + x``.
+
+        Returns:
+            ``(s, y)``: ``s`` the sum (``x`` itself without ``residual``) and ``y =
+            s / sqrt(mean(s**2, -1) + eps) * weight``, ``[rows, n]``.
+
+        Raises:
+            ShapeError, DTypeError: shapes or dtypes disagree.
+        """
+        ...
+
+    def rope_qk(
+        self,
+        qkv: torch.Tensor,
+        num_q_heads: int,
+        num_kv_heads: int,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kvpage.models.rope.apply_rope_qkv`` (same arguments, same results, new
+        contiguous q ``[rows, num_q_heads, head_dim]`` and k ``[rows, num_kv_heads,
+        head_dim]``).
+
+        Raises:
+            ShapeError, DTypeError: shapes or dtypes disagree.
+        """
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate_up[:, :i]) * gate_up[:, i:]`` for ``gate_up`` ``[rows, 2 * i]``
+        (SwiGLU; Shazeer, 2020), ``[rows, i]``.
+
+        Raises:
+            ShapeError, DTypeError: shapes or dtypes disagree.
+        """
+        ...

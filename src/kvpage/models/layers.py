@@ -17,7 +17,7 @@ from torch import nn
 
 from kvpage.attention.metadata import KVCache
 from kvpage.attention.plan import StepPlan
-from kvpage.attention.protocol import AttentionBackend
+from kvpage.attention.protocol import AttentionBackend, LayerOps
 from kvpage.models.config import ArchConfig
 from kvpage.models.rope import (
     RotaryEmbedding,
@@ -268,8 +268,13 @@ class MLP(nn.Module):
         self._gate_up = FusedLinear([self.gate_proj, self.up_proj])
         self._down = PackedWeight()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
+        """x ``[num_tokens, hidden_size]`` -> same; ``ops``: a backend's ``LayerOps``
+        for SiLU·mul (None = torch ops)."""
         gu = self._gate_up(x)
+        d = self.down_proj
+        if ops is not None and self.activation == "silu":
+            return self._down(ops.silu_mul(gu), d.weight, d.bias)
         i = self.intermediate_size
         g, u = gu[:, :i], gu[:, i:]
         if self.activation == "silu":
@@ -278,7 +283,6 @@ class MLP(nn.Module):
             g = F.gelu(g, approximate="tanh")
         else:
             g = F.gelu(g)
-        d = self.down_proj
         return self._down(g.mul_(u), d.weight, d.bias)
 
 
@@ -312,6 +316,7 @@ class PagedAttention(nn.Module):
         cache: KVCache,
         plan: StepPlan,
         backend: AttentionBackend,
+        ops: LayerOps | None = None,
     ) -> torch.Tensor:
         """Project, rotate, write this step's K/V into ``cache`` and attend.
 
@@ -323,6 +328,7 @@ class PagedAttention(nn.Module):
             cache: the layer's cache; mutated at ``plan.meta.slot_mapping``.
             plan: the backend's plan of this layer's KV group for the step.
             backend: the attention backend.
+            ops: the backend's ``LayerOps`` for RoPE (None = ``apply_rope_qkv``).
 
         Returns:
             ``[num_tokens, hidden_size]``.
@@ -331,7 +337,10 @@ class PagedAttention(nn.Module):
         qkv = self._qkv(x)
         b = self._splits[0] + self._splits[1]
         v = qkv[:, b:].view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope_qkv(qkv, self.num_q_heads, self.num_kv_heads, cos, sin)
+        if ops is not None:
+            q, k = ops.rope_qk(qkv, self.num_q_heads, self.num_kv_heads, cos, sin)
+        else:
+            q, k = apply_rope_qkv(qkv, self.num_q_heads, self.num_kv_heads, cos, sin)
         backend.write_kv(k, v, cache, plan.meta.slot_mapping)
         o = backend.forward(q, cache, plan, self.spec)
         o = o.reshape(t, self.num_q_heads * self.head_dim)
@@ -361,8 +370,16 @@ class DecoderLayer(nn.Module):
         cache: KVCache,
         plan: StepPlan,
         backend: AttentionBackend,
+        ops: LayerOps | None = None,
     ) -> torch.Tensor:
-        """x: ``[num_tokens, hidden_size]`` -> same; mutates ``cache`` (see PagedAttention)."""
+        """x: ``[num_tokens, hidden_size]`` -> same; mutates ``cache`` (see PagedAttention).
+        ``ops``: a backend's ``LayerOps`` (None = torch ops; Llama-form norms only)."""
+        if ops is not None and not self.sandwich and not self.input_layernorm.gemma:
+            n1, n2 = self.input_layernorm, self.post_attention_layernorm
+            h = ops.rms_norm(x, n1.weight, n1.eps)[1]
+            a = self.self_attn(h, cos, sin, cache, plan, backend, ops)
+            x, h = ops.rms_norm(a, n2.weight, n2.eps, residual=x)
+            return x + self.mlp(h, ops)
         a = self.self_attn(self.input_layernorm(x), cos, sin, cache, plan, backend)
         if self.sandwich:
             x = x + self.post_attention_layernorm(a)
