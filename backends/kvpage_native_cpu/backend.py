@@ -70,6 +70,7 @@ class NativeCpuBackend:
     name = "native-cpu"
     capabilities = BackendCapabilities(
         devices=frozenset({"cpu"}),
+        own_cpu_threads=True,
         priority={"cpu": 5},
         query_dtypes=frozenset({"float32", "bfloat16"}),
         notes=(

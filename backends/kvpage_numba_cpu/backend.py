@@ -61,6 +61,7 @@ class NumbaCpuBackend:
     name = "numba-cpu"
     capabilities = BackendCapabilities(
         devices=frozenset({"cpu"}),
+        own_cpu_threads=True,
         priority={"cpu": -10},
         query_dtypes=frozenset({"float32", "bfloat16"}),
         notes=(

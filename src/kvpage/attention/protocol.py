@@ -47,6 +47,11 @@ class BackendCapabilities:
         sliding_window / logits_soft_cap / gqa: feature flags.
         min_compute_capability: CUDA (major, minor) needed, or None.
         block_sizes: supported block sizes; empty = any.
+        own_cpu_threads: on the CPU the backend splits its work over threads of its
+            own (as many as ``torch.get_num_threads()`` when ``plan`` runs, kept in
+            its plan), not inside torch's intra-op pool; the engine may then lower
+            torch's thread count for a step's dense ops while the model runs
+            (``kvpage.engine.runner.dense_threads``).
     """
 
     devices: frozenset[str]
@@ -60,6 +65,7 @@ class BackendCapabilities:
     logits_soft_cap: bool = True
     gqa: bool = True
     min_compute_capability: tuple[int, int] | None = None
+    own_cpu_threads: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 

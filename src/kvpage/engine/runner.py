@@ -24,6 +24,28 @@ if TYPE_CHECKING:
     from kvpage.models.model import ModelRunnerModel
 
 
+#: a step's dense torch ops (linears, norms, elementwise glue) run on all of torch's
+#: threads only when its largest linear is at least this many multiply-adds (rows x
+#: weight elements), when the backend runs attention on threads of its own
+#: (``BackendCapabilities.own_cpu_threads``); below it, on one. 4M multiply-adds are
+#: ~120 us of one core on the AVX-512 EPYC of docs/benchmarks.md, against tens of
+#: microseconds to wake and join a second OpenMP thread per op. Measured
+#: (docs/benchmarks.md, "Threads"): stories260K-hd32, 64 requests, 2 threads,
+#: native-cpu, alternating rounds in one process: 4,222-5,041 tok/s with the dense ops
+#: of its decode steps on one thread vs 3,261-4,171 on two. The ~125M Llama's smallest
+#: decode step (one row, gate/up 4.7M) stays on every thread, where the second pays.
+DENSE_THREADS_MIN_MACS = 1 << 22
+#: apply the rule above; False = every op of every step on all of torch's threads (an
+#: A/B switch for benchmarks)
+DENSE_THREADS_RULE = True
+
+
+def dense_threads(macs: int, threads: int) -> int:
+    """Torch threads for a step's dense ops: ``threads`` when its largest linear is
+    ``macs >= DENSE_THREADS_MIN_MACS`` multiply-adds, else 1."""
+    return threads if macs >= DENSE_THREADS_MIN_MACS else 1
+
+
 class StepInputs:
     """Host-side arrays of one step.
 
@@ -107,6 +129,10 @@ class ModelRunner:
         self.cache_spec = cache_spec
         self.device = device
         self.groups = cache_spec.kv_groups
+        #: per token: (largest decoder linear as run, lm_head) multiply-adds
+        self.dense_macs = model.dense_macs_per_token()
+        caps = getattr(backend, "capabilities", None)
+        self.own_cpu_threads = device.type == "cpu" and bool(getattr(caps, "own_cpu_threads", False))  # fmt: skip
 
     def copy_blocks(self, copies: list[list[tuple[int, int]]]) -> None:
         """Run copy-on-write block copies (per KV group) before the step's writes."""
@@ -161,17 +187,34 @@ class ModelRunner:
             qsl = inp.query_start_loc
             extra = [np.arange(qsl[i] + a, qsl[i] + a + n) for i, a, n in extra_spans]
             inp.logits_indices = np.concatenate([inp.logits_indices, *extra]).astype(np.int64)
-        metas = self.build_metadata(inp)
+        metas = self.build_metadata(inp)  # the backend's plan sees every thread
         dev = self.device
-        logits: torch.Tensor = self.model(
-            torch.from_numpy(inp.input_ids).to(dev),
-            torch.from_numpy(inp.positions).to(dev),
-            self.kv_caches,
-            metas,
-            self.backend,
-            torch.from_numpy(inp.logits_indices).to(dev),
-        )
+        threads = want = torch.get_num_threads()
+        if threads > 1 and self.own_cpu_threads and DENSE_THREADS_RULE:
+            per_row, lm = self.dense_macs
+            macs = max(len(inp.input_ids) * per_row, len(inp.logits_indices) * lm)
+            want = dense_threads(macs, threads)
+        if want != threads:
+            torch.set_num_threads(want)
+        try:
+            logits: torch.Tensor = self.model(
+                torch.from_numpy(inp.input_ids).to(dev),
+                torch.from_numpy(inp.positions).to(dev),
+                self.kv_caches,
+                metas,
+                self.backend,
+                torch.from_numpy(inp.logits_indices).to(dev),
+            )
+        finally:
+            if want != threads:
+                torch.set_num_threads(threads)
         return logits
 
 
-__all__ = ["ModelRunner", "StepInputs"]
+__all__ = [
+    "DENSE_THREADS_MIN_MACS",
+    "DENSE_THREADS_RULE",
+    "ModelRunner",
+    "StepInputs",
+    "dense_threads",
+]

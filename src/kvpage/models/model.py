@@ -126,6 +126,15 @@ class ModelRunnerModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    def dense_macs_per_token(self) -> tuple[int, int]:
+        """Multiply-adds per token of the largest linear of a decoder layer as it runs
+        (q/k/v fused, gate/up fused, o, down) and of the lm_head."""
+        a = self.arch
+        h, d = a.hidden_size, a.head_dim
+        qkv = h * (a.num_q_heads + 2 * a.num_kv_heads) * d
+        layer = max(qkv, a.num_q_heads * d * h, 2 * h * a.intermediate_size)
+        return layer, h * a.vocab_size
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under HF ``*ForCausalLM`` names (``lm_head.weight`` included even when
         tied), for building the equivalent ``transformers`` model."""
