@@ -129,6 +129,10 @@ class CacheMachine(RuleBasedStateMachine):
                 r.tables[g][i] = dst
             r.tables[g] += alloc.new_blocks[g]
             assert r.tables[g] == self.mgr.block_table(rid, g)
+        copies = self.mgr.block_tables(rid)  # the scheduler's one-call form: equal copies
+        assert copies == r.tables
+        copies[0].append(-5)
+        assert self.mgr.block_table(rid, 0) == r.tables[0]
 
     def _run_step(self, rid: str) -> None:
         """The step runs: write K/V of positions [computed, allocated), each query then

@@ -213,11 +213,12 @@ class Scheduler(SequenceLifecycle):
         out = SchedulerOutput([], [[] for _ in range(self.num_groups)])
         self.waiting.order_running(self.running)
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+        running, allocate = self.running, self.kv.allocate
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
             assert n >= 1, f"running sequence {req.request_id} has nothing to compute"
-            alloc = self.kv.allocate(req.request_id, req.token_ids, n)
+            alloc = allocate(req.request_id, req.token_ids, n)
             while alloc is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -286,19 +287,13 @@ class Scheduler(SequenceLifecycle):
 
     def _emit(self, out: SchedulerOutput, req: Request, n: int, alloc: Allocation) -> None:
         copies = alloc.copies
-        if copies and any(copies):
+        if copies and (copies[0] or len(copies) > 1):  # a loop only when there may be some
             for g, pairs in enumerate(copies):
                 out.copies[g].extend(pairs)
         start = req.num_computed_tokens
-        rid = req.request_id
         toks = req.token_ids
         end = start + n
-        block_table = self.kv.block_table
-        tables = (
-            [block_table(rid, 0)]
-            if self.num_groups == 1
-            else [block_table(rid, g) for g in range(self.num_groups)]
-        )
+        tables = self.kv.block_tables(req.request_id)
         out.scheduled.append(
             ScheduledRequest(req, start, n, toks[start:end], tables, end == len(toks))
         )
