@@ -156,6 +156,10 @@ class ContiguousAllocator:
         """``[start slot]`` of the request's extent (one entry: it is contiguous)."""
         return [self._get(request_id).start]
 
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """``[block_table(request_id)]`` (one group)."""
+        return [self.block_table(request_id)]
+
     def num_allocated_tokens(self, request_id: str) -> int:
         return self._get(request_id).num_tokens
 
