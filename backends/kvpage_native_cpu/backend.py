@@ -87,8 +87,10 @@ class NativeCpuBackend:
         #: ``forward``/``write_kv`` call: 2 per layer per step)
         self._lib: ctypes.CDLL | None = None
         self._ops: NativeLayerOps | None = None
-        #: this step's prepared kernel arguments per layer shape (see ``forward``):
-        #: ``(plan, spec, num_blocks, block_size, dtype) -> (plan, parts, n)``
+        #: prepared kernel arguments per plan and layer shape (see ``forward``):
+        #: ``(id(plan), spec, num_blocks, block_size, dtype) -> (plan, parts, n)``; the
+        #: entry keeps its plan alive (so the id is not reused) and is checked against it;
+        #: emptied when it reaches 32 entries (KV groups of a step alternate by layer)
         self._step_args: dict[
             tuple[object, ...], tuple[CpuPlan, ctypes.Array[build.KvpArgs], int]
         ] = {}
@@ -213,8 +215,8 @@ class NativeCpuBackend:
             key = (id(plan), spec, kv.shape[1], kv.shape[2], kv.dtype)
             got = self._step_args.get(key)
             if got is None or got[0] is not plan:
-                if self._step_args and next(iter(self._step_args.values()))[0] is not plan:
-                    self._step_args = {}  # a new step: forget the last one's
+                if len(self._step_args) >= 32:  # earlier steps' entries (a few per step)
+                    self._step_args = {}
                 args = _step_args(plan, spec, kv, units, KIND_BF16 if kv.dtype == torch.bfloat16 else KIND_FLOAT)  # fmt: skip
                 got = (plan, *_parts(args, bounds))
                 self._step_args[key] = got

@@ -427,11 +427,11 @@ static inline float sumsq(const float *restrict x, int64_t n) {
 void kvp_rms_norm(const float *x, const float *res, const float *w, float eps, int64_t rows,
                   int64_t n, float *sum_out, float *out) {
     for (int64_t r = 0; r < rows; r++) {
-        const float *restrict xr = x + r * n;
+        const float *xr = x + r * n; /* the row, or its sum with res (written below) */
         float *restrict o = out + r * n;
         if (res != NULL) {
             const float *restrict rr = res + r * n;
-            float *restrict sr = sum_out + r * n;
+            float *sr = sum_out + r * n;
             int64_t j = 0;
             for (; j + 16 <= n; j += 16) st16(sr + j, ld16(xr + j) + ld16(rr + j));
             for (; j < n; j++) sr[j] = xr[j] + rr[j];
@@ -447,11 +447,17 @@ void kvp_rms_norm(const float *x, const float *res, const float *w, float eps, i
 /* no fused multiply-add in the functions marked with it: their products and sums round
  * one by one, as the torch ops they replace do */
 #if defined(__clang__)
+/* clang's -ffp-contract=fast ignores "fp contract(off)" pragmas; an arithmetic fence
+ * around each product keeps it from being fused into the sum */
 #define NO_CONTRACT
-#define NO_CONTRACT_BODY _Pragma("clang fp contract(off)")
+#if __has_builtin(__arithmetic_fence)
+#define FENCE(x) __arithmetic_fence(x)
+#else
+#define FENCE(x) (*(volatile float *)&(float){x})
+#endif
 #else
 #define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
-#define NO_CONTRACT_BODY
+#define FENCE(x) (x)
 #endif
 
 /* RoPE of the q and k columns of a fused q/k/v projection (rotate-half layout, RoFormer,
@@ -462,7 +468,6 @@ void kvp_rms_norm(const float *x, const float *res, const float *w, float eps, i
 NO_CONTRACT void kvp_rope_qk(const float *qkv, int64_t qkv_stride, const float *cos,
                              const float *sin, int64_t rows, int64_t nq, int64_t nkv,
                              int64_t d, float *q_out, float *k_out) {
-    NO_CONTRACT_BODY
     const int64_t half = d / 2;
     for (int64_t t = 0; t < rows; t++) {
         const float *restrict c = cos + t * d, *restrict s = sin + t * d;
@@ -471,11 +476,11 @@ NO_CONTRACT void kvp_rope_qk(const float *qkv, int64_t qkv_stride, const float *
             float *restrict o = h < nq ? q_out + (t * nq + h) * d : k_out + (t * nkv + h - nq) * d;
             for (int64_t j = 0; j < half; j++) {
                 const float a = x[j] * c[j], b = x[j + half] * s[j];
-                o[j] = a + b;
+                o[j] = FENCE(a) + FENCE(b);
             }
             for (int64_t j = half; j < d; j++) {
                 const float a = x[j] * c[j], b = x[j - half] * s[j];
-                o[j] = a + b;
+                o[j] = FENCE(a) + FENCE(b);
             }
         }
     }
@@ -584,6 +589,17 @@ static void *pool_main(void *arg) {
     return NULL;
 }
 
+static void pool_before_fork(void) {
+    /* no call in flight and no sleep being entered while the process forks */
+    pthread_mutex_lock(&pool_busy);
+    pthread_mutex_lock(&pool_mu);
+}
+
+static void pool_after_fork_parent(void) {
+    pthread_mutex_unlock(&pool_mu);
+    pthread_mutex_unlock(&pool_busy);
+}
+
 static void pool_forget(void) {
     /* in a forked child only the forking thread exists: no workers, fresh locks */
     pool_n = 0;
@@ -597,7 +613,7 @@ static void pool_forget(void) {
 /* at least n workers; returns how many there are (fewer if a thread failed to start) */
 static int pool_grow(int n) {
     if (!pool_atfork) {
-        pthread_atfork(NULL, NULL, pool_forget);
+        pthread_atfork(pool_before_fork, pool_after_fork_parent, pool_forget);
         pool_atfork = 1;
     }
     while (pool_n < n && pool_n < POOL_MAX) {
@@ -659,10 +675,10 @@ int kvp_paged_attention_parts(const kvp_args *parts, int64_t n) {
  * layer that sets three pointers instead of every field. parts is not written. */
 int kvp_paged_attention_layer(const kvp_args *parts, int64_t n, const float *q, const void *kv,
                               float *out) {
-    kvp_args loc[16];
+    kvp_args loc[POOL_MAX + 1]; /* every part of one call at once (more run in turns) */
     int rc = 0;
-    for (int64_t i0 = 0; i0 < n; i0 += 16) {
-        const int64_t m = n - i0 < 16 ? n - i0 : 16;
+    for (int64_t i0 = 0; i0 < n; i0 += POOL_MAX + 1) {
+        const int64_t m = n - i0 < POOL_MAX + 1 ? n - i0 : POOL_MAX + 1;
         for (int64_t i = 0; i < m; i++) {
             loc[i] = parts[i0 + i];
             loc[i].q = q;

@@ -75,6 +75,8 @@ class NativeLayerOps:
         t, d = qkv.shape[0], cos.shape[-1]
         if qkv.dtype != torch.float32:
             raise DTypeError(f"qkv: expected float32, got {qkv.dtype}")
+        if qkv.device.type != "cpu":
+            raise ShapeError(f"qkv.device: expected cpu, got {qkv.device}")
         if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] < (num_q_heads + num_kv_heads) * d:
             raise ShapeError(
                 f"qkv: expected [rows, >= {(num_q_heads + num_kv_heads) * d}] with unit column "

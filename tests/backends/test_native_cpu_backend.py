@@ -126,6 +126,28 @@ def test_concurrent_builds_leave_one_whole_library(fresh_cache: Path) -> None:
 
 
 @needs_cc
+def test_more_parts_than_one_call_batch_all_run_and_agree() -> None:
+    """20 threads: 20 parts (more than the kernel once handled per batch of 16), every
+    one computed, the same bits as one thread."""
+    b = NativeCpuBackend()
+    spec = make_attention_spec(num_q_heads=8, num_kv_heads=4, head_dim=32)
+    lens = [40 + 7 * i for i in range(24)]
+    cache, meta, q, _ = paged_step(lens, [1] * 24)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 20):
+            torch.set_num_threads(n)
+            plan = b.plan(meta)
+            _, bounds = plan.units_for(4, 2)
+            assert len(bounds) == n + 1
+            outs.append(b.forward(q, cache, plan, spec))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+
+
+@needs_cc
 def test_two_threads_give_the_same_bits_as_one() -> None:
     b = NativeCpuBackend()
     spec = make_attention_spec(num_q_heads=8, num_kv_heads=4, head_dim=32)

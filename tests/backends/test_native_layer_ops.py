@@ -94,6 +94,10 @@ def test_refusals_by_name() -> None:
         ops.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-5, residual=torch.ones(3, 8))
     with pytest.raises(ShapeError, match="gate_up: expected"):
         ops.silu_mul(torch.ones(2, 7))
+    with pytest.raises(ShapeError, match="qkv.device: expected cpu, got meta"):
+        ops.rope_qk(
+            torch.ones(2, 24, device="meta"), 1, 1, torch.ones(2, 1, 8), torch.ones(2, 1, 8)
+        )
     with pytest.raises(ShapeError, match="qkv: expected"):
         ops.rope_qk(torch.ones(2, 10), 1, 1, torch.ones(2, 1, 8), torch.ones(2, 1, 8))
 

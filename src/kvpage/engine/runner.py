@@ -40,6 +40,12 @@ DENSE_THREADS_MIN_MACS = 1 << 22
 DENSE_THREADS_RULE = True
 
 
+#: Note: ``torch.set_num_threads`` is process-wide. While a step runs with the lower
+#: count, torch code on another thread of the process also sees it (a thread that first
+#: enters torch's parallel code then keeps it); the server runs its engine steps on one
+#: thread and its tokenizers do not use torch's intra-op pool.
+
+
 def dense_threads(macs: int, threads: int) -> int:
     """Torch threads for a step's dense ops: ``threads`` when its largest linear is
     ``macs >= DENSE_THREADS_MIN_MACS`` multiply-adds, else 1."""
