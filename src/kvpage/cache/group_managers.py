@@ -101,8 +101,7 @@ class GroupManager:
         (often none); returns None, changing nothing, when the case does not apply (then
         use :meth:`plan_growth`). Only for full attention (a sliding group may release)."""
         pool = self.pool
-        # pool.is_shared(table[-1]), inlined: this runs for every running sequence per step
-        if start % self.block_size and num_new_tokens and pool.blocks[table[-1]].ref_cnt > 1:
+        if start % self.block_size and num_new_tokens and pool.is_shared(table[-1]):
             return None
         n_new = need_blocks - len(table)
         if n_new <= 0:
