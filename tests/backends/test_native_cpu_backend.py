@@ -126,38 +126,24 @@ def test_concurrent_builds_leave_one_whole_library(fresh_cache: Path) -> None:
 
 
 @needs_cc
-def test_more_parts_than_one_call_batch_all_run_and_agree() -> None:
-    """20 threads: 20 parts (more than the kernel once handled per batch of 16), every
-    one computed, the same bits as one thread."""
+@pytest.mark.parametrize(
+    ("threads", "seq_lens", "query_lens"),
+    [
+        (2, [70, 5, 130, 33, 300, 12, 64, 90, 41], [70, 1, 20, 1, 1, 1, 3, 1, 1]),
+        # 20 parts in one call (the kernel's pool takes them all at once)
+        (20, [40 + 7 * i for i in range(24)], [1] * 24),
+    ],
+)
+def test_threads_give_the_same_bits_as_one(
+    threads: int, seq_lens: list[int], query_lens: list[int]
+) -> None:
     b = NativeCpuBackend()
     spec = make_attention_spec(num_q_heads=8, num_kv_heads=4, head_dim=32)
-    lens = [40 + 7 * i for i in range(24)]
-    cache, meta, q, _ = paged_step(lens, [1] * 24)
+    cache, meta, q, _ = paged_step(seq_lens, query_lens)
     before = torch.get_num_threads()
     outs = []
     try:
-        for n in (1, 20):
-            torch.set_num_threads(n)
-            plan = b.plan(meta)
-            _, bounds = plan.units_for(4, 2)
-            assert len(bounds) == n + 1
-            outs.append(b.forward(q, cache, plan, spec))
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(outs[0], outs[1])
-
-
-@needs_cc
-def test_two_threads_give_the_same_bits_as_one() -> None:
-    b = NativeCpuBackend()
-    spec = make_attention_spec(num_q_heads=8, num_kv_heads=4, head_dim=32)
-    cache, meta, q, _ = paged_step(
-        [70, 5, 130, 33, 300, 12, 64, 90, 41], [70, 1, 20, 1, 1, 1, 3, 1, 1]
-    )
-    before = torch.get_num_threads()
-    outs = []
-    try:
-        for n in (1, 2):
+        for n in (1, threads):
             torch.set_num_threads(n)
             plan = b.plan(meta)
             assert plan.threads == n

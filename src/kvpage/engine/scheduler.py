@@ -330,16 +330,8 @@ class Scheduler(SequenceLifecycle):
                 raise SpecError(
                     f"sampled[{req.request_id!r}]: expected {s.num_samples} tokens, got {len(toks)}"
                 )
-            if not req.num_pending_samples:  # one sample: no fork, no lists
-                tok = int(toks[0])
-                req.token_ids.append(tok)
-                progressed.append(req)
-                reason = req.check_stop(tok)
-                if reason is not None:
-                    self.finish(req, reason)
-                    finished.append(req)
-                continue
-            for seq, tok in zip([req, *self._fork(req)], toks):
+            seqs = (req, *self._fork(req)) if req.num_pending_samples else (req,)
+            for seq, tok in zip(seqs, toks):
                 tok = int(tok)
                 seq.token_ids.append(tok)
                 progressed.append(seq)
