@@ -1,4 +1,4 @@
-"""Fused and oneDNN-prepacked projections (``kvpage.models.layers``) equal the plain
+"""Fused and oneDNN-prepacked projections (``kvpage.models.linears``) equal the plain
 linears, and follow the weights when they are replaced or modified in place."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpage.models import layers as L
+from kvpage.models import linears as L
+from kvpage.models import rope as R
 
 
 @pytest.fixture(autouse=True)
@@ -147,9 +148,9 @@ def test_apply_rope_qk_equals_apply_rope_of_each() -> None:
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(5, 4, 8, generator=g), torch.randn(5, 2, 8, generator=g)
     cos, sin = torch.randn(5, 1, 8, generator=g), torch.randn(5, 1, 8, generator=g)
-    rq, rk = L.apply_rope_qk(q, k, cos, sin)
-    assert torch.equal(rq, L.apply_rope(q, cos, sin))
-    assert torch.equal(rk, L.apply_rope(k, cos, sin))
+    rq, rk = R.apply_rope_qk(q, k, cos, sin)
+    assert torch.equal(rq, R.apply_rope(q, cos, sin))
+    assert torch.equal(rk, R.apply_rope(k, cos, sin))
 
 
 def test_apply_rope_qkv_bit_identical_to_apply_rope_qk() -> None:
@@ -158,7 +159,7 @@ def test_apply_rope_qkv_bit_identical_to_apply_rope_qk() -> None:
     g = torch.Generator().manual_seed(1)
     hq, hk, d, t = 4, 2, 8, 7
     qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g)
-    rot = L.RotaryEmbedding(d, 10000.0, max_positions=4)
+    rot = R.RotaryEmbedding(d, 10000.0, max_positions=4)
     pos = torch.tensor([0, 3, 5, 9, 1, 2, 40])
     cos, sin = rot(pos, torch.float32)
     cos2, sin_signed = rot(pos, torch.float32, signed=True)
@@ -167,8 +168,8 @@ def test_apply_rope_qkv_bit_identical_to_apply_rope_qk() -> None:
     assert torch.equal(sin_signed[..., : d // 2], -sin[..., : d // 2])
     q = qkv[:, : hq * d].view(t, hq, d)
     k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
-    want_q, want_k = L.apply_rope_qk(q, k, cos, sin)
-    got_q, got_k = L.apply_rope_qkv(qkv, hq, hk, cos, sin_signed)
+    want_q, want_k = R.apply_rope_qk(q, k, cos, sin)
+    got_q, got_k = R.apply_rope_qkv(qkv, hq, hk, cos, sin_signed)
     assert got_q.is_contiguous() and got_k.is_contiguous()
     assert torch.equal(got_q, want_q)
     assert torch.equal(got_k, want_k)
