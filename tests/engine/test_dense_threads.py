@@ -76,3 +76,80 @@ def test_the_setting_is_restored_when_the_model_raises(
     with pytest.raises(RuntimeError, match="model failed"):
         llm.generate(["Once upon a time"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert torch.get_num_threads() == 2
+
+
+def test_a_second_threads_generate_on_one_llm_is_refused(restore_threads: None) -> None:
+    """Two threads' generate calls on one LLM used to mix their requests (wrong
+    outputs, a KeyError); the second now gets a RuntimeError and the first is unharmed."""
+    import threading
+
+    llm = LLM(backend="native-cpu", num_threads=1)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(["Once upon a time"], sp, use_tqdm=False)]
+    eng = llm.llm_engine
+    started, go = threading.Event(), threading.Event()
+    real_step = eng.step
+
+    def step(*a: Any, **k: Any) -> Any:
+        started.set()
+        go.wait(30)
+        return real_step(*a, **k)
+
+    eng.step = step  # type: ignore[method-assign]
+    got: list[Any] = []
+    t = threading.Thread(
+        target=lambda: got.append(llm.generate(["Once upon a time"], sp, use_tqdm=False))
+    )
+    t.start()
+    assert started.wait(30)
+    with pytest.raises(RuntimeError, match="another thread's generate on this LLM is running"):
+        llm.generate(["The little dog"], sp, use_tqdm=False)
+    go.set()
+    t.join(60)
+    assert [o.outputs[0].token_ids for o in got[0]] == want
+    eng.step = real_step  # type: ignore[method-assign]
+    assert [
+        o.outputs[0].token_ids for o in llm.generate(["Once upon a time"], sp, use_tqdm=False)
+    ] == want
+
+
+def _fork_prompts() -> list[dict[str, list[int]]]:
+    """33 prompts of 5-300 random ids: prefill steps big enough for 2-thread torch ops
+    (without the fork hook a child hung on this workload in 2 of 2 runs)."""
+    import random
+
+    r = random.Random(4)
+    lens = [5, 40, 300, 17]
+    return [
+        {"prompt_token_ids": [1] + [r.randrange(3, 512) for _ in range(lens[i % 4] - 1)]}
+        for i in range(33)
+    ]
+
+
+def _child_generate(llm: LLM, q: Any) -> None:
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(_fork_prompts(), sp, use_tqdm=False)
+    q.put((torch.get_num_threads(), [o.outputs[0].token_ids for o in outs]))
+
+
+@pytest.mark.slow  # a forked torch process: ~10-20 s on a loaded 2-core box
+def test_a_child_forked_after_a_two_thread_engine_runs(restore_threads: None) -> None:
+    """GNU OpenMP's pool does not survive fork: a child's first parallel op used to
+    hang; after an engine with 2 threads, a forked child starts on one thread."""
+    import multiprocessing as mp
+
+    llm = LLM(backend="native-cpu", num_threads=2)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(_fork_prompts(), sp, use_tqdm=False)]
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_generate, args=(llm, q))
+    p.start()
+    try:
+        threads, got = q.get(timeout=60)  # a hung child: queue.Empty
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    assert threads == 1 and got == want
+    assert torch.get_num_threads() == 2  # the parent keeps its setting

@@ -170,8 +170,7 @@ def test_rejections_leave_engine_unchanged(engine: LLMEngine) -> None:
 
 def test_stop_conditions_and_text(engine: LLMEngine) -> None:
     tok = engine.tokenizer
-    llm = LLM.__new__(LLM)
-    llm.llm_engine, llm._counter = engine, 0
+    llm = LLM.from_engine(engine)
     (ref,) = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=40))
     toks = ref.outputs[0].token_ids
     assert ref.outputs[0].text == tok.decode(toks)
@@ -191,8 +190,7 @@ def test_stop_conditions_and_text(engine: LLMEngine) -> None:
 
 
 def test_eos_ends_and_ignore_eos_continues(engine: LLMEngine) -> None:
-    llm = LLM.__new__(LLM)
-    llm.llm_engine, llm._counter = engine, 0
+    llm = LLM.from_engine(engine)
     (ref,) = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=20))
     toks = ref.outputs[0].token_ids
     real_eos = engine.eos_token_id
@@ -211,8 +209,7 @@ def test_eos_ends_and_ignore_eos_continues(engine: LLMEngine) -> None:
 
 
 def test_seeded_sampling_is_reproducible_and_top_k1_is_greedy(engine: LLMEngine) -> None:
-    llm = LLM.__new__(LLM)
-    llm.llm_engine, llm._counter = engine, 0
+    llm = LLM.from_engine(engine)
     p = SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True)
     a, b = llm.generate(["The dog", "The dog"], p)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -88,8 +88,7 @@ def generate_main(args: argparse.Namespace) -> int:
         stops = getattr(engine.tokenizer, "stop_token_ids", ())
         params.stop_token_ids = None if args.ignore_eos else list(stops) or None
         params.validate()
-        llm = LLM.__new__(LLM)
-        llm.llm_engine, llm._counter = engine, 0
+        llm = LLM.from_engine(engine)
         t0 = time.perf_counter()
         outs = llm.generate(list(args.prompts), params, use_tqdm=False)
         dt = time.perf_counter() - t0

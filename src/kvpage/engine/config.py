@@ -14,6 +14,7 @@ Sizing rules (documented defaults):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -221,15 +222,34 @@ def check_device(device: Any) -> torch.device:
     return dev
 
 
+_fork_hook = False
+
+
+def _one_thread_after_fork() -> None:
+    """In a forked child: torch on one thread. GNU OpenMP's thread pool does not
+    survive ``fork()``: after the parent ran parallel ops, a child's first parallel op
+    can wait forever at a barrier for threads it does not have (seen with
+    ``multiprocessing``'s fork start method after a 2-thread engine, and with plain
+    torch matmuls); one thread never enters the pool."""
+    torch.set_num_threads(1)
+
+
 def apply_num_threads(num_threads: int | None) -> int:
     """Set torch's CPU thread count by the rule of ``EngineConfig.num_threads`` (None =
-    :data:`DEFAULT_NUM_THREADS`, 0 = leave torch's default); process-wide. Returns the
-    thread count now in effect."""
+    :data:`DEFAULT_NUM_THREADS`, 0 = leave torch's current setting); process-wide.
+    With more than one thread, a process forked from this one afterwards starts with
+    torch on one thread (:func:`_one_thread_after_fork`: GNU OpenMP hangs a forked
+    child's first parallel op otherwise). Returns the thread count now in effect."""
     if num_threads is None:
         num_threads = DEFAULT_NUM_THREADS
+    global _fork_hook
     if num_threads > 0:
         torch.set_num_threads(num_threads)
-    return torch.get_num_threads()
+    n = torch.get_num_threads()
+    if n > 1 and not _fork_hook:  # a forked child then starts on one thread
+        os.register_at_fork(after_in_child=_one_thread_after_fork)
+        _fork_hook = True
+    return n
 
 
 def resolve_num_blocks(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -26,9 +27,14 @@ class LLM:
         **kwargs: the rest of :class:`kvpage.engine.config.EngineConfig` (block_size,
             num_blocks, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,
             max_model_len, enable_prefix_caching, kv_cache_dtype, backend, dtype, seed,
-            device, num_threads). ``num_threads`` (default None = leave torch alone)
-            calls ``torch.set_num_threads`` (process-wide): on a small or shared CPU,
-            1 is often much faster for the bundled model (see docs/user-guide.md).
+            device, num_threads). ``num_threads`` (default None = 1 thread; 0 = keep
+            torch's current setting) calls ``torch.set_num_threads`` (process-wide):
+            on a small or shared CPU, 1 is often much faster for the bundled model
+            (see docs/user-guide.md, "Threads").
+
+    One ``generate``/``chat`` runs at a time per LLM: a call while another thread's
+    call is running raises ``RuntimeError`` (the engine's request ids and steps are not
+    shared between callers); use one LLM per thread, or ``kvpage serve``.
 
     Attributes:
         llm_engine: the underlying :class:`LLMEngine`.
@@ -38,6 +44,14 @@ class LLM:
         check_not_implemented("LLM", LLM_NOT_IMPLEMENTED, kwargs)
         self.llm_engine = LLMEngine.from_config(model=model, **kwargs)
         self._counter = 0
+        self._busy = threading.Lock()  # one generate at a time (see the class docstring)
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """An LLM over an engine built already (``LLMEngine.from_config``)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine, llm._counter, llm._busy = engine, 0, threading.Lock()
+        return llm
 
     @property
     def tokenizer(self) -> Any:
@@ -111,6 +125,8 @@ class LLM:
         Raises:
             RequestRejected: ``sampling_params`` or ``priority`` is a list of the wrong
                 length.
+            RuntimeError: another thread's ``generate`` on this LLM is running
+                (nothing was added).
             Exception: a step failed (model, sampler); every request of this call is
                 aborted first, so the LLM stays usable.
         """
@@ -145,6 +161,24 @@ class LLM:
                 f"priority: expected {len(prompts)} entries (one per prompt), got {len(prios)}",
                 reason="invalid_request",
             )
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                "LLM.generate: another thread's generate on this LLM is running; use one "
+                "LLM per thread (or kvpage serve for concurrent requests)"
+            )
+        try:
+            return self._generate(prompts, plist, prios, use_tqdm)
+        finally:
+            self._busy.release()
+
+    def _generate(
+        self,
+        prompts: list[Any],
+        plist: list[SamplingParams],
+        prios: list[int],
+        use_tqdm: bool | Callable[..., Any],
+    ) -> list[RequestOutput]:
+        """``generate`` after its arguments were checked and the LLM was taken."""
         eng = self.llm_engine
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
