@@ -53,8 +53,11 @@ class RMSNorm(nn.Module):
         self.gemma = gemma
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: ``[num_tokens, dim]``; returns the same shape and dtype."""
+    def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
+        """x: ``[num_tokens, dim]``; returns the same shape and dtype. ``ops``: a
+        backend's ``LayerOps``, used for the Llama form (None = torch ops)."""
+        if ops is not None and not self.gemma:
+            return ops.rms_norm(x, self.weight, self.eps)[1]
         xf = x.float()
         if self.gemma:
             normed = F.rms_norm(xf, (xf.shape[-1],), None, self.eps)
@@ -63,6 +66,16 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor, ops: LayerOps | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add before the norm: ``(s, norm(s))`` with ``s = residual + x``
+        (both ``[num_tokens, dim]``); one ``ops.rms_norm`` call for the Llama form."""
+        if ops is not None and not self.gemma:
+            return ops.rms_norm(x, self.weight, self.eps, residual=residual)
+        s = residual + x
+        return s, self(s)
 
 
 class MLP(nn.Module):
@@ -184,20 +197,14 @@ class DecoderLayer(nn.Module):
         ops: LayerOps | None = None,
     ) -> torch.Tensor:
         """x: ``[num_tokens, hidden_size]`` -> same; mutates ``cache`` (see PagedAttention).
-        ``ops``: a backend's ``LayerOps`` (None = torch ops; Llama-form norms only)."""
-        if ops is not None and not self.sandwich and not self.input_layernorm.gemma:
-            n1, n2 = self.input_layernorm, self.post_attention_layernorm
-            h = ops.rms_norm(x, n1.weight, n1.eps)[1]
-            a = self.self_attn(h, cos, sin, cache, plan, backend, ops)
-            x, h = ops.rms_norm(a, n2.weight, n2.eps, residual=x)
-            return x + self.mlp(h, ops)
-        a = self.self_attn(self.input_layernorm(x), cos, sin, cache, plan, backend)
+        ``ops``: a backend's ``LayerOps``, handed to every part (None = torch ops)."""
+        a = self.self_attn(self.input_layernorm(x, ops), cos, sin, cache, plan, backend, ops)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(a)
-            m = self.mlp(self.pre_feedforward_layernorm(x))
-            return x + self.post_feedforward_layernorm(m)
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x = x + self.post_attention_layernorm(a, ops)
+            m = self.mlp(self.pre_feedforward_layernorm(x, ops), ops)
+            return x + self.post_feedforward_layernorm(m, ops)
+        x, h = self.post_attention_layernorm.add_forward(a, x, ops)
+        return x + self.mlp(h, ops)
 
 
 __all__ = [

@@ -191,17 +191,12 @@ class ModelRunnerModel(nn.Module):
         for p in plans:
             top = max(top, p.meta.max_seq_len - 1)
         cos, sin = self.rotary(positions, x.dtype, top, signed=True)
-        get_ops = getattr(
-            backend, "layer_ops", None
-        )  # optional: kvpage.attention.protocol.LayerOps
+        # optional on a backend: kvpage.attention.protocol.LayerOps
+        get_ops = getattr(backend, "layer_ops", None)
         ops = get_ops(x.dtype, x.device) if get_ops is not None else None
         for lid, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, kv_caches[lid], plans[self.layer_groups[lid]], backend, ops)
-        norm = self.model.norm
-        if ops is not None and not norm.gemma:
-            x = ops.rms_norm(x[logits_indices], norm.weight, norm.eps)[1]
-        else:
-            x = norm(x[logits_indices])
+        x = self.model.norm(x[logits_indices], ops)
         w = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         logits = self._lm(x, w, None).float()
         cap = self.arch.final_logit_softcap
