@@ -89,7 +89,7 @@ class NativeCpuBackend:
         self._ops: NativeLayerOps | None = None
         #: prepared kernel arguments per plan and layer shape (see ``forward``):
         #: ``(id(plan), spec, num_blocks, block_size, dtype) -> (plan, parts, n)``; the
-        #: entry keeps its plan alive (so the id is not reused) and is checked against it;
+        #: entry keeps its plan alive, so the id is not reused while it is here;
         #: emptied when it reaches 32 entries (KV groups of a step alternate by layer)
         self._step_args: dict[
             tuple[object, ...], tuple[CpuPlan, ctypes.Array[build.KvpArgs], int]
@@ -214,18 +214,16 @@ class NativeCpuBackend:
         if kind == "auto":  # the step's arguments once per KV group, three pointers per layer
             key = (id(plan), spec, kv.shape[1], kv.shape[2], kv.dtype)
             got = self._step_args.get(key)
-            if got is None or got[0] is not plan:
+            if got is None:
                 if len(self._step_args) >= 32:  # earlier steps' entries (a few per step)
                     self._step_args = {}
-                args = _step_args(plan, spec, kv, units, KIND_BF16 if kv.dtype == torch.bfloat16 else KIND_FLOAT)  # fmt: skip
-                got = (plan, *_parts(args, bounds))
+                got = (plan, *_parts(_step_args(plan, spec, cache, kind, units, []), bounds))
                 self._step_args[key] = got
             if got[2] and lib.kvp_paged_attention_layer(got[1], got[2], q.data_ptr(), kv.data_ptr(), res.data_ptr()):  # fmt: skip
                 raise MemoryError("native-cpu: the kernel could not allocate its scratch memory")
         else:
             keep: list[torch.Tensor] = []  # tensors the call reads, alive until it returns
-            args = _step_args(plan, spec, kv, units, 0)
-            args.kind = _kind(cache, kind, args, keep)
+            args = _step_args(plan, spec, cache, kind, units, keep)
             args.q, args.kv, args.out = q.data_ptr(), kv.data_ptr(), res.data_ptr()
             parts, n = _parts(args, bounds)
             if n and lib.kvp_paged_attention_parts(parts, n) != 0:
@@ -236,12 +234,19 @@ class NativeCpuBackend:
 
 
 def _step_args(
-    plan: CpuPlan, spec: AttentionSpec, kv: torch.Tensor, units: np.ndarray, kind: int
+    plan: CpuPlan,
+    spec: AttentionSpec,
+    cache: KVCache,
+    kind: str,
+    units: np.ndarray,
+    keep: list[torch.Tensor],
 ) -> build.KvpArgs:
-    """The kernel arguments every layer of ``spec``'s shape shares in this step (q, kv,
-    out and the scale pointers left 0)."""
+    """The kernel arguments of a layer of ``spec``'s shape in this step but q, kv and
+    out (left 0); the storage fields by :func:`_kind` (``keep``: see there). For "auto"
+    storage they are the same for every layer of the KV group."""
+    kv = cache.kv
     args = build.KvpArgs()
-    args.kind = kind
+    args.kind = _kind(cache, kind, args, keep)
     args.block_tables = plan.block_tables.ctypes.data
     args.bt_stride = plan.block_tables.shape[1]
     args.bt_int64 = 0

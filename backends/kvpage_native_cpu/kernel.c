@@ -29,7 +29,6 @@
  */
 #include <math.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>

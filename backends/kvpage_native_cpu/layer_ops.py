@@ -22,12 +22,17 @@ import torch
 from kvpage.errors import DTypeError, ShapeError
 
 
-def _f32(name: str, t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a contiguous float32 CPU tensor (a copy only when it is strided)."""
+def _check_f32(name: str, t: torch.Tensor) -> None:
+    """``t`` is a float32 CPU tensor, else DTypeError / ShapeError naming it."""
     if t.dtype != torch.float32:
         raise DTypeError(f"{name}: expected float32, got {t.dtype}")
     if t.device.type != "cpu":
         raise ShapeError(f"{name}.device: expected cpu, got {t.device}")
+
+
+def _f32(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous float32 CPU tensor (a copy only when it is strided)."""
+    _check_f32(name, t)
     return t if t.is_contiguous() else t.contiguous()
 
 
@@ -73,10 +78,7 @@ class NativeLayerOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """See ``LayerOps.rope_qk``."""
         t, d = qkv.shape[0], cos.shape[-1]
-        if qkv.dtype != torch.float32:
-            raise DTypeError(f"qkv: expected float32, got {qkv.dtype}")
-        if qkv.device.type != "cpu":
-            raise ShapeError(f"qkv.device: expected cpu, got {qkv.device}")
+        _check_f32("qkv", qkv)  # strided rows are read in place: no copy
         if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] < (num_q_heads + num_kv_heads) * d:
             raise ShapeError(
                 f"qkv: expected [rows, >= {(num_q_heads + num_kv_heads) * d}] with unit column "

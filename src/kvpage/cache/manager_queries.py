@@ -104,13 +104,7 @@ class ManagerQueries:
     def block_tables(self, request_id: str) -> list[list[int]]:
         """Copies of the request's block tables, one per group (the scheduler's per-step
         call: one lookup for every group). Raises AllocationError if unknown."""
-        req = self._reqs.get(request_id)
-        if req is None:
-            req = self._get(request_id)  # raises
-        tables = req.tables
-        if len(tables) == 1:
-            return [tables[0][:]]
-        return [t[:] for t in tables]
+        return [list(t) for t in self._get(request_id).tables]
 
     def num_allocated_tokens(self, request_id: str) -> int:
         """Tokens the request has room for (cached + allocated)."""

@@ -240,9 +240,9 @@ def apply_num_threads(num_threads: int | None) -> int:
     With more than one thread, a process forked from this one afterwards starts with
     torch on one thread (:func:`_one_thread_after_fork`: GNU OpenMP hangs a forked
     child's first parallel op otherwise). Returns the thread count now in effect."""
+    global _fork_hook
     if num_threads is None:
         num_threads = DEFAULT_NUM_THREADS
-    global _fork_hook
     if num_threads > 0:
         torch.set_num_threads(num_threads)
     n = torch.get_num_threads()

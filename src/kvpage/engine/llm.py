@@ -42,16 +42,19 @@ class LLM:
 
     def __init__(self, model: Any = "stories260K", **kwargs: Any) -> None:
         check_not_implemented("LLM", LLM_NOT_IMPLEMENTED, kwargs)
-        self.llm_engine = LLMEngine.from_config(model=model, **kwargs)
-        self._counter = 0
-        self._busy = threading.Lock()  # one generate at a time (see the class docstring)
+        self._attach(LLMEngine.from_config(model=model, **kwargs))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
         """An LLM over an engine built already (``LLMEngine.from_config``)."""
         llm = cls.__new__(cls)
-        llm.llm_engine, llm._counter, llm._busy = engine, 0, threading.Lock()
+        llm._attach(engine)
         return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.llm_engine = engine
+        self._counter = 0
+        self._busy = threading.Lock()  # one generate at a time (see the class docstring)
 
     @property
     def tokenizer(self) -> Any:

@@ -115,7 +115,7 @@ class Request:
             return "stop"
         if token in self.stop_token_set:
             return "stop"
-        if len(self.token_ids) - self.num_prompt_tokens >= self.max_tokens:  # outputs
+        if self.num_output_tokens >= self.max_tokens:
             return "length"
         return None
 

@@ -216,11 +216,11 @@ class Scheduler(SequenceLifecycle):
         running, allocate = self.running, self.kv.allocate
         while i < len(running) and budget > 0:
             req = running[i]
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
             assert n >= 1, f"running sequence {req.request_id} has nothing to compute"
             alloc = allocate(req.request_id, req.token_ids, n)
             while alloc is None:
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is req:
@@ -287,7 +287,7 @@ class Scheduler(SequenceLifecycle):
 
     def _emit(self, out: SchedulerOutput, req: Request, n: int, alloc: Allocation) -> None:
         copies = alloc.copies
-        if copies and (copies[0] or len(copies) > 1):  # a loop only when there may be some
+        if copies and any(copies):
             for g, pairs in enumerate(copies):
                 out.copies[g].extend(pairs)
         start = req.num_computed_tokens
