@@ -24,6 +24,8 @@ def _pack_small_weights(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_packed_weight_equals_f_linear(
     dtype: torch.dtype, rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if not L.onednn_packs(dtype):
+        pytest.skip(f"this CPU's oneDNN cannot pack {dtype} weights")
     monkeypatch.setattr(L, "PACK_MIN_MACS", 0)  # the oneDNN path even for tiny shapes
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 48, generator=g).to(dtype)
@@ -32,6 +34,22 @@ def test_packed_weight_equals_f_linear(
     got = L.PackedWeight()(x, w, b)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), rtol=tol, atol=tol)
+
+
+def test_a_dtype_onednn_cannot_pack_takes_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU whose oneDNN refuses a dtype (bfloat16 without AVX-512), the weight is
+    never packed and the call is plain ``F.linear`` instead of a RuntimeError."""
+    monkeypatch.setattr(L, "PACK_MIN_MACS", 0)
+    monkeypatch.setattr(L, "onednn_packs", lambda dtype: False)
+    x, w = torch.randn(4, 48).bfloat16(), torch.randn(40, 48).bfloat16()
+    assert L.pack_min_rows(w) == L.NEVER_PACK
+    pw = L.PackedWeight()
+    assert torch.equal(pw(x, w, None), F.linear(x, w))
+    assert pw.packed is None
+
+
+def test_onednn_packs_float32_where_onednn_exists() -> None:
+    assert L.onednn_packs(torch.float32) == torch.backends.mkldnn.is_available()
 
 
 def test_packed_weight_follows_in_place_and_replaced_weights(

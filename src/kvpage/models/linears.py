@@ -6,6 +6,7 @@ summation order.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import torch
@@ -40,11 +41,27 @@ def _version(t: torch.Tensor) -> int:
 NEVER_PACK = 1 << 62
 
 
+@cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN build can prepack ``dtype`` linear weights. Probed once
+    per dtype with a small reorder: oneDNN refuses bfloat16 packing on CPUs without
+    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (``RuntimeError: mkldnn_reorder_linear_weight:
+    bf16 path needs the cpu support ...``, e.g. on AVX2-only EPYC hosts), where
+    ``F.linear`` is the only path."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
+
+
 def pack_min_rows(w: torch.Tensor) -> int:
     """The fewest input rows for which ``x @ w.T`` takes the oneDNN path: the smallest
     ``rows`` with ``rows * out * in >= PACK_MIN_MACS``, or :data:`NEVER_PACK` unless
-    :data:`PACK_LINEARS` is on and ``w`` is a 2-D float32/bfloat16 CPU tensor with
-    oneDNN available and ``w`` has at least :data:`PACK_MIN_WEIGHT` elements. Depends
+    :data:`PACK_LINEARS` is on and ``w`` is a 2-D float32/bfloat16 CPU tensor whose
+    dtype this CPU's oneDNN can pack (:func:`onednn_packs`) and ``w`` has at least :data:`PACK_MIN_WEIGHT` elements. Depends
     only on ``w``'s shape, dtype and device and the three module settings, so callers
     compute it once per weight and keep it while ``(w.shape, w.dtype, w.device,
     PACK_LINEARS, PACK_MIN_MACS, PACK_MIN_WEIGHT)`` stays the same
@@ -55,7 +72,7 @@ def pack_min_rows(w: torch.Tensor) -> int:
         and w.dim() == 2
         and w.device.type == "cpu"
         and w.dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
+        and onednn_packs(w.dtype)
     ):
         return NEVER_PACK
     per_row = w.shape[0] * w.shape[1]
