@@ -139,7 +139,9 @@ def _run(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
     return toks, lps
 
 
-def check_family(model_type: str, features: dict[str, Any], tmp_path: Path) -> float:
+def check_family(
+    model_type: str, features: dict[str, Any], tmp_path: Path, backend: str = "auto"
+) -> float:
     """Greedy equality with transformers (folder load, chunked prefill, prefix-cache
     rerun); returns the largest log-probability error seen."""
     hf = make_hf_moe(model_type, features)
@@ -151,7 +153,7 @@ def check_family(model_type: str, features: dict[str, Any], tmp_path: Path) -> f
     assert any(isinstance(layer.mlp, MoEMLP) for layer in model.model.layers)
     # chunked prefill: a token budget of 7 splits every prompt; the rerun hits the
     # prefix cache
-    llm = LLM(model, block_size=4, num_blocks=120, max_num_batched_tokens=7)
+    llm = LLM(model, block_size=4, num_blocks=120, max_num_batched_tokens=7, backend=backend)
     err = 0.0
     for rnd in range(2):
         got, lps = _run(llm)
@@ -175,6 +177,14 @@ def test_moe_family_greedy_equals_transformers(model_type: str, tmp_path: Path) 
 def test_moe_family_matrix(case: str, tmp_path: Path) -> None:
     model_type, features = SLOW[case]
     check_family(model_type, features, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "numba-cpu", "native-cpu"])
+def test_gpt_oss_sinks_on_every_cpu_backend(backend: str, tmp_path: Path) -> None:
+    """gpt-oss (attention sinks, sliding/full layers) token-equal on each backend that
+    implements sinks."""
+    check_family("gpt_oss", FAST["gpt_oss"], tmp_path, backend=backend)
 
 
 @pytest.mark.parametrize("model_type", list(FAST))
@@ -283,3 +293,17 @@ def test_parameter_count_and_plan(case: str, tmp_path: Path) -> None:
     assert all(a.sinks == (mt == "gpt_oss") for a in spec.layers)
     if mt == "gpt_oss":  # alternating sliding / full layers
         assert [a.sliding_window for a in spec.layers][:2] == [feats["sliding_window"], None]
+
+
+def test_sink_model_refused_by_backends_without_sinks() -> None:
+    """A gpt-oss cache spec (sinks on every layer) is refused by name by the GPU
+    plugins (here on the CPU, where they otherwise run under their simulators)."""
+    from kvpage.backends import backend_reasons
+    from kvpage.specs import CacheSpec
+
+    cfg = {**SMALL, **FAST["gpt_oss"], "model_type": "gpt_oss"}
+    spec = CacheSpec.from_hf_config(cfg, num_blocks=16)
+    for name in ("triton", "cupy", "numba"):
+        why = backend_reasons(name, spec, "cpu")
+        assert any("layers[0].sinks: expected no attention sinks" in w for w in why), why
+    assert backend_reasons("torch", spec, "cpu") == []
