@@ -193,6 +193,47 @@ def test_forward_rejects_bad_arguments_and_writes_nothing(ctx) -> None:  # type:
     ctx.backend.forward(q, cache, last, a)  # 24 tokens need exactly 6 blocks: accepted
 
 
+def test_forward_checks_sinks(ctx) -> None:  # type: ignore[no-untyped-def]
+    """``sinks=`` agrees with ``spec.sinks`` (``checks.check_sinks``): missing for a
+    sink layer, given for a layer without, misshaped, not float32 or misplaced — each a
+    named error that writes nothing. Backends without sink support refuse the layer."""
+    from kvpage.errors import BackendUnavailableError
+
+    spec = make_cache_spec(
+        num_layers=1,
+        block_size=4,
+        num_blocks=6,
+        layers=[dict(num_q_heads=4, num_kv_heads=2, head_dim=8, sinks=True)],
+    )
+    plain = _spec()
+    dev = ctx.device
+    ctx.supports(ctx.backend.unsupported_reasons(plain, ctx.device))
+    if not ctx.backend.capabilities.sinks:
+        assert ctx.backend.unsupported_reasons(spec, ctx.device) or ctx.name.startswith("example-")
+        pytest.skip(f"{ctx.name} does not declare attention sinks")
+    assert not ctx.backend.unsupported_reasons(spec, ctx.device)
+    cache = allocate_layer_cache(spec, 0, dev)
+    plan = ctx.backend.plan(_step(ctx, [1, 1], [3, 5], [[1], [2, 3]]))
+    q = torch.randn(2, 4, 8, device=dev)
+    a, b = spec.layers[0], plain.layers[0]
+    good = torch.zeros(4, device=dev)
+    cases = [
+        (r"sinks: expected \[4\] float32 \(spec.sinks is True\), got None", ShapeError, a, None),
+        (r"sinks: expected None \(spec.sinks is False\), got \[4\]", ShapeError, b, good),
+        (r"sinks: expected \[4\], got \[3\]", ShapeError, a, good[:3]),
+        (r"sinks: expected \[4\], got \[1, 4\]", ShapeError, a, good.view(1, 4)),
+        ("sinks: expected float32, got torch.float16", DTypeError, a, good.half()),
+        ("sinks.device", ShapeError, a, good.to("meta")),
+    ]
+    for match, err, layer, sinks in cases:
+        out = torch.full((2, 4, 8), float("nan"), device=dev)
+        with pytest.raises((err, BackendUnavailableError), match=match):
+            ctx.backend.forward(q, cache, plan, layer, out=out, sinks=sinks)
+        assert bool(torch.isnan(out).all()), f"out was written ({match})"
+    res = ctx.backend.forward(q, cache, plan, a, sinks=good)
+    assert bool(torch.isfinite(res).all())
+
+
 def test_cache_layout_checks(ctx) -> None:  # type: ignore[no-untyped-def]
     """A quantized cache missing its scales (or with misshaped ones) is refused by
     name by forward and write_kv."""

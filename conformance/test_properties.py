@@ -140,3 +140,38 @@ def test_block_ids_above_16_bits(ctx) -> None:  # type: ignore[no-untyped-def]
             continue
         check_write_kv_case(ctx.backend, case, ctx.device)
         check_attention_case(ctx.backend, case, ctx.device)
+
+
+def test_attention_sinks_match_reference(ctx) -> None:  # type: ignore[no-untyped-def]
+    """Attention sinks (gpt-oss: one logit per query head in the softmax denominator)
+    in decode, prefill with cached context and chunked prefill, with windows, soft caps
+    and every kv dtype, for backends that declare ``capabilities.sinks``; the others
+    must refuse a sink layer by name (``unsupported_reasons`` and ``backend_reasons``)."""
+    import pytest
+
+    from kvpage.backends import backend_reasons
+    from kvpage.testing import make_case
+
+    probe = make_case((5,), sinks=(0.5, -1.0, 2.0, 30.0)).cache_spec()
+    if not ctx.backend.capabilities.sinks:
+        why = ctx.backend.unsupported_reasons(probe, ctx.device)
+        if ctx.name in ("triton", "cupy", "numba"):  # the shipped plugins refuse by name
+            assert any("sinks" in w for w in why), why
+        pytest.skip(f"{ctx.name} does not declare attention sinks")
+    assert not any("sinks" in w for w in ctx.backend.unsupported_reasons(probe, ctx.device))
+    if not ctx.name.startswith("example-"):
+        assert not any("sinks" in w for w in backend_reasons(ctx.name, probe, ctx.device))
+    small = replace(ctx.budget, max_seq_len=min(ctx.budget.max_seq_len, 32))
+
+    @ctx.settings()
+    @given(data=st.data(), case=attention_cases(small, ctx.backend.capabilities, sinks=True))
+    def prop(data: st.DataObject, case: AttentionCase) -> None:
+        _runs(ctx, case)
+        check_attention_case(ctx.backend, case, ctx.device)
+        if not case.is_decode:
+            chunks = [
+                data.draw(chunkings(q), label=f"chunks[{i}]") for i, q in enumerate(case.query_lens)
+            ]
+            check_chunking_invariance(ctx.backend, case, chunks, ctx.device)
+
+    prop()

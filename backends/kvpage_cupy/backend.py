@@ -18,7 +18,13 @@ import numpy as np
 import torch
 
 from kvpage.attention import checks
-from kvpage.attention.canonical import TokenMapPlan, fp8_scale_table, head_dim_reasons
+from kvpage.attention.canonical import (
+    TokenMapPlan,
+    fp8_scale_table,
+    head_dim_reasons,
+    refuse_sinks,
+    sinks_reasons,
+)
 from kvpage.attention.metadata import FP8_MAX, AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.errors import ShapeError
@@ -96,7 +102,11 @@ class CupyBackend:
             reasons.append(f"device: expected cuda, got {dev.type}")
         else:
             reasons.extend(_cuda_reasons(dev))
-        return reasons + head_dim_reasons(spec, templates.MAX_HEAD_DIM)
+        return (
+            reasons
+            + sinks_reasons(spec, self.name)
+            + head_dim_reasons(spec, templates.MAX_HEAD_DIM)
+        )
 
     def test_budget(self, device: torch.device) -> Mapping[str, object] | None:
         """The default conformance budget (it runs on CUDA only)."""
@@ -192,6 +202,7 @@ class CupyBackend:
         Raises:
             ShapeError, DTypeError: see ``check_launch_forward``.
         """
+        refuse_sinks(spec, self.name)  # attention sinks: not in these kernels
         checks.check_launch_forward(query, cache, plan, spec, out)
         meta = plan.meta
         self._require_cuda(cache.kv)

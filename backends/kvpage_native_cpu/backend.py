@@ -73,6 +73,7 @@ class NativeCpuBackend:
         own_cpu_threads=True,
         priority={"cpu": 5},
         query_dtypes=frozenset({"float32", "bfloat16"}),
+        sinks=True,
         notes=(
             "compiled at first use by $CC (default cc), cached under ~/.cache/kvpage",
             "float16 refused: the kernel reads float32 or bfloat16 storage",
@@ -193,16 +194,20 @@ class NativeCpuBackend:
         plan: CpuPlan,
         spec: AttentionSpec,
         out: torch.Tensor | None = None,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of one layer over the step (``AttentionBackend.forward``) by the
-        C kernel; writes ``out`` (or a new tensor) and nothing else.
+        C kernel; writes ``out`` (or a new tensor) and nothing else. Attention sinks
+        (``sinks``, ``[num_q_heads]`` float32) are added to each row's denominator
+        when its keys are done (``kernel.c``).
 
         Raises:
             ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_forward``.
             BackendUnavailableError: the kernel library cannot be built or loaded.
             MemoryError: the kernel could not allocate its scratch memory.
         """
-        kind = check_launch_forward(query, cache, plan, spec, out)
+        kind = check_launch_forward(query, cache, plan, spec, out, sinks)
         lib, reason = self._library()
         if lib is None:
             raise BackendUnavailableError("native-cpu: kernel unavailable", {self.name: [reason]})
@@ -211,6 +216,8 @@ class NativeCpuBackend:
             return out
         res, q, units, bounds = ops
         kv = cache.kv
+        sk = None if sinks is None else sinks.contiguous()  # alive until the call returns
+        sk_ptr = None if sk is None else sk.data_ptr()
         if kind == "auto":  # the step's arguments once per KV group, three pointers per layer
             key = (id(plan), spec, kv.shape[1], kv.shape[2], kv.dtype)
             got = self._step_args.get(key)
@@ -219,12 +226,13 @@ class NativeCpuBackend:
                     self._step_args = {}
                 got = (plan, *_parts(_step_args(plan, spec, cache, kind, units, []), bounds))
                 self._step_args[key] = got
-            if got[2] and lib.kvp_paged_attention_layer(got[1], got[2], q.data_ptr(), kv.data_ptr(), res.data_ptr()):  # fmt: skip
+            if got[2] and lib.kvp_paged_attention_layer(got[1], got[2], q.data_ptr(), kv.data_ptr(), res.data_ptr(), sk_ptr):  # fmt: skip
                 raise MemoryError("native-cpu: the kernel could not allocate its scratch memory")
         else:
             keep: list[torch.Tensor] = []  # tensors the call reads, alive until it returns
             args = _step_args(plan, spec, cache, kind, units, keep)
             args.q, args.kv, args.out = q.data_ptr(), kv.data_ptr(), res.data_ptr()
+            args.sinks = sk_ptr
             parts, n = _parts(args, bounds)
             if n and lib.kvp_paged_attention_parts(parts, n) != 0:
                 raise MemoryError("native-cpu: the kernel could not allocate its scratch memory")

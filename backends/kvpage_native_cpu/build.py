@@ -34,7 +34,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernel.c")
 #: must match KVP_ABI in kernel.c
-ABI = 5
+ABI = 6
 BASE_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=gnu11")
 
 _lock = threading.Lock()
@@ -50,6 +50,7 @@ class KvpArgs(ctypes.Structure):
         ("tsc", ctypes.c_void_p),
         ("fsc", ctypes.c_void_p),
         ("lut", ctypes.c_void_p),
+        ("sinks", ctypes.c_void_p),
         ("block_tables", ctypes.c_void_p),
         ("query_start", ctypes.c_void_p),
         ("seq_lens", ctypes.c_void_p),
@@ -78,7 +79,7 @@ _ARGS = ctypes.POINTER(KvpArgs)
 SYMBOLS: dict[str, tuple[list[type], type | None]] = {
     "kvp_paged_attention": ([_ARGS], ctypes.c_int),
     "kvp_paged_attention_parts": ([_ARGS, _I64], ctypes.c_int),
-    "kvp_paged_attention_layer": ([_ARGS, _I64, _P, _P, _P], ctypes.c_int),
+    "kvp_paged_attention_layer": ([_ARGS, _I64, _P, _P, _P, _P], ctypes.c_int),
     "kvp_write_kv": ([_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64], None),
     "kvp_rms_norm": ([_P, _P, _P, _F32, _I64, _I64, _P, _P], None),
     "kvp_rope_qk": ([_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _P], None),

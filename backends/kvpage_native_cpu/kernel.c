@@ -14,6 +14,10 @@
  *     l   = a * l + sum_j exp(s_j - m');  acc = a * acc + sum_j exp(s_j - m') v_j
  *     out = acc / l
  *
+ * Attention sinks (gpt-oss: sinks[h], one logit per query head that joins the
+ * denominator only) are added when the unit is finished:
+ *     out = acc / (l + exp(sink - m))     (rescaled by exp(m - sink) when sink > m)
+ *
  * Vectorization is explicit (GCC/Clang vector extensions: 16, 8 or 4 float lanes, which
  * the compiler maps to AVX-512, AVX2, SSE or NEON registers), so no reassociation flag
  * is needed: every sum has an order fixed by this source and the head_dim, and a unit's
@@ -34,7 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KVP_ABI 5
+#define KVP_ABI 6
 
 enum { KIND_FLOAT = 0, KIND_BF16 = 1, KIND_INT8 = 2, KIND_FP8 = 3 };
 
@@ -49,6 +53,7 @@ typedef struct {
     const float *tsc;        /* int8: [2, num_blocks, block_size, num_kv_heads] */
     const float *fsc;        /* fp8: [2, num_kv_heads] */
     const float *lut;        /* fp8: [256] */
+    const float *sinks;      /* [num_q_heads] sink logits, or NULL (none) */
     const void *block_tables;/* [num_seqs, bt_stride] int32 or int64 */
     const int64_t *query_start; /* [num_seqs + 1] */
     const int64_t *seq_lens; /* [num_seqs] */
@@ -379,7 +384,18 @@ static inline __attribute__((always_inline)) int run(const kvp_args *a, const in
             const int64_t qrow = qs + r0 + r;
             for (int64_t i = 0; i < ns; i++) {
                 const int64_t st = r * ns + i;
-                const float inv = 1.0f / l_sum[st];
+                float inv;
+                if (a->sinks != NULL) {
+                    const float sk = a->sinks[h0 * group + i], mm = m[st];
+                    if (sk > mm) { /* rescale to the sink: no overflow of exp */
+                        const float e = expf(mm - sk);
+                        inv = e / (l_sum[st] * e + 1.0f);
+                    } else {
+                        inv = 1.0f / (l_sum[st] + expf(sk - mm));
+                    }
+                } else {
+                    inv = 1.0f / l_sum[st];
+                }
                 float *restrict o = a->out + (qrow * nq + h0 * group + i) * d;
                 for (int64_t x = 0; x < d; x++) o[x] = acc[st * d + x] * inv;
             }
@@ -670,10 +686,11 @@ int kvp_paged_attention_parts(const kvp_args *parts, int64_t n) {
 }
 
 /* kvp_paged_attention_parts of copies of parts[0..n-1] (a step's prepared arguments,
- * shared by the layers of a KV group) with this layer's q, kv and out: one call per
- * layer that sets three pointers instead of every field. parts is not written. */
+ * shared by the layers of a KV group) with this layer's q, kv, out and sinks (NULL =
+ * none): one call per layer that sets four pointers instead of every field. parts is
+ * not written. */
 int kvp_paged_attention_layer(const kvp_args *parts, int64_t n, const float *q, const void *kv,
-                              float *out) {
+                              float *out, const float *sinks) {
     kvp_args loc[POOL_MAX + 1]; /* every part of one call at once (more run in turns) */
     int rc = 0;
     for (int64_t i0 = 0; i0 < n; i0 += POOL_MAX + 1) {
@@ -683,6 +700,7 @@ int kvp_paged_attention_layer(const kvp_args *parts, int64_t n, const float *q, 
             loc[i].q = q;
             loc[i].kv = kv;
             loc[i].out = out;
+            loc[i].sinks = sinks;
         }
         rc |= kvp_paged_attention_parts(loc, m);
     }

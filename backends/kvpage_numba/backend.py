@@ -16,7 +16,13 @@ from typing import Any
 import torch
 
 from kvpage.attention import checks
-from kvpage.attention.canonical import TokenMapPlan, fp8_scale_table, head_dim_reasons
+from kvpage.attention.canonical import (
+    TokenMapPlan,
+    fp8_scale_table,
+    head_dim_reasons,
+    refuse_sinks,
+    sinks_reasons,
+)
 from kvpage.attention.metadata import FP8_MAX, AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.errors import ShapeError
@@ -113,7 +119,11 @@ class NumbaBackend:
                 reasons.append("device cuda: numba.cuda.is_available() is False (no driver/device)")
         elif dev.type not in ("cpu", "cuda"):
             reasons.append(f"device: expected cpu or cuda, got {dev.type}")
-        return reasons + head_dim_reasons(spec, self.capabilities.max_head_dim)
+        return (
+            reasons
+            + sinks_reasons(spec, self.name)
+            + head_dim_reasons(spec, self.capabilities.max_head_dim)
+        )
 
     def plan(self, meta: AttentionMetadata) -> TokenMapPlan:
         """Validate the step (``kvpage.attention.plan.check_step``) and build the
@@ -226,6 +236,7 @@ class NumbaBackend:
         Raises:
             ShapeError, DTypeError: see ``check_launch_forward``.
         """
+        refuse_sinks(spec, self.name)  # attention sinks: not in these kernels
         checks.check_launch_forward(query, cache, plan, spec, out)
         meta = plan.meta
         if out is None:

@@ -30,6 +30,8 @@ from kvpage_numba_cpu.plan import CpuPlan, forward_operands, torch_threads
 _FP8_TABLES: dict[torch.dtype, np.ndarray] = {}
 _DUMMY_SCALES = np.zeros((1, 1, 1, 1), dtype=np.float32)
 _NO_TABLE = np.zeros(256, dtype=np.float32)
+#: the kernel's "no attention sinks" (an empty array)
+_NO_SINKS = np.zeros(0, dtype=np.float32)
 _NO_FLOATS = np.zeros(1, dtype=np.float32)
 
 
@@ -64,6 +66,7 @@ class NumbaCpuBackend:
         own_cpu_threads=True,
         priority={"cpu": -10},
         query_dtypes=frozenset({"float32", "bfloat16"}),
+        sinks=True,
         notes=(
             "compiled on first use per KV storage dtype (cached on disk by numba)",
             "float16 refused: numba has no CPU float16 arithmetic",
@@ -121,6 +124,8 @@ class NumbaCpuBackend:
         plan: CpuPlan,
         spec: AttentionSpec,
         out: torch.Tensor | None = None,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of one layer over the step (``AttentionBackend.forward``) by the
         compiled kernel; writes ``out`` (or a new tensor) and nothing else.
@@ -128,7 +133,7 @@ class NumbaCpuBackend:
         Raises:
             ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_forward``.
         """
-        kind = check_launch_forward(query, cache, plan, spec, out)
+        kind = check_launch_forward(query, cache, plan, spec, out, sinks)
         from kvpage_numba_cpu import kernels
 
         out, ops = forward_operands(query, plan, spec, out)
@@ -152,6 +157,7 @@ class NumbaCpuBackend:
             np.float32(spec.scale),
             spec.sliding_window or 0,
             np.float32(spec.logits_soft_cap or 0.0),
+            _NO_SINKS if sinks is None else sinks.detach().contiguous().numpy(),
             res.detach().numpy(),
         )
         if plan.threads == 1:

@@ -12,7 +12,7 @@ a time:
     s_j = scale * q . k_j               (soft cap: cap * tanh(s_j / cap))
     m'  = max(m, max_j s_j);  a = exp(m - m')
     l   = a * l + sum_j exp(s_j - m');  acc = a * acc + sum_j exp(s_j - m') v_j
-    out = acc / l
+    out = acc / l                       (sinks: acc / (l + exp(sink - m)))
 
 Everything is float32 and ``fastmath=False`` except the K dot product ``_dot``, the
 one function compiled with ``fastmath={"reassoc", "contract"}`` (no finite-math
@@ -105,6 +105,7 @@ def run_part(
     scale,
     window,
     soft_cap,
+    sinks,
     out,
 ):
     """Part ``t`` of ``paged_attention`` (one thread's units, in order)."""
@@ -202,7 +203,16 @@ def run_part(
             for hh in range(U(0), nh):
                 for g in range(U(0), group):
                     st = (r * nh + hh) * group + g
-                    inv = np.float32(1.0) / l_sum[st]
+                    if sinks.shape[0] > 0:  # the sink joins the denominator only
+                        sk = sinks[(h0 + hh) * group + g]
+                        mm = m[st]
+                        if sk > mm:  # rescaled to the sink: exp cannot overflow
+                            e = np.exp(mm - sk)
+                            inv = e / (l_sum[st] * e + np.float32(1.0))
+                        else:
+                            inv = np.float32(1.0) / (l_sum[st] + np.exp(sk - mm))
+                    else:
+                        inv = np.float32(1.0) / l_sum[st]
                     oo = (qrow * nq + (h0 + hh) * group + g) * d
                     for x in range(U(0), d):
                         of[oo + x] = acc[st * d + x] * inv
@@ -225,6 +235,7 @@ def paged_attention(
     scale,
     window,
     soft_cap,
+    sinks,
     out,
 ):
     """Paged attention of every unit into ``out``.
@@ -249,6 +260,8 @@ def paged_attention(
             ``bounds[t] .. bounds[t+1]-1`` (one parallel iteration per part).
         scale: softmax scale (float32). window: sliding window in keys (0 = none).
         soft_cap: logit soft cap (float32, 0 = none).
+        sinks: ``[num_q_heads]`` float32 attention-sink logits (gpt-oss: each joins
+            its head's softmax denominator only), or ``[0]`` for none.
         out: ``[num_tokens, num_q_heads, head_dim]`` float32, C-contiguous, written
             for every row of every unit (nothing else).
     """
@@ -270,5 +283,6 @@ def paged_attention(
             scale,
             window,
             soft_cap,
+            sinks,
             out,
         )

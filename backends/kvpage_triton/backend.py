@@ -16,7 +16,7 @@ from types import ModuleType
 
 import torch
 
-from kvpage.attention.canonical import head_dim_reasons
+from kvpage.attention.canonical import head_dim_reasons, refuse_sinks, sinks_reasons
 from kvpage.attention.checks import check_block_pairs
 from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
@@ -120,7 +120,7 @@ class TritonBackend:
                     )
         else:
             reasons.append(f"device: expected cuda (or cpu with TRITON_INTERPRET=1), got {device}")
-        return reasons + head_dim_reasons(spec, MAX_HEAD_DIM)
+        return reasons + sinks_reasons(spec, self.name) + head_dim_reasons(spec, MAX_HEAD_DIM)
 
     def _kernels(self, device: torch.device) -> ModuleType:
         """Import the launcher (and triton) on first use; check the device can run it."""
@@ -195,6 +195,7 @@ class TritonBackend:
             ShapeError, DTypeError: see ``kvpage_triton.validate.check_forward``.
             BackendUnavailableError: the device cannot run the kernels.
         """
+        refuse_sinks(spec, self.name)  # attention sinks: not in these kernels
         kind = check_forward(query, cache, plan, spec, out)
         launch = self._kernels(query.device)
         if out is None:

@@ -48,6 +48,7 @@ from kvpage.specs import (
     read_hf_config_file,
 )
 from kvpage.specs.architectures import PLAN_MODEL_TYPES, check_architecture
+from kvpage.specs.moe import moe_parameter_count, moe_params_from_hf
 from kvpage.workload.workload_stats import (
     Workload,
     analyze_workload,
@@ -105,6 +106,9 @@ def estimate_num_parameters(cfg: dict[str, Any]) -> int:
     gated MLP with 3 matrices, 2 RMSNorms per layer, final norm, LM head unless tied).
     Biases (Qwen2 q/k/v) are counted when ``model_type == "qwen2"``; Gemma-2 has four
     norms per layer and ties the LM head by default. Matches the presets' published counts.
+    MoE families count every expert (all are resident), the router, gpt-oss's biases and
+    sinks and Qwen3-MoE's q/k norms (``kvpage.specs.moe``); equal to the parameter count
+    of transformers' model for the configs in tests/models/test_models_moe.py.
 
     Raises:
         SpecError: a required field is missing.
@@ -121,14 +125,24 @@ def estimate_num_parameters(cfg: dict[str, Any]) -> int:
         raise SpecError(
             f"config: expected Llama-style fields to count parameters, got {e}"
         ) from None
+    mt = cfg.get("model_type")
     attn = h * q * hd + 2 * h * kv * hd + q * hd * h
-    if cfg.get("model_type") == "qwen2":
+    if mt == "qwen2":
         attn += q * hd + 2 * kv * hd
-    gemma = cfg.get("model_type") == "gemma2"
+    if mt == "gpt_oss" and cfg.get("attention_bias", True):  # q, k, v, o biases; sinks
+        attn += q * hd + 2 * kv * hd + h + q
+    if mt == "qwen3_moe":  # q_norm / k_norm weights [head_dim]
+        attn += 2 * hd
+    gemma = mt == "gemma2"
     # Gemma-2: 4 RMSNorms per layer (pre/post attention and MLP), tied embeddings by default
-    per_layer = attn + 3 * h * inter + (4 if gemma else 2) * h
+    norms = (4 if gemma else 2) * h
+    moe = moe_params_from_hf(cfg, n)  # Mixtral / Qwen3-MoE / gpt-oss: every expert
+    sparse = 0 if moe is None else len(moe.sparse_layers)
+    total = n * (attn + norms) + (n - sparse) * 3 * h * inter
+    if moe is not None:
+        total += sparse * moe_parameter_count(moe, h)
     head = 0 if cfg.get("tie_word_embeddings", gemma) else vocab * h
-    return vocab * h + n * per_layer + h + head
+    return vocab * h + total + h + head
 
 
 @dataclass

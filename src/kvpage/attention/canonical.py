@@ -13,6 +13,7 @@ import torch
 
 from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.plan import StepPlan, step_fields
+from kvpage.errors import BackendUnavailableError
 from kvpage.specs import AttentionSpec, CacheSpec
 
 
@@ -59,6 +60,32 @@ def head_dim_reasons(spec: CacheSpec, max_head_dim: int) -> list[str]:
         if layer.head_dim > max_head_dim:
             return [f"layers[{i}].head_dim: expected <= {max_head_dim}, got {layer.head_dim}"]
     return []
+
+
+def sinks_reasons(spec: CacheSpec, backend: str) -> list[str]:
+    """``["layers[i].sinks: expected no attention sinks (<backend> does not implement
+    them), got sinks"]`` for the first layer of ``spec`` with attention sinks
+    (``AttentionSpec.sinks``, gpt-oss); ``[]`` when none has them. For the
+    ``unsupported_reasons`` of a backend without sink support (and
+    ``kvpage.backends.backend_reasons`` for any backend that does not declare
+    ``capabilities.sinks``)."""
+    for i, layer in enumerate(spec.layers):
+        if layer.sinks:
+            return [
+                f"layers[{i}].sinks: expected no attention sinks ({backend} does not "
+                "implement them), got sinks"
+            ]
+    return []
+
+
+def refuse_sinks(spec: AttentionSpec, backend: str) -> None:
+    """The ``forward`` guard of a backend without sink support: raise
+    ``BackendUnavailableError`` naming the feature for a layer with ``spec.sinks``."""
+    if spec.sinks:
+        why = f"sinks: expected no attention sinks ({backend} does not implement them), got sinks"
+        raise BackendUnavailableError(
+            f"{backend}: attention sinks not implemented", {backend: [why]}
+        )
 
 
 def token_map(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -127,12 +127,36 @@ def check_tables(plan: StepPlan, block_size: int, num_blocks: int) -> None:
     plan.tables_checked.add(key)
 
 
+def check_sinks(sinks: torch.Tensor | None, spec: AttentionSpec, device: torch.device) -> None:
+    """The ``sinks=`` argument of ``forward`` against ``spec.sinks``: ``[num_q_heads]``
+    float32 on ``device`` exactly when the layer has sinks, None otherwise.
+
+    Raises:
+        ShapeError: sinks missing for a sink layer, given for a layer without, of the
+            wrong shape or on another device.
+        DTypeError: not float32.
+    """
+    if not spec.sinks:
+        if sinks is not None:
+            raise ShapeError(f"sinks: expected None (spec.sinks is False), got {list(sinks.shape)}")
+        return
+    hq = spec.num_q_heads
+    if sinks is None:
+        raise ShapeError(f"sinks: expected [{hq}] float32 (spec.sinks is True), got None")
+    if sinks.dim() != 1 or sinks.shape[0] != hq:
+        raise ShapeError(f"sinks: expected [{hq}], got {list(sinks.shape)}")
+    if sinks.dtype != torch.float32:
+        raise DTypeError(f"sinks: expected float32, got {sinks.dtype}")
+    check_device("sinks", sinks, device)
+
+
 def check_forward(
     query: torch.Tensor,
     cache: KVCache,
     plan: StepPlan,
     spec: AttentionSpec,
     out: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Validate one layer's ``forward`` arguments. The step itself was validated when
     ``plan`` was built (``kvpage.attention.plan.check_step``); the block tables are
@@ -141,8 +165,10 @@ def check_forward(
     Raises:
         ShapeError: the cache layout, its heads/head_dim vs ``spec``, query
             ``[plan.num_tokens, num_q_heads, head_dim]``, ``out``'s shape, a tensor on
-            another device than the cache, or the block tables (``check_tables``).
-        DTypeError: query or out not float32|float16|bfloat16, or out's dtype differs.
+            another device than the cache, the block tables (``check_tables``), or
+            ``sinks`` against ``spec.sinks`` (``check_sinks``).
+        DTypeError: query or out not float32|float16|bfloat16, or out's dtype differs;
+            sinks not float32.
     """
     check_cache(cache)
     hq, hkv, d = spec.num_q_heads, spec.num_kv_heads, spec.head_dim
@@ -167,6 +193,8 @@ def check_forward(
         if out.dtype != query.dtype:
             raise DTypeError(f"out: expected {query.dtype}, got {out.dtype}")
         check_device("out", out, dev)
+    if sinks is not None or spec.sinks:
+        check_sinks(sinks, spec, dev)
     if (cache.block_size, cache.num_blocks) not in plan.tables_checked:
         check_tables(plan, cache.block_size, cache.num_blocks)
 
@@ -257,13 +285,14 @@ def check_launch_forward(
     plan: StepPlan,
     spec: AttentionSpec,
     out: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
 ) -> str:
     """``check_forward`` and ``check_launch_cache``. Returns ``cache.kv_dtype``.
 
     Raises:
         ShapeError, DTypeError: as named in the message.
     """
-    check_forward(query, cache, plan, spec, out)
+    check_forward(query, cache, plan, spec, out, sinks)
     return check_launch_cache(cache)
 
 

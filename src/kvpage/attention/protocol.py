@@ -45,6 +45,10 @@ class BackendCapabilities:
         query_dtypes: supported model dtypes (names as in ``CacheSpec.dtype``).
         kv_dtypes: supported ``CacheSpec.kv_dtype`` values.
         sliding_window / logits_soft_cap / gqa: feature flags.
+        sinks: the backend computes attention sinks (``AttentionSpec.sinks``, the
+            ``sinks=`` argument of ``forward``). Off by default: a backend that does
+            not declare it is refused sink layers by ``select_backend`` and never drawn
+            sink cases by the conformance strategies.
         min_compute_capability: CUDA (major, minor) needed, or None.
         block_sizes: supported block sizes; empty = any.
         own_cpu_threads: on the CPU the backend splits its work over threads of its
@@ -64,6 +68,7 @@ class BackendCapabilities:
     sliding_window: bool = True
     logits_soft_cap: bool = True
     gqa: bool = True
+    sinks: bool = False
     min_compute_capability: tuple[int, int] | None = None
     own_cpu_threads: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -141,11 +146,15 @@ class AttentionBackend(Protocol[PlanT]):
         plan: PlanT,
         spec: AttentionSpec,
         out: torch.Tensor | None = None,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of one layer for every query row of the step: varlen causal
         attention of each sequence's new tokens over its cached context and
         themselves, within ``spec.sliding_window``; decode (``plan.is_decode``: one
         token per sequence), prefill, chunked prefill and prefix-cache hits alike.
+        With ``spec.sinks`` the softmax denominator of query head ``h`` gains
+        ``exp(sinks[h])`` (gpt-oss attention sinks).
 
         Args:
             query: ``[plan.num_tokens, num_q_heads, head_dim]``, packed by
@@ -156,6 +165,10 @@ class AttentionBackend(Protocol[PlanT]):
             spec: the layer's attention spec (scale, window, soft cap, GQA).
             out: optional ``[plan.num_tokens, num_q_heads, head_dim]`` buffer in the
                 query dtype (may be a strided view).
+            sinks: ``[num_q_heads]`` float32 sink logits on the cache's device,
+                exactly when ``spec.sinks`` (None otherwise). A backend that does not
+                declare ``capabilities.sinks`` may leave the argument out of its
+                signature: the model passes it only for sink layers.
 
         Returns:
             ``[plan.num_tokens, num_q_heads, head_dim]`` in the query dtype (``out``

@@ -6,7 +6,11 @@ the block table. Never used by the engine; every backend is tested against it.
 Semantics (see ``kvpage.specs`` for sources): logits = scale * q.k; with a soft cap c,
 logits = c * tanh(logits / c); a query at position p sees keys
 max(0, p - W + 1) .. p (W = sliding window, all keys up to p when None); query head h
-reads KV head h // (num_q_heads // num_kv_heads); softmax in float64.
+reads KV head h // (num_q_heads // num_kv_heads); softmax in float64. With attention
+sinks (``spec.sinks``, gpt-oss) the softmax of query head h runs over the logits and
+one more logit ``sinks[h]`` whose probability is dropped:
+``p_j = exp(l_j) / (exp(sinks[h]) + sum_i exp(l_i))`` (HF ``eager_attention_forward``
+in transformers/models/gpt_oss/modeling_gpt_oss.py: concatenate, softmax, drop).
 """
 
 from __future__ import annotations
@@ -73,8 +77,32 @@ def gather_kv(
     return out[0], out[1]
 
 
+def softmax_with_sink(logits: torch.Tensor, sink: float | None) -> torch.Tensor:
+    """``softmax(logits)`` over the last dim (float64), with a sink logit: the softmax
+    of ``[logits, sink]`` without its last entry (the sink attends to nothing)."""
+    if sink is None:
+        return torch.softmax(logits, dim=-1)
+    col = torch.full((*logits.shape[:-1], 1), sink, dtype=logits.dtype)
+    return torch.softmax(torch.cat([logits, col], dim=-1), dim=-1)[..., :-1]
+
+
+def _sink_values(sinks: torch.Tensor | None, spec: AttentionSpec) -> list[float] | None:
+    if not spec.sinks:
+        if sinks is not None:
+            raise ValueError("sinks: expected None (spec.sinks is False), got a tensor")
+        return None
+    if sinks is None or tuple(sinks.shape) != (spec.num_q_heads,):
+        got = None if sinks is None else list(sinks.shape)
+        raise ValueError(f"sinks: expected [{spec.num_q_heads}], got {got}")
+    return [float(x) for x in sinks.detach().double().cpu()]
+
+
 def reference_attention(
-    query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, spec: AttentionSpec
+    query: torch.Tensor,
+    cache: KVCache,
+    meta: AttentionMetadata,
+    spec: AttentionSpec,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention for every new token of the step (decode or prefill alike).
 
@@ -83,12 +111,14 @@ def reference_attention(
         cache: the layer's cache, already holding this step's K/V.
         meta: the step (query_start_loc, seq_lens, block_tables).
         spec: the layer's attention spec.
+        sinks: ``[num_q_heads]`` sink logits exactly when ``spec.sinks``.
 
     Returns:
         ``[num_tokens, num_q_heads, head_dim]`` float64.
     """
     out = torch.zeros(query.shape, dtype=torch.float64)
     group = spec.num_q_heads // spec.num_kv_heads
+    sink = _sink_values(sinks, spec)
     qsl = meta.query_start_loc.tolist()
     tables = meta.block_tables.tolist()
     for s in range(meta.num_seqs):
@@ -106,25 +136,32 @@ def reference_attention(
                 if spec.logits_soft_cap is not None:
                     c = spec.logits_soft_cap
                     logits = c * torch.tanh(logits / c)
-                w = torch.softmax(logits, dim=0)
+                w = softmax_with_sink(logits, None if sink is None else sink[h])
                 out[t, h] = w @ v[lo : p + 1, h // group]
     return out
 
 
 def reference_contiguous(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, context_len: int = 0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spec: AttentionSpec,
+    context_len: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention with no paging at all: one sequence, contiguous float K/V.
 
     Args:
         q: ``[q_len, num_q_heads, head_dim]`` for positions ``context_len ..``.
         k, v: ``[seq_len, num_kv_heads, head_dim]`` for positions ``0 .. seq_len-1``.
+        sinks: ``[num_q_heads]`` sink logits exactly when ``spec.sinks``.
 
     Returns:
         ``[q_len, num_q_heads, head_dim]`` float64.
     """
     group = spec.num_q_heads // spec.num_kv_heads
     kd, vd = k.double(), v.double()
+    sink = _sink_values(sinks, spec)
     out = torch.zeros(q.shape, dtype=torch.float64)
     for j in range(q.shape[0]):
         p = context_len + j
@@ -134,5 +171,6 @@ def reference_contiguous(
             if spec.logits_soft_cap is not None:
                 c = spec.logits_soft_cap
                 logits = c * torch.tanh(logits / c)
-            out[j, h] = torch.softmax(logits, 0) @ vd[lo : p + 1, h // group]
+            w = softmax_with_sink(logits, None if sink is None else sink[h])
+            out[j, h] = w @ vd[lo : p + 1, h // group]
     return out

@@ -20,6 +20,7 @@ from importlib.metadata import EntryPoint, entry_points
 
 import torch
 
+from kvpage.attention.canonical import sinks_reasons
 from kvpage.attention.protocol import AttentionBackend
 from kvpage.errors import BackendUnavailableError
 from kvpage.specs import CacheSpec
@@ -105,7 +106,8 @@ def backend_reasons(name: str, spec: CacheSpec, device: torch.device | str) -> l
     """Why backend ``name`` cannot run ``spec`` on ``device`` ([] = it can).
 
     Import and construction failures, and exceptions raised by the backend's own
-    ``unsupported_reasons``, are returned as reasons.
+    ``unsupported_reasons``, are returned as reasons; so are attention-sink layers for
+    a backend that does not declare ``capabilities.sinks``.
     """
     dev = torch.device(device)
     try:
@@ -113,9 +115,14 @@ def backend_reasons(name: str, spec: CacheSpec, device: torch.device | str) -> l
     except BackendUnavailableError as e:
         return e.reasons.get(name, [str(e)])
     try:
-        return list(backend.unsupported_reasons(spec, dev))
+        why = list(backend.unsupported_reasons(spec, dev))
     except Exception as e:
         return [f"unsupported_reasons raised {type(e).__name__}: {e}"]
+    if not getattr(backend.capabilities, "sinks", False):  # a feature it never declared
+        for r in sinks_reasons(spec, name):
+            if not any(w.startswith(r.split(":")[0]) for w in why):
+                why.append(r)
+    return why
 
 
 def select_backend(

@@ -16,6 +16,7 @@ from typing import Any
 from kvpage.errors import SpecError
 from kvpage.specs.architectures import MODEL_TYPES, check_architecture
 from kvpage.specs.hf import hf_attention_shape
+from kvpage.specs.moe import MoEParams, moe_params_from_hf
 
 SUPPORTED_MODEL_TYPES = MODEL_TYPES  # kvpage.specs.architectures: the one list
 #: activation name (HF ``ACT2FN`` key) -> our name
@@ -50,6 +51,12 @@ class ArchConfig:
         sandwich_norm: extra post-attention / pre- and post-feedforward norms (Gemma-2).
         embed_scale: the embedding output is multiplied by this (Gemma: sqrt(hidden)).
         final_logit_softcap: ``c * tanh(logits / c)`` on the logits, or None.
+        moe: the mixture-of-experts settings (Mixtral, Qwen3-MoE, gpt-oss:
+            ``kvpage.models.moe``), None for a dense MLP.
+        qk_norm: RMSNorm of each head's query and key (weight ``[head_dim]``) before
+            RoPE (Qwen3-MoE ``q_norm`` / ``k_norm``).
+        sinks: every attention layer has a learned sink logit per query head
+            (gpt-oss ``self_attn.sinks``).
     """
 
     model_type: str
@@ -73,6 +80,9 @@ class ArchConfig:
     final_logit_softcap: float | None
     max_position_embeddings: int
     rope_scaling: dict[str, Any] | None = None
+    moe: MoEParams | None = None
+    qk_norm: bool = False
+    sinks: bool = False
 
 
 def _req(cfg: Mapping[str, Any], key: str) -> Any:
@@ -145,7 +155,7 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
         raise SpecError(
             f"config.hidden_act: expected one of {sorted(ACTIVATIONS)}, got {act_name!r}"
         )
-    attn_bias = bool(cfg.get("attention_bias", False))
+    attn_bias = bool(cfg.get("attention_bias", mt == "gpt_oss"))  # GptOssConfig: True
     is_gemma = mt == "gemma2"
     cap = cfg.get("final_logit_softcapping") if is_gemma else None
     rope = rope_of(cfg)
@@ -171,6 +181,9 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
         embed_scale=float(hidden) ** 0.5 if is_gemma else None,
         final_logit_softcap=float(cap) if cap else None,
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+        moe=moe_params_from_hf(cfg, shape.num_layers),
+        qk_norm=mt == "qwen3_moe",
+        sinks=mt == "gpt_oss",
     )
 
 

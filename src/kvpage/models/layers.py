@@ -27,6 +27,7 @@ from kvpage.models.linears import (
     PackedWeight,
     pack_min_rows,
 )
+from kvpage.models.moe import MoEMLP
 from kvpage.models.rope import (
     RotaryEmbedding,
     apply_rope,
@@ -131,6 +132,12 @@ class PagedAttention(nn.Module):
         self._qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
         self._splits = (arch.num_q_heads * d, arch.num_kv_heads * d, arch.num_kv_heads * d)
         self._o = PackedWeight()
+        self.qk_norm = arch.qk_norm
+        if arch.qk_norm:  # Qwen3MoeAttention.q_norm / k_norm: RMSNorm over head_dim
+            self.q_norm = RMSNorm(d, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(d, arch.rms_norm_eps)
+        if spec.sinks:  # GptOssAttention.sinks: one logit per query head
+            self.sinks = nn.Parameter(torch.zeros(arch.num_q_heads))
 
     def forward(
         self,
@@ -161,24 +168,38 @@ class PagedAttention(nn.Module):
         qkv = self._qkv(x)
         b = self._splits[0] + self._splits[1]
         v = qkv[:, b:].view(t, self.num_kv_heads, self.head_dim)
-        if ops is not None:
+        if self.qk_norm:  # per-head RMSNorm of q and k, then RoPE (HF order)
+            hq, hk, d = self.num_q_heads, self.num_kv_heads, self.head_dim
+            qn = self.q_norm(qkv[:, : hq * d].reshape(t * hq, d)).view(t, hq * d)
+            kn = self.k_norm(qkv[:, hq * d : b].reshape(t * hk, d)).view(t, hk * d)
+            q, k = apply_rope_qkv(torch.cat([qn, kn], dim=1), hq, hk, cos, sin)
+        elif ops is not None:
             q, k = ops.rope_qk(qkv, self.num_q_heads, self.num_kv_heads, cos, sin)
         else:
             q, k = apply_rope_qkv(qkv, self.num_q_heads, self.num_kv_heads, cos, sin)
         backend.write_kv(k, v, cache, plan.meta.slot_mapping)
-        o = backend.forward(q, cache, plan, self.spec)
+        if self.spec.sinks:  # float32 for the kernels (a copy only for other dtypes)
+            o = backend.forward(q, cache, plan, self.spec, sinks=self.sinks.float())
+        else:
+            o = backend.forward(q, cache, plan, self.spec)
         o = o.reshape(t, self.num_q_heads * self.head_dim)
         return self._o(o, self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then MLP (Gemma-2 adds post norms)."""
+    """Pre-norm residual block: attention then MLP (Gemma-2 adds post norms); the MLP
+    is a mixture of experts (``kvpage.models.moe.MoEMLP``) on the MoE layers of
+    ``arch.moe``."""
 
-    def __init__(self, arch: ArchConfig, spec: AttentionSpec) -> None:
+    def __init__(self, arch: ArchConfig, spec: AttentionSpec, layer_id: int = 0) -> None:
         super().__init__()
         eps, g = arch.rms_norm_eps, arch.gemma_norm
         self.self_attn = PagedAttention(arch, spec)
-        self.mlp = MLP(arch)
+        self.mlp: MLP | MoEMLP
+        if arch.moe is not None and layer_id in arch.moe.sparse_layers:
+            self.mlp = MoEMLP(arch.hidden_size, arch.moe)
+        else:
+            self.mlp = MLP(arch)
         self.input_layernorm = RMSNorm(arch.hidden_size, eps, g)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, g)
         self.sandwich = arch.sandwich_norm

@@ -14,6 +14,7 @@ from kvpage.errors import SpecError
 from kvpage.models.config import arch_from_hf
 from kvpage.models.llama2c import BUNDLED_MODEL, bundled_model_path, read_llama2c
 from kvpage.models.model import ModelRunnerModel
+from kvpage.models.moe import moe_weights_from_hf, moe_weights_to_hf
 from kvpage.models.rope import RotaryEmbedding
 from kvpage.models.tokenizer import (
     HFTokenizer,
@@ -118,15 +119,19 @@ def to_transformers(model: ModelRunnerModel) -> Any:
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "gemma2": "Gemma2ForCausalLM",
+        "mixtral": "MixtralForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "gpt_oss": "GptOssForCausalLM",
     }
     config_cls = transformers.AutoConfig.for_model(mt).__class__
     keep = {k: v for k, v in cfg.items() if k not in ("model_type", "torch_dtype", "dtype")}
     hf_cfg = config_cls(**keep)
     hf_cfg._attn_implementation = "eager"
     hf = getattr(transformers, names[mt])(hf_cfg)
-    missing, unexpected = hf.load_state_dict(
-        {k: v.float() for k, v in model.hf_state_dict().items()}, strict=False
-    )
+    sd = model.hf_state_dict()
+    if model.arch.moe is not None:  # transformers' in-memory fused expert tensors
+        sd = moe_weights_to_hf(sd, model.arch.moe)
+    missing, unexpected = hf.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
     if [m for m in missing if "rotary" not in m] or unexpected:
         raise SpecError(f"to_transformers: expected matching weights, got {missing} {unexpected}")
     return hf.eval()
@@ -144,6 +149,8 @@ def _build(
     with torch.device("meta"):
         model = ModelRunnerModel(cfg, tok, dtype=dtype)
     weights = dict(sd)
+    if model.arch.moe is not None:  # the family's expert layout -> kvpage's names
+        weights = moe_weights_from_hf(weights, model.arch.moe)
     if model.lm_head is None:
         weights.pop("lm_head.weight", None)
     weights = {k: v for k, v in weights.items() if "rotary_emb" not in k}

@@ -28,13 +28,14 @@ class _Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
-            [DecoderLayer(arch, spec.layers[i]) for i in range(arch.num_layers)]
+            [DecoderLayer(arch, spec.layers[i], i) for i in range(arch.num_layers)]
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norm)
 
 
 class ModelRunnerModel(nn.Module):
-    """A causal LM (Llama / Mistral / Qwen2 / Gemma-2 family) on the paged KV cache.
+    """A causal LM (Llama / Mistral / Qwen2 / Gemma-2 family, and the MoE families
+    Mixtral / Qwen3-MoE / gpt-oss) on the paged KV cache.
 
     Args:
         config: HF ``config.json`` fields (``model_type`` in llama, mistral, qwen2, gemma2).
@@ -132,7 +133,8 @@ class ModelRunnerModel(nn.Module):
         a = self.arch
         h, d = a.hidden_size, a.head_dim
         qkv = h * (a.num_q_heads + 2 * a.num_kv_heads) * d
-        layer = max(qkv, a.num_q_heads * d * h, 2 * h * a.intermediate_size)
+        inter = a.intermediate_size if a.moe is None else a.moe.intermediate_size
+        layer = max(qkv, a.num_q_heads * d * h, 2 * h * inter)
         return layer, h * a.vocab_size
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

@@ -10,8 +10,9 @@ in blocks). Models whose layers keep something else cannot be served by it:
 * **multi-head latent attention** (MLA: DeepSeek-V2/V3, Kimi-K2): one compressed latent
   vector per token (``kv_lora_rank``) plus a decoupled RoPE key, a different cache
   layout and attention kernel;
-* **mixture-of-experts MLPs** (Mixtral, Qwen-MoE, DeepSeek): the cache would fit, but the
-  model code does not implement expert routing.
+* **mixture-of-experts MLPs** beyond the three families kvpage runs (Mixtral, Qwen3-MoE,
+  gpt-oss: ``kvpage.models.moe``): Qwen2-MoE's shared expert, DeepSeek's grouped
+  routing (with MLA) and the hybrids are refused.
 
 :func:`check_architecture` names the architecture and what is missing, so ``kvpage
 plan``, ``generate`` and ``serve`` refuse such a ``config.json`` in one line before
@@ -28,6 +29,7 @@ from kvpage.errors import SpecError
 
 __all__ = [
     "MODEL_TYPES",
+    "MOE_MODEL_TYPES",
     "PLAN_MODEL_TYPES",
     "UNSUPPORTED_ARCHITECTURES",
     "check_architecture",
@@ -35,14 +37,21 @@ __all__ = [
 ]
 
 #: model types kvpage runs (``kvpage generate`` / ``serve`` / the ``LLM`` class)
-MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "gemma2")
+MODEL_TYPES: tuple[str, ...] = (
+    "llama", "mistral", "qwen2", "gemma2", "mixtral", "qwen3_moe", "gpt_oss",
+)  # fmt: skip
+#: the MoE model types among them (``kvpage.models.moe``): their expert keys are expected
+MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "gpt_oss")
 #: model types ``kvpage plan`` can size a cache for (GPT-2: cache layout only)
 PLAN_MODEL_TYPES: tuple[str, ...] = (*MODEL_TYPES, "gpt2")
 
 _SSM = "SSM state (a per-sequence recurrent state instead of a KV cache)"
 _HYBRID = "hybrid SSM state (Mamba layers beside the attention layers)"
 _MLA = "MLA (multi-head latent attention: a compressed latent KV, kv_lora_rank)"
-_MOE = "MoE (mixture-of-experts routing)"
+_MOE = "MoE (mixture-of-experts routing of this family)"
+
+#: config keys that say a model routes over experts
+_MOE_KEYS = ("num_local_experts", "n_routed_experts", "num_experts")
 
 #: known HF ``model_type`` -> what kvpage lacks to run it
 UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -62,9 +71,7 @@ UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
     "deepseek_v2": f"{_MLA} and {_MOE}",
     "deepseek_v3": f"{_MLA} and {_MOE}",
     "kimi_k2": f"{_MLA} and {_MOE}",
-    "mixtral": _MOE,
-    "qwen2_moe": _MOE,
-    "qwen3_moe": _MOE,
+    "qwen2_moe": f"{_MOE} with a shared expert",
 }
 
 
@@ -82,18 +89,23 @@ def missing_features(cfg: Mapping[str, Any]) -> str | None:
         found.append(_MLA)
     if any(cfg.get(k) for k in ("ssm_state_size", "state_size", "mamba_d_state", "d_state")):
         found.append(_SSM)
-    if any(cfg.get(k) for k in ("num_local_experts", "n_routed_experts", "num_experts")):
+    if any(cfg.get(k) for k in _MOE_KEYS):
         found.append(_MOE)
     return " and ".join(found) or None
 
 
-def _architecture_clash(arch: object) -> str | None:
+def _architecture_clash(arch: object, mt: str | None = None) -> str | None:
     """What an ``architectures`` entry of a known unsupported family (``JambaForCausalLM``
     -> ``jamba``) needs, or None: a config may carry a supported ``model_type`` beside
-    such a class name, and the class is what transformers would build."""
+    such a class name, and the class is what transformers would build. A MoE class
+    (``MixtralForCausalLM``) beside another ``model_type`` (``mt``) clashes too: the
+    experts would be missing from the model kvpage builds."""
     if not isinstance(arch, list):
         return None
     families = {k.replace("_", ""): v for k, v in UNSUPPORTED_ARCHITECTURES.items()}
+    for moe in MOE_MODEL_TYPES:
+        if moe != mt:
+            families.setdefault(moe.replace("_", ""), f"{_MOE} as {moe}")
     for a in arch:
         stem = str(a).lower()
         for suffix in ("forcausallm", "forconditionalgeneration", "lmheadmodel", "model"):
@@ -126,9 +138,10 @@ def check_architecture(cfg: Mapping[str, Any], supported: Sequence[str] = MODEL_
     mt = cfg.get("model_type")
     arch = cfg.get("architectures")
     if isinstance(mt, str) and mt in supported:
-        clash = _architecture_clash(arch) or missing_features(
-            {k: v for k, v in cfg.items() if k != "model_type"}
-        )
+        rest = {k: v for k, v in cfg.items() if k != "model_type"}
+        if mt in MOE_MODEL_TYPES:  # expert counts are this family's own keys
+            rest = {k: v for k, v in rest.items() if k not in _MOE_KEYS}
+        clash = _architecture_clash(arch, mt) or missing_features(rest)
         if clash is None:
             return mt
         raise SpecError(

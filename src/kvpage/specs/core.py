@@ -10,6 +10,8 @@ Sources of the conventions used here:
   (HF ``Gemma2Attention``).
 * sliding window ``W``: a query at position ``i`` sees keys ``max(0, i-W+1) .. i`` — W
   keys including itself — the convention of current HF transformers.
+* attention sinks (gpt-oss): a per-query-head logit added to the softmax denominator
+  only (HF ``GptOssAttention``, transformers/models/gpt_oss/modeling_gpt_oss.py).
 * GQA head mapping: query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``
   (consecutive groups, HF ``repeat_kv``).
 * int8 KV: one float32 scale per token per KV head, for K and for V separately.
@@ -54,6 +56,13 @@ class AttentionSpec(BaseModel):
         scale: softmax scale applied to ``q . k``; default ``head_dim ** -0.5``.
         sliding_window: W in tokens (a query sees W keys including itself), None = full.
         logits_soft_cap: c in ``c * tanh(logits / c)`` before softmax (Gemma-2), None = off.
+        sinks: the layer has attention sinks: one learned logit ``s_h`` per query head
+            that joins the softmax denominator and attends to nothing (gpt-oss; HF
+            ``GptOssAttention.sinks``, ``eager_attention_forward`` in
+            transformers/models/gpt_oss/modeling_gpt_oss.py):
+            ``p_j = exp(l_j) / (exp(s_h) + sum_i exp(l_i))``. The values are weights,
+            not part of the spec: ``forward(..., sinks=)`` takes them
+            (``[num_q_heads]`` float32). The cache layout is unchanged.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -64,6 +73,7 @@ class AttentionSpec(BaseModel):
     scale: float = Field(default=0.0)
     sliding_window: int | None = Field(default=None, ge=1)
     logits_soft_cap: float | None = Field(default=None, gt=0.0)
+    sinks: bool = False
 
     @model_validator(mode="before")
     @classmethod

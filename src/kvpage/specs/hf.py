@@ -202,8 +202,12 @@ def attention_layers_from_hf(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
         use = bool(cfg.get("use_sliding_window", False))
         mwl = int(cfg.get("max_window_layers", n_layers) or n_layers)
         sliding = [use and i >= mwl for i in range(n_layers)]
-    elif mt == "gemma2":
+    elif mt in ("gemma2", "gpt_oss"):  # GptOssConfig too: even layers without layer_types
         sliding = [i % 2 == 0 for i in range(n_layers)]
+    elif mt == "mixtral":  # MixtralAttention: config.sliding_window on every layer
+        sliding = [window is not None] * n_layers
+    elif mt == "qwen3_moe":  # Qwen3MoeConfig: the window only with use_sliding_window
+        sliding = [bool(cfg.get("use_sliding_window", False)) and window is not None] * n_layers
     else:
         sliding = [False] * n_layers
     if any(sliding) and not window:
@@ -221,6 +225,7 @@ def attention_layers_from_hf(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
             scale=scale,
             sliding_window=int(window) if s and window else None,
             logits_soft_cap=float(cap) if cap else None,
+            sinks=mt == "gpt_oss",  # GptOssAttention.sinks on every layer
         )
         for s in sliding
     ]

@@ -42,6 +42,8 @@ class AttentionCase:
         block_tables: physical block ids per sequence (exactly enough blocks).
         seed: seed of the K/V/query data.
         magnitude: standard deviation of the K/V/query data.
+        sinks: attention-sink logits, one per query head, exactly when
+            ``spec.sinks`` (gpt-oss); None otherwise.
     """
 
     spec: AttentionSpec
@@ -57,6 +59,21 @@ class AttentionCase:
     scale_granularity: str = "per_tensor"
     k_scale: tuple[float, ...] = (1.0,)
     v_scale: tuple[float, ...] = (1.0,)
+    sinks: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        n = None if self.sinks is None else len(self.sinks)
+        if self.spec.sinks != (n is not None) or (n is not None and n != self.spec.num_q_heads):
+            raise ValueError(
+                f"sinks: expected {self.spec.num_q_heads} values exactly when spec.sinks "
+                f"({self.spec.sinks}), got {self.sinks}"
+            )
+
+    def sinks_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """``[num_q_heads]`` float32 sink logits on ``device`` (None without sinks)."""
+        if self.sinks is None:
+            return None
+        return torch.tensor(self.sinks, dtype=torch.float32, device=device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -93,7 +110,8 @@ class AttentionCase:
         s = self.spec
         return (
             f"Hq={s.num_q_heads} Hkv={s.num_kv_heads} D={s.head_dim} scale={s.scale:.4g} "
-            f"W={s.sliding_window} cap={s.logits_soft_cap} {self.dtype}/{self.kv_dtype}"
+            f"W={s.sliding_window} cap={s.logits_soft_cap} sinks={self.sinks} "
+            f"{self.dtype}/{self.kv_dtype}"
             f"({self.scale_granularity}) bs={self.block_size} pool={self.num_blocks} "
             f"seq_lens={list(self.seq_lens)} query_lens={list(self.query_lens)}"
         )
@@ -110,6 +128,8 @@ class Materialized:
         cache: poisoned (NaN) cache holding every sequence's tokens.
         meta: the step's metadata (not yet planned).
         new_keys / new_values / slot_mapping: the step's new tokens, packed.
+        sinks: ``[num_q_heads]`` float32 sink logits for ``forward(..., sinks=)``, or
+            None.
     """
 
     keys: list[torch.Tensor]
@@ -120,6 +140,7 @@ class Materialized:
     new_keys: torch.Tensor
     new_values: torch.Tensor
     slot_mapping: torch.Tensor
+    sinks: torch.Tensor | None = None
     extras: dict[str, object] = field(default_factory=dict)
 
 
@@ -220,6 +241,7 @@ def materialize(
             device
         ),
         slot_mapping=meta.slot_mapping,
+        sinks=case.sinks_tensor(device),
     )
 
 
@@ -259,19 +281,25 @@ def make_case(
     k_scale: tuple[float, ...] = (0.25,),
     v_scale: tuple[float, ...] = (0.5,),
     granularity: str = "per_tensor",
+    sinks: tuple[float, ...] | None = None,
 ) -> AttentionCase:
     """A hand-written case (for plugin tests, with ``run_plugin_case``): ``seq_lens``
     tokens per sequence of which ``query_lens`` (default 1 each: decode) are new; the
     blocks are a seeded random permutation of a pool with 3 spare blocks (block 0
     unused); fp8 scales ``k_scale``/``v_scale`` (one, or one per KV head with
-    ``granularity="per_head"``)."""
+    ``granularity="per_head"``); ``sinks``: one attention-sink logit per query head."""
     query_lens = query_lens or tuple(1 for _ in seq_lens)
     need = [-(-n // bs) for n in seq_lens]
     nb = sum(need) + 3
     perm = (torch.randperm(nb - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
     tables = [tuple(t) for t in split_block_ids(perm, need)]
     spec = AttentionSpec(
-        num_q_heads=hq, num_kv_heads=hk, head_dim=hd, sliding_window=window, logits_soft_cap=cap
+        num_q_heads=hq,
+        num_kv_heads=hk,
+        head_dim=hd,
+        sliding_window=window,
+        logits_soft_cap=cap,
+        sinks=sinks is not None,
     )
     return AttentionCase(
         spec=spec,
@@ -286,4 +314,5 @@ def make_case(
         scale_granularity=granularity,
         k_scale=k_scale,
         v_scale=v_scale,
+        sinks=sinks,
     )

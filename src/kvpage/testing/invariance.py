@@ -74,7 +74,8 @@ def chunked_outputs(
         kc = torch.cat([m.keys[i][s : s + q] for i, s, q in zip(seqs, starts, qlens)])
         vc = torch.cat([m.values[i][s : s + q] for i, s, q in zip(seqs, starts, qlens)])
         backend.write_kv(kc.to(device), vc.to(device), m.cache, meta.slot_mapping)
-        o = run_attention(backend, m.query[rows.to(device)], m.cache, backend.plan(meta), case.spec)
+        q_rows = m.query[rows.to(device)]
+        o = run_attention(backend, q_rows, m.cache, backend.plan(meta), case.spec, sinks=m.sinks)
         out[rows.to(device)] = o
         for i, q in zip(seqs, qlens):
             done[i] += q
@@ -94,7 +95,7 @@ def check_chunking_invariance(
         AssertionError: a variant is outside the tolerance.
     """
     m = materialize(case, device)
-    ref = reference_attention(m.query, m.cache, m.meta, case.spec)
+    ref = reference_attention(m.query, m.cache, m.meta, case.spec, m.sinks)
     tol = tolerance_for(case.torch_dtype)
     scale = error_scale(case, m.keys, m.values, m.query)
     variants = {
@@ -126,12 +127,13 @@ def check_layout_invariance(
     """
     other = case.with_layout(block_size, block_tables, num_blocks)
     m = materialize(case, device)
-    ref = reference_attention(m.query, m.cache, m.meta, case.spec)
+    ref = reference_attention(m.query, m.cache, m.meta, case.spec, m.sinks)
     tol = tolerance_for(case.torch_dtype)
     scale = error_scale(case, m.keys, m.values, m.query)
     for c in (case, other):
         mm = materialize(c, device)
-        got = run_attention(backend, mm.query, mm.cache, backend.plan(mm.meta), c.spec)
+        plan = backend.plan(mm.meta)
+        got = run_attention(backend, mm.query, mm.cache, plan, c.spec, sinks=mm.sinks)
         assert_close(
             got,
             ref,

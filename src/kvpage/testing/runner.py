@@ -61,10 +61,14 @@ def run_attention(
     spec: AttentionSpec,
     *,
     pad: int = 3,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Call ``backend.forward`` with a NaN-poisoned output buffer that is a view into a
     wider buffer (``pad`` extra NaN columns past head_dim), and check that only the
     view was written and the method returned it (or a tensor equal to it).
+
+    ``sinks`` (attention-sink logits) is passed on only when given, so backends
+    without sink support need no ``sinks`` parameter.
 
     Returns:
         the output ``[rows, num_q_heads, head_dim]``.
@@ -72,7 +76,10 @@ def run_attention(
     rows, hq, d = query.shape
     wide = torch.full((rows, hq, d + pad), float("nan"), dtype=query.dtype, device=query.device)
     out = wide[..., :d]
-    res = backend.forward(query, cache, plan, spec, out=out)
+    if sinks is None:
+        res = backend.forward(query, cache, plan, spec, out=out)
+    else:
+        res = backend.forward(query, cache, plan, spec, out=out, sinks=sinks)
     if pad and not bool(torch.isnan(wide[..., d:]).all()):
         raise AssertionError("out: expected nothing written past head_dim, got writes")
     if res.data_ptr() != out.data_ptr():
@@ -104,9 +111,9 @@ def check_attention_case(
     m = materialize(case, device)
     before = clone_cache(m.cache)
     plan = backend.plan(m.meta)
-    out = run_attention(backend, m.query, m.cache, plan, case.spec)
+    out = run_attention(backend, m.query, m.cache, plan, case.spec, sinks=m.sinks)
     assert_cache_bits_equal(m.cache, before, what="cache after attention")
-    ref = reference_attention(m.query, m.cache, m.meta, case.spec)
+    ref = reference_attention(m.query, m.cache, m.meta, case.spec, m.sinks)
     tol = tolerance_for(case.torch_dtype)
     scale = error_scale(case, m.keys, m.values, m.query)
     kind = "decode" if plan.is_decode else "prefill"
@@ -180,7 +187,9 @@ def check_quantization_error(
         if not q:
             continue
         qs = query[start : start + q]
-        exact = reference_contiguous(qs.cpu(), k.cpu(), v.cpu(), case.spec, n - q)
+        exact = reference_contiguous(
+            qs.cpu(), k.cpu(), v.cpu(), case.spec, n - q, case.sinks_tensor()
+        )
         dk = _element_bound(case, k, case.k_scale)
         dv = _element_bound(case, v, case.v_scale)
         sub = replace(case, seq_lens=(n,), query_lens=(q,))
@@ -272,7 +281,9 @@ def run_plugin_case(
             mine.token_scales[:, s // bs, s % bs] = float("nan")
     backend.write_kv(m.new_keys, m.new_values, mine, m.slot_mapping)
     assert_cache_bits_equal(mine, expected, what=f"write_kv [{case.describe()}]")
-    out = run_attention(backend, m.query, mine, backend.plan(m.meta), case.spec)
+    out = run_attention(backend, m.query, mine, backend.plan(m.meta), case.spec, sinks=m.sinks)
     assert_cache_bits_equal(mine, expected, what=f"cache after forward [{case.describe()}]")
-    ref = reference_attention(m.query.cpu(), clone_cache(expected), m.meta, case.spec)
+    ref = reference_attention(
+        m.query.cpu(), clone_cache(expected), m.meta, case.spec, case.sinks_tensor()
+    )
     return out, ref

@@ -132,6 +132,7 @@ def attention_cases(
     dtypes: tuple[str, ...] | None = None,
     sliding_window: bool | None = None,
     soft_cap: bool | None = None,
+    sinks: bool | None = None,
 ) -> AttentionCase:
     """Draw an ``AttentionCase`` within ``budget`` and the backend's ``capabilities``.
 
@@ -139,7 +140,11 @@ def attention_cases(
         mode: ``"decode"`` (every query length 1), ``"prefill"`` (full or chunked
             prefill with cached context) or ``"any"``.
         kv_dtypes / dtypes: restrict the drawn kv dtypes / query dtypes.
-        sliding_window / soft_cap: force the feature on (True) or off (False).
+        sliding_window / soft_cap / sinks: force the feature on (True) or off
+            (False). Attention sinks are drawn only for backends that declare
+            ``capabilities.sinks`` (or without capabilities): per query head a logit
+            from well below to well above the logits (-30 .. 30: a sink that takes
+            almost all the weight is the case where an unscaled ``exp`` overflows).
     """
     caps = capabilities
     b = budget
@@ -175,6 +180,15 @@ def attention_cases(
         use_cap = (caps is None or caps.logits_soft_cap) and draw(st.booleans())
     cap = draw(st.sampled_from((1.0, 5.0, 30.0, 50.0))) if use_cap else None
     scale = draw(st.one_of(st.none(), st.sampled_from((0.02, 0.1, 0.3, 1.0))))
+    use_sinks = sinks
+    if use_sinks is None:
+        use_sinks = (caps is None or caps.sinks) and draw(st.integers(0, 3)) == 0
+    sink_values = None
+    if use_sinks:
+        pool = st.sampled_from((-30.0, -2.0, -0.5, 0.0, 0.7, 1.5, 3.0, 30.0))
+        sink_values = tuple(
+            draw(st.one_of(pool, st.floats(-4.0, 4.0, width=32))) for _ in range(kv_heads * ratio)
+        )
     spec = make_attention_spec(
         num_q_heads=kv_heads * ratio,
         num_kv_heads=kv_heads,
@@ -182,6 +196,7 @@ def attention_cases(
         scale=scale,
         sliding_window=window,
         logits_soft_cap=cap,
+        sinks=use_sinks,
     )
     needed = [-(-n // block_size) for n in seq_lens]
     total = sum(needed)
@@ -230,6 +245,7 @@ def attention_cases(
         scale_granularity=granularity,
         k_scale=ks,
         v_scale=vs,
+        sinks=sink_values,
     )
 
 

@@ -32,7 +32,7 @@ class TorchBackend:
     Decode and prefill share one path: sequences are grouped (``plan.TorchPlan``),
     whole blocks are gathered per group, and attention runs through
     ``torch.nn.functional.scaled_dot_product_attention`` (explicit float32 matmuls
-    when a logit soft cap is set). Unquantized caches compute in the cache dtype;
+    when a logit soft cap or attention sinks are set). Unquantized caches compute in the cache dtype;
     int8/fp8 caches are dequantized to float32.
     """
 
@@ -40,6 +40,7 @@ class TorchBackend:
     capabilities = BackendCapabilities(
         devices=frozenset({"cpu", "cuda"}),
         priority={"cpu": 0, "cuda": 0},
+        sinks=True,
         notes=("reference-grade semantics in vectorized torch; any head_dim and block_size",),
     )
 
@@ -126,6 +127,8 @@ class TorchBackend:
         plan: TorchPlan,
         spec: AttentionSpec,
         out: torch.Tensor | None = None,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of one layer over the step (``AttentionBackend.forward``): the
         plan's groups for this cache and window, each attended by the compute path
@@ -136,7 +139,7 @@ class TorchBackend:
         Raises:
             ShapeError, DTypeError: see ``kvpage.attention.checks.check_forward``.
         """
-        check_forward(query, cache, plan, spec, out)
+        check_forward(query, cache, plan, spec, out, sinks)
         key = (
             cache.block_size,
             cache.num_blocks,
@@ -154,7 +157,7 @@ class TorchBackend:
         if out is None:
             out = torch.empty_like(query)
         for attend, g in runs:
-            attend(query, cache, g, spec, out)
+            attend(query, cache, g, spec, out, sinks)
         return out
 
     def _layer_runs(

@@ -74,6 +74,16 @@ def _gather(
     return raw.to(dtype) * (s.view(h, 1) if s.dim() == 1 else s)
 
 
+def sink_softmax(logits: torch.Tensor, sink_col: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim; with ``sink_col`` (broadcastable to ``logits``
+    without its last dim, plus a size-1 last dim) the softmax of ``[logits, sink]``
+    without the sink's entry (attention sinks, ``kvpage.attention.reference``)."""
+    if sink_col is None:
+        return torch.softmax(logits, dim=-1)
+    col = sink_col.expand(*logits.shape[:-1], 1).to(logits.dtype)
+    return torch.softmax(torch.cat([logits, col], dim=-1), dim=-1)[..., :-1]
+
+
 def _explicit_heads(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -81,10 +91,12 @@ def _explicit_heads(
     spec: AttentionSpec,
     mask: torch.Tensor | None,
     causal: bool,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batched over a leading dim ``n``: q ``[n, Lq, Hq, D]``, k/v ``[n, L, Hkv, D]``,
     mask broadcastable to ``[n, 1, Lq, L]`` -> ``[n, Lq, Hq, D]``; float32 matmuls
-    per KV head, soft cap ``c * tanh(logits / c)`` (Gemma-2), chunked over query rows.
+    per KV head, soft cap ``c * tanh(logits / c)`` (Gemma-2), attention sinks
+    ``[Hq]`` in the denominator (gpt-oss), chunked over query rows.
     """
     n, lq, hq, d = q.shape
     hkv = spec.num_kv_heads
@@ -112,7 +124,11 @@ def _explicit_heads(
         if m is not None:
             logits = logits.view(n, hkv, grp, r, L).masked_fill(~m, float("-inf"))
             logits = logits.view(n, hkv, grp * r, L)
-        o = torch.matmul(torch.softmax(logits, dim=-1), vt)  # [n, Hkv, G*r, D]
+        col = None
+        if sinks is not None:  # row g * r + j of a KV head is its query head g
+            col = sinks.float().view(hkv, grp, 1, 1).expand(hkv, grp, r, 1)
+            col = col.reshape(hkv, grp * r, 1)
+        o = torch.matmul(sink_softmax(logits, col), vt)  # [n, Hkv, G*r, D]
         outs.append(o.view(n, hkv, grp, r, d))
     o = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
     return o.permute(0, 3, 1, 2, 4).reshape(n, lq, hq, d)
@@ -135,7 +151,12 @@ def _sdpa(
 
 
 def _decode_streamed(
-    query: torch.Tensor, cache: KVCache, g: GroupIndex, spec: AttentionSpec, out: torch.Tensor
+    query: torch.Tensor,
+    cache: KVCache,
+    g: GroupIndex,
+    spec: AttentionSpec,
+    out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """One query token over one long key range, in two passes over block chunks of at
     most DECODE_CHUNK_BYTES: logits chunk by chunk (all of them are small), one float32
@@ -158,7 +179,7 @@ def _decode_streamed(
     if spec.logits_soft_cap is not None:
         cap = spec.logits_soft_cap
         logits = torch.tanh(logits / cap) * cap
-    p = torch.softmax(logits, dim=-1)
+    p = sink_softmax(logits, None if sinks is None else sinks.float().view(hkv, grp, 1))
     acc = torch.zeros(hkv, grp, d, dtype=torch.float32, device=query.device)
     for c, lo, hi in spans:
         vc = _gather(cache, 1, g.index[c : c + per], True, torch.float32)[lo - c * bs : hi - c * bs]
@@ -167,10 +188,15 @@ def _decode_streamed(
 
 
 def _attend_streamed(
-    query: torch.Tensor, cache: KVCache, g: GroupIndex, spec: AttentionSpec, out: torch.Tensor
+    query: torch.Tensor,
+    cache: KVCache,
+    g: GroupIndex,
+    spec: AttentionSpec,
+    out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     if g.max_q == 1:
-        _decode_streamed(query, cache, g, spec, out)
+        _decode_streamed(query, cache, g, spec, out, sinks)
         return
     dtype = compute_dtype(cache, streamed=True)
     a, b = g.key_offset, g.key_offset + g.num_keys
@@ -179,8 +205,10 @@ def _attend_streamed(
     q = query[g.q_start : g.q_start + g.max_q].unsqueeze(0)
     if q.dtype != dtype:
         q = q.to(dtype)
-    if spec.logits_soft_cap is not None:
-        res = _explicit_heads(q.float(), k.float(), v.float(), spec, g.attn_mask, g.is_causal)
+    if spec.logits_soft_cap is not None or sinks is not None:  # SDPA has neither
+        res = _explicit_heads(
+            q.float(), k.float(), v.float(), spec, g.attn_mask, g.is_causal, sinks
+        )
     else:
         res = _sdpa(q, k, v, g, spec)
     out[g.q_start : g.q_start + g.max_q] = res[0]
@@ -230,6 +258,8 @@ def _decode_padded(
     g: GroupIndex,
     spec: AttentionSpec,
     out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
+    *,
     data: PaddedDecode,
 ) -> None:
     """One query row per sequence over ``[n, max_keys]`` gathered keys (padding masked
@@ -260,7 +290,7 @@ def _decode_padded(
         c = spec.logits_soft_cap
         logits = torch.bmm(data.qbd, kt).mul_(spec.scale / c)
         logits = torch.tanh_(logits).mul_(c).add_(g.key_bias)
-    p = torch.softmax(logits, dim=-1)
+    p = sink_softmax(logits, None if sinks is None else sinks.float().view(1, hq, 1))
     o = torch.bmm(p, v).view(n, hkv, hq // hkv, hkv, d)
     diag = o.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # [n, Hkv, G, D]
     if g.identity_rows:
@@ -270,9 +300,15 @@ def _decode_padded(
 
 
 def _attend_padded(
-    query: torch.Tensor, cache: KVCache, g: GroupIndex, spec: AttentionSpec, out: torch.Tensor
+    query: torch.Tensor,
+    cache: KVCache,
+    g: GroupIndex,
+    spec: AttentionSpec,
+    out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """A padded group through SDPA (or explicit float32 matmuls with a soft cap)."""
+    """A padded group through SDPA (or explicit float32 matmuls with a soft cap or
+    sinks)."""
     dtype = compute_dtype(cache, streamed=False)
     n, max_q = g.q_rows.shape
     k = _gather(cache, 0, g.index.reshape(-1), False, dtype).view(
@@ -287,10 +323,12 @@ def _attend_padded(
         q = query.index_select(0, g.q_rows.reshape(-1)).view(n, max_q, *query.shape[1:])
     if q.dtype != dtype:
         q = q.to(dtype)
-    if spec.logits_soft_cap is None:
+    if spec.logits_soft_cap is None and sinks is None:
         res = _sdpa(q, k, v, g, spec)
     else:
-        res = _explicit_heads(q.float(), k.float(), v.float(), spec, g.attn_mask, g.is_causal)
+        res = _explicit_heads(
+            q.float(), k.float(), v.float(), spec, g.attn_mask, g.is_causal, sinks
+        )
     res = res.reshape(n * max_q, *res.shape[2:])
     if g.identity_rows:
         out.copy_(res)
@@ -300,8 +338,10 @@ def _attend_padded(
     out.index_copy_(0, g.out_rows, res.to(out.dtype))
 
 
-#: one layer's work on one group: ``attend(query, cache, group, spec, out)``
-Attend = Callable[[torch.Tensor, KVCache, GroupIndex, AttentionSpec, torch.Tensor], None]
+#: one layer's work on one group: ``attend(query, cache, group, spec, out, sinks)``
+Attend = Callable[
+    [torch.Tensor, KVCache, GroupIndex, AttentionSpec, torch.Tensor, torch.Tensor | None], None
+]
 
 
 def pick_attend(g: GroupIndex, cache: KVCache, spec: AttentionSpec) -> Attend:
@@ -317,9 +357,14 @@ def pick_attend(g: GroupIndex, cache: KVCache, spec: AttentionSpec) -> Attend:
 
 
 def attend_group(
-    query: torch.Tensor, cache: KVCache, g: GroupIndex, spec: AttentionSpec, out: torch.Tensor
+    query: torch.Tensor,
+    cache: KVCache,
+    g: GroupIndex,
+    spec: AttentionSpec,
+    out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Compute one group and write its real rows into ``out`` ``[num_tokens, Hq, D]``
     (rows of other groups untouched). ``TorchBackend.forward`` takes the path from the
     plan's memo (``pick_attend`` once per step and layer shape) instead."""
-    pick_attend(g, cache, spec)(query, cache, g, spec, out)
+    pick_attend(g, cache, spec)(query, cache, g, spec, out, sinks)

@@ -1,0 +1,133 @@
+"""Mixture-of-experts settings of an HF ``config.json``: expert counts, top-k, the
+family's routing rule and expert activation, and which layers are sparse.
+
+The one reader of these keys: ``kvpage.models.moe`` builds the MoE MLP from them and
+``kvpage.capacity`` counts the parameters with them. Sources per family (transformers
+5.23): ``MixtralTopKRouter`` / ``MixtralExperts`` (models/mixtral/modeling_mixtral.py),
+``Qwen3MoeTopKRouter`` / ``Qwen3MoeDecoderLayer`` (models/qwen3_moe/modeling_qwen3_moe.py),
+``GptOssTopKRouter`` / ``GptOssExperts`` (models/gpt_oss/modeling_gpt_oss.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpage.errors import SpecError
+from kvpage.specs.architectures import MOE_MODEL_TYPES
+
+
+@dataclass(frozen=True)
+class MoEParams:
+    """The MoE settings of one model.
+
+    Attributes:
+        family: ``mixtral`` | ``qwen3_moe`` | ``gpt_oss`` (checkpoint layout and rules).
+        num_experts: experts per MoE layer (``num_local_experts`` / ``num_experts``).
+        top_k: experts per token (``num_experts_per_tok``), ``1 <= top_k <= num_experts``.
+        intermediate_size: each expert's hidden width (``moe_intermediate_size`` for
+            Qwen3-MoE, ``intermediate_size`` otherwise).
+        routing: ``softmax_topk`` (softmax over all experts, then the top-k) or
+            ``topk_softmax`` (top-k of the logits, softmax over them: gpt-oss).
+        norm_topk_prob: renormalise the top-k probabilities to sum 1 (``softmax_topk``).
+        weights_in_model_dtype: cast the routing weights to the model dtype (Qwen3-MoE)
+            rather than keeping them float32 (Mixtral).
+        bias: router and experts carry biases (gpt-oss).
+        activation: ``silu`` (SwiGLU) or ``clamped_swiglu`` (gpt-oss).
+        swiglu_alpha, swiglu_limit: gpt-oss's ``alpha`` and clamp ``L``.
+        sparse_layers: the layers whose MLP is the MoE (others: a dense MLP).
+    """
+
+    family: str
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    routing: str
+    norm_topk_prob: bool
+    weights_in_model_dtype: bool
+    bias: bool
+    activation: str
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    sparse_layers: tuple[int, ...] = ()
+
+
+def _int(cfg: Mapping[str, Any], *keys: str) -> int:
+    for k in keys:
+        v = cfg.get(k)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpecError(f"config.{k}: expected a positive integer, got {v!r}")
+            return v
+    raise SpecError(f"config.{keys[0]}: expected a value, got nothing")
+
+
+def moe_params_from_hf(cfg: Mapping[str, Any], num_layers: int) -> MoEParams | None:
+    """The MoE settings of an HF ``config.json`` mapping, None for a dense family.
+
+    Raises:
+        SpecError: missing or invalid expert counts, ``top_k`` above the expert count,
+            a gpt-oss activation other than SiLU, or a non-positive SwiGLU limit.
+    """
+    mt = cfg.get("model_type")
+    if mt not in MOE_MODEL_TYPES:
+        return None
+    if mt == "qwen3_moe":
+        n = _int(cfg, "num_experts", "num_local_experts")
+        inter = _int(cfg, "moe_intermediate_size")
+    else:
+        n = _int(cfg, "num_local_experts", "num_experts")
+        inter = _int(cfg, "intermediate_size")
+    k = _int(cfg, "num_experts_per_tok")
+    if k > n:
+        raise SpecError(f"config.num_experts_per_tok: expected <= {n} experts, got {k}")
+    layers = tuple(range(num_layers))
+    if mt == "qwen3_moe":  # Qwen3MoeDecoderLayer: which layers are sparse
+        only = set(cfg.get("mlp_only_layers") or [])
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        layers = tuple(i for i in layers if i not in only and (i + 1) % step == 0)
+    if mt == "gpt_oss":
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise SpecError(f"config.hidden_act: expected silu for gpt_oss, got {act!r}")
+        limit = float(cfg.get("swiglu_limit", 7.0))
+        if not limit > 0:
+            raise SpecError(f"config.swiglu_limit: expected > 0, got {limit}")
+        return MoEParams(
+            family=mt,
+            num_experts=n,
+            top_k=k,
+            intermediate_size=inter,
+            routing="topk_softmax",
+            norm_topk_prob=False,
+            weights_in_model_dtype=True,
+            bias=True,
+            activation="clamped_swiglu",
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            swiglu_limit=limit,
+            sparse_layers=layers,
+        )
+    return MoEParams(
+        family=mt,
+        num_experts=n,
+        top_k=k,
+        intermediate_size=inter,
+        routing="softmax_topk",
+        norm_topk_prob=True if mt == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
+        weights_in_model_dtype=mt == "qwen3_moe",
+        bias=False,
+        activation="silu",
+        sparse_layers=layers,
+    )
+
+
+def moe_parameter_count(params: MoEParams, hidden_size: int) -> int:
+    """Parameters of one MoE layer's MLP: the router (``E * hidden``, plus ``E`` bias)
+    and ``E`` experts of three ``hidden x I`` matrices (plus ``2I + hidden`` biases)."""
+    e, i, h = params.num_experts, params.intermediate_size, hidden_size
+    per = 3 * h * i + (2 * i + h if params.bias else 0)
+    return e * h + (e if params.bias else 0) + e * per
+
+
+__all__ = ["MOE_MODEL_TYPES", "MoEParams", "moe_parameter_count", "moe_params_from_hf"]
