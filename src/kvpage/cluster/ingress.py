@@ -72,12 +72,51 @@ class ClusterState(ServingState):
     """
 
     export_engine_snapshot = False  # each replica's metrics are exported, labelled
+    placement_labels = ("group", "replica")
 
-    def __init__(self, config: ServerConfig, facade: Any, loop: RemoteEngineLoop) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        facade: Any,
+        loop: RemoteEngineLoop,
+        infos: dict[str, dict[str, Any]] | None = None,
+        replicas: dict[str, int] | None = None,
+    ) -> None:
         from kvpage.engine import SamplingParams
 
+        #: group -> the ``info()`` of one of its replicas; group -> replica count
+        self.group_infos = dict(infos or {})
+        self.group_replicas = dict(replicas or {})
         super().__init__(config, facade, SamplingParams)
         self.loop = loop  # type: ignore[assignment]
+
+    def export_cache_config(self) -> None:
+        """One ``kvpage:cache_config`` series per group (its own block size, blocks per
+        replica, replicas, kv dtype, backend, max_model_len) and
+        ``kvpage:group_kv_cache_blocks{group}``: the blocks of all its replicas."""
+        from prometheus_client import Gauge
+
+        blocks = Gauge(
+            "kvpage:group_kv_cache_blocks",
+            "KV cache blocks of each replica group (blocks per replica x replicas, each "
+            "pool's reserved null block included)",
+            ["group"],
+            registry=self.metrics.registry,
+        )
+        for name, info in sorted(self.group_infos.items()):
+            n = self.group_replicas.get(name, 1)
+            self.metrics.cache_config.labels(group=name).info(
+                {
+                    "block_size": str(info["block_size"]),
+                    "num_blocks": str(info["num_blocks"]),
+                    "replicas": str(n),
+                    "kv_dtype": str(info.get("kv_dtype", "auto")),
+                    "backend": str(info.get("backend_name", "unknown")),
+                    "max_model_len": str(info.get("max_model_len", "")),
+                    "model": self.config.model_name,
+                }
+            )
+            blocks.labels(group=name).set(float(info["num_blocks"]) * n)
 
 
 class KVEventPump:
@@ -249,7 +288,9 @@ class Ingress:
         )
         server_cfg = cfg.server.model_copy(deep=True)
         server_cfg.engine = cfg.groups["default"].engine
-        state = ClusterState(server_cfg, facade, loop)
+        state = ClusterState(
+            server_cfg, facade, loop, infos, {n: replicas[n] for n in self.handles}
+        )
         metrics = ClusterMetrics(
             state.metrics.registry,
             cfg.router.policy,

@@ -73,6 +73,10 @@ class ServingState(RequestGeneration):
     #: export the engine loop's metric snapshot as the ``kvpage:*`` engine metrics of
     #: /metrics (a scaled-out ingress exports each replica's instead, with labels)
     export_engine_snapshot = True
+    #: labels every request-level series carries besides ``model_name``
+    #: (:class:`~kvpage.server.metrics.ServerMetrics`): none here; the scaled-out
+    #: ingress adds ``group`` and ``replica``
+    placement_labels: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -125,16 +129,9 @@ class ServingState(RequestGeneration):
             lambda: self.loop.metrics_snapshot if self.export_engine_snapshot else {},
             float(total() if callable(total) else total),
             model_name=config.model_name,
+            placement_labels=self.placement_labels,
         )
-        self.metrics.cache_config.info(
-            {
-                "block_size": str(spec.block_size),
-                "num_blocks": str(spec.num_blocks),
-                "kv_dtype": str(getattr(spec, "kv_dtype", "auto")),
-                "backend": str(getattr(engine, "backend_name", "unknown")),
-                "model": config.model_name,
-            }
-        )
+        self.export_cache_config()
         #: the engine's scheduling policy (``fcfs`` | ``priority``)
         self.scheduling_policy = str(
             getattr(sched, "policy", None) or config.engine.scheduling_policy
@@ -163,6 +160,19 @@ class ServingState(RequestGeneration):
         self.num_active = 0
         self.cancel_causes = {}
         self._prev_snapshot: dict[str, float] = dict(self.loop.metrics_snapshot)
+
+    def export_cache_config(self) -> None:
+        """Set the ``kvpage:cache_config`` info series from the engine's cache spec."""
+        spec = self.engine.cache_spec
+        self.metrics.cache_config.info(
+            {
+                "block_size": str(spec.block_size),
+                "num_blocks": str(spec.num_blocks),
+                "kv_dtype": str(getattr(spec, "kv_dtype", "auto")),
+                "backend": str(getattr(self.engine, "backend_name", "unknown")),
+                "model": self.config.model_name,
+            }
+        )
 
     # ------------------------------------------------------------ engine thread hook
     def _on_step(self, st: StepStats) -> None:
