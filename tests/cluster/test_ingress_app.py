@@ -398,7 +398,14 @@ def test_request_metrics_pool_info_and_header_per_group(info: dict[str, Any]) ->
     """Every request-level series carries group and replica; a slower canary shows in its
     own TTFT buckets; the canary's failures in its own error series; one pool-info
     series per group with the group's own block size; the group header (no keys)."""
-    canary_info = {**info, "block_size": 8, "num_blocks": 64}
+    engine = {"model": "stories260K", "num_blocks": info["num_blocks"], "backend": "fake"}
+    info = {**info, "engine_config": engine}
+    canary_info = {
+        **info,
+        "block_size": 8,
+        "num_blocks": 64,
+        "engine_config": {**engine, "block_size": 8, "num_blocks": 64},
+    }
 
     async def body(c: httpx.AsyncClient, ing: Ingress, groups: dict[str, _Group]) -> None:
         groups["canary"].delay_s = 0.3  # a deliberately slower canary
@@ -443,6 +450,12 @@ def test_request_metrics_pool_info_and_header_per_group(info: dict[str, Any]) ->
         cmp = check_promql_against(m)
         assert cmp["canary"]["p99_ttft_s"] > 0.25  # the slower canary shows
         assert cmp["canary"]["error_rate"] == 1 / 3 and cmp["default"]["error_rate"] == 0.0
+        # /admin/config: the running deployment, the canary share in effect now
+        conf = (await c.get("/admin/config")).json()
+        assert conf["config"]["groups"]["canary"]["traffic_fraction"] == 0.0
+        assert conf["config"]["groups"]["canary"]["engine"]["block_size"] == 8
+        assert conf["config"]["groups"]["default"]["engine"]["num_blocks"] == info["num_blocks"]
+        assert conf["machines"]["ingress"]["kvpage"]
         blocks = _by_group(m, "kvpage:group_kv_cache_blocks")
         assert blocks == {"default": 2.0 * info["num_blocks"], "canary": 64.0}
 

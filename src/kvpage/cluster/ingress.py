@@ -29,7 +29,7 @@ from kvpage.cluster.config import ClusterConfig
 from kvpage.cluster.core import CORES, RouterCore
 from kvpage.cluster.metrics import ClusterMetrics
 from kvpage.cluster.remote import GroupSelector, RemoteEngineLoop, ReplicaGroup
-from kvpage.server.config import ServerConfig
+from kvpage.server.config import EngineConfig, ServerConfig
 from kvpage.server.service import ServingState
 
 __all__ = ["ClusterState", "Ingress", "KVEventPump", "core_key"]
@@ -81,14 +81,50 @@ class ClusterState(ServingState):
         loop: RemoteEngineLoop,
         infos: dict[str, dict[str, Any]] | None = None,
         replicas: dict[str, int] | None = None,
+        cluster: ClusterConfig | None = None,
     ) -> None:
         from kvpage.engine import SamplingParams
 
         #: group -> the ``info()`` of one of its replicas; group -> replica count
         self.group_infos = dict(infos or {})
         self.group_replicas = dict(replicas or {})
+        #: the deployment this ingress runs (``/admin/config``)
+        self.cluster = cluster
         super().__init__(config, facade, SamplingParams)
         self.loop = loop  # type: ignore[assignment]
+
+    def effective_config(self) -> dict[str, Any]:
+        """``GET /admin/config``: the running deployment as a deployment file (the
+        ingress's server section, the router, each group with the engine its replicas
+        resolved and the canary share in effect now), the ingress's and each group's
+        machine facts."""
+        from kvpage.cluster.config import cluster_config_data
+        from kvpage.server.resolved import machine_facts
+
+        if self.cluster is None:
+            return super().effective_config()
+        groups: dict[str, Any] = {str(k): v for k, v in self.cluster.groups.items()}
+        for name, info in self.group_infos.items():
+            if "engine_config" in info and name in groups:
+                engine = EngineConfig.model_validate(info["engine_config"])
+                groups[name] = groups[name].model_copy(update={"engine": engine})
+        selector = getattr(self.loop, "selector", None)
+        if "canary" in groups and selector is not None:
+            groups["canary"] = groups["canary"].model_copy(
+                update={"traffic_fraction": selector.canary_fraction}
+            )
+        here = machine_facts()
+        cfg = self.cluster.model_copy(
+            update={
+                "groups": groups,
+                "server": self.cluster.server.model_copy(update={"resolved_on": here}),
+            }
+        )
+        machines: dict[str, Any] = {"ingress": here}
+        for name, info in sorted(self.group_infos.items()):
+            if "machine" in info:
+                machines[name] = info["machine"]
+        return {"config": cluster_config_data(cfg), "machines": machines}
 
     def export_cache_config(self) -> None:
         """One ``kvpage:cache_config`` series per group (its own block size, blocks per
@@ -289,7 +325,7 @@ class Ingress:
         server_cfg = cfg.server.model_copy(deep=True)
         server_cfg.engine = cfg.groups["default"].engine
         state = ClusterState(
-            server_cfg, facade, loop, infos, {n: replicas[n] for n in self.handles}
+            server_cfg, facade, loop, infos, {n: replicas[n] for n in self.handles}, cfg
         )
         metrics = ClusterMetrics(
             state.metrics.registry,

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpage.errors import GOT_REPR_MAX, RequestRejected, got_repr
 from kvpage.server import protocol as P
+from kvpage.server.admin_routes import register_config_route
 from kvpage.server.config import ServerConfig
 from kvpage.server.generate_route import _generate, _validation_message
 from kvpage.server.generation import merged_placement, track_placements
@@ -234,6 +235,7 @@ def create_app(
         return JSONResponse(body, status_code=status)
 
     register_utility_routes(app, state, _validation_message)
+    register_config_route(app, state)
 
     if app.state.metrics_app is None:
 

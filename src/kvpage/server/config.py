@@ -293,6 +293,10 @@ class ServerConfig(_Strict):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     degradation: DegradationConfig = Field(default_factory=DegradationConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
+    #: set by ``--dump-config --resolved``: the machine facts (kvpage/torch versions,
+    #: CPUs, CUDA devices, backends; ``kvpage.server.resolved.machine_facts``) the
+    #: engine's pinned values were resolved on; a start elsewhere logs what differs
+    resolved_on: dict[str, str] | None = None
 
     @model_validator(mode="after")
     def _ports_differ(self) -> ServerConfig:

@@ -174,6 +174,16 @@ class ServingState(RequestGeneration):
             }
         )
 
+    def effective_config(self) -> dict[str, Any]:
+        """``GET /admin/config``: the running configuration with what start-up decided
+        pinned (:func:`kvpage.server.resolved.resolve_server`; secrets excluded) and
+        this machine's facts."""
+        from kvpage.server.resolved import resolve_server
+
+        cfg = resolve_server(self.config, self.engine)
+        facts = cfg.resolved_on or {}
+        return {"config": cfg.model_dump(mode="json"), "machines": {"server": facts}}
+
     # ------------------------------------------------------------ engine thread hook
     def _on_step(self, st: StepStats) -> None:
         if st.failed:
