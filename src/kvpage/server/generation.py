@@ -125,6 +125,8 @@ class RequestGeneration:
     loop: Any
     metrics: ServerMetrics
     degradation: DegradationController
+    #: request id -> max_tokens lowered by degraded mode while it ran (ServingState)
+    capped_running: dict[str, int]
     #: request id -> why it is being aborted, when not its client leaving (e.g.
     #: ``"sibling_failed"``: another prompt of the same request failed); read once
     cancel_causes: dict[str, str]
@@ -226,6 +228,8 @@ class RequestGeneration:
                         reason="engine_error",
                     )
                 done = bool(out.finished)
+                if done:
+                    self._note_running_cap(req)
                 usage.cached_tokens = int(out.num_cached_tokens)
                 if not usage.cache_info:
                     why = getattr(out, "cache_miss", None)
@@ -294,6 +298,7 @@ class RequestGeneration:
                     await self.loop.abort(req.request_id)  # every choice hit a stop string
                     done = True
         finally:
+            self.capped_running.pop(req.request_id, None)
             if not done:
                 self.loop.abort_nowait(req.request_id)
                 cause = self.cancel_causes.pop(req.request_id, "client_disconnect")
@@ -305,6 +310,18 @@ class RequestGeneration:
             if c.finish is None:
                 c.finish = "length"
                 yield Delta(choices.index(c), c.text[c.sent :], "length")
+
+    def _note_running_cap(self, req: GenerationRequest) -> None:
+        """A request capped while it ran (degraded mode, ``ServingState.cap_admitted``)
+        says so: ``requested_max_tokens``/``max_tokens`` become the asked value and the
+        cap, so its final chunk / body carries ``kvpage_max_tokens_capped``."""
+        cap = self.capped_running.pop(req.request_id, None)
+        if cap is None or cap >= req.max_tokens:
+            return
+        if req.requested_max_tokens is None:  # not yet counted (capped at admission)
+            req.requested_max_tokens = req.max_tokens
+            self.metrics.max_tokens_capped.inc()
+        req.max_tokens = cap
 
     def _finished(
         self,

@@ -299,7 +299,7 @@ class ServerMetrics:
         self.oom = Counter(
             "kvpage:oom",
             "Engine steps that ran out of device or host memory (their requests got 503; "
-            "each one drives the degradation controller like enter_alloc_failures "
+            "each one drives the degradation controller like a window of allocation failures at enter_alloc_failures_per_s "
             "allocation failures)",
             registry=r,
         )
