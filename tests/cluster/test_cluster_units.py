@@ -112,6 +112,29 @@ def test_cli_flags_make_the_deployment(tmp_path: Any, capsys: Any) -> None:
     assert "--replicas: expected >= 1, got 0" in capsys.readouterr().err
 
 
+def test_resolved_deployment_dump_pins_every_group_and_is_a_fixed_point(
+    tmp_path: Any, capsys: Any
+) -> None:
+    from kvpage.cluster.cli import serve_entry
+
+    f = tmp_path / "d.yaml"
+    f.write_text(
+        "groups:\n  default: {replicas: 1, engine: {max_num_seqs: 4}}\n"
+        "  canary: {replicas: 1, traffic_fraction: 0.2, engine: {block_size: 8, max_num_seqs: 2}}\n"
+    )
+    assert serve_entry(_serve_args(["--deployment", str(f), "--dump-config", "--resolved"])) == 0
+    first = capsys.readouterr().out
+    data = yaml.safe_load(first)
+    d, c = data["groups"]["default"]["engine"], data["groups"]["canary"]["engine"]
+    assert (d["num_blocks"], c["num_blocks"]) == (4 * 512 // 16 + 1, 2 * 512 // 8 + 1)
+    assert d["backend"] != "auto" and c["max_model_len"] == 512 and c["num_threads"] == 1
+    assert data["server"]["resolved_on"]["kvpage"]
+    g = tmp_path / "r.yaml"
+    g.write_text(first)
+    assert serve_entry(_serve_args(["--deployment", str(g), "--dump-config", "--resolved"])) == 0
+    assert capsys.readouterr().out == first
+
+
 def test_cli_router_name_refused_by_argparse() -> None:
     with pytest.raises(SystemExit):
         _serve_args(["--router", "least_loaded"])

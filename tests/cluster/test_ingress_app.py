@@ -42,14 +42,16 @@ class _Resp:
 
 
 class _Gen:
-    def __init__(self, items: list[Any]) -> None:
+    def __init__(self, items: list[Any], delay_s: float = 0.0) -> None:
         self.items = items
+        self.delay_s = delay_s  # before the first item (a slower replica)
 
     def __aiter__(self) -> _Gen:
         return self
 
     async def __anext__(self) -> Any:
-        await asyncio.sleep(0)
+        await asyncio.sleep(self.delay_s)
+        self.delay_s = 0.0
         if not self.items:
             raise StopAsyncIteration
         x = self.items.pop(0)
@@ -83,6 +85,7 @@ class _Group:
         self.behaviour: dict[str, str] = {r: "ok" for r in replicas}
         self.generated: list[str] = []
         self.priorities: list[int] = []
+        self.delay_s = 0.0
         self.seq = 0
 
     @property
@@ -127,7 +130,7 @@ class _Group:
                 self, rid: str, prompt: Any, params: Any, route: dict[str, Any], priority: int = 0
             ) -> _Gen:
                 group.priorities.append(priority)
-                cands = [r for r in group.replicas if r not in route["exclude"]]
+                cands = [r for r in group.replicas if r not in route["exclude"]] or group.replicas
                 choice = group.core.choose(rid, route, cands)
                 group.core.routed(rid, choice)
                 group.generated.append(choice)
@@ -136,7 +139,7 @@ class _Group:
                     return _Gen([RuntimeError("ActorDiedError: killed")])
                 if how == "die_after":
                     return _Gen([_out(rid, [5], False), RuntimeError("ActorDiedError: killed")])
-                return _Gen([_out(rid, [5], False), _out(rid, [5, 6], True)])
+                return _Gen([_out(rid, [5], False), _out(rid, [5, 6], True)], group.delay_s)
 
         return _G()
 
@@ -166,7 +169,12 @@ def info() -> dict[str, Any]:
     }
 
 
-def _run(info: dict[str, Any], body: Any, server: dict[str, Any] | None = None) -> None:
+def _run(
+    info: dict[str, Any],
+    body: Any,
+    server: dict[str, Any] | None = None,
+    canary_info: dict[str, Any] | None = None,
+) -> None:
     async def main() -> None:
         cfg = ClusterConfig.model_validate(
             {
@@ -180,7 +188,7 @@ def _run(info: dict[str, Any], body: Any, server: dict[str, Any] | None = None) 
         )
         groups = {
             "default": _Group("default", info, ["a", "b"]),
-            "canary": _Group("canary", info, ["c"]),
+            "canary": _Group("canary", canary_info or info, ["c"]),
         }
         ing = Ingress(cfg, **groups)
         app = await ing.__serve_build_asgi_app__()
@@ -305,6 +313,9 @@ def test_api_keys_at_the_ingress_and_operator_only_admin(info: dict[str, Any]) -
         assert r.json()["error"]["message"] == (
             "Authorization: expected an operator's key for /admin/canary, got a tenant's key"
         )
+        # a tenant is never told the topology (operator keys exist)
+        r = await c.post("/v1/completions", json=REQ, headers=user)
+        assert r.status_code == 200 and "x-kvpage-group" not in r.headers
         m = await c.get("/metrics", headers=user)  # the same answer as /metrics gives
         assert m.status_code == 403 and m.json()["error"]["code"] == "operator_key_required"
         assert ing.selector.canary_fraction == 0.0
@@ -316,3 +327,138 @@ def test_api_keys_at_the_ingress_and_operator_only_admin(info: dict[str, Any]) -
         body,
         server={"security": {"api_keys": ["sk-user"], "metrics_api_keys": ["sk-op"]}},
     )
+
+
+def _samples(text: str, name: str) -> list[Any]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+
+
+def _by_group(text: str, name: str, **labels: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for s in _samples(text, name):
+        if all(s.labels.get(k) == v for k, v in labels.items()):
+            g = s.labels.get("group", "")
+            out[g] = out.get(g, 0.0) + s.value
+    return out
+
+
+def documented_promql() -> str:
+    """The canary-vs-default PromQL block of docs/serving.md."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    return text.split("<!-- canary-promql -->")[1].split("<!-- /canary-promql -->")[0]
+
+
+def check_promql_against(metrics_text: str) -> dict[str, dict[str, float]]:
+    """Every series the documented PromQL selects exists in ``metrics_text`` with a
+    ``group`` label; returns, per group, the p99 TTFT as ``histogram_quantile``
+    computes it from the cumulative buckets and the error rate of the documented
+    formula (counters since start instead of a 5m rate)."""
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams = {f.name: f for f in text_string_to_metric_families(metrics_text)}
+    used = set(re.findall(r"(kvpage:[a-z0-9_:]+)\{", documented_promql()))
+    assert used, "no series in the documented PromQL"
+    for name in used:
+        base = re.sub(r"_(bucket|total)$", "", name)
+        assert base in fams, name
+        samples = [x for x in fams[base].samples if x.name == name]
+        # a labelled counter has no series before its first increment (no error yet)
+        assert samples or name == "kvpage:request_errors_total", name
+        assert all("group" in x.labels for x in samples), name
+    out: dict[str, dict[str, float]] = {}
+    buckets: dict[str, list[tuple[float, float]]] = {}
+    for x in fams["kvpage:time_to_first_token_seconds"].samples:
+        if x.name.endswith("_bucket"):
+            buckets.setdefault(x.labels["group"], []).append((float(x.labels["le"]), x.value))
+    for g, bs in buckets.items():
+        merged: dict[float, float] = {}
+        for le, v in bs:  # sum by (group, le): over replicas
+            merged[le] = merged.get(le, 0.0) + v
+        cum = sorted(merged.items())
+        total = cum[-1][1]
+        p99 = float("nan")
+        if total > 0:
+            rank, lo, prev = 0.99 * total, 0.0, 0.0
+            for le, v in cum:
+                if v >= rank:
+                    p99 = le if le == float("inf") else lo + (le - lo) * (rank - prev) / (v - prev)
+                    break
+                lo, prev = le, v
+        err = _by_group(metrics_text, "kvpage:request_errors_total").get(g, 0.0)
+        ok = _by_group(metrics_text, "kvpage:request_success_total").get(g, 0.0)
+        out[g] = {"p99_ttft_s": p99, "error_rate": err / (err + ok) if err + ok else 0.0}
+    return out
+
+
+def test_request_metrics_pool_info_and_header_per_group(info: dict[str, Any]) -> None:
+    """Every request-level series carries group and replica; a slower canary shows in its
+    own TTFT buckets; the canary's failures in its own error series; one pool-info
+    series per group with the group's own block size; the group header (no keys)."""
+    engine = {"model": "stories260K", "num_blocks": info["num_blocks"], "backend": "fake"}
+    info = {**info, "engine_config": engine}
+    canary_info = {
+        **info,
+        "block_size": 8,
+        "num_blocks": 64,
+        "engine_config": {**engine, "block_size": 8, "num_blocks": 64},
+    }
+
+    async def body(c: httpx.AsyncClient, ing: Ingress, groups: dict[str, _Group]) -> None:
+        groups["canary"].delay_s = 0.3  # a deliberately slower canary
+        r = await c.post("/v1/completions", json=REQ)
+        assert r.status_code == 200 and r.headers["x-kvpage-group"] == "default"
+        assert r.headers["x-kvpage-replica"] in {"a", "b"}
+        ing.set_canary(1.0)
+        for stream in (False, True):
+            r = await c.post("/v1/completions", json={**REQ, "stream": stream})
+            assert r.status_code == 200 and r.headers["x-kvpage-group"] == "canary"
+            assert r.headers["x-kvpage-replica"] == "c"
+        groups["canary"].behaviour = {"c": "die_before"}  # retried once, then 503
+        r = await c.post("/v1/completions", json=REQ)
+        assert r.status_code == 503
+        ing.set_canary(0.0)
+        r = await c.post("/v1/completions", json={**REQ, "max_tokens": -1})
+        assert r.status_code == 400  # refused at the ingress: group "none"
+        m = (await c.get("/metrics")).text
+        ttft = "kvpage:time_to_first_token_seconds"
+        assert _by_group(m, ttft + "_count") == {"default": 1.0, "canary": 2.0}
+        # the canary's first tokens all took >= 0.3 s: none in the 0.25 s bucket
+        assert _by_group(m, ttft + "_bucket", le="0.25")["canary"] == 0.0
+        for s in _samples(m, ttft + "_count"):
+            assert s.labels["replica"] in ({"a", "b"} if s.labels["group"] == "default" else {"c"})
+        e2e = "kvpage:e2e_request_latency_seconds_count"
+        assert _by_group(m, e2e) == {"default": 1.0, "canary": 2.0}
+        assert _by_group(m, "kvpage:request_success_total") == {"default": 1.0, "canary": 2.0}
+        assert _by_group(m, "kvpage:request_errors_total") == {"canary": 1.0}
+        (err,) = _samples(m, "kvpage:request_errors_total")
+        assert err.labels["reason"] == "replica_unavailable" and err.labels["replica"] == "c"
+        assert _by_group(m, "kvpage:server_requests_total", status="200") == {
+            "default": 1.0,
+            "canary": 2.0,
+        }
+        assert _by_group(m, "kvpage:server_requests_total", status="503") == {"canary": 1.0}
+        assert _by_group(m, "kvpage:server_requests_total", status="400") == {"none": 1.0}
+        pools = {s.labels["group"]: s.labels for s in _samples(m, "kvpage:cache_config_info")}
+        assert set(pools) == {"default", "canary"}
+        assert (pools["default"]["block_size"], pools["canary"]["block_size"]) == ("16", "8")
+        assert pools["canary"]["num_blocks"] == "64" and pools["default"]["replicas"] == "2"
+        # the documented canary comparison, read from the same text
+        cmp = check_promql_against(m)
+        assert cmp["canary"]["p99_ttft_s"] > 0.25  # the slower canary shows
+        assert cmp["canary"]["error_rate"] == 1 / 3 and cmp["default"]["error_rate"] == 0.0
+        # /admin/config: the running deployment, the canary share in effect now
+        conf = (await c.get("/admin/config")).json()
+        assert conf["config"]["groups"]["canary"]["traffic_fraction"] == 0.0
+        assert conf["config"]["groups"]["canary"]["engine"]["block_size"] == 8
+        assert conf["config"]["groups"]["default"]["engine"]["num_blocks"] == info["num_blocks"]
+        assert conf["machines"]["ingress"]["kvpage"]
+        blocks = _by_group(m, "kvpage:group_kv_cache_blocks")
+        assert blocks == {"default": 2.0 * info["num_blocks"], "canary": 64.0}
+
+    _run(info, body, canary_info=canary_info)

@@ -105,8 +105,8 @@ def test_p99_nearest_rank():
 def _ctl(**kw):
     cfg = DegradationConfig(
         window_s=10,
-        enter_alloc_failures=5,
-        exit_alloc_failures=0,
+        enter_alloc_failures_per_s=0.5,  # 5 in the 10 s window
+        exit_alloc_failures_per_s=0.0,
         enter_p99_ttft_s=2.0,
         exit_p99_ttft_s=0.5,
         min_dwell_s=3.0,
@@ -187,8 +187,10 @@ def test_stop_string_helpers():
 def test_degradation_config_enforces_hysteresis():
     with pytest.raises(ValueError, match="exit_p99_ttft_s"):
         DegradationConfig(enter_p99_ttft_s=1.0, exit_p99_ttft_s=2.0)
-    with pytest.raises(ValueError, match="exit_alloc_failures"):
-        DegradationConfig(enter_alloc_failures=3, exit_alloc_failures=3)
+    with pytest.raises(ValueError, match="exit_alloc_failures_per_s"):
+        DegradationConfig(enter_alloc_failures_per_s=3, exit_alloc_failures_per_s=3)
+    with pytest.raises(ValueError, match=r"enter_alloc_failures_per_s \(a rate"):
+        DegradationConfig.model_validate({"enter_alloc_failures": 16})  # the old count
     cfg = DegradationConfig()
     with pytest.raises(ValueError):
         cfg.enter_p99_ttft_s = 0.1  # below the exit threshold: refused, config unchanged

@@ -1,4 +1,6 @@
-"""Admin routes of the scaled-out ingress: the canary traffic share.
+"""Admin routes of the scaled-out ingress: the canary traffic share (``/admin/config``,
+the effective configuration of the ingress and each group, is the server's own route,
+:mod:`kvpage.server.admin_routes`, answering ``ClusterState.effective_config``).
 
 ``GET /admin/canary`` -> ``{"traffic_fraction": f, "groups": [...]}``;
 ``POST /admin/canary`` with ``{"traffic_fraction": f}`` sets it (0 = roll back) for
@@ -19,7 +21,7 @@ from fastapi.responses import JSONResponse
 
 from kvpage.errors import got_repr
 from kvpage.server import protocol as P
-from kvpage.server.auth import bearer_token
+from kvpage.server.admin_routes import operator_refusal
 
 __all__ = ["register_admin_routes"]
 
@@ -39,28 +41,7 @@ def register_admin_routes(app: FastAPI, state: Any, ingress: Any) -> None:
     """
 
     def refused(request: Request) -> Any:
-        auth = state.auth
-        if not auth.enabled:
-            return None
-        tenant = auth.authenticate(bearer_token(request.headers))
-        if tenant is None:
-            return JSONResponse(
-                P.error_body(
-                    "Authorization: expected 'Bearer <a valid API key>' of an operator",
-                    code="invalid_api_key",
-                ),
-                status_code=401,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        if auth.has_operator_keys and not tenant.operator:
-            # a valid key without the right: 403, as /metrics answers it
-            return _err(
-                403,
-                f"Authorization: expected an operator's key for {request.url.path}, "
-                "got a tenant's key",
-                code="operator_key_required",
-            )
-        return None
+        return operator_refusal(state.auth, request)
 
     def current() -> dict[str, Any]:
         return {

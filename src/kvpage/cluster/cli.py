@@ -134,6 +134,20 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         raise SpecError(f"deployment: {exc}") from exc
 
 
+def resolve_cluster_config(cfg: ClusterConfig) -> ClusterConfig:
+    """``cfg`` with every group's engine resolved as its replicas would resolve it on
+    this machine (:func:`kvpage.server.cli.resolve_startup_config`, one engine built
+    and freed per group) and ``server.resolved_on`` set. Replicas on other nodes of a
+    joined cluster may decide differently; ``GET /admin/config`` shows what they did."""
+    groups = {}
+    server = cfg.server
+    for name, g in cfg.groups.items():
+        r = server_cli.resolve_startup_config(cfg.server.model_copy(update={"engine": g.engine}))
+        groups[name] = g.model_copy(update={"engine": r.engine})
+        server = server.model_copy(update={"resolved_on": r.resolved_on})
+    return cfg.model_copy(update={"groups": groups, "server": server})
+
+
 def serve_entry(args: argparse.Namespace) -> int:
     """Run ``kvpage serve``: the single server, or with cluster flags the scaled-out one."""
     if not wants_cluster(args):
@@ -143,6 +157,9 @@ def serve_entry(args: argparse.Namespace) -> int:
     except SpecError as exc:
         print(f"kvpage serve: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "resolved", False) and not args.dump_config:
+        print("kvpage serve: --resolved: expected with --dump-config, got without", file=sys.stderr)
+        return 2
     if args.dump_config:
         try:
             for grp in cfg.groups.values():
@@ -151,6 +168,8 @@ def serve_entry(args: argparse.Namespace) -> int:
                 )
             if cfg.ray_address is None:  # the in-process Ray gets this machine's CPUs
                 check_cpus_fit(cfg, float(os.cpu_count() or 1))
+            if args.resolved:
+                cfg = resolve_cluster_config(cfg)
         except KVPageError as exc:
             print(f"kvpage serve: {exc}", file=sys.stderr)
             return 2

@@ -30,7 +30,7 @@ the same model (one tokenizer at the ingress). This module imports no Ray.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -50,6 +50,7 @@ __all__ = [
     "GroupConfig",
     "RouterConfig",
     "check_cpus_fit",
+    "cluster_config_data",
     "dump_cluster_config",
     "load_cluster_config",
 ]
@@ -203,11 +204,17 @@ def load_cluster_config(path: str | Path) -> ClusterConfig:
         ) from exc
 
 
+def cluster_config_data(config: ClusterConfig) -> dict[str, Any]:
+    """``config`` as the mapping a deployment file holds (defaults included; API keys
+    never written; no ``server.engine``: the groups' engines are the engines)."""
+    data = config.model_dump(mode="json")
+    data.get("server", {}).pop("engine", None)
+    return data
+
+
 def dump_cluster_config(config: ClusterConfig, fmt: Literal["yaml", "json"] = "yaml") -> str:
     """Serialise ``config`` completely (defaults included; API keys never written)."""
-    data = config.model_dump(mode="json")
-    data.get("server", {}).pop("engine", None)  # the groups' engines are the engines
-    return dump_mapping(data, fmt)
+    return dump_mapping(cluster_config_data(config), fmt)
 
 
 def check_cpus_fit(cfg: ClusterConfig, have: float) -> None:

@@ -29,7 +29,7 @@ from kvpage.cluster.config import ClusterConfig
 from kvpage.cluster.core import CORES, RouterCore
 from kvpage.cluster.metrics import ClusterMetrics
 from kvpage.cluster.remote import GroupSelector, RemoteEngineLoop, ReplicaGroup
-from kvpage.server.config import ServerConfig
+from kvpage.server.config import EngineConfig, ServerConfig
 from kvpage.server.service import ServingState
 
 __all__ = ["ClusterState", "Ingress", "KVEventPump", "core_key"]
@@ -72,12 +72,87 @@ class ClusterState(ServingState):
     """
 
     export_engine_snapshot = False  # each replica's metrics are exported, labelled
+    placement_labels = ("group", "replica")
 
-    def __init__(self, config: ServerConfig, facade: Any, loop: RemoteEngineLoop) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        facade: Any,
+        loop: RemoteEngineLoop,
+        infos: dict[str, dict[str, Any]] | None = None,
+        replicas: dict[str, int] | None = None,
+        cluster: ClusterConfig | None = None,
+    ) -> None:
         from kvpage.engine import SamplingParams
 
+        #: group -> the ``info()`` of one of its replicas; group -> replica count
+        self.group_infos = dict(infos or {})
+        self.group_replicas = dict(replicas or {})
+        #: the deployment this ingress runs (``/admin/config``)
+        self.cluster = cluster
         super().__init__(config, facade, SamplingParams)
         self.loop = loop  # type: ignore[assignment]
+
+    def effective_config(self) -> dict[str, Any]:
+        """``GET /admin/config``: the running deployment as a deployment file (the
+        ingress's server section, the router, each group with the engine its replicas
+        resolved and the canary share in effect now), the ingress's and each group's
+        machine facts."""
+        from kvpage.cluster.config import cluster_config_data
+        from kvpage.server.resolved import machine_facts
+
+        if self.cluster is None:
+            return super().effective_config()
+        groups: dict[str, Any] = {str(k): v for k, v in self.cluster.groups.items()}
+        for name, info in self.group_infos.items():
+            if "engine_config" in info and name in groups:
+                engine = EngineConfig.model_validate(info["engine_config"])
+                groups[name] = groups[name].model_copy(update={"engine": engine})
+        selector = getattr(self.loop, "selector", None)
+        if "canary" in groups and selector is not None:
+            groups["canary"] = groups["canary"].model_copy(
+                update={"traffic_fraction": selector.canary_fraction}
+            )
+        here = machine_facts()
+        cfg = self.cluster.model_copy(
+            update={
+                "groups": groups,
+                "server": self.cluster.server.model_copy(update={"resolved_on": here}),
+            }
+        )
+        machines: dict[str, Any] = {"ingress": here}
+        for name, info in sorted(self.group_infos.items()):
+            if "machine" in info:
+                machines[name] = info["machine"]
+        return {"config": cluster_config_data(cfg), "machines": machines}
+
+    def export_cache_config(self) -> None:
+        """One ``kvpage:cache_config`` series per group (its own block size, blocks per
+        replica, replicas, kv dtype, backend, max_model_len) and
+        ``kvpage:group_kv_cache_blocks{group}``: the blocks of all its replicas."""
+        from prometheus_client import Gauge
+
+        blocks = Gauge(
+            "kvpage:group_kv_cache_blocks",
+            "KV cache blocks of each replica group (blocks per replica x replicas, each "
+            "pool's reserved null block included)",
+            ["group"],
+            registry=self.metrics.registry,
+        )
+        for name, info in sorted(self.group_infos.items()):
+            n = self.group_replicas.get(name, 1)
+            self.metrics.cache_config.labels(group=name).info(
+                {
+                    "block_size": str(info["block_size"]),
+                    "num_blocks": str(info["num_blocks"]),
+                    "replicas": str(n),
+                    "kv_dtype": str(info.get("kv_dtype", "auto")),
+                    "backend": str(info.get("backend_name", "unknown")),
+                    "max_model_len": str(info.get("max_model_len", "")),
+                    "model": self.config.model_name,
+                }
+            )
+            blocks.labels(group=name).set(float(info["num_blocks"]) * n)
 
 
 class KVEventPump:
@@ -249,7 +324,9 @@ class Ingress:
         )
         server_cfg = cfg.server.model_copy(deep=True)
         server_cfg.engine = cfg.groups["default"].engine
-        state = ClusterState(server_cfg, facade, loop)
+        state = ClusterState(
+            server_cfg, facade, loop, infos, {n: replicas[n] for n in self.handles}, cfg
+        )
         metrics = ClusterMetrics(
             state.metrics.registry,
             cfg.router.policy,

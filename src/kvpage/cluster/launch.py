@@ -115,9 +115,11 @@ def start(
     import ray
     from ray import serve
 
+    from kvpage.server.resolved import warn_if_elsewhere
     from kvpage.server.security import check_bind
 
     check_bind(cfg.server, cfg.server.security.auth_enabled)
+    warn_if_elsewhere(cfg.server, "deployment")
     if cfg.ray_address is None and not ray.is_initialized():
         # before starting Ray (the CPUs it will be given), and again once it runs
         have = (ray_init_kwargs or {}).get("num_cpus") or os.cpu_count() or 1

@@ -160,6 +160,8 @@ class RemoteEngineLoop:
         self.observer = observer
         self._on_first = on_first_output
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        #: request id -> {"group", "replica"} until the server takes it (metrics labels)
+        self._placements: dict[str, dict[str, str]] = {}
         self._running = False
         self.metrics_snapshot: dict[str, float] = {}
 
@@ -213,6 +215,7 @@ class RemoteEngineLoop:
             len(ids), int(getattr(params, "max_tokens", 1) or 1), int(getattr(params, "n", 1))
         )
         group = self.groups[name]
+        self._placements[request_id] = {"group": name}
         self.observer.request(group.name)
         if name != drawn:
             self.observer.fallback(drawn, name)
@@ -229,6 +232,17 @@ class RemoteEngineLoop:
             task.cancel()
             raise
         return q
+
+    def take_placement(self, request_id: str) -> dict[str, str] | None:
+        """``{"group", "replica"}`` of ``request_id`` (``replica`` once a replica produced
+        its first output, or the one that failed it), forgotten here; the server takes it
+        once :meth:`add` returned or raised, when it no longer changes."""
+        return self._placements.pop(request_id, None)
+
+    def _place(self, request_id: str, replica: str) -> None:
+        p = self._placements.get(request_id)
+        if p is not None:
+            p["replica"] = replica
 
     def abort_nowait(self, request_id: str) -> None:
         """Cancel ``request_id``'s call (its replica aborts it); never blocks."""
@@ -292,6 +306,8 @@ class RemoteEngineLoop:
                         if not got_any:
                             got_any = True
                             d = group.core.decisions.get(request_id)
+                            if d is not None:
+                                self._place(request_id, d.replica_id)
                             if d is not None and self._on_first is not None:
                                 self._on_first(group.name, d.replica_id)
                         q.put_nowait(out)
@@ -308,6 +324,8 @@ class RemoteEngineLoop:
                 except Exception as exc:
                     d = group.core.finished(request_id)
                     where = d.replica_id if d is not None else "?"
+                    if d is not None:
+                        self._place(request_id, where)
                     self.observer.failure(group.name)
                     if not got_any and attempt == 0:
                         logger.warning(

@@ -22,7 +22,8 @@ router reads and the replica ignores):
 * ``kv_events(route)`` -- drained event batches (``to_dict`` form; at least a heartbeat
   batch every :data:`HEARTBEAT_S`), the load and the engine metrics.
 * ``kv_snapshot(route)`` -- a full snapshot (``KVSnapshot.to_dict``) for a resync.
-* ``info(route)`` -- cache facts and the tokenizer (the ingress validates with it).
+* ``info(route)`` -- cache facts and the tokenizer (the ingress validates with it),
+  the resolved engine configuration and the host's facts (``/admin/config``).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class EngineReplica:
             replica_id = serve.get_replica_context().replica_id.unique_id
         self.replica_id = replica_id
         self.group = group
+        self.engine_kwargs = dict(engine_kwargs)
         self.engine = LLMEngine.from_config(**engine_kwargs)
         self.publisher = KVEventPublisher(replica_id)
         self.publisher.attach(self.engine.kv_cache_manager)
@@ -159,7 +161,12 @@ class EngineReplica:
         return dict(snap.to_dict())
 
     async def info(self, route: Any = None) -> dict[str, Any]:
-        """Cache facts and the tokenizer for the ingress."""
+        """Cache facts and the tokenizer for the ingress; ``engine_config``: the engine
+        section with what this replica's start-up decided pinned
+        (:func:`kvpage.server.resolved.resolve_engine`), ``machine``: its host's facts."""
+        from kvpage.server.config import EngineConfig
+        from kvpage.server.resolved import machine_facts, resolve_engine
+
         self._ensure_started()
         e = self.engine
         spec = e.cache_spec
@@ -176,6 +183,10 @@ class EngineReplica:
             "max_num_seqs": int(e.scheduler.max_num_seqs),
             "backend_name": str(getattr(e, "backend_name", "unknown")),
             "hash_seed": int(e.kv_cache_manager.hash_seed),
+            "engine_config": resolve_engine(
+                EngineConfig.model_validate(self.engine_kwargs), e
+            ).model_dump(mode="json"),
+            "machine": machine_facts(),
         }
 
     def __del__(self) -> None:  # replica shutdown: stop the engine thread (bounded)

@@ -205,6 +205,27 @@ class Scheduler(SequenceLifecycle):
         self.samples[pid] = [request]
         self.waiting.append(request)
 
+    def cap_max_tokens(self, cap: int) -> dict[str, int]:
+        """Lower every unfinished sequence's ``max_tokens`` to ``max(cap, generated + 1)``
+        (degraded mode acting on admitted work: a sequence already past ``cap`` stops
+        after its next token). Mutates ``Request.max_tokens`` only; blocks, queues and
+        tokens are untouched, so a capped sequence finishes with ``"length"`` in a
+        later step.
+
+        Returns:
+            parent request id -> its new (largest over samples) ``max_tokens``, for the
+            requests it lowered.
+        """
+        out: dict[str, int] = {}
+        for r in self.requests.values():
+            if r.is_finished:
+                continue
+            new = max(int(cap), r.num_output_tokens + 1)
+            if r.max_tokens > new:
+                r.max_tokens = new
+                out[r.parent_id] = max(out.get(r.parent_id, 0), new)
+        return out
+
     # ---- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Plan one step (see the module docstring). Mutates the running/waiting queues

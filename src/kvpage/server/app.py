@@ -26,8 +26,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpage.errors import GOT_REPR_MAX, RequestRejected, got_repr
 from kvpage.server import protocol as P
+from kvpage.server.admin_routes import register_config_route
 from kvpage.server.config import ServerConfig
 from kvpage.server.generate_route import _generate, _validation_message
+from kvpage.server.generation import merged_placement, track_placements
 from kvpage.server.openapi import install_openapi
 from kvpage.server.security import (
     create_metrics_app,
@@ -171,19 +173,22 @@ def create_app(
 
     async def handle(request: Request, kind: str) -> Response:
         endpoint = "chat" if kind == "chat" else "completions"
-        try:
+        m = state.metrics
+        with track_placements() as placed:
             try:
-                resp = await _generate(state, request, kind)
-            except RequestRejected as exc:  # defensive: every refusal is a 4xx
-                raise rejection_error(exc) from None
-        except APIError as e:
-            state.metrics.rejected.labels(reason=e.reason).inc()
-            state.metrics.requests.labels(endpoint=endpoint, status=str(e.status)).inc()
-            return _error(e)
-        except Exception:
-            state.metrics.requests.labels(endpoint=endpoint, status="500").inc()
-            raise  # answered by the generic 500 handler
-        state.metrics.requests.labels(endpoint=endpoint, status=str(resp.status_code)).inc()
+                try:
+                    resp = await _generate(state, request, kind)
+                except RequestRejected as exc:  # defensive: every refusal is a 4xx
+                    raise rejection_error(exc) from None
+            except APIError as e:
+                where = merged_placement(placed)
+                m.count_rejected(e.reason, where)
+                m.count_request(endpoint, e.status, where)
+                return _error(e)
+            except Exception:
+                m.count_request(endpoint, 500, merged_placement(placed))
+                raise  # answered by the generic 500 handler
+            m.count_request(endpoint, resp.status_code, merged_placement(placed))
         return resp
 
     @app.post("/v1/completions")
@@ -230,6 +235,7 @@ def create_app(
         return JSONResponse(body, status_code=status)
 
     register_utility_routes(app, state, _validation_message)
+    register_config_route(app, state)
 
     if app.state.metrics_app is None:
 

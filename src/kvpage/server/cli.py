@@ -96,6 +96,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="YAML/JSON ServerConfig (see --dump-config)")
     p.add_argument("--dump-config", action="store_true", help="print the effective config and exit")
     p.add_argument("--dump-format", choices=["yaml", "json"], default="yaml")
+    p.add_argument(
+        "--resolved",
+        action="store_true",
+        help="with --dump-config: build the engine as start-up would (loads the model) and "
+        "write the values it decided (num_blocks, backend, max_model_len, num_threads) and "
+        "the machine they were decided on, so a restore starts identically",
+    )
     for flag, (section, field, typ) in _FLAGS.items():
         p.add_argument(
             "--" + flag.replace("_", "-"),
@@ -295,6 +302,23 @@ def check_startup_config(cfg: ServerConfig) -> None:
     Authenticator(cfg.security)
 
 
+def resolve_startup_config(cfg: ServerConfig) -> ServerConfig:
+    """``cfg`` with what start-up decides pinned (``kvpage.server.resolved``): builds
+    the engine in this process as ``kvpage serve`` would, reads its decisions, frees it.
+
+    Raises:
+        SpecError: the engine cannot be built from ``cfg`` (named by the engine).
+    """
+    from kvpage.engine import LLMEngine
+    from kvpage.server.resolved import resolve_server
+
+    engine = LLMEngine.from_config(**cfg.engine.engine_kwargs())
+    try:
+        return resolve_server(cfg, engine)
+    finally:
+        del engine
+
+
 def serve_main(args: argparse.Namespace) -> int:
     """Run ``kvpage serve`` (or print the config with ``--dump-config``)."""
     try:
@@ -302,9 +326,14 @@ def serve_main(args: argparse.Namespace) -> int:
     except SpecError as exc:
         print(f"kvpage serve: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "resolved", False) and not args.dump_config:
+        print("kvpage serve: --resolved: expected with --dump-config, got without", file=sys.stderr)
+        return 2
     if args.dump_config:
         try:  # a dumped config must start: run the start-up checks before writing it
             check_startup_config(cfg)
+            if args.resolved:
+                cfg = resolve_startup_config(cfg)
         except KVPageError as exc:
             print(f"kvpage serve: {exc}", file=sys.stderr)
             return 2

@@ -2,14 +2,14 @@
 
 Signals (over a sliding window of ``window_s`` seconds):
 
-* block allocation failures: the increase of the engine counter
-  ``kvpage:block_allocation_failures_total`` inside the window;
+* block allocation failures per second: the increase of the engine counter
+  ``kvpage:block_allocation_failures_total`` inside the window divided by ``window_s``;
 * p99 TTFT of the requests whose first token arrived inside the window
   (:func:`kvpage.stats.summarize`'s percentile; 0.0 without samples).
 
-State machine: ``normal -> degraded`` when failures >= ``enter_alloc_failures`` or
-p99 TTFT >= ``enter_p99_ttft_s``; ``degraded -> normal`` only when failures <=
-``exit_alloc_failures`` and p99 TTFT <= ``exit_p99_ttft_s`` (or no TTFT samples) and at
+State machine: ``normal -> degraded`` when the failure rate >=
+``enter_alloc_failures_per_s`` or p99 TTFT >= ``enter_p99_ttft_s``; ``degraded ->
+normal`` only when the rate <= ``exit_alloc_failures_per_s`` and p99 TTFT <= ``exit_p99_ttft_s`` (or no TTFT samples) and at
 least ``min_dwell_s`` passed since the last change. Exit thresholds lower than the enter
 thresholds plus the dwell time are the hysteresis. Every change is logged and reported to
 an ``on_change`` callback (the server turns it into metrics).
@@ -40,6 +40,7 @@ def p99(values: list[float]) -> float:
 class DegradationSignals:
     """What the controller saw at its last evaluation."""
 
+    #: block allocation failures per second over the window
     alloc_failures: float
     p99_ttft_s: float
     num_ttft_samples: int
@@ -95,7 +96,8 @@ class DegradationController:
         self._trim(now)
         fails = self._failures[-1][1] - self._failures[0][1] if len(self._failures) >= 2 else 0.0
         ttfts = [t for _, t in self._ttfts]
-        return DegradationSignals(max(0.0, fails), p99(ttfts), len(ttfts))
+        rate = max(0.0, fails) / self.config.window_s
+        return DegradationSignals(rate, p99(ttfts), len(ttfts))
 
     def evaluate(self, now: float) -> bool:
         """Update the state from the signals at ``now``; return whether it changed."""
@@ -105,10 +107,10 @@ class DegradationController:
             return False
         if not self.degraded:
             reasons = []
-            if sig.alloc_failures >= cfg.enter_alloc_failures:
+            if sig.alloc_failures >= cfg.enter_alloc_failures_per_s:
                 reasons.append(
-                    f"block allocation failures {sig.alloc_failures:g} >= "
-                    f"{cfg.enter_alloc_failures} in {cfg.window_s:g}s"
+                    f"block allocation failures {sig.alloc_failures:g}/s >= "
+                    f"{cfg.enter_alloc_failures_per_s:g}/s over {cfg.window_s:g}s"
                 )
             if sig.num_ttft_samples and sig.p99_ttft_s >= cfg.enter_p99_ttft_s:
                 reasons.append(f"p99 TTFT {sig.p99_ttft_s:.3f}s >= {cfg.enter_p99_ttft_s:g}s")
@@ -116,13 +118,14 @@ class DegradationController:
                 self._set(True, "; ".join(reasons), now)
                 return True
             return False
-        calm = sig.alloc_failures <= cfg.exit_alloc_failures and (
+        calm = sig.alloc_failures <= cfg.exit_alloc_failures_per_s and (
             sig.num_ttft_samples == 0 or sig.p99_ttft_s <= cfg.exit_p99_ttft_s
         )
         if calm and now - self._since >= cfg.min_dwell_s:
             self._set(
                 False,
-                f"block allocation failures {sig.alloc_failures:g} <= {cfg.exit_alloc_failures}, "
+                f"block allocation failures {sig.alloc_failures:g}/s <= "
+                f"{cfg.exit_alloc_failures_per_s:g}/s, "
                 f"p99 TTFT {sig.p99_ttft_s:.3f}s <= {cfg.exit_p99_ttft_s:g}s "
                 f"for {now - self._since:.1f}s",
                 now,

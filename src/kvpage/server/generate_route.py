@@ -21,16 +21,19 @@ from pydantic import ValidationError
 from kvpage.server import protocol as P
 from kvpage.server.auth import request_priority, scoped_cache_salt
 from kvpage.server.config import JSON_MAX_DEPTH
+from kvpage.server.generation import current_placements, merged_placement
 from kvpage.server.multi_stream import stream_many
 from kvpage.server.responses import (
     CAPPED_HEADER,
+    GROUP_HEADER,
+    REPLICA_HEADER,
     ChoiceState,
     RequestResult,
     build_body,
     prompt_text,
     stream_chunk,
 )
-from kvpage.server.security import request_tenant
+from kvpage.server.security import may_see_topology, request_tenant
 from kvpage.server.service import APIError, Charge, ServingState, Usage
 from kvpage.server.sse import _Stream, _until_disconnect
 from kvpage.server.validation import prepare_request
@@ -86,6 +89,26 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
         msg = _ACCEPTS[field]
         got_s = f"{type(got).__name__} {got!r}"[:200]
     return f"{loc or 'body'}: expected {msg}, got {got_s}", loc or None
+
+
+def _response_headers(
+    state: ServingState, request: Request, reqs: list[P.GenerationRequest]
+) -> dict[str, str]:
+    """Headers known once every prompt is admitted and has started: the degraded-mode
+    cap (:data:`CAPPED_HEADER`, the lowest cap applied at admission) and, for callers
+    allowed to see the topology (:func:`may_see_topology`), the group and replica that
+    serve the request (a scaled-out ingress; ``mixed`` when prompts went to several)."""
+    headers: dict[str, str] = {}
+    capped = [r.max_tokens for r in reqs if r.requested_max_tokens is not None]
+    if capped:
+        headers[CAPPED_HEADER] = str(min(capped))
+    where = merged_placement(current_placements())
+    if where and may_see_topology(state, request):
+        if "group" in where:
+            headers[GROUP_HEADER] = where["group"]
+        if where.get("replica"):
+            headers[REPLICA_HEADER] = where["replica"]
+    return headers
 
 
 async def _generate(state: ServingState, request: Request, kind: str) -> Response:
@@ -179,18 +202,22 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
                     for r in reqs:
                         state.cancel_causes.pop(r.request_id, None)
                     raise
-        capped = [r.max_tokens for r in reqs if r.requested_max_tokens is not None]
         return JSONResponse(
             build_body(results, asked_plp, state.tokenizer),
-            headers={CAPPED_HEADER: str(min(capped))} if capped else None,
+            headers=_response_headers(state, request, reqs) or None,
         )
-    headers = {"Cache-Control": "no-cache"}
-    capped = [r.max_tokens for r in reqs if r.requested_max_tokens is not None]
-    if capped:
-        headers[CAPPED_HEADER] = str(min(capped))
+    # Streams: the headers are built once admission (which applies the degraded-mode
+    # cap) and the engine's accept are done, just before the 200 is sent.
     if len(reqs) > 1:
         return await stream_many(
-            state, reqs, echo_texts, lambda content, done: _Stream(content, done, headers)
+            state,
+            reqs,
+            echo_texts,
+            lambda content, done: _Stream(
+                content,
+                done,
+                {"Cache-Control": "no-cache", **_response_headers(state, request, reqs)},
+            ),
         )
     usage = Usage()
 
@@ -252,4 +279,5 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
         await gen.aclose()  # aborts the request if it is still running (client gone)
         await admission.__aexit__(None, None, None)
 
+    headers = {"Cache-Control": "no-cache", **_response_headers(state, request, reqs)}
     return _Stream(sse(), cleanup, headers)

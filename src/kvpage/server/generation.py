@@ -7,7 +7,9 @@ is set up by ``ServingState.__init__``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+import contextlib
+from collections.abc import AsyncGenerator, Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,10 +17,53 @@ from kvpage.errors import RequestRejected
 from kvpage.server.config import ServerConfig
 from kvpage.server.degradation import DegradationController
 from kvpage.server.engine_loop import EngineFailure
-from kvpage.server.metrics import ServerMetrics
+from kvpage.server.metrics import RequestSeries, ServerMetrics
 from kvpage.server.protocol import APIError, GenerationRequest
 
-__all__ = ["Delta", "RequestGeneration", "Usage", "rejection_error"]
+__all__ = [
+    "Delta",
+    "RequestGeneration",
+    "Usage",
+    "current_placements",
+    "merged_placement",
+    "rejection_error",
+    "track_placements",
+]
+
+#: the placements (``{"group", "replica"}``) of the engine requests started in this
+#: context: set per HTTP request by :func:`track_placements`; every request that reaches
+#: the engine loop appends its placement (a scaled-out ingress: the group and replica;
+#: the single server: ``{}``)
+_PLACEMENTS: ContextVar[list[dict[str, str]] | None] = ContextVar("kvpage_placements", default=None)
+
+
+@contextlib.contextmanager
+def track_placements() -> Iterator[list[dict[str, str]]]:
+    """Collect the placements of the engine requests started inside the block (the
+    prompts of one HTTP request; tasks it starts share the list)."""
+    holder: list[dict[str, str]] = []
+    token = _PLACEMENTS.set(holder)
+    try:
+        yield holder
+    finally:
+        _PLACEMENTS.reset(token)
+
+
+def current_placements() -> list[dict[str, str]]:
+    """The placements collected so far by the enclosing :func:`track_placements`."""
+    return list(_PLACEMENTS.get() or ())
+
+
+def merged_placement(placements: list[dict[str, str]]) -> dict[str, str]:
+    """One placement for an HTTP request from its prompts' placements: each label's
+    value when every prompt agrees, ``"mixed"`` when they differ, absent (``"none"`` in
+    the metrics) when no prompt reached the engine loop."""
+    out: dict[str, str] = {}
+    for key in sorted({k for p in placements for k in p}):
+        values = {p.get(key, "") for p in placements}
+        out[key] = values.pop() if len(values) == 1 else "mixed"
+    return out
+
 
 #: engine RequestRejected reasons answered with 429 (transient); all others get 400.
 _TRANSIENT_REASONS = frozenset({"queue_full", "too_many_requests", "overloaded"})
@@ -80,9 +125,27 @@ class RequestGeneration:
     loop: Any
     metrics: ServerMetrics
     degradation: DegradationController
+    #: request id -> max_tokens lowered by degraded mode while it ran (ServingState)
+    capped_running: dict[str, int]
     #: request id -> why it is being aborted, when not its client leaving (e.g.
     #: ``"sibling_failed"``: another prompt of the same request failed); read once
     cancel_causes: dict[str, str]
+
+    # ------------------------------------------------------------ placement
+    def placement_of(self, request_id: str) -> dict[str, str]:
+        """Where ``request_id`` runs, taken once its ``add`` returned or raised (then it
+        is final): the engine loop's ``take_placement(request_id)`` (the scaled-out
+        ingress: ``{"group", "replica"}``, forgotten by the loop), ``{}`` for a local
+        engine."""
+        take = getattr(self.loop, "take_placement", None)
+        return dict(take(request_id) or {}) if callable(take) else {}
+
+    def _placed(self, request_id: str) -> dict[str, str]:
+        placement = self.placement_of(request_id)
+        holder = _PLACEMENTS.get()
+        if holder is not None:
+            holder.append(placement)
+        return placement
 
     # ------------------------------------------------------------ generation
     async def generate(self, req: GenerationRequest, usage: Usage) -> AsyncGenerator[Delta, None]:
@@ -99,6 +162,7 @@ class RequestGeneration:
             APIError: 400/429 when the engine refuses the request, 500 on engine failure.
         """
         arrival = req.arrival_s
+        placement: dict[str, str] = {}
         try:
             params = self.params_cls(
                 max_tokens=req.max_tokens,
@@ -123,11 +187,20 @@ class RequestGeneration:
             prompt: Any = list(req.prompt_token_ids)
             if req.cache_salt is not None:
                 prompt = {"prompt_token_ids": prompt, "cache_salt": req.cache_salt}
-            q = await self.loop.add(
-                req.request_id, prompt, params, arrival_time=arrival, priority=req.priority
-            )
+            try:
+                q = await self.loop.add(
+                    req.request_id, prompt, params, arrival_time=arrival, priority=req.priority
+                )
+            finally:
+                placement = self._placed(req.request_id)
         except RequestRejected as exc:
-            raise rejection_error(exc) from None
+            err = rejection_error(exc)
+            self.metrics.series(placement).error("engine_rejected")
+            raise err from None
+        except APIError as exc:  # the ingress: no replica could take it (503)
+            self.metrics.series(placement).error(exc.reason)
+            raise
+        series = self.metrics.series(placement)
         choices = [_Choice() for _ in range(req.n)]
         hold = max((len(s) for s in req.stop), default=1) - 1
         first_token_at: float | None = None
@@ -138,6 +211,7 @@ class RequestGeneration:
                 out = last = await q.get()
                 if isinstance(out, EngineFailure):
                     done = True
+                    series.error("out_of_memory" if out.oom else "engine_error")
                     if out.oom:
                         raise APIError(
                             503,
@@ -154,6 +228,8 @@ class RequestGeneration:
                         reason="engine_error",
                     )
                 done = bool(out.finished)
+                if done:
+                    self._note_running_cap(req)
                 usage.cached_tokens = int(out.num_cached_tokens)
                 if not usage.cache_info:
                     why = getattr(out, "cache_miss", None)
@@ -174,7 +250,7 @@ class RequestGeneration:
                     c.num_tokens = len(comp.token_ids)
                     if first_token_at is None and c.num_tokens > 0:
                         first_token_at = self.clock()
-                        self.metrics.ttft.observe(first_token_at - arrival)
+                        series.ttft.observe(first_token_at - arrival)
                         self.degradation.record_ttft(first_token_at - arrival, first_token_at)
                     if comp.finish_reason is None and not req.stream:
                         continue  # not streamed: only the final text matters
@@ -222,31 +298,46 @@ class RequestGeneration:
                     await self.loop.abort(req.request_id)  # every choice hit a stop string
                     done = True
         finally:
+            self.capped_running.pop(req.request_id, None)
             if not done:
                 self.loop.abort_nowait(req.request_id)
                 cause = self.cancel_causes.pop(req.request_id, "client_disconnect")
-                self.metrics.cancellations.labels(cause=cause).inc()
+                series.cancellation(cause)
             else:
                 self.cancel_causes.pop(req.request_id, None)
-                self._finished(arrival, first_token_at, choices, last)
+                self._finished(series, arrival, first_token_at, choices, last)
         for c in choices:  # choices the engine ended without a final output (defensive)
             if c.finish is None:
                 c.finish = "length"
                 yield Delta(choices.index(c), c.text[c.sent :], "length")
 
+    def _note_running_cap(self, req: GenerationRequest) -> None:
+        """A request capped while it ran (degraded mode, ``ServingState.cap_admitted``)
+        says so: ``requested_max_tokens``/``max_tokens`` become the asked value and the
+        cap, so its final chunk / body carries ``kvpage_max_tokens_capped``."""
+        cap = self.capped_running.pop(req.request_id, None)
+        if cap is None or cap >= req.max_tokens:
+            return
+        if req.requested_max_tokens is None:  # not yet counted (capped at admission)
+            req.requested_max_tokens = req.max_tokens
+            self.metrics.max_tokens_capped.inc()
+        req.max_tokens = cap
+
     def _finished(
-        self, arrival: float, first: float | None, choices: list[_Choice], out: Any
+        self,
+        m: RequestSeries,
+        arrival: float,
+        first: float | None,
+        choices: list[_Choice],
+        out: Any,
     ) -> None:
         now = self.clock()
-        m = self.metrics
         m.e2e.observe(now - arrival)
         longest = max((c.num_tokens for c in choices), default=0)
         if first is not None and longest > 1:
             m.tpot.observe((now - first) / (longest - 1))
         for c in choices:
-            m.request_success.labels(
-                finished_reason=c.finish or "length", model_name=m.model_name
-            ).inc()
+            m.success(c.finish or "length")
         # phases from the engine's own (monotonic) timestamps of the last output
         sched = getattr(out, "first_scheduled_time", None)
         tok = getattr(out, "first_token_time", None)

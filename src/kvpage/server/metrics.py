@@ -16,6 +16,15 @@ Each server owns its own ``CollectorRegistry`` (no process-global state), holdin
   degradation state and transitions, max_tokens caps;
 * ``kvpage:cache_config`` info: block size, number of blocks, kv dtype, backend.
 
+Placement labels: a scaled-out ingress (``placement_labels=("group", "replica")``)
+adds ``group`` and ``replica`` to every request-level series (the phase, TTFT, TPOT
+and e2e histograms, ``request_success``, ``request_errors``, ``request_cancellations``,
+``server_requests``, ``server_requests_rejected``) -- the replica group and replica that
+served the request, ``"none"`` when it was refused before one was chosen, ``"mixed"``
+for a several-prompt request whose prompts went to different groups -- and exports one
+``cache_config`` series per group (``group`` label). The single server has no
+placement labels: its series are exactly vLLM's shape.
+
 Bucket bounds are chosen for a CPU-served tiny model up to large GPU deployments (1 ms to
 60 s); see docs/serving.md for what to alert on.
 """
@@ -29,7 +38,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["ServerMetrics"]
+__all__ = ["NOT_PLACED", "RequestSeries", "ServerMetrics"]
+
+#: the placement label value of a request refused before a group/replica was chosen
+NOT_PLACED = "none"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -80,6 +92,39 @@ class _EngineCollector(Collector):
             yield fam
 
 
+class RequestSeries:
+    """The request-level series of one placement (children of the labelled families).
+
+    Attributes:
+        ttft, tpot, e2e: histogram children (seconds).
+        phase: ``queue``/``prefill``/``decode``/``inference`` histogram children.
+    """
+
+    def __init__(self, m: ServerMetrics, labels: dict[str, str]) -> None:
+        self._m, self._labels = m, labels
+        mn = {"model_name": m.model_name, **labels}
+        self.ttft = m.ttft_family.labels(**mn)
+        self.tpot = m.tpot_family.labels(**mn)
+        self.e2e = m.e2e_family.labels(**mn)
+        self.phase = {k: f.labels(**mn) for k, f in m.phase_family.items()}
+
+    def success(self, finished_reason: str) -> None:
+        """Count one finished choice."""
+        self._m.request_success.labels(
+            finished_reason=finished_reason, model_name=self._m.model_name, **self._labels
+        ).inc()
+
+    def error(self, reason: str) -> None:
+        """Count one request that reached the engine (a replica) and failed there."""
+        self._m.request_errors.labels(
+            reason=reason, model_name=self._m.model_name, **self._labels
+        ).inc()
+
+    def cancellation(self, cause: str) -> None:
+        """Count one request aborted before it finished."""
+        self._m.cancellations.labels(cause=cause, **self._labels).inc()
+
+
 class ServerMetrics:
     """All metrics of one server, in a registry of their own.
 
@@ -88,6 +133,8 @@ class ServerMetrics:
             engine loop refreshes it after every step).
         kv_total_bytes: bytes of the whole KV pool (``CacheSpec.total_bytes``).
         model_name: the served model id, the ``model_name`` label of engine metrics.
+        placement_labels: extra labels of every request-level series (module doc);
+            ``()`` for the single server.
     """
 
     def __init__(
@@ -95,10 +142,13 @@ class ServerMetrics:
         engine_snapshot: Callable[[], Mapping[str, float]],
         kv_total_bytes: float = 0.0,
         model_name: str = "",
+        placement_labels: tuple[str, ...] = (),
     ) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.kv_total_bytes = float(kv_total_bytes)
         self.model_name = model_name
+        self.placement_labels = pl = tuple(placement_labels)
+        self._series: dict[tuple[str, ...], RequestSeries] = {}
         r.register(_EngineCollector(engine_snapshot, model_name))
         phases = {
             "queue": "Request time waiting before its first engine step (arrival -> first "
@@ -107,43 +157,50 @@ class ServerMetrics:
             "decode": "Request time in decode (first token -> last token)",
             "inference": "Request time in the engine (first scheduled -> last token)",
         }
-        self.phase = {
+        self.phase_family = {
             k: Histogram(
                 f"kvpage:request_{k}_time_seconds",
                 doc,
-                ["model_name"],
+                ["model_name", *pl],
                 buckets=_LATENCY_BUCKETS,
                 registry=r,
-            ).labels(model_name=model_name)
+            )
             for k, doc in phases.items()
         }
         self.request_success = Counter(
             "kvpage:request_success",
             "Finished choices (completions) by finish reason (stop, length)",
-            ["finished_reason", "model_name"],
+            ["finished_reason", "model_name", *pl],
             registry=r,
         )
-        self.ttft = Histogram(
+        self.request_errors = Counter(
+            "kvpage:request_errors",
+            "Requests that reached the engine (a replica) and failed there, by reason "
+            "(engine_rejected, engine_error, out_of_memory, replica_unavailable)",
+            ["reason", "model_name", *pl],
+            registry=r,
+        )
+        self.ttft_family = Histogram(
             "kvpage:time_to_first_token_seconds",
             "Time from request arrival at the server to its first generated token",
-            ["model_name"],
+            ["model_name", *pl],
             buckets=_LATENCY_BUCKETS,
             registry=r,
-        ).labels(model_name=model_name)
-        self.tpot = Histogram(
+        )
+        self.tpot_family = Histogram(
             "kvpage:time_per_output_token_seconds",
             "Mean time between output tokens of a finished request (after the first)",
-            ["model_name"],
+            ["model_name", *pl],
             buckets=_TPOT_BUCKETS,
             registry=r,
-        ).labels(model_name=model_name)
-        self.e2e = Histogram(
+        )
+        self.e2e_family = Histogram(
             "kvpage:e2e_request_latency_seconds",
             "Time from request arrival to its last token",
-            ["model_name"],
+            ["model_name", *pl],
             buckets=_LATENCY_BUCKETS,
             registry=r,
-        ).labels(model_name=model_name)
+        )
         self.prefill_tps = Histogram(
             "kvpage:prefill_tokens_per_second",
             "Prompt tokens computed per second of engine step time, per step with prefill",
@@ -202,19 +259,19 @@ class ServerMetrics:
         self.cancellations = Counter(
             "kvpage:request_cancellations",
             "Requests aborted before finishing (client disconnect, server shutdown)",
-            ["cause"],
+            ["cause", *pl],
             registry=r,
         )
         self.rejected = Counter(
             "kvpage:server_requests_rejected",
             "Requests refused by the server, by reason",
-            ["reason"],
+            ["reason", *pl],
             registry=r,
         )
         self.requests = Counter(
             "kvpage:server_requests",
             "HTTP generation requests by endpoint and status code",
-            ["endpoint", "status"],
+            ["endpoint", "status", *pl],
             registry=r,
         )
         self.degraded = Gauge(
@@ -242,13 +299,15 @@ class ServerMetrics:
         self.oom = Counter(
             "kvpage:oom",
             "Engine steps that ran out of device or host memory (their requests got 503; "
-            "each one drives the degradation controller like enter_alloc_failures "
+            "each one drives the degradation controller like a window of allocation failures at enter_alloc_failures_per_s "
             "allocation failures)",
             registry=r,
         )
         self.cache_config = Info(
             "kvpage:cache_config",
-            "KV cache configuration: block size, number of blocks, kv dtype, backend",
+            "KV cache configuration: block size, number of blocks, kv dtype, backend"
+            + (" (one series per replica group; num_blocks is per replica)" if pl else ""),
+            ["group"] if "group" in pl else [],
             registry=r,
         )
         for q in ("engine", "kv_pressure", "long_context"):
@@ -258,6 +317,35 @@ class ServerMetrics:
         self.degraded.set(0)
         self.kv_bytes.labels(kind="total").set(self.kv_total_bytes)
         self.kv_bytes.labels(kind="used").set(0)
+        if not pl:
+            self.series()  # the single server's series exist (at 0) from the start
+
+    def placement(self, placement: Mapping[str, str] | None) -> dict[str, str]:
+        """The placement label values of ``placement`` (``{}`` on the single server;
+        :data:`NOT_PLACED` for a label ``placement`` lacks)."""
+        p = placement or {}
+        return {k: str(p.get(k) or NOT_PLACED) for k in self.placement_labels}
+
+    def series(self, placement: Mapping[str, str] | None = None) -> RequestSeries:
+        """The request-level series of ``placement`` (see :meth:`placement`)."""
+        labels = self.placement(placement)
+        key = tuple(labels.values())
+        s = self._series.get(key)
+        if s is None:
+            s = self._series[key] = RequestSeries(self, labels)
+        return s
+
+    def count_request(
+        self, endpoint: str, status: int | str, placement: Mapping[str, str] | None = None
+    ) -> None:
+        """Count one HTTP generation request's outcome."""
+        self.requests.labels(
+            endpoint=endpoint, status=str(status), **self.placement(placement)
+        ).inc()
+
+    def count_rejected(self, reason: str, placement: Mapping[str, str] | None = None) -> None:
+        """Count one refused request."""
+        self.rejected.labels(reason=reason, **self.placement(placement)).inc()
 
     def update_from_engine(self, snap: Mapping[str, float]) -> None:
         """Refresh gauges derived from an engine snapshot."""

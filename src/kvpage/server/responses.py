@@ -16,10 +16,22 @@ from kvpage.server import protocol as P
 from kvpage.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from kvpage.server.service import Delta, Usage
 
-__all__ = ["CAPPED_HEADER", "ChoiceState", "RequestResult", "build_body", "stream_chunk"]
+__all__ = [
+    "CAPPED_HEADER",
+    "GROUP_HEADER",
+    "REPLICA_HEADER",
+    "ChoiceState",
+    "RequestResult",
+    "build_body",
+    "stream_chunk",
+]
 
 #: response header set when degraded mode capped ``max_tokens`` (value: the cap)
 CAPPED_HEADER = "X-KVPage-Max-Tokens-Capped"
+#: response headers naming the replica group / replica of a scaled-out server that
+#: served the request (operators only: ``kvpage.server.security.may_see_topology``)
+GROUP_HEADER = "X-KVPage-Group"
+REPLICA_HEADER = "X-KVPage-Replica"
 
 
 @dataclass

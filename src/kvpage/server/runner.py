@@ -129,9 +129,11 @@ def run_server(config: ServerConfig, app: Any | None = None) -> None:
         SpecError: an unauthenticated server asked to bind a non-loopback address
             (see :func:`kvpage.server.security.check_bind`), or a bad keys file.
     """
+    from kvpage.server.resolved import warn_if_elsewhere
     from kvpage.server.security import check_bind
 
     check_bind(config, config.security.auth_enabled)  # before the engine is built
+    warn_if_elsewhere(config)
     listener = bind_listener(config.host, config.port)
     side_listener = None
     if config.security.metrics_port is not None:

@@ -24,6 +24,7 @@ __all__ = [
     "check_bind",
     "create_metrics_app",
     "install_security",
+    "may_see_topology",
     "metrics_response",
     "request_tenant",
 ]
@@ -43,7 +44,7 @@ def install_security(app: Any, state: Any) -> None:
         HTTPGuard,
         security=sec,
         auth=state.auth,
-        on_refusal=lambda reason: state.metrics.rejected.labels(reason=reason).inc(),
+        on_refusal=lambda reason: state.metrics.count_rejected(reason),
         metrics_need_key=sec.metrics_port is None,
         health=state.health,
         loopback_host_only=not state.auth.enabled and is_loopback_host(state.config.host),
@@ -94,6 +95,20 @@ def request_tenant(request: Any, user: str | None) -> Tenant:
     if isinstance(tenant, Tenant):
         return tenant
     return unauthenticated_tenant(bearer_token(request.headers), user)
+
+
+def may_see_topology(state: Any, request: Any) -> bool:
+    """Whether ``request``'s caller may be told which replica group and replica served
+    it (the ``X-KVPage-Group`` / ``X-KVPage-Replica`` headers): the rule of
+    ``/metrics``, which exports the same facts -- an operator key, or any valid key when
+    no operator key exists, or anyone on a server without keys. Tenants of a server
+    with operator keys never see it: a canary share or a replica id is deployment
+    state, and knowing it would let a tenant aim at one replica's prefix cache."""
+    auth = state.auth
+    if not auth.enabled:
+        return True
+    tenant = getattr(request.state, "kvpage_tenant", None)
+    return isinstance(tenant, Tenant) and (tenant.operator or not auth.has_operator_keys)
 
 
 def _silent(*_args: Any) -> None:

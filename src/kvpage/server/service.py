@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -51,6 +52,11 @@ class Charge:
     started: bool = False
 
 
+def _cap_engine(engine: Any, cap: int) -> dict[str, int]:
+    """On the engine thread (module level: the engine process pickles it)."""
+    return dict(engine.scheduler.cap_max_tokens(cap))
+
+
 def _rate_limited(d: Decision) -> APIError:
     headers = {"Retry-After": str(d.retry_after_s)} if d.retry_after_s is not None else {}
     return APIError(
@@ -73,6 +79,10 @@ class ServingState(RequestGeneration):
     #: export the engine loop's metric snapshot as the ``kvpage:*`` engine metrics of
     #: /metrics (a scaled-out ingress exports each replica's instead, with labels)
     export_engine_snapshot = True
+    #: labels every request-level series carries besides ``model_name``
+    #: (:class:`~kvpage.server.metrics.ServerMetrics`): none here; the scaled-out
+    #: ingress adds ``group`` and ``replica``
+    placement_labels: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -125,16 +135,9 @@ class ServingState(RequestGeneration):
             lambda: self.loop.metrics_snapshot if self.export_engine_snapshot else {},
             float(total() if callable(total) else total),
             model_name=config.model_name,
+            placement_labels=self.placement_labels,
         )
-        self.metrics.cache_config.info(
-            {
-                "block_size": str(spec.block_size),
-                "num_blocks": str(spec.num_blocks),
-                "kv_dtype": str(getattr(spec, "kv_dtype", "auto")),
-                "backend": str(getattr(engine, "backend_name", "unknown")),
-                "model": config.model_name,
-            }
-        )
+        self.export_cache_config()
         #: the engine's scheduling policy (``fcfs`` | ``priority``)
         self.scheduling_policy = str(
             getattr(sched, "policy", None) or config.engine.scheduling_policy
@@ -161,8 +164,35 @@ class ServingState(RequestGeneration):
         )
         self.num_long_waiting = 0
         self.num_active = 0
+        #: request id -> the ``max_tokens`` degraded mode lowered it to while it ran
+        #: (:meth:`cap_admitted`); read by the generation when the request finishes
+        self.capped_running: dict[str, int] = {}
+        self._capping: asyncio.Task[dict[str, int]] | None = None
         self.cancel_causes = {}
         self._prev_snapshot: dict[str, float] = dict(self.loop.metrics_snapshot)
+
+    def export_cache_config(self) -> None:
+        """Set the ``kvpage:cache_config`` info series from the engine's cache spec."""
+        spec = self.engine.cache_spec
+        self.metrics.cache_config.info(
+            {
+                "block_size": str(spec.block_size),
+                "num_blocks": str(spec.num_blocks),
+                "kv_dtype": str(getattr(spec, "kv_dtype", "auto")),
+                "backend": str(getattr(self.engine, "backend_name", "unknown")),
+                "model": self.config.model_name,
+            }
+        )
+
+    def effective_config(self) -> dict[str, Any]:
+        """``GET /admin/config``: the running configuration with what start-up decided
+        pinned (:func:`kvpage.server.resolved.resolve_server`; secrets excluded) and
+        this machine's facts."""
+        from kvpage.server.resolved import resolve_server
+
+        cfg = resolve_server(self.config, self.engine)
+        facts = cfg.resolved_on or {}
+        return {"config": cfg.model_dump(mode="json"), "machines": {"server": facts}}
 
     # ------------------------------------------------------------ engine thread hook
     def _on_step(self, st: StepStats) -> None:
@@ -203,14 +233,37 @@ class ServingState(RequestGeneration):
         """Evaluate degradation and refresh gauges (called every ``eval_interval_s``)."""
         now = self.clock()
         snap = self.loop.metrics_snapshot
-        # An out-of-memory step weighs as much as enter_alloc_failures allocation
-        # failures: one OOM is enough to enter degraded mode.
-        oom_weight = self.num_oom * self.config.degradation.enter_alloc_failures
+        # An out-of-memory step weighs as much as a window of allocation failures at the
+        # enter rate: one OOM is enough to enter degraded mode.
+        deg = self.config.degradation
+        oom_weight = self.num_oom * deg.enter_alloc_failures_per_s * deg.window_s
         self.degradation.record_alloc_failures_total(
             snap.get("kvpage:block_allocation_failures_total", 0.0) + oom_weight, now
         )
         self.degradation.evaluate(now)
+        cap = self.config.degradation.max_tokens_cap
+        if self.degradation.degraded and cap is not None and self._capping is None:
+            with contextlib.suppress(RuntimeError):  # no running event loop: nothing to cap
+                self._capping = asyncio.get_running_loop().create_task(self.cap_admitted(cap))
         self.tick_gauges()
+
+    async def cap_admitted(self, cap: int) -> dict[str, int]:
+        """Degraded mode acting on admitted work: cap the ``max_tokens`` of every request
+        already in the engine at ``cap`` (``Scheduler.cap_max_tokens``, run on the engine
+        thread between steps); their responses say so when they finish
+        (``kvpage_max_tokens_capped`` on the final chunk/body, ``finish_reason:
+        "length"``; :attr:`capped_running`). An engine loop without a local engine (the
+        scaled-out ingress) caps nothing: only requests admitted while degraded are
+        capped there. Returns request id -> new ``max_tokens``."""
+        try:
+            got = await self.loop.call(functools.partial(_cap_engine, cap=cap))
+        except RuntimeError:
+            got = {}
+        finally:
+            self._capping = None
+        for rid, n in dict(got or {}).items():
+            self.capped_running[rid] = int(n)
+        return dict(got or {})
 
     def tick_gauges(self) -> None:
         """Refresh the gauges derived from the engine snapshot and the admission state."""
