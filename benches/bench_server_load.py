@@ -188,19 +188,28 @@ async def run_one(c: httpx.AsyncClient, spec: dict[str, Any], auth: bool) -> dic
             res["ok"] = finish == "length" or spec["kind"] == "cancel"
             return res
     except httpx.HTTPError as exc:
-        res.update(status=None, ok=False, error=repr(exc))
+        res.update(status=None, ok=False, error=repr(exc), after_s=time.perf_counter() - t0)
         return res
 
 
 async def drive(
-    base_url: str, specs: list[dict[str, Any]], clients: int, auth: bool = False
+    base_url: str,
+    specs: list[dict[str, Any]],
+    clients: int,
+    auth: bool = False,
+    default_pool: bool = False,
 ) -> list[dict[str, Any]]:
-    """``clients`` workers pull from one queue until it is empty."""
+    """``clients`` workers pull from one queue until it is empty (``default_pool``:
+    httpx's default connection pool, 100 connections / 20 kept alive / 5 s expiry)."""
     q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     for s in specs:
         q.put_nowait(s)
     results: list[dict[str, Any]] = []
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    limits = (
+        httpx.Limits()
+        if default_pool
+        else httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    )
     async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as c:
 
         async def worker() -> None:
@@ -216,10 +225,15 @@ async def drive(
 
 
 def _drive_process(
-    base_url: str, specs: list[dict[str, Any]], clients: int, auth: bool, out: Any
+    base_url: str,
+    specs: list[dict[str, Any]],
+    clients: int,
+    auth: bool,
+    out: Any,
+    default_pool: bool = False,
 ) -> None:
     """Child process: run :func:`drive` and put its results on ``out``."""
-    out.put(asyncio.run(drive(base_url, specs, clients, auth)))
+    out.put(asyncio.run(drive(base_url, specs, clients, auth, default_pool)))
 
 
 def _control_server(port_q: Any, stop: Any) -> None:
@@ -345,6 +359,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip the offline LLM.generate baseline on the same workload",
     )
+    ap.add_argument(
+        "--default-pool",
+        action="store_true",
+        help="the clients use httpx's default connection pool (20 kept alive, 5 s expiry)",
+    )
+    ap.add_argument(
+        "--keep-alive-timeout-s", type=float, default=None, help="security.keep_alive_timeout_s"
+    )
+    ap.add_argument(
+        "--stock-h11",
+        action="store_true",
+        help="serve with uvicorn's own h11 protocol instead of kvpage's IdleOnlyH11Protocol "
+        "(the keep-alive timeout may then close a connection with a request in it)",
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -370,12 +398,28 @@ def main(argv: list[str] | None = None) -> int:
             },
             "security": {
                 "api_keys": [tenant_key(f"tenant-{k}") for k in range(4)] if args.auth else [],
+                **(
+                    {"keep_alive_timeout_s": args.keep_alive_timeout_s}
+                    if args.keep_alive_timeout_s
+                    else {}
+                ),
             },
         }
     )
     app = create_app(cfg)
     if not args.no_prepare:
         prepare_serving_process(app)  # as kvpage serve does (runner.run_server)
+    if args.stock_h11:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        from kvpage.server import runner
+
+        stock = runner.uvicorn_limits
+
+        def limits(security: Any) -> dict[str, Any]:
+            return {**stock(security), "http": H11Protocol}
+
+        runner.uvicorn_limits = limits  # type: ignore[assignment]
     srv = BackgroundServer(app).start()
     state = srv.app.state.serving
     tracer = None
@@ -404,13 +448,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.auth:  # clients in their own process, like remote clients
             res_q = ctx.Queue()
             driver = ctx.Process(
-                target=_drive_process, args=(srv.base_url, specs, args.clients, True, res_q)
+                target=_drive_process,
+                args=(srv.base_url, specs, args.clients, True, res_q, args.default_pool),
             )
             driver.start()
             results = res_q.get(timeout=3600)
             driver.join(30)
         else:
-            results = asyncio.run(drive(srv.base_url, specs, args.clients, args.auth))
+            results = asyncio.run(
+                drive(srv.base_url, specs, args.clients, args.auth, args.default_pool)
+            )
         wall = time.perf_counter() - t0
         if probe is not None:
             stop.set()
@@ -456,6 +503,11 @@ def main(argv: list[str] | None = None) -> int:
         "requests": len(results),
         "outcomes": {f"{k}:{s}": n for (k, s), n in sorted(by.items(), key=str)},
         "lost_or_wrong": len(bad),
+        "transport_errors": sum(1 for r in results if "error" in r),
+        "duplicated": len(results) - len({r["i"] for r in results}),
+        "default_pool": args.default_pool,
+        "keep_alive_timeout_s": cfg.security.keep_alive_timeout_s,
+        "protocol": "uvicorn H11Protocol" if args.stock_h11 else "IdleOnlyH11Protocol",
         "engine": f"process+nice{args.engine_niceness}" if args.engine_process else "thread",
         "loadavg_1m_before_after": [load_before, round(os.getloadavg()[0], 2)],
         "torch_threads": args.torch_threads,

@@ -278,7 +278,7 @@ class SecurityConfig(_Strict):
     body_timeout_s: float = Field(30.0, gt=0.0)
     send_timeout_s: float = Field(60.0, gt=0.0)
     max_header_bytes: int = Field(16 * 1024, ge=1024)
-    keep_alive_timeout_s: float = Field(5.0, gt=0.0)
+    keep_alive_timeout_s: float = Field(75.0, gt=0.0)
 
     @property
     def auth_enabled(self) -> bool:

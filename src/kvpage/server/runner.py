@@ -16,18 +16,73 @@ import time
 from typing import Any, Literal
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvpage.server.config import SecurityConfig, ServerConfig
 
-__all__ = ["BackgroundServer", "prepare_serving_process", "run_server", "uvicorn_limits"]
+__all__ = [
+    "BackgroundServer",
+    "IdleOnlyH11Protocol",
+    "prepare_serving_process",
+    "run_server",
+    "unread_bytes",
+    "uvicorn_limits",
+]
+
+
+def unread_bytes(transport: Any) -> int:
+    """Bytes the kernel holds for ``transport``'s socket that the event loop has not
+    read yet (``FIONREAD``); 0 when unknown (no socket, or a platform without it)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        import fcntl
+        import struct
+        import termios
+
+        buf = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        return int(struct.unpack("i", buf)[0])
+    except (ImportError, OSError, ValueError):
+        return 0
+
+
+class IdleOnlyH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol whose keep-alive timeout closes only *idle* connections.
+
+    uvicorn arms a timer of ``timeout_keep_alive`` when a response completes and cancels
+    it when the connection's next bytes are read. Under uvloop (uvicorn's default loop
+    when installed) an iteration runs the due timers *before* it polls the sockets, so
+    when the loop is busy past the moment the timer falls due (an engine output batch, a
+    garbage collection, a long I/O callback), a request that reached the socket in the
+    meantime is still unread when the timer closes the connection: the client sees the
+    connection closed with no status line, and the server has no record of the request
+    (reproduced in tests/server/test_keep_alive.py). nginx and envoy close only idle
+    connections; this does the same: when the timer fires with bytes waiting in the
+    socket (:func:`unread_bytes`), the timer is re-armed and the bytes are served as
+    the request they are.
+
+    The remaining race is the one no server can close: a client that sends on a
+    connection at the moment the server's idle timeout closes it. Only the client
+    avoids it, by expiring its idle connections first (``keep_alive_timeout_s``,
+    docs/serving.md "Keep-alive").
+    """
+
+    def timeout_keep_alive_handler(self) -> None:
+        if not self.transport.is_closing() and unread_bytes(self.transport) > 0:
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+            return
+        super().timeout_keep_alive_handler()
 
 
 def uvicorn_limits(security: SecurityConfig) -> dict[str, Any]:
     """uvicorn settings of the HTTP limits: the h11 parser (its incomplete-event limit
-    bounds the request line plus headers to ``max_header_bytes``) and the keep-alive
-    timeout of idle connections."""
+    bounds the request line plus headers to ``max_header_bytes``; the protocol is
+    :class:`IdleOnlyH11Protocol`) and the keep-alive timeout of idle connections."""
     return {
-        "http": "h11",
+        "http": IdleOnlyH11Protocol,
         "h11_max_incomplete_event_size": security.max_header_bytes,
         "timeout_keep_alive": security.keep_alive_timeout_s,
         "server_header": False,
