@@ -40,7 +40,7 @@ import kvpage  # noqa: F401  (before torch: sets OMP_WAIT_POLICY)
 def _categories(backend: Any) -> list[tuple[str, list[Any]]]:
     """(category, functions whose cumulative CPU it is) of the step's non-overlapping
     parts; attention, KV writes and plan are the backend's own methods."""
-    from kvpage.engine import engine, runner, sampler, scheduler
+    from kvpage.engine import engine, output_processor, runner, sampler, scheduler
     from kvpage.models import layers, model, rope
 
     cls = type(backend)
@@ -58,11 +58,10 @@ def _categories(backend: Any) -> list[tuple[str, list[Any]]]:
         ("attention layer (incl. qkv/o, rope, write, attn)", [layers.PagedAttention.forward]),
         ("model forward (all)", [model.ModelRunnerModel.forward]),
         ("runner.execute (all)", [runner.ModelRunner.execute]),
-        ("sampling (Sampler)", [sampler.Sampler.__call__]),
+        ("sampling (Sampler)", [sampler.Sampler.sample]),
         ("scheduler.schedule", [scheduler.Scheduler.schedule]),
         ("scheduler.update", [scheduler.Scheduler.update]),
-        ("outputs (_make_output)", [engine.LLMEngine._make_output]),
-        ("_run_step (all)", [engine.LLMEngine._run_step]),
+        ("outputs (_make_output)", [output_processor.OutputProcessor._make_output]),
         ("step (all)", [engine.LLMEngine.step]),
     ]
 
@@ -113,9 +112,9 @@ def instrument(eng: Any) -> dict[str, float]:
     _wrap(eng.scheduler, "schedule", spent, "schedule")
     _wrap(eng.scheduler, "update", spent, "update")
     _wrap(eng.scheduler, "release", spent, "release")
-    _wrap(eng, "_forget", spent, "release")
-    _wrap(eng, "_make_output", spent, "outputs")
-    _wrap(eng, "sampler", spent, "sampler")
+    _wrap(eng.outputs, "forget", spent, "release")
+    _wrap(eng.outputs, "_make_output", spent, "outputs")
+    _wrap(eng.sampler, "sample", spent, "sampler")
     _wrap(eng.runner, "execute", spent, "execute")
     _wrap(eng.runner, "build_metadata", spent, "metadata")
     _wrap(eng.runner, "model", spent, "model")

@@ -38,7 +38,9 @@ def _foreign_attributes(path: Path) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("module", ["manager.py", "group_managers.py", "prefix.py", "integrity.py"])
+@pytest.mark.parametrize(
+    "module", ["manager.py", "prefix_cache.py", "group_managers.py", "prefix.py", "integrity.py"]
+)
 def test_upper_layers_use_public_pool_methods_only(module: str) -> None:
     assert _foreign_attributes(CACHE / module) == []
 
@@ -82,3 +84,29 @@ def test_free_puts_a_sequences_last_blocks_first_in_eviction_order() -> None:
     order = mgr.pools[0].free_queue.ids()  # head (evicted first) -> tail
     assert order[0] == table[3]  # the uncached partial block is reused first
     assert [b for b in order if b in table[:3]] == table[2::-1]  # then last block first
+
+
+def test_append_fast_path_agrees_with_the_general_path() -> None:
+    """``allocate``'s ``try_append`` fast path (one full-attention group) gives the same
+    tables, allocations and stats as the general plan/grow path, forks and CoW included."""
+    fast = KVCacheManager(make_spec(24, 4))
+    general = KVCacheManager(make_spec(24, 4))
+    general._simple = False
+    results: list[list[object]] = [[], []]
+    for k, mgr in enumerate((fast, general)):
+        toks = {"a": list(range(1, 7)), "b": list(range(1, 7))}
+        for rid, t in toks.items():
+            hit = mgr.get_num_cached_tokens(t)
+            results[k].append(mgr.allocate(rid, t, len(t) - hit, num_cached_tokens=hit))
+            mgr.commit(rid, t, len(t))
+        mgr.fork("a", "a1")  # shares a partial block: the next append copies it
+        toks["a1"] = list(toks["a"])
+        for step in range(9):
+            for rid, t in toks.items():
+                t.append(100 + step)
+                results[k].append(mgr.allocate(rid, t, 1))
+                mgr.commit(rid, t, len(t))
+        results[k].append([mgr.block_tables(r) for r in toks])
+        results[k].append(mgr.stats)
+        mgr.check_integrity()
+    assert results[0] == results[1]

@@ -1,6 +1,6 @@
 """Cache-miss explanations know about the KV tiers: a block a tier drops (capacity LRU,
 corrupt file, full disk, reset) is recorded with that tier and reason, and a block
-promoted back into the pool has its record forgotten (kvpage.cache.manager_prefix)."""
+promoted back into the pool has its record forgotten (kvpage.cache.prefix_cache)."""
 
 from __future__ import annotations
 

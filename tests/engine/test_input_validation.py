@@ -81,15 +81,15 @@ def test_failing_step_drops_its_requests_and_frees_blocks(
 ) -> None:
     eng = llm.llm_engine
     calls = {"n": 0}
-    real = eng.sampler
+    real = eng.sampler.sample
 
-    def flaky(*args: Any) -> list[int]:
+    def flaky(*args: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("sampler exploded")
         return real(*args)
 
-    monkeypatch.setattr(eng, "sampler", flaky)
+    monkeypatch.setattr(eng.sampler, "sample", flaky)
     params = SamplingParams(max_tokens=6, ignore_eos=True, n=2, temperature=1.0, seed=1)
     with pytest.raises(RuntimeError, match="sampler exploded"):
         llm.generate(["Once upon a time", "Lily"], params)

@@ -15,7 +15,7 @@ import torch
 
 from kvpage.engine import LLM, SamplingParams
 from kvpage.engine.processing import RowContext, apply_penalties
-from kvpage.engine.sampler import Sampler
+from kvpage.engine.sampler import Sampler, SamplingRows
 from kvpage.errors import RequestRejected
 
 TOL = 2e-3  # float32 engine vs float64 reference, log-probability units
@@ -192,9 +192,11 @@ def test_min_p_keeps_only_tokens_above_fraction_of_best():
     seen_mp, seen_plain = set(), set()
     for s in range(300):
         g = torch.Generator().manual_seed(s)
-        seen_mp.add(sampler(logits, [SamplingParams(min_p=0.5)], [g])[0])
+        rows = SamplingRows([SamplingParams(min_p=0.5)], [g], all_greedy=False)
+        seen_mp.add(sampler.sample(logits, rows).token_ids[0])
         g = torch.Generator().manual_seed(s)
-        seen_plain.add(sampler(logits, [SamplingParams()], [g])[0])
+        rows = SamplingRows([SamplingParams()], [g], all_greedy=False)
+        seen_plain.add(sampler.sample(logits, rows).token_ids[0])
     assert seen_mp == {0, 1}  # p >= 0.5 * 0.5 only
     assert seen_plain == {0, 1, 2, 3}
 

@@ -19,35 +19,31 @@ hashes, stats, all-or-nothing across groups) -> one
 sliding window: window release, CoW, growth of one table) -> that group's
 :class:`~kvpage.cache.block_pool.BlockPool` (ref counts, free queue, hash map).
 
-The class is split over three modules: this one (construction, allocation, commit,
-fork, free), ``kvpage.cache.manager_prefix`` (prefix lookup, KV tiers, miss
-explanations, retention, reset) and ``kvpage.cache.manager_queries`` (read-only
-queries, integrity check).
+The manager owns the requests' block tables, the group managers and the counters; it
+holds a :class:`~kvpage.cache.prefix_cache.PrefixCache` (hash root, prefix lookup, KV
+tiers, eviction and cache-key records for miss explanations) and calls it on a
+request's first allocation.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvpage.cache.allocation import Allocation, CacheStats, RequestBlocks
 from kvpage.cache.block_pool import BlockPool
 from kvpage.cache.explain import (
     DEFAULT_EVICTION_RECORD_CAP,
+    CacheMissExplanation,
     EvictionRecord,
-    KeyRecord,
-    PoolEvictionRecorder,
 )
 from kvpage.cache.group_managers import GroupManager, GrowthPlan, make_group_manager
-from kvpage.cache.hashing import (
-    BlockHash,
-    chain_hash,
-    encode_extra_keys,
-    iter_block_hashes,
-    root_hash,
-)
-from kvpage.cache.manager_prefix import ManagerPrefix
+from kvpage.cache.hashing import BlockHash, chain_hash, encode_extra_keys, iter_block_hashes
+from kvpage.cache.integrity import check_manager_integrity
+from kvpage.cache.prefix_cache import PrefixCache
+from kvpage.cache.retention import KVRetention
 from kvpage.errors import AllocationError, SpecError
 from kvpage.specs import CacheSpec
 
@@ -55,7 +51,7 @@ if TYPE_CHECKING:
     from kvpage.cache.tiered import TieredCache
 
 
-class KVCacheManager(ManagerPrefix):
+class KVCacheManager:
     """Paged KV-cache bookkeeping for one model: prefix caching, CoW, sliding windows.
 
     Args:
@@ -76,8 +72,8 @@ class KVCacheManager(ManagerPrefix):
         windows: per group, the sliding window in tokens (None = full attention).
         max_request_tokens: tokens one request can hold when allocated in one call:
             ``(num_blocks - 1) * block_size``.
-        eviction_record: evictions of every tier (the device pool records its own;
-            lower tiers call ``eviction_record.record_eviction``).
+        prefix_cache: the :class:`~kvpage.cache.prefix_cache.PrefixCache` (lookup,
+            tiers, miss-explanation records).
 
     Raises:
         SpecError: ``spec.num_blocks < 2``.
@@ -118,20 +114,31 @@ class KVCacheManager(ManagerPrefix):
         ]
         self._pools = [gm.pool for gm in self._groups]
         self.clock = clock
-        self.eviction_record = EvictionRecord(eviction_record_cap)
-        self._keys = KeyRecord()
-        if enable_prefix_caching and eviction_record_cap > 0:
-            for p in self._pools:
-                p.listeners.append(PoolEvictionRecorder(self.eviction_record, p.priority_of, clock))
+        self.prefix_cache = PrefixCache(
+            self._groups,
+            spec.block_size,
+            enabled=enable_prefix_caching,
+            hash_seed=hash_seed,
+            eviction_record_cap=eviction_record_cap,
+            clock=clock,
+        )
+        #: one full-attention group: ``allocate`` tries ``try_append`` first (the
+        #: general path's result, tested; ~10 % of schedule + update, docs/benchmarks.md)
         self._simple = self.windows == [None]
-        self._root = root_hash(hash_seed)
         self._reqs: dict[str, RequestBlocks] = {}
         self._stats = CacheStats()
-        # hashes of the last get_num_cached_tokens: (extra keys, tokens, hashes)
-        self._peek_memo: tuple[bytes, list[int], list[BlockHash]] | None = None
         self.max_request_tokens = (spec.num_blocks - 1) * spec.block_size
-        #: host/disk tiers below the pool (:meth:`attach_tiers`), None = none
-        self.tiers: TieredCache | None = None
+
+    @property
+    def eviction_record(self) -> EvictionRecord:
+        """Evictions of every tier (the prefix cache's record; the device pool records
+        its own, lower tiers call ``eviction_record.record_eviction``)."""
+        return self.prefix_cache.eviction_record
+
+    @property
+    def tiers(self) -> TieredCache | None:
+        """The host/disk tiers below the pool (:meth:`attach_tiers`), None = none."""
+        return self.prefix_cache.tiers
 
     # ---- allocation ---------------------------------------------------------------------
     def allocate(
@@ -248,17 +255,8 @@ class KVCacheManager(ManagerPrefix):
                     f"num_cached_tokens: expected a multiple of block_size={bs} in [0, {limit}], "
                     f"got {h}"
                 )
-            memo = self._peek_memo
-            if (
-                memo is not None
-                and memo[0] == extra
-                and len(memo[2]) >= hb
-                and memo[1][: hb * bs] == list(token_ids[: hb * bs])
-            ):
-                hashes = memo[2][:hb]  # same tokens and keys as the peek: same hashes
-            else:
-                hashes = list(iter_block_hashes(self._root, extra, token_ids, bs, 0, hb))
-            hit = self._hit_tables(hashes, h)
+            hashes = self.prefix_cache.block_hashes(extra, token_ids, hb)
+            hit = self.prefix_cache.hit_tables(hashes, h)
         n_new = -(-(h + num_new_tokens) // bs) - hb
         if not all(gm.can_start(ids, n_new) for gm, ids in zip(self._groups, hit)):
             self._stats.allocation_failures += 1
@@ -273,9 +271,7 @@ class KVCacheManager(ManagerPrefix):
             freed.append(gm.first_needed_block(h))
         self._reqs[request_id] = RequestBlocks(tables, h + num_new_tokens, extra, hashes, hb, freed)
         st = self._stats
-        by_tier = {"device": h}
-        if self.tiers is not None and h:
-            by_tier = self.tiers.take_hit(hashes, bs)
+        by_tier = self.prefix_cache.hit_by_tier(hashes, h)
         st.prefix_queries += 1
         st.prefix_queries_tokens += len(token_ids)
         st.prefix_hits_tokens += h
@@ -283,24 +279,6 @@ class KVCacheManager(ManagerPrefix):
         st.allocations += 1
         st.blocks_allocated += n_new * self.num_groups
         return Allocation(h, new_blocks, [[] for _ in range(self.num_groups)], by_tier)
-
-    def _hit_tables(self, hashes: list[BlockHash], num_cached_tokens: int) -> list[list[int]]:
-        """Per group, the table prefix a hit takes (see ``GroupManager.hit_block_ids``).
-
-        Raises:
-            AllocationError: a needed block is not cached (any more).
-        """
-        hit: list[list[int]] = []
-        for g, gm in enumerate(self._groups):
-            ids = gm.hit_block_ids(hashes, num_cached_tokens)
-            if ids is None:
-                raise AllocationError(
-                    f"num_cached_tokens: expected <= the tokens cached now, got "
-                    f"{num_cached_tokens} (a block of group {g} is not cached; "
-                    "call get_num_cached_tokens right before allocate)"
-                )
-            hit.append(ids)
-        return hit
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Register blocks fully inside ``[0, num_computed_tokens)`` as prefix-cache
@@ -329,7 +307,7 @@ class KVCacheManager(ManagerPrefix):
         if nfull <= i0:
             return
         hashes = req.hashes
-        parent = hashes[-1] if hashes else self._root
+        parent = hashes[-1] if hashes else self.prefix_cache.root
         extra = req.extra
         tables = req.tables
         groups = self._groups
@@ -377,6 +355,170 @@ class KVCacheManager(ManagerPrefix):
                 self._retain(req, g, 0, len(table))
         for gm, table in zip(self._groups, req.tables):
             gm.free(table)
+
+    # ---- prefix cache -------------------------------------------------------------------
+    def get_num_cached_tokens(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+    ) -> int:
+        """Prefix-cache hit for a new request, in tokens; changes no block, table or
+        stat (it only remembers the hashes it computed, for the ``allocate`` that follows).
+
+        The hit is a multiple of ``block_size``, covers only committed blocks, and is at
+        most ``len(token_ids) - 1`` rounded down to a block (one token is always
+        computed, C05). Full-attention groups need blocks 0 .. hit-1 cached; a
+        sliding-window group needs only the blocks within the window of the first
+        computed token. Call it right before ``allocate`` (another allocation in
+        between may evict the blocks). With :attr:`tiers` attached, blocks of the
+        prefix found in a tier are first promoted into free pool blocks (that changes
+        the pool: cached blocks, evictions, tier contents; never a table or stat here).
+        """
+        return self.prefix_cache.lookup(token_ids, encode_extra_keys(cache_salt, adapter_id))
+
+    def explain_miss(
+        self,
+        token_ids: Sequence[int],
+        num_cached_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+        remember_key: bool = True,
+    ) -> CacheMissExplanation:
+        """Why the prefix hit of ``token_ids`` is ``num_cached_tokens`` tokens
+        (``kvpage.cache.explain``); call right after the lookup/allocation it explains.
+        Changes no block or stat; with ``remember_key`` the request's cache key joins
+        the bounded key record (for ``different_cache_key`` checks of later requests).
+        """
+        extra = encode_extra_keys(cache_salt, adapter_id)
+        return self.prefix_cache.explain_miss(token_ids, num_cached_tokens, extra, remember_key)
+
+    def attach_tiers(self, tiers: TieredCache) -> None:
+        """Put KV tiers below the pool: prefix lookups then promote blocks found in a
+        tier (``kvpage.cache.tiered``). ``tiers`` must be built over ``pools[0]``.
+        The tiers' drops are recorded for miss explanations
+        (:class:`~kvpage.cache.prefix_cache.TierEvictionRecorder`).
+
+        Raises:
+            SpecError: more than one KV group or a sliding window (tiers serve one
+                full-attention group), prefix caching off, or another pool.
+        """
+        self.prefix_cache.attach_tiers(tiers)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every hash entry if no request holds blocks; False (no change) otherwise."""
+        return self.prefix_cache.reset()
+
+    # ---- retention ----------------------------------------------------------------------
+    def set_retention(
+        self, request_id: str, retention: KVRetention | None, num_prompt_tokens: int
+    ) -> None:
+        """Give ``request_id`` a retention policy (``kvpage.cache.retention``), applied
+        to its blocks when it frees them; None removes it.
+
+        Raises:
+            AllocationError: unknown request.
+        """
+        req = self._get(request_id)
+        req.retention = None if retention is None else (retention, num_prompt_tokens)
+
+    def _retain(self, req: RequestBlocks, g: int, lo: int, hi: int) -> None:
+        """Mark table entries ``lo .. hi-1`` of group ``g`` with the request's retention
+        policy, before they are released (freed, or dropped by the sliding window)."""
+        assert req.retention is not None
+        policy, n_prompt = req.retention
+        table = req.tables[g]
+        pool = self._groups[g].pool
+        for a, b, prio, ttl in policy.block_spans(n_prompt, self.block_size, len(table)):
+            if a < hi and b > lo:
+                pool.set_retention(table[max(a, lo) : min(b, hi)], prio, ttl)
+
+    # ---- queries ------------------------------------------------------------------------
+    @property
+    def pools(self) -> list[BlockPool]:
+        """The per-group pools, for inspection (tests, debugging); mutate them only
+        through this manager."""
+        return list(self._pools)
+
+    @property
+    def prefix_pools(self) -> list[BlockPool]:
+        """The pools whose hash maps decide a prefix hit: those of the full-attention
+        groups (all pools when every group is sliding-window). A KV-event publisher
+        (``kvpage.routing``) listens to these; mutate them only through this manager."""
+        return self.prefix_cache.prefix_pools
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests, max over groups, in [0, 1]; cached
+        blocks nobody holds count as free."""
+        return max(p.usage for p in self._pools)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks (cached-but-unreferenced included), min over groups."""
+        return min(p.num_free for p in self._pools)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by requests, max over groups."""
+        return max(p.num_used for p in self._pools)
+
+    @property
+    def num_retained_blocks(self) -> int:
+        """Free blocks held at a raised retention priority, max over groups."""
+        return max(p.num_retained for p in self._pools)
+
+    @property
+    def max_retained_blocks(self) -> int:
+        """The retention cap per group (blocks)."""
+        return self._pools[0].max_retained_blocks
+
+    @property
+    def stats(self) -> CacheStats:
+        """A snapshot of the counters."""
+        return replace(self._stats, evictions=sum(p.num_evictions for p in self._pools))
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` holds blocks (allocated and not freed)."""
+        return request_id in self._reqs
+
+    @property
+    def num_requests(self) -> int:
+        """Requests holding blocks."""
+        return len(self._reqs)
+
+    def block_table(self, request_id: str, group: int = 0) -> list[int]:
+        """A copy of the request's block table in ``group`` (null block 0 marks blocks
+        released by sliding-window freeing). Raises AllocationError if unknown."""
+        return list(self._get(request_id).tables[group])
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """Copies of the request's block tables, one per group (the scheduler's per-step
+        call: one lookup for every group). Raises AllocationError if unknown."""
+        return [list(t) for t in self._get(request_id).tables]
+
+    def num_allocated_tokens(self, request_id: str) -> int:
+        """Tokens the request has room for (cached + allocated)."""
+        return self._get(request_id).num_tokens
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks one request needs in each group to hold ``num_tokens`` allocated in one
+        call: ``ceil(num_tokens / block_size)`` (max over groups)."""
+        return -(-max(num_tokens, 0) // self.block_size)
+
+    def check_integrity(self) -> None:
+        """Verify pool and table invariants. Raises IntegrityError with the numbers."""
+        check_manager_integrity(
+            self._pools, self._reqs, self.block_size, self.enable_prefix_caching
+        )
+
+    def _get(self, request_id: str) -> RequestBlocks:
+        req = self._reqs.get(request_id)
+        if req is None:
+            raise AllocationError(f"request_id: expected an allocated request, got {request_id!r}")
+        return req
 
 
 __all__ = ["Allocation", "CacheStats", "KVCacheManager"]

@@ -20,27 +20,29 @@ from kvpage.engine.engine_metrics import (
     CACHE_MISS_METRIC,
     METRIC_NAMES,
     TIER_METRIC_TEMPLATES,
-    EngineMetrics,
     StepStats,
+    StepTimer,
+    collect_metrics,
 )
-from kvpage.engine.engine_output import EngineOutputs, _ParentRequest
+from kvpage.engine.output_processor import OutputProcessor, ParentRequest
 from kvpage.engine.params import RequestOutput, SamplingParams
 from kvpage.engine.prompts import parse_prompt
 from kvpage.engine.queue_policy import check_priority
 from kvpage.engine.request import Request
-from kvpage.engine.request_extras import (
-    prompt_logprob_spans,
-    record_logprobs,
-    record_prompt_logprobs,
-    row_context,
-)
-from kvpage.engine.sampler import Sampler, make_generator
+from kvpage.engine.request_extras import prompt_logprob_spans
+from kvpage.engine.sampler import Sampler
 from kvpage.engine.scheduler import SchedulerOutput
 from kvpage.errors import RequestRejected, got_repr
 
 
-class LLMEngine(EngineMetrics, EngineOutputs):
+class LLMEngine:
     """The engine (see the module docstring). Build with :meth:`from_config`.
+
+    A step runs through objects that own their state: the ``scheduler`` plans it
+    (admission, blocks, preemption), the ``runner`` computes its logits, the ``sampler``
+    picks the tokens, ``scheduler.update`` appends them, and ``outputs`` (the
+    :class:`OutputProcessor`, which owns each user request's engine-side state) builds the
+    ``RequestOutput``s; ``step_stats`` adds up the stage times of one timer per step.
 
     Attributes:
         config: the resolved EngineConfig.
@@ -48,6 +50,9 @@ class LLMEngine(EngineMetrics, EngineOutputs):
         cache_spec: the KV cache layout in use.
         backend_name: the attention backend's name.
         kv_cache_manager, scheduler, runner: the components (read-only use).
+        sampler: the :class:`~kvpage.engine.sampler.Sampler`.
+        outputs: the :class:`~kvpage.engine.output_processor.OutputProcessor`.
+        step_stats: cumulative :class:`StepStats`.
         stream_text: when True, unfinished outputs carry decoded text too (costs a
             decode per token); finished outputs always do.
     """
@@ -65,19 +70,14 @@ class LLMEngine(EngineMetrics, EngineOutputs):
         #: the KV tiers below the pool (None = none configured)
         self.tiers = components.tiers
         self.sampler = Sampler()
+        self.outputs = OutputProcessor(self.scheduler, self.tokenizer, config.seed)
         self.vocab_size = int(self.model.config.get("vocab_size", 0))
         self.eos_token_id = getattr(self.tokenizer, "eos_id", None)
         if self.eos_token_id is None:
             eos = self.model.config.get("eos_token_id")
             self.eos_token_id = eos[0] if isinstance(eos, list) else eos
-        self.stream_text = False
         self.step_stats = StepStats()
-        self._parents: dict[str, _ParentRequest] = {}
-        self._arrivals = 0
         self._unique_salts = 0
-        #: unfinished requests with prompt_logprobs (0: the step skips looking for them)
-        self._num_prompt_lp = 0
-        self._counters = {"prompt": 0, "generation": 0, "rejected": 0}
         #: ids of user requests dropped by failed steps (oldest first)
         self.failed_request_ids: deque[str] = deque(maxlen=1024)
 
@@ -86,6 +86,22 @@ class LLMEngine(EngineMetrics, EngineOutputs):
         """Build an engine from the ``LLM`` keyword arguments (see EngineConfig)."""
         config = EngineConfig(**kwargs)
         return cls(config, build_components(config))
+
+    @property
+    def stream_text(self) -> bool:
+        """When True, unfinished outputs carry decoded text too (costs a decode per
+        token); finished outputs always do."""
+        return self.outputs.stream_text
+
+    @stream_text.setter
+    def stream_text(self, value: bool) -> None:
+        self.outputs.stream_text = value
+
+    def get_metrics(self) -> dict[str, float]:
+        """The engine metrics (:func:`kvpage.engine.engine_metrics.collect_metrics`)."""
+        return collect_metrics(
+            self.kv_cache_manager, self.scheduler, self.tiers, self.outputs.counters
+        )
 
     # ---- requests -----------------------------------------------------------------------
     def _parse_prompt(self, prompt: Any) -> tuple[str | None, list[int], str | None]:
@@ -180,47 +196,27 @@ class LLMEngine(EngineMetrics, EngineOutputs):
             self.scheduler.add_request(req)
         except RequestRejected as e:
             e.request_id = request_id
-            self._counters["rejected"] += 1
+            self.outputs.counters.rejected += 1
             raise
         now = time.monotonic() if arrival_time is None else arrival_time
-        preq = _ParentRequest(request_id, text, list(ids), params, now, req.arrival_order)
-        if params.prompt_logprobs is not None:
-            preq.prompt_logprobs = [None] * len(ids)
-            self._num_prompt_lp += 1
-        self._parents[request_id] = preq
-        self._counters["prompt"] += len(ids)
+        self.outputs.add(ParentRequest(request_id, text, list(ids), params, now, req.arrival_order))
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request: every sample stops and its blocks are freed at once.
         Unknown or finished ids are ignored."""
-        if request_id not in self._parents:
+        if request_id not in self.outputs:
             return
         self.scheduler.abort(request_id)
         self.scheduler.release(request_id)
-        self._forget(request_id)
-
-    def _forget(self, parent_id: str) -> None:
-        """Drop a user request's engine-side state (finished, aborted or failed)."""
-        preq = self._parents.pop(parent_id, None)
-        if preq is not None and preq.prompt_logprobs is not None:
-            self._num_prompt_lp -= 1
+        self.outputs.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        return len(self.outputs) > 0
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._parents)
+        return len(self.outputs)
 
-    # ---- one step -----------------------------------------------------------------------
-    def _generator(self, preq: _ParentRequest, index: int) -> torch.Generator | None:
-        if preq.params.greedy:
-            return None
-        g = preq.generators.get(index)
-        if g is None:
-            g = make_generator(preq.params, self.config.seed, preq.arrival_order, index)
-            preq.generators[index] = g
-        return g
-
+    # ---- one step: schedule -> execute -> sample -> update -> emit ----------------------
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
         """Run one scheduler step and the model.
 
@@ -239,7 +235,35 @@ class LLMEngine(EngineMetrics, EngineOutputs):
                 appended to ``failed_request_ids``); every other request is untouched,
                 so the engine stays usable.
         """
-        t0 = time.perf_counter()
+        timer = StepTimer()
+        out = self._schedule()
+        if out is None:
+            return []
+        try:
+            if self.tiers is not None:
+                # one batched copy-out of the blocks evicted while scheduling, before
+                # the forward (and its copy-on-write copies) writes into them
+                self.tiers.flush()
+            started = time.monotonic()
+            timer.lap()  # schedule
+            logits = self._execute(out, timer)  # laps model
+            sampled = self._sample(out, logits, started)
+            timer.lap()  # sample
+            progressed, _ = self.scheduler.update(out, sampled)
+            timer.lap()  # update
+            results = self.outputs.emit(progressed, time.monotonic(), finished_only)
+            timer.lap()  # output
+        except BaseException:
+            # a model, sampler or bookkeeping failure: the requests of this step are
+            # dropped (blocks freed, ids forgotten) so the engine stays usable
+            self._fail_requests({s.request.parent_id for s in out.scheduled})
+            raise
+        self.step_stats.record(out, timer.laps)
+        return results
+
+    def _schedule(self) -> SchedulerOutput | None:
+        """The step's plan, or None when nothing runs (then the KV tiers demote the
+        blocks evicted while scheduling)."""
         try:
             out = self.scheduler.schedule()
         except BaseException:
@@ -248,140 +272,41 @@ class LLMEngine(EngineMetrics, EngineOutputs):
             raise
         if out.is_empty:
             if self.tiers is not None:
-                self.tiers.flush()  # demote this step's evictions (nothing runs)
-            return []
-        try:
-            if self.tiers is not None:
-                # one batched copy-out of the blocks evicted while scheduling, before
-                # the forward (and its copy-on-write copies) writes into them
                 self.tiers.flush()
-            return self._run_step(out, t0, finished_only)
-        except BaseException:
-            # a model, sampler or bookkeeping failure: the requests of this step are
-            # dropped (blocks freed, ids forgotten) so the engine stays usable
-            self._fail_requests({s.request.parent_id for s in out.scheduled})
-            raise
+            return None
+        return out
+
+    def _execute(self, out: SchedulerOutput, timer: StepTimer) -> torch.Tensor:
+        """Run the model on plan ``out``: the logits of the sequences that sample (the
+        prompt-logprob rows are split off and recorded). Closes the timer's model lap."""
+        spans = prompt_logprob_spans(out) if self.outputs.wants_prompt_logprobs else []
+        logits = self.runner.execute(out, spans) if spans else self.runner.execute(out)
+        model_s = timer.lap()
+        if self.scheduler.swapper is not None:  # the measured prefill rate of swap's cost model
+            self.scheduler.swapper.cost.observe(out.num_batched_tokens, model_s)
+        if spans:
+            keep = int(logits.shape[0]) - sum(b for _, _, b in spans)
+            self.outputs.record_prompt_logprobs(out, spans, logits[keep:])
+            logits = logits[:keep]
+        return logits
+
+    def _sample(
+        self, out: SchedulerOutput, logits: torch.Tensor, started: float
+    ) -> dict[str, list[int]]:
+        """Sample plan ``out``'s rows from ``logits``; records the logprobs asked for.
+        Returns ``{sequence id: its sampled ids}`` for ``Scheduler.update``."""
+        rows = self.outputs.sampling_rows(out, started)
+        res = self.sampler.sample(logits, rows)
+        self.outputs.record_logprobs(rows, res)
+        return rows.by_request(res.token_ids)
 
     def _fail_requests(self, parent_ids: set[str]) -> None:
         """Abort and forget the user requests ``parent_ids`` after a failed step."""
         for pid in sorted(parent_ids):
             self.scheduler.abort(pid)
             self.scheduler.release(pid)
-            self._forget(pid)
+            self.outputs.forget(pid)
         self.failed_request_ids.extend(sorted(parent_ids))
-
-    def _run_step(
-        self, out: SchedulerOutput, t0: float, finished_only: bool
-    ) -> list[RequestOutput]:
-        st = self.step_stats
-        parents = self._parents
-        step_start = time.monotonic()
-        t1 = time.perf_counter()
-        spans = prompt_logprob_spans(out) if self._num_prompt_lp else []
-        logits = self.runner.execute(out, spans) if spans else self.runner.execute(out)
-        t2 = time.perf_counter()
-        if self.scheduler.swapper is not None:  # the measured prefill rate of swap's cost model
-            self.scheduler.swapper.cost.observe(out.num_batched_tokens, t2 - t1)
-        if spans:
-            n_extra = sum(b for _, _, b in spans)
-            extra = logits[logits.shape[0] - n_extra :]
-            record_prompt_logprobs(parents, out, spans, extra, self.tokenizer)
-            logits = logits[: logits.shape[0] - n_extra]
-        rows: list[int] = []
-        params: list[SamplingParams] = []
-        gens: list[torch.Generator | None] = []
-        owners: list[str] = []
-        row_reqs: list[tuple[Request, int]] = []
-        # one pass over the batch: rows to sample, and whether every row is the plain
-        # greedy case (one sample, argmax, no logits processing: no per-row objects)
-        simple = True
-        decode_tokens = prefill_tokens = 0
-        r = 0
-        for s in out.scheduled:
-            req = s.request
-            if s.num_tokens == 1 and s.start >= req.num_prompt_tokens:
-                decode_tokens += 1
-            else:
-                prefill_tokens += s.num_tokens
-            preq = parents[req.parent_id]
-            if preq.first_scheduled_time is None:
-                preq.first_scheduled_time = step_start
-            if not s.samples:
-                continue
-            p = preq.params
-            k = 1 + req.num_pending_samples
-            if k > 1 or not p.plain or p.temperature != 0.0:
-                simple = False
-            for j in range(k):
-                rows.append(r)
-                params.append(p)
-                gens.append(None if p.greedy else self._generator(preq, j or req.sample_index))
-                owners.append(req.request_id)
-                row_reqs.append((req, j or req.sample_index))
-            r += 1
-        if len(rows) != int(logits.shape[0]):
-            rows_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-            logits = logits.index_select(0, rows_t)
-        sampled: dict[str, list[int]] = {}
-        if simple:  # the Sampler's greedy path (argmax, lowest index on ties)
-            tokens: list[int] = torch.argmax(logits, dim=-1).tolist() if owners else []
-            for rid, tok in zip(owners, tokens):
-                sampled[rid] = [tok]
-        else:
-            if all(p.plain for p in params):
-                tokens = self.sampler(logits, params, gens)
-            else:
-                ctx = None
-                if any(p.needs_processing for p in params):
-                    ctx = [row_context(q, self.eos_token_id) for q, _ in row_reqs]
-                tokens = self.sampler(logits, params, gens, ctx)
-                record_logprobs(parents, logits, params, tokens, row_reqs, self.tokenizer)
-            for rid, tok in zip(owners, tokens):
-                got = sampled.get(rid)
-                if got is None:
-                    sampled[rid] = [tok]
-                else:
-                    got.append(tok)
-        t3 = time.perf_counter()
-        progressed, _ = self.scheduler.update(out, sampled)
-        t4 = time.perf_counter()
-        now = time.monotonic()
-        touched: dict[str, _ParentRequest] = {}
-        for seq in progressed:
-            preq = parents[seq.parent_id]
-            touched[seq.parent_id] = preq
-            if preq.first_token_time is None:
-                preq.first_token_time = now
-            if (
-                preq.params.stop
-                and not seq.is_finished
-                and seq.num_output_tokens >= preq.params.min_tokens
-            ):
-                self._check_stop_strings(seq, preq)
-        self._counters["generation"] += len(progressed)
-        results = []
-        for pid, preq in touched.items():
-            done = self.scheduler.samples_finished(pid)
-            if done:
-                preq.finish_time = now
-            elif finished_only:
-                continue
-            results.append(self._make_output(preq, done))
-            if done:
-                self.scheduler.release(pid)
-                self._forget(pid)
-        t5 = time.perf_counter()
-        st.num_steps += 1
-        st.schedule_s += t1 - t0
-        st.model_s += t2 - t1
-        st.sample_s += t3 - t2
-        st.update_s += t4 - t3
-        st.output_s += t5 - t4
-        st.num_seqs += len(out.scheduled)
-        st.decode_tokens += decode_tokens
-        st.prefill_tokens += prefill_tokens
-        st.last_batch_size = len(out.scheduled)
-        return results
 
 
 __all__ = [

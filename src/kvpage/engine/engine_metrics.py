@@ -1,10 +1,12 @@
 """The metrics of :class:`~kvpage.engine.engine.LLMEngine`: the metric names, the
-step timing counters (:class:`StepStats`) and ``get_metrics``. A base class split from
-engine.py to keep modules small; the state it uses is set up by ``LLMEngine.__init__``.
+step timing counters (:class:`StepStats`, fed by one :class:`StepTimer` per step) and
+:func:`collect_metrics` (what ``LLMEngine.get_metrics`` returns).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,7 +15,8 @@ from kvpage.cache.explain import MISS_REASONS
 if TYPE_CHECKING:
     from kvpage.cache import KVCacheManager
     from kvpage.cache.tiered import TieredCache
-    from kvpage.engine.scheduler import Scheduler
+    from kvpage.engine.output_processor import RequestCounters
+    from kvpage.engine.scheduler import Scheduler, SchedulerOutput
 
 #: names of the engine metrics (the server exports the same; Prometheus style)
 METRIC_NAMES = (
@@ -54,6 +57,25 @@ TIER_METRIC_TEMPLATES = (
 )
 
 
+class StepTimer:
+    """The laps of one step, in ``time.perf_counter`` seconds: started at creation,
+    each :meth:`lap` closes one stage."""
+
+    __slots__ = ("_last", "laps")
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self.laps: list[float] = []
+
+    def lap(self) -> float:
+        """Close the current stage; returns its seconds (also appended to ``laps``)."""
+        now = time.perf_counter()
+        d = now - self._last
+        self._last = now
+        self.laps.append(d)
+        return d
+
+
 @dataclass
 class StepStats:
     """Cumulative timing and token counts of ``LLMEngine.step`` (wall seconds from
@@ -92,74 +114,88 @@ class StepStats:
         t = self.total_s
         return (self.schedule_s + self.update_s) / t if t > 0 else 0.0
 
+    def record(self, out: SchedulerOutput, laps: Sequence[float]) -> None:
+        """Add one step: plan ``out`` and its stage laps (schedule, model, sample,
+        update, output seconds, as :class:`StepTimer` measured them)."""
+        decode = prefill = 0
+        for s in out.scheduled:
+            if s.num_tokens == 1 and s.start >= s.request.num_prompt_tokens:
+                decode += 1
+            else:
+                prefill += s.num_tokens
+        self.num_steps += 1
+        self.schedule_s += laps[0]
+        self.model_s += laps[1]
+        self.sample_s += laps[2]
+        self.update_s += laps[3]
+        self.output_s += laps[4]
+        self.num_seqs += len(out.scheduled)
+        self.decode_tokens += decode
+        self.prefill_tokens += prefill
+        self.last_batch_size = len(out.scheduled)
 
-class EngineMetrics:
-    """``get_metrics`` of :class:`~kvpage.engine.engine.LLMEngine` (see there)."""
 
-    # state owned by LLMEngine.__init__
-    kv_cache_manager: KVCacheManager
-    scheduler: Scheduler
-    tiers: TieredCache | None
-    _counters: dict[str, int]
-
-    # ---- metrics ------------------------------------------------------------------------
-    def get_metrics(self) -> dict[str, float]:
-        """Current values of :data:`METRIC_NAMES`: KV usage as a fraction in [0, 1]
-        (cached-but-unreferenced blocks count as free), running/waiting sequences, and
-        counters since the engine started (prefix cache queries/hits in tokens), the
-        free blocks held at a raised retention priority, and first admissions by
-        cache-miss reason (:data:`CACHE_MISS_METRIC`, one key per reason); plus, per
-        configured KV tier, :data:`TIER_METRIC_TEMPLATES` (bytes, blocks, tokens,
-        seconds), and with swap preemption ``kvpage:swap_*`` (space in use, swap-outs,
-        swap-ins, victims recomputed instead, bytes moved, transfer seconds)."""
-        kv = self.kv_cache_manager
-        st = kv.stats
-        reasons = self.scheduler.miss_reasons
-        misses = {k: float(reasons.get(r, 0)) for k, r in zip(CACHE_MISS_KEYS, MISS_REASONS)}
-        out = {
-            "kvpage:kv_cache_usage_perc": float(kv.usage),
-            "kvpage:num_requests_running": float(self.scheduler.num_running),
-            "kvpage:num_requests_waiting": float(self.scheduler.num_waiting),
-            "kvpage:prefix_cache_queries_total": float(st.prefix_queries_tokens),
-            "kvpage:prefix_cache_hits_total": float(st.prefix_hits_tokens),
-            "kvpage:num_preemptions_total": float(self.scheduler.num_preemptions),
-            "kvpage:block_allocation_failures_total": float(st.allocation_failures),
-            "kvpage:evictions_total": float(st.evictions),
-            "kvpage:prompt_tokens_total": float(self._counters["prompt"]),
-            "kvpage:generation_tokens_total": float(self._counters["generation"]),
-            "kvpage:requests_rejected_total": float(self._counters["rejected"]),
-            "kvpage:kv_retained_blocks": float(kv.num_retained_blocks),
-            **misses,
-        }
-        sw = self.scheduler.swapper
-        if sw is not None:
-            ss = sw.stats
-            out["kvpage:swap_space_usage_bytes"] = float(sw.used_bytes)
-            out["kvpage:swap_outs_total"] = float(ss.swap_outs)
-            out["kvpage:swap_ins_total"] = float(ss.swap_ins)
-            out["kvpage:swap_recomputed_total"] = float(ss.recomputed)
-            out["kvpage:swap_bytes_total"] = float(ss.bytes_out + ss.bytes_in)
-            out["kvpage:swap_transfer_seconds_total"] = float(ss.transfer_s)
-        if self.tiers is not None:
-            for t in self.tiers.tiers:
-                ts = t.stats
-                vals = (
-                    t.used_bytes,
-                    t.capacity_bytes,
-                    len(t),
-                    ts.hits_tokens,
-                    ts.promotions,
-                    ts.demotions,
-                    ts.drops,
-                    ts.corrupt,
-                    ts.write_errors,
-                    ts.bytes_in,
-                    ts.bytes_out,
-                    ts.transfer_s,
-                )
-                for tpl, v in zip(TIER_METRIC_TEMPLATES, vals):
-                    out[tpl.format(tier=t.name)] = float(v)
-        return out
+def collect_metrics(
+    kv: KVCacheManager,
+    scheduler: Scheduler,
+    tiers: TieredCache | None,
+    counters: RequestCounters,
+) -> dict[str, float]:
+    """Current values of :data:`METRIC_NAMES`: KV usage as a fraction in [0, 1]
+    (cached-but-unreferenced blocks count as free), running/waiting sequences, and
+    counters since the engine started (prefix cache queries/hits in tokens), the
+    free blocks held at a raised retention priority, and first admissions by
+    cache-miss reason (:data:`CACHE_MISS_METRIC`, one key per reason); plus, per
+    configured KV tier, :data:`TIER_METRIC_TEMPLATES` (bytes, blocks, tokens,
+    seconds), and with swap preemption ``kvpage:swap_*`` (space in use, swap-outs,
+    swap-ins, victims recomputed instead, bytes moved, transfer seconds)."""
+    st = kv.stats
+    reasons = scheduler.miss_reasons
+    misses = {k: float(reasons.get(r, 0)) for k, r in zip(CACHE_MISS_KEYS, MISS_REASONS)}
+    out = {
+        "kvpage:kv_cache_usage_perc": float(kv.usage),
+        "kvpage:num_requests_running": float(scheduler.num_running),
+        "kvpage:num_requests_waiting": float(scheduler.num_waiting),
+        "kvpage:prefix_cache_queries_total": float(st.prefix_queries_tokens),
+        "kvpage:prefix_cache_hits_total": float(st.prefix_hits_tokens),
+        "kvpage:num_preemptions_total": float(scheduler.num_preemptions),
+        "kvpage:block_allocation_failures_total": float(st.allocation_failures),
+        "kvpage:evictions_total": float(st.evictions),
+        "kvpage:prompt_tokens_total": float(counters.prompt_tokens),
+        "kvpage:generation_tokens_total": float(counters.generation_tokens),
+        "kvpage:requests_rejected_total": float(counters.rejected),
+        "kvpage:kv_retained_blocks": float(kv.num_retained_blocks),
+        **misses,
+    }
+    sw = scheduler.swapper
+    if sw is not None:
+        ss = sw.stats
+        out["kvpage:swap_space_usage_bytes"] = float(sw.used_bytes)
+        out["kvpage:swap_outs_total"] = float(ss.swap_outs)
+        out["kvpage:swap_ins_total"] = float(ss.swap_ins)
+        out["kvpage:swap_recomputed_total"] = float(ss.recomputed)
+        out["kvpage:swap_bytes_total"] = float(ss.bytes_out + ss.bytes_in)
+        out["kvpage:swap_transfer_seconds_total"] = float(ss.transfer_s)
+    if tiers is not None:
+        for t in tiers.tiers:
+            ts = t.stats
+            vals = (
+                t.used_bytes,
+                t.capacity_bytes,
+                len(t),
+                ts.hits_tokens,
+                ts.promotions,
+                ts.demotions,
+                ts.drops,
+                ts.corrupt,
+                ts.write_errors,
+                ts.bytes_in,
+                ts.bytes_out,
+                ts.transfer_s,
+            )
+            for tpl, v in zip(TIER_METRIC_TEMPLATES, vals):
+                out[tpl.format(tier=t.name)] = float(v)
+    return out
 
 
 __all__ = [
@@ -167,6 +203,7 @@ __all__ = [
     "CACHE_MISS_METRIC",
     "METRIC_NAMES",
     "TIER_METRIC_TEMPLATES",
-    "EngineMetrics",
     "StepStats",
+    "StepTimer",
+    "collect_metrics",
 ]

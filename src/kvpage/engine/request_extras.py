@@ -1,5 +1,5 @@
 """Per-request extras of an engine step, only for requests that ask for them: penalty
-contexts, sampled-token logprobs, prompt logprobs and vLLM's ``stop_reason``.
+contexts, prompt logprobs and vLLM's ``stop_reason``.
 
 ``parents`` below is the engine's ``{user request id: parent request}`` table; each has
 ``logprobs`` / ``cumulative`` (per sample), ``prompt_logprobs`` (per prompt position,
@@ -13,49 +13,25 @@ from typing import Any
 
 import torch
 
-from kvpage.engine.params import SamplingParams
 from kvpage.engine.processing import RowContext, compute_logprobs, position_logprobs
 from kvpage.engine.request import Request
 from kvpage.engine.scheduler import SchedulerOutput
 
 __all__ = [
     "prompt_logprob_spans",
-    "record_logprobs",
     "record_prompt_logprobs",
     "row_context",
     "stop_reason",
 ]
 
 
-def row_context(req: Request, eos_token_id: int | None) -> RowContext:
-    """The penalty context of a sequence's logits row (``min_tokens`` masks EOS unless
-    ``ignore_eos``, and the stop token ids)."""
+def row_context(req: Request) -> RowContext:
+    """The penalty context of a sequence's logits row (``min_tokens`` masks the
+    sequence's EOS unless ``ignore_eos``, and its stop token ids)."""
     stop: list[int] = list(req.stop_token_set)
-    if not req.params.ignore_eos and eos_token_id is not None:
-        stop.append(int(eos_token_id))
+    if not req.params.ignore_eos and req.eos_token_id is not None:
+        stop.append(int(req.eos_token_id))
     return RowContext(req.token_ids[: req.num_prompt_tokens], req.output_token_ids, stop)
-
-
-def record_logprobs(
-    parents: Mapping[str, Any],
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    tokens: Sequence[int],
-    row_reqs: Sequence[tuple[Request, int]],
-    tokenizer: Any,
-) -> None:
-    """Append the sampled tokens' logprobs to their parent requests (rows whose params ask)."""
-    idx = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if not idx:
-        return
-    sub = logits[idx] if len(idx) != len(params) else logits
-    toks = [tokens[i] for i in idx]
-    ents = compute_logprobs(sub, toks, [params[i].logprobs or 0 for i in idx])
-    for i, tok, ent in zip(idx, toks, ents):
-        req, sample = row_reqs[i]
-        grp = parents[req.parent_id]
-        grp.logprobs.setdefault(sample, []).append(position_logprobs(tok, ent, tokenizer))
-        grp.cumulative[sample] = grp.cumulative.get(sample, 0.0) + ent[0]
 
 
 def prompt_logprob_spans(out: SchedulerOutput) -> list[tuple[int, int, int]]:
@@ -99,13 +75,13 @@ def record_prompt_logprobs(
         r += n
 
 
-def stop_reason(grp: Any, q: Request, eos_token_id: int | None) -> int | str | None:
+def stop_reason(grp: Any, q: Request) -> int | str | None:
     """vLLM's ``stop_reason`` of a finished "stop" sample: the stop string or stop token
-    id that ended it; None for EOS."""
+    id that ended it; None for the sequence's EOS."""
     got: int | str | None = grp.stop_reasons.get(q.sample_index)
     if got is not None or not q.output_token_ids:
         return got
     last = q.output_token_ids[-1]
-    if not grp.params.ignore_eos and last == eos_token_id:
+    if not grp.params.ignore_eos and last == q.eos_token_id:
         return None
     return last if last in q.stop_token_set else None

@@ -12,17 +12,23 @@ Before that, rows that ask for them get the ``min_tokens`` mask and the penaltie
 ``min_p`` drops tokens whose probability is below ``min_p`` times the best token's
 (vLLM's order: penalties, temperature, min-p, top-k, top-p). Rows without any of these
 take the unchanged fast path.
+
+The one entry point is :meth:`Sampler.sample` (logits + :class:`SamplingRows`, the
+batch's per-row parameters) returning :class:`SamplerOutput` (ids and, for rows that
+ask, logprobs). A batch of plain greedy rows skips the per-row work (``argmax`` only).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from kvpage.engine.params import SamplingParams
-from kvpage.engine.processing import RowContext, apply_penalties
+from kvpage.engine.processing import RowContext, apply_penalties, compute_logprobs
+from kvpage.engine.request import Request
 
 
 def derive_seed(engine_seed: int, arrival_order: int, sample_index: int) -> int:
@@ -46,49 +52,117 @@ def make_generator(
     return g
 
 
-class Sampler:
-    """Samples one token per logits row."""
+@dataclass(slots=True)
+class SamplingRows:
+    """The per-row inputs of one step's sampling: one row per token to sample (a
+    sequence that forks this step has one row per sample).
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
-        contexts: Sequence[RowContext] | None = None,
-    ) -> list[int]:
-        """Sample.
+    Attributes:
+        params: each row's sampling parameters.
+        generators: each row's ``torch.Generator`` (None for greedy rows).
+        requests: each row's sequence (read-only; its ids feed the penalties).
+        sample_indices: each row's sample index within its user request.
+        logit_rows: the row of the runner's logits each row samples from (forked samples
+            repeat their parent's row); None when row ``i`` is logits row ``i``.
+        contexts: each row's prompt/output ids for penalties and ``min_tokens``; None
+            unless some row's ``params.needs_processing``.
+        all_greedy: every row is plain greedy (argmax of the raw logits: no penalties,
+            no logprobs), so :meth:`Sampler.sample` takes its fast path.
+    """
+
+    params: list[SamplingParams] = field(default_factory=list)
+    generators: list[torch.Generator | None] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    sample_indices: list[int] = field(default_factory=list)
+    logit_rows: list[int] | None = None
+    contexts: list[RowContext] | None = None
+    all_greedy: bool = True
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def by_request(self, token_ids: Sequence[int]) -> dict[str, list[int]]:
+        """``{sequence id: its rows' token ids}`` (sample order), as
+        ``Scheduler.update`` takes them."""
+        out: dict[str, list[int]] = {}
+        for req, tok in zip(self.requests, token_ids):
+            got = out.get(req.request_id)
+            if got is None:
+                out[req.request_id] = [tok]
+            else:
+                got.append(tok)
+        return out
+
+
+#: one row's logprob entry: ``(logprob, rank, top_ids, top_logprobs)``
+#: (:func:`kvpage.engine.processing.compute_logprobs`)
+LogprobEntry = tuple[float, int, list[int], list[float]]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """What :meth:`Sampler.sample` returns.
+
+    Attributes:
+        token_ids: one sampled id per row.
+        logprobs: per row, the sampled token's logprob entry (of the raw logits, before
+            penalties) when the row's ``params.logprobs`` is set, else None; the whole
+            list is None when no row asks.
+    """
+
+    token_ids: list[int]
+    logprobs: list[LogprobEntry | None] | None = None
+
+
+class Sampler:
+    """Samples one token per row (see the module docstring for the method).
+
+    Stateless: the per-sequence random state is the rows' generators.
+    """
+
+    def sample(self, logits: torch.Tensor, rows: SamplingRows) -> SamplerOutput:
+        """Sample one token per row.
 
         Args:
-            logits: ``[num_rows, vocab_size]`` float (any device); not mutated.
-            params: the sampling parameters of each row.
-            generators: each row's generator (None allowed for greedy rows).
-            contexts: each row's prompt/output ids, required when a row's
-                ``params.needs_processing`` (penalties, min_tokens).
+            logits: ``[num_logit_rows, vocab_size]`` float (any device); not mutated.
+            rows: the per-row inputs (``rows.logit_rows`` maps rows to logits rows).
 
         Returns:
-            ``num_rows`` token ids.
+            The ``len(rows)`` token ids and, for rows that ask, their logprobs.
+            All-greedy batches take ``argmax`` of the raw logits directly (the same ids
+            as the general path, tested).
         """
-        n = int(logits.shape[0])
+        if rows.logit_rows is not None:
+            sel = torch.tensor(rows.logit_rows, dtype=torch.int64, device=logits.device)
+            logits = logits.index_select(0, sel)
+        if not rows.params:
+            return SamplerOutput([])
+        if rows.all_greedy:
+            return SamplerOutput(torch.argmax(logits, dim=-1).tolist())
+        return self._sample_general(logits, rows)
+
+    def _sample_general(self, logits: torch.Tensor, rows: SamplingRows) -> SamplerOutput:
+        params = rows.params
+        raw = logits
+        if rows.contexts is not None:
+            logits = apply_penalties(logits, params, rows.contexts)
+        n = len(params)
         out = [0] * n
-        if n == 0:
-            return out
-        if contexts is not None:
-            logits = apply_penalties(logits, params, contexts)
         greedy = [i for i in range(n) if params[i].greedy]
         rand = [i for i in range(n) if not params[i].greedy]
-        if greedy:
-            if len(greedy) == n:
-                return torch.argmax(logits, dim=-1).tolist()
-            ids = torch.argmax(logits[greedy], dim=-1).tolist()
-            for i, t in zip(greedy, ids):
+        if len(greedy) == n:
+            out = torch.argmax(logits, dim=-1).tolist()
+        elif greedy:
+            for i, t in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist()):
                 out[i] = int(t)
         if rand:
+            gens = rows.generators
             ids = self._sample(
-                logits[rand].float().cpu(), [params[i] for i in rand], [generators[i] for i in rand]
+                logits[rand].float().cpu(), [params[i] for i in rand], [gens[i] for i in rand]
             )
             for i, t in zip(rand, ids):
                 out[i] = t
-        return out
+        return SamplerOutput(out, _logprob_rows(raw, params, out))
 
     @staticmethod
     def _sample(
@@ -137,4 +211,26 @@ class Sampler:
         return idx.gather(1, pos.unsqueeze(1)).squeeze(1).tolist()
 
 
-__all__ = ["Sampler", "derive_seed", "make_generator"]
+def _logprob_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], tokens: Sequence[int]
+) -> list[LogprobEntry | None] | None:
+    """The logprob entries of the rows whose params ask for logprobs (None if none do)."""
+    idx = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not idx:
+        return None
+    sub = logits[idx] if len(idx) != len(params) else logits
+    ents = compute_logprobs(sub, [tokens[i] for i in idx], [params[i].logprobs or 0 for i in idx])
+    out: list[LogprobEntry | None] = [None] * len(params)
+    for i, ent in zip(idx, ents):
+        out[i] = ent
+    return out
+
+
+__all__ = [
+    "LogprobEntry",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingRows",
+    "derive_seed",
+    "make_generator",
+]

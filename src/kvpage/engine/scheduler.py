@@ -33,8 +33,8 @@ so the oldest always completes (no deadlock); preempted sequences go to the fron
 the queue and no new request is admitted in a step that preempted (no starvation).
 Source of the policy: vLLM v1 scheduler design (docs.vllm.ai, "vLLM V1" blog, 2025).
 
-Preemption (with swap), forks of parallel samples and finishing live in the base class
-:class:`~kvpage.engine.scheduler_lifecycle.SequenceLifecycle`.
+The scheduler picks the victims; its :class:`~kvpage.engine.preemption.Preemptor`
+carries the preemption out (recompute or swap) and owns the swapper.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 from kvpage.cache.allocation import Allocation
 from kvpage.cache.explain import CacheMissExplanation
 from kvpage.cache.protocol import KVAllocator, RetentionAllocator
+from kvpage.engine.preemption import Preemptor
 from kvpage.engine.queue_policy import SchedulingPolicy, make_queue
-from kvpage.engine.request import Request, RequestStatus
+from kvpage.engine.request import Request, RequestStatus, sample_id
 from kvpage.engine.scheduled import ScheduledRequest
-from kvpage.engine.scheduler_lifecycle import SequenceLifecycle
 from kvpage.engine.swap import Swapper
 from kvpage.errors import RequestRejected, SpecError
 
@@ -75,7 +75,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class Scheduler(SequenceLifecycle):
+class Scheduler:
     """Continuous-batching scheduler over one :class:`KVCacheManager`.
 
     Args:
@@ -117,7 +117,7 @@ class Scheduler(SequenceLifecycle):
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.samples: dict[str, list[Request]] = {}
-        self.num_preemptions = 0
+        self.preemptor = Preemptor(kv_cache_manager, self.waiting)
         self.num_steps = 0
         self._arrivals = 0
         #: first admissions by cache-miss reason (``kvpage.cache.MISS_REASONS``)
@@ -125,8 +125,21 @@ class Scheduler(SequenceLifecycle):
         self._retaining = (
             kv_cache_manager if isinstance(kv_cache_manager, RetentionAllocator) else None
         )
-        #: swap preemption (``kvpage.engine.swap.Swapper``); None = always recompute
-        self.swapper: Swapper | None = None
+
+    @property
+    def swapper(self) -> Swapper | None:
+        """Swap preemption (``kvpage.engine.swap.Swapper``); None = always recompute
+        (the preemptor's; settable)."""
+        return self.preemptor.swapper
+
+    @swapper.setter
+    def swapper(self, swapper: Swapper | None) -> None:
+        self.preemptor.swapper = swapper
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions since the start."""
+        return self.preemptor.num_preemptions
 
     @property
     def max_servable_len(self) -> int:
@@ -242,7 +255,7 @@ class Scheduler(SequenceLifecycle):
             alloc = allocate(req.request_id, req.token_ids, n)
             while alloc is None:
                 victim = running.pop()
-                self._preempt(victim)
+                self.preemptor.preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is req:
                     break
@@ -284,7 +297,7 @@ class Scheduler(SequenceLifecycle):
                     self.miss_reasons[why.reason] = self.miss_reasons.get(why.reason, 0) + 1
                 req.has_blocks = True
                 if swapped:
-                    self._swap_in(req)
+                    self.preemptor.swap_in(req)
                 req.num_computed_tokens = alloc.num_cached_tokens + swapped
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = alloc.num_cached_tokens
@@ -361,6 +374,92 @@ class Scheduler(SequenceLifecycle):
                     self.finish(seq, reason)
                     finished.append(seq)
         return progressed, finished
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """Create the parent's pending samples, sharing its blocks (copy-on-write)."""
+        k = parent.num_pending_samples
+        if k == 0:
+            return []
+        parent.num_pending_samples = 0
+        children = []
+        pos = self.running.index(parent) + 1
+        for idx in range(1, k + 1):
+            child = Request(
+                request_id=sample_id(parent.parent_id, idx),
+                parent_id=parent.parent_id,
+                sample_index=idx,
+                token_ids=list(parent.token_ids),
+                num_prompt_tokens=parent.num_prompt_tokens,
+                params=parent.params,
+                max_tokens=parent.max_tokens,
+                eos_token_id=parent.eos_token_id,
+                cache_salt=parent.cache_salt,
+                arrival_order=parent.arrival_order,
+                priority=parent.priority,
+                status=RequestStatus.RUNNING,
+                num_computed_tokens=parent.num_computed_tokens,
+                num_cached_tokens=parent.num_cached_tokens,
+                has_blocks=True,
+                stop_token_set=parent.stop_token_set,
+                cache_miss=parent.cache_miss,
+            )
+            self.kv.fork(parent.request_id, child.request_id)
+            self.requests[child.request_id] = child
+            self.samples[parent.parent_id].append(child)
+            children.append(child)
+        self.running[pos:pos] = children
+        return children
+
+    # ---- finishing ----------------------------------------------------------------------
+    def finish(self, req: Request, reason: str) -> None:
+        """Mark ``req`` finished with ``reason`` and free its blocks (idempotent)."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.has_blocks:
+            self.kv.free(req.request_id)
+            req.has_blocks = False
+        if req.swapped_tokens:
+            self.preemptor.discard_swap(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+
+    def abort(self, parent_id: str) -> list[Request]:
+        """Abort every sample of user request ``parent_id`` and free their blocks now.
+
+        Returns the aborted sequences (empty for an unknown or finished id)."""
+        seqs = self.samples.get(parent_id, [])
+        out = [r for r in seqs if not r.is_finished]
+        for r in out:
+            self.finish(r, "abort")
+            r.num_pending_samples = 0
+        return out
+
+    def samples_finished(self, parent_id: str) -> bool:
+        """True when every sample of ``parent_id`` has finished (and none is pending)."""
+        for r in self.samples[parent_id]:  # a loop: this runs per request per step
+            if r.status is not RequestStatus.FINISHED or r.num_pending_samples:
+                return False
+        return True
+
+    def release(self, parent_id: str) -> None:
+        """Forget a finished user request (its sequences and ids)."""
+        for r in self.samples.pop(parent_id, []):
+            self.requests.pop(r.request_id, None)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
 
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]

@@ -1,0 +1,293 @@
+"""The engine's request table and output stage (:class:`OutputProcessor`): the
+engine-side state of each user request (:class:`ParentRequest`), the sampling rows of
+a step, logprobs, stop strings, and building each step's ``RequestOutput``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvpage.engine.params import (
+    CompletionOutput,
+    PositionLogprobs,
+    RequestOutput,
+    SamplingParams,
+)
+from kvpage.engine.processing import position_logprobs
+from kvpage.engine.request import Request
+from kvpage.engine.request_extras import (
+    record_prompt_logprobs,
+    row_context,
+    stop_reason,
+)
+from kvpage.engine.sampler import SamplerOutput, SamplingRows, make_generator
+
+if TYPE_CHECKING:
+    from kvpage.engine.scheduler import Scheduler, SchedulerOutput
+
+__all__ = ["OutputProcessor", "ParentRequest", "RequestCounters"]
+
+
+@dataclass
+class ParentRequest:
+    """Engine-side state of one user request (its samples are the scheduler's)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    arrival_order: int
+    generators: dict[int, torch.Generator | None] = field(default_factory=dict)
+    texts: dict[int, str] = field(default_factory=dict)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    first_scheduled_time: float | None = None
+    #: per sample: the PositionLogprobs of each generated token (params.logprobs)
+    logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)
+    cumulative: dict[int, float] = field(default_factory=dict)
+    #: per prompt position (params.prompt_logprobs); position 0 stays None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    stop_reasons: dict[int, int | str] = field(default_factory=dict)
+
+
+@dataclass
+class RequestCounters:
+    """Counters since the engine started (the ``*_total`` engine metrics)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    rejected: int = 0
+
+
+class OutputProcessor:
+    """Owns the unfinished user requests' engine-side state and turns a step's
+    progress into ``RequestOutput``s.
+
+    Args:
+        scheduler: the engine's scheduler (read for the samples; ``finish`` and
+            ``release`` are called on it).
+        tokenizer: decodes text, stop strings and logprob tokens (None = no text).
+        seed: the engine seed (generators of requests without a seed).
+
+    Attributes:
+        counters: prompt/generation tokens and rejected requests since the start.
+        stream_text: when True, unfinished outputs carry decoded text too (costs a
+            decode per token); finished outputs always do.
+    """
+
+    def __init__(self, scheduler: Scheduler, tokenizer: Any, seed: int) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.stream_text = False
+        self.counters = RequestCounters()
+        self._parents: dict[str, ParentRequest] = {}
+        #: unfinished requests with prompt_logprobs (0: steps skip looking for them)
+        self._num_prompt_lp = 0
+
+    # ---- the request table ------------------------------------------------------------
+    def add(self, preq: ParentRequest) -> None:
+        """Track a queued user request (its id must be new)."""
+        if preq.params.prompt_logprobs is not None:
+            preq.prompt_logprobs = [None] * len(preq.prompt_token_ids)
+            self._num_prompt_lp += 1
+        self._parents[preq.request_id] = preq
+        self.counters.prompt_tokens += len(preq.prompt_token_ids)
+
+    def forget(self, parent_id: str) -> None:
+        """Drop a user request's state (finished, aborted or failed); unknown ids are
+        ignored."""
+        preq = self._parents.pop(parent_id, None)
+        if preq is not None and preq.prompt_logprobs is not None:
+            self._num_prompt_lp -= 1
+
+    def __contains__(self, parent_id: object) -> bool:
+        return parent_id in self._parents
+
+    def __len__(self) -> int:
+        return len(self._parents)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._parents)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True when some unfinished request asked for prompt logprobs."""
+        return self._num_prompt_lp > 0
+
+    # ---- the sampling inputs ----------------------------------------------------------
+    def sampling_rows(self, out: SchedulerOutput, now: float) -> SamplingRows:
+        """The rows to sample for plan ``out`` (one per scheduled sequence that samples,
+        ``n`` for one that forks now); stamps ``first_scheduled_time`` (``now``,
+        monotonic seconds) on requests scheduled for the first time."""
+        parents = self._parents
+        rows = SamplingRows()
+        logit_rows: list[int] = []
+        processing = False
+        r = 0
+        for s in out.scheduled:
+            req = s.request
+            preq = parents[req.parent_id]
+            if preq.first_scheduled_time is None:
+                preq.first_scheduled_time = now
+            if not s.samples:
+                continue
+            p = preq.params
+            if not p.plain or p.temperature != 0.0:
+                rows.all_greedy = False
+                processing = processing or p.needs_processing
+            for j in range(1 + req.num_pending_samples):
+                index = j or req.sample_index
+                logit_rows.append(r)
+                rows.params.append(p)
+                rows.generators.append(None if p.greedy else self._generator(preq, index))
+                rows.requests.append(req)
+                rows.sample_indices.append(index)
+            r += 1
+        if len(logit_rows) != r:
+            rows.logit_rows = logit_rows
+        if processing:
+            rows.contexts = [row_context(q) for q in rows.requests]
+        return rows
+
+    def _generator(self, preq: ParentRequest, index: int) -> torch.Generator | None:
+        g = preq.generators.get(index)
+        if g is None:
+            g = make_generator(preq.params, self.seed, preq.arrival_order, index)
+            preq.generators[index] = g
+        return g
+
+    # ---- logprobs ---------------------------------------------------------------------
+    def record_prompt_logprobs(
+        self, out: SchedulerOutput, spans: list[tuple[int, int, int]], logits: torch.Tensor
+    ) -> None:
+        """Fill prompt logprobs from the span rows of ``logits``
+        (:func:`kvpage.engine.request_extras.record_prompt_logprobs`)."""
+        record_prompt_logprobs(self._parents, out, spans, logits, self.tokenizer)
+
+    def record_logprobs(self, rows: SamplingRows, res: SamplerOutput) -> None:
+        """Append the sampled tokens' logprobs of the rows that asked for them."""
+        if res.logprobs is None:
+            return
+        for req, index, tok, ent in zip(
+            rows.requests, rows.sample_indices, res.token_ids, res.logprobs
+        ):
+            if ent is None:
+                continue
+            preq = self._parents[req.parent_id]
+            preq.logprobs.setdefault(index, []).append(position_logprobs(tok, ent, self.tokenizer))
+            preq.cumulative[index] = preq.cumulative.get(index, 0.0) + ent[0]
+
+    # ---- outputs ----------------------------------------------------------------------
+    def emit(
+        self, progressed: list[Request], now: float, finished_only: bool
+    ) -> list[RequestOutput]:
+        """Apply stop strings to the sequences that got a token and build one output per
+        user request among them (finished ones are released from the scheduler and
+        forgotten). ``finished_only`` skips the outputs of unfinished requests."""
+        touched = self._progress(progressed, now)
+        self.counters.generation_tokens += len(progressed)
+        results = []
+        for pid, preq in touched.items():
+            done = self.scheduler.samples_finished(pid)
+            if done:
+                preq.finish_time = now
+            elif finished_only:
+                continue
+            results.append(self._make_output(preq, done))
+            if done:
+                self.scheduler.release(pid)
+                self.forget(pid)
+        return results
+
+    def _progress(self, progressed: list[Request], now: float) -> dict[str, ParentRequest]:
+        """First-token times and stop strings of the progressed sequences; returns their
+        user requests (first-progress order)."""
+        parents = self._parents
+        touched: dict[str, ParentRequest] = {}
+        for seq in progressed:
+            preq = parents[seq.parent_id]
+            touched[seq.parent_id] = preq
+            if preq.first_token_time is None:
+                preq.first_token_time = now
+            p = preq.params
+            if p.stop and not seq.is_finished and seq.num_output_tokens >= p.min_tokens:
+                self._check_stop_strings(seq, preq)
+        return touched
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(ids))
+
+    def _check_stop_strings(self, seq: Request, preq: ParentRequest) -> None:
+        text = self._decode(seq.output_token_ids)
+        mt = preq.params.min_tokens
+        # with min_tokens, a stop string must end in the min_tokens-th token or later
+        floor = len(self._decode(seq.output_token_ids[: mt - 1])) if mt > 1 else 0
+        for stop in preq.params.stop or ():
+            k = text.find(stop, max(0, floor - len(stop) + 1))
+            if k >= 0:
+                keep = k + len(stop) if preq.params.include_stop_str_in_output else k
+                preq.texts[seq.sample_index] = text[:keep]
+                preq.stop_reasons[seq.sample_index] = stop
+                self.scheduler.finish(seq, "stop")
+                return
+
+    def _make_output(self, preq: ParentRequest, finished: bool) -> RequestOutput:
+        # runs for every request that progressed, every step: no generators or
+        # comprehensions on the common path (one sample, no logprobs, no KV tiers)
+        seqs = self.scheduler.samples[preq.request_id]  # sample-index order (forks append)
+        outs = []
+        want_lp = preq.params.logprobs is not None
+        decode_text = finished or self.stream_text
+        for q in seqs:
+            i = q.sample_index
+            text = preq.texts.get(i)
+            if text is None and decode_text:
+                text = self._decode(q.output_token_ids)
+            reason = q.finish_reason if q.is_finished else None
+            outs.append(
+                CompletionOutput(
+                    index=i,
+                    token_ids=q.output_token_ids,
+                    text=text or "",
+                    finish_reason=reason,
+                    stop_reason=stop_reason(preq, q) if reason == "stop" else None,
+                    logprobs=list(preq.logprobs.get(i, ())) if want_lp else None,
+                    cumulative_logprob=preq.cumulative.get(i, 0.0) if want_lp else None,
+                )
+            )
+        first = seqs[0]
+        if len(seqs) == 1:
+            preemptions = first.num_preemptions
+        else:
+            preemptions = 0
+            for q in seqs:
+                preemptions += q.num_preemptions
+        by_tier: dict[str, int] = {}
+        if first.num_cached_tokens >= 0:
+            by_tier["device"] = 0
+            for k, v in (first.num_cached_tokens_by_tier or {}).items():
+                if v:
+                    by_tier[k] = v
+        return RequestOutput(
+            request_id=preq.request_id,
+            prompt=preq.prompt,
+            prompt_token_ids=preq.prompt_token_ids,
+            num_cached_tokens=max(0, first.num_cached_tokens),
+            cache_miss=first.cache_miss,
+            outputs=outs,
+            finished=finished,
+            arrival_time=preq.arrival_time,
+            first_token_time=preq.first_token_time,
+            finish_time=preq.finish_time,
+            first_scheduled_time=preq.first_scheduled_time,
+            num_preemptions=preemptions,
+            prompt_logprobs=None if preq.prompt_logprobs is None else list(preq.prompt_logprobs),
+            num_cached_tokens_by_tier=by_tier,
+        )

@@ -1,0 +1,46 @@
+"""The Sampler's greedy fast path agrees with its general path; rows map to logits
+rows (forks) and logprob rows come back only for the rows that ask."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpage.engine.params import SamplingParams
+from kvpage.engine.sampler import Sampler, SamplingRows
+
+
+def _greedy() -> SamplingParams:
+    p = SamplingParams(temperature=0.0)
+    p.validate()
+    return p
+
+
+def test_greedy_fast_path_agrees_with_general_path() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g)
+    logits[2, [3, 7]] = 100.0  # a tie: both paths take the lowest index
+    logits[5] = 0.0  # all tied
+    params = [_greedy() for _ in range(6)]
+    fast = SamplingRows(params, [None] * 6)
+    general = SamplingRows(params, [None] * 6, all_greedy=False)
+    sampler = Sampler()
+    a = sampler.sample(logits, fast)
+    b = sampler.sample(logits, general)
+    assert a.token_ids == b.token_ids == torch.argmax(logits, dim=-1).tolist()
+    assert a.token_ids[2] == 3 and a.token_ids[5] == 0
+    assert a.logprobs is None and b.logprobs is None
+
+
+def test_logit_rows_repeat_a_forked_row_and_logprobs_only_where_asked() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    lp = SamplingParams(temperature=0.0, logprobs=1)
+    lp.validate()
+    rows = SamplingRows([_greedy(), lp, _greedy()], [None] * 3, logit_rows=[0, 0, 1])
+    rows.all_greedy = False
+    res = Sampler().sample(logits, rows)
+    assert res.token_ids == [1, 1, 0]
+    assert res.logprobs is not None and res.logprobs[0] is None and res.logprobs[2] is None
+    ent = res.logprobs[1]
+    assert ent is not None
+    want = torch.log_softmax(logits[0], dim=-1)[1].item()
+    assert abs(ent[0] - want) < 1e-6 and ent[1] == 1 and ent[2] == [1]
