@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from kvpage.errors import got_repr
 from kvpage.server import protocol as P
 from kvpage.server.auth import request_priority, scoped_cache_salt
 from kvpage.server.config import JSON_MAX_DEPTH
@@ -36,7 +37,7 @@ from kvpage.server.responses import (
 from kvpage.server.security import may_see_topology, request_tenant
 from kvpage.server.service import APIError, Charge, ServingState, Usage
 from kvpage.server.sse import _Stream, _until_disconnect
-from kvpage.server.validation import prepare_request
+from kvpage.server.validation import check_duplicate_keys, prepare_request
 
 __all__: list[str] = []
 
@@ -72,7 +73,7 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     parts = _clean_loc(err.get("loc", ()))
     loc = ".".join(parts)
     got = err.get("input")
-    got_s = "missing" if err.get("type") == "missing" else f"{type(got).__name__} {got!r}"[:200]
+    got_s = "missing" if err.get("type") == "missing" else f"{type(got).__name__} {got_repr(got)}"
     msg = str(err.get("msg", "a valid value"))
     msg = msg.removeprefix("Input should be ").removeprefix("Value error, ")
     ctx = err.get("ctx") or {}
@@ -81,13 +82,16 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
         msg = "a value (required field)"
     elif err.get("type") == "extra_forbidden":
         msg = "no such field (unknown field)"
+    elif err.get("type") == "string_too_long":
+        msg = f"a string of at most {ctx.get('max_length')} characters"
+        got_s = f"{len(got) if isinstance(got, str) else '?'} characters"
     elif err.get("type") == "too_short":
         n = ctx.get("min_length", 1)
         msg = f"at least {n} item{'s' if n != 1 else ''}"
         got_s = f"{ctx.get('actual_length', len(got) if hasattr(got, '__len__') else '?')}"
     elif field in _ACCEPTS and (len(errors) > 1 or "[" in str(err.get("loc", ""))):
         msg = _ACCEPTS[field]
-        got_s = f"{type(got).__name__} {got!r}"[:200]
+        got_s = f"{type(got).__name__} {got_repr(got)}"
     return f"{loc or 'body'}: expected {msg}, got {got_s}", loc or None
 
 
@@ -112,12 +116,15 @@ def _response_headers(
 
 
 def _parse(model_cls: type[P.CompletionRequest] | type[P.ChatCompletionRequest], raw: bytes) -> Any:
-    """The validated body (on the tokenize pool: parsing a 4 MiB body takes long)."""
+    """The validated body (on the tokenize pool: parsing a 4 MiB body takes long).
+    A key given twice in one JSON object is refused (:func:`check_duplicate_keys`)."""
     try:
-        return model_cls.model_validate_json(raw)
+        body = model_cls.model_validate_json(raw)
     except ValidationError as exc:
         msg, param = _validation_message(exc)
         raise APIError(400, msg, param=param, reason="invalid_request") from None
+    check_duplicate_keys(raw)
+    return body
 
 
 def _split_prompts(body: Any) -> list[Any]:
