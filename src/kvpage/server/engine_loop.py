@@ -160,11 +160,16 @@ class AsyncEngine:
         params: Any,
         arrival_time: float | None = None,
         priority: int = 0,
+        replayable: bool = False,
     ) -> asyncio.Queue[Any]:
         """Add a request; return the queue its ``RequestOutput``s arrive on.
 
         ``arrival_time`` (``time.monotonic()`` seconds) is passed to the engine, and
         ``priority`` when it is not 0 (engines without priorities keep working).
+        ``replayable`` (no output of the request reaches its client before it
+        finishes: a non-streamed request) lets an engine loop that can run the request
+        again elsewhere do so after a failure (the scaled-out ingress,
+        :class:`kvpage.cluster.remote.RemoteEngineLoop`); ignored here.
 
         The queue receives each output the engine produces for the request (the last one
         has ``finished=True``) or an :class:`EngineFailure`.

@@ -357,6 +357,7 @@ class ProcessAsyncEngine:
         params: Any,
         arrival_time: float | None = None,
         priority: int = 0,
+        replayable: bool = False,
     ) -> asyncio.Queue[Any]:
         """As :meth:`AsyncEngine.add <kvpage.server.engine_loop.AsyncEngine.add>`."""
         if not self.running:
