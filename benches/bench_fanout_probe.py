@@ -17,6 +17,9 @@ default) in this process and, in a child process, probes ``GET /health`` every 5
   the cap avoids (the work now runs off the loop, but the engine still serves 10,000
   sequences ahead of the other tenant).
 
+``--engine-process`` runs the engine in its own process (``engine_process: true``), so
+its scheduling does not hold the server's GIL.
+
 Prints a JSON summary; ``--out`` writes it too.
 
     .venv/bin/python benches/bench_fanout_probe.py --lifted
@@ -78,11 +81,11 @@ def post(base: str, body: dict[str, Any], user: str) -> tuple[int, float, str]:
     return r.status_code, time.perf_counter() - t, code
 
 
-def server(admission: dict[str, Any]) -> BackgroundServer:
+def server(admission: dict[str, Any], engine_process: bool = False) -> BackgroundServer:
     cfg = ServerConfig.model_validate(
         {
             "log_level": "warning",
-            "engine_process": False,
+            "engine_process": engine_process,
             "engine": {"num_blocks": 1025, "block_size": 16, "max_num_seqs": 256},
             "admission": admission,
         }
@@ -118,10 +121,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--refused-rounds", type=int, default=20)
     ap.add_argument("--lifted", action="store_true", help="also run the caps-lifted server")
+    ap.add_argument("--engine-process", action="store_true", help="the engine in its own process")
     ap.add_argument("--out")
     args = ap.parse_args()
     huge = [f"p{i} hi" for i in range(10_000)]  # ~80 KB of JSON
-    summary: dict[str, Any] = {"load_before": round(os.getloadavg()[0], 2)}
+    summary: dict[str, Any] = {
+        "load_before": round(os.getloadavg()[0], 2),
+        "engine_process": args.engine_process,
+    }
     ctx = mp.get_context("spawn")
     runs = [("default", {})]
     if args.lifted:
@@ -132,7 +139,7 @@ def main() -> int:
         }
         runs.append(("lifted", lifted))
     for name, admission in runs:
-        srv = server(admission)
+        srv = server(admission, args.engine_process)
         stop, q = ctx.Event(), ctx.Queue()
         p = ctx.Process(target=probe, args=(srv.base_url, stop, q))
         p.start()
