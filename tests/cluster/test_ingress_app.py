@@ -284,6 +284,12 @@ def test_canary_admin_route_and_kv_events_on_metrics(info: dict[str, Any]) -> No
         for bad in ({"traffic_fraction": 2}, {"traffic_fraction": "x"}, {"fraction": 0.1}, [1]):
             r = await c.post("/admin/canary", json=bad)
             assert r.status_code == 400 and "traffic_fraction" in r.json()["error"]["message"]
+        r = await c.post(  # the last value would win silently: refused, naming the key
+            "/admin/canary",
+            content=b'{"traffic_fraction": 0.5, "traffic_fraction": 1}',
+            headers={"Content-Type": "application/json"},
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "duplicate_key", r.text
         r = await c.post("/admin/canary", json={"traffic_fraction": 1.0})
         assert r.json()["traffic_fraction"] == 1.0
         await c.post("/v1/completions", json=REQ)
