@@ -119,3 +119,35 @@ def test_tenant_sequences_unit():
 def test_inflight_cap_below_request_size_is_a_config_error():
     with pytest.raises(ValueError, match="max_inflight_sequences_per_tenant"):
         AdmissionConfig(max_sequences_per_request=64, max_inflight_sequences_per_tenant=8)
+
+
+def test_non_streamed_request_gets_only_the_outputs_it_keeps():
+    """A non-streamed request (``replayable``) is handed its first token, each finished
+    choice and the end, not one output per step: a large fan-out costs the event loop
+    a few deliveries per sequence instead of one per token."""
+    import asyncio
+
+    from kvpage.engine import LLMEngine, SamplingParams
+    from kvpage.server.engine_loop import AsyncEngine
+
+    engine = LLMEngine.from_config(block_size=16, num_blocks=64)
+
+    async def run(replayable: bool) -> list:
+        loop = AsyncEngine(engine)
+        loop.start(asyncio.get_running_loop())
+        try:
+            sp = SamplingParams(max_tokens=12, ignore_eos=True, n=2, temperature=0)
+            q = await loop.add("r", [1, 2, 3], sp, replayable=replayable)
+            got = []
+            while not got or not got[-1].finished:
+                got.append(await asyncio.wait_for(q.get(), 60))
+            return got
+        finally:
+            await asyncio.to_thread(loop.stop)
+
+    every = asyncio.run(run(False))
+    kept = asyncio.run(run(True))
+    assert len(every) == 12  # one per step
+    assert len(kept) == 2  # the first token, then the end (both choices end together)
+    assert [len(c.token_ids) for c in kept[-1].outputs] == [12, 12]
+    assert [c.token_ids for c in kept[-1].outputs] == [c.token_ids for c in every[-1].outputs]
