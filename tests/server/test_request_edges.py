@@ -138,7 +138,7 @@ def test_user_field_is_bounded(server):
     )
 
 
-@pytest.mark.parametrize("field", ["seed", "max_tokens", "top_k", "min_tokens"])
+@pytest.mark.parametrize("field", ["seed", "max_tokens", "top_k", "min_tokens", "priority"])
 def test_huge_integer_is_quoted_at_most_200_characters(server, field):
     big = "9" * 4000
     body = '{"model": "stories260K", "prompt": "hi", "' + field + '": ' + big + "}"

@@ -117,7 +117,7 @@ def register_utility_routes(
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(
-                400, f"tokens: expected ids in [0, {vocab}), got {bad[0]}", param="tokens"
+                400, f"tokens: expected ids in [0, {vocab}), got {got_repr(bad[0])}", param="tokens"
             )
         return {"prompt": str(state.tokenizer.decode(body.tokens))}
 
