@@ -36,7 +36,9 @@ __all__ = [
     "ChatPrompt",
     "apply_chat_template",
     "fold_lines",
+    "load_chat_template",
     "message_text",
+    "model_chat_template",
     "render_chat_prompt",
     "text_part_problem",
 ]
@@ -395,3 +397,47 @@ def _render_jinja(
         raise _bad(
             f"chat_template: expected a template that renders these messages, got {why}"
         ) from None
+
+
+#: characters that mark a ``--chat-template`` value as a template, not a file path
+_JINJA_CHARS = "{}\n"
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A ``--chat-template`` value as a template: the text of the file it names, or
+    the value itself when it holds Jinja characters (``{``, ``}`` or a newline), as
+    vLLM's ``load_chat_template`` reads it.
+
+    Raises:
+        SpecError: the value looks like a path and the file cannot be read, or the
+            template is empty or not valid Jinja.
+    """
+    from pathlib import Path
+
+    from kvpage.errors import SpecError
+
+    if value is None:
+        return None
+    if any(c in value for c in _JINJA_CHARS):
+        text = value
+    else:
+        try:
+            text = Path(value).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SpecError(
+                f"chat_template: expected a readable template file (or a Jinja template "
+                f"string), got {value!r} ({type(e).__name__}: {e})"[:300]
+            ) from None
+    if not text.strip():
+        raise SpecError(f"chat_template: expected a non-empty template, got {value!r}"[:200])
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        _compile_jinja_template(text)
+    except ImportError:  # pragma: no cover - transformers is an extra
+        pass
+    except Exception as e:  # jinja2.TemplateSyntaxError and kin
+        raise SpecError(
+            f"chat_template {value!r}: expected a valid Jinja template, got {e}"[:300]
+        ) from None
+    return text

@@ -29,6 +29,8 @@ _FLAGS: dict[str, tuple[str | None, str, Any]] = {
     "served_model_name": (None, "served_model_name", str),
     "log_level": (None, "log_level", str),
     "engine_niceness": (None, "engine_niceness", int),
+    "chat_template": (None, "chat_template", str),
+    "generation_config": ("engine", "generation_config", str),
     "model": ("engine", "model", str),
     "block_size": ("engine", "block_size", int),
     "num_blocks": ("engine", "num_blocks", int),
