@@ -19,7 +19,6 @@ single non-zero entry, in the chosen token's row. That makes stop-id tests exact
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -185,8 +184,3 @@ def set_emitted_token(model: Any, token_id: int) -> None:
         head = model.get_output_embeddings().weight
         head.zero_()
         head[token_id, 0] = 1000.0
-
-
-def read_json(path: str | Path) -> Any:
-    """The JSON value of a file (test convenience)."""
-    return json.loads(Path(path).read_text(encoding="utf-8"))
