@@ -248,3 +248,26 @@ def test_unset_vs_explicit_sampling_fields(folders: dict[str, Path]) -> None:
     with pytest.raises(APIError) as e:
         prepare_request("chat", bad, None, model_name="m", tokenizer=tok, max_model_len=128)
     assert e.value.param == "chat_template_kwargs.tokenize"
+
+
+@pytest.mark.slow  # spawns an engine process (~19 s: torch + transformers import)
+@pytest.mark.xdist_group("server_engine_process")
+def test_engine_process_carries_template_and_defaults(folders: dict[str, Path]) -> None:
+    from kvpage.server.app import create_app
+    from kvpage.server.config import ServerConfig
+    from kvpage.server.runner import BackgroundServer
+
+    model = str(folders["stop"])
+    cfg = ServerConfig.model_validate(
+        {"engine": {"model": model, **SMALL}, "log_level": "warning", "engine_process": True}
+    )
+    srv = BackgroundServer(create_app(cfg)).start()
+    try:
+        r = _chat(srv.base_url, model, temperature=0)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvpage-chat-template"] == "model"
+        assert r.json()["choices"][0]["finish_reason"] == "stop"  # generation_config EOS
+        card = httpx.get(srv.base_url + "/v1/models").json()["data"][0]
+        assert card["generation_defaults"]["max_tokens"] == 7
+    finally:
+        srv.stop()
