@@ -191,3 +191,21 @@ def test_bundled_model_keeps_its_tokenizer_and_plain_template() -> None:
     assert out[0].prompt == "Q: hi\nA:" and out[0].prompt_token_ids == tok.encode(
         "Q: hi\nA:", bos=False
     )
+
+
+def test_template_from_tokenizer_config_json(tmp_path: Path) -> None:
+    """The older layout: ``chat_template`` inside tokenizer_config.json, no .jinja file."""
+    import json
+
+    from kvpage.testing.hf_folders import CHATML_TEMPLATE
+
+    folder = make_chat_folder(tmp_path / "old", "qwen")
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    tc = json.loads((folder / "tokenizer_config.json").read_text())
+    tc["chat_template"] = CHATML_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(tc))
+    hf = _hf(folder)
+    llm = LLM(str(folder), **SMALL)
+    got = llm.chat(MSGS, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
+    assert got.prompt_token_ids == _chat_ids(hf, MSGS, add_generation_prompt=True)
+    assert got.prompt is not None and got.prompt.endswith("<|im_start|>assistant\n")

@@ -271,3 +271,36 @@ def test_engine_process_carries_template_and_defaults(folders: dict[str, Path]) 
         assert card["generation_defaults"]["max_tokens"] == 7
     finally:
         srv.stop()
+
+
+def test_cli_flags_and_load_chat_template(tmp_path: Path) -> None:
+    import argparse
+
+    from kvpage.engine.chat import load_chat_template
+    from kvpage.errors import SpecError
+    from kvpage.server.cli import add_serve_parser, check_engine_config, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0]['content'] }}")
+    args = parser.parse_args(["serve", "--chat-template", str(f), "--generation-config", "none"])
+    cfg = config_from_args(args)
+    assert cfg.chat_template == str(f) and cfg.engine.generation_config == "none"
+    check_engine_config(cfg)
+    assert load_chat_template(str(f)) == "{{ messages[0]['content'] }}"
+    assert load_chat_template("{{ 'inline' }}") == "{{ 'inline' }}"  # Jinja text as is (vLLM)
+    for bad, match in (
+        (str(tmp_path / "missing.jinja"), "readable template file"),
+        ("{% for %}", "valid Jinja"),
+    ):
+        with pytest.raises(SpecError, match=match):
+            check_engine_config(
+                config_from_args(parser.parse_args(["serve", "--chat-template", bad]))
+            )
+    with pytest.raises(SpecError, match="generation_config"):
+        check_engine_config(
+            config_from_args(
+                parser.parse_args(["serve", "--generation-config", str(tmp_path / "no")])
+            )
+        )
