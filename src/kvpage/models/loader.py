@@ -91,9 +91,8 @@ def load_model(
             raise SpecError(f"{cfg_path}: expected HF config values, got {e}") from None
         sd = _read_weights(path)
         if tok is None and any((path / f).is_file() for f in _TOKENIZER_FILES):
-            tok = HFTokenizer.from_pretrained(
-                path, bos_id=cfg.get("bos_token_id"), eos_id=cfg.get("eos_token_id")
-            )
+            # BOS as the tokenizer adds it; EOS = tokenizer + config + generation config
+            tok = HFTokenizer.from_pretrained(path, eos_id=cfg.get("eos_token_id"))
         return _build(cfg, sd, tok, dtype, device)
     raise SpecError(
         f"model: expected {BUNDLED_MODEL!r}, a llama2.c .bin file or an HF model folder, "
