@@ -378,3 +378,22 @@ def load_cfg(cfg: dict[str, Any]) -> Any:
 
     with torch.device("meta"):
         return ModelRunnerModel(cfg)
+
+
+@pytest.mark.parametrize("case", list(FAST))
+def test_kvpage_plan_of_each_family(case: str, tmp_path: Path) -> None:
+    """``kvpage plan`` on the family's ``config.json``: exact KV bytes per token (the
+    sum over the layers' K and V rows) and weight bytes from the parameter count."""
+    from kvpage.capacity import plan_capacity
+
+    mt, feats = FAST[case]
+    base = GPT2_SMALL if mt == "gpt2" else SMALL
+    cfg = transformers.CONFIG_MAPPING[mt](**copy.deepcopy({**base, **feats}))
+    cfg.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(cfg).parameters())
+    plan = plan_capacity(str(tmp_path / "config.json"), device_bytes="64MiB", dtype="float32")
+    shape = (cfg.num_key_value_heads if mt != "gpt2" else cfg.n_head, 16)
+    layers = cfg.num_hidden_layers if mt != "gpt2" else cfg.n_layer
+    assert plan.bytes_per_token == layers * 2 * shape[0] * shape[1] * 4
+    assert plan.weight_bytes == n * 4
