@@ -219,7 +219,11 @@ def _run(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
 
 
 def check_family(
-    model_type: str, features: dict[str, Any], tmp_path: Path, rounds: int = 1
+    model_type: str,
+    features: dict[str, Any],
+    tmp_path: Path,
+    rounds: int = 1,
+    backend: str = "auto",
 ) -> float:
     """Greedy equality with transformers (folder load, chunked prefill; ``rounds=2``:
     the rerun hits the prefix cache); returns the largest log-probability error."""
@@ -235,7 +239,14 @@ def check_family(
     # chunked prefill: a token budget of 7 splits every prompt (dynamic RoPE: one token
     # per step, as the oracle feeds transformers)
     budget = 1 if dynamic else 7
-    llm = LLM(model, block_size=4, num_blocks=160, max_num_batched_tokens=budget, max_num_seqs=3)
+    llm = LLM(
+        model,
+        block_size=4,
+        num_blocks=160,
+        max_num_batched_tokens=budget,
+        max_num_seqs=3,
+        backend=backend,
+    )
     err = 0.0
     for rnd in range(rounds):
         got, lps = _run(llm)
@@ -261,6 +272,16 @@ def test_family_greedy_equals_transformers(case: str, tmp_path: Path) -> None:
 def test_family_matrix_with_prefix_hits(case: str, tmp_path: Path) -> None:
     model_type, features = FAST[case] if case in FAST else SLOW[case]
     check_family(model_type, features, tmp_path, rounds=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["numba-cpu", "native-cpu"])
+@pytest.mark.parametrize("case", ["gemma3_text", "glm4", "cohere", "gpt2", "phi3-longrope"])
+def test_families_on_other_cpu_backends(case: str, backend: str, tmp_path: Path) -> None:
+    """Windows, partial / interleaved RoPE, q/k norms and learned positions token-equal
+    on the other CPU backends (their LayerOps and attention kernels)."""
+    model_type, features = FAST[case]
+    check_family(model_type, features, tmp_path, rounds=2, backend=backend)
 
 
 @pytest.mark.parametrize("case", [*FAST, *SLOW])
@@ -336,7 +357,7 @@ def hf_config_json(cfg: Any) -> dict[str, Any]:
     return hf_config_dict(cfg)
 
 
-@pytest.mark.parametrize("case", ["gpt2", "glm4", "phi3-longrope", "cohere"])
+@pytest.mark.parametrize("case", list(FAST))
 def test_in_memory_and_folder_layouts_agree(case: str, tmp_path: Path) -> None:
     """An in-memory transformers model and its saved folder load to the same kvpage
     weights; ``to_transformers`` writes them back under the family's names (logits
