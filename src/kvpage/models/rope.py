@@ -213,10 +213,14 @@ class RotaryEmbedding(nn.Module):
         if kind == "longrope" and n > edge:  # one set for every longer length
             long = rope_frequencies(self.rotary_dim, self.theta, sc, edge + 1)[0].to(inv.device)
             rows.append(pos[edge:, None] * long[None, :])
-        elif n > edge:  # dynamic: the base grows with the length
-            for p in range(edge, n):
-                f = rope_frequencies(self.rotary_dim, self.theta, sc, p + 1)[0].to(inv.device)
-                rows.append(pos[p : p + 1, None] * f[None, :])
+        elif n > edge:  # dynamic: the base grows with the length (rope_frequencies'
+            # formula for seq_len = p + 1, all rows at once)
+            d, factor = self.rotary_dim, float(sc["factor"])
+            length = torch.arange(edge + 1, n + 1, dtype=torch.float64)
+            base = self.theta * ((factor * length / edge) - (factor - 1)) ** (d / (d - 2))
+            exps = torch.arange(0, d, 2, dtype=torch.int64).float() / d
+            f = 1.0 / (base.float()[:, None] ** exps[None, :])
+            rows.append(pos[edge:, None] * f.to(inv.device))
         return torch.cat(rows)
 
     def _build(self, n: int) -> None:
