@@ -189,6 +189,12 @@ def test_rope_config_forms() -> None:
     }
     assert rope_params(per_type, 16, "sliding_attention") == (1e4, None, 16)
     assert rope_params(per_type, 16)[1]["factor"] == 8.0  # type: ignore[index]
+    # an old Gemma-3 config.json: rope_scaling scales the global layers only
+    old = {"model_type": "gemma3_text", "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+           "rope_scaling": {"rope_type": "linear", "factor": 8.0}}  # fmt: skip
+    assert rope_params(old, 16, "sliding_attention") == (1e4, None, 16)
+    assert rope_params(old, 16)[0] == 1e6
+    assert rope_params(old, 16)[1]["factor"] == 8.0  # type: ignore[index]
 
 
 def test_hf_folder_round_trip(tmp_path: Path) -> None:

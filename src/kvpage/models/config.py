@@ -134,7 +134,10 @@ def _rope_source(cfg: Mapping[str, Any], layer_type: str) -> tuple[dict[str, Any
     else:
         src = dict(params)
     scaling = cfg.get("rope_scaling") or {}
-    if isinstance(scaling, Mapping) and not (per_type and layer_type == "sliding_attention"):
+    # Gemma3TextConfig.convert_rope_params_to_dict: an old top-level rope_scaling
+    # scales the full-attention layers only
+    local_only = per_type or cfg.get("model_type") == "gemma3_text"
+    if isinstance(scaling, Mapping) and not (local_only and layer_type == "sliding_attention"):
         for k, v in scaling.items():
             src.setdefault(k, v)
     if "rope_theta" not in src:

@@ -153,7 +153,8 @@ class ModelRunnerModel(nn.Module):
         h, d = a.hidden_size, a.head_dim
         qkv = h * (a.num_q_heads + 2 * a.num_kv_heads) * d
         inter = a.intermediate_size if a.moe is None else a.moe.intermediate_size
-        layer = max(qkv, a.num_q_heads * d * h, 2 * h * inter)
+        up = 1 if a.family.mlp == "plain" else 2  # plain MLP: no gate
+        layer = max(qkv, a.num_q_heads * d * h, up * h * inter)
         return layer, h * a.vocab_size
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
