@@ -376,7 +376,12 @@ def build_components(config: EngineConfig) -> EngineComponents:
     apply_num_threads(config.num_threads)
     model = load_model(config.model, dtype=config.dtype, device=config.device)
     cfg = model.config
-    mpe = cfg.get("max_position_embeddings")
+    # max_position_embeddings (GPT-2: n_positions; dynamic RoPE: times its factor)
+    mpe = (
+        model.arch.max_context_len
+        if cfg.get("max_position_embeddings") or cfg.get("n_positions")
+        else None
+    )
     if config.max_model_len is not None and mpe and config.max_model_len > int(mpe):
         raise SpecError(
             f"max_model_len: expected <= {int(mpe)} (the model's max_position_embeddings), "
