@@ -48,6 +48,8 @@ from kvpage.specs import (
     read_hf_config_file,
 )
 from kvpage.specs.architectures import PLAN_MODEL_TYPES, check_architecture
+from kvpage.specs.families import count_parameters
+from kvpage.specs.hf import hf_attention_shape
 from kvpage.specs.moe import moe_parameter_count, moe_params_from_hf
 from kvpage.workload.workload_stats import (
     Workload,
@@ -102,47 +104,41 @@ def parse_bytes(text: str | int | float, name: str = "memory") -> int:
 
 
 def estimate_num_parameters(cfg: dict[str, Any]) -> int:
-    """Parameter count of a Llama-style decoder from its HF config (embeddings, q/k/v/o,
-    gated MLP with 3 matrices, 2 RMSNorms per layer, final norm, LM head unless tied).
-    Biases (Qwen2 q/k/v) are counted when ``model_type == "qwen2"``; Gemma-2 has four
-    norms per layer and ties the LM head by default. Matches the presets' published counts.
-    MoE families count every expert (all are resident), the router, gpt-oss's biases and
-    sinks and Qwen3-MoE's q/k norms (``kvpage.specs.moe``); equal to the parameter count
-    of transformers' model for the configs in tests/models/test_models_moe.py.
+    """Parameter count of a decoder from its HF config: the modules of its family's row
+    (``kvpage.specs.families.count_parameters``: embeddings and learned positions,
+    q/k/v/o and their biases, q/k norms, sinks, the block's norms, the MLP, the final
+    norm, the LM head unless tied), every expert of a MoE family (all are resident:
+    ``kvpage.specs.moe``). Equal to transformers' parameter count for the configs in
+    tests/models (test_models_families.py, test_models_moe.py) and to the presets'
+    published counts.
 
     Raises:
         SpecError: a required field is missing.
     """
     try:
-        h = int(cfg["hidden_size"])
-        n = int(cfg["num_hidden_layers"])
-        q = int(cfg["num_attention_heads"])
-        kv = int(cfg.get("num_key_value_heads") or q)
-        hd = int(cfg.get("head_dim") or h // q)
-        inter = int(cfg["intermediate_size"])
+        shape = hf_attention_shape(cfg)
+        if cfg.get("model_type") == "gpt2":
+            inter = int(cfg.get("n_inner") or 4 * shape.hidden_size)
+        else:
+            inter = int(cfg["intermediate_size"])
         vocab = int(cfg["vocab_size"])
     except (KeyError, TypeError, ValueError) as e:
         raise SpecError(
             f"config: expected Llama-style fields to count parameters, got {e}"
         ) from None
-    mt = cfg.get("model_type")
-    attn = h * q * hd + 2 * h * kv * hd + q * hd * h
-    if mt == "qwen2":
-        attn += q * hd + 2 * kv * hd
-    if mt == "gpt_oss" and cfg.get("attention_bias", True):  # q, k, v, o biases; sinks
-        attn += q * hd + 2 * kv * hd + h + q
-    if mt == "qwen3_moe":  # q_norm / k_norm weights [head_dim]
-        attn += 2 * hd
-    gemma = mt == "gemma2"
-    # Gemma-2: 4 RMSNorms per layer (pre/post attention and MLP), tied embeddings by default
-    norms = (4 if gemma else 2) * h
-    moe = moe_params_from_hf(cfg, n)  # Mixtral / Qwen3-MoE / gpt-oss: every expert
-    sparse = 0 if moe is None else len(moe.sparse_layers)
-    total = n * (attn + norms) + (n - sparse) * 3 * h * inter
-    if moe is not None:
-        total += sparse * moe_parameter_count(moe, h)
-    head = 0 if cfg.get("tie_word_embeddings", gemma) else vocab * h
-    return vocab * h + total + h + head
+    moe = moe_params_from_hf(cfg, shape.num_layers)  # Mixtral / Qwen3-MoE / gpt-oss
+    return count_parameters(
+        cfg,
+        hidden=shape.hidden_size,
+        num_layers=shape.num_layers,
+        num_q_heads=shape.num_q_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        intermediate=inter,
+        vocab=vocab,
+        moe_layers=0 if moe is None else len(moe.sparse_layers),
+        moe_layer_params=0 if moe is None else moe_parameter_count(moe, shape.hidden_size),
+    )
 
 
 @dataclass

@@ -163,16 +163,38 @@ def test_scaled_rope_equals_transformers(rope: str) -> None:
 
 
 def test_rope_config_forms() -> None:
-    from kvpage.models.config import rope_of
+    from kvpage.models.config import rope_of, rope_params
 
     assert rope_of({"rope_theta": 5e5, "rope_scaling": None}) == (5e5, None)
     assert rope_of({"rope_parameters": {"rope_type": "default", "rope_theta": 7.0}}) == (7.0, None)
     theta, sc = rope_of({"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}})
-    assert theta == 1e4 and sc == {"rope_type": "linear", "factor": 2.0}
+    assert theta == 1e4 and sc is not None
+    assert sc["rope_type"] == "linear" and sc["factor"] == 2.0
     with pytest.raises(SpecError, match="factor"):
         rope_of({"rope_scaling": {"rope_type": "linear"}})
     with pytest.raises(SpecError, match="partial_rotary_factor"):
-        rope_of({"partial_rotary_factor": 0.5})
+        rope_params({"partial_rotary_factor": 0.3}, 10)  # int(3.0): odd
+    with pytest.raises(SpecError, match="rope_type"):
+        rope_of({"rope_scaling": {"rope_type": "mrope"}})
+    with pytest.raises(SpecError, match="long_factor"):
+        rope_params({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8}}, 16)
+    assert rope_params({"partial_rotary_factor": 0.5}, 16)[2] == 8
+    # Gemma-3: one entry per layer type
+    per_type = {
+        "model_type": "gemma3_text",
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    }
+    assert rope_params(per_type, 16, "sliding_attention") == (1e4, None, 16)
+    assert rope_params(per_type, 16)[1]["factor"] == 8.0  # type: ignore[index]
+    # an old Gemma-3 config.json: rope_scaling scales the global layers only
+    old = {"model_type": "gemma3_text", "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+           "rope_scaling": {"rope_type": "linear", "factor": 8.0}}  # fmt: skip
+    assert rope_params(old, 16, "sliding_attention") == (1e4, None, 16)
+    assert rope_params(old, 16)[0] == 1e6
+    assert rope_params(old, 16)[1]["factor"] == 8.0  # type: ignore[index]
 
 
 def test_hf_folder_round_trip(tmp_path: Path) -> None:
@@ -199,7 +221,7 @@ def test_hf_folder_with_tokenizer(tmp_path: Path) -> None:
 
 def test_unsupported_configs_are_refused(tmp_path: Path) -> None:
     hf = make_hf_model("llama")
-    hf.config.rope_parameters = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}
+    hf.config.rope_parameters = {"rope_type": "mrope", "factor": 2.0, "rope_theta": 1e4}
     with pytest.raises(SpecError, match="rope"):
         load_model(hf)
     (tmp_path / "config.json").write_text('{"model_type": "gpt_neox"}')

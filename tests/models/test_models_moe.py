@@ -58,7 +58,7 @@ FAST: dict[str, dict[str, Any]] = {
         num_experts_per_tok=2,
         sliding_window=5,  # layer 0 slides, layer 1 is full: window < every prompt
         swiglu_limit=0.6,  # binds: gate/up values reach ~±2 at these sizes
-        rope_parameters=_DEFAULT_ROPE,  # the default yarn is not implemented here
+        rope_parameters=_DEFAULT_ROPE,  # plain RoPE here; its default yarn: test_models_families.py
     ),
 }
 #: the wider matrix (``-m slow``)

@@ -144,7 +144,10 @@ def test_hf_adapter_round_trip() -> None:
     assert tok.bos_id == hf.convert_tokens_to_ids("<s>")
     assert tok.stop_token_ids == (hf.convert_tokens_to_ids("</s>"),)
     ids = tok.encode("Once upon a cat 🙂")
-    assert ids[0] == tok.bos_id
+    # BOS exactly as the tokenizer adds it: this one (no post-processor) adds none
+    assert ids == hf.encode("Once upon a cat 🙂") and tok.bos_id not in ids
     assert tok.decode(ids) == "Once upon a cat 🙂"
     dec = tok.incremental_decoder(ids[:1])
-    assert "".join(dec.step(i) for i in ids[1:]) + dec.flush() == "Once upon a cat 🙂"
+    assert tok.decode(ids[:1]) + "".join(dec.step(i) for i in ids[1:]) + dec.flush() == (
+        "Once upon a cat 🙂"
+    )

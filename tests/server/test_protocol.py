@@ -31,9 +31,11 @@ def _prep(body, kind="completion", key=None, mml=64):
 def test_chat_template_is_plain_text():
     msgs = [
         ChatMessage(role="system", content="Be brief."),
-        ChatMessage(role="user", content=[{"type": "text", "text": "Hi"}, {"type": "image"}]),
+        ChatMessage(role="user", content=[{"type": "text", "text": "Hi"}]),
     ]
-    assert render_chat(msgs) == "system: Be brief.\nuser: Hi\nassistant:"
+    chat = render_chat(msgs, _Tok())
+    assert chat.text == "system: Be brief.\nuser: Hi\nassistant:" and chat.template == "kvpage"
+    assert chat.prompt_token_ids == _Tok().encode(chat.text, bos=True)
 
 
 @pytest.mark.parametrize(

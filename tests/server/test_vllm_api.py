@@ -315,4 +315,5 @@ def test_chat_message_fields_outside_the_template_are_refused(client):
         client.chat.completions.create(
             model=M, messages=[{"role": "user", "content": "hi", "name": "bob"}], max_tokens=2
         )
-    assert ei.value.body["param"] == "messages.0.name"
+    assert ei.value.body["param"] == "messages[0].name"  # kvpage's plain template
+    assert "chat template" in ei.value.body["message"]

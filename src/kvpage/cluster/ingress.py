@@ -47,6 +47,8 @@ class _EngineFacade:
 
     def __init__(self, info: dict[str, Any], num_blocks: int, max_model_len: int) -> None:
         self.tokenizer = info["tokenizer"]
+        self.default_sampling_params = dict(info.get("default_sampling_params") or {})
+        self.generation_config_path = info.get("generation_config_path")
         self.backend_name = info["backend_name"]
         self.cache_spec = types.SimpleNamespace(
             block_size=info["block_size"],

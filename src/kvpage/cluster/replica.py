@@ -175,6 +175,9 @@ class EngineReplica:
             "replica_id": self.replica_id,
             "group": self.group,
             "tokenizer": e.tokenizer,
+            # generation_config.json request defaults (the ingress validates requests)
+            "default_sampling_params": dict(getattr(e, "default_sampling_params", {})),
+            "generation_config_path": getattr(e, "generation_config_path", None),
             "block_size": int(spec.block_size),
             "num_blocks": int(spec.num_blocks),
             "kv_dtype": str(getattr(spec, "kv_dtype", "auto")),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -93,6 +94,12 @@ class EngineConfig:
             ``preemption_mode="swap"``; a sequence that does not fit is recomputed).
             Default 1 GiB (vLLM's ``swap_space`` default is 4 GiB per GPU; ours is
             sized for a CPU machine).
+        generation_config: where request defaults come from (vLLM's
+            ``generation_config``): ``"auto"`` (default) reads the model folder's
+            ``generation_config.json``; ``"vllm"`` or ``"none"`` uses none (kvpage's /
+            vLLM's own defaults); a folder path reads that folder's file. Only the
+            sampling defaults depend on it: the EOS ids of the model folder's file always
+            stop generation (vLLM likewise). See :func:`resolve_generation_config`.
     """
 
     model: Any = "stories260K"
@@ -116,9 +123,20 @@ class EngineConfig:
     kv_disk_tier_path: str | None = None
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 1 << 30
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         check_tier_config(self)
+        gc = self.generation_config
+        if not isinstance(gc, str) or not gc:
+            raise SpecError(
+                f"generation_config: expected 'auto', 'vllm', 'none' or a folder path, got {gc!r}"
+            )
+        if gc not in GENERATION_CONFIG_MODES and not Path(gc).expanduser().is_dir():
+            raise SpecError(
+                f"generation_config: expected 'auto', 'vllm', 'none' or an existing folder, "
+                f"got {gc!r}"
+            )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -158,6 +176,38 @@ class EngineConfig:
         sd = self.seed
         if isinstance(sd, bool) or not isinstance(sd, int) or not 0 <= sd < 2**63:
             raise SpecError(f"seed: expected an int in [0, 2**63 - 1], got {sd!r}")
+
+
+#: the ``generation_config`` values that are not folder paths
+GENERATION_CONFIG_MODES = ("auto", "vllm", "none")
+
+
+def resolve_generation_config(config: EngineConfig) -> tuple[str | None, dict[str, Any]]:
+    """The generation config an engine uses for request defaults.
+
+    Returns:
+        ``(folder read or None, the fields its generation_config.json sets)``:
+        ``"auto"`` reads ``config.model`` when that is a folder (the bundled model and
+        in-memory models have none); ``"vllm"`` / ``"none"`` read nothing; a folder path
+        reads it. ``kvpage.models.generation_config.sampling_defaults`` turns the
+        fields into SamplingParams defaults.
+
+    Raises:
+        SpecError: the file is malformed (naming it).
+    """
+    from kvpage.models.generation_config import read_generation_config
+
+    gc = config.generation_config
+    if gc in ("vllm", "none"):
+        return None, {}
+    if gc == "auto":
+        m = config.model
+        if not isinstance(m, (str, Path)) or not Path(m).expanduser().is_dir():
+            return None, {}
+        folder = Path(m).expanduser()
+    else:
+        folder = Path(gc).expanduser()
+    return str(folder), read_generation_config(folder)
 
 
 def check_tier_config(config: EngineConfig) -> None:
@@ -326,7 +376,12 @@ def build_components(config: EngineConfig) -> EngineComponents:
     apply_num_threads(config.num_threads)
     model = load_model(config.model, dtype=config.dtype, device=config.device)
     cfg = model.config
-    mpe = cfg.get("max_position_embeddings")
+    # max_position_embeddings (GPT-2: n_positions; dynamic RoPE: times its factor)
+    mpe = (
+        model.arch.max_context_len
+        if cfg.get("max_position_embeddings") or cfg.get("n_positions")
+        else None
+    )
     if config.max_model_len is not None and mpe and config.max_model_len > int(mpe):
         raise SpecError(
             f"max_model_len: expected <= {int(mpe)} (the model's max_position_embeddings), "

@@ -14,7 +14,12 @@ from typing import Any
 
 import torch
 
-from kvpage.engine.config import EngineComponents, EngineConfig, build_components
+from kvpage.engine.config import (
+    EngineComponents,
+    EngineConfig,
+    build_components,
+    resolve_generation_config,
+)
 from kvpage.engine.engine_metrics import (
     CACHE_MISS_KEYS,
     CACHE_MISS_METRIC,
@@ -33,6 +38,7 @@ from kvpage.engine.request_extras import prompt_logprob_spans
 from kvpage.engine.sampler import Sampler
 from kvpage.engine.scheduler import SchedulerOutput
 from kvpage.errors import RequestRejected, got_repr
+from kvpage.models.generation_config import sampling_defaults
 
 
 class LLMEngine:
@@ -47,6 +53,8 @@ class LLMEngine:
     Attributes:
         config: the resolved EngineConfig.
         tokenizer: the model's tokenizer (None for a model without one).
+        eos_token_id / extra_eos_token_ids: the EOS id and the model's other EOS ids.
+        default_sampling_params: request defaults from generation_config.json.
         cache_spec: the KV cache layout in use.
         backend_name: the attention backend's name.
         kv_cache_manager, scheduler, runner: the components (read-only use).
@@ -76,6 +84,18 @@ class LLMEngine:
         if self.eos_token_id is None:
             eos = self.model.config.get("eos_token_id")
             self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        #: the model's other EOS ids (HF folders: config.json's, generation_config.json's
+        #: and the tokenizer's, ``HFTokenizer``): they end a sequence like extra
+        #: ``stop_token_ids`` unless ``ignore_eos``, as vLLM's
+        #: ``SamplingParams.update_from_generation_config`` adds them
+        eos_all = getattr(self.tokenizer, "eos_token_ids", None) or ()
+        self.extra_eos_token_ids = frozenset(int(i) for i in eos_all) - {self.eos_token_id}
+        #: the generation_config.json read for request defaults (None: none) and the
+        #: fields it sets (``EngineConfig.generation_config``)
+        self.generation_config_path, self.generation_config = resolve_generation_config(config)
+        #: SamplingParams defaults from it (``sampling_defaults``; {} = kvpage's own):
+        #: ``LLM.generate`` without params and server fields a request leaves unset
+        self.default_sampling_params: dict[str, Any] = sampling_defaults(self.generation_config)
         self.step_stats = StepStats()
         self._unique_salts = 0
         #: ids of user requests dropped by failed steps (oldest first)
@@ -190,7 +210,8 @@ class LLMEngine:
                 eos_token_id=self.eos_token_id,
                 cache_salt=salt,
                 num_pending_samples=params.n - 1,
-                stop_token_set=frozenset(params.stop_token_ids or ()),
+                stop_token_set=frozenset(params.stop_token_ids or ())
+                | (frozenset() if params.ignore_eos else self.extra_eos_token_ids),
                 priority=priority,
             )
             self.scheduler.add_request(req)

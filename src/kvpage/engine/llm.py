@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpage.engine.chat import apply_chat_template
+from kvpage.engine.chat import render_chat_prompt
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.params import RequestOutput, SamplingParams
 from kvpage.engine.vllm_compat import LLM_NOT_IMPLEMENTED, check_not_implemented
@@ -61,9 +61,21 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def get_tokenizer(self) -> Any:
-        """The model's tokenizer (``encode(text, bos=True)``, ``decode(ids)``; None for a
-        model without one), as vLLM's ``LLM.get_tokenizer``."""
-        return self.llm_engine.tokenizer
+        """The model's tokenizer, as vLLM's ``LLM.get_tokenizer``: for a Hugging Face
+        folder the ``transformers`` tokenizer itself (``encode``, ``decode``,
+        ``apply_chat_template``, ...); otherwise kvpage's tokenizer
+        (``encode(text, bos=True)``, ``decode(ids)``; the bundled llama2.c tokenizer has
+        no chat template); None for a model without one."""
+        tok = self.llm_engine.tokenizer
+        return getattr(tok, "hf", tok)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's ``LLM.get_default_sampling_params``: ``SamplingParams`` with the
+        model's generation_config.json defaults (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens; see
+        ``EngineConfig.generation_config``), or plain ``SamplingParams()`` when it
+        gives none. ``generate``/``chat`` use it when ``sampling_params`` is None."""
+        return SamplingParams(**self.llm_engine.default_sampling_params)
 
     def get_metrics(self) -> dict[str, float]:
         """The engine's ``kvpage:*`` metrics (see ``LLMEngine.get_metrics``)."""
@@ -74,29 +86,57 @@ class LLM:
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (vLLM's ``LLM.chat``).
 
-        Each conversation is rendered with kvpage's chat template
-        (:func:`kvpage.engine.chat.apply_chat_template`: ``"{role}: {content}\n"`` per
-        message, then ``"assistant:"``), tokenized with BOS and generated as in
-        :meth:`generate`.
+        Each conversation is rendered by
+        :func:`kvpage.engine.chat.render_chat_prompt`: ``chat_template`` if given, else
+        the model's Jinja chat template (transformers' sandboxed renderer; the prompt
+        ids equal ``tokenizer.apply_chat_template(..., tokenize=True)``), else — for a
+        model without one, like the bundled stories260K — kvpage's plain
+        ``"{role}: {content}\n"`` template ending in ``"assistant:"``. Then generated
+        as in :meth:`generate`; each output's ``prompt`` is the rendered text.
 
         Args:
-            messages: a list of ``{"role", "content"}`` dicts, or a list of such lists.
+            messages: a list of ``{"role", "content"}`` dicts (a Jinja template also
+                takes ``name``, ``tool_calls``, ``tool_call_id``), or a list of such lists.
             sampling_params: as in :meth:`generate`.
             use_tqdm: as in :meth:`generate`.
+            chat_template: a Jinja template string to use instead of the model's.
+            chat_template_kwargs: extra template variables.
+            add_generation_prompt: end with the assistant header (default True).
+            continue_final_message: continue the last (assistant) message instead
+                (needs ``add_generation_prompt=False``).
 
         Raises:
-            RequestRejected: a conversation is malformed (nothing was queued).
+            RequestRejected: a conversation is malformed or its template fails to
+                render (nothing was queued).
         """
         convs: list[Any]
         if messages and isinstance(messages[0], Mapping):
             convs = [messages]
         else:
             convs = list(messages)
-        prompts = [apply_chat_template(c) for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        rendered = [
+            render_chat_prompt(
+                self.llm_engine.tokenizer,
+                c,
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+            for c in convs
+        ]
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in rendered]
+        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for out, r in zip(outs, rendered):
+            out.prompt = r.text
+        return outs
 
     def generate(
         self,
@@ -111,7 +151,8 @@ class LLM:
             prompts: one prompt or a list; a prompt is text, a list of token ids, or
                 ``{"prompt_token_ids": [...], "cache_salt": "..."}``.
             sampling_params: one SamplingParams for all, or one per prompt
-                (default ``SamplingParams()``: vLLM's defaults, temperature 1.0 and
+                (default :meth:`get_default_sampling_params`: the model's
+                generation_config.json defaults, else vLLM's, temperature 1.0 and
                 max_tokens 16).
             use_tqdm: show a ``tqdm`` progress bar (on stderr) over finished prompts
                 when tqdm is installed (vLLM's default True); or a tqdm-like class to use.
@@ -149,7 +190,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            plist = [sampling_params or SamplingParams()] * len(prompts)
+            plist = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             plist = list(sampling_params)
             if len(plist) != len(prompts):

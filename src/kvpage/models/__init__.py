@@ -1,5 +1,7 @@
 """Models that run on the paged KV cache: the bundled llama2.c ``stories260K``, Hugging
-Face Llama / Mistral / Qwen2 / Gemma-2 checkpoints, and their tokenizers.
+Face checkpoints of every family in ``kvpage.specs.families`` (Llama, Mistral, Qwen2/3,
+Gemma-2/3, Phi-3, OLMo-2, Granite, GLM-4, Cohere, StarCoder2, GPT-2, Mixtral,
+Qwen3-MoE, gpt-oss), and their tokenizers.
 
 Entry point: ``load_model(name_or_path_or_hf_model, dtype="float32", device="cpu")``.
 """

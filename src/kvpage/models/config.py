@@ -1,20 +1,22 @@
 """Architecture settings read from a Hugging Face ``config.json`` mapping.
 
-One ``ArchConfig`` covers the decoder families kvpage runs with its own model code:
-Llama (GQA), Mistral (sliding window), Qwen2 (q/k/v bias) and Gemma-2 (alternating
-sliding/global layers, soft caps, ``query_pre_attn_scalar``, ``(1 + w)`` RMSNorm,
-embedding scaled by ``sqrt(hidden_size)``, pre/post norms, tanh-approximated GELU).
-Each field's source is the corresponding HF modeling file (transformers 5.x).
+One ``ArchConfig`` covers the decoder families kvpage runs with its own model code;
+how each family differs from Llama is its row in ``kvpage.specs.families`` (the one
+table), the numbers come from the config here. Each field's source is the
+corresponding HF modeling / configuration file (transformers 5.23).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvpage.errors import SpecError
+from kvpage.models.rope import ROPE_TYPES
 from kvpage.specs.architectures import MODEL_TYPES, check_architecture
+from kvpage.specs.families import FAMILIES, Family
 from kvpage.specs.hf import hf_attention_shape
 from kvpage.specs.moe import MoEParams, moe_params_from_hf
 
@@ -27,6 +29,7 @@ ACTIVATIONS = {
     "gelu_new": "gelu_tanh",
     "gelu_fast": "gelu_tanh",
     "gelu": "gelu",
+    "gelu_python": "gelu",
 }
 
 
@@ -35,31 +38,40 @@ class ArchConfig:
     """Normalised architecture of one decoder model.
 
     Attributes:
-        model_type: ``llama`` | ``mistral`` | ``qwen2`` | ``gemma2``.
+        model_type: one of :data:`SUPPORTED_MODEL_TYPES`.
+        family: the family's row (``kvpage.specs.families``): norm kind, block layout,
+            q/k norm, MLP kind, fused q/k/v, RoPE layout, multipliers, weight names.
         vocab_size, hidden_size, intermediate_size, num_layers: sizes.
         num_q_heads, num_kv_heads, head_dim: attention shape (``head_dim`` defaults to
             ``hidden_size // num_attention_heads``).
-        rms_norm_eps: RMSNorm epsilon.
+        rms_norm_eps: the norm epsilon (RMSNorm or LayerNorm: the family's key).
         rope_theta: RoPE base (``rope_parameters.rope_theta`` in transformers 5,
             ``rope_theta`` before).
-        rope_scaling: None, or ``linear`` / ``llama3`` scaling parameters (``rope_of``).
-        qkv_bias / o_bias / mlp_bias: which projections carry a bias (Qwen2: q, k, v
-            only; Llama: ``attention_bias`` for all four, ``mlp_bias``).
-        activation: ``silu`` | ``gelu_tanh`` | ``gelu`` (gate activation of the GLU MLP).
+        rope_scaling: None, or the RoPE variant's parameters (``rope_params``).
+        rotary_dim: rotated dimensions per head (``head_dim * partial_rotary_factor``).
+        rope_local: ``(theta, scaling)`` of the sliding layers when they differ from the
+            full ones (Gemma-3's ``rope_local_base_freq``), else None.
+        qkv_bias / o_bias / mlp_bias: which projections carry a bias.
+        activation: ``silu`` | ``gelu_tanh`` | ``gelu`` (the MLP's activation).
         tie_word_embeddings: the classifier reuses the embedding matrix.
-        gemma_norm: RMSNorm multiplies by ``1 + w`` and computes in float32 (Gemma).
-        sandwich_norm: extra post-attention / pre- and post-feedforward norms (Gemma-2).
-        embed_scale: the embedding output is multiplied by this (Gemma: sqrt(hidden)).
+        embed_scale: the embedding output is multiplied by this (Gemma: sqrt(hidden),
+            Granite: ``embedding_multiplier``), or None.
+        residual_multiplier: each block output is scaled by this before the residual
+            add (Granite), or None.
+        logit_multiplier: the logits are multiplied by this (Cohere ``logit_scale``,
+            Granite ``1 / logits_scaling``), or None.
         final_logit_softcap: ``c * tanh(logits / c)`` on the logits, or None.
+        max_position_embeddings: the context length (GPT-2: ``n_positions``, the size
+            of its learned position table).
         moe: the mixture-of-experts settings (Mixtral, Qwen3-MoE, gpt-oss:
             ``kvpage.models.moe``), None for a dense MLP.
-        qk_norm: RMSNorm of each head's query and key (weight ``[head_dim]``) before
-            RoPE (Qwen3-MoE ``q_norm`` / ``k_norm``).
+        qk_norm: the layers norm q and k before RoPE (``family.qk_norm`` says how).
         sinks: every attention layer has a learned sink logit per query head
             (gpt-oss ``self_attn.sinks``).
     """
 
     model_type: str
+    family: Family
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -74,15 +86,32 @@ class ArchConfig:
     mlp_bias: bool
     activation: str
     tie_word_embeddings: bool
-    gemma_norm: bool
-    sandwich_norm: bool
     embed_scale: float | None
     final_logit_softcap: float | None
     max_position_embeddings: int
     rope_scaling: dict[str, Any] | None = None
+    rotary_dim: int = 0
+    rope_local: tuple[float, dict[str, Any] | None] | None = None
+    residual_multiplier: float | None = None
+    logit_multiplier: float | None = None
     moe: MoEParams | None = None
     qk_norm: bool = False
     sinks: bool = False
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest sequence the model is meant for: ``max_position_embeddings``,
+        times ``factor`` for ``dynamic`` RoPE (which extends past it; vLLM's
+        ``_get_and_verify_max_len`` does the same)."""
+        sc = self.rope_scaling
+        if sc is not None and sc["rope_type"] == "dynamic":
+            return int(self.max_position_embeddings * float(sc["factor"]))
+        return self.max_position_embeddings
+
+    @property
+    def gemma_norm(self) -> bool:
+        """The norms are Gemma's ``(1 + w)`` RMSNorm in float32."""
+        return self.family.norm == "rms_gemma"
 
 
 def _req(cfg: Mapping[str, Any], key: str) -> Any:
@@ -91,99 +120,201 @@ def _req(cfg: Mapping[str, Any], key: str) -> Any:
     return cfg[key]
 
 
-#: RoPE variants implemented (HF ``rope_type`` names)
-ROPE_TYPES = ("default", "linear", "llama3")
+def _rope_source(cfg: Mapping[str, Any], layer_type: str) -> tuple[dict[str, Any], bool]:
+    """The RoPE entries of one layer type: transformers 5's ``rope_parameters`` (flat, or
+    one dict per layer type as Gemma-3 writes it) merged over the older top-level
+    ``rope_theta`` / ``rope_scaling`` (``rope_local_base_freq`` for Gemma-3's sliding
+    layers); the flag says whether the config has per-layer-type entries."""
+    params = cfg.get("rope_parameters") or {}
+    if not isinstance(params, Mapping):
+        raise SpecError(f"config.rope_parameters: expected a mapping, got {params!r}")
+    per_type = bool(params) and all(isinstance(v, Mapping) for v in params.values())
+    if per_type:
+        src = dict(params.get(layer_type) or params.get("full_attention") or {})
+    else:
+        src = dict(params)
+    scaling = cfg.get("rope_scaling") or {}
+    # Gemma3TextConfig.convert_rope_params_to_dict: an old top-level rope_scaling
+    # scales the full-attention layers only
+    local_only = per_type or cfg.get("model_type") == "gemma3_text"
+    if isinstance(scaling, Mapping) and not (local_only and layer_type == "sliding_attention"):
+        for k, v in scaling.items():
+            src.setdefault(k, v)
+    if "rope_theta" not in src:
+        local = layer_type == "sliding_attention" and (
+            cfg.get("rope_local_base_freq")
+            or (10000.0 if cfg.get("model_type") == "gemma3_text" else None)
+        )
+        # Gemma3TextConfig.default_theta: 1e6 global, 1e4 local
+        default = 1_000_000.0 if cfg.get("model_type") == "gemma3_text" else 10000.0
+        src["rope_theta"] = local or cfg.get("rope_theta", default)
+    return src, per_type
 
 
-def rope_of(cfg: Mapping[str, Any]) -> tuple[float, dict[str, float] | None]:
-    """RoPE base and scaling of an HF config (transformers 5 ``rope_parameters`` or the
-    older top-level ``rope_theta`` + ``rope_scaling``).
+def rope_params(
+    cfg: Mapping[str, Any], head_dim: int, layer_type: str = "full_attention"
+) -> tuple[float, dict[str, Any] | None, int]:
+    """RoPE base, variant parameters and rotated width of an HF config's layers of
+    ``layer_type`` (``full_attention`` | ``sliding_attention``).
 
     Returns:
-        ``(theta, scaling)``; ``scaling`` is None for plain RoPE, else a dict with
-        ``rope_type`` (``linear`` | ``llama3``) and its parameters.
+        ``(theta, scaling, rotary_dim)``: ``scaling`` is None for plain RoPE, else a
+        dict with ``rope_type`` (one of :data:`ROPE_TYPES`) and its parameters, with
+        ``original_max_position_embeddings`` (``config.original_max_position_embeddings``
+        or ``max_position_embeddings``) and ``max_position_embeddings`` filled in;
+        ``rotary_dim = int(head_dim * partial_rotary_factor)``.
 
     Raises:
-        SpecError: a rope type other than default/linear/llama3 (dynamic, yarn, longrope
-            ... are not implemented), or ``partial_rotary_factor`` != 1.
+        SpecError: another rope type, a variant without its parameters (``factor``;
+            longrope's ``short_factor`` / ``long_factor`` of ``rotary_dim / 2``
+            entries), or a ``partial_rotary_factor`` outside ``(0, 1]`` or giving an
+            odd width.
     """
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    theta = params.get("rope_theta") if isinstance(params, Mapping) else None
-    if theta is None:
-        theta = cfg.get("rope_theta", 10000.0)
-    found: dict[str, Any] | None = None
-    for src in (params, scaling):
-        if not isinstance(src, Mapping):
-            continue
-        kind = src.get("rope_type", src.get("type", "default")) or "default"
-        if kind not in ROPE_TYPES:
-            raise SpecError(
-                f"config.rope_scaling: expected rope_type in {ROPE_TYPES}, got {kind!r}"
-            )
-        if kind != "default" and found is None:
-            found = {k: v for k, v in src.items() if k not in ("type", "rope_theta")}
-            found["rope_type"] = kind
-    prf = (params.get("partial_rotary_factor") if isinstance(params, Mapping) else None) or cfg.get(
-        "partial_rotary_factor", 1.0
-    )
-    if float(prf) != 1.0:
-        raise SpecError(f"config.partial_rotary_factor: expected 1.0, got {prf}")
-    if found is not None and found.get("factor") is None:
-        raise SpecError(f"config.rope_scaling.factor: expected a number, got {found!r}")
-    if found is not None and found["rope_type"] == "llama3":
-        found.setdefault(
-            "original_max_position_embeddings", cfg.get("max_position_embeddings") or 8192
+    src, _ = _rope_source(cfg, layer_type)
+    fam = FAMILIES.get(str(cfg.get("model_type")))
+    theta = float(src["rope_theta"])
+    kind = src.get("rope_type", src.get("type", "default")) or "default"
+    if fam is not None and fam.model_type == "phi3" and kind in ("su", "yarn"):
+        kind = "longrope"  # Phi3Config: the old names of longrope
+    if kind not in ROPE_TYPES:
+        raise SpecError(
+            f"config.rope_parameters.rope_type: expected one of {ROPE_TYPES}, got {kind!r}"
         )
-    return float(theta), found
+    prf = src.get("partial_rotary_factor") or cfg.get("partial_rotary_factor")
+    if prf is None:
+        prf = fam.partial_rotary_default if fam is not None else 1.0
+    prf = float(prf)
+    rotary_dim = int(head_dim * prf)
+    if not 0 < prf <= 1 or rotary_dim < 2 or rotary_dim % 2:
+        raise SpecError(
+            f"config.partial_rotary_factor: expected a factor in (0, 1] giving an even "
+            f"rotary width of head_dim={head_dim}, got {prf}"
+        )
+    if kind == "default":
+        return theta, None, rotary_dim
+    found = {
+        k: v for k, v in src.items() if k not in ("type", "rope_theta", "partial_rotary_factor")
+    }
+    found["rope_type"] = kind
+    max_pos = int(cfg.get("max_position_embeddings") or 4096)
+    found.setdefault("max_position_embeddings", max_pos)
+    orig = found.get("original_max_position_embeddings") or cfg.get(
+        "original_max_position_embeddings"
+    )
+    if orig is None:
+        orig = 8192 if kind == "llama3" and not cfg.get("max_position_embeddings") else max_pos
+    found["original_max_position_embeddings"] = int(orig)
+    if kind in ("linear", "llama3", "dynamic") and found.get("factor") is None:
+        raise SpecError(f"config.rope_scaling.factor: expected a number, got {found!r}")
+    if kind == "longrope":
+        for key in ("short_factor", "long_factor"):
+            v = found.get(key)
+            if not isinstance(v, (list, tuple)) or len(v) != rotary_dim // 2:
+                raise SpecError(
+                    f"config.rope_parameters.{key}: expected {rotary_dim // 2} numbers, got {v!r}"
+                )
+    return theta, found, rotary_dim
+
+
+def rope_of(cfg: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """``(theta, scaling)`` of :func:`rope_params` for the full-attention layers."""
+    hd = cfg.get("head_dim") or int(cfg.get("hidden_size") or 64) // int(
+        cfg.get("num_attention_heads") or 1
+    )
+    theta, scaling, _ = rope_params(cfg, int(hd))
+    return theta, scaling
+
+
+def _positive(cfg: Mapping[str, Any], key: str) -> float | None:
+    v = cfg.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise SpecError(f"config.{key}: expected a finite number > 0, got {v!r}")
+    return float(v)
 
 
 def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
-    """Read an HF ``config.json`` mapping.
+    """Read an HF ``config.json`` mapping (the family's rules: ``kvpage.specs.families``).
 
     Raises:
         SpecError: unsupported ``model_type`` (one line naming what is missing, see
             ``kvpage.specs.architectures``), activation or rope type, or missing sizes.
     """
     mt = check_architecture(cfg, SUPPORTED_MODEL_TYPES)
+    fam = FAMILIES[mt]
     shape = hf_attention_shape(cfg)  # the one reader of layer and head sizes
     hidden = shape.hidden_size
-    act_name = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
-    if mt == "gemma2" and cfg.get("hidden_activation") is None:
-        act_name = "gelu_pytorch_tanh"  # HF Gemma2Config default
+    act_name = fam.activation(cfg)
     if act_name not in ACTIVATIONS:
         raise SpecError(
-            f"config.hidden_act: expected one of {sorted(ACTIVATIONS)}, got {act_name!r}"
+            f"config.{fam.act_keys[0]}: expected one of {sorted(ACTIVATIONS)}, got {act_name!r}"
         )
-    attn_bias = bool(cfg.get("attention_bias", mt == "gpt_oss"))  # GptOssConfig: True
-    is_gemma = mt == "gemma2"
-    cap = cfg.get("final_logit_softcapping") if is_gemma else None
-    rope = rope_of(cfg)
+    if cfg.get("use_bidirectional_attention"):
+        raise SpecError(
+            "config.use_bidirectional_attention: expected false (kvpage runs causal decoders), "
+            "got true"
+        )
+    qkv_b, o_b, mlp_b = fam.biases(cfg)
+    if fam.learned_positions:
+        inter = int(cfg.get("n_inner") or 4 * hidden)
+        vocab = int(_req(cfg, "vocab_size"))
+        max_pos = int(_req(cfg, "n_positions"))
+        theta, scaling, rotary_dim, local = 0.0, None, shape.head_dim, None
+    else:
+        inter = int(_req(cfg, "intermediate_size"))
+        vocab = int(_req(cfg, "vocab_size"))
+        max_pos = int(cfg.get("max_position_embeddings") or 4096)
+        theta, scaling, rotary_dim = rope_params(cfg, shape.head_dim)
+        lt, ls, lr = rope_params(cfg, shape.head_dim, "sliding_attention")
+        if lr != rotary_dim:
+            raise SpecError(
+                f"config.rope_parameters: expected one partial_rotary_factor, got {lr} "
+                f"and {rotary_dim} rotated dims"
+            )
+        local = (lt, ls) if (lt, ls) != (theta, scaling) else None
+    embed: float | None = None
+    if fam.embed_scale == "sqrt_hidden":
+        embed = float(hidden) ** 0.5
+    elif fam.embed_scale == "embedding_multiplier":
+        embed = _positive(cfg, "embedding_multiplier")
+    logit_mult: float | None = None
+    if fam.logits == "divide":
+        ls_ = _positive(cfg, "logits_scaling")
+        logit_mult = None if ls_ is None else 1.0 / ls_
+    elif fam.logits == "multiply":
+        logit_mult = _positive(cfg, "logit_scale")
+    cap = cfg.get("final_logit_softcapping") if fam.logits == "softcap" else None
     return ArchConfig(
         model_type=mt,
-        vocab_size=int(_req(cfg, "vocab_size")),
+        family=fam,
+        vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(_req(cfg, "intermediate_size")),
+        intermediate_size=inter,
         num_layers=shape.num_layers,
         num_q_heads=shape.num_q_heads,
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope[0],
-        rope_scaling=rope[1],
-        qkv_bias=True if mt == "qwen2" else attn_bias,
-        o_bias=False if mt == "qwen2" else attn_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)) if mt == "llama" else False,
+        rms_norm_eps=fam.norm_eps(cfg),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rotary_dim=rotary_dim,
+        rope_local=local,
+        qkv_bias=qkv_b,
+        o_bias=o_b,
+        mlp_bias=mlp_b,
         activation=ACTIVATIONS[act_name],
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma)),
-        gemma_norm=is_gemma,
-        sandwich_norm=is_gemma,
-        embed_scale=float(hidden) ** 0.5 if is_gemma else None,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", fam.tie_default)),
+        embed_scale=embed,
+        residual_multiplier=(
+            _positive(cfg, "residual_multiplier") if fam.residual_multiplier else None
+        ),
+        logit_multiplier=logit_mult,
         final_logit_softcap=float(cap) if cap else None,
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+        max_position_embeddings=max_pos,
         moe=moe_params_from_hf(cfg, shape.num_layers),
-        qk_norm=mt == "qwen3_moe",
-        sinks=mt == "gpt_oss",
+        qk_norm=fam.has_qk_norm(cfg),
+        sinks=fam.sinks,
     )
 
 
@@ -193,4 +324,5 @@ __all__ = [
     "ArchConfig",
     "arch_from_hf",
     "rope_of",
+    "rope_params",
 ]

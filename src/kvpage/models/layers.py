@@ -31,6 +31,7 @@ from kvpage.models.moe import MoEMLP
 from kvpage.models.rope import (
     RotaryEmbedding,
     apply_rope,
+    apply_rope_partial,
     apply_rope_qk,
     apply_rope_qkv,
     rope_inv_freq,
@@ -79,71 +80,197 @@ class RMSNorm(nn.Module):
         return s, self(s)
 
 
+class LayerNorm(nn.Module):
+    """``y = (x - mean) / sqrt(var + eps) * w (+ b)`` over the last dimension, computed
+    in float32 (``nn.LayerNorm`` of StarCoder2 / GPT-2; ``CohereLayerNorm``: no bias).
+
+    Args:
+        dim: hidden size.
+        eps: epsilon inside the square root.
+        bias: carry a bias (Cohere: no).
+    """
+
+    def __init__(self, dim: int, eps: float, bias: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
+        """x: ``[num_tokens, dim]``; returns the same shape and dtype (``ops`` unused)."""
+        b = None if self.bias is None else self.bias.float()
+        y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), b, self.eps)
+        return y.to(x.dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor, ops: LayerOps | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, norm(s))`` with ``s = residual + x``."""
+        s = residual + x
+        return s, self(s)
+
+
+class HeadLayerNorm(nn.Module):
+    """LayerNorm without bias of each head's vector, with one weight row per head
+    (``CohereLayerNorm(hidden_size=(num_heads, head_dim))``, Cohere's q/k norm).
+
+    Args:
+        heads, dim: the weight's shape ``[heads, dim]``.
+        eps: epsilon.
+    """
+
+    def __init__(self, heads: int, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(heads, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[num_tokens, heads, dim]`` -> the same shape and dtype."""
+        y = F.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+Norm = RMSNorm | LayerNorm
+
+
+def make_norm(arch: ArchConfig, dim: int) -> Norm:
+    """The family's norm of width ``dim`` (``arch.family.norm``)."""
+    kind = arch.family.norm
+    if kind.startswith("layernorm"):
+        return LayerNorm(dim, arch.rms_norm_eps, bias=kind == "layernorm")
+    return RMSNorm(dim, arch.rms_norm_eps, gemma=kind == "rms_gemma")
+
+
 class MLP(nn.Module):
-    """``down(act(gate(x)) * up(x))``; gate and up run as one fused matmul."""
+    """The dense MLP of ``arch.family.mlp``: ``glu`` ``down(act(gate(x)) * up(x))``
+    (gate and up as one fused matmul), ``fused_glu`` the same from one
+    ``gate_up_proj`` (gate rows first: Phi-3, GLM-4), ``plain`` ``down(act(up(x)))``
+    (StarCoder2 / GPT-2 ``c_fc`` / ``c_proj``)."""
 
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
         h, i, b = arch.hidden_size, arch.intermediate_size, arch.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=b)
-        self.up_proj = nn.Linear(h, i, bias=b)
+        self.kind = arch.family.mlp if arch.family.mlp != "moe" else "glu"
+        self.gate_up_proj: nn.Linear | None = None
+        if self.kind == "glu":
+            self.gate_proj = nn.Linear(h, i, bias=b)
+            self.up_proj = nn.Linear(h, i, bias=b)
+            self._gate_up = FusedLinear([self.gate_proj, self.up_proj])
+        elif self.kind == "fused_glu":
+            self.gate_up_proj = nn.Linear(h, 2 * i, bias=b)
+            self._gate_up = FusedLinear([self.gate_up_proj])
+        else:
+            self.up_proj = nn.Linear(h, i, bias=b)
+            self._gate_up = FusedLinear([self.up_proj])
         self.down_proj = nn.Linear(i, h, bias=b)
         self.activation = arch.activation
         self.intermediate_size = i
-        self._gate_up = FusedLinear([self.gate_proj, self.up_proj])
         self._down = PackedWeight()
+
+    def _act(self, g: torch.Tensor) -> torch.Tensor:
+        if self.activation == "silu":
+            return F.silu(g)
+        if self.activation == "gelu_tanh":
+            return F.gelu(g, approximate="tanh")
+        return F.gelu(g)
 
     def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
         """x ``[num_tokens, hidden_size]`` -> same; ``ops``: a backend's ``LayerOps``
         for SiLU·mul (None = torch ops)."""
         gu = self._gate_up(x)
         d = self.down_proj
+        if self.kind == "plain":
+            return self._down(self._act(gu), d.weight, d.bias)
         if ops is not None and self.activation == "silu":
             return self._down(ops.silu_mul(gu), d.weight, d.bias)
         i = self.intermediate_size
         g, u = gu[:, :i], gu[:, i:]
-        if self.activation == "silu":
-            g = F.silu(g)
-        elif self.activation == "gelu_tanh":
-            g = F.gelu(g, approximate="tanh")
-        else:
-            g = F.gelu(g)
-        return self._down(g.mul_(u), d.weight, d.bias)
+        return self._down(self._act(g).mul_(u), d.weight, d.bias)
 
 
 class PagedAttention(nn.Module):
     """Self-attention of one layer on the paged KV cache.
 
     Args:
-        arch: the model architecture.
-        spec: this layer's AttentionSpec (scale, window, soft cap), from
+        arch: the model architecture (``arch.family``: fused q/k/v, q/k norm kind,
+            RoPE layout).
+        spec: this layer's AttentionSpec (scale, window, soft cap, sinks), from
             ``CacheSpec.from_hf_config``.
     """
 
     def __init__(self, arch: ArchConfig, spec: AttentionSpec) -> None:
         super().__init__()
         h, d = arch.hidden_size, arch.head_dim
-        self.num_q_heads, self.num_kv_heads, self.head_dim = arch.num_q_heads, arch.num_kv_heads, d
-        self.q_proj = nn.Linear(h, arch.num_q_heads * d, bias=arch.qkv_bias)
-        self.k_proj = nn.Linear(h, arch.num_kv_heads * d, bias=arch.qkv_bias)
-        self.v_proj = nn.Linear(h, arch.num_kv_heads * d, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(arch.num_q_heads * d, h, bias=arch.o_bias)
+        hq, hk = arch.num_q_heads, arch.num_kv_heads
+        fam = arch.family
+        self.num_q_heads, self.num_kv_heads, self.head_dim = hq, hk, d
+        if fam.fused_qkv:  # Phi3Attention.qkv_proj / GPT-2 c_attn: q, k, v rows
+            self.qkv_proj = nn.Linear(h, (hq + 2 * hk) * d, bias=arch.qkv_bias)
+            self._qkv = FusedLinear([self.qkv_proj])
+        else:
+            self.q_proj = nn.Linear(h, hq * d, bias=arch.qkv_bias)
+            self.k_proj = nn.Linear(h, hk * d, bias=arch.qkv_bias)
+            self.v_proj = nn.Linear(h, hk * d, bias=arch.qkv_bias)
+            self._qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
+        self.o_proj = nn.Linear(hq * d, h, bias=arch.o_bias)
         self.spec = spec
-        self._qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
-        self._splits = (arch.num_q_heads * d, arch.num_kv_heads * d, arch.num_kv_heads * d)
+        self._splits = (hq * d, hk * d, hk * d)
         self._o = PackedWeight()
-        self.qk_norm = arch.qk_norm
-        if arch.qk_norm:  # Qwen3MoeAttention.q_norm / k_norm: RMSNorm over head_dim
-            self.q_norm = RMSNorm(d, arch.rms_norm_eps)
-            self.k_norm = RMSNorm(d, arch.rms_norm_eps)
+        self.qk_norm = fam.qk_norm if arch.qk_norm else ""
+        self.q_norm: nn.Module
+        self.k_norm: nn.Module
+        if self.qk_norm == "head":  # Qwen3 / Gemma-3 q_norm, k_norm over head_dim
+            gemma = fam.norm == "rms_gemma"
+            self.q_norm = RMSNorm(d, arch.rms_norm_eps, gemma)
+            self.k_norm = RMSNorm(d, arch.rms_norm_eps, gemma)
+        elif self.qk_norm == "full":  # Olmo2Attention: over the whole projection
+            self.q_norm = RMSNorm(hq * d, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(hk * d, arch.rms_norm_eps)
+        elif self.qk_norm == "head_ln":  # CohereAttention: [heads, head_dim] weights
+            self.q_norm = HeadLayerNorm(hq, d, arch.rms_norm_eps)
+            self.k_norm = HeadLayerNorm(hk, d, arch.rms_norm_eps)
+        self.rope = not fam.learned_positions
+        self.interleaved = fam.rope_interleaved
+        # the fused rotate-half path (backend LayerOps or apply_rope_qkv) applies when
+        # nothing comes between the projection and a full-width rotate-half RoPE
+        self._plain_rope = (
+            self.rope and not self.qk_norm and not self.interleaved and arch.rotary_dim == d
+        )
         if spec.sinks:  # GptOssAttention.sinks: one logit per query head
-            self.sinks = nn.Parameter(torch.zeros(arch.num_q_heads))
+            self.sinks = nn.Parameter(torch.zeros(hq))
+
+    def _q_k(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[t, hq, d]``, k ``[t, hk, d]`` normed (the family's q/k norm) and rotated
+        (partial / interleaved RoPE, none with learned positions)."""
+        t = qkv.shape[0]
+        hq, hk, d = self.num_q_heads, self.num_kv_heads, self.head_dim
+        q, k = qkv[:, : hq * d], qkv[:, hq * d : (hq + hk) * d]
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_norm == "head":
+            q = self.q_norm(q.reshape(t * hq, d)).view(t, hq, d)
+            k = self.k_norm(k.reshape(t * hk, d)).view(t, hk, d)
+        else:
+            q, k = q.reshape(t, hq, d), k.reshape(t, hk, d)
+        if self.qk_norm == "head_ln":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if not self.rope or cos is None or sin is None:
+            return q.contiguous(), k.contiguous()
+        return (
+            apply_rope_partial(q, cos, sin, self.interleaved),
+            apply_rope_partial(k, cos, sin, self.interleaved),
+        )
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
         cache: KVCache,
         plan: StepPlan,
         backend: AttentionBackend,
@@ -153,9 +280,9 @@ class PagedAttention(nn.Module):
 
         Args:
             x: ``[num_tokens, hidden_size]`` normalised hidden states.
-            cos, sin: ``[num_tokens, 1, head_dim]`` RoPE tables at each token's position
-                (``sin`` with its first half negated: ``RotaryEmbedding(...,
-                signed=True)``, see ``apply_rope_qkv``).
+            cos, sin: ``[num_tokens, 1, rotary_dim]`` RoPE tables at each token's
+                position (``sin`` with its first half negated: ``RotaryEmbedding(...,
+                signed=True)``, see ``apply_rope_qkv``); None with learned positions.
             cache: the layer's cache; mutated at ``plan.meta.slot_mapping``.
             plan: the backend's plan of this layer's KV group for the step.
             backend: the attention backend.
@@ -168,11 +295,8 @@ class PagedAttention(nn.Module):
         qkv = self._qkv(x)
         b = self._splits[0] + self._splits[1]
         v = qkv[:, b:].view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # per-head RMSNorm of q and k, then RoPE (HF order)
-            hq, hk, d = self.num_q_heads, self.num_kv_heads, self.head_dim
-            qn = self.q_norm(qkv[:, : hq * d].reshape(t * hq, d)).view(t, hq * d)
-            kn = self.k_norm(qkv[:, hq * d : b].reshape(t * hk, d)).view(t, hk * d)
-            q, k = apply_rope_qkv(torch.cat([qn, kn], dim=1), hq, hk, cos, sin)
+        if not self._plain_rope or cos is None or sin is None:
+            q, k = self._q_k(qkv, cos, sin)
         elif ops is not None:
             q, k = ops.rope_qk(qkv, self.num_q_heads, self.num_kv_heads, cos, sin)
         else:
@@ -187,31 +311,46 @@ class PagedAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then MLP (Gemma-2 adds post norms); the MLP
-    is a mixture of experts (``kvpage.models.moe.MoEMLP``) on the MoE layers of
-    ``arch.moe``."""
+    """One residual block in the family's layout (``arch.family.block``):
+
+    * ``pre``: ``x += attn(input_layernorm(x))``; ``x += mlp(post_attention_layernorm(x))``
+      (Granite: each output times ``residual_multiplier`` first);
+    * ``sandwich`` (Gemma-2/3, GLM-4): ``x += post_attention_layernorm(attn(
+      input_layernorm(x)))``; ``x += post_feedforward_layernorm(mlp(
+      pre_feedforward_layernorm(x)))``;
+    * ``post`` (OLMo-2): ``x += post_attention_layernorm(attn(x))``;
+      ``x += post_feedforward_layernorm(mlp(x))``;
+    * ``parallel`` (Cohere): ``h = input_layernorm(x)``; ``x + attn(h) + mlp(h)``.
+
+    The MLP is a mixture of experts (``kvpage.models.moe.MoEMLP``) on the MoE layers of
+    ``arch.moe``.
+    """
 
     def __init__(self, arch: ArchConfig, spec: AttentionSpec, layer_id: int = 0) -> None:
         super().__init__()
-        eps, g = arch.rms_norm_eps, arch.gemma_norm
+        h = arch.hidden_size
+        self.block = arch.family.block
         self.self_attn = PagedAttention(arch, spec)
         self.mlp: MLP | MoEMLP
         if arch.moe is not None and layer_id in arch.moe.sparse_layers:
-            self.mlp = MoEMLP(arch.hidden_size, arch.moe)
+            self.mlp = MoEMLP(h, arch.moe)
         else:
             self.mlp = MLP(arch)
-        self.input_layernorm = RMSNorm(arch.hidden_size, eps, g)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, g)
-        self.sandwich = arch.sandwich_norm
-        if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, g)
-            self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, g)
+        if self.block != "post":
+            self.input_layernorm = make_norm(arch, h)
+        if self.block != "parallel":
+            self.post_attention_layernorm = make_norm(arch, h)
+        if self.block == "sandwich":
+            self.pre_feedforward_layernorm = make_norm(arch, h)
+        if self.block in ("sandwich", "post"):
+            self.post_feedforward_layernorm = make_norm(arch, h)
+        self.residual_multiplier = arch.residual_multiplier
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
         cache: KVCache,
         plan: StepPlan,
         backend: AttentionBackend,
@@ -219,13 +358,24 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x: ``[num_tokens, hidden_size]`` -> same; mutates ``cache`` (see PagedAttention).
         ``ops``: a backend's ``LayerOps``, handed to every part (None = torch ops)."""
-        a = self.self_attn(self.input_layernorm(x, ops), cos, sin, cache, plan, backend, ops)
-        if self.sandwich:
+        attn = self.self_attn
+        if self.block == "post":
+            x = x + self.post_attention_layernorm(attn(x, cos, sin, cache, plan, backend, ops))
+            return x + self.post_feedforward_layernorm(self.mlp(x, ops))
+        h = self.input_layernorm(x, ops)
+        a = attn(h, cos, sin, cache, plan, backend, ops)
+        if self.block == "parallel":
+            return x + a + self.mlp(h, ops)
+        if self.block == "sandwich":
             x = x + self.post_attention_layernorm(a, ops)
             m = self.mlp(self.pre_feedforward_layernorm(x, ops), ops)
             return x + self.post_feedforward_layernorm(m, ops)
+        rm = self.residual_multiplier
+        if rm is not None:
+            a = a * rm
         x, h = self.post_attention_layernorm.add_forward(a, x, ops)
-        return x + self.mlp(h, ops)
+        m = self.mlp(h, ops)
+        return x + (m * rm if rm is not None else m)
 
 
 __all__ = [
@@ -239,6 +389,9 @@ __all__ = [
     "DecoderLayer",
     "PagedAttention",
     "RMSNorm",
+    "LayerNorm",
+    "HeadLayerNorm",
+    "make_norm",
     "RotaryEmbedding",
     "NEVER_PACK",
     "apply_rope",

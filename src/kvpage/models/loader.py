@@ -13,9 +13,8 @@ from kvpage.attention.metadata import MODEL_DTYPES
 from kvpage.errors import SpecError
 from kvpage.models.config import arch_from_hf
 from kvpage.models.llama2c import BUNDLED_MODEL, bundled_model_path, read_llama2c
-from kvpage.models.model import ModelRunnerModel
+from kvpage.models.model import ModelRunnerModel, rotary_embeddings
 from kvpage.models.moe import moe_weights_from_hf, moe_weights_to_hf
-from kvpage.models.rope import RotaryEmbedding
 from kvpage.models.tokenizer import (
     HFTokenizer,
     Llama2cTokenizer,
@@ -23,6 +22,7 @@ from kvpage.models.tokenizer import (
     bundled_tokenizer_path,
 )
 from kvpage.specs import ModelDType, hf_config_dict, read_hf_config_file
+from kvpage.specs.families import Family, rename_weights
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
@@ -59,6 +59,9 @@ def load_model(
         raise SpecError(f"dtype: expected one of {sorted(MODEL_DTYPES)}, got {dtype!r}")
     src = name_or_path_or_hf_model
     tok = _as_tokenizer(tokenizer)
+    if isinstance(src, ModelRunnerModel):  # a kvpage model: its own names, copied
+        sd = {k: v.detach() for k, v in src.hf_state_dict().items()}
+        return _build(dict(src.config), sd, tok, dtype, device, hf_names=False)
     if hasattr(src, "state_dict") and hasattr(src, "config"):
         cfg = hf_config_dict(src.config)
         sd = {k: v.detach() for k, v in src.state_dict().items()}
@@ -91,9 +94,8 @@ def load_model(
             raise SpecError(f"{cfg_path}: expected HF config values, got {e}") from None
         sd = _read_weights(path)
         if tok is None and any((path / f).is_file() for f in _TOKENIZER_FILES):
-            tok = HFTokenizer.from_pretrained(
-                path, bos_id=cfg.get("bos_token_id"), eos_id=cfg.get("eos_token_id")
-            )
+            # BOS as the tokenizer adds it; EOS = tokenizer + config + generation config
+            tok = HFTokenizer.from_pretrained(path, eos_id=cfg.get("eos_token_id"))
         return _build(cfg, sd, tok, dtype, device)
     raise SpecError(
         f"model: expected {BUNDLED_MODEL!r}, a llama2.c .bin file or an HF model folder, "
@@ -114,23 +116,15 @@ def to_transformers(model: ModelRunnerModel) -> Any:
         raise SpecError("to_transformers: expected transformers installed, got ImportError") from e
     cfg = dict(model.config)
     mt = cfg["model_type"]
-    names = {
-        "llama": "LlamaForCausalLM",
-        "mistral": "MistralForCausalLM",
-        "qwen2": "Qwen2ForCausalLM",
-        "gemma2": "Gemma2ForCausalLM",
-        "mixtral": "MixtralForCausalLM",
-        "qwen3_moe": "Qwen3MoeForCausalLM",
-        "gpt_oss": "GptOssForCausalLM",
-    }
     config_cls = transformers.AutoConfig.for_model(mt).__class__
     keep = {k: v for k, v in cfg.items() if k not in ("model_type", "torch_dtype", "dtype")}
     hf_cfg = config_cls(**keep)
     hf_cfg._attn_implementation = "eager"
-    hf = getattr(transformers, names[mt])(hf_cfg)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
     sd = model.hf_state_dict()
     if model.arch.moe is not None:  # transformers' in-memory fused expert tensors
         sd = moe_weights_to_hf(sd, model.arch.moe)
+    sd = family_weights_to_hf(sd, model.arch.family)
     missing, unexpected = hf.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
     if [m for m in missing if "rotary" not in m] or unexpected:
         raise SpecError(f"to_transformers: expected matching weights, got {missing} {unexpected}")
@@ -144,11 +138,12 @@ def _build(
     tok: Tokenizer | None,
     dtype: ModelDType,
     device: str | torch.device,
+    hf_names: bool = True,
 ) -> ModelRunnerModel:
     # build on the meta device (no init, no memory), then adopt copies of the weights
     with torch.device("meta"):
         model = ModelRunnerModel(cfg, tok, dtype=dtype)
-    weights = dict(sd)
+    weights = family_weights_from_hf(sd, model.arch.family) if hf_names else dict(sd)
     if model.arch.moe is not None:  # the family's expert layout -> kvpage's names
         weights = moe_weights_from_hf(weights, model.arch.moe)
     if model.lm_head is None:
@@ -170,11 +165,47 @@ def _build(
     target = MODEL_DTYPES[dtype]
     copies = {k: v.detach().to(device=device, dtype=target, copy=True) for k, v in weights.items()}
     model.load_state_dict(copies, strict=True, assign=True)
-    a = model.arch
-    model.rotary = RotaryEmbedding(
-        a.head_dim, a.rope_theta, min(a.max_position_embeddings, 8192), a.rope_scaling
-    ).to(device)
+    full, local = rotary_embeddings(model.arch)
+    model.rotary = None if full is None else full.to(device)
+    model.rotary_local = None if local is None else local.to(device)
     return model.eval()
+
+
+#: checkpoint entries that are buffers, not weights (GPT-2's causal-mask ``attn.bias``)
+_NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias")
+
+
+def family_weights_from_hf(
+    sd: Mapping[str, torch.Tensor], family: Family
+) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under kvpage's names: the family's ``renames`` (GPT-2
+    ``transformer.h.<i>.attn.c_attn`` -> ``model.layers.<i>.self_attn.qkv_proj``,
+    GLM-4's norms, StarCoder2's ``c_fc`` / ``c_proj``), its ``Conv1D`` weights
+    transposed to ``[out, in]``, GPT-2's mask buffers dropped. Other keys (kvpage's own
+    names, e.g. of a ``ModelRunnerModel`` loaded again) unchanged."""
+    names = rename_weights(list(sd), family)
+    out: dict[str, torch.Tensor] = {}
+    for old, new in names.items():
+        if family.model_type == "gpt2" and old.endswith(_NOT_WEIGHTS):
+            continue
+        v = sd[old]
+        if new != old and any(new.endswith(c) for c in family.conv1d):
+            v = v.T.contiguous()  # a checkpoint name (kvpage's own names: as they are)
+        out[new] = v
+    return out
+
+
+def family_weights_to_hf(sd: Mapping[str, torch.Tensor], family: Family) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`family_weights_from_hf` (transformers' names and
+    ``Conv1D`` layout)."""
+    names = rename_weights(list(sd), family, to_kvpage=False)
+    out: dict[str, torch.Tensor] = {}
+    for old, new in names.items():
+        v = sd[old]
+        if new != old and any(old.endswith(c) for c in family.conv1d):
+            v = v.T.contiguous()
+        out[new] = v
+    return out
 
 
 def _as_tokenizer(tok: Any) -> Tokenizer | None:
@@ -226,4 +257,4 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     raise SpecError(f"model folder {str(folder)!r}: expected *.safetensors, got none")
 
 
-__all__ = ["load_model", "to_transformers"]
+__all__ = ["family_weights_from_hf", "family_weights_to_hf", "load_model", "to_transformers"]

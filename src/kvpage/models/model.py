@@ -1,8 +1,9 @@
 """``ModelRunnerModel``: a decoder-only transformer that runs on the paged KV cache.
 
-The model is kvpage's own PyTorch code (no HF modeling code at run time); its
-parameter names equal Hugging Face ``*ForCausalLM`` state-dict keys, so weights of
-Llama, Mistral, Qwen2 and Gemma-2 checkpoints load unchanged.
+The model is kvpage's own PyTorch code (no HF modeling code at run time), built from
+the family's row (``kvpage.specs.families``); its parameter names are Hugging Face
+Llama-style ``*ForCausalLM`` state-dict keys (a family's other checkpoint names are
+mapped by the loader: ``kvpage.models.loader``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kvpage.attention.plan import StepPlan
 from kvpage.attention.protocol import AttentionBackend
 from kvpage.errors import ShapeError, SpecError
 from kvpage.models.config import ArchConfig, arch_from_hf
-from kvpage.models.layers import DecoderLayer, PackedWeight, RMSNorm
+from kvpage.models.layers import DecoderLayer, PackedWeight, make_norm
 from kvpage.models.rope import RotaryEmbedding
 from kvpage.models.tokenizer import ByteTokenizer, Tokenizer
 from kvpage.specs import CacheSpec, KVCacheDType, ModelDType, ScaleGranularity
@@ -27,18 +28,35 @@ class _Backbone(nn.Module):
     def __init__(self, arch: ArchConfig, spec: CacheSpec) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        if arch.family.learned_positions:  # GPT-2 wpe
+            self.embed_positions = nn.Embedding(arch.max_position_embeddings, arch.hidden_size)
         self.layers = nn.ModuleList(
             [DecoderLayer(arch, spec.layers[i], i) for i in range(arch.num_layers)]
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norm)
+        self.norm = make_norm(arch, arch.hidden_size)
+
+
+def rotary_embeddings(arch: ArchConfig) -> tuple[RotaryEmbedding | None, RotaryEmbedding | None]:
+    """The RoPE tables of the full-attention layers and, when they differ (Gemma-3's
+    ``rope_local_base_freq``), of the sliding layers; ``(None, None)`` with learned
+    positions."""
+    if arch.family.learned_positions:
+        return None, None
+    n = min(arch.max_position_embeddings, 8192)
+    full = RotaryEmbedding(arch.head_dim, arch.rope_theta, n, arch.rope_scaling, arch.rotary_dim)
+    local = None
+    if arch.rope_local is not None:
+        theta, scaling = arch.rope_local
+        local = RotaryEmbedding(arch.head_dim, theta, n, scaling, arch.rotary_dim)
+    return full, local
 
 
 class ModelRunnerModel(nn.Module):
-    """A causal LM (Llama / Mistral / Qwen2 / Gemma-2 family, and the MoE families
-    Mixtral / Qwen3-MoE / gpt-oss) on the paged KV cache.
+    """A causal LM of one of the families of ``kvpage.specs.families`` (dense and MoE)
+    on the paged KV cache.
 
     Args:
-        config: HF ``config.json`` fields (``model_type`` in llama, mistral, qwen2, gemma2).
+        config: HF ``config.json`` fields (``model_type`` in ``SUPPORTED_MODEL_TYPES``).
         tokenizer: the model's tokenizer; default a ``ByteTokenizer`` over the vocabulary.
         dtype: parameter/activation dtype name (float32, float16, bfloat16).
 
@@ -72,12 +90,13 @@ class ModelRunnerModel(nn.Module):
                 self.layer_groups[lid] = g.group_id
         self.num_kv_groups = len(spec.kv_groups)
         self.model = _Backbone(self.arch, spec)
-        self.rotary = RotaryEmbedding(
-            self.arch.head_dim,
-            self.arch.rope_theta,
-            min(self.arch.max_position_embeddings, 8192),
-            self.arch.rope_scaling,
-        )
+        #: per layer: use ``rotary_local`` (a sliding layer with its own RoPE base)
+        self.layer_local_rope = [
+            self.arch.rope_local is not None and a.sliding_window is not None for a in spec.layers
+        ]
+        self.rotary: RotaryEmbedding | None
+        self.rotary_local: RotaryEmbedding | None
+        self.rotary, self.rotary_local = rotary_embeddings(self.arch)
         self.lm_head: nn.Linear | None = None
         if not self.arch.tie_word_embeddings:
             self.lm_head = nn.Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
@@ -134,13 +153,14 @@ class ModelRunnerModel(nn.Module):
         h, d = a.hidden_size, a.head_dim
         qkv = h * (a.num_q_heads + 2 * a.num_kv_heads) * d
         inter = a.intermediate_size if a.moe is None else a.moe.intermediate_size
-        layer = max(qkv, a.num_q_heads * d * h, 2 * h * inter)
+        up = 1 if a.family.mlp == "plain" else 2  # plain MLP: no gate
+        layer = max(qkv, a.num_q_heads * d * h, up * h * inter)
         return layer, h * a.vocab_size
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under HF ``*ForCausalLM`` names (``lm_head.weight`` included even when
         tied), for building the equivalent ``transformers`` model."""
-        sd = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
+        sd = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary")}
         if self.lm_head is None:
             sd["lm_head.weight"] = self.model.embed_tokens.weight
         return sd
@@ -192,15 +212,30 @@ class ModelRunnerModel(nn.Module):
         top = 0
         for p in plans:
             top = max(top, p.meta.max_seq_len - 1)
-        cos, sin = self.rotary(positions, x.dtype, top, signed=True)
+        cos = sin = cos_l = sin_l = None
+        if self.rotary is not None:
+            cos, sin = self.rotary(positions, x.dtype, top, signed=True)
+        if self.rotary_local is not None:
+            cos_l, sin_l = self.rotary_local(positions, x.dtype, top, signed=True)
+        if self.arch.family.learned_positions:
+            if top >= self.arch.max_position_embeddings:
+                raise ShapeError(
+                    f"positions: expected < n_positions={self.arch.max_position_embeddings} "
+                    f"(learned position table), got {top}"
+                )
+            x = x + self.model.embed_positions(positions)
         # optional on a backend: kvpage.attention.protocol.LayerOps
         get_ops = getattr(backend, "layer_ops", None)
         ops = get_ops(x.dtype, x.device) if get_ops is not None else None
+        local = self.layer_local_rope
         for lid, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_caches[lid], plans[self.layer_groups[lid]], backend, ops)
+            c, s_ = (cos_l, sin_l) if local[lid] else (cos, sin)
+            x = layer(x, c, s_, kv_caches[lid], plans[self.layer_groups[lid]], backend, ops)
         x = self.model.norm(x[logits_indices], ops)
         w = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         logits = self._lm(x, w, None).float()
+        if self.arch.logit_multiplier is not None:  # Cohere logit_scale, Granite 1/scaling
+            logits = logits * self.arch.logit_multiplier
         cap = self.arch.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -25,38 +25,65 @@ from kvpage.models.tokenizer_llama2c import Llama2cTokenizer, bundled_tokenizer_
 class HFTokenizer:
     """Adapter giving a ``transformers`` tokenizer the kvpage interface.
 
+    Encoding follows the tokenizer: ``encode(text, bos=True)`` is
+    ``hf.encode(text, add_special_tokens=True)``, so BOS (and any other special token
+    the tokenizer adds) is there exactly when the tokenizer adds it — a Llama-style
+    tokenizer prepends ``<s>``, a Qwen-style one adds nothing. ``config.json``'s
+    ``bos_token_id`` is never prepended on its own (transformers and vLLM follow the
+    tokenizer too).
+
+    Stop ids (vLLM's rule, ``SamplingParams.update_from_generation_config``): the
+    tokenizer's ``eos_token_id`` is ``eos_id``; ``eos_token_ids`` (= ``stop_token_ids``)
+    is the ordered union of it, ``config.json``'s ``eos_token_id`` and
+    ``generation_config.json``'s ``eos_token_id`` (each an int or a list).
+
     Args:
         tokenizer: a ``PreTrainedTokenizerBase`` (e.g. from ``AutoTokenizer``).
-        bos_id / eos_id: override the tokenizer's special ids (e.g. from config.json;
-            a list of EOS ids, as Llama 3 configs have, is allowed: the first is
-            ``eos_id`` and all of them are ``stop_token_ids``).
+        eos_id: more EOS ids, e.g. ``config.json``'s ``eos_token_id`` (int or list).
+        extra_eos_ids: more EOS ids, e.g. ``generation_config.json``'s.
+
+    Attributes:
+        hf: the wrapped transformers tokenizer (what ``LLM.get_tokenizer()`` returns).
+        chat_template: the tokenizer's Jinja chat template (None when it has none).
     """
 
     def __init__(
         self,
         tokenizer: Any,
         *,
-        bos_id: int | None = None,
         eos_id: int | Sequence[int] | None = None,
+        extra_eos_ids: int | Sequence[int] | None = None,
     ) -> None:
         self.hf = tokenizer
-        self.bos_id = bos_id if bos_id is not None else tokenizer.bos_token_id
-        stops = _id_list(eos_id) or _id_list(tokenizer.eos_token_id)
+        self.bos_id: int | None = tokenizer.bos_token_id
+        stops = _union(_id_list(tokenizer.eos_token_id), _id_list(eos_id), _id_list(extra_eos_ids))
         self.eos_id: int | None = stops[0] if stops else None
         self.vocab_size = len(tokenizer)
+        self.eos_token_ids: tuple[int, ...] = tuple(stops)
         self.stop_token_ids: tuple[int, ...] = tuple(stops)
 
+    @property
+    def chat_template(self) -> str | None:
+        t = getattr(self.hf, "chat_template", None)
+        return t if isinstance(t, str) and t else None
+
     @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> HFTokenizer:
-        """Load with ``transformers.AutoTokenizer.from_pretrained(path)`` (local only).
+    def from_pretrained(
+        cls, path: str | Path, *, eos_id: int | Sequence[int] | None = None
+    ) -> HFTokenizer:
+        """Load with ``transformers.AutoTokenizer.from_pretrained(path)`` (local only);
+        ``generation_config.json``'s EOS ids in ``path`` join the stop ids.
 
         Raises:
-            SpecError: transformers is missing or the folder has no tokenizer.
+            SpecError: transformers is missing, the folder has no tokenizer, or its
+                generation_config.json is malformed.
         """
         try:
             from transformers import AutoTokenizer
         except ImportError as e:  # pragma: no cover - transformers is an extra
             raise SpecError("tokenizer: expected transformers installed, got ImportError") from e
+        from kvpage.models.generation_config import generation_eos_ids, read_generation_config
+
         try:
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as e:  # noqa: BLE001 - transformers raises many kinds
@@ -67,14 +94,13 @@ class HFTokenizer:
             from transformers import PreTrainedTokenizerFast
 
             tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_json))
-        return cls(tok, **kwargs)
+        extra = generation_eos_ids(read_generation_config(path))
+        return cls(tok, eos_id=eos_id, extra_eos_ids=extra)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
-        """Ids of ``text`` without the tokenizer's own specials; BOS prepended if asked."""
-        ids = list(self.hf.encode(text, add_special_tokens=False))
-        if bos and self.bos_id is not None:
-            ids.insert(0, int(self.bos_id))
-        return ids
+        """Ids of ``text``: ``hf.encode(text, add_special_tokens=bos)`` (``bos=True``
+        adds the specials the tokenizer adds, which may be none)."""
+        return [int(i) for i in self.hf.encode(text, add_special_tokens=bos)]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens skipped."""
@@ -82,6 +108,14 @@ class HFTokenizer:
 
     def incremental_decoder(self, prefix_ids: Sequence[int] = ()) -> IncrementalDecoder:
         return IncrementalDecoder(self, prefix_ids)
+
+
+def _union(*lists: list[int]) -> list[int]:
+    """The ids of ``lists`` in order of first appearance."""
+    out: list[int] = []
+    for ids in lists:
+        out.extend(i for i in ids if i not in out)
+    return out
 
 
 def _id_list(x: Any) -> list[int]:
@@ -109,6 +143,7 @@ class ByteTokenizer:
         self.bos_id = bos_id
         stops = _id_list(eos_id)
         self.eos_id: int | None = stops[0] if stops else None
+        self.eos_token_ids: tuple[int, ...] = tuple(stops)
         self.stop_token_ids: tuple[int, ...] = tuple(stops)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:

@@ -21,6 +21,9 @@ class Tokenizer(Protocol):
         bos_id: id prepended by ``encode(..., bos=True)``; None if the vocabulary has none.
         eos_id: the end-of-sequence id; None if none.
         stop_token_ids: ids that end generation by default (includes ``eos_id``).
+        eos_token_ids (optional): the EOS ids the engine ends a sequence at unless
+            ``ignore_eos`` (default ``(eos_id,)``); Hugging Face folders: the union of
+            the tokenizer's, config.json's and generation_config.json's EOS ids.
         vocab_size: number of ids.
     """
 

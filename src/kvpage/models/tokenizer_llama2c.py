@@ -80,6 +80,9 @@ class Llama2cTokenizer:
         self.scores = scores
         self.vocab_size = len(pieces)
         self.stop_token_ids: tuple[int, ...] = (2, 1)
+        #: what the engine ends a sequence at by default: EOS only (``kvpage generate``
+        #: adds BOS as a stop id, as run.c does)
+        self.eos_token_ids: tuple[int, ...] = (2,)
         # lookup of mergeable pieces only (never control or byte-fallback ids)
         self._lookup: dict[bytes, int] = {}
         for i in range(first, len(pieces)):

@@ -36,7 +36,7 @@ from kvpage.server.security import (
     install_security,
     metrics_response,
 )
-from kvpage.server.service import APIError, ServingState, rejection_error
+from kvpage.server.service import APIError, ServingState, chat_template_name, rejection_error
 from kvpage.server.utility_routes import register_utility_routes
 
 __all__ = ["build_engine", "create_app"]
@@ -208,6 +208,9 @@ def create_app(
             "created": started,
             "owned_by": "kvpage",
             "max_model_len": state.max_model_len,
+            # kvpage extension: what a request that sets none of them gets
+            "chat_template": chat_template_name(state),
+            "generation_defaults": dict(state.sampling_defaults),
         }
 
     @app.get("/v1/models")

@@ -29,6 +29,8 @@ _FLAGS: dict[str, tuple[str | None, str, Any]] = {
     "served_model_name": (None, "served_model_name", str),
     "log_level": (None, "log_level", str),
     "engine_niceness": (None, "engine_niceness", int),
+    "chat_template": (None, "chat_template", str),
+    "generation_config": ("engine", "generation_config", str),
     "model": ("engine", "model", str),
     "block_size": ("engine", "block_size", int),
     "num_blocks": ("engine", "num_blocks", int),
@@ -241,15 +243,18 @@ def config_from_args(args: argparse.Namespace, base: ServerConfig | None = None)
 
 def check_engine_config(cfg: ServerConfig) -> None:
     """The engine's argument checks (``kvpage.engine.config.EngineConfig``: dtypes, sizes,
-    seed) and a registered ``backend`` name, without loading the model.
+    seed, ``generation_config``), a registered ``backend`` name and a readable, valid
+    ``chat_template``, without loading the model.
 
     Raises:
         SpecError: the first invalid engine field, named.
     """
     from kvpage.backends import available_backends
+    from kvpage.engine.chat import load_chat_template
     from kvpage.engine.config import EngineConfig as EngineArgs
 
     EngineArgs(**cfg.engine.engine_kwargs())
+    load_chat_template(cfg.chat_template)
     names = available_backends()
     if cfg.engine.backend != "auto" and cfg.engine.backend not in names:
         raise SpecError(

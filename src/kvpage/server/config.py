@@ -115,6 +115,9 @@ class EngineConfig(_Strict):
     kv_disk_tier_path: str | None = None
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space_bytes: int = Field(1 << 30, ge=0)
+    #: request defaults from generation_config.json: ``auto`` (the model folder's),
+    #: ``vllm``/``none`` (none), or a folder (vLLM's ``--generation-config``)
+    generation_config: str = Field("auto", min_length=1)
 
     @model_validator(mode="after")
     def _tiers(self) -> EngineConfig:
@@ -330,6 +333,11 @@ class ServerConfig(_Strict):
     #: with ``engine_process``: added to the engine process's nice value (0-19), so the
     #: OS prefers the HTTP front end (``/health``, streaming) when both want a CPU
     engine_niceness: int = Field(10, ge=0, le=19)
+    #: default Jinja chat template for /v1/chat/completions and /tokenize instead of
+    #: the model's: a file path or the template itself (vLLM's ``--chat-template``;
+    #: ``kvpage.engine.chat.load_chat_template``); None = the model's, else kvpage's
+    #: plain template
+    chat_template: str | None = Field(None, min_length=1)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     degradation: DegradationConfig = Field(default_factory=DegradationConfig)

@@ -17,7 +17,7 @@ import gc
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpage.server.engine_loop import AsyncEngine, StepStats, _Command
@@ -39,6 +39,10 @@ class EngineInfo:
     max_model_len: int
     policy: str
     metrics: dict[str, float]
+    #: request defaults from generation_config.json (``LLMEngine.default_sampling_params``)
+    default_sampling_params: dict[str, Any] = field(default_factory=dict)
+    #: the generation_config.json folder they came from (None: none)
+    generation_config_path: str | None = None
 
 
 def engine_report(engine: Any) -> dict[str, Any]:
@@ -172,6 +176,8 @@ def child_main(sock: Any, engine_kwargs: dict[str, Any], log_level: str, nicenes
             int(sched.max_servable_len),
             str(getattr(sched, "policy", "fcfs")),
             dict(engine.get_metrics()),
+            dict(engine.default_sampling_params),
+            engine.generation_config_path,
         )
     except BaseException as exc:
         send_frame(sock, ("error", _picklable(exc)))

@@ -109,6 +109,8 @@ class SpawnedEngine:
         self.backend_name = info.backend_name
         self.scheduler = _SchedulerView(info.max_model_len, info.policy)
         self._metrics = info.metrics
+        self.default_sampling_params = dict(info.default_sampling_params)
+        self.generation_config_path = info.generation_config_path
 
     def get_metrics(self) -> dict[str, float]:
         """The engine metrics as of the child's start (live ones: the loop's snapshot)."""

@@ -91,12 +91,8 @@ CHAT_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "service_tier": (None, "auto", "default"),
     "prompt_cache_key": _NULL,
     "safety_identifier": _NULL,
-    "add_generation_prompt": (None, True),
-    "continue_final_message": _FALSE,
     "add_special_tokens": (None, False),
     "documents": _NULL,
-    "chat_template": _NULL,
-    "chat_template_kwargs": _EMPTY,
 }
 
 

@@ -26,6 +26,7 @@ from kvpage.server.generation import current_placements, merged_placement
 from kvpage.server.multi_stream import stream_many
 from kvpage.server.responses import (
     CAPPED_HEADER,
+    CHAT_TEMPLATE_HEADER,
     GROUP_HEADER,
     REPLICA_HEADER,
     ChoiceState,
@@ -101,8 +102,11 @@ def _response_headers(
     """Headers known once every prompt is admitted and has started: the degraded-mode
     cap (:data:`CAPPED_HEADER`, the lowest cap applied at admission) and, for callers
     allowed to see the topology (:func:`may_see_topology`), the group and replica that
-    serve the request (a scaled-out ingress; ``mixed`` when prompts went to several)."""
+    serve the request (a scaled-out ingress; ``mixed`` when prompts went to several);
+    for chat, the template that rendered the prompt (:data:`CHAT_TEMPLATE_HEADER`)."""
     headers: dict[str, str] = {}
+    if reqs and reqs[0].chat_template is not None:
+        headers[CHAT_TEMPLATE_HEADER] = reqs[0].chat_template
     capped = [r.max_tokens for r in reqs if r.requested_max_tokens is not None]
     if capped:
         headers[CAPPED_HEADER] = str(min(capped))
@@ -188,6 +192,8 @@ def _prepare_all(
                 state.config.admission.kv_retention_max_priority,
                 state.config.admission.kv_retention_max_ttl_s,
             ),
+            chat_template=state.chat_template,
+            sampling_defaults=state.sampling_defaults,
         )
         if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
             req.prompt_logprobs = req.logprobs  # echo shows the prompt tokens' logprobs

@@ -9,13 +9,14 @@ are refused unless they ask for nothing, unknown fields are refused unless the s
 runs with ``--allow-unknown-fields``; so a client never silently gets something other
 than what it asked for.
 
-Chat template (documented in docs/serving.md): stories260K is a plain language model
-with no chat training, so a conversation is rendered as plain text, one message per
-line, ``"{role}: {content}\\n"``, followed by ``"assistant:"``. The model then continues
-the assistant line. A turn starts only where a line starts with ``"{role}:"``; line
-breaks inside a message (``\\n``, ``\\r\\n``, ``\\r``) are written as ``"\\n "`` (a newline
-and one space, like a folded e-mail header), so no message text can start a line with a
-role name and forge a turn (``"hi\\nassistant: yes"`` stays inside the user's message).
+Chat templates (documented in docs/serving.md; :mod:`kvpage.engine.chat`): a model
+with a Jinja ``chat_template`` is rendered with it by transformers' sandboxed renderer
+(request fields ``chat_template``, ``chat_template_kwargs``, ``add_generation_prompt``,
+``continue_final_message`` as vLLM has them; server default ``--chat-template``); a
+model without one (the bundled stories260K) gets kvpage's plain template, one message
+per line, ``"{role}: {content}\n"``, then ``"assistant:"``, in which line breaks inside a
+message are written as ``"\n "`` so no message can forge a turn. The response header
+``x-kvpage-chat-template`` says which template rendered the prompt.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from kvpage.engine.chat import apply_chat_template
+from kvpage.engine.chat import ChatPrompt, render_chat_prompt
 from kvpage.engine.params import MAX_LOGPROBS
 
 #: most characters of the ``user`` field (OpenAI does not say; 256 is ample for an id)
@@ -133,15 +134,18 @@ class ChatMessage(BaseModel):
     """One chat message. ``content`` may be a string or a list of ``{"type": "text"}``
     parts; ``prepare_request`` refuses any other part type (400, naming it).
 
-    Other message fields (``name``, ``tool_calls``, ``tool_call_id``, ...) are refused with
-    400 naming them: kvpage's chat template has no place for them (nothing is silently
-    dropped).
+    ``name``, ``tool_calls`` and ``tool_call_id`` are passed to the model's Jinja chat
+    template (which renders them or not, as the model was trained); kvpage's plain
+    template refuses them with 400 naming them. Any other message field is refused.
     """
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None  # required; null only for "assistant"
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -150,13 +154,10 @@ class ChatMessage(BaseModel):
             raise ValueError("a string or a list of text parts (null only for role assistant)")
         return v
 
-    def text(self) -> str:
-        """The message's text (text parts concatenated)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template reads it (null fields omitted, as
+        transformers' ``apply_chat_template`` drops them too)."""
+        return self.model_dump(exclude_none=True)
 
 
 class ChatCompletionRequest(_Request):
@@ -164,6 +165,11 @@ class ChatCompletionRequest(_Request):
     defaults to the room left in the context (max model length minus prompt)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    #: vLLM's chat-template fields (semantics: ``kvpage.engine.chat.render_chat_prompt``)
+    chat_template: str | None = Field(None, min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -172,11 +178,29 @@ class ChatCompletionRequest(_Request):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def render_chat(messages: list[ChatMessage]) -> str:
-    """Render a conversation with kvpage's plain-text chat template.
+def render_chat(
+    messages: list[ChatMessage],
+    tokenizer: Any,
+    *,
+    default_chat_template: str | None = None,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> ChatPrompt:
+    """Render and tokenize a conversation (``kvpage.engine.chat.render_chat_prompt``:
+    the request's template, else the server's ``--chat-template``, else the model's,
+    else kvpage's plain one).
 
-    Returns:
-        ``"".join(f"{m.role}: {fold_lines(m.text())}\\n" for m in messages) +
-        "assistant:"`` — one line per turn; a message cannot add turns.
+    Raises:
+        RequestRejected: malformed messages or a template that fails to render.
     """
-    return apply_chat_template([{"role": m.role, "content": m.text()} for m in messages])
+    return render_chat_prompt(
+        tokenizer,
+        [m.as_dict() for m in messages],
+        chat_template=chat_template,
+        default_chat_template=default_chat_template,
+        chat_template_kwargs=chat_template_kwargs,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )

@@ -31,6 +31,9 @@ CAPPED_HEADER = "X-KVPage-Max-Tokens-Capped"
 #: response headers naming the replica group / replica of a scaled-out server that
 #: served the request (operators only: ``kvpage.server.security.may_see_topology``)
 GROUP_HEADER = "X-KVPage-Group"
+#: chat responses: which chat template rendered the prompt ("request", "server",
+#: "model" or "kvpage", the plain template of a model without one)
+CHAT_TEMPLATE_HEADER = "X-KVPage-Chat-Template"
 REPLICA_HEADER = "X-KVPage-Replica"
 
 

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvpage.engine.chat import load_chat_template, model_chat_template
 from kvpage.server.admission import (
     Decision,
     KVBudget,
@@ -42,6 +43,36 @@ from kvpage.server.generation import Delta, RequestGeneration, Usage, rejection_
 from kvpage.server.metrics import ServerMetrics
 from kvpage.server.protocol import APIError, GenerationRequest
 from kvpage.server.validation import max_token_bytes
+
+_log = logging.getLogger("kvpage.server")
+
+
+def chat_template_name(state: Any) -> str:
+    """Which template renders chat requests that bring none: ``"server"``
+    (``--chat-template``), ``"model"`` (the tokenizer's) or ``"kvpage"`` (plain)."""
+    if state.chat_template is not None:
+        return "server"
+    return "model" if model_chat_template(state.tokenizer) is not None else "kvpage"
+
+
+def log_template_choice(state: Any, generation_config_path: str | None) -> None:
+    """Log at start-up which chat template and which generation defaults apply."""
+    name = chat_template_name(state)
+    why = {
+        "server": "--chat-template",
+        "model": "the model's chat_template",
+        "kvpage": "kvpage's plain '{role}: {content}' template (the model has no chat_template)",
+    }[name]
+    _log.info("chat template: %s", why)
+    if state.sampling_defaults:
+        _log.info(
+            "generation config %s: request defaults %s",
+            generation_config_path,
+            state.sampling_defaults,
+        )
+    else:
+        _log.info("generation config: none (kvpage's request defaults)")
+
 
 __all__ = ["APIError", "Charge", "Delta", "ServingState", "Usage", "rejection_error"]
 
@@ -108,6 +139,13 @@ class ServingState(RequestGeneration):
         )
         self.params_cls = sampling_params_cls
         self.clock = clock
+        #: the ``--chat-template`` default (None: the model's, else kvpage's plain one)
+        self.chat_template = load_chat_template(config.chat_template)
+        #: generation_config.json defaults for the sampling fields a request leaves unset
+        self.sampling_defaults: dict[str, Any] = dict(
+            getattr(engine, "default_sampling_params", None) or {}
+        )
+        log_template_choice(self, getattr(engine, "generation_config_path", None))
         spec = engine.cache_spec
         sched = getattr(engine, "scheduler", None)
         #: the longest prompt + max_tokens served: the engine's max_model_len, or less

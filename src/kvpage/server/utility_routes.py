@@ -1,9 +1,12 @@
 """vLLM's utility routes: ``/tokenize``, ``/detokenize``, ``/version`` and ``/ping``.
 
 * ``POST /tokenize`` ``{"model"?, "prompt": str, "add_special_tokens"?: bool}`` or
-  ``{"model"?, "messages": [...], "add_generation_prompt"?: true}`` ->
-  ``{"count", "max_model_len", "tokens"}``; ``add_special_tokens`` (default true) puts
-  BOS first; messages are rendered with the chat template of /v1/chat/completions.
+  ``{"model"?, "messages": [...], "add_generation_prompt"?, "continue_final_message"?,
+  "chat_template"?, "chat_template_kwargs"?}`` -> ``{"count", "max_model_len",
+  "tokens"}``; for a prompt, ``add_special_tokens`` (default true) adds the tokenizer's
+  special tokens (BOS where it adds one); messages are rendered and tokenized exactly as
+  /v1/chat/completions does (``add_special_tokens`` is refused with them: the template
+  decides the special tokens).
 * ``POST /detokenize`` ``{"model"?, "tokens": [int]}`` -> ``{"prompt": str}``.
 * ``GET /version`` -> ``{"version": kvpage.__version__}``.
 * ``GET|POST /ping`` -> 200 ``{}`` while the engine loop runs, else 503 (as /health).
@@ -23,7 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvpage.errors import got_repr
+from kvpage.engine.chat import message_text
+from kvpage.errors import RequestRejected, got_repr
 from kvpage.server.protocol import APIError, ChatMessage, render_chat
 from kvpage.server.validation import check_duplicate_keys, check_text_fits
 
@@ -40,6 +44,9 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = Field(None, min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -49,6 +56,11 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+def _render_ids(messages: Any, tokenizer: Any, **kwargs: Any) -> list[int]:
+    """Prompt ids of a conversation, as /v1/chat/completions renders it."""
+    return render_chat(messages, tokenizer, **kwargs).prompt_token_ids
 
 
 def register_utility_routes(
@@ -90,24 +102,51 @@ def register_utility_routes(
                 + ("both" if body.prompt is not None else "neither"),
                 param="prompt",
             )
-        if body.messages is not None:
-            if not body.add_generation_prompt:
+        chat_only = ("continue_final_message", "chat_template", "chat_template_kwargs")
+        if body.messages is not None and "add_special_tokens" in body.model_fields_set:
+            raise APIError(
+                400,
+                "add_special_tokens: expected unset with messages (the chat template "
+                f"decides the special tokens), got {body.add_special_tokens}",
+                param="add_special_tokens",
+            )
+        if body.messages is None:
+            given = [k for k in chat_only if k in body.model_fields_set]
+            if given:
                 raise APIError(
-                    400,
-                    "add_generation_prompt: expected true (kvpage's template always ends "
-                    "with the assistant turn), got false",
-                    param="add_generation_prompt",
+                    400, f"{given[0]}: expected unset without messages, got a value", param=given[0]
                 )
-            text = render_chat(body.messages)
+        # bounded work: text that provably cannot fit the context is refused before
+        # encoding (as for completions), and tokenizing runs on the tokenize pool, never
+        # on the event loop that answers every other request
+        param = "messages" if body.messages is not None else "prompt"
+        if body.messages is not None:
+            text = "".join(message_text(m.content) for m in body.messages)
+            check_text_fits(text, state.max_bytes_per_token, state.max_model_len, param)
+            msgs = body.messages
+            # the same rendering as /v1/chat/completions (the template writes its own
+            # special tokens; add_special_tokens is not applied on top, as vLLM's default)
+            encode: Any = functools.partial(
+                _render_ids,
+                msgs,
+                state.tokenizer,
+                default_chat_template=state.chat_template,
+                chat_template=body.chat_template,
+                chat_template_kwargs=body.chat_template_kwargs,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+            )
         else:
             text = body.prompt or ""
-        # bounded work: text that provably cannot fit the context is refused before
-        # encoding (as for completions), and the pure-Python tokenizer runs on the
-        # tokenize pool, never on the event loop that answers every other request
-        param = "messages" if body.messages is not None else "prompt"
-        check_text_fits(text, state.max_bytes_per_token, state.max_model_len, param)
-        encode = functools.partial(state.tokenizer.encode, text, bos=body.add_special_tokens)
-        ids = list(await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, encode))
+            check_text_fits(text, state.max_bytes_per_token, state.max_model_len, param)
+            encode = functools.partial(state.tokenizer.encode, text, bos=body.add_special_tokens)
+        try:
+            ids = list(
+                await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, encode)
+            )
+        except RequestRejected as e:
+            bad = str(e).split(":", 1)[0].strip()
+            raise APIError(400, str(e), param=bad) from None
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")

@@ -12,8 +12,8 @@ import math
 from typing import Any
 
 from kvpage.cache.retention import KVRetention
-from kvpage.engine.chat import text_part_problem
-from kvpage.errors import GOT_REPR_MAX, SpecError, got_repr
+from kvpage.engine.chat import message_text, text_part_problem
+from kvpage.errors import GOT_REPR_MAX, RequestRejected, SpecError, got_repr
 from kvpage.server.fields import check_extra_fields
 from kvpage.server.protocol import (
     APIError,
@@ -126,6 +126,8 @@ def prepare_request(
     max_bytes_per_token: int | None = None,
     allow_unknown_fields: bool = False,
     retention_limits: tuple[int, float] = (3, 3600.0),
+    chat_template: str | None = None,
+    sampling_defaults: dict[str, Any] | None = None,
 ) -> GenerationRequest:
     """Validate a parsed request and tokenize its prompt.
 
@@ -144,6 +146,12 @@ def prepare_request(
             refusing them (see :mod:`kvpage.server.fields`).
         retention_limits: ``(max priority, max ttl_s)`` a ``kv_retention`` policy may
             ask for (``AdmissionConfig.kv_retention_max_priority`` / ``_max_ttl_s``).
+        chat_template: the server's default Jinja chat template (``--chat-template``),
+            or None (the model's, else kvpage's plain one).
+        sampling_defaults: the model's generation_config.json defaults
+            (``LLMEngine.default_sampling_params``: temperature, top_p, top_k, min_p,
+            repetition_penalty, max_tokens) for the fields the request leaves unset
+            (or sends as null); None = kvpage's / OpenAI's defaults.
 
     Returns:
         The request with token ids and ``max_tokens`` resolved (completions default 16;
@@ -210,15 +218,39 @@ def prepare_request(
                 param="max_completion_tokens",
             )
         _check_text_parts(body)
-        text = render_chat(body.messages)
-        check_text_fits(text, max_bytes_per_token, max_model_len, "messages")
-        ids = tokenizer.encode(text, bos=True)
+        # bounded work: messages whose text alone provably cannot fit are refused before
+        # the template renders (a template only adds text)
+        all_text = "".join(message_text(m.content) for m in body.messages)
+        check_text_fits(all_text, max_bytes_per_token, max_model_len, "messages")
+        try:
+            chat = render_chat(
+                body.messages,
+                tokenizer,
+                default_chat_template=chat_template,
+                chat_template=body.chat_template,
+                chat_template_kwargs=body.chat_template_kwargs,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+            )
+        except RequestRejected as e:
+            param = str(e).split(":", 1)[0].strip()
+            raise APIError(400, str(e), param=param, reason="invalid_request") from None
+        template_source = chat.template
+        ids = chat.prompt_token_ids
         max_name = "max_completion_tokens" if body.max_tokens is None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
     else:
+        template_source = None
         ids = _prompt_ids(body.prompt, tokenizer, max_bytes_per_token, max_model_len)
         max_name = "max_tokens"
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        max_tokens = body.max_tokens
+    defaults = sampling_defaults or {}
+    if max_tokens is None and "max_tokens" in defaults:
+        # unset: the generation config's max_new_tokens, within the room left (vLLM's
+        # get_max_tokens takes the smaller too)
+        max_tokens = min(int(defaults["max_tokens"]), max_model_len - len(ids))
+    elif max_tokens is None and kind == "completion":
+        max_tokens = 16  # OpenAI's default (chat: the room left, below)
     n_prompt = len(ids)
     if n_prompt >= max_model_len:
         raise APIError(
@@ -268,16 +300,16 @@ def prepare_request(
         prompt_token_ids=ids,
         max_tokens=max_tokens,
         n=body.n,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
+        temperature=_field(body, "temperature", defaults),
+        top_p=_field(body, "top_p", defaults),
+        top_k=_field(body, "top_k", defaults),
         seed=body.seed,
         stop=stops,
         ignore_eos=body.ignore_eos,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        min_p=body.min_p or 0.0,
+        repetition_penalty=_field(body, "repetition_penalty", defaults, 1.0),
+        min_p=_field(body, "min_p", defaults, 0.0),
         min_tokens=body.min_tokens or 0,
         stop_token_ids=list(body.stop_token_ids or ()),
         include_stop_str_in_output=body.include_stop_str_in_output,
@@ -288,7 +320,20 @@ def prepare_request(
         include_usage=body.include_usage(),
         tenant=tenant,
         kv_retention=retention,
+        chat_template=template_source,
     )
+
+
+def _field(body: Any, name: str, defaults: dict[str, Any], fallback: Any = None) -> Any:
+    """A sampling field: the request's value when it set one, else the generation
+    config's default, else the request model's default (``fallback`` for fields whose
+    model default is None)."""
+    if name in body.model_fields_set and getattr(body, name) is not None:
+        return getattr(body, name)
+    if name in defaults:
+        return defaults[name]
+    v = getattr(body, name)
+    return fallback if v is None else v
 
 
 def check_retention(raw: dict[str, Any] | None, limits: tuple[int, float]) -> dict[str, Any] | None:

@@ -38,17 +38,19 @@ __all__ = [
 
 #: model types kvpage runs (``kvpage generate`` / ``serve`` / the ``LLM`` class)
 MODEL_TYPES: tuple[str, ...] = (
-    "llama", "mistral", "qwen2", "gemma2", "mixtral", "qwen3_moe", "gpt_oss",
+    "llama", "mistral", "qwen2", "gemma2", "qwen3", "gemma3_text", "phi3", "olmo2",
+    "granite", "glm4", "cohere", "starcoder2", "gpt2", "mixtral", "qwen3_moe", "gpt_oss",
 )  # fmt: skip
 #: the MoE model types among them (``kvpage.models.moe``): their expert keys are expected
 MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "gpt_oss")
-#: model types ``kvpage plan`` can size a cache for (GPT-2: cache layout only)
-PLAN_MODEL_TYPES: tuple[str, ...] = (*MODEL_TYPES, "gpt2")
+#: model types ``kvpage plan`` can size a cache for: every one kvpage runs
+PLAN_MODEL_TYPES: tuple[str, ...] = MODEL_TYPES
 
 _SSM = "SSM state (a per-sequence recurrent state instead of a KV cache)"
 _HYBRID = "hybrid SSM state (Mamba layers beside the attention layers)"
 _MLA = "MLA (multi-head latent attention: a compressed latent KV, kv_lora_rank)"
 _MOE = "MoE (mixture-of-experts routing of this family)"
+_MM = "multimodal input (a vision encoder and image tokens in the prompt)"
 
 #: config keys that say a model routes over experts
 _MOE_KEYS = ("num_local_experts", "n_routed_experts", "num_experts")
@@ -72,6 +74,18 @@ UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
     "deepseek_v3": f"{_MLA} and {_MOE}",
     "kimi_k2": f"{_MLA} and {_MOE}",
     "qwen2_moe": f"{_MOE} with a shared expert",
+    "olmoe": _MOE,
+    "granitemoe": _MOE,
+    "phimoe": _MOE,
+    "gemma3": f"{_MM}; its text decoder runs as model_type gemma3_text",
+    "llava": _MM,
+    "mllama": f"{_MM} and cross-attention layers",
+    "qwen2_vl": f"{_MM} and M-RoPE (3-D rotary positions)",
+    "qwen2_5_vl": f"{_MM} and M-RoPE (3-D rotary positions)",
+    "paligemma": _MM,
+    "idefics3": _MM,
+    "cohere2": "Cohere-2's global layers without RoPE beside its sliding RoPE layers",
+    "phi3small": "blocksparse attention and mup scalings (Phi-3-small)",
 }
 
 
@@ -110,6 +124,8 @@ def _architecture_clash(arch: object, mt: str | None = None) -> str | None:
         stem = str(a).lower()
         for suffix in ("forcausallm", "forconditionalgeneration", "lmheadmodel", "model"):
             stem = stem.removesuffix(suffix)
+        if mt is not None and str(a).lower().endswith("forcausallm") and mt.startswith(stem):
+            continue  # the family's own text class (Gemma3ForCausalLM of gemma3_text)
         if stem in families:
             return families[stem]
     return None

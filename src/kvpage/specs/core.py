@@ -258,7 +258,7 @@ class CacheSpec(BaseModel):
 
         Args:
             config: a ``transformers.PretrainedConfig``, or a mapping as in ``config.json``.
-                Supported ``model_type``: llama, mistral, qwen2, gemma2, gpt2.
+                Supported ``model_type``: ``kvpage.specs.architectures.PLAN_MODEL_TYPES``.
             block_size: tokens per block.
             num_blocks: blocks per KV group (0 = not sized yet).
             kv_dtype: KV storage dtype.
@@ -269,10 +269,12 @@ class CacheSpec(BaseModel):
             SpecError: unknown model_type or inconsistent sizes.
 
         Layer rules (from HF modeling code): ``layer_types`` when the config has it;
-        otherwise Mistral's ``sliding_window`` applies to every layer; Qwen2 slides only
-        when ``use_sliding_window`` and ``layer >= max_window_layers``; Gemma-2 slides on
-        even layers, scale ``query_pre_attn_scalar ** -0.5``, soft cap
-        ``attn_logit_softcapping``; GPT-2 may scale by ``1/(layer+1)``.
+        otherwise Mistral's, Mixtral's, Phi-3's and StarCoder2's ``sliding_window``
+        applies to every layer; Qwen2/Qwen3 slide only when ``use_sliding_window`` and
+        ``layer >= max_window_layers``; Gemma-2 (and gpt-oss) slide on even layers,
+        Gemma-3 on all but every ``sliding_window_pattern``-th; Gemma-2/3 scale by
+        ``query_pre_attn_scalar ** -0.5`` and soft-cap at ``attn_logit_softcapping``;
+        Granite scales by ``attention_multiplier``; GPT-2 may scale by ``1/(layer+1)``.
         """
         cfg = hf_config_dict(config)
         layers = attention_layers_from_hf(cfg)

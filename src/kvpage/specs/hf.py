@@ -140,8 +140,8 @@ class HFAttentionShape:
 
 
 def hf_attention_shape(cfg: Mapping[str, Any]) -> HFAttentionShape:
-    """Read the attention sizes of an HF config (model types llama, mistral, qwen2,
-    gemma2 and gpt2).
+    """Read the attention sizes of an HF config (every model type of
+    ``kvpage.specs.architectures.PLAN_MODEL_TYPES``; GPT-2's own key names).
 
     Raises:
         SpecError: another model_type, a missing size, or a width that is not a
@@ -198,14 +198,19 @@ def attention_layers_from_hf(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
         sliding = [t == "sliding_attention" for t in layer_types]
     elif mt == "mistral":
         sliding = [window is not None] * n_layers
-    elif mt == "qwen2":
+    elif mt in ("mistral", "mixtral", "phi3", "starcoder2"):
+        # MistralAttention, MixtralAttention, Phi3Attention, Starcoder2Attention:
+        # config.sliding_window on every layer when set
+        sliding = [window is not None] * n_layers
+    elif mt in ("qwen2", "qwen3"):  # Qwen2Config / Qwen3Config.layer_types rule
         use = bool(cfg.get("use_sliding_window", False))
         mwl = int(cfg.get("max_window_layers", n_layers) or n_layers)
         sliding = [use and i >= mwl for i in range(n_layers)]
     elif mt in ("gemma2", "gpt_oss"):  # GptOssConfig too: even layers without layer_types
         sliding = [i % 2 == 0 for i in range(n_layers)]
-    elif mt == "mixtral":  # MixtralAttention: config.sliding_window on every layer
-        sliding = [window is not None] * n_layers
+    elif mt == "gemma3_text":  # Gemma3TextConfig: every sliding_window_pattern-th is full
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        sliding = [bool((i + 1) % pattern) for i in range(n_layers)]
     elif mt == "qwen3_moe":  # Qwen3MoeConfig: the window only with use_sliding_window
         sliding = [bool(cfg.get("use_sliding_window", False)) and window is not None] * n_layers
     else:
@@ -214,9 +219,13 @@ def attention_layers_from_hf(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
         raise SpecError("config.sliding_window: expected a window for sliding layers, got None")
     scale = None
     cap = None
-    if mt == "gemma2":
+    if mt in ("gemma2", "gemma3_text"):  # Gemma2Attention / Gemma3Attention.scaling
         scale = float(cfg.get("query_pre_attn_scalar") or hd) ** -0.5
-        cap = cfg.get("attn_logit_softcapping")
+        # Gemma3Attention never passes attn_logit_softcapping to the attention (q/k
+        # norm replaced it; transformers 5.23): only Gemma-2 caps the scores
+        cap = cfg.get("attn_logit_softcapping") if mt == "gemma2" else None
+    elif mt == "granite" and cfg.get("attention_multiplier") is not None:
+        scale = float(cfg["attention_multiplier"])  # GraniteAttention.scaling
     return [
         dict(
             num_q_heads=heads,

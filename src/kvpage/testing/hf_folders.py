@@ -1,0 +1,186 @@
+"""Offline Hugging Face model folders for tokenizer / chat-template / generation-config
+tests: a small byte-level BPE trained with the ``tokenizers`` library on local text,
+wrapped as a ``PreTrainedTokenizerFast``, beside a tiny random-weight model built from
+transformers' own config class (``CONFIG_MAPPING[model_type](**small)``).
+
+Two setups, as real checkpoints ship them:
+
+* ``"qwen"``: no BOS added (``encode`` adds nothing), EOS ``<|im_end|>``, a ChatML chat
+  template, config.json ``bos_token_id``/``eos_token_id`` = ``<|endoftext|>`` (as Qwen2
+  has), and a generation_config.json with two EOS ids and sampling defaults;
+* ``"llama"``: ``encode`` prepends ``<s>`` (a TemplateProcessing post-processor), EOS
+  ``</s>``, a template that writes ``{{ bos_token }}`` itself, no generation_config.json.
+
+The model can be made to emit one chosen token at every step whatever the prompt
+(:func:`set_emitted_token`): column 0 of the embeddings is a large constant, so the
+final normed hidden state has a positive first entry, and the untied ``lm_head`` has a
+single non-zero entry, in the chosen token's row. That makes stop-id tests exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "LLAMA_TEMPLATE",
+    "QWEN_GENERATION_CONFIG",
+    "make_chat_folder",
+    "set_emitted_token",
+]
+
+#: ChatML (Qwen2 / many instruct models), with add_generation_prompt
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] }}"
+    "{% if message.get('name') %}{{ ' name=' + message['name'] }}{% endif %}"
+    "{{ '\n' + (message['content'] or '') }}"
+    "{% if message.get('tool_calls') %}{% for c in message['tool_calls'] %}"
+    "{{ '\n<tool_call>' + c['function']['name'] + ' ' + (c['function']['arguments'] | tojson)"
+    " + '</tool_call>' }}{% endfor %}{% endif %}"
+    "{% if message.get('tool_call_id') %}{{ ' id=' + message['tool_call_id'] }}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think></think>' }}"
+    "{% endif %}{% endif %}"
+)
+
+#: a Llama-2-like template that writes BOS itself
+LLAMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'system' %}{{ '<<SYS>>' + message['content'] + '<</SYS>>' }}"
+    "{% else %}{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+
+#: the "qwen" folder's generation_config.json besides its EOS ids
+QWEN_GENERATION_CONFIG: dict[str, Any] = {
+    "temperature": 0.7,
+    "top_p": 0.8,
+    "top_k": 20,
+    "repetition_penalty": 1.05,
+    "max_new_tokens": 7,
+}
+
+_TEXT = [
+    "Once upon a time there was a little cat who sat on a mat.",
+    "The system said hello to the user, and the assistant answered politely.",
+    "Tools are called with arguments; the weather in Paris is sunny today.",
+    "A dog ran in the park, and the children laughed at the funny dog.",
+]
+
+_SPECIALS = ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _tokenizer(style: str) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    t.train_from_iterator(_TEXT, trainer)
+    if style == "llama":
+        bos = t.token_to_id("<s>")
+        t.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+        )
+        return PreTrainedTokenizerFast(
+            tokenizer_object=t,
+            bos_token="<s>",
+            eos_token="</s>",
+            unk_token="<unk>",
+            chat_template=LLAMA_TEMPLATE,
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=t,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>"],
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def make_chat_folder(
+    path: str | Path,
+    style: str = "qwen",
+    *,
+    emit: int | None = None,
+    generation_config: bool = True,
+    seed: int = 0,
+) -> Path:
+    """Write a model folder (config.json, safetensors, tokenizer files, for "qwen" a
+    generation_config.json with EOS ``[<|im_end|>, <|endoftext|>]`` and
+    :data:`QWEN_GENERATION_CONFIG`).
+
+    Args:
+        path: the folder (created).
+        style: ``"qwen"`` (qwen2 model) or ``"llama"`` (llama model).
+        emit: make the model emit this token id at every step (see the module
+            docstring); None = plain random weights.
+        generation_config: write the "qwen" generation_config.json (False: none).
+        seed: torch seed of the random weights.
+
+    Returns:
+        The folder.
+    """
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM, GenerationConfig
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer(style)
+    endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
+    ids = {
+        "qwen": dict(bos_token_id=endoftext, eos_token_id=endoftext),
+        "llama": dict(
+            bos_token_id=tok.convert_tokens_to_ids("<s>"),
+            eos_token_id=tok.convert_tokens_to_ids("</s>"),
+        ),
+    }[style]
+    model_type = "qwen2" if style == "qwen" else "llama"
+    cfg = CONFIG_MAPPING[model_type](  # type: ignore[call-arg]
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        **ids,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    if emit is not None:
+        set_emitted_token(model, emit)
+    model.save_pretrained(out)
+    gen_path = out / "generation_config.json"
+    if gen_path.exists():
+        gen_path.unlink()  # save_pretrained derives one from config.json: write ours only
+    if style == "qwen" and generation_config:
+        eos = [tok.convert_tokens_to_ids("<|im_end|>"), endoftext]
+        GenerationConfig(
+            bos_token_id=endoftext, eos_token_id=eos, do_sample=True, **QWEN_GENERATION_CONFIG
+        ).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def set_emitted_token(model: Any, token_id: int) -> None:
+    """Make a transformers causal LM (untied ``lm_head``) emit ``token_id`` at every
+    step, by a margin of ~1000 logits (see the module docstring). Mutates its weights."""
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, 0] = 10.0
+        head = model.get_output_embeddings().weight
+        head.zero_()
+        head[token_id, 0] = 1000.0
