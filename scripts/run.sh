@@ -4,5 +4,5 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-py="$(bash scripts/bootstrap.sh | tail -n 1)"
+py="$(bash scripts/bootstrap.sh core | tail -n 1)"  # the main job needs no server, Ray or GPU packages
 exec "$py" -m kvpage.cli replay "$@"

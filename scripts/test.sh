@@ -11,6 +11,11 @@ bin="$(dirname "$py")"
 echo "== ruff check"; "$bin/ruff" check src backends tests conformance benches scripts docs/examples
 echo "== ruff format --check"; "$bin/ruff" format --check src backends tests conformance benches scripts docs/examples
 echo "== mypy src/kvpage"; "$bin/mypy" src/kvpage
-echo "== pytest"
+echo "== pytest (started $(date +%H:%M:%S); each line of dots ends with [tests done/total])"
 export TRITON_INTERPRET=1 NUMBA_ENABLE_CUDASIM=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "$py" -m pytest -m "not slow and not gpu" -n 2 --dist loadgroup "$@"
+start=$SECONDS
+rc=0
+"$py" -m pytest -m "not slow and not gpu" -n 2 --dist loadgroup \
+  -o console_output_style=count --durations=10 "$@" || rc=$?
+echo "== pytest took $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s (exit status $rc)"
+exit "$rc"

@@ -24,6 +24,10 @@ def got_repr(value: object, limit: int = GOT_REPR_MAX) -> str:
         r = repr(value)
     except RecursionError:
         return f"a {type(value).__name__} nested too deeply to show"
+    except ValueError:  # an int beyond sys.get_int_max_str_digits() has no repr
+        if isinstance(value, int):
+            return f"an int of {value.bit_length()} bits (too long to show)"
+        raise
     if len(r) <= limit:
         return r
     return f"{r[:limit]}... ({len(r)} characters)"

@@ -351,3 +351,53 @@ def test_reset_forgets_pending_blocks(tmp_path: Path) -> None:
     assert len(tiers.pending) == 4
     assert mgr.reset_prefix_cache()
     assert tiers.pending == [] and tiers.flush() == 0 and mover.reads == []
+
+
+def test_unusable_disk_files_are_removed_and_counted_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 23: zero-length and header-only files were skipped at start-up, never
+    removed nor counted (the docs say corrupt files are removed)."""
+    mgr, tiers, mover = build(tmp_path, host_blocks=0)
+    run(mgr, mover, "a", A)
+    run(mgr, mover, "b", B)  # A's 4 blocks on disk
+    assert tiers.disk is not None
+    d = tiers.disk.dir
+    files = sorted(d.glob("*.kvb"))
+    files[0].write_bytes(b"")  # zero-length
+    raw = files[1].read_bytes()
+    files[1].write_bytes(raw[: len(raw) - 4 * 1024] if len(raw) > 8192 else raw[:40])
+    header_only = d / ("ab" * 16 + ".kvb")
+    header_only.write_bytes(b"KVPGBLK1" + FP)  # a header without the rest
+    stray = d / "notes.txt"
+    stray.write_text("not ours")
+    with caplog.at_level("WARNING", logger="kvpage.cache"):
+        disk = DiskTier(tmp_path, 1 << 20, FP)
+    assert disk.stats.removed_at_start == 3 and disk.stats.corrupt == 3
+    assert len(disk) == 2  # the two intact blocks
+    assert not files[0].exists() and not files[1].exists() and not header_only.exists()
+    assert stray.exists()  # not a block file: left alone
+    assert [r.getMessage() for r in caplog.records if "removed 3 file" in r.getMessage()]
+
+
+def test_disk_write_failure_warns_once_on_the_console(tmp_path: Path) -> None:
+    """Without any logging configured (``kvpage generate``), the first failed write is
+    printed on stderr once; later demotions do not repeat it."""
+    import subprocess
+    import sys
+
+    code = f"""
+import errno
+from kvpage.cache.tier_store import DiskTier, tier_fingerprint
+d = DiskTier({str(tmp_path)!r}, 1 << 20, tier_fingerprint({{"m": 1}}))
+def full(path, chunks):
+    raise OSError(errno.ENOSPC, "No space left on device")
+d._write_file = full
+for i in range(3):
+    assert d.put(bytes([i]) * 16, b"x" * 64) is False
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stderr.count("write failed") == 1, out.stderr
+    assert "ENOSPC" in out.stderr

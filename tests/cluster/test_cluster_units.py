@@ -365,6 +365,24 @@ def test_remote_loop_failure_after_first_output_ends_the_stream() -> None:
     asyncio.run(main())
 
 
+def test_remote_loop_retries_a_non_streamed_request_after_outputs() -> None:
+    """Issue 23: a non-streamed request whose replica died after producing outputs got
+    a 500 although its client had received nothing; it is run again elsewhere."""
+
+    async def main() -> None:
+        died = RuntimeError("ActorDiedError: killed")
+        loop, h, obs = _loop({"a": [_Out(1, False), died], "b": [_Out(2, True)]})
+        loop.start(asyncio.get_running_loop())
+        q = await loop.add("r1", [1, 2, 3], None, replayable=True)
+        got = await _drain(q)
+        assert [g.finished for g in got] == [False, True]  # a's partial output, then b's
+        assert h.calls == [("a", []), ("b", ["a"])]
+        assert ("retry", "default") in obs.events
+        assert loop.take_placement("r1") == {"group": "default", "replica": "b"}
+
+    asyncio.run(main())
+
+
 def test_remote_loop_passes_engine_refusals_and_aborts() -> None:
     async def main() -> None:
         loop, h, obs = _loop({"a": [{"rejected": "x: expected y", "reason": "queue_full"}]})

@@ -229,9 +229,29 @@ def test_stream_ends_with_an_error_event_when_its_replica_dies(info: dict[str, A
         assert "replica a of group default failed" in err["message"]
         assert err["type"] == "server_error"
         assert len(d.generated) == 1  # not re-run after a token was produced
-        # plain request: 500 with the same message
+        # plain request: nothing reached the client, so it is retried once on the other
+        # replica (which dies too: 500 naming it)
         r = await c.post("/v1/completions", json=REQ)
-        assert r.status_code == 500 and "replica b of group default" in r.json()["error"]["message"]
+        assert r.status_code == 500 and "replica a of group default" in r.json()["error"]["message"]
+        assert d.generated == ["a", "b", "a"]
+
+    _run(info, body)
+
+
+def test_plain_request_is_retried_when_its_replica_dies_mid_run(info: dict[str, Any]) -> None:
+    """Issue 23: a non-streamed request in flight on a killed replica got a 500 although
+    the client had received nothing."""
+
+    async def body(c: httpx.AsyncClient, ing: Ingress, groups: dict[str, _Group]) -> None:
+        d = groups["default"]
+        d.behaviour = {"a": "die_after", "b": "ok"}
+        r = await c.post("/v1/completions", json=REQ)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == "ab"  # b's run, from its first token
+        assert r.json()["usage"]["completion_tokens"] == 2
+        assert d.generated == ["a", "b"]
+        m = (await c.get("/metrics")).text
+        assert 'kvpage:router_retries_total{group="default"} 1.0' in m
 
     _run(info, body)
 
@@ -264,6 +284,12 @@ def test_canary_admin_route_and_kv_events_on_metrics(info: dict[str, Any]) -> No
         for bad in ({"traffic_fraction": 2}, {"traffic_fraction": "x"}, {"fraction": 0.1}, [1]):
             r = await c.post("/admin/canary", json=bad)
             assert r.status_code == 400 and "traffic_fraction" in r.json()["error"]["message"]
+        r = await c.post(  # the last value would win silently: refused, naming the key
+            "/admin/canary",
+            content=b'{"traffic_fraction": 0.5, "traffic_fraction": 1}',
+            headers={"Content-Type": "application/json"},
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "duplicate_key", r.text
         r = await c.post("/admin/canary", json={"traffic_fraction": 1.0})
         assert r.json()["traffic_fraction"] == 1.0
         await c.post("/v1/completions", json=REQ)

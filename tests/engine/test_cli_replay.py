@@ -156,3 +156,42 @@ def test_tiny_prompt_scale_keeps_runs_short_and_prefixes_shared():
             first = by_first.setdefault(t.hash_ids[0], r.prompt_token_ids)
             n = min(len(first), len(r.prompt_token_ids))
             assert first[:n] == r.prompt_token_ids[:n]  # same first hash id: same tokens
+
+
+def test_replay_output_write_failure_keeps_the_summary_and_the_old_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 23: on a full disk the whole trace ran, then the JSON was lost. The write
+    is now atomic (an existing file stays whole, no temp file is left) and on failure
+    the summary goes to stdout."""
+    import errno
+    import os
+
+    out = tmp_path / "r.json"
+    out.write_text('{"old": true}\n')
+
+    def full(src: object, dst: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    argv = "replay --threads 0 --num-requests 3 --speedup 1000 --output-scale 20 --no-progress"
+    rc = main(argv.split() + ["--num-blocks", "256", "--output", str(out)])
+    assert rc == 1
+    got = capsys.readouterr()
+    assert "No space left on device" in got.err and "follows on stdout" in got.err
+    summary = json.loads(got.out[got.out.index('{\n  "') :])  # after the table
+    assert summary["completed"] == 3
+    assert out.read_text() == '{"old": true}\n'  # untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temp file left
+
+
+def test_replay_refuses_an_unwritable_output_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a folder cannot be created under a file (even as root)
+    rc = main(["replay", "--threads", "0", "--output", str(blocker / "r.json")])
+    assert rc == 2
+    got = capsys.readouterr()
+    assert "--output: expected a path whose folder can be created" in got.err
+    assert "Replaying" not in got.err  # checked before the trace ran

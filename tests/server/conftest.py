@@ -74,3 +74,4 @@ def serve() -> Iterator[Callable[..., Any]]:
         assert_engine_clean(state.engine)
         assert state.kv_budget.reserved_blocks == 0
         assert state.num_active == 0
+        assert not state.tenant_sequences.held  # every request gave its sequences back

@@ -141,6 +141,29 @@ def test_a_dead_engine_process_fails_requests_and_health():
         srv.stop()
 
 
+def test_non_streamed_request_gets_only_the_outputs_it_keeps_across_the_pipe(server):
+    """As in thread mode (test_request_size_limits): the child sends a non-streamed
+    request its first token and its end, not one output per step."""
+    from kvpage.engine import SamplingParams
+
+    state = server.app.state.serving
+
+    async def run(rid: str, replayable: bool) -> list:
+        sp = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+        q = await state.loop.add(rid, [1, 2, 3], sp, replayable=replayable)
+        got = []
+        while not got or not got[-1].finished:
+            got.append(await asyncio.wait_for(q.get(), 60))
+        return got
+
+    def go(rid: str, replayable: bool) -> list:
+        return asyncio.run_coroutine_threadsafe(run(rid, replayable), state.loop._loop).result(90)
+
+    every, kept = go("fo-every", False), go("fo-kept", True)
+    assert len(every) == 12 and len(kept) == 2
+    assert kept[-1].outputs[0].token_ids == every[-1].outputs[0].token_ids
+
+
 def test_stop_reports_a_clean_engine(server):
     """(Runs last on the module's server.) Stopping it: the child reports its end state."""
     state = server.app.state.serving

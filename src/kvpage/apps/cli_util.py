@@ -14,6 +14,7 @@ root on a read-only or virtual file system.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -73,6 +74,31 @@ def prepare_output(path: str, flag: str) -> Path:
     return p
 
 
+def write_output(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically: into a temporary file in the same folder,
+    flushed to disk, then renamed over ``path`` (POSIX ``rename``), so a failure (a full
+    disk, the folder gone) leaves an existing file whole and never a half-written one.
+
+    Raises:
+        OSError: the write, the flush or the rename failed (the temporary file is
+            removed).
+    """
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return p
+
+
 def parse_int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
     """``"1,8,16"`` -> ``[1, 8, 16]``.
 
@@ -107,4 +133,4 @@ def miss_markdown(rows: list[tuple[list[str], dict[str, Any]]], keys: list[str])
     return "\n".join(lines)
 
 
-__all__ = ["miss_markdown", "parse_int_list", "prepare_output", "trace_limit"]
+__all__ = ["miss_markdown", "parse_int_list", "prepare_output", "trace_limit", "write_output"]

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvpage.apps.cli_util import miss_markdown, prepare_output
+from kvpage.apps.cli_util import miss_markdown, prepare_output, write_output
 from kvpage.apps.engine_args import INT64_MAX as INT64_MAX  # re-exported
 from kvpage.apps.engine_args import (
     _add_engine_args,
@@ -303,11 +303,16 @@ def _replay_main(args: argparse.Namespace) -> int:
         print(miss_markdown([([], s["miss_reasons"])], []))
     if args.output:
         path = Path(args.output)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(dumps(s) + "\n")
-        except OSError as e:  # checked up front, but the disk may fill or the folder go
-            print(f"kvpage replay: --output: could not write {path}: {e}", file=sys.stderr)
+        text = dumps(s) + "\n"
+        try:  # checked up front; written atomically (an old file stays whole)
+            write_output(path, text)
+        except OSError as e:  # the disk may still fill or the folder go: keep the run
+            print(
+                f"kvpage replay: --output: could not write {path} ({e.strerror or e}); the "
+                "JSON summary follows on stdout so the run is not lost",
+                file=sys.stderr,
+            )
+            sys.stdout.write(text)
             return 1
         print(f"wrote {path}", file=sys.stderr)
     # the shell's codes: 130 = 128 + SIGINT (Ctrl-C), 143 = 128 + SIGTERM

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpage.apps.cli_util import prepare_output, trace_limit
+from kvpage.apps.cli_util import prepare_output, trace_limit, write_output
 from kvpage.errors import KVPageError
 from kvpage.jsonout import dumps
 from kvpage.report import render_table
@@ -179,7 +179,7 @@ def run_profile(args: argparse.Namespace) -> int:
     else:
         print(render_profile(prof))
         if json_path is not None:
-            json_path.write_text(dumps(prof) + "\n")
+            write_output(json_path, dumps(prof) + "\n")  # atomic
     if args.plots:
         for path in plot_profile(trace, str(Path(args.plots) / trace.name)):
             print(f"wrote {path}", file=sys.stderr)

@@ -18,7 +18,13 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from kvpage.apps.cli_util import miss_markdown, parse_int_list, prepare_output, trace_limit
+from kvpage.apps.cli_util import (
+    miss_markdown,
+    parse_int_list,
+    prepare_output,
+    trace_limit,
+    write_output,
+)
 from kvpage.apps.cluster_cli import cap_outputs, cluster_markdown, run_cluster
 from kvpage.errors import KVPageError
 from kvpage.jsonout import dumps
@@ -229,7 +235,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             print("\ncache misses by reason (prompt tokens computed instead of served from cache):")
             print(miss_markdown(misses, ["policy", "block"]))
     if json_path is not None:
-        json_path.write_text(dumps(rows) + "\n")
+        write_output(json_path, dumps(rows) + "\n")  # atomic: an old file stays whole
     return 0
 
 

@@ -16,9 +16,14 @@ so tenants stay isolated in every tier exactly as in the pool.
   fingerprint (:func:`tier_fingerprint`) covers the model, KV dtype, block size, hash seed
   and the cache geometry, so files of another model or layout are never even listed.
   On an ``OSError`` while writing (disk full: ``ENOSPC``) the tier stops accepting
-  demotions (``writable`` False, ``stats.write_errors`` +1) and keeps serving reads.
+  demotions (``writable`` False, ``stats.write_errors`` +1), warns once on the
+  ``kvpage.cache`` logger (printed on stderr by every command, even without logging
+  configured: Python's last-resort handler) and keeps serving reads.
   The directory survives a restart: a new tier over the same path and fingerprint
-  indexes the files it finds (oldest modification time evicted first).
+  indexes the files it finds (oldest modification time evicted first); files that
+  cannot be a block (empty, header only, a header that does not match the name, the
+  fingerprint or the size, unreadable) are removed then, counted in ``stats.corrupt``
+  and ``stats.removed_at_start``, and logged once.
 
 Observing tier changes (for eviction records and KV events): every tier calls each of
 its ``listeners`` (:class:`TierListener`) synchronously with ``on_demoted(block_hash,
@@ -32,9 +37,11 @@ computed the same content again), ``"write_error"`` (the disk write failed) and
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
 import struct
 import time
@@ -55,6 +62,8 @@ _MAGIC = b"KVPGBLK1"
 _HEAD = struct.Struct("<8s16sB")
 _TAIL = struct.Struct("<Q16s")
 _SUFFIX = ".kvb"
+
+logger = logging.getLogger("kvpage.cache")
 
 
 class TierListener(Protocol):
@@ -81,7 +90,10 @@ class TierStats:
         hits_tokens: prompt tokens of admitted requests served from blocks this tier
             promoted (``KVCacheManager`` counts them when the hit is taken).
         drops: blocks that left the tier other than by promotion (any reason).
-        corrupt: reads refused (checksum, header, length or missing file).
+        corrupt: reads refused (checksum, header, length or missing file), and files
+            removed at start-up (``removed_at_start``).
+        removed_at_start: files a disk tier found at start that cannot be a block
+            (empty, header only, mismatched header, unreadable), removed.
         write_errors: failed writes (disk tier; the tier then stops accepting).
         bytes_in: payload bytes written into the tier.
         bytes_out: payload bytes read out of the tier.
@@ -94,6 +106,7 @@ class TierStats:
     hits_tokens: int = 0
     drops: int = 0
     corrupt: int = 0
+    removed_at_start: int = 0
     write_errors: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
@@ -266,8 +279,11 @@ class DiskTier(_Tier):
         return self.dir / (h.hex() + _SUFFIX)
 
     def _scan(self) -> None:
-        """Index the files left by an earlier run, oldest first; delete temporaries."""
+        """Index the files left by an earlier run, oldest first; delete temporaries and
+        files that cannot be a block (their header is read: one small read per file;
+        the payload's checksum is verified when the block is read)."""
         found = []
+        bad = 0
         for p in self.dir.iterdir():
             if p.name.endswith(".tmp"):
                 p.unlink(missing_ok=True)  # a write torn by a crash
@@ -276,16 +292,51 @@ class DiskTier(_Tier):
                 continue
             try:
                 h = bytes.fromhex(p.name[: -len(_SUFFIX)])
-                st = p.stat()
-            except (ValueError, OSError):
-                continue
-            size = st.st_size - _HEAD.size - len(h) - _TAIL.size
-            if size > 0:
-                found.append((st.st_mtime_ns, h, size))
+            except ValueError:
+                continue  # not a name this tier writes: not ours to delete
+            entry = self._index_entry(p, h)
+            if entry is None:
+                with contextlib.suppress(OSError):
+                    p.unlink(missing_ok=True)
+                bad += 1
+            else:
+                found.append(entry)
+        if bad:
+            self.stats.corrupt += bad
+            self.stats.removed_at_start += bad
+            logger.warning(
+                "kvpage: disk KV tier %s: removed %d file(s) that cannot be a block "
+                "(empty, header only, mismatched header or unreadable)",
+                self.dir,
+                bad,
+            )
         for _, h, size in sorted(found):
             self._sizes[h] = size
             self.used_bytes += size
         self._shrink(0)
+
+    def _index_entry(self, p: Path, h: BlockHash) -> tuple[int, BlockHash, int] | None:
+        """``(mtime ns, hash, payload size)`` of a block file whose header matches its
+        name, this tier's fingerprint and its length; None otherwise."""
+        head_len = _HEAD.size + len(h) + _TAIL.size
+        try:
+            st = p.stat()
+            with open(p, "rb") as f:
+                head = f.read(head_len)
+        except OSError:
+            return None
+        size = st.st_size - head_len
+        if size <= 0 or len(head) < head_len:
+            return None
+        magic, fp, hl = _HEAD.unpack_from(head)
+        if magic != _MAGIC or fp != self.fingerprint or hl != len(h):
+            return None
+        if head[_HEAD.size : _HEAD.size + hl] != h:
+            return None
+        n, _ = _TAIL.unpack_from(head, _HEAD.size + hl)
+        if n != size:
+            return None
+        return st.st_mtime_ns, h, size
 
     def _shrink(self, need: int) -> None:
         while self._sizes and self.used_bytes + need > self.capacity_bytes:
@@ -317,6 +368,13 @@ class DiskTier(_Tier):
             self.writable = False
             self.stats.write_errors += 1
             self.last_write_error = f"{errno.errorcode.get(e.errno or 0, 'OSError')}: {e}"
+            # once: the tier stops accepting, so no later put reaches this line
+            logger.warning(
+                "kvpage: disk KV tier %s: write failed (%s); no more blocks are written to "
+                "disk in this run (the blocks already there are still served)",
+                self.dir,
+                self.last_write_error,
+            )
             return False
         self._sizes[block_hash] = n
         self.used_bytes += n

@@ -22,6 +22,8 @@ from fastapi.responses import JSONResponse
 from kvpage.errors import got_repr
 from kvpage.server import protocol as P
 from kvpage.server.admin_routes import operator_refusal
+from kvpage.server.protocol import APIError
+from kvpage.server.validation import check_duplicate_keys
 
 __all__ = ["register_admin_routes"]
 
@@ -59,10 +61,15 @@ def register_admin_routes(app: FastAPI, state: Any, ingress: Any) -> None:
         bad = refused(request)
         if bad is not None:
             return bad
+        raw = await request.body()
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except ValueError as exc:
             return _err(400, f"body: expected valid JSON, got invalid JSON ({exc})")
+        try:
+            check_duplicate_keys(raw)
+        except APIError as e:
+            return _err(e.status, e.message, param=e.param, code=e.code)
         if not isinstance(body, dict) or set(body) != {"traffic_fraction"}:
             return _err(
                 400,

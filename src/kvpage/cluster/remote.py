@@ -9,11 +9,16 @@ sends the request through the group's deployment handle (the custom router picks
 replica) and returns once the replica produced its first output, so refusals and
 failures before the first token are answered as by the single server.
 
-Faults: if the replica fails (its actor died, the call was lost) before the request's
-first output, the request is sent again, once, to another replica of the group
-(``route["exclude"]``); if it fails after, the request's stream ends with an
-:class:`~kvpage.server.engine_loop.EngineFailure` naming the replica, which the server
-turns into an error event (streams) or a 500 (plain requests).
+Faults: if the replica fails (its actor died, the call was lost) before any byte of
+the request reached its client -- before its first output, or at any point of a
+non-streamed request (``add(..., replayable=True)``: its outputs are cumulative and the
+server sends nothing before the last) -- the request is sent again, once, to another
+replica of the group (``route["exclude"]``), counted in
+``kvpage:router_retries_total``; a replayed request's outputs start again from its
+first token (the server keeps only the final text). A streamed request that fails after
+its first output ends with an :class:`~kvpage.server.engine_loop.EngineFailure` naming
+the replica, which the server turns into a clean error event; a failure of the second
+attempt is a 503 (before any output) or a 500.
 """
 
 from __future__ import annotations
@@ -198,6 +203,7 @@ class RemoteEngineLoop:
         params: Any,
         arrival_time: float | None = None,
         priority: int = 0,
+        replayable: bool = False,
     ) -> asyncio.Queue[Any]:
         """Send a request to a replica; return the queue its outputs arrive on (the
         first one is already there). ``priority`` goes to the replica's scheduler as in
@@ -206,6 +212,9 @@ class RemoteEngineLoop:
         Raises:
             RequestRejected: the replica's engine refused it.
             APIError: 503 when no replica could take it (after the one retry).
+
+        ``replayable``: no output reaches the client before the request finishes (not
+        streamed), so a replica failure after outputs were produced is retried too.
             RuntimeError: the loop is not running.
         """
         if not self._running:
@@ -222,7 +231,7 @@ class RemoteEngineLoop:
         q: asyncio.Queue[Any] = asyncio.Queue()
         ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         task = asyncio.ensure_future(
-            self._run(group, request_id, prompt, params, arrival_time, priority, q, ack)
+            self._run(group, request_id, prompt, params, arrival_time, priority, q, ack, replayable)
         )
         self._tasks[request_id] = task
         task.add_done_callback(lambda _t: self._tasks.pop(request_id, None))
@@ -277,6 +286,7 @@ class RemoteEngineLoop:
         priority: int,
         q: asyncio.Queue[Any],
         ack: asyncio.Future[None],
+        replayable: bool = False,
     ) -> None:
         ids, salt = _prompt_parts(prompt)
         exclude: list[str] = []
@@ -327,12 +337,13 @@ class RemoteEngineLoop:
                     if d is not None:
                         self._place(request_id, where)
                     self.observer.failure(group.name)
-                    if not got_any and attempt == 0:
+                    if (not got_any or replayable) and attempt == 0:
                         logger.warning(
-                            "kvpage ingress: replica %s of group %s failed before the first "
-                            "output of %s (%s); retrying on another replica",
+                            "kvpage ingress: replica %s of group %s failed %s of %s (%s); "
+                            "retrying on another replica",
                             where,
                             group.name,
+                            "during the non-streamed run" if got_any else "before the first output",
                             request_id,
                             type(exc).__name__,
                         )

@@ -16,7 +16,7 @@ from typing import Any
 from kvpage.cache.explain import CacheMissExplanation
 from kvpage.cache.retention import KVRetention
 from kvpage.engine.vllm_compat import SAMPLING_NOT_IMPLEMENTED, check_not_implemented
-from kvpage.errors import RequestRejected, SpecError
+from kvpage.errors import RequestRejected, SpecError, got_repr
 
 #: most top log-probabilities per token a request may ask for (vLLM's default
 #: ``max_logprobs``)
@@ -44,7 +44,7 @@ def _is_num(v: object) -> bool:
 
 def _bad(name: str, expected: str, got: object) -> RequestRejected:
     return RequestRejected(
-        f"{name}: expected {expected}, got {got!r}", reason="invalid_sampling_params"
+        f"{name}: expected {expected}, got {got_repr(got)}", reason="invalid_sampling_params"
     )
 
 

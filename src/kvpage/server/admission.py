@@ -8,6 +8,9 @@ the clock is an argument (``now``, seconds, monotonic) so tests can drive it.
 * :class:`TenantLimiter` — one bucket per tenant, created lazily from the config; at
   most ``max_tenants`` buckets are kept (least recently used evicted), so client-chosen
   tenant labels cannot grow the server without bound.
+* :class:`TenantSequences` — how many admitted, unfinished sequences (``n`` per
+  prompt) each tenant holds, capped per tenant, so one tenant's fan-out cannot fill the
+  engine's queue ahead of the others.
 * :class:`KVBudget` — reservations of KV blocks by admitted, unfinished requests;
   ``projected_usage(extra)`` is the share of the pool they may hold at their maximum
   length. Long-context requests that would push it over the high-water mark wait in a
@@ -27,7 +30,14 @@ from dataclasses import dataclass
 
 from kvpage.server.config import AdmissionConfig, TenantLimit
 
-__all__ = ["Decision", "KVBudget", "PrioritySlots", "TenantLimiter", "TokenBucket"]
+__all__ = [
+    "Decision",
+    "KVBudget",
+    "PrioritySlots",
+    "TenantLimiter",
+    "TenantSequences",
+    "TokenBucket",
+]
 
 
 @dataclass(frozen=True)
@@ -158,6 +168,57 @@ class TenantLimiter:
         bucket = self._buckets.get(tenant)
         if bucket is not None:
             bucket.refund(cost, now)
+
+
+class TenantSequences:
+    """Admitted, unfinished sequences per tenant, at most ``cap`` each.
+
+    Args:
+        cap: the most sequences one tenant may hold at once (None: no cap; counted
+            anyway).
+        retry_after_s: the ``Retry-After`` of a refusal (when sequences finish is not
+            known in advance).
+
+    State: ``held`` (tenant -> sequences; a tenant holding none has no entry, so the
+    map is bounded by the requests in flight). Call from the event loop thread.
+    """
+
+    def __init__(self, cap: int | None, retry_after_s: int) -> None:
+        if cap is not None and cap < 1:
+            raise ValueError(f"max_inflight_sequences_per_tenant: expected >= 1, got {cap}")
+        self.cap = cap
+        self.retry_after_s = retry_after_s
+        self.held: dict[str, int] = {}
+
+    def try_hold(self, tenant: str, sequences: int) -> Decision:
+        """Hold ``sequences`` for ``tenant`` if its total stays within the cap.
+
+        Returns:
+            ``Decision(ok=True)``, or ``tenant_concurrency`` (``retry_after_s``; None when
+            ``sequences`` alone exceed the cap: waiting cannot help).
+        """
+        held = self.held.get(tenant, 0)
+        if self.cap is not None and held + sequences > self.cap:
+            return Decision(
+                False,
+                "tenant_concurrency",
+                self.retry_after_s if sequences <= self.cap else None,
+                f"tenant sequences in flight: expected at most {self.cap} "
+                f"(admission.max_inflight_sequences_per_tenant), got {held} held + "
+                f"{sequences} asked (n x prompts)",
+            )
+        self.held[tenant] = held + sequences
+        return Decision(True)
+
+    def release(self, tenant: str, sequences: int) -> None:
+        """Give back what :meth:`try_hold` took."""
+        left = self.held.get(tenant, 0) - sequences
+        if left < 0:
+            raise AssertionError(f"tenant sequences: {tenant!r} went negative ({left})")
+        if left:
+            self.held[tenant] = left
+        else:
+            self.held.pop(tenant, None)
 
 
 def _wait_key(policy: str, priority: int, order: int) -> tuple[int, int]:

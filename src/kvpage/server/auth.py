@@ -46,7 +46,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvpage.errors import SpecError
+from kvpage.errors import SpecError, got_repr
 from kvpage.server.config import SecurityConfig, TenantLimit
 
 __all__ = [
@@ -279,13 +279,13 @@ def request_priority(tenant: Tenant, asked: int | None, policy: str) -> int:
         if asked != 0:
             raise ValueError(
                 f"priority: expected 0 or unset (the server runs --scheduling-policy {policy}), "
-                f"got {asked}"
+                f"got {got_repr(asked)}"
             )
         return 0
     if asked < tenant.priority:
         raise ValueError(
             f"priority: expected >= {tenant.priority} (the most urgent priority this API key "
-            f"may use; lower values are served earlier), got {asked}"
+            f"may use; lower values are served earlier), got {got_repr(asked)}"
         )
     return asked
 

@@ -160,6 +160,15 @@ class AdmissionConfig(_Strict):
     refused) and raised levels must expire within ``kv_retention_max_ttl_s`` seconds;
     anything above is refused with 400 naming the field. The limit is the same for
     every tenant; the pool-wide cap is ``engine.kv_retention_max_share``.
+
+    Request size (vLLM and OpenAI bound it too): a ``/v1/completions`` body may carry at
+    most ``max_prompts_per_request`` prompts and ``n x prompts`` at most
+    ``max_sequences_per_request`` sequences; more is refused with 400 naming the field
+    (``prompt`` / ``n``) and the limit, before anything is tokenized. A tenant may hold
+    at most ``max_inflight_sequences_per_tenant`` admitted, unfinished sequences at once
+    (its requests beyond that get 429 ``tenant_concurrency`` with ``Retry-After``), so
+    one tenant's fan-out cannot fill the engine's queue ahead of everyone else; ``None``
+    lifts it. It must allow one request of the largest size.
     """
 
     default_limit: TenantLimit | None = None
@@ -172,6 +181,20 @@ class AdmissionConfig(_Strict):
     queue_timeout_s: float = Field(5.0, ge=0.0)
     max_queued: int = Field(64, ge=0)
     retry_after_s: int = Field(1, ge=1)
+    max_prompts_per_request: int = Field(256, ge=1)
+    max_sequences_per_request: int = Field(1024, ge=1)
+    max_inflight_sequences_per_tenant: int | None = Field(1024, ge=1)
+
+    @model_validator(mode="after")
+    def _one_request_fits(self) -> AdmissionConfig:
+        cap = self.max_inflight_sequences_per_tenant
+        if cap is not None and cap < self.max_sequences_per_request:
+            raise ValueError(
+                f"max_inflight_sequences_per_tenant: expected >= max_sequences_per_request "
+                f"({self.max_sequences_per_request}; one request of the largest size must "
+                f"fit), got {cap}"
+            )
+        return self
 
 
 class DegradationConfig(_Strict):

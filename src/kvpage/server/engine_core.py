@@ -142,7 +142,7 @@ class _EngineCore(AsyncEngine):
                     fut = concurrent.futures.Future()
                     fut.add_done_callback(functools.partial(self._reply, msg[1]))
                 if kind == "add":
-                    cmd = _Command("add", msg[2], msg[3], msg[4], future=fut)
+                    cmd = _Command("add", msg[2], msg[3], msg[4], future=fut, final_only=msg[5])
                 elif kind == "abort":
                     cmd = _Command("abort", msg[2], future=fut)
                 else:

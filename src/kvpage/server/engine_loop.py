@@ -89,6 +89,8 @@ class _Command:
     kwargs: dict[str, Any] = field(default_factory=dict)
     fn: Callable[[Any], Any] | None = None
     future: concurrent.futures.Future[Any] | None = field(default=None)
+    #: "add": deliver only the outputs a non-streamed handler reads (see AsyncEngine.add)
+    final_only: bool = False
 
 
 class AsyncEngine:
@@ -119,6 +121,9 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[Any]] = {}  # touched on the event loop only
         self._live: set[str] = set()  # touched on the engine thread only
+        #: final-only requests -> (a token seen, choices finished) at the last delivery
+        #: (engine thread only; pruned to the live requests)
+        self._final_only: dict[str, tuple[bool, int]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -160,14 +165,25 @@ class AsyncEngine:
         params: Any,
         arrival_time: float | None = None,
         priority: int = 0,
+        replayable: bool = False,
     ) -> asyncio.Queue[Any]:
         """Add a request; return the queue its ``RequestOutput``s arrive on.
 
         ``arrival_time`` (``time.monotonic()`` seconds) is passed to the engine, and
         ``priority`` when it is not 0 (engines without priorities keep working).
+        ``replayable`` (no output of the request reaches its client before it
+        finishes: a non-streamed request) lets an engine loop that can run the request
+        again elsewhere do so after a failure (the scaled-out ingress,
+        :class:`kvpage.cluster.remote.RemoteEngineLoop`). Here it means the handler
+        reads only the outputs that change what it keeps (outputs are cumulative): the
+        queue then receives an output only when the request's first token appears, a
+        choice finishes, or the request finishes, not one per step, so a large
+        non-streamed fan-out costs the event loop a few deliveries per sequence instead
+        of one per token.
 
         The queue receives each output the engine produces for the request (the last one
-        has ``finished=True``) or an :class:`EngineFailure`.
+        has ``finished=True``; with ``replayable``, the ones above) or an
+        :class:`EngineFailure`.
 
         Raises:
             RequestRejected: the engine refused the request (no state changed).
@@ -180,7 +196,14 @@ class AsyncEngine:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         kw = {"priority": priority} if priority else {}
         self._commands.put(
-            _Command("add", request_id, (prompt, params, arrival_time), kw, future=fut)
+            _Command(
+                "add",
+                request_id,
+                (prompt, params, arrival_time),
+                kw,
+                future=fut,
+                final_only=replayable,
+            )
         )
         try:
             await asyncio.wrap_future(fut)
@@ -223,6 +246,8 @@ class AsyncEngine:
             if cmd.kind == "add":
                 self.engine.add_request(cmd.request_id, *cmd.args, **cmd.kwargs)
                 self._live.add(cmd.request_id)
+                if cmd.final_only:
+                    self._final_only[cmd.request_id] = (False, -1)
                 result: Any = None
             elif cmd.kind == "abort":
                 if cmd.request_id in self._live:
@@ -378,7 +403,19 @@ class AsyncEngine:
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)
+                self._final_only.pop(out.request_id, None)
+            elif out.request_id in self._final_only:
+                comps = out.outputs
+                key = (
+                    any(len(c.token_ids) for c in comps),
+                    sum(c.finish_reason is not None for c in comps),
+                )
+                if key == self._final_only[out.request_id]:
+                    continue  # nothing a non-streamed handler keeps changed
+                self._final_only[out.request_id] = key
             self._emit(out.request_id, out)
+        if len(self._final_only) > len(self._live):  # aborted or failed requests
+            self._final_only = {k: v for k, v in self._final_only.items() if k in self._live}
         snap = dict(self.engine.get_metrics())
         self.metrics_snapshot = snap
         if self._on_step is not None:

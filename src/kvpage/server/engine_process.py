@@ -23,7 +23,8 @@ does not take at once waits for ``loop.add_writer``).
 
 Messages (one pickled frame each, over a ``socket.socketpair``):
 
-* parent -> child: ``("add", cid, request_id, (prompt, params, arrival_time), kwargs)``,
+* parent -> child: ``("add", cid, request_id, (prompt, params, arrival_time), kwargs,
+  final_only)`` (``final_only``: the request is not streamed, see ``AsyncEngine.add``),
   ``("abort", cid | None, request_id)``, ``("call", cid, fn)`` (``fn`` must pickle: a
   module-level function), ``("stop",)``.
 * child -> parent: ``("ready", EngineInfo)`` or ``("error", exc)`` at start;
@@ -357,6 +358,7 @@ class ProcessAsyncEngine:
         params: Any,
         arrival_time: float | None = None,
         priority: int = 0,
+        replayable: bool = False,
     ) -> asyncio.Queue[Any]:
         """As :meth:`AsyncEngine.add <kvpage.server.engine_loop.AsyncEngine.add>`."""
         if not self.running:
@@ -365,7 +367,9 @@ class ProcessAsyncEngine:
         self._streams[request_id] = q
         kw = {"priority": priority} if priority else {}
         try:
-            await self._request(("add",), request_id, (prompt, params, arrival_time), kw)
+            await self._request(
+                ("add",), request_id, (prompt, params, arrival_time), kw, replayable
+            )
         except asyncio.CancelledError:
             self.abort_nowait(request_id)  # queued behind the add: a no-op if it was skipped
             raise

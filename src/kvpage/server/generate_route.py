@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from kvpage.errors import got_repr
 from kvpage.server import protocol as P
 from kvpage.server.auth import request_priority, scoped_cache_salt
 from kvpage.server.config import JSON_MAX_DEPTH
@@ -37,7 +38,7 @@ from kvpage.server.responses import (
 from kvpage.server.security import may_see_topology, request_tenant
 from kvpage.server.service import APIError, Charge, ServingState, Usage
 from kvpage.server.sse import _Stream, _until_disconnect
-from kvpage.server.validation import prepare_request
+from kvpage.server.validation import check_duplicate_keys, prepare_request
 
 __all__: list[str] = []
 
@@ -73,7 +74,7 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     parts = _clean_loc(err.get("loc", ()))
     loc = ".".join(parts)
     got = err.get("input")
-    got_s = "missing" if err.get("type") == "missing" else f"{type(got).__name__} {got!r}"[:200]
+    got_s = "missing" if err.get("type") == "missing" else f"{type(got).__name__} {got_repr(got)}"
     msg = str(err.get("msg", "a valid value"))
     msg = msg.removeprefix("Input should be ").removeprefix("Value error, ")
     ctx = err.get("ctx") or {}
@@ -82,13 +83,16 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
         msg = "a value (required field)"
     elif err.get("type") == "extra_forbidden":
         msg = "no such field (unknown field)"
+    elif err.get("type") == "string_too_long":
+        msg = f"a string of at most {ctx.get('max_length')} characters"
+        got_s = f"{len(got) if isinstance(got, str) else '?'} characters"
     elif err.get("type") == "too_short":
         n = ctx.get("min_length", 1)
         msg = f"at least {n} item{'s' if n != 1 else ''}"
         got_s = f"{ctx.get('actual_length', len(got) if hasattr(got, '__len__') else '?')}"
     elif field in _ACCEPTS and (len(errors) > 1 or "[" in str(err.get("loc", ""))):
         msg = _ACCEPTS[field]
-        got_s = f"{type(got).__name__} {got!r}"[:200]
+        got_s = f"{type(got).__name__} {got_repr(got)}"
     return f"{loc or 'body'}: expected {msg}, got {got_s}", loc or None
 
 
@@ -115,21 +119,103 @@ def _response_headers(
     return headers
 
 
-async def _generate(state: ServingState, request: Request, kind: str) -> Response:
-    raw = await request.body()
-    model_cls: type[P.CompletionRequest] | type[P.ChatCompletionRequest] = (
-        P.ChatCompletionRequest if kind == "chat" else P.CompletionRequest
-    )
+def _parse(model_cls: type[P.CompletionRequest] | type[P.ChatCompletionRequest], raw: bytes) -> Any:
+    """The validated body (on the tokenize pool: parsing a 4 MiB body takes long).
+    A key given twice in one JSON object is refused (:func:`check_duplicate_keys`)."""
     try:
         body = model_cls.model_validate_json(raw)
     except ValidationError as exc:
         msg, param = _validation_message(exc)
         raise APIError(400, msg, param=param, reason="invalid_request") from None
-    prompts: list[Any] = [None]
+    check_duplicate_keys(raw)
+    return body
+
+
+def _split_prompts(body: Any) -> list[Any]:
+    """The prompts of a body: the entries of a list of strings / of token-id lists, else
+    the one prompt (chat: ``[None]``, the messages are the prompt)."""
     if isinstance(body, P.CompletionRequest):
         p = body.prompt
         several = isinstance(p, list) and len(p) > 1 and isinstance(p[0], (str, list))
-        prompts = list(p) if several else [p]
+        return list(p) if several else [p]
+    return [None]
+
+
+def check_request_size(state: ServingState, prompts: list[Any], n: int) -> None:
+    """400 when a body asks for more prompts or sequences (``n x prompts``) than
+    ``admission.max_prompts_per_request`` / ``max_sequences_per_request`` allow.
+
+    Raises:
+        APIError: 400 ``too_many_prompts`` (``param: prompt``) or ``too_many_sequences``
+            (``param: n``), naming the limit.
+    """
+    cfg = state.config.admission
+    if len(prompts) > cfg.max_prompts_per_request:
+        raise APIError(
+            400,
+            f"prompt: expected at most {cfg.max_prompts_per_request} prompts per request "
+            f"(admission.max_prompts_per_request), got {len(prompts)}",
+            param="prompt",
+            code="too_many_prompts",
+            reason="invalid_request",
+        )
+    if len(prompts) * n > cfg.max_sequences_per_request:
+        raise APIError(
+            400,
+            f"n: expected n x prompts at most {cfg.max_sequences_per_request} sequences per "
+            f"request (admission.max_sequences_per_request), got {n} x {len(prompts)} = "
+            f"{n * len(prompts)}",
+            param="n",
+            code="too_many_sequences",
+            reason="invalid_request",
+        )
+
+
+def _prepare_all(
+    state: ServingState, kind: str, body: Any, prompts: list[Any], tenant: str
+) -> tuple[list[P.GenerationRequest], list[str]]:
+    """One ``GenerationRequest`` per prompt and the texts ``echo`` prepends (on the
+    tokenize pool: the work grows with the body). The first refused prompt raises."""
+    reqs = []
+    for prompt in prompts:
+        one = body if len(prompts) == 1 else body.model_copy(update={"prompt": prompt})
+        req = prepare_request(
+            kind,
+            one,
+            tenant,
+            model_name=state.config.model_name,
+            tokenizer=state.tokenizer,
+            max_model_len=state.max_model_len,
+            max_bytes_per_token=state.max_bytes_per_token,
+            allow_unknown_fields=state.config.allow_unknown_fields,
+            retention_limits=(
+                state.config.admission.kv_retention_max_priority,
+                state.config.admission.kv_retention_max_ttl_s,
+            ),
+            chat_template=state.chat_template,
+            sampling_defaults=state.sampling_defaults,
+        )
+        if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
+            req.prompt_logprobs = req.logprobs  # echo shows the prompt tokens' logprobs
+        reqs.append(req)
+    echo_texts = [
+        prompt_text(r, pr, state.tokenizer) if r.echo else "" for r, pr in zip(reqs, prompts)
+    ]
+    return reqs, echo_texts
+
+
+async def _generate(state: ServingState, request: Request, kind: str) -> Response:
+    raw = await request.body()
+    model_cls: type[P.CompletionRequest] | type[P.ChatCompletionRequest] = (
+        P.ChatCompletionRequest if kind == "chat" else P.CompletionRequest
+    )
+    # Nothing that grows with the body runs on the event loop: parsing, validation,
+    # tokenization and (below) the JSON of the response run on the tokenize pool, so
+    # /health and the other requests are never blocked behind a large body.
+    loop = asyncio.get_running_loop()
+    body = await loop.run_in_executor(state.tokenize_pool, _parse, model_cls, raw)
+    prompts = _split_prompts(body)
+    check_request_size(state, prompts, body.n or 1)
     asked_plp = body.prompt_logprobs is not None
     tenant = request_tenant(request, body.user)
     salt = scoped_cache_salt(state.config.security.prefix_cache_scope, tenant, body.cache_salt)
@@ -137,39 +223,13 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
         priority = request_priority(tenant, body.priority, state.scheduling_policy)
     except ValueError as exc:
         raise APIError(400, str(exc), param="priority", reason="invalid_request") from None
-    reqs = []
-    for prompt in prompts:
-        one = body if len(prompts) == 1 else body.model_copy(update={"prompt": prompt})
-        # Tokenizing a long text takes long (and the tokenizer is pure Python): run it on
-        # the tokenize pool so /health and the other requests are never blocked behind it.
-        req = await asyncio.get_running_loop().run_in_executor(
-            state.tokenize_pool,
-            functools.partial(
-                prepare_request,
-                kind,
-                one,
-                tenant.name,
-                model_name=state.config.model_name,
-                tokenizer=state.tokenizer,
-                max_model_len=state.max_model_len,
-                max_bytes_per_token=state.max_bytes_per_token,
-                allow_unknown_fields=state.config.allow_unknown_fields,
-                retention_limits=(
-                    state.config.admission.kv_retention_max_priority,
-                    state.config.admission.kv_retention_max_ttl_s,
-                ),
-                chat_template=state.chat_template,
-                sampling_defaults=state.sampling_defaults,
-            ),
-        )
-        req.cache_salt = salt
-        req.priority = priority
-        if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
-            req.prompt_logprobs = req.logprobs  # echo shows the prompt tokens' logprobs
-        reqs.append(req)
-    echo_texts = [
-        prompt_text(r, pr, state.tokenizer) if r.echo else "" for r, pr in zip(reqs, prompts)
-    ]
+    reqs, echo_texts = await loop.run_in_executor(
+        state.tokenize_pool,
+        functools.partial(_prepare_all, state, kind, body, prompts, tenant.name),
+    )
+    for r in reqs:
+        r.cache_salt = salt
+        r.priority = priority
     req = reqs[0]
     if not req.stream:
 
@@ -208,9 +268,10 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
                     for r in reqs:
                         state.cancel_causes.pop(r.request_id, None)
                     raise
-        return JSONResponse(
-            build_body(results, asked_plp, state.tokenizer),
-            headers=_response_headers(state, request, reqs) or None,
+        headers = _response_headers(state, request, reqs) or None  # reads the context
+        return await loop.run_in_executor(  # the body's JSON grows with n x prompts
+            state.tokenize_pool,
+            lambda: JSONResponse(build_body(results, asked_plp, state.tokenizer), headers=headers),
         )
     # Streams: the headers are built once admission (which applies the degraded-mode
     # cap) and the engine's accept are done, just before the 200 is sent.

@@ -189,7 +189,14 @@ class RequestGeneration:
                 prompt = {"prompt_token_ids": prompt, "cache_salt": req.cache_salt}
             try:
                 q = await self.loop.add(
-                    req.request_id, prompt, params, arrival_time=arrival, priority=req.priority
+                    req.request_id,
+                    prompt,
+                    params,
+                    arrival_time=arrival,
+                    priority=req.priority,
+                    # not streamed: nothing reaches the client before the end, so an
+                    # ingress may run it again on another replica after a failure
+                    replayable=not req.stream,
                 )
             finally:
                 placement = self._placed(req.request_id)

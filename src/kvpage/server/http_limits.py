@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvpage.errors import got_repr
 from kvpage.server.auth import Authenticator, bearer_token, is_loopback_host
 from kvpage.server.config import SecurityConfig
 from kvpage.server.protocol import error_body
@@ -298,22 +299,61 @@ def _check_loopback_host(scope: Scope) -> None:
 
 
 def _check_content_type(scope: Scope) -> None:
-    """415 unless the POST is JSON; a POST without a body (no Content-Type, no
-    Content-Length or 0, not chunked: e.g. vLLM's ``POST /ping``) carries nothing to
-    misread and passes."""
+    """415 unless the POST is JSON in UTF-8 (``charset`` absent or ``utf-8``, RFC 8259)
+    without a content coding (``Content-Encoding`` absent or ``identity``: none is
+    decoded here, RFC 9110 8.4: 415 for an unsupported coding); a POST without a body
+    (no Content-Type, no Content-Length or 0, not chunked: e.g. vLLM's ``POST /ping``)
+    carries nothing to misread and passes. 400 for a request framed by both
+    ``Content-Length`` and ``Transfer-Encoding`` (RFC 9112 6.3: a smuggling vector;
+    the connection closes)."""
+    if _header(scope, b"transfer-encoding") is not None and (
+        _header(scope, b"content-length") is not None
+    ):
+        raise _Refusal(
+            400,
+            "Content-Length: expected no Content-Length with Transfer-Encoding "
+            "(RFC 9112 6.3), got both",
+            "invalid_request_error",
+            "invalid_framing",
+            "invalid_framing",
+            Connection="close",
+        )
     ctype = _header(scope, b"content-type")
     if ctype is None and _header(scope, b"transfer-encoding") is None:
         length = (_header(scope, b"content-length") or "0").strip()
         if length == "0":
             return
-    media = (ctype or "").split(";", 1)[0].strip().lower()
-    if media != "application/json":
+    media, _, params = (ctype or "").partition(";")
+    if media.strip().lower() != "application/json":
         raise _Refusal(
             415,
-            f"Content-Type: expected application/json, got {ctype or 'none'}",
+            f"Content-Type: expected application/json, got {got_repr(ctype or 'none')}",
             "invalid_request_error",
             "unsupported_media_type",
             "unsupported_media_type",
+        )
+    for param in params.split(";"):
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            charset = value.strip().strip('"').lower()
+            if charset not in ("utf-8", "utf8"):
+                raise _Refusal(
+                    415,
+                    f"Content-Type: expected charset utf-8 (JSON is UTF-8, RFC 8259), "
+                    f"got charset {got_repr(value.strip())}",
+                    "invalid_request_error",
+                    "unsupported_media_type",
+                    "unsupported_charset",
+                )
+    coding = _header(scope, b"content-encoding")
+    if coding is not None and coding.strip().lower() not in ("", "identity"):
+        raise _Refusal(
+            415,
+            f"Content-Encoding: expected identity (no content coding is decoded), "
+            f"got {got_repr(coding.strip())}",
+            "invalid_request_error",
+            "unsupported_media_type",
+            "unsupported_content_encoding",
         )
 
 

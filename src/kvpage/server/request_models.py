@@ -28,6 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from kvpage.engine.chat import ChatPrompt, render_chat_prompt
 from kvpage.engine.params import MAX_LOGPROBS
 
+#: most characters of the ``user`` field (OpenAI does not say; 256 is ample for an id)
+USER_MAX_CHARS = 256
+
 __all__ = [
     "MAX_LOGPROBS",
     "ChatCompletionRequest",
@@ -61,7 +64,8 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    #: an end-user label (OpenAI's); bounded like every client-chosen label
+    user: str | None = Field(None, max_length=USER_MAX_CHARS)
     ignore_eos: bool = False
     # vLLM sampling extensions (semantics: kvpage.engine.params.SamplingParams)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)

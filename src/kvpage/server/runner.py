@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import sys
 import threading
 import time
 from typing import Any, Literal
 
+import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
+from kvpage.errors import got_repr
 from kvpage.server.config import SecurityConfig, ServerConfig
+from kvpage.server.protocol import error_body
 
 __all__ = [
     "BackgroundServer",
@@ -67,6 +71,55 @@ class IdleOnlyH11Protocol(H11Protocol):
     avoids it, by expiring its idle connections first (``keep_alive_timeout_s``,
     docs/serving.md "Keep-alive").
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: the parser's last refusal of the client's bytes (its reason, for the 4xx)
+        self.framing_error: h11.RemoteProtocolError | None = None
+        next_event = self.conn.next_event
+
+        def recorded() -> Any:
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as e:
+                self.framing_error = e
+                raise
+
+        self.conn.next_event = recorded  # type: ignore[method-assign]
+
+    def send_400_response(self, msg: str) -> None:
+        """The parser (h11) refused the request's framing (a bad ``Content-Length``, a
+        ``Transfer-Encoding`` other than chunked, a malformed request line or chunk):
+        answer the documented OpenAI error body with the parser's reason and status
+        hint (400, 431 or 501; uvicorn's own answer is a plain-text 400), then close.
+        A request whose response has already started cannot be answered: only closed."""
+        err = self.framing_error
+        status = int(getattr(err, "error_status_hint", 400) or 400)
+        why = str(err) if err is not None else msg
+        body = json.dumps(
+            error_body(
+                f"request: expected a valid HTTP/1.1 request, got {got_repr(why)} "
+                "(refused by the HTTP parser)",
+                type="invalid_request_error",
+                code="invalid_framing",
+            )
+        ).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        try:
+            reason = STATUS_PHRASES.get(status, b"")
+            self.transport.write(
+                self.conn.send(h11.Response(status_code=status, headers=headers, reason=reason))
+                or b""
+            )
+            self.transport.write(self.conn.send(h11.Data(data=body)) or b"")
+            self.transport.write(self.conn.send(h11.EndOfMessage()) or b"")
+        except h11.LocalProtocolError:
+            pass  # a response was under way: the HTTP layer allows no second one
+        self.transport.close()
 
     def timeout_keep_alive_handler(self) -> None:
         if not self.transport.is_closing() and unread_bytes(self.transport) > 0:
@@ -184,9 +237,12 @@ def run_server(config: ServerConfig, app: Any | None = None) -> None:
         SpecError: an unauthenticated server asked to bind a non-loopback address
             (see :func:`kvpage.server.security.check_bind`), or a bad keys file.
     """
+    from kvpage.server.auth import Authenticator
     from kvpage.server.resolved import warn_if_elsewhere
     from kvpage.server.security import check_bind
 
+    # the keys file (mode, contents) first: no "API keys required" line before a refusal
+    Authenticator(config.security)
     check_bind(config, config.security.auth_enabled)  # before the engine is built
     warn_if_elsewhere(config)
     listener = bind_listener(config.host, config.port)

@@ -128,13 +128,6 @@ def check_bind(config: ServerConfig, auth_enabled: bool, log: bool = True) -> No
     metrics = (
         f"{sec.metrics_host}:{sec.metrics_port}" if sec.metrics_port is not None else "API port"
     )
-    info, warning = (logger.info, logger.warning) if log else (_silent, _silent)
-    info(
-        "kvpage serve: prefix cache scope %s; /metrics on %s; CORS origins %s",
-        sec.prefix_cache_scope,
-        metrics,
-        list(sec.allowed_origins) or "none",
-    )
     if (
         sec.metrics_port is not None
         and not is_loopback_host(sec.metrics_host)
@@ -145,14 +138,23 @@ def check_bind(config: ServerConfig, auth_enabled: bool, log: bool = True) -> No
             "takes no key, and its prefix-cache counters are a side channel; docs/serving.md "
             f"Security), or --allow-unauthenticated, got {sec.metrics_host!r}"
         )
-    if auth_enabled:
-        info("kvpage serve: API keys required on /v1/*, /tokenize, /detokenize")
-        return
-    if not is_loopback_host(config.host) and not sec.allow_unauthenticated:
+    if not auth_enabled and not is_loopback_host(config.host) and not sec.allow_unauthenticated:
         raise SpecError(
             f"host: expected a loopback address without API keys (or "
             f"--allow-unauthenticated), got {config.host!r}; set --api-key/--api-keys-file"
         )
+    # every refusal above comes before the first log line: a server that does not
+    # start never says how it is configured
+    info, warning = (logger.info, logger.warning) if log else (_silent, _silent)
+    info(
+        "kvpage serve: prefix cache scope %s; /metrics on %s; CORS origins %s",
+        sec.prefix_cache_scope,
+        metrics,
+        list(sec.allowed_origins) or "none",
+    )
+    if auth_enabled:
+        info("kvpage serve: API keys required on /v1/*, /tokenize, /detokenize")
+        return
     warning(
         "kvpage serve: running WITHOUT authentication on %s (%s); tenants are client-chosen labels",
         config.host,

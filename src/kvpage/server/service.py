@@ -28,7 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpage.engine.chat import load_chat_template, model_chat_template
-from kvpage.server.admission import Decision, KVBudget, PrioritySlots, TenantLimiter
+from kvpage.server.admission import (
+    Decision,
+    KVBudget,
+    PrioritySlots,
+    TenantLimiter,
+    TenantSequences,
+)
 from kvpage.server.auth import Authenticator
 from kvpage.server.config import ServerConfig
 from kvpage.server.degradation import DegradationController
@@ -189,6 +195,10 @@ class ServingState(RequestGeneration):
             self.auth.limits(),
             max_tenants=max(cap, len(self.auth.tenants)) if self.auth.enabled else cap,
         )
+        #: admitted, unfinished sequences per tenant (the default fairness budget)
+        self.tenant_sequences = TenantSequences(
+            config.admission.max_inflight_sequences_per_tenant, config.admission.retry_after_s
+        )
         #: engine steps that ran out of device or host memory
         self.num_oom = 0
         self.kv_budget = KVBudget(
@@ -334,23 +344,36 @@ class ServingState(RequestGeneration):
         :attr:`Charge.started` was set; a request that reached the engine and was then
         abandoned by its client keeps its charge (docs/serving.md, Admission).
 
+        The tenant also holds the requests' sequences (``n`` per prompt) against
+        ``admission.max_inflight_sequences_per_tenant`` until the block ends, however it
+        ends (:class:`~kvpage.server.admission.TenantSequences`).
+
         Raises:
-            APIError: 429 ``tenant_rate_limit`` (with ``Retry-After``) or
-                ``cost_exceeds_burst`` (without: the summed cost can never pass).
+            APIError: 429 ``tenant_concurrency`` (the tenant holds too many sequences;
+                checked first, nothing charged), ``tenant_rate_limit`` (with
+                ``Retry-After``) or ``cost_exceeds_burst`` (without: the summed cost
+                can never pass).
         """
         for r in reqs:
             self.cap_max_tokens(r)
         tenant, cost = reqs[0].tenant, sum(r.cost for r in reqs)
-        d = self.limiter.try_take(tenant, cost, self.clock())
-        if not d.ok:
-            raise _rate_limited(d)
-        charge = Charge()
+        sequences = sum(r.n for r in reqs)
+        held = self.tenant_sequences.try_hold(tenant, sequences)
+        if not held.ok:
+            raise _rate_limited(held)
         try:
-            yield charge
-        except BaseException as e:
-            if isinstance(e, APIError) or not charge.started:
-                self.limiter.refund(tenant, cost, self.clock())
-            raise
+            d = self.limiter.try_take(tenant, cost, self.clock())
+            if not d.ok:
+                raise _rate_limited(d)
+            charge = Charge()
+            try:
+                yield charge
+            except BaseException as e:
+                if isinstance(e, APIError) or not charge.started:
+                    self.limiter.refund(tenant, cost, self.clock())
+                raise
+        finally:
+            self.tenant_sequences.release(tenant, sequences)
 
     @contextlib.asynccontextmanager
     async def admitted(

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvpage.engine.chat import message_text
 from kvpage.errors import RequestRejected, got_repr
 from kvpage.server.protocol import APIError, ChatMessage, render_chat
-from kvpage.server.validation import check_text_fits
+from kvpage.server.validation import check_duplicate_keys, check_text_fits
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "register_utility_routes"]
 
@@ -75,11 +75,13 @@ def register_utility_routes(
     """
 
     async def parse(request: Request, cls: type[BaseModel]) -> Any:
+        raw = await request.body()
         try:
-            body = cls.model_validate_json(await request.body())
+            body = cls.model_validate_json(raw)
         except ValidationError as exc:
             msg, param = validation_message(exc)
             raise APIError(400, msg, param=param) from None
+        check_duplicate_keys(raw)
         name = state.config.model_name
         if body.model is not None and body.model != name:  # type: ignore[attr-defined]
             raise APIError(
@@ -154,7 +156,7 @@ def register_utility_routes(
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(
-                400, f"tokens: expected ids in [0, {vocab}), got {bad[0]}", param="tokens"
+                400, f"tokens: expected ids in [0, {vocab}), got {got_repr(bad[0])}", param="tokens"
             )
         return {"prompt": str(state.tokenizer.decode(body.tokens))}
 

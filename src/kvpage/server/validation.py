@@ -7,12 +7,13 @@ caller increments).
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 from kvpage.cache.retention import KVRetention
 from kvpage.engine.chat import message_text, text_part_problem
-from kvpage.errors import RequestRejected, SpecError, got_repr
+from kvpage.errors import GOT_REPR_MAX, RequestRejected, SpecError, got_repr
 from kvpage.server.fields import check_extra_fields
 from kvpage.server.protocol import (
     APIError,
@@ -60,6 +61,43 @@ def min_prompt_tokens(text: str, max_bytes_per_token: int) -> int:
     return 1 + math.ceil(n / max_bytes_per_token)
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def check_duplicate_keys(raw: bytes) -> None:
+    """400 when a JSON object of ``raw`` (already known to be valid JSON) holds a key
+    twice: RFC 8259 leaves the meaning to the parser (pydantic keeps the last, others
+    the first), so ``"max_tokens": 100000, "max_tokens": 1`` would mean what the
+    client did not check. Costs one more parse of the body (run it off the loop).
+
+    Raises:
+        APIError: 400 ``duplicate_key``, ``param`` the key (quoted bounded).
+    """
+    try:
+        json.loads(raw, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as d:
+        raise APIError(
+            400,
+            f"body: expected each key once per JSON object, got {got_repr(d.key)} twice",
+            param=d.key[:GOT_REPR_MAX],
+            code="duplicate_key",
+            reason="invalid_request",
+        ) from None
+    except (ValueError, RecursionError):  # pydantic accepted it: its reading stands
+        return
+
+
 def check_text_fits(text: str, bound: int | None, max_model_len: int, param: str) -> None:
     if bound is None:
         return
@@ -67,8 +105,10 @@ def check_text_fits(text: str, bound: int | None, max_model_len: int, param: str
     if lo >= max_model_len:
         raise APIError(
             400,
-            f"{param}: expected fewer than {max_model_len} tokens (max model length), got at "
-            f"least {lo} (text of {len(text)} characters, at most {bound} bytes per token)",
+            f"{param}: expected fewer than {max_model_len} tokens (max model length), got a "
+            f"text that cannot fit: an estimate, not a count (not tokenized: its "
+            f"{len(text)} characters need at least {lo} tokens at {bound} bytes per token "
+            f"at most)",
             code="context_length_exceeded",
             param=param,
             reason="prompt_too_long",
@@ -130,7 +170,7 @@ def prepare_request(
     ):
         raise APIError(
             400,
-            f"top_logprobs: expected unset unless logprobs is true, got {body.top_logprobs}",
+            f"top_logprobs: expected unset unless logprobs is true, got {got_repr(body.top_logprobs)}",
             param="top_logprobs",
         )
     if body.stop_token_ids is not None and any(
@@ -173,8 +213,8 @@ def prepare_request(
             raise APIError(
                 400,
                 "max_completion_tokens: expected the same value as max_tokens when both "
-                f"are given (max_tokens is its older name), got {body.max_completion_tokens} "
-                f"and max_tokens {body.max_tokens}",
+                f"are given (max_tokens is its older name), got {got_repr(body.max_completion_tokens)} "
+                f"and max_tokens {got_repr(body.max_tokens)}",
                 param="max_completion_tokens",
             )
         _check_text_parts(body)
@@ -224,18 +264,20 @@ def prepare_request(
     if max_tokens is None:
         max_tokens = max_model_len - n_prompt
     if max_tokens < 1:
-        raise APIError(400, f"{max_name}: expected >= 1, got {max_tokens}", param=max_name)
+        raise APIError(
+            400, f"{max_name}: expected >= 1, got {got_repr(max_tokens)}", param=max_name
+        )
     if body.min_tokens is not None and body.min_tokens > max_tokens:
         raise APIError(
             400,
-            f"min_tokens: expected <= {max_name} ({max_tokens}), got {body.min_tokens}",
+            f"min_tokens: expected <= {max_name} ({max_tokens}), got {got_repr(body.min_tokens)}",
             param="min_tokens",
         )
     if n_prompt + max_tokens > max_model_len:
         raise APIError(
             400,
             f"{max_name}: expected prompt ({n_prompt}) + {max_name} <= {max_model_len} "
-            f"(max model length), got {n_prompt + max_tokens}",
+            f"(max model length), got {got_repr(n_prompt + max_tokens)}",
             code="context_length_exceeded",
             param=max_name,
             reason="prompt_too_long",
@@ -245,7 +287,7 @@ def prepare_request(
         raise APIError(
             400,
             f"seed: expected None or an int in [0, {_MAX_SEED - (body.n - 1)}] "
-            f"(seed + n - 1 <= 2**63 - 1), got {body.seed}",
+            f"(seed + n - 1 <= 2**63 - 1), got {got_repr(body.seed)}",
             param="seed",
             reason="invalid_sampling_params",
         )
@@ -385,6 +427,8 @@ def _prompt_ids(prompt: Any, tokenizer: Any, bound: int | None, max_model_len: i
     for t in prompt:
         if not 0 <= t < vocab:
             raise APIError(
-                400, f"prompt: expected token ids in [0, {vocab}), got {t}", param="prompt"
+                400,
+                f"prompt: expected token ids in [0, {vocab}), got {got_repr(t)}",
+                param="prompt",
             )
     return list(prompt)
