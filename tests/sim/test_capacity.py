@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvpage.attention.metadata import MODEL_DTYPES, allocate_kv_cache
+from kvpage.attention.metadata import (
+    MODEL_DTYPES,
+    allocate_kv_cache,
+    allocate_model_kv_caches,
+    kv_caches_nbytes,
+)
 from kvpage.capacity import (
     Workload,
     blocks_per_sequence,
@@ -25,10 +30,12 @@ from kvpage.specs import CacheSpec, load_preset, make_cache_spec
 
 
 def _allocated_bytes(spec: CacheSpec, num_blocks: int) -> int:
-    """Sum of tensor.nbytes of the canonical cache of every layer."""
-    total = 0
-    for a in spec.layers:
-        c = allocate_kv_cache(
+    """Bytes of the distinct tensors the engine allocates for the cache (one per layer,
+    or per layer slot of a unified pool), each layer cache also checked against the
+    canonical layout of its layer."""
+    caches = allocate_model_kv_caches(spec.with_blocks(num_blocks), "cpu")
+    for a, c in zip(spec.layers, caches):
+        ref = allocate_kv_cache(
             num_blocks,
             spec.block_size,
             a.num_kv_heads,
@@ -37,10 +44,8 @@ def _allocated_bytes(spec: CacheSpec, num_blocks: int) -> int:
             kv_dtype=spec.kv_dtype,
             kv_scale_granularity=spec.kv_scale_granularity,
         )
-        for t in (c.kv, c.token_scales, c.k_scale, c.v_scale):
-            if t is not None:
-                total += t.nbytes
-    return total
+        assert c.kv.shape == ref.kv.shape and c.kv.dtype == ref.kv.dtype
+    return kv_caches_nbytes(caches)
 
 
 def _tiny(kv_heads: int, head_dim: int, layers: int = 3, window: int | None = None, **kw):
@@ -99,16 +104,9 @@ def test_planner_bytes_equal_allocated_bytes(spec, num_blocks):
     ],
 )
 def test_planner_bytes_equal_torch_backend_allocation(spec):
-    from kvpage.attention.metadata import allocate_layer_cache
-
     spec = spec.with_blocks(3)
-    total = 0
-    for layer in range(spec.num_layers):
-        c = allocate_layer_cache(spec, layer, torch.device("cpu"))
-        for t in (c.kv, c.token_scales, c.k_scale, c.v_scale):
-            if isinstance(t, torch.Tensor):
-                total += t.nbytes
-    assert total == kv_cache_bytes(spec, 3)
+    caches = allocate_model_kv_caches(spec, torch.device("cpu"))
+    assert kv_caches_nbytes(caches) == kv_cache_bytes(spec, 3) == spec.total_bytes
 
 
 def test_simple_formula_and_what_it_leaves_out():

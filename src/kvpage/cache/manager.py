@@ -23,6 +23,14 @@ The manager owns the requests' block tables, the group managers and the counters
 holds a :class:`~kvpage.cache.prefix_cache.PrefixCache` (hash root, prefix lookup, KV
 tiers, eviction and cache-key records for miss explanations) and calls it on a
 request's first allocation.
+
+Pools (``CacheSpec.kv_pool``, docs/architecture.md "One pool for every kind of
+layer"): ``unified`` (with more than one group): one :class:`BlockPool` of
+``spec.num_blocks`` that every group allocates from and frees into, each group through
+its :class:`~kvpage.cache.block_pool.GroupPool` view (own hash map); the fit checks
+sum every group's demand, window releases of all groups run before any group's new
+blocks are taken, and eviction follows the one free queue (global LRU, tail-first,
+retention levels). ``per_group`` (and every one-group model): one pool per group.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvpage.cache.allocation import Allocation, CacheStats, RequestBlocks
-from kvpage.cache.block_pool import BlockPool
+from kvpage.cache.block_pool import BlockPool, GroupPool
 from kvpage.cache.explain import (
     DEFAULT_EVICTION_RECORD_CAP,
     CacheMissExplanation,
@@ -55,11 +63,12 @@ class KVCacheManager:
     """Paged KV-cache bookkeeping for one model: prefix caching, CoW, sliding windows.
 
     Args:
-        spec: the cache layout; ``spec.num_blocks`` blocks per KV group (>= 2, block 0
-            is the null block).
+        spec: the cache layout; ``spec.num_blocks`` blocks (>= 2, block 0 is the null
+            block) in the one pool (``kv_pool="unified"``) or in each group's pool
+            (``"per_group"``).
         enable_prefix_caching: look up and register block hashes.
         hash_seed: seed of the block-hash chain (see ``kvpage.cache.hashing``).
-        max_retained_blocks: per group, most free blocks a retention policy may hold at
+        max_retained_blocks: per pool, most free blocks a retention policy may hold at
             a raised priority (None = ``BlockPool``'s default, half the pool).
         eviction_record_cap: evicted hashes remembered for miss explanations
             (``kvpage.cache.explain``; 0 = none).
@@ -71,7 +80,10 @@ class KVCacheManager:
         num_groups: KV groups (one block table per group per request).
         windows: per group, the sliding window in tokens (None = full attention).
         max_request_tokens: tokens one request can hold when allocated in one call:
-            ``(num_blocks - 1) * block_size``.
+            ``(num_blocks - 1) * block_size``; a unified pool of ``G`` groups
+            ``(num_blocks - 1) // G * block_size`` (every group holds them all then).
+        unified: whether the groups share one pool (``kv_pool="unified"`` and more
+            than one group).
         prefix_cache: the :class:`~kvpage.cache.prefix_cache.PrefixCache` (lookup,
             tiers, miss-explanation records).
 
@@ -99,20 +111,27 @@ class KVCacheManager:
         self.hash_seed = hash_seed
         self.windows: list[int | None] = [g.sliding_window for g in spec.kv_groups]
         self.num_groups = len(self.windows)
-        self._groups: list[GroupManager] = [
-            make_group_manager(
-                BlockPool(
-                    spec.num_blocks,
-                    enable_caching=enable_prefix_caching,
-                    max_retained_blocks=max_retained_blocks,
-                    clock=clock,
-                ),
-                spec.block_size,
-                w,
+        self.unified = spec.kv_pool == "unified" and self.num_groups > 1
+
+        def new_pool() -> BlockPool:
+            return BlockPool(
+                spec.num_blocks,
+                enable_caching=enable_prefix_caching,
+                max_retained_blocks=max_retained_blocks,
+                clock=clock,
             )
-            for w in self.windows
+
+        if self.unified:
+            shared = new_pool()
+            self._shared: BlockPool | None = shared
+            views: list[BlockPool | GroupPool] = [shared.add_group() for _ in self.windows]
+        else:
+            self._shared = None
+            views = [new_pool() for _ in self.windows]
+        self._groups: list[GroupManager] = [
+            make_group_manager(v, spec.block_size, w) for v, w in zip(views, self.windows)
         ]
-        self._pools = [gm.pool for gm in self._groups]
+        self._pools = views
         self.clock = clock
         self.prefix_cache = PrefixCache(
             self._groups,
@@ -127,7 +146,10 @@ class KVCacheManager:
         self._simple = self.windows == [None]
         self._reqs: dict[str, RequestBlocks] = {}
         self._stats = CacheStats()
-        self.max_request_tokens = (spec.num_blocks - 1) * spec.block_size
+        per = spec.num_blocks - 1
+        if self.unified:
+            per //= self.num_groups
+        self.max_request_tokens = per * spec.block_size
 
     @property
     def eviction_record(self) -> EvictionRecord:
@@ -201,13 +223,19 @@ class KVCacheManager:
     def _plan_growth(
         self, req: RequestBlocks, start: int, num_new_tokens: int, need_blocks: int
     ) -> list[GrowthPlan] | None:
-        """Every group's plan, or None if one group lacks blocks (nothing changed)."""
+        """Every group's plan, or None if one group (a unified pool: all groups
+        together) lacks blocks (nothing changed)."""
         plans = []
+        check = not self.unified
         for g, gm in enumerate(self._groups):
-            plan = gm.plan_growth(req.tables[g], req.freed[g], start, num_new_tokens, need_blocks)
+            plan = gm.plan_growth(
+                req.tables[g], req.freed[g], start, num_new_tokens, need_blocks, check_fit=check
+            )
             if plan is None:
                 return None
             plans.append(plan)
+        if self._shared is not None and sum(p.demand for p in plans) > self._shared.num_free:
+            return None
         return plans
 
     def _grow(self, req: RequestBlocks, plans: list[GrowthPlan], end: int) -> Allocation:
@@ -215,12 +243,16 @@ class KVCacheManager:
         new_blocks: list[list[int]] = []
         copies: list[list[tuple[int, int]]] = []
         st = self._stats
+        # every group's window release first: in a unified pool what one group frees
+        # serves another's new blocks in the same call
         for g, (gm, plan) in enumerate(zip(self._groups, plans)):
             if plan.release and req.retention is not None:
                 self._retain(req, g, req.freed[g], plan.target)
-            done = gm.grow(req.tables[g], req.freed[g], plan)
+            gm.release_window(req.tables[g], req.freed[g], plan)
             req.freed[g] = plan.target
-            st.window_blocks_freed += done.num_released
+        for g, (gm, plan) in enumerate(zip(self._groups, plans)):
+            done = gm.extend(req.tables[g], plan)
+            st.window_blocks_freed += len(plan.release)
             st.cow_copies += len(done.copies)
             st.blocks_allocated += len(done.new_blocks) + len(done.copies)
             new_blocks.append(done.new_blocks)
@@ -258,14 +290,21 @@ class KVCacheManager:
             hashes = self.prefix_cache.block_hashes(extra, token_ids, hb)
             hit = self.prefix_cache.hit_tables(hashes, h)
         n_new = -(-(h + num_new_tokens) // bs) - hb
-        if not all(gm.can_start(ids, n_new) for gm, ids in zip(self._groups, hit)):
+        if self._shared is not None:
+            need = sum(gm.start_demand(ids, n_new) for gm, ids in zip(self._groups, hit))
+            fits = need <= self._shared.num_free
+        else:
+            fits = all(gm.can_start(ids, n_new) for gm, ids in zip(self._groups, hit))
+        if not fits:
             self._stats.allocation_failures += 1
             return None
         tables: list[list[int]] = []
         new_blocks: list[list[int]] = []
         freed: list[int] = []
+        for gm, ids in zip(self._groups, hit):  # every hit held before any new block
+            gm.take_hit(ids)
         for g, gm in enumerate(self._groups):
-            ids = gm.start(hit[g], n_new)
+            ids = gm.allocate_new(n_new)
             tables.append(hit[g] + ids)
             new_blocks.append(ids)
             freed.append(gm.first_needed_block(h))
@@ -437,13 +476,31 @@ class KVCacheManager:
 
     # ---- queries ------------------------------------------------------------------------
     @property
-    def pools(self) -> list[BlockPool]:
-        """The per-group pools, for inspection (tests, debugging); mutate them only
-        through this manager."""
+    def pools(self) -> list[BlockPool | GroupPool]:
+        """Per group, its pool (a unified pool: its view of the shared pool), for
+        inspection (tests, debugging); mutate them only through this manager."""
         return list(self._pools)
 
     @property
-    def prefix_pools(self) -> list[BlockPool]:
+    def shared_pool(self) -> BlockPool | None:
+        """The one pool all groups share (``unified``), None with per-group pools."""
+        return self._shared
+
+    @property
+    def block_pools(self) -> list[BlockPool]:
+        """The distinct pools holding blocks: the shared pool, or one per group."""
+        if self._shared is not None:
+            return [self._shared]
+        return [p for p in self._pools if isinstance(p, BlockPool)]
+
+    def used_blocks_by_group(self) -> list[int]:
+        """Per group, blocks held by requests (O(num_blocks): for reports and tests)."""
+        if self._shared is not None:
+            return self._shared.num_used_by_group()
+        return [p.num_used for p in self._pools]
+
+    @property
+    def prefix_pools(self) -> list[BlockPool | GroupPool]:
         """The pools whose hash maps decide a prefix hit: those of the full-attention
         groups (all pools when every group is sliding-window). A KV-event publisher
         (``kvpage.routing``) listens to these; mutate them only through this manager."""
@@ -451,34 +508,36 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by requests, max over groups, in [0, 1]; cached
-        blocks nobody holds count as free."""
-        return max(p.usage for p in self._pools)
+        """Fraction of blocks held by requests, in [0, 1] (the shared pool's; per-group
+        pools: max over groups); cached blocks nobody holds count as free."""
+        return max(p.usage for p in self.block_pools)
 
     @property
     def num_free_blocks(self) -> int:
-        """Free blocks (cached-but-unreferenced included), min over groups."""
-        return min(p.num_free for p in self._pools)
+        """Free blocks (cached-but-unreferenced included) of the shared pool; per-group
+        pools: min over groups."""
+        return min(p.num_free for p in self.block_pools)
 
     @property
     def num_used_blocks(self) -> int:
-        """Blocks held by requests, max over groups."""
-        return max(p.num_used for p in self._pools)
+        """Blocks held by requests (the shared pool: all groups; per-group pools: max
+        over groups)."""
+        return max(p.num_used for p in self.block_pools)
 
     @property
     def num_retained_blocks(self) -> int:
-        """Free blocks held at a raised retention priority, max over groups."""
-        return max(p.num_retained for p in self._pools)
+        """Free blocks held at a raised retention priority (max over pools)."""
+        return max(p.num_retained for p in self.block_pools)
 
     @property
     def max_retained_blocks(self) -> int:
-        """The retention cap per group (blocks)."""
+        """The retention cap per pool (blocks)."""
         return self._pools[0].max_retained_blocks
 
     @property
     def stats(self) -> CacheStats:
         """A snapshot of the counters."""
-        return replace(self._stats, evictions=sum(p.num_evictions for p in self._pools))
+        return replace(self._stats, evictions=sum(p.num_evictions for p in self.block_pools))
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` holds blocks (allocated and not freed)."""
@@ -505,13 +564,14 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks one request needs in each group to hold ``num_tokens`` allocated in one
-        call: ``ceil(num_tokens / block_size)`` (max over groups)."""
+        call: ``ceil(num_tokens / block_size)`` (max over groups; a unified pool gives
+        that to each of its groups)."""
         return -(-max(num_tokens, 0) // self.block_size)
 
     def check_integrity(self) -> None:
         """Verify pool and table invariants. Raises IntegrityError with the numbers."""
         check_manager_integrity(
-            self._pools, self._reqs, self.block_size, self.enable_prefix_caching
+            self._pools, self._reqs, self.block_size, self.enable_prefix_caching, self._shared
         )
 
     def _get(self, request_id: str) -> RequestBlocks:

@@ -314,7 +314,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
             ``max_position_embeddings``; BackendUnavailableError: no backend can run
             the spec.
     """
-    from kvpage.attention.metadata import allocate_layer_cache
+    from kvpage.attention.metadata import allocate_model_kv_caches
     from kvpage.backends import select_backend
     from kvpage.cache import KVCacheManager, max_retained_blocks
     from kvpage.engine.kv_transfer import build_swapper, build_tiers
@@ -338,7 +338,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
     spec = model.cache_spec(config.block_size, num_blocks, config.kv_cache_dtype)
     backend = select_backend(spec, device, prefer=config.backend)
     try:
-        kv_caches = [allocate_layer_cache(spec, i, device) for i in range(spec.num_layers)]
+        kv_caches = allocate_model_kv_caches(spec, device)
     except (RuntimeError, MemoryError) as e:  # torch's CPU/CUDA out-of-memory errors
         total = spec.total_bytes
         raise SpecError(
