@@ -19,6 +19,7 @@ from kvpage.capacity import (
     blocks_per_sequence,
     estimate_num_parameters,
     kv_cache_bytes,
+    max_sequence_tokens,
     parse_bytes,
     plan_capacity,
     resolve_model,
@@ -208,13 +209,51 @@ def test_workload_answers_by_hand():
 
 def test_sliding_window_caps_blocks():
     spec = _tiny(2, 16, layers=2, window=8, block_size=4, dtype="float32")
-    assert int(blocks_per_sequence(spec, 100)) == 25  # full-attention layer binds
+    per = spec.model_copy(update={"kv_pool": "per_group"})
+    assert int(blocks_per_sequence(per, 100)) == 25  # per-group pools: the full group binds
+    # unified: the full group's 25 + the sliding group's window blocks 23, 24 (keys 92..99)
+    assert int(blocks_per_sequence(spec, 100)) == 27
     only_sliding = make_cache_spec(
         num_layers=1,
         block_size=4,
         layers=[dict(num_q_heads=2, num_kv_heads=2, head_dim=4, sliding_window=8)],
     )
-    assert int(blocks_per_sequence(only_sliding, 100)) == 3
+    assert int(blocks_per_sequence(only_sliding, 100)) == 2
+    assert int(blocks_per_sequence(only_sliding, 101)) == 3  # keys 93..100: blocks 23..25
+    assert max_sequence_tokens(only_sliding, 3) is None  # any length fits in 3 blocks
+    assert max_sequence_tokens(only_sliding, 2) == 8
+
+
+@pytest.mark.parametrize(
+    "windows", [(None,), (None, 8), (8, None, 8, 8, None, 8), (4, 12, None), (6, 6)]
+)
+@pytest.mark.parametrize("kv_pool", ["unified", "per_group"])
+def test_planner_blocks_equal_the_managers_during_decode(windows, kv_pool):
+    """blocks_per_sequence (the planner's count) == the blocks the KVCacheManager holds
+    at every length of one decoding sequence, and max_sequence_tokens is where that
+    decode first fails in a pool of that many blocks."""
+    from kvpage.cache import KVCacheManager
+
+    layers = [dict(num_q_heads=2, num_kv_heads=2, head_dim=4, sliding_window=w) for w in windows]
+    spec = make_cache_spec(
+        num_layers=len(layers), block_size=4, num_blocks=0, layers=layers, kv_pool=kv_pool
+    )
+    usable = 40
+    mgr = KVCacheManager(spec.with_blocks(usable + 1), enable_prefix_caching=False)
+    toks = [1]
+    assert mgr.allocate("r", toks, 1) is not None
+    while True:
+        held = sum(mgr.used_blocks_by_group()) if mgr.unified else mgr.num_used_blocks
+        assert held == int(blocks_per_sequence(spec, len(toks)))
+        toks.append(2)
+        if mgr.allocate("r", toks, 1) is None:
+            break
+        if len(toks) > 2000:  # a sliding-only model decodes forever
+            break
+    fit = max_sequence_tokens(spec, usable)
+    assert (len(toks) > 2000) == (fit is None)
+    if fit is not None:
+        assert fit == len(toks) - 1  # the last length that was allocated
 
 
 def test_percentile_workload():

@@ -268,22 +268,31 @@ class CacheSpec(BaseModel):
             return tuple(range(self.num_layers))
         return self.kv_groups[0].layer_ids
 
-    def sequence_blocks(self, num_tokens: int, position: int | None = None) -> int:
-        """Blocks one sequence of ``num_tokens`` tokens holds in the pool, summed over
-        KV groups, when the next query is at ``position`` (default ``num_tokens``): a
-        full group ``ceil(num_tokens / block_size)``; a sliding group of window ``W``
-        only blocks from ``max(0, position - W + 1) // block_size`` on (the release rule
-        of ``kvpage.cache.group_managers.SlidingWindowManager``). ``per_group``: the max
-        over groups (each group has its own pool)."""
+    def sequence_blocks(self, num_tokens: Any) -> Any:
+        """Blocks one sequence of ``num_tokens`` tokens holds in the pool while the
+        step computing its last token runs (an int, or an int64 numpy array of lengths):
+        per full group ``ceil(L / block_size)``; per sliding group of window ``W`` the
+        blocks from ``max(0, L - W) // block_size`` on (what ``SlidingWindowManager``
+        keeps after releasing for a query at position ``L - 1``). Unified pool: the sum
+        over groups (they share it); ``per_group``: the max (the binding group's pool).
+        Exact for decode; a prefill chunk allocated at once holds ``ceil(L /
+        block_size)`` in every group until the next allocation releases."""
         bs = self.block_size
-        n = -(-max(num_tokens, 0) // bs)
-        pos = num_tokens if position is None else position
+        n = -(-num_tokens // bs)
         per = []
         for g in self.kv_groups:
             w = g.sliding_window
-            lo = 0 if w is None else min(n, max(0, pos - w + 1) // bs)
-            per.append(n - lo)
-        return sum(per) if self.kv_pool == "unified" else max(per)
+            if w is None:
+                per.append(n)
+            else:
+                d = num_tokens - w
+                per.append(n - (d + abs(d)) // 2 // bs)  # (d + |d|) / 2 = max(0, d)
+        if self.kv_pool == "unified":
+            return sum(per)
+        out = per[0]
+        for x in per[1:]:
+            out = out * (out >= x) + x * (x > out)  # max for ints and arrays alike
+        return out
 
     def layer_fixed_scale_bytes(self, layer_id: int) -> int:
         """Bytes of one layer's fp8 scales, K and V (per tensor: 1 float32 each; per
