@@ -306,3 +306,46 @@ def test_planner_bytes_equal_engine_allocation(block_size, kv_dtype, num_blocks)
         kv_dtype=kv_dtype,
     )
     assert p.num_blocks == num_blocks
+
+
+@pytest.mark.parametrize(
+    "layers, window",
+    [(62, 1024), (36, 128)],  # Gemma-3-27B (every 6th layer global), gpt-oss (alternating)
+)
+def test_unified_tokens_that_fit_within_5_percent_of_the_bound(layers, window):
+    """The accounting of docs/benchmarks.md ("Unified block pool"): the longest
+    sequence the unified pool holds is within 5 % of the bytes actually needed (full
+    layers L tokens, sliding layers min(L, W)); per-group pools are far below."""
+    if layers == 62:
+        slide = [(i + 1) % 6 != 0 for i in range(layers)]
+        heads = (32, 16, 128)
+    else:
+        slide = [i % 2 == 0 for i in range(layers)]
+        heads = (64, 8, 64)
+    spec = make_cache_spec(
+        num_layers=layers,
+        block_size=16,
+        dtype="bfloat16",
+        layers=[
+            dict(
+                num_q_heads=heads[0],
+                num_kv_heads=heads[1],
+                head_dim=heads[2],
+                sliding_window=window if s else None,
+            )
+            for s in slide
+        ],
+    )
+    budget = 2_000_000_000
+    per_tok = spec.layer_bytes_per_token(0)
+    nfull, nslide = slide.count(False), slide.count(True)
+    # the bound: the largest L with (nfull * L + nslide * min(L, W)) * per_tok <= budget
+    bound = (budget // per_tok - nslide * window) // nfull
+    got = {}
+    for pool in ("unified", "per_group"):
+        s = spec.model_copy(update={"kv_pool": pool})
+        nb = budget // s.bytes_per_block
+        got[pool] = max_sequence_tokens(s, nb - 1)
+        assert kv_cache_bytes(s, nb) <= budget
+    assert 0.95 * bound <= got["unified"] <= bound
+    assert got["per_group"] < 0.55 * bound
