@@ -392,7 +392,7 @@ def plan_capacity(
         weight_bytes=wb,
         overhead_bytes=ov,
         kv_budget_bytes=budget,
-        bytes_per_token=bpb // block_size,
+        bytes_per_token=spec.bytes_per_token,  # every layer (a unified block: one group)
         bytes_per_block=bpb,
         simple_bytes_per_token=simple_formula_bytes(spec, 1),
         fixed_bytes=fixed,

@@ -349,3 +349,24 @@ def test_unified_tokens_that_fit_within_5_percent_of_the_bound(layers, window):
         assert kv_cache_bytes(s, nb) <= budget
     assert 0.95 * bound <= got["unified"] <= bound
     assert got["per_group"] < 0.55 * bound
+
+
+def test_plan_kv_pool_gemma2_unified_doubles_the_tokens():
+    """Gemma-2-9B (21 sliding + 21 full layers): per-group pools charge every block for
+    all 42 layers, the unified pool's block holds one group's 21, and its sliding
+    layers hold only their window, so one sequence fits ~2x the tokens."""
+    u = plan_capacity("gemma-2-9b", device_bytes="80GB", kv_pool="unified")
+    p = plan_capacity("gemma-2-9b", device_bytes="80GB", kv_pool="per_group")
+    assert (u.kv_pool, u.num_kv_groups, p.kv_pool, p.num_kv_groups) == (
+        "unified",
+        2,
+        "per_group",
+        2,
+    )
+    assert u.bytes_per_token == p.bytes_per_token  # every layer's bytes per token
+    assert u.bytes_per_block * 2 == p.bytes_per_block
+    assert p.tokens == p.usable_blocks * 16
+    window_blocks = 4096 // 16 + 1
+    assert u.tokens == (u.usable_blocks - window_blocks) * 16
+    with pytest.raises(SpecError, match="kv_pool"):
+        plan_capacity("gemma-2-9b", device_bytes="80GB", kv_pool="shared")

@@ -4,12 +4,13 @@ Sizing rules (documented defaults):
 
 * ``max_model_len`` = the model's ``max_position_embeddings`` (512 for stories260K)
   unless given.
-* ``num_blocks`` (per KV group, including the reserved null block):
-  given -> used as is; else ``kv_cache_memory_bytes`` given ->
-  ``(kv_cache_memory_bytes - fixed scale bytes) // bytes_per_block``; else enough for
-  every sequence at full length, ``ceil(max_num_seqs * max_model_len / block_size) + 1``,
-  capped at :data:`DEFAULT_KV_CACHE_BYTES_CAP` bytes of cache (and at least enough for
-  one full-length sequence).
+* ``num_blocks`` (of the unified pool, or per KV group with per-group pools; including
+  the reserved null block): given -> used as is; else ``kv_cache_memory_bytes`` given
+  -> ``(kv_cache_memory_bytes - fixed scale bytes) // bytes_per_block``; else enough
+  for every sequence at full length, ``ceil(max_num_seqs * max_model_len /
+  block_size) x G + 1`` (``G`` = KV groups sharing a unified pool, else 1), capped at
+  :data:`DEFAULT_KV_CACHE_BYTES_CAP` bytes of cache (and at least enough for one
+  full-length sequence).
 """
 
 from __future__ import annotations
@@ -253,9 +254,14 @@ def apply_num_threads(num_threads: int | None) -> int:
 
 
 def resolve_num_blocks(
-    config: EngineConfig, bytes_per_block: int, fixed_bytes: int, max_model_len: int
+    config: EngineConfig,
+    bytes_per_block: int,
+    fixed_bytes: int,
+    max_model_len: int,
+    pool_groups: int = 1,
 ) -> int:
-    """Blocks per KV group by the rules of the module docstring.
+    """Blocks of the pool by the rules of the module docstring (``pool_groups``: the KV
+    groups sharing one unified pool, 1 for per-group pools).
 
     Raises:
         SpecError: ``kv_cache_memory_bytes`` is too small for 2 blocks.
@@ -271,8 +277,9 @@ def resolve_num_blocks(
             )
         return int(n)
     bs = config.block_size
-    want = -(-config.max_num_seqs * max_model_len // bs) + 1
-    cap = max(DEFAULT_KV_CACHE_BYTES_CAP // bytes_per_block, -(-max_model_len // bs) + 1)
+    g = pool_groups
+    want = -(-config.max_num_seqs * max_model_len // bs) * g + 1
+    cap = max(DEFAULT_KV_CACHE_BYTES_CAP // bytes_per_block, -(-max_model_len // bs) * g + 1)
     return int(max(2, min(want, cap)))
 
 
@@ -334,7 +341,10 @@ def build_components(config: EngineConfig) -> EngineComponents:
         )
     mml = config.max_model_len or int(mpe or 2048)
     probe = model.cache_spec(config.block_size, 0, config.kv_cache_dtype)
-    num_blocks = resolve_num_blocks(config, probe.bytes_per_block, probe.fixed_scale_bytes, mml)
+    groups = len(probe.kv_groups) if probe.kv_pool == "unified" else 1
+    num_blocks = resolve_num_blocks(
+        config, probe.bytes_per_block, probe.fixed_scale_bytes, mml, groups
+    )
     spec = model.cache_spec(config.block_size, num_blocks, config.kv_cache_dtype)
     backend = select_backend(spec, device, prefer=config.backend)
     try:
