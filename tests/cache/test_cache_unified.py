@@ -7,7 +7,7 @@ import pytest
 from cache_helpers import make_spec
 
 from kvpage.cache import KVCacheManager
-from kvpage.errors import IntegrityError
+from kvpage.errors import AllocationError, IntegrityError
 
 
 def _decode(mgr: KVCacheManager, rid: str, tokens: list[int], n: int) -> bool:
@@ -100,3 +100,25 @@ def test_fork_cow_and_window_release_on_the_shared_pool() -> None:
     mgr.free("c")
     mgr.check_integrity()
     assert mgr.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_max_request_tokens_is_reachable_alone_with_the_step_budget(chunk: int) -> None:
+    """With ``max_alloc_tokens`` the unified pool's max_request_tokens counts only the
+    sliding groups' window (+ one call), and a request of that length, grown in calls
+    of at most that many tokens, always fits alone."""
+    spec = make_spec(41, 2, (None, 3, 5), "unified")
+    mgr = KVCacheManager(spec, max_alloc_tokens=chunk, enable_prefix_caching=False)
+    plain = KVCacheManager(spec)
+    assert mgr.max_request_tokens > plain.max_request_tokens == 40 // 3 * 2
+    n = mgr.max_request_tokens
+    done = 0
+    while done < n:
+        step = min(chunk, n - done)
+        assert mgr.allocate("r", range(n), step) is not None, f"failed at {done}"
+        done += step
+    mgr.check_integrity()
+    assert mgr.num_used_blocks <= 40
+    # a call above the budget the bound relies on is refused by name
+    with pytest.raises(AllocationError, match="max_alloc_tokens"):
+        mgr.allocate("r", range(n + chunk + 1), chunk + 1)

@@ -63,3 +63,27 @@ def test_unified_pool_runs_what_per_group_pools_cannot_hold() -> None:
     assert kvm.num_used_blocks == 0 and kvm.num_requests == 0
     assert kvm.num_free_blocks == nb - 1
     kvm.check_integrity()
+
+
+def test_unified_pool_admits_a_sequence_per_group_pools_reject() -> None:
+    """A 150-token prompt + 64 new tokens in the bytes of 30 per-group blocks: per-group
+    pools hold at most 29 x 4 = 116 tokens per sequence (the request is rejected there);
+    the unified pool with an 8-token step budget holds only the window (+ one step)
+    in its sliding groups, so the sequence runs, greedy-equal to transformers."""
+    from kvpage.cache import KVCacheManager
+
+    hf = make_hf_model("gemma2")
+    per = CacheSpec.from_hf_config(hf.config, block_size=BS, kv_pool="per_group")
+    uni = CacheSpec.from_hf_config(hf.config, block_size=BS)
+    nb = 29 * len(uni.kv_groups) + 1  # the bytes of 30 per-group blocks
+    prompt = [1] + [(7 * i + 3) % 120 + 3 for i in range(149)]
+    need = len(prompt) + NUM_NEW - 1
+    assert KVCacheManager(per.with_blocks(30)).max_request_tokens < need
+    assert KVCacheManager(uni.with_blocks(nb), max_alloc_tokens=8).max_request_tokens >= need
+    ref = hf_greedy(hf, prompt)
+    llm = LLM(hf, block_size=BS, num_blocks=nb, max_num_batched_tokens=8)
+    out = llm.generate([prompt], GREEDY)
+    assert list(out[0].outputs[0].token_ids) == ref
+    kvm = llm.llm_engine.kv_cache_manager
+    assert kvm.num_used_blocks == 0 and kvm.num_free_blocks == nb - 1
+    kvm.check_integrity()

@@ -74,14 +74,24 @@ class KVCacheManager:
             (``kvpage.cache.explain``; 0 = none).
         clock: seconds for retention deadlines and eviction times
             (``time.monotonic``).
+        max_alloc_tokens: the most new tokens one ``allocate`` call asks for (the
+            scheduler's token budget, ``max_num_batched_tokens``; None = no limit).
+            With a unified pool it bounds what a sliding group holds, so
+            :attr:`max_request_tokens` counts only its window (+ one call's tokens).
 
     Attributes:
         block_size: tokens per block.
         num_groups: KV groups (one block table per group per request).
         windows: per group, the sliding window in tokens (None = full attention).
-        max_request_tokens: tokens one request can hold when allocated in one call:
-            ``(num_blocks - 1) * block_size``; a unified pool of ``G`` groups
-            ``(num_blocks - 1) // G * block_size`` (every group holds them all then).
+        max_request_tokens: tokens one request can reach alone: per-group pools
+            ``(num_blocks - 1) * block_size``; a unified pool without
+            ``max_alloc_tokens`` ``(num_blocks - 1) // G * block_size`` (``G`` groups,
+            each holding every block if it is allocated in one call); with
+            ``max_alloc_tokens = c`` the largest ``T`` whose peak fits,
+            ``sum_full ceil(T / bs) + sum_sliding min(ceil(T / bs), ceil((W + c - 1) /
+            bs) + 1) <= num_blocks - 1`` (after a call for ``[s, s + n)``, ``n <= c``, a
+            sliding group holds blocks ``(s - W + 1) // bs .. ceil((s + n) / bs) - 1``);
+            ``2**40`` when every group slides and their windows fit.
         unified: whether the groups share one pool (``kv_pool="unified"`` and more
             than one group).
         prefix_cache: the :class:`~kvpage.cache.prefix_cache.PrefixCache` (lookup,
@@ -100,7 +110,11 @@ class KVCacheManager:
         max_retained_blocks: int | None = None,
         eviction_record_cap: int = DEFAULT_EVICTION_RECORD_CAP,
         clock: Callable[[], float] = time.monotonic,
+        max_alloc_tokens: int | None = None,
     ) -> None:
+        if max_alloc_tokens is not None and max_alloc_tokens < 1:
+            raise SpecError(f"max_alloc_tokens: expected None or >= 1, got {max_alloc_tokens}")
+        self.max_alloc_tokens = max_alloc_tokens
         if spec.num_blocks < 2:
             raise SpecError(
                 f"spec.num_blocks: expected >= 2 (block 0 is the null block), got {spec.num_blocks}"
@@ -146,10 +160,30 @@ class KVCacheManager:
         self._simple = self.windows == [None]
         self._reqs: dict[str, RequestBlocks] = {}
         self._stats = CacheStats()
-        per = spec.num_blocks - 1
-        if self.unified:
-            per //= self.num_groups
-        self.max_request_tokens = per * spec.block_size
+        self.max_request_tokens = self._max_request_tokens()
+
+    def _max_request_tokens(self) -> int:
+        """:attr:`max_request_tokens` (class docstring)."""
+        bs = self.block_size
+        usable = self.spec.num_blocks - 1
+        if not self.unified:
+            return usable * bs
+        c = self.max_alloc_tokens
+        if c is None:
+            return usable // self.num_groups * bs
+        nfull = sum(1 for w in self.windows if w is None)
+        caps = [-(-(w + c - 1) // bs) + 1 for w in self.windows if w is not None]
+
+        def need(nb: int) -> int:  # peak blocks of a request of nb blocks' tokens
+            return nfull * nb + sum(min(nb, k) for k in caps)
+
+        if nfull == 0 and need(max(caps)) <= usable:
+            return 1 << 40  # windows only: any length (the model's context limits it)
+        lo, hi = 0, usable
+        while lo < hi:  # the most blocks nb with need(nb) <= usable
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if need(mid) <= usable else (lo, mid - 1)
+        return lo * bs
 
     @property
     def eviction_record(self) -> EvictionRecord:
@@ -196,6 +230,11 @@ class KVCacheManager:
             AllocationError: negative counts, or a ``num_cached_tokens`` that is not a
                 currently cached, block-aligned prefix leaving >= 1 token to compute.
         """
+        if self.max_alloc_tokens is not None and num_new_tokens > self.max_alloc_tokens:
+            raise AllocationError(
+                f"num_new_tokens: expected <= max_alloc_tokens={self.max_alloc_tokens}, "
+                f"got {num_new_tokens}"
+            )
         req = self._reqs.get(request_id)
         if req is None:
             return self._allocate_first(

@@ -360,7 +360,10 @@ def build_components(config: EngineConfig) -> EngineComponents:
         num_blocks - 1, config.kv_retention_max_share, -(-mml // config.block_size)
     )
     kvm = KVCacheManager(
-        spec, enable_prefix_caching=config.enable_prefix_caching, max_retained_blocks=cap
+        spec,
+        enable_prefix_caching=config.enable_prefix_caching,
+        max_retained_blocks=cap,
+        max_alloc_tokens=config.max_num_batched_tokens,  # the scheduler's step budget
     )
     tiers = build_tiers(config, spec, kv_caches, kvm)
     scheduler = Scheduler(

@@ -37,7 +37,10 @@ def make_allocator(
     from kvpage.cache import KVCacheManager
 
     return KVCacheManager(
-        spec, enable_prefix_caching=cfg.policy == "paged-prefix", hash_seed=cfg.seed
+        spec,
+        enable_prefix_caching=cfg.policy == "paged-prefix",
+        hash_seed=cfg.seed,
+        max_alloc_tokens=cfg.max_num_batched_tokens,
     )
 
 
