@@ -133,7 +133,9 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
         step_overhead_s=cfg.step_overhead_s,
     )
     mml = cfg.max_model_len or src.max_model_len
-    return spec, cost, mml, (nb - 1) * cfg.block_size
+    # token slots: a unified pool's block holds one of its G groups' layers
+    g = len(spec.kv_groups) if spec.kv_pool == "unified" else 1
+    return spec, cost, mml, (nb - 1) * cfg.block_size // g
 
 
 def _is_int(x: object) -> bool:
