@@ -57,21 +57,11 @@ def gemma3_27b() -> tuple[CacheSpec, int]:
 
 
 def gpt_oss_120b() -> tuple[CacheSpec, int]:
-    """openai/gpt-oss-120b config.json: 36 layers alternating sliding (window 128) /
-    full, 64 query / 8 KV heads, head_dim 64; bf16 KV. Weights: the MXFP4 checkpoint,
-    ~65 GB (model card: fits one 80 GB GPU)."""
-    layers = [
-        dict(
-            num_q_heads=64,
-            num_kv_heads=8,
-            head_dim=64,
-            sliding_window=128 if i % 2 == 0 else None,
-            sinks=True,
-        )
-        for i in range(36)
-    ]
-    spec = make_cache_spec(num_layers=36, block_size=BS, dtype="bfloat16", layers=layers)
-    return spec, 65_000_000_000
+    """The gpt-oss-120b preset (specs/gpt-oss-120b.yaml: 36 layers alternating sliding
+    (window 128) / full, 64 query / 8 KV heads, head_dim 64), bf16 KV. Weights: the
+    MXFP4 checkpoint, ~65 GB (model card: fits one 80 GB GPU)."""
+    p = load_preset("gpt-oss-120b")
+    return p.cache_spec(block_size=BS, dtype="bfloat16"), 65_000_000_000
 
 
 def llama3_8b() -> tuple[CacheSpec, int]:

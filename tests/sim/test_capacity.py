@@ -160,7 +160,8 @@ def test_bad_budget_and_inputs():
 
 
 def test_parameter_counts_match_presets():
-    for name in ("llama-3-8b", "mistral-7b", "qwen2-7b", "gemma-2-9b", "stories260K"):
+    names = ("llama-3-8b", "mistral-7b", "qwen2-7b", "gemma-2-9b", "stories260K")
+    for name in (*names, "gpt-oss-120b", "gpt-oss-20b"):
         pr = load_preset(name)
         assert estimate_num_parameters(pr.hf_config) == pr.num_parameters, name
 
