@@ -107,9 +107,17 @@ def test_bytes_per_token_and_block_hand_computed() -> None:
 
 def test_kv_groups_and_json_round_trip() -> None:
     layers = [dict(LAYER, sliding_window=w) for w in (8, None, 4, None, 8)]
-    s = make_cache_spec(num_layers=5, block_size=4, num_blocks=3, layers=layers)
+    s = make_cache_spec(
+        num_layers=5, block_size=4, num_blocks=3, layers=layers, kv_pool="per_group"
+    )
     groups = [(g.group_id, g.layer_ids, g.sliding_window) for g in s.kv_groups]
     assert groups == [(0, (1, 3), None), (1, (2,), 4), (2, (0, 4), 8)]
+    # unified: window groups split into groups of gcd(2, 1, 2) = 1 layer
+    u = s.model_copy(update={"kv_pool": "unified"})
+    groups = [(g.group_id, g.layer_ids, g.sliding_window) for g in u.kv_groups]
+    assert groups == [(0, (1,), None), (1, (3,), None), (2, (2,), 4), (3, (0,), 8), (4, (4,), 8)]
+    assert [u.layer_slot(i) for i in range(5)] == [0] * 5
+    assert u.bytes_per_block == s.bytes_per_block // 5
     assert s.max_sliding_window is None
     assert CacheSpec.model_validate_json(s.to_json()) == s
     assert json.loads(s.to_json())["num_blocks"] == 3
@@ -310,6 +318,8 @@ PRESET_BYTES = {
     "qwen2-7b": 28 * 2 * 4 * 128 * 2,
     "gemma-2-9b": 42 * 2 * 8 * 256 * 2,
     "stories260K": 5 * 2 * 4 * 8 * 4,
+    "gpt-oss-120b": 36 * 2 * 8 * 64 * 2,
+    "gpt-oss-20b": 24 * 2 * 8 * 64 * 2,
 }
 
 

@@ -15,9 +15,13 @@ token count that is a multiple of the block size, and leaves out:
   and for V (``+ 2 x kv_heads x 4`` bytes per token per layer); fp8 stores one float32
   scale per tensor or per KV head per layer (a fixed ``2 x 4 x {1|kv_heads}`` bytes per
   layer, independent of tokens);
-* **per-layer shapes** — layers may differ (sliding-window layers; each layer of each KV
-  group still holds ``num_blocks`` blocks in the canonical layout, but a sliding group
-  needs only about ``W / block_size + 1`` blocks per sequence);
+* **per-layer shapes** — layers may differ (sliding-window layers). With the unified
+  pool (``CacheSpec.kv_pool``, the default) a block holds one KV group's layers
+  (``bytes_per_block``) and a sequence holds ``ceil(L / block_size)`` blocks per full
+  group plus only its window's blocks per sliding group
+  (``CacheSpec.sequence_blocks``), so the tokens that fit are exact for any mix
+  (``kvpage.workload.workload_stats.max_sequence_tokens``); with ``per_group`` pools
+  every layer holds ``num_blocks`` blocks and the binding group decides;
 * **tensor parallelism** — KV heads are sharded: each of ``tp`` ranks holds
   ``num_kv_heads / tp`` heads; when ``tp > num_kv_heads`` heads must be replicated
   (each rank holds one head; ``tp`` must then be a multiple of ``num_kv_heads``);
@@ -56,6 +60,7 @@ from kvpage.workload.workload_stats import (
     analyze_workload,
     blocks_per_sequence,
     max_len_for_num_seqs,
+    max_sequence_tokens,
 )
 
 GIB = 1 << 30
@@ -267,6 +272,9 @@ class CapacityPlan:
     tokens: int
     model_max_len: int
     workload: dict[str, Any] = field(default_factory=dict)
+    kv_pool: str = "unified"
+    num_kv_groups: int = 1
+    tokens_unbounded: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -288,6 +296,7 @@ def plan_capacity(
     workload: Workload | None = None,
     num_seqs: int | None = None,
     max_model_len: int | None = None,
+    kv_pool: str = "unified",
 ) -> CapacityPlan:
     """Size the KV cache of ``model`` on one device (one TP rank).
 
@@ -303,6 +312,11 @@ def plan_capacity(
     without a workload): the largest max_model_len that admits ``num_seqs`` sequences all
     at full length (:func:`max_len_for_num_seqs`).
     ``max_model_len`` (default: the model's context) sizes the contiguous reservation.
+    ``kv_pool``: ``unified`` (one pool for every KV group) or ``per_group``
+    (``CacheSpec.kv_pool``). ``tokens``: the longest single sequence that fits
+    (:func:`max_sequence_tokens`; dense: ``usable_blocks * block_size``); a model
+    without full-attention layers whose windows always fit reports
+    ``usable_blocks // num_kv_groups * block_size`` with ``tokens_unbounded`` set.
 
     Raises:
         SpecError: bad or unsupported model (``kvpage.specs.architectures``), ``max_model_len``
@@ -322,11 +336,14 @@ def plan_capacity(
         )
     if not (0 < utilization <= 1):
         raise SpecError(f"utilization: expected 0 < u <= 1, got {utilization}")
+    if kv_pool not in ("unified", "per_group"):
+        raise SpecError(f"kv_pool: expected 'unified' or 'per_group', got {kv_pool!r}")
     full = CacheSpec.from_hf_config(
         src.hf_config,
         block_size=block_size,
         kv_dtype=kv_dtype,  # type: ignore[arg-type]
         dtype=dtype,  # type: ignore[arg-type]
+        kv_pool=kv_pool,  # type: ignore[arg-type]
     )
     spec = shard_cache_spec(full, tp, replicate_kv_heads=replicate_kv_heads)
     dev = parse_bytes(device_bytes, "device_bytes (--memory)")
@@ -355,6 +372,11 @@ def plan_capacity(
             f"2 KV blocks, got {budget / GIB:.2f} GiB left for KV"
         )
     num_blocks = (budget - fixed) // bpb
+    ngroups = len(spec.kv_groups)
+    fit = max_sequence_tokens(spec, int(num_blocks) - 1)
+    if fit is None:
+        per = (int(num_blocks) - 1) // ngroups if spec.kv_pool == "unified" else num_blocks - 1
+        fit = int(per) * block_size
     plan = CapacityPlan(
         model=src.name,
         tp=tp,
@@ -366,14 +388,17 @@ def plan_capacity(
         weight_bytes=wb,
         overhead_bytes=ov,
         kv_budget_bytes=budget,
-        bytes_per_token=bpb // block_size,
+        bytes_per_token=spec.bytes_per_token,  # every layer (a unified block: one group)
         bytes_per_block=bpb,
         simple_bytes_per_token=simple_formula_bytes(spec, 1),
         fixed_bytes=fixed,
         num_blocks=int(num_blocks),
         usable_blocks=int(num_blocks) - 1,
-        tokens=(int(num_blocks) - 1) * block_size,
+        tokens=int(fit),
         model_max_len=max_model_len or src.max_model_len,
+        kv_pool=spec.kv_pool,
+        num_kv_groups=ngroups,
+        tokens_unbounded=max_sequence_tokens(spec, int(num_blocks) - 1) is None,
     )
     if workload is not None:
         plan.workload = analyze_workload(
@@ -393,6 +418,7 @@ __all__ = [
     "estimate_num_parameters",
     "kv_cache_bytes",
     "max_len_for_num_seqs",
+    "max_sequence_tokens",
     "layer_bytes",
     "parse_bytes",
     "plan_capacity",

@@ -11,12 +11,20 @@ from kvpage.specs import CacheSpec, make_cache_spec
 
 
 def make_spec(
-    num_blocks: int, block_size: int, windows: Sequence[int | None] = (None,)
+    num_blocks: int,
+    block_size: int,
+    windows: Sequence[int | None] = (None,),
+    kv_pool: str = "per_group",
 ) -> CacheSpec:
-    """A small CacheSpec with one layer per entry of ``windows`` (None = full attention)."""
+    """A small CacheSpec with one layer per entry of ``windows`` (None = full attention);
+    ``kv_pool`` per group by default (the sizes of the tests written for it)."""
     layers = [dict(num_q_heads=4, num_kv_heads=2, head_dim=8, sliding_window=w) for w in windows]
     return make_cache_spec(
-        num_layers=len(layers), block_size=block_size, num_blocks=num_blocks, layers=layers
+        num_layers=len(layers),
+        block_size=block_size,
+        num_blocks=num_blocks,
+        layers=layers,
+        kv_pool=kv_pool,
     )
 
 

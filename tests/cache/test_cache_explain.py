@@ -3,6 +3,7 @@ eviction record, and the record seam lower tiers report through."""
 
 from __future__ import annotations
 
+import pytest
 from cache_helpers import make_spec
 from test_cache_retention import Clock, serve
 
@@ -85,8 +86,11 @@ def test_reset_prefix_cache_is_recorded_as_an_eviction() -> None:
     assert (why.reason, why.policy) == ("evicted", "reset")
 
 
-def test_sliding_window_group_that_cannot_serve_the_hit() -> None:
-    mgr = KVCacheManager(make_spec(32, 2, windows=(None, 4)))
+@pytest.mark.parametrize("kv_pool", ["per_group", "unified"])
+def test_sliding_window_group_that_cannot_serve_the_hit(kv_pool: str) -> None:
+    nb = 32 if kv_pool == "per_group" else 63  # the same bytes
+    mgr = KVCacheManager(make_spec(nb, 2, windows=(None, 4), kv_pool=kv_pool))
+    assert mgr.unified is (kv_pool == "unified")
     prompt = list(range(10))
     serve(mgr, "a", prompt)
     sliding = mgr.pools[1]

@@ -57,7 +57,14 @@ from kvpage.cache import (
 from kvpage.cache.tier_store import DiskTier, HostTier, payload_nbytes
 from kvpage.cache.tiered import TieredCache
 
-LAYOUTS: list[tuple[int | None, ...]] = [(None,), (None,), (3,), (None, 4), (2, None, 6)]
+LAYOUTS: list[tuple[int | None, ...]] = [
+    (None,),
+    (None,),
+    (3,),
+    (None, 4),
+    (2, None, 6),
+    (None, 3, 3, None, 3, 3),  # unified: 3 groups of 2 layers (1 full, 2 sliding)
+]
 VOCAB = st.integers(0, 2)  # tiny vocabulary: prompts share prefixes often
 BASES = [[1, 2, 0, 1, 1, 2, 2, 0, 1, 0, 2, 1, 0, 0], [2, 2, 1, 0, 0, 1, 2, 1, 1, 2, 0, 0, 1, 2]]
 # prompts: a prefix of a base prompt plus a short random tail (shared prefixes -> hits)
@@ -87,12 +94,20 @@ class CacheMachine(RuleBasedStateMachine):
         num_blocks=st.integers(3, 12),
         layout=st.sampled_from(LAYOUTS),
         caching=st.sampled_from([True, True, False]),
+        kv_pool=st.sampled_from(["per_group", "unified"]),
     )
-    def setup(self, block_size: int, num_blocks: int, layout: Any, caching: bool) -> None:
+    def setup(
+        self, block_size: int, num_blocks: int, layout: Any, caching: bool, kv_pool: str
+    ) -> None:
         self.bs = block_size
+        if kv_pool == "unified":  # the same bytes: a unified block holds one group's layers
+            num_blocks = (num_blocks - 1) * len(make_spec(2, 1, layout, kv_pool).kv_groups) + 1
         self.mgr = KVCacheManager(
-            make_spec(num_blocks, block_size, layout), enable_prefix_caching=caching, hash_seed=1
+            make_spec(num_blocks, block_size, layout, kv_pool),
+            enable_prefix_caching=caching,
+            hash_seed=1,
         )
+        self.unified = self.mgr.unified
         self.model: dict[str, Req] = {}
         # content[g][block_id][offset] = (salt, tuple of tokens 0..p) of the K/V written there
         self.content: list[list[list[Any]]] = [
@@ -110,6 +125,12 @@ class CacheMachine(RuleBasedStateMachine):
                         h[g][b] += 1
         return h
 
+    def _held(self, holders: list[list[int]], g: int, b: int) -> int:
+        """Tables holding block ``b`` of group ``g`` (a unified pool: of any group)."""
+        if self.unified:
+            return sum(h[b] for h in holders)
+        return holders[g][b]
+
     def _apply(self, rid: str, alloc: Any) -> None:
         r = self.model[rid]
         for g in range(self.mgr.num_groups):
@@ -120,7 +141,7 @@ class CacheMachine(RuleBasedStateMachine):
         holders = self._holders()
         for g in range(self.mgr.num_groups):
             for b in alloc.new_blocks[g] + [d for _, d in alloc.copies[g]]:
-                assert b != 0 and holders[g][b] == 0, f"block {b} handed out twice"
+                assert b != 0 and self._held(holders, g, b) == 0, f"block {b} handed out twice"
                 self.content[g][b] = [None] * self.bs
             for src, dst in alloc.copies[g]:  # the backend copies before writing
                 assert holders[g][src] >= 2, "copy of a block that was not shared"
@@ -273,7 +294,7 @@ class CacheMachine(RuleBasedStateMachine):
             used = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)
             assert pool.num_free + used == pool.num_blocks - 1
             for b in pool.blocks[1:]:
-                assert b.ref_cnt == holders[g][b.block_id]
+                assert b.ref_cnt == self._held(holders, g, b.block_id)
             # no hash entry names content other than what the block holds
             for h, b in pool.cached.items():
                 cells = self.content[g][b.block_id]
@@ -318,7 +339,7 @@ class RetentionRules(CacheMachine):
         no policy exists before, so no deadline used the real clock."""
         if self.clock is None:
             self.clock = FakeClock()
-            for p in self.mgr.pools:
+            for p in self.mgr.block_pools:
                 assert p.num_retained == 0
                 p.clock = self.clock
                 p.max_retained_blocks = min(cap, p.num_usable)
@@ -347,7 +368,7 @@ class RetentionRules(CacheMachine):
     def retention_advance_clock(self, dt: float, cap: int) -> None:
         clock = self._retention_clock(cap)
         clock.t += dt
-        for p in self.mgr.pools:
+        for p in self.mgr.block_pools:
             p.expire()
 
     @rule(prompt=PROMPTS, salt=st.sampled_from([None, "s"]))
@@ -356,7 +377,7 @@ class RetentionRules(CacheMachine):
         pool's eviction order (hit blocks excluded)."""
         mgr = self.mgr
         hit = mgr.get_num_cached_tokens(prompt, cache_salt=salt)
-        for p in mgr.pools:
+        for p in mgr.block_pools:
             p.expire()  # what allocate does first (same clock reading)
         orders = [p.free_queue.ids() for p in mgr.pools]
         rid = f"r{self.next_id}"
@@ -364,17 +385,23 @@ class RetentionRules(CacheMachine):
         alloc = mgr.allocate(rid, prompt, len(prompt) - hit, num_cached_tokens=hit, cache_salt=salt)
         if alloc is None:
             return
+        nh = hit // self.bs
+        taken: set[int] = set()  # a unified pool: earlier groups took the head first
         for g in range(mgr.num_groups):
-            held = set(mgr.block_table(rid, g)[: hit // self.bs])
-            expect = [b for b in orders[g] if b not in held][: len(alloc.new_blocks[g])]
+            held = set(mgr.block_table(rid, g)[:nh])
+            if self.unified:
+                held = {b for x in range(mgr.num_groups) for b in mgr.block_table(rid, x)[:nh]}
+            expect = [b for b in orders[g] if b not in held and b not in taken]
+            expect = expect[: len(alloc.new_blocks[g])]
             assert alloc.new_blocks[g] == expect, f"group {g}: not the head of the eviction order"
+            taken.update(expect if self.unified else ())
             for b in alloc.new_blocks[g]:
                 self.content[g][b] = [None] * self.bs  # reused: its old K/V is gone
         mgr.free(rid)
 
     @invariant()
     def retention_invariants(self) -> None:
-        for p in self.mgr.pools:
+        for p in self.mgr.block_pools:
             assert p.num_retained <= p.max_retained_blocks
             for level, q in enumerate(p.free_queue.levels):
                 for b in q:
@@ -454,7 +481,7 @@ class TierCacheMachine(CacheMachine):
     def setup(  # type: ignore[override]
         self, block_size: int, num_blocks: int, host_blocks: int, disk_blocks: int
     ) -> None:
-        super().setup(block_size, num_blocks, (None,), True)
+        super().setup(block_size, num_blocks, (None,), True, "per_group")
         self.num_blocks = num_blocks
         self.root = Path(tempfile.mkdtemp(prefix="kvtiers-"))
         # payload sizes vary (repr); ~60 bytes per token cell is a generous unit

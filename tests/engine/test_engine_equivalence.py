@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 from engine_harness import HF_ARCHS, HF_PROMPTS, NUM_NEW, hf_greedy, make_hf_model  # noqa: E402
 
 from kvpage.engine import LLM, SamplingParams  # noqa: E402
+from kvpage.specs import CacheSpec  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 
@@ -97,12 +98,18 @@ def test_hf_random_models_greedy_equals_transformers(arch: str) -> None:
     hf = make_hf_model(arch)
     refs = [hf_greedy(hf, p) for p in HF_PROMPTS]
     assert len({t for r in refs for t in r}) > 10  # not a degenerate constant output
-    llm = LLM(hf, block_size=4, num_blocks=200)
+    # the bytes of 200 blocks per KV group of per-group pools, in the unified pool (a
+    # block holds one of its groups' layers)
+    groups = len(CacheSpec.from_hf_config(hf.config).kv_groups)
+    llm = LLM(hf, block_size=4, num_blocks=199 * groups + 1)
     assert _tokens(llm.generate(HF_PROMPTS, GREEDY)) == refs
     # prefix hits on the rerun, chunked prefill (budget 7) and forced preemption
     assert _tokens(llm.generate(HF_PROMPTS, GREEDY)) == refs
     assert llm.get_metrics()["kvpage:prefix_cache_hits_total"] > 0
-    small = LLM(hf, block_size=4, num_blocks=40, max_num_batched_tokens=7)
+    # small enough to preempt: a hybrid model's unified pool gets room for the longest
+    # request (94 tokens, 24 blocks per group when allocated at once), no more
+    small_blocks = 40 if groups == 1 else 24 * groups + 1
+    small = LLM(hf, block_size=4, num_blocks=small_blocks, max_num_batched_tokens=7)
     assert _tokens(small.generate(HF_PROMPTS, GREEDY)) == refs
     if arch != "mistral":  # every Mistral layer slides: freed blocks leave room for all
         assert small.get_metrics()["kvpage:num_preemptions_total"] > 0

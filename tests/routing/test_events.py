@@ -109,7 +109,8 @@ def test_from_dict_refuses_malformed_batches(bad: object) -> None:
 
 
 def test_hybrid_model_publishes_the_full_attention_pool() -> None:
-    mgr = make_manager(num_blocks=6, windows=(None, 4))  # one full, one sliding group
+    # one full, one sliding group; the bytes of 6 blocks per group in the unified pool
+    mgr = make_manager(num_blocks=11, windows=(None, 4))
     assert mgr.num_groups == 2 and mgr.prefix_pools == [mgr.pools[0]]
     pub = KVEventPublisher("h")
     pub.attach(mgr)

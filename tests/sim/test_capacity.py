@@ -8,12 +8,18 @@ import numpy as np
 import pytest
 import torch
 
-from kvpage.attention.metadata import MODEL_DTYPES, allocate_kv_cache
+from kvpage.attention.metadata import (
+    MODEL_DTYPES,
+    allocate_kv_cache,
+    allocate_model_kv_caches,
+    kv_caches_nbytes,
+)
 from kvpage.capacity import (
     Workload,
     blocks_per_sequence,
     estimate_num_parameters,
     kv_cache_bytes,
+    max_sequence_tokens,
     parse_bytes,
     plan_capacity,
     resolve_model,
@@ -25,10 +31,12 @@ from kvpage.specs import CacheSpec, load_preset, make_cache_spec
 
 
 def _allocated_bytes(spec: CacheSpec, num_blocks: int) -> int:
-    """Sum of tensor.nbytes of the canonical cache of every layer."""
-    total = 0
-    for a in spec.layers:
-        c = allocate_kv_cache(
+    """Bytes of the distinct tensors the engine allocates for the cache (one per layer,
+    or per layer slot of a unified pool), each layer cache also checked against the
+    canonical layout of its layer."""
+    caches = allocate_model_kv_caches(spec.with_blocks(num_blocks), "cpu")
+    for a, c in zip(spec.layers, caches):
+        ref = allocate_kv_cache(
             num_blocks,
             spec.block_size,
             a.num_kv_heads,
@@ -37,10 +45,8 @@ def _allocated_bytes(spec: CacheSpec, num_blocks: int) -> int:
             kv_dtype=spec.kv_dtype,
             kv_scale_granularity=spec.kv_scale_granularity,
         )
-        for t in (c.kv, c.token_scales, c.k_scale, c.v_scale):
-            if t is not None:
-                total += t.nbytes
-    return total
+        assert c.kv.shape == ref.kv.shape and c.kv.dtype == ref.kv.dtype
+    return kv_caches_nbytes(caches)
 
 
 def _tiny(kv_heads: int, head_dim: int, layers: int = 3, window: int | None = None, **kw):
@@ -99,16 +105,9 @@ def test_planner_bytes_equal_allocated_bytes(spec, num_blocks):
     ],
 )
 def test_planner_bytes_equal_torch_backend_allocation(spec):
-    from kvpage.attention.metadata import allocate_layer_cache
-
     spec = spec.with_blocks(3)
-    total = 0
-    for layer in range(spec.num_layers):
-        c = allocate_layer_cache(spec, layer, torch.device("cpu"))
-        for t in (c.kv, c.token_scales, c.k_scale, c.v_scale):
-            if isinstance(t, torch.Tensor):
-                total += t.nbytes
-    assert total == kv_cache_bytes(spec, 3)
+    caches = allocate_model_kv_caches(spec, torch.device("cpu"))
+    assert kv_caches_nbytes(caches) == kv_cache_bytes(spec, 3) == spec.total_bytes
 
 
 def test_simple_formula_and_what_it_leaves_out():
@@ -161,7 +160,8 @@ def test_bad_budget_and_inputs():
 
 
 def test_parameter_counts_match_presets():
-    for name in ("llama-3-8b", "mistral-7b", "qwen2-7b", "gemma-2-9b", "stories260K"):
+    names = ("llama-3-8b", "mistral-7b", "qwen2-7b", "gemma-2-9b", "stories260K")
+    for name in (*names, "gpt-oss-120b", "gpt-oss-20b"):
         pr = load_preset(name)
         assert estimate_num_parameters(pr.hf_config) == pr.num_parameters, name
 
@@ -210,13 +210,51 @@ def test_workload_answers_by_hand():
 
 def test_sliding_window_caps_blocks():
     spec = _tiny(2, 16, layers=2, window=8, block_size=4, dtype="float32")
-    assert int(blocks_per_sequence(spec, 100)) == 25  # full-attention layer binds
+    per = spec.model_copy(update={"kv_pool": "per_group"})
+    assert int(blocks_per_sequence(per, 100)) == 25  # per-group pools: the full group binds
+    # unified: the full group's 25 + the sliding group's window blocks 23, 24 (keys 92..99)
+    assert int(blocks_per_sequence(spec, 100)) == 27
     only_sliding = make_cache_spec(
         num_layers=1,
         block_size=4,
         layers=[dict(num_q_heads=2, num_kv_heads=2, head_dim=4, sliding_window=8)],
     )
-    assert int(blocks_per_sequence(only_sliding, 100)) == 3
+    assert int(blocks_per_sequence(only_sliding, 100)) == 2
+    assert int(blocks_per_sequence(only_sliding, 101)) == 3  # keys 93..100: blocks 23..25
+    assert max_sequence_tokens(only_sliding, 3) is None  # any length fits in 3 blocks
+    assert max_sequence_tokens(only_sliding, 2) == 8
+
+
+@pytest.mark.parametrize(
+    "windows", [(None,), (None, 8), (8, None, 8, 8, None, 8), (4, 12, None), (6, 6)]
+)
+@pytest.mark.parametrize("kv_pool", ["unified", "per_group"])
+def test_planner_blocks_equal_the_managers_during_decode(windows, kv_pool):
+    """blocks_per_sequence (the planner's count) == the blocks the KVCacheManager holds
+    at every length of one decoding sequence, and max_sequence_tokens is where that
+    decode first fails in a pool of that many blocks."""
+    from kvpage.cache import KVCacheManager
+
+    layers = [dict(num_q_heads=2, num_kv_heads=2, head_dim=4, sliding_window=w) for w in windows]
+    spec = make_cache_spec(
+        num_layers=len(layers), block_size=4, num_blocks=0, layers=layers, kv_pool=kv_pool
+    )
+    usable = 40
+    mgr = KVCacheManager(spec.with_blocks(usable + 1), enable_prefix_caching=False)
+    toks = [1]
+    assert mgr.allocate("r", toks, 1) is not None
+    while True:
+        held = sum(mgr.used_blocks_by_group()) if mgr.unified else mgr.num_used_blocks
+        assert held == int(blocks_per_sequence(spec, len(toks)))
+        toks.append(2)
+        if mgr.allocate("r", toks, 1) is None:
+            break
+        if len(toks) > 2000:  # a sliding-only model decodes forever
+            break
+    fit = max_sequence_tokens(spec, usable)
+    assert (len(toks) > 2000) == (fit is None)
+    if fit is not None:
+        assert fit == len(toks) - 1  # the last length that was allocated
 
 
 def test_percentile_workload():
@@ -269,3 +307,67 @@ def test_planner_bytes_equal_engine_allocation(block_size, kv_dtype, num_blocks)
         kv_dtype=kv_dtype,
     )
     assert p.num_blocks == num_blocks
+
+
+@pytest.mark.parametrize(
+    "layers, window",
+    [(62, 1024), (36, 128)],  # Gemma-3-27B (every 6th layer global), gpt-oss (alternating)
+)
+def test_unified_tokens_that_fit_within_5_percent_of_the_bound(layers, window):
+    """The accounting of docs/benchmarks.md ("Unified block pool"): the longest
+    sequence the unified pool holds is within 5 % of the bytes actually needed (full
+    layers L tokens, sliding layers min(L, W)); per-group pools are far below."""
+    if layers == 62:
+        slide = [(i + 1) % 6 != 0 for i in range(layers)]
+        heads = (32, 16, 128)
+    else:
+        slide = [i % 2 == 0 for i in range(layers)]
+        heads = (64, 8, 64)
+    spec = make_cache_spec(
+        num_layers=layers,
+        block_size=16,
+        dtype="bfloat16",
+        layers=[
+            dict(
+                num_q_heads=heads[0],
+                num_kv_heads=heads[1],
+                head_dim=heads[2],
+                sliding_window=window if s else None,
+            )
+            for s in slide
+        ],
+    )
+    budget = 2_000_000_000
+    per_tok = spec.layer_bytes_per_token(0)
+    nfull, nslide = slide.count(False), slide.count(True)
+    # the bound: the largest L with (nfull * L + nslide * min(L, W)) * per_tok <= budget
+    bound = (budget // per_tok - nslide * window) // nfull
+    got = {}
+    for pool in ("unified", "per_group"):
+        s = spec.model_copy(update={"kv_pool": pool})
+        nb = budget // s.bytes_per_block
+        got[pool] = max_sequence_tokens(s, nb - 1)
+        assert kv_cache_bytes(s, nb) <= budget
+    assert 0.95 * bound <= got["unified"] <= bound
+    assert got["per_group"] < 0.55 * bound
+
+
+def test_plan_kv_pool_gemma2_unified_doubles_the_tokens():
+    """Gemma-2-9B (21 sliding + 21 full layers): per-group pools charge every block for
+    all 42 layers, the unified pool's block holds one group's 21, and its sliding
+    layers hold only their window, so one sequence fits ~2x the tokens."""
+    u = plan_capacity("gemma-2-9b", device_bytes="80GB", kv_pool="unified")
+    p = plan_capacity("gemma-2-9b", device_bytes="80GB", kv_pool="per_group")
+    assert (u.kv_pool, u.num_kv_groups, p.kv_pool, p.num_kv_groups) == (
+        "unified",
+        2,
+        "per_group",
+        2,
+    )
+    assert u.bytes_per_token == p.bytes_per_token  # every layer's bytes per token
+    assert u.bytes_per_block * 2 == p.bytes_per_block
+    assert p.tokens == p.usable_blocks * 16
+    window_blocks = 4096 // 16 + 1
+    assert u.tokens == (u.usable_blocks - window_blocks) * 16
+    with pytest.raises(SpecError, match="kv_pool"):
+        plan_capacity("gemma-2-9b", device_bytes="80GB", kv_pool="shared")

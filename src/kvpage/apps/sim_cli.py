@@ -50,6 +50,12 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"])
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--kv-pool",
+        default="unified",
+        choices=["unified", "per_group"],
+        help="one block pool for every KV group (default) or one per group (comparison)",
+    )
     p.add_argument("--trace", default=None, help="workload: bundled trace name or file")
     p.add_argument(
         "--limit", type=int, default=None, help="first N requests of the trace (0 or omitted = all)"
@@ -108,6 +114,7 @@ def run_plan(args: argparse.Namespace) -> int:
             workload=wl,
             num_seqs=args.num_seqs,
             max_model_len=args.max_model_len,
+            kv_pool=args.kv_pool,
         )
     except KVPageError as e:
         print(f"kvpage plan: {e}", file=sys.stderr)
@@ -130,8 +137,12 @@ def run_plan(args: argparse.Namespace) -> int:
             f"{d['bytes_per_token']:,} / {d['simple_bytes_per_token']:,}",
         ),
         ("bytes per block", f"{d['bytes_per_block']:,}"),
+        ("KV pool / KV groups", f"{d['kv_pool']} / {d['num_kv_groups']}"),
         ("KV blocks (incl. null block)", f"{d['num_blocks']:,}"),
-        ("tokens that fit", f"{d['tokens']:,}"),
+        (
+            "tokens that fit (one sequence)",
+            f"{d['tokens']:,}" + (" (any length: windows only)" if d["tokens_unbounded"] else ""),
+        ),
     ]
     rows += [(k, _fmt(v)) for k, v in d["workload"].items()]
     print(_table("kvpage plan", rows))

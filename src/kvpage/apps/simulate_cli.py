@@ -93,6 +93,12 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--time-scale", type=float, default=1.0, help="> 0; < 1 compresses arrivals")
     p.add_argument("--kv-dtype", default="auto")
+    p.add_argument(
+        "--kv-pool",
+        default="unified",
+        choices=["unified", "per_group"],
+        help="one block pool for every KV group (default) or one per group (comparison)",
+    )
     p.add_argument("--utilization", type=float, default=0.9, help="GPU memory fraction")
     p.add_argument("--flops-efficiency", type=float, default=0.6, help="achieved/peak FLOP/s")
     p.add_argument("--bandwidth-efficiency", type=float, default=0.8, help="achieved/peak B/s")
@@ -169,6 +175,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             time_scale=args.time_scale,
             kv_dtype=args.kv_dtype,
+            kv_pool=args.kv_pool,
             utilization=args.utilization,
             flops_efficiency=args.flops_efficiency,
             bandwidth_efficiency=args.bandwidth_efficiency,

@@ -127,6 +127,56 @@ def allocate_layer_cache(spec: CacheSpec, layer_id: int, device: torch.device | 
     )
 
 
+def allocate_model_kv_caches(spec: CacheSpec, device: torch.device | str) -> list[KVCache]:
+    """The caches of every layer of ``spec``, one KVCache per layer (index = layer id).
+
+    ``kv_pool="per_group"`` (and any one-group model): each layer its own zeroed tensor
+    of ``spec.num_blocks`` blocks (:func:`allocate_layer_cache`). ``"unified"`` with
+    several KV groups: one tensor per layer slot (``spec.pool_tensor_layers``: the
+    layers of group 0), and layer ``l`` of any group gets a KVCache over the tensor of
+    slot ``spec.layer_slot(l)`` (``kv`` and int8 ``token_scales`` shared, fp8
+    ``k_scale``/``v_scale`` its own). A block id belongs to one group at a time
+    (``kvpage.cache.block_pool``), so layers of different groups never write the same
+    block; every layer keeps the canonical ``[2, num_blocks, block_size, num_kv_heads,
+    head_dim]`` view, and the backends' contract is unchanged. Bytes allocated:
+    ``spec.total_bytes`` (:func:`kv_caches_nbytes`).
+    """
+    if spec.kv_pool != "unified" or len(spec.kv_groups) == 1:
+        return [allocate_layer_cache(spec, i, device) for i in range(spec.num_layers)]
+    slots = [allocate_layer_cache(spec, i, device) for i in spec.pool_tensor_layers]
+    out: list[KVCache] = []
+    for i in range(spec.num_layers):
+        base = slots[spec.layer_slot(i)]
+        a = spec.layers[i]
+        if (a.num_kv_heads, a.head_dim) == (base.num_kv_heads, base.head_dim):
+            kv, ts = base.kv, base.token_scales
+        else:  # equal bytes per token (CacheSpec checks), another head shape
+            shape = (2, base.num_blocks, base.block_size, a.num_kv_heads, a.head_dim)
+            kv = base.kv.view(-1).view(shape)
+            ts = None
+            if base.token_scales is not None:
+                ts = base.token_scales.view(-1).view(shape[:4])
+        c = KVCache(kv=kv, token_scales=ts)
+        if base.k_scale is not None and base.v_scale is not None:
+            per = a.num_kv_heads if spec.kv_scale_granularity == "per_head" else None
+            c.k_scale = torch.ones((per,) if per else (), dtype=torch.float32, device=kv.device)
+            c.v_scale = torch.ones_like(c.k_scale)
+        out.append(c)
+    return out
+
+
+def kv_caches_nbytes(caches: list[KVCache]) -> int:
+    """Bytes of the distinct tensors behind ``caches`` (K/V, int8 token scales, fp8
+    scales; a tensor shared by several layers counted once)."""
+    seen: dict[int, int] = {}
+    for c in caches:
+        for t in (c.kv, c.token_scales, c.k_scale, c.v_scale):
+            if t is not None:
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
 def allocate_kv_cache(
     num_blocks: int,
     block_size: int,
@@ -293,6 +343,8 @@ __all__ = [
     "AttentionMetadata",
     "KVCache",
     "allocate_kv_cache",
+    "allocate_model_kv_caches",
+    "kv_caches_nbytes",
     "allocate_layer_cache",
     "kv_cache_shape",
     "slot_of",

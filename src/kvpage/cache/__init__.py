@@ -12,6 +12,7 @@ from kvpage.cache.block_pool import (
     NULL_BLOCK_ID,
     BlockPool,
     FreeBlockQueue,
+    GroupPool,
     KVBlock,
     PoolListener,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "AllocatorStats",
     "BlockHash",
     "BlockPool",
+    "GroupPool",
     "CacheStats",
     "FreeBlockQueue",
     "FullAttentionManager",

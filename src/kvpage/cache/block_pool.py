@@ -1,4 +1,12 @@
-"""The block pool of one KV group: blocks, ref counts, the LRU free queue, the hash map.
+"""The block pool: blocks, ref counts, the LRU free queue, the hash maps.
+
+One pool serves one KV group (``CacheSpec.kv_pool="per_group"``, and every one-group
+model) or, shared, every KV group of a model (``"unified"``): then each group sees the
+pool through a :class:`GroupPool` (:meth:`BlockPool.add_group`) with its own hash map
+and listeners, while block ids, ref counts, the free queue (one global LRU order with
+the tail-first and retention rules below) and the retention cap are the pool's. A block
+holds one group's content at a time (``KVBlock.group``); evicting it drops the entry in
+that group's map.
 
 A pool owns ``num_blocks`` blocks with ids ``0 .. num_blocks-1``. Block 0 is the
 reserved *null block*: it is never allocated, never freed and never cached; block
@@ -109,6 +117,12 @@ class BlockPool(PoolRetention):
         self.cached: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
         self.listeners: list[PoolListener] = []
+        #: per KV group sharing the pool: hash map, listeners, evictions (group 0's
+        #: are ``cached`` / ``listeners``; more by :meth:`add_group`)
+        self.group_maps: list[dict[bytes, KVBlock]] = [self.cached]
+        self.group_listeners: list[list[PoolListener]] = [self.listeners]
+        self.group_evictions: list[int] = [0]
+        self._views: list[GroupPool] = []
         if max_retained_blocks is None:
             max_retained_blocks = int((num_blocks - 1) * DEFAULT_RETENTION_SHARE)
         if not 0 <= max_retained_blocks <= num_blocks - 1:
@@ -156,6 +170,10 @@ class BlockPool(PoolRetention):
         """Block tables holding block ``block_id`` (0 = free)."""
         return self.blocks[block_id].ref_cnt
 
+    def group_of(self, block_id: int) -> int:
+        """The KV group whose content block ``block_id`` holds (or last held)."""
+        return self.blocks[block_id].group
+
     def is_shared(self, block_id: int) -> bool:
         """Whether more than one block table holds ``block_id`` (a write needs CoW)."""
         return self.blocks[block_id].ref_cnt > 1
@@ -187,10 +205,12 @@ class BlockPool(PoolRetention):
         return None if b is None else b.block_id
 
     # ---- mutation ---------------------------------------------------------------------
-    def allocate(self, n: int) -> list[KVBlock]:
-        """Take ``n`` blocks from the head of the free queue, each with ``ref_cnt == 1``.
+    def allocate(self, n: int, group: int = 0) -> list[KVBlock]:
+        """Take ``n`` blocks from the head of the free queue, each with ``ref_cnt == 1``,
+        for KV group ``group`` (its index in :attr:`group_maps`).
 
-        A cached block taken here is evicted: its hash entry is removed at once.
+        A cached block taken here is evicted (whichever group's content it held): its
+        hash entry is removed at once.
 
         Raises:
             AllocationError: fewer than ``n`` free blocks (nothing is taken).
@@ -206,26 +226,31 @@ class BlockPool(PoolRetention):
             if b.block_hash is not None:
                 self._evict(b)
             b.ref_cnt = 1
+            b.group = group
             out.append(b)
         return out
 
-    def allocate_ids(self, n: int) -> list[int]:
+    def allocate_ids(self, n: int, group: int = 0) -> list[int]:
         """:meth:`allocate`, returning block ids."""
-        return [b.block_id for b in self.allocate(n)] if n else []
+        return [b.block_id for b in self.allocate(n, group)] if n else []
 
     def _evict(self, b: KVBlock) -> None:
         """Drop the hash entry of cached block ``b`` just taken for new content (the one
         place where cached content leaves this pool: see docs/architecture.md, seams)."""
         h = b.block_hash
-        if h is not None and self.listeners:
-            for listener in self.listeners:
+        g = b.group
+        listeners = self.group_listeners[g]
+        if h is not None and listeners:
+            for listener in listeners:
                 listener.on_evicted(b.block_id, h)
-        if h is not None and self.cached.get(h) is b:
-            del self.cached[h]
+        cached = self.group_maps[g]
+        if h is not None and cached.get(h) is b:
+            del cached[h]
         b.block_hash = None
         b.priority = PRIORITY_DEFAULT
         b.ttl = None
         self.num_evictions += 1
+        self.group_evictions[g] += 1
 
     def touch(self, blocks: Sequence[KVBlock]) -> None:
         """Add one holder to each block (reviving free cached blocks from the queue)."""
@@ -290,31 +315,57 @@ class BlockPool(PoolRetention):
                     self._release_retained(b)
 
     def cache_block(self, block: KVBlock | int, block_hash: bytes) -> bool:
-        """Register ``block`` (a KVBlock or a block id) as holding ``block_hash``'s content.
+        """Register ``block`` (a KVBlock or a block id) as holding ``block_hash``'s content,
+        in the hash map of the group the block was allocated for.
 
         Returns:
             False (no change) if caching is off, the block already has a hash, or another
-            block already holds this content; True otherwise.
+            block of its group already holds this content; True otherwise.
         """
-        if not self.enable_caching or block_hash in self.cached:
-            return False
         if isinstance(block, int):
             block = self.blocks[block]
+        cached = self.group_maps[block.group]
+        if not self.enable_caching or block_hash in cached:
+            return False
         if block.block_hash is not None:
             return False
         block.block_hash = block_hash
-        self.cached[block_hash] = block
-        for listener in self.listeners:
+        cached[block_hash] = block
+        for listener in self.group_listeners[block.group]:
             listener.on_stored(block.block_id, block_hash)
         return True
 
+    def add_group(self) -> GroupPool:
+        """A view of this pool for one more KV group sharing it: its own hash map,
+        listeners and eviction count over the pool's blocks and free queue. The first
+        call returns the view of group 0 (whose map is :attr:`cached`)."""
+        g = len(self._views)
+        if g:
+            self.group_maps.append({})
+            self.group_listeners.append([])
+            self.group_evictions.append(0)
+        view = GroupPool(self, g)
+        self._views.append(view)
+        return view
+
+    def num_used_by_group(self) -> list[int]:
+        """Per group (:attr:`group_maps` order), blocks with ``ref_cnt >= 1`` that hold
+        its content (O(num_blocks); for reports and tests)."""
+        out = [0] * len(self.group_maps)
+        for b in self.blocks[1:]:
+            if b.ref_cnt:
+                out[b.group] += 1
+        return out
+
     def reset_prefix_cache(self) -> bool:
-        """Forget every hash if no block is used; returns False (no change) otherwise."""
+        """Forget every hash (of every group) if no block is used; returns False (no
+        change) otherwise."""
         if self.num_used:
             return False
-        for b in self.cached.values():
-            b.block_hash = None
-        self.cached.clear()
+        for cached in self.group_maps:
+            for b in cached.values():
+                b.block_hash = None
+            cached.clear()
         fq = self.free_queue
         order = list(fq)  # nothing is cached now: every free block is empty
         for b in order:
@@ -322,8 +373,9 @@ class BlockPool(PoolRetention):
             b.priority, b.ttl, b.stamp = PRIORITY_DEFAULT, None, 0
             fq.append(b, PRIORITY_LOW)
         self._expiry.clear()
-        for listener in self.listeners:
-            listener.on_cleared()
+        for listeners in self.group_listeners:
+            for listener in listeners:
+                listener.on_cleared()
         return True
 
     # ---- checking ---------------------------------------------------------------------
@@ -378,17 +430,30 @@ class BlockPool(PoolRetention):
                 raise IntegrityError(f"block {b.block_id}: expected ref_cnt >= 0, got {b.ref_cnt}")
             if b.ref_cnt == 0 and b.block_id not in seen:
                 raise IntegrityError(f"block {b.block_id}: ref_cnt 0 but not in the free queue")
-            if b.block_hash is not None and self.cached.get(b.block_hash) is not b:
-                raise IntegrityError(f"block {b.block_id}: has a hash but no matching entry")
+            if not 0 <= b.group < len(self.group_maps):
+                raise IntegrityError(
+                    f"block {b.block_id}: group {b.group} expected in [0, {len(self.group_maps)})"
+                )
+            if b.block_hash is not None and self.group_maps[b.group].get(b.block_hash) is not b:
+                where = f" in group {b.group}" if len(self.group_maps) > 1 else ""
+                raise IntegrityError(f"block {b.block_id}: has a hash but no matching entry{where}")
         nb = self.null_block
         if nb.ref_cnt != 0 or nb.block_hash is not None or nb.prev_free is not None:
             raise IntegrityError(f"null block: expected untouched, got {nb!r}")
-        for h, b in self.cached.items():
-            if b.block_hash != h:
-                raise IntegrityError(
-                    f"hash map: entry {h.hex()[:8]} points to block {b.block_id} "
-                    f"whose hash is {b.block_hash.hex()[:8] if b.block_hash else None}"
-                )
+        for g, cached in enumerate(self.group_maps):
+            name = f"hash map of group {g}" if len(self.group_maps) > 1 else "hash map"
+            for h, b in cached.items():
+                if b.block_hash != h or b.group != g:
+                    of = f" of group {b.group}" if b.group != g else ""
+                    raise IntegrityError(
+                        f"{name}: entry {h.hex()[:8]} points to block {b.block_id}{of} "
+                        f"whose hash is {b.block_hash.hex()[:8] if b.block_hash else None}"
+                    )
+        if sum(self.group_evictions) != self.num_evictions:
+            raise IntegrityError(
+                f"evictions: expected per-group sum {sum(self.group_evictions)} == "
+                f"{self.num_evictions}"
+            )
         free = self.free_queue.num_free
         used = sum(1 for b in self.blocks[1:] if b.ref_cnt > 0)
         if free + used != self.num_usable:
@@ -397,10 +462,158 @@ class BlockPool(PoolRetention):
             )
 
 
+class GroupPool:
+    """One KV group's view of a shared :class:`BlockPool` (``BlockPool.add_group``):
+    the methods a group manager, a prefix lookup, a KV-event publisher or a miss
+    explanation call on "its pool", with this group's hash map and listeners; counts,
+    ref counts, the free queue and retention are the shared pool's.
+
+    Attributes:
+        shared: the pool.
+        group: this group's index in ``shared.group_maps``.
+        cached: this group's hash map (block hash -> block).
+        listeners: :class:`PoolListener` objects told of this group's stores and
+            evictions (and of every clear).
+    """
+
+    def __init__(self, shared: BlockPool, group: int) -> None:
+        self.shared = shared
+        self.group = group
+        self.cached = shared.group_maps[group]
+        self.listeners = shared.group_listeners[group]
+        self.blocks = shared.blocks
+        self.enable_caching = shared.enable_caching
+
+    # ---- this group's --------------------------------------------------------------
+    @property
+    def num_evictions(self) -> int:
+        """This group's cached blocks reused for other content so far."""
+        return self.shared.group_evictions[self.group]
+
+    def get_cached(self, block_hash: bytes) -> KVBlock | None:
+        """This group's block holding ``block_hash``'s content, or None."""
+        return self.cached.get(block_hash)
+
+    def is_cached(self, block_hash: bytes) -> bool:
+        """Whether a block of this group holds ``block_hash``'s content."""
+        return block_hash in self.cached
+
+    def cached_hashes(self) -> frozenset[bytes]:
+        """The block hashes this group holds now (a copy)."""
+        return frozenset(self.cached)
+
+    def cached_block_id(self, block_hash: bytes) -> int | None:
+        """The id of this group's block holding ``block_hash``'s content, or None."""
+        b = self.cached.get(block_hash)
+        return None if b is None else b.block_id
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """``BlockPool.allocate`` for this group."""
+        return self.shared.allocate(n, self.group)
+
+    def allocate_ids(self, n: int) -> list[int]:
+        """``BlockPool.allocate_ids`` for this group."""
+        return self.shared.allocate_ids(n, self.group)
+
+    def cache_block(self, block: KVBlock | int, block_hash: bytes) -> bool:
+        """``BlockPool.cache_block`` (the block was allocated for this group)."""
+        return self.shared.cache_block(block, block_hash)
+
+    # ---- the shared pool's ---------------------------------------------------------
+    @property
+    def free_queue(self) -> PriorityFreeQueue:
+        """The shared pool's free queue (read it only)."""
+        return self.shared.free_queue
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the shared pool, null block included."""
+        return self.shared.num_blocks
+
+    @property
+    def num_usable(self) -> int:
+        """Usable blocks of the shared pool."""
+        return self.shared.num_usable
+
+    @property
+    def num_free(self) -> int:
+        """Free blocks of the shared pool (every group allocates from them)."""
+        return self.shared.num_free
+
+    @property
+    def num_used(self) -> int:
+        """Used blocks of the shared pool (all groups)."""
+        return self.shared.num_used
+
+    @property
+    def usage(self) -> float:
+        """The shared pool's usage."""
+        return self.shared.usage
+
+    @property
+    def num_retained(self) -> int:
+        """The shared pool's retained free blocks."""
+        return self.shared.num_retained
+
+    @property
+    def max_retained_blocks(self) -> int:
+        """The shared pool's retention cap."""
+        return self.shared.max_retained_blocks
+
+    def priority_of(self, block_id: int) -> int:
+        """``BlockPool.priority_of``."""
+        return self.shared.priority_of(block_id)
+
+    def ref_count(self, block_id: int) -> int:
+        """``BlockPool.ref_count``."""
+        return self.shared.ref_count(block_id)
+
+    def is_shared(self, block_id: int) -> bool:
+        """``BlockPool.is_shared``."""
+        return self.shared.is_shared(block_id)
+
+    def count_free(self, block_ids: Iterable[int]) -> int:
+        """``BlockPool.count_free``."""
+        return self.shared.count_free(block_ids)
+
+    def count_exclusive(self, block_ids: Iterable[int]) -> int:
+        """``BlockPool.count_exclusive``."""
+        return self.shared.count_exclusive(block_ids)
+
+    def touch(self, blocks: Sequence[KVBlock]) -> None:
+        """``BlockPool.touch``."""
+        self.shared.touch(blocks)
+
+    def touch_ids(self, block_ids: Iterable[int]) -> None:
+        """``BlockPool.touch_ids``."""
+        self.shared.touch_ids(block_ids)
+
+    def free(self, blocks: Sequence[KVBlock]) -> None:
+        """``BlockPool.free``."""
+        self.shared.free(blocks)
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """``BlockPool.release``."""
+        self.shared.release(block_ids)
+
+    def set_retention(self, block_ids: Iterable[int], priority: int, ttl: float | None) -> None:
+        """``BlockPool.set_retention``."""
+        self.shared.set_retention(block_ids, priority, ttl)
+
+    def reset_prefix_cache(self) -> bool:
+        """``BlockPool.reset_prefix_cache`` (every group's hashes: a reset is global)."""
+        return self.shared.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """``BlockPool.check_integrity``."""
+        self.shared.check_integrity()
+
+
 __all__ = [
     "DEFAULT_RETENTION_SHARE",
     "NULL_BLOCK_ID",
     "BlockPool",
+    "GroupPool",
     "FreeBlockQueue",
     "KVBlock",
     "PoolListener",

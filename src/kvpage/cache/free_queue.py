@@ -51,6 +51,8 @@ class KVBlock:
         ttl: seconds it stays at a raised ``priority`` after being freed (None = no
             expiry).
         stamp: sequence number of its pending expiry entry (0 = none).
+        group: the KV group whose content it holds (its hash is in that group's hash
+            map); always 0 in a pool of one group (``BlockPool.add_group``).
     """
 
     __slots__ = (
@@ -63,6 +65,7 @@ class KVBlock:
         "priority",
         "ttl",
         "stamp",
+        "group",
     )
 
     def __init__(self, block_id: int) -> None:
@@ -75,6 +78,7 @@ class KVBlock:
         self.priority = PRIORITY_DEFAULT
         self.ttl: float | None = None
         self.stamp = 0
+        self.group = 0
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None

@@ -18,8 +18,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpage.cache.block_pool import NULL_BLOCK_ID, BlockPool
+from kvpage.cache.block_pool import NULL_BLOCK_ID, BlockPool, GroupPool
 from kvpage.cache.hashing import BlockHash
+
+#: what a group manager allocates from: its own pool, or its view of a shared one
+GroupBlocks = BlockPool | GroupPool
 
 
 @dataclass(slots=True)
@@ -31,12 +34,15 @@ class GrowthPlan:
         target: the window-released prefix length after the growth, in blocks.
         cow: whether the shared partial last block is copied first.
         num_new: blocks appended to the table.
+        demand: net blocks the plan takes from the free queue:
+            ``num_new + cow - (released blocks that become free)`` (may be < 0).
     """
 
     release: list[int]
     target: int
     cow: bool
     num_new: int
+    demand: int = 0
 
 
 @dataclass(slots=True)
@@ -58,7 +64,9 @@ class GroupManager:
     """Block tables of one KV group over its pool (base of the two group types).
 
     Args:
-        pool: the group's block pool.
+        pool: the group's block pool, or its :class:`GroupPool` view of the pool every
+            group shares (then the layer above checks that all groups' demands fit
+            together: :attr:`GrowthPlan.demand`, :meth:`start_demand`).
         block_size: tokens per block.
 
     Attributes:
@@ -68,8 +76,8 @@ class GroupManager:
 
     window: int | None = None
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
-        self.pool = pool
+    def __init__(self, pool: GroupBlocks, block_size: int) -> None:
+        self.pool: GroupBlocks = pool
         self.block_size = block_size
 
     def first_needed_block(self, position: int) -> int:
@@ -78,20 +86,29 @@ class GroupManager:
 
     # ---- growth (later allocations) -------------------------------------------------
     def plan_growth(
-        self, table: list[int], freed: int, start: int, num_new_tokens: int, need_blocks: int
+        self,
+        table: list[int],
+        freed: int,
+        start: int,
+        num_new_tokens: int,
+        need_blocks: int,
+        *,
+        check_fit: bool = True,
     ) -> GrowthPlan | None:
         """Plan room for positions ``[start, start + num_new_tokens)`` (all earlier ones
-        computed) in a table of ``need_blocks`` blocks; None when the pool lacks blocks.
+        computed) in a table of ``need_blocks`` blocks; None when the pool lacks blocks
+        (``check_fit``; without it the caller checks :attr:`GrowthPlan.demand`).
         No state changes."""
         pool = self.pool
         target = self.first_needed_block(start)
         release = [table[i] for i in range(freed, target) if table[i] != NULL_BLOCK_ID]
-        avail = pool.num_free + (pool.count_exclusive(release) if release else 0)
+        gain = pool.count_exclusive(release) if release else 0
         cow = bool(start % self.block_size and num_new_tokens and pool.is_shared(table[-1]))
         n_new = max(0, need_blocks - len(table))
-        if n_new + cow > avail:
+        demand = n_new + cow - gain
+        if check_fit and demand > pool.num_free:
             return None
-        return GrowthPlan(release, max(target, freed), cow, n_new)
+        return GrowthPlan(release, max(target, freed), cow, n_new, demand)
 
     def try_append(
         self, table: list[int], start: int, num_new_tokens: int, need_blocks: int
@@ -114,12 +131,24 @@ class GroupManager:
 
     def grow(self, table: list[int], freed: int, plan: GrowthPlan) -> Growth:
         """Carry out ``plan`` on ``table`` (mutated): release window blocks (last first)
-        and null their entries, copy a shared last block, append new blocks."""
-        pool = self.pool
+        and null their entries, copy a shared last block, append new blocks
+        (:meth:`release_window` then :meth:`extend`; groups sharing a pool run every
+        group's release before any extend, so the blocks one frees serve another)."""
+        self.release_window(table, freed, plan)
+        return self.extend(table, plan)
+
+    def release_window(self, table: list[int], freed: int, plan: GrowthPlan) -> None:
+        """The release half of :meth:`grow`: window blocks back to the free queue (last
+        first), their entries nulled."""
         if plan.release:
-            pool.release(reversed(plan.release))
+            self.pool.release(reversed(plan.release))
         for i in range(freed, plan.target):
             table[i] = NULL_BLOCK_ID
+
+    def extend(self, table: list[int], plan: GrowthPlan) -> Growth:
+        """The allocation half of :meth:`grow`: copy a shared last block (CoW) and
+        append the new blocks."""
+        pool = self.pool
         copies: list[tuple[int, int]] = []
         if plan.cow:
             src = table[-1]
@@ -148,16 +177,29 @@ class GroupManager:
             ids.append(bid)
         return ids
 
-    def can_start(self, hit_ids: Sequence[int], num_new: int) -> bool:
-        """Whether taking ``hit_ids`` plus ``num_new`` new blocks fits the free queue
+    def start_demand(self, hit_ids: Sequence[int], num_new: int) -> int:
+        """Free-queue blocks that taking ``hit_ids`` plus ``num_new`` new blocks uses
         (free cached hit blocks are revived from it)."""
-        pool = self.pool
-        return num_new + pool.count_free(hit_ids) <= pool.num_free
+        return num_new + self.pool.count_free(hit_ids)
+
+    def can_start(self, hit_ids: Sequence[int], num_new: int) -> bool:
+        """Whether taking ``hit_ids`` plus ``num_new`` new blocks fits the free queue."""
+        return self.start_demand(hit_ids, num_new) <= self.pool.num_free
 
     def start(self, hit_ids: Sequence[int], num_new: int) -> list[int]:
         """Take the hit blocks (one more holder each) and ``num_new`` new blocks; returns
-        the new ids. Call after :meth:`can_start`."""
+        the new ids. Call after :meth:`can_start` (groups sharing a pool: every group's
+        :meth:`take_hit` first, then :meth:`allocate_new`, so that no group's new
+        blocks evict another group's hit)."""
+        self.take_hit(hit_ids)
+        return self.allocate_new(num_new)
+
+    def take_hit(self, hit_ids: Sequence[int]) -> None:
+        """One more holder for each hit block (reviving free ones)."""
         self.pool.touch_ids(hit_ids)
+
+    def allocate_new(self, num_new: int) -> list[int]:
+        """``num_new`` new blocks from the free queue; returns their ids."""
         return self.pool.allocate_ids(num_new)
 
     # ---- commit, fork, free -----------------------------------------------------------
@@ -194,7 +236,7 @@ class SlidingWindowManager(GroupManager):
         window: ``W``, in tokens (>= 1).
     """
 
-    def __init__(self, pool: BlockPool, block_size: int, window: int) -> None:
+    def __init__(self, pool: GroupBlocks, block_size: int, window: int) -> None:
         super().__init__(pool, block_size)
         self.window = window
         self._w = window
@@ -203,7 +245,7 @@ class SlidingWindowManager(GroupManager):
         return max(0, position - self._w + 1) // self.block_size
 
 
-def make_group_manager(pool: BlockPool, block_size: int, window: int | None) -> GroupManager:
+def make_group_manager(pool: GroupBlocks, block_size: int, window: int | None) -> GroupManager:
     """The manager type for a group with sliding window ``window`` (None = full)."""
     if window is None:
         return FullAttentionManager(pool, block_size)
@@ -212,6 +254,7 @@ def make_group_manager(pool: BlockPool, block_size: int, window: int | None) -> 
 
 __all__ = [
     "FullAttentionManager",
+    "GroupBlocks",
     "GroupManager",
     "Growth",
     "GrowthPlan",

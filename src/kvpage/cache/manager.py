@@ -23,6 +23,14 @@ The manager owns the requests' block tables, the group managers and the counters
 holds a :class:`~kvpage.cache.prefix_cache.PrefixCache` (hash root, prefix lookup, KV
 tiers, eviction and cache-key records for miss explanations) and calls it on a
 request's first allocation.
+
+Pools (``CacheSpec.kv_pool``, docs/architecture.md "One pool for every kind of
+layer"): ``unified`` (with more than one group): one :class:`BlockPool` of
+``spec.num_blocks`` that every group allocates from and frees into, each group through
+its :class:`~kvpage.cache.block_pool.GroupPool` view (own hash map); the fit checks
+sum every group's demand, window releases of all groups run before any group's new
+blocks are taken, and eviction follows the one free queue (global LRU, tail-first,
+retention levels). ``per_group`` (and every one-group model): one pool per group.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvpage.cache.allocation import Allocation, CacheStats, RequestBlocks
-from kvpage.cache.block_pool import BlockPool
+from kvpage.cache.block_pool import BlockPool, GroupPool
 from kvpage.cache.explain import (
     DEFAULT_EVICTION_RECORD_CAP,
     CacheMissExplanation,
@@ -55,23 +63,37 @@ class KVCacheManager:
     """Paged KV-cache bookkeeping for one model: prefix caching, CoW, sliding windows.
 
     Args:
-        spec: the cache layout; ``spec.num_blocks`` blocks per KV group (>= 2, block 0
-            is the null block).
+        spec: the cache layout; ``spec.num_blocks`` blocks (>= 2, block 0 is the null
+            block) in the one pool (``kv_pool="unified"``) or in each group's pool
+            (``"per_group"``).
         enable_prefix_caching: look up and register block hashes.
         hash_seed: seed of the block-hash chain (see ``kvpage.cache.hashing``).
-        max_retained_blocks: per group, most free blocks a retention policy may hold at
+        max_retained_blocks: per pool, most free blocks a retention policy may hold at
             a raised priority (None = ``BlockPool``'s default, half the pool).
         eviction_record_cap: evicted hashes remembered for miss explanations
             (``kvpage.cache.explain``; 0 = none).
         clock: seconds for retention deadlines and eviction times
             (``time.monotonic``).
+        max_alloc_tokens: the most new tokens one ``allocate`` call asks for (the
+            scheduler's token budget, ``max_num_batched_tokens``; None = no limit).
+            With a unified pool it bounds what a sliding group holds, so
+            :attr:`max_request_tokens` counts only its window (+ one call's tokens).
 
     Attributes:
         block_size: tokens per block.
         num_groups: KV groups (one block table per group per request).
         windows: per group, the sliding window in tokens (None = full attention).
-        max_request_tokens: tokens one request can hold when allocated in one call:
-            ``(num_blocks - 1) * block_size``.
+        max_request_tokens: tokens one request can reach alone: per-group pools
+            ``(num_blocks - 1) * block_size``; a unified pool without
+            ``max_alloc_tokens`` ``(num_blocks - 1) // G * block_size`` (``G`` groups,
+            each holding every block if it is allocated in one call); with
+            ``max_alloc_tokens = c`` the largest ``T`` whose peak fits,
+            ``sum_full ceil(T / bs) + sum_sliding min(ceil(T / bs), ceil((W + c - 1) /
+            bs) + 1) <= num_blocks - 1`` (after a call for ``[s, s + n)``, ``n <= c``, a
+            sliding group holds blocks ``(s - W + 1) // bs .. ceil((s + n) / bs) - 1``);
+            ``2**40`` when every group slides and their windows fit.
+        unified: whether the groups share one pool (``kv_pool="unified"`` and more
+            than one group).
         prefix_cache: the :class:`~kvpage.cache.prefix_cache.PrefixCache` (lookup,
             tiers, miss-explanation records).
 
@@ -88,7 +110,11 @@ class KVCacheManager:
         max_retained_blocks: int | None = None,
         eviction_record_cap: int = DEFAULT_EVICTION_RECORD_CAP,
         clock: Callable[[], float] = time.monotonic,
+        max_alloc_tokens: int | None = None,
     ) -> None:
+        if max_alloc_tokens is not None and max_alloc_tokens < 1:
+            raise SpecError(f"max_alloc_tokens: expected None or >= 1, got {max_alloc_tokens}")
+        self.max_alloc_tokens = max_alloc_tokens
         if spec.num_blocks < 2:
             raise SpecError(
                 f"spec.num_blocks: expected >= 2 (block 0 is the null block), got {spec.num_blocks}"
@@ -99,20 +125,27 @@ class KVCacheManager:
         self.hash_seed = hash_seed
         self.windows: list[int | None] = [g.sliding_window for g in spec.kv_groups]
         self.num_groups = len(self.windows)
-        self._groups: list[GroupManager] = [
-            make_group_manager(
-                BlockPool(
-                    spec.num_blocks,
-                    enable_caching=enable_prefix_caching,
-                    max_retained_blocks=max_retained_blocks,
-                    clock=clock,
-                ),
-                spec.block_size,
-                w,
+        self.unified = spec.kv_pool == "unified" and self.num_groups > 1
+
+        def new_pool() -> BlockPool:
+            return BlockPool(
+                spec.num_blocks,
+                enable_caching=enable_prefix_caching,
+                max_retained_blocks=max_retained_blocks,
+                clock=clock,
             )
-            for w in self.windows
+
+        if self.unified:
+            shared = new_pool()
+            self._shared: BlockPool | None = shared
+            views: list[BlockPool | GroupPool] = [shared.add_group() for _ in self.windows]
+        else:
+            self._shared = None
+            views = [new_pool() for _ in self.windows]
+        self._groups: list[GroupManager] = [
+            make_group_manager(v, spec.block_size, w) for v, w in zip(views, self.windows)
         ]
-        self._pools = [gm.pool for gm in self._groups]
+        self._pools = views
         self.clock = clock
         self.prefix_cache = PrefixCache(
             self._groups,
@@ -127,7 +160,30 @@ class KVCacheManager:
         self._simple = self.windows == [None]
         self._reqs: dict[str, RequestBlocks] = {}
         self._stats = CacheStats()
-        self.max_request_tokens = (spec.num_blocks - 1) * spec.block_size
+        self.max_request_tokens = self._max_request_tokens()
+
+    def _max_request_tokens(self) -> int:
+        """:attr:`max_request_tokens` (class docstring)."""
+        bs = self.block_size
+        usable = self.spec.num_blocks - 1
+        if not self.unified:
+            return usable * bs
+        c = self.max_alloc_tokens
+        if c is None:
+            return usable // self.num_groups * bs
+        nfull = sum(1 for w in self.windows if w is None)
+        caps = [-(-(w + c - 1) // bs) + 1 for w in self.windows if w is not None]
+
+        def need(nb: int) -> int:  # peak blocks of a request of nb blocks' tokens
+            return nfull * nb + sum(min(nb, k) for k in caps)
+
+        if nfull == 0 and need(max(caps)) <= usable:
+            return 1 << 40  # windows only: any length (the model's context limits it)
+        lo, hi = 0, usable
+        while lo < hi:  # the most blocks nb with need(nb) <= usable
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if need(mid) <= usable else (lo, mid - 1)
+        return lo * bs
 
     @property
     def eviction_record(self) -> EvictionRecord:
@@ -174,6 +230,11 @@ class KVCacheManager:
             AllocationError: negative counts, or a ``num_cached_tokens`` that is not a
                 currently cached, block-aligned prefix leaving >= 1 token to compute.
         """
+        if self.max_alloc_tokens is not None and num_new_tokens > self.max_alloc_tokens:
+            raise AllocationError(
+                f"num_new_tokens: expected <= max_alloc_tokens={self.max_alloc_tokens}, "
+                f"got {num_new_tokens}"
+            )
         req = self._reqs.get(request_id)
         if req is None:
             return self._allocate_first(
@@ -201,13 +262,19 @@ class KVCacheManager:
     def _plan_growth(
         self, req: RequestBlocks, start: int, num_new_tokens: int, need_blocks: int
     ) -> list[GrowthPlan] | None:
-        """Every group's plan, or None if one group lacks blocks (nothing changed)."""
+        """Every group's plan, or None if one group (a unified pool: all groups
+        together) lacks blocks (nothing changed)."""
         plans = []
+        check = not self.unified
         for g, gm in enumerate(self._groups):
-            plan = gm.plan_growth(req.tables[g], req.freed[g], start, num_new_tokens, need_blocks)
+            plan = gm.plan_growth(
+                req.tables[g], req.freed[g], start, num_new_tokens, need_blocks, check_fit=check
+            )
             if plan is None:
                 return None
             plans.append(plan)
+        if self._shared is not None and sum(p.demand for p in plans) > self._shared.num_free:
+            return None
         return plans
 
     def _grow(self, req: RequestBlocks, plans: list[GrowthPlan], end: int) -> Allocation:
@@ -215,12 +282,16 @@ class KVCacheManager:
         new_blocks: list[list[int]] = []
         copies: list[list[tuple[int, int]]] = []
         st = self._stats
+        # every group's window release first: in a unified pool what one group frees
+        # serves another's new blocks in the same call
         for g, (gm, plan) in enumerate(zip(self._groups, plans)):
             if plan.release and req.retention is not None:
                 self._retain(req, g, req.freed[g], plan.target)
-            done = gm.grow(req.tables[g], req.freed[g], plan)
+            gm.release_window(req.tables[g], req.freed[g], plan)
             req.freed[g] = plan.target
-            st.window_blocks_freed += done.num_released
+        for g, (gm, plan) in enumerate(zip(self._groups, plans)):
+            done = gm.extend(req.tables[g], plan)
+            st.window_blocks_freed += len(plan.release)
             st.cow_copies += len(done.copies)
             st.blocks_allocated += len(done.new_blocks) + len(done.copies)
             new_blocks.append(done.new_blocks)
@@ -258,14 +329,21 @@ class KVCacheManager:
             hashes = self.prefix_cache.block_hashes(extra, token_ids, hb)
             hit = self.prefix_cache.hit_tables(hashes, h)
         n_new = -(-(h + num_new_tokens) // bs) - hb
-        if not all(gm.can_start(ids, n_new) for gm, ids in zip(self._groups, hit)):
+        if self._shared is not None:
+            need = sum(gm.start_demand(ids, n_new) for gm, ids in zip(self._groups, hit))
+            fits = need <= self._shared.num_free
+        else:
+            fits = all(gm.can_start(ids, n_new) for gm, ids in zip(self._groups, hit))
+        if not fits:
             self._stats.allocation_failures += 1
             return None
         tables: list[list[int]] = []
         new_blocks: list[list[int]] = []
         freed: list[int] = []
+        for gm, ids in zip(self._groups, hit):  # every hit held before any new block
+            gm.take_hit(ids)
         for g, gm in enumerate(self._groups):
-            ids = gm.start(hit[g], n_new)
+            ids = gm.allocate_new(n_new)
             tables.append(hit[g] + ids)
             new_blocks.append(ids)
             freed.append(gm.first_needed_block(h))
@@ -437,13 +515,31 @@ class KVCacheManager:
 
     # ---- queries ------------------------------------------------------------------------
     @property
-    def pools(self) -> list[BlockPool]:
-        """The per-group pools, for inspection (tests, debugging); mutate them only
-        through this manager."""
+    def pools(self) -> list[BlockPool | GroupPool]:
+        """Per group, its pool (a unified pool: its view of the shared pool), for
+        inspection (tests, debugging); mutate them only through this manager."""
         return list(self._pools)
 
     @property
-    def prefix_pools(self) -> list[BlockPool]:
+    def shared_pool(self) -> BlockPool | None:
+        """The one pool all groups share (``unified``), None with per-group pools."""
+        return self._shared
+
+    @property
+    def block_pools(self) -> list[BlockPool]:
+        """The distinct pools holding blocks: the shared pool, or one per group."""
+        if self._shared is not None:
+            return [self._shared]
+        return [p for p in self._pools if isinstance(p, BlockPool)]
+
+    def used_blocks_by_group(self) -> list[int]:
+        """Per group, blocks held by requests (O(num_blocks): for reports and tests)."""
+        if self._shared is not None:
+            return self._shared.num_used_by_group()
+        return [p.num_used for p in self._pools]
+
+    @property
+    def prefix_pools(self) -> list[BlockPool | GroupPool]:
         """The pools whose hash maps decide a prefix hit: those of the full-attention
         groups (all pools when every group is sliding-window). A KV-event publisher
         (``kvpage.routing``) listens to these; mutate them only through this manager."""
@@ -451,34 +547,36 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by requests, max over groups, in [0, 1]; cached
-        blocks nobody holds count as free."""
-        return max(p.usage for p in self._pools)
+        """Fraction of blocks held by requests, in [0, 1] (the shared pool's; per-group
+        pools: max over groups); cached blocks nobody holds count as free."""
+        return max(p.usage for p in self.block_pools)
 
     @property
     def num_free_blocks(self) -> int:
-        """Free blocks (cached-but-unreferenced included), min over groups."""
-        return min(p.num_free for p in self._pools)
+        """Free blocks (cached-but-unreferenced included) of the shared pool; per-group
+        pools: min over groups."""
+        return min(p.num_free for p in self.block_pools)
 
     @property
     def num_used_blocks(self) -> int:
-        """Blocks held by requests, max over groups."""
-        return max(p.num_used for p in self._pools)
+        """Blocks held by requests (the shared pool: all groups; per-group pools: max
+        over groups)."""
+        return max(p.num_used for p in self.block_pools)
 
     @property
     def num_retained_blocks(self) -> int:
-        """Free blocks held at a raised retention priority, max over groups."""
-        return max(p.num_retained for p in self._pools)
+        """Free blocks held at a raised retention priority (max over pools)."""
+        return max(p.num_retained for p in self.block_pools)
 
     @property
     def max_retained_blocks(self) -> int:
-        """The retention cap per group (blocks)."""
+        """The retention cap per pool (blocks)."""
         return self._pools[0].max_retained_blocks
 
     @property
     def stats(self) -> CacheStats:
         """A snapshot of the counters."""
-        return replace(self._stats, evictions=sum(p.num_evictions for p in self._pools))
+        return replace(self._stats, evictions=sum(p.num_evictions for p in self.block_pools))
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` holds blocks (allocated and not freed)."""
@@ -505,13 +603,14 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks one request needs in each group to hold ``num_tokens`` allocated in one
-        call: ``ceil(num_tokens / block_size)`` (max over groups)."""
+        call: ``ceil(num_tokens / block_size)`` (max over groups; a unified pool gives
+        that to each of its groups)."""
         return -(-max(num_tokens, 0) // self.block_size)
 
     def check_integrity(self) -> None:
         """Verify pool and table invariants. Raises IntegrityError with the numbers."""
         check_manager_integrity(
-            self._pools, self._reqs, self.block_size, self.enable_prefix_caching
+            self._pools, self._reqs, self.block_size, self.enable_prefix_caching, self._shared
         )
 
     def _get(self, request_id: str) -> RequestBlocks:

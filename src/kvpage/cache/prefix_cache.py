@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from kvpage.cache.block_pool import BlockPool
+from kvpage.cache.block_pool import BlockPool, GroupPool
 from kvpage.cache.explain import (
     CacheMissExplanation,
     EvictionRecord,
@@ -115,7 +115,7 @@ class PrefixCache:
                 p.listeners.append(PoolEvictionRecorder(self.eviction_record, p.priority_of, clock))
 
     @property
-    def prefix_pools(self) -> list[BlockPool]:
+    def prefix_pools(self) -> list[BlockPool | GroupPool]:
         """The pools whose hash maps decide a hit: those of the full-attention groups
         (all pools when every group is sliding-window)."""
         full = [gm.pool for gm in self._groups if gm.window is None]
@@ -242,7 +242,12 @@ class PrefixCache:
         for p in pools:
             for h in p.cached_hashes():
                 rec.record_eviction(h, "device", "reset", now)
-            p.reset_prefix_cache()
+        done: list[BlockPool] = []  # a shared pool is reset once (listeners told once)
+        for p in pools:
+            base = p.shared if isinstance(p, GroupPool) else p
+            if all(base is not d for d in done):
+                base.reset_prefix_cache()
+                done.append(base)
         return True
 
 

@@ -60,7 +60,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvpage.cache.block_pool import BlockPool
+from kvpage.cache.block_pool import BlockPool, GroupPool
 from kvpage.cache.hashing import BlockHash, iter_block_hashes
 from kvpage.cache.tier_store import DiskTier, HostTier, Payload, TierStats
 from kvpage.errors import SpecError
@@ -111,7 +111,7 @@ class TieredCache:
 
     def __init__(
         self,
-        pool: BlockPool,
+        pool: BlockPool | GroupPool,
         mover: BlockMover,
         *,
         host: HostTier | None = None,

@@ -4,12 +4,13 @@ Sizing rules (documented defaults):
 
 * ``max_model_len`` = the model's ``max_position_embeddings`` (512 for stories260K)
   unless given.
-* ``num_blocks`` (per KV group, including the reserved null block):
-  given -> used as is; else ``kv_cache_memory_bytes`` given ->
-  ``(kv_cache_memory_bytes - fixed scale bytes) // bytes_per_block``; else enough for
-  every sequence at full length, ``ceil(max_num_seqs * max_model_len / block_size) + 1``,
-  capped at :data:`DEFAULT_KV_CACHE_BYTES_CAP` bytes of cache (and at least enough for
-  one full-length sequence).
+* ``num_blocks`` (of the unified pool, or per KV group with per-group pools; including
+  the reserved null block): given -> used as is; else ``kv_cache_memory_bytes`` given
+  -> ``(kv_cache_memory_bytes - fixed scale bytes) // bytes_per_block``; else enough
+  for every sequence at full length, ``ceil(max_num_seqs * max_model_len /
+  block_size) x G + 1`` (``G`` = KV groups sharing a unified pool, else 1), capped at
+  :data:`DEFAULT_KV_CACHE_BYTES_CAP` bytes of cache (and at least enough for one
+  full-length sequence).
 """
 
 from __future__ import annotations
@@ -303,9 +304,14 @@ def apply_num_threads(num_threads: int | None) -> int:
 
 
 def resolve_num_blocks(
-    config: EngineConfig, bytes_per_block: int, fixed_bytes: int, max_model_len: int
+    config: EngineConfig,
+    bytes_per_block: int,
+    fixed_bytes: int,
+    max_model_len: int,
+    pool_groups: int = 1,
 ) -> int:
-    """Blocks per KV group by the rules of the module docstring.
+    """Blocks of the pool by the rules of the module docstring (``pool_groups``: the KV
+    groups sharing one unified pool, 1 for per-group pools).
 
     Raises:
         SpecError: ``kv_cache_memory_bytes`` is too small for 2 blocks.
@@ -321,8 +327,9 @@ def resolve_num_blocks(
             )
         return int(n)
     bs = config.block_size
-    want = -(-config.max_num_seqs * max_model_len // bs) + 1
-    cap = max(DEFAULT_KV_CACHE_BYTES_CAP // bytes_per_block, -(-max_model_len // bs) + 1)
+    g = pool_groups
+    want = -(-config.max_num_seqs * max_model_len // bs) * g + 1
+    cap = max(DEFAULT_KV_CACHE_BYTES_CAP // bytes_per_block, -(-max_model_len // bs) * g + 1)
     return int(max(2, min(want, cap)))
 
 
@@ -364,7 +371,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
             ``max_position_embeddings``; BackendUnavailableError: no backend can run
             the spec.
     """
-    from kvpage.attention.metadata import allocate_layer_cache
+    from kvpage.attention.metadata import allocate_model_kv_caches
     from kvpage.backends import select_backend
     from kvpage.cache import KVCacheManager, max_retained_blocks
     from kvpage.engine.kv_transfer import build_swapper, build_tiers
@@ -389,11 +396,14 @@ def build_components(config: EngineConfig) -> EngineComponents:
         )
     mml = config.max_model_len or int(mpe or 2048)
     probe = model.cache_spec(config.block_size, 0, config.kv_cache_dtype)
-    num_blocks = resolve_num_blocks(config, probe.bytes_per_block, probe.fixed_scale_bytes, mml)
+    groups = len(probe.kv_groups) if probe.kv_pool == "unified" else 1
+    num_blocks = resolve_num_blocks(
+        config, probe.bytes_per_block, probe.fixed_scale_bytes, mml, groups
+    )
     spec = model.cache_spec(config.block_size, num_blocks, config.kv_cache_dtype)
     backend = select_backend(spec, device, prefer=config.backend)
     try:
-        kv_caches = [allocate_layer_cache(spec, i, device) for i in range(spec.num_layers)]
+        kv_caches = allocate_model_kv_caches(spec, device)
     except (RuntimeError, MemoryError) as e:  # torch's CPU/CUDA out-of-memory errors
         total = spec.total_bytes
         raise SpecError(
@@ -405,7 +415,10 @@ def build_components(config: EngineConfig) -> EngineComponents:
         num_blocks - 1, config.kv_retention_max_share, -(-mml // config.block_size)
     )
     kvm = KVCacheManager(
-        spec, enable_prefix_caching=config.enable_prefix_caching, max_retained_blocks=cap
+        spec,
+        enable_prefix_caching=config.enable_prefix_caching,
+        max_retained_blocks=cap,
+        max_alloc_tokens=config.max_num_batched_tokens,  # the scheduler's step budget
     )
     tiers = build_tiers(config, spec, kv_caches, kvm)
     scheduler = Scheduler(

@@ -22,7 +22,7 @@ from kvpage.routing.events import (
 )
 
 if TYPE_CHECKING:
-    from kvpage.cache import BlockPool, KVCacheManager
+    from kvpage.cache import BlockPool, GroupPool, KVCacheManager
     from kvpage.cache.tier_store import DiskTier, HostTier
 
 
@@ -115,7 +115,7 @@ class KVEventPublisher:
         self.seq = 0
         self._clock = clock
         self._pending: list[tuple[str, str, list[bytes]]] = []
-        self._pools: list[BlockPool] = []
+        self._pools: list[BlockPool | GroupPool] = []
         self._tiers: list[HostTier | DiskTier] = []
         self._per_pool: list[set[bytes]] = []
         self._held: set[bytes] = set()

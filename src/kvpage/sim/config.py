@@ -34,6 +34,8 @@ class SimConfig:
         preemption_mode: ``recompute`` or ``swap`` (``kvpage.engine.swap``).
         swap_space_bytes: host bytes for swapped-out sequences (default 4 GiB, vLLM's
             ``swap_space`` default).
+        kv_pool: ``unified`` (one block pool for every KV group) or ``per_group``
+            (``kvpage.specs.CacheSpec.kv_pool``).
     """
 
     model: str = "llama-3-8b"
@@ -58,6 +60,7 @@ class SimConfig:
     transfer_preset: str = "pcie5-nvme"
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 4 << 30
+    kv_pool: str = "unified"
 
 
 __all__ = ["POLICIES", "SimConfig"]

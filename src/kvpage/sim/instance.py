@@ -37,15 +37,21 @@ def make_allocator(
     from kvpage.cache import KVCacheManager
 
     return KVCacheManager(
-        spec, enable_prefix_caching=cfg.policy == "paged-prefix", hash_seed=cfg.seed
+        spec,
+        enable_prefix_caching=cfg.policy == "paged-prefix",
+        hash_seed=cfg.seed,
+        max_alloc_tokens=cfg.max_num_batched_tokens,
     )
 
 
 def reserved_live(kv: KVAllocator, running: list[Request], bs: int) -> tuple[int, int]:
-    """Slots reserved and slots holding live tokens (simulator docstring, "Metrics")."""
+    """Slots reserved and slots holding live tokens (simulator docstring, "Metrics").
+    A unified pool's block holds one of its ``G`` groups' layers: its used block slots
+    count ``1 / G`` token slot each (the bytes of one token in every layer)."""
     if isinstance(kv, ContiguousAllocator):
         return kv.reserved_slots, kv.live_tokens()
-    reserved = kv.num_used_blocks * bs
+    g = kv.num_groups if getattr(kv, "unified", False) else 1
+    reserved = kv.num_used_blocks * bs // g
     slack = 0
     for r in running:
         if r.has_blocks:

@@ -99,10 +99,13 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
     _check_config(cfg)
     src = resolve_model(cfg.model)
     gpu = get_gpu(cfg.gpu)
+    if cfg.kv_pool not in ("unified", "per_group"):
+        raise SpecError(f"kv_pool: expected 'unified' or 'per_group', got {cfg.kv_pool!r}")
     spec = CacheSpec.from_hf_config(
         src.hf_config,
         block_size=cfg.block_size,
         kv_dtype=cfg.kv_dtype,  # type: ignore[arg-type]
+        kv_pool=cfg.kv_pool,  # type: ignore[arg-type]
     )
     plan = plan_capacity(
         cfg.model,
@@ -110,6 +113,7 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
         utilization=cfg.utilization,
         kv_dtype=cfg.kv_dtype,
         block_size=cfg.block_size,
+        kv_pool=cfg.kv_pool,
     )
     if src.num_parameters is None:  # plan_capacity refuses this without weight bytes
         raise SpecError(f"model: expected a countable parameter count, got {src.param_error}")
@@ -129,7 +133,9 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
         step_overhead_s=cfg.step_overhead_s,
     )
     mml = cfg.max_model_len or src.max_model_len
-    return spec, cost, mml, (nb - 1) * cfg.block_size
+    # token slots: a unified pool's block holds one of its G groups' layers
+    g = len(spec.kv_groups) if spec.kv_pool == "unified" else 1
+    return spec, cost, mml, (nb - 1) * cfg.block_size // g
 
 
 def _is_int(x: object) -> bool:

@@ -20,6 +20,7 @@ Sources of the conventions used here:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +38,7 @@ from kvpage.specs.hf import (
 KVCacheDType = Literal["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
 ModelDType = Literal["float32", "float16", "bfloat16"]
 ScaleGranularity = Literal["per_tensor", "per_head"]
+KVPoolKind = Literal["unified", "per_group"]
 
 #: bytes per element of each model dtype
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -114,7 +116,9 @@ class KVGroup(BaseModel):
 
     Attributes:
         group_id: index into ``CacheSpec.kv_groups``.
-        layer_ids: the model layers in this group, ascending.
+        layer_ids: the model layers in this group, ascending. In a unified pool the
+            ``k``-th layer of every group shares the pool's page tensor ``k``
+            (``CacheSpec.layer_slot``).
         sliding_window: the group's window in tokens, None = full attention.
     """
 
@@ -131,8 +135,16 @@ class CacheSpec(BaseModel):
     Attributes:
         num_layers: attention layers.
         block_size: tokens per block (>= 1).
-        num_blocks: blocks per KV group, including the reserved null block; 0 = not
-            yet sized (capacity planning decides).
+        num_blocks: blocks including the reserved null block; 0 = not yet sized
+            (capacity planning decides). ``kv_pool="unified"``: blocks of the one pool
+            that every KV group allocates from; ``"per_group"``: blocks of each group's
+            own pool.
+        kv_pool: ``unified`` (default): one block pool for all KV groups, each group
+            of ``pool_group_layers`` layers (window groups split into equal chunks,
+            docs/architecture.md "One pool for every kind of layer"), so a block costs
+            the same bytes in every group and memory flows to the group that needs it;
+            ``per_group``: one pool of ``num_blocks`` per window group, every layer
+            sized for ``num_blocks`` (the earlier design, kept for comparison).
         dtype: model (activation) dtype.
         kv_dtype: storage dtype of K/V; ``auto`` = the model dtype.
         kv_scale_granularity: for fp8, one scale per tensor or per KV head.
@@ -147,6 +159,7 @@ class CacheSpec(BaseModel):
     dtype: ModelDType = "float32"
     kv_dtype: KVCacheDType = "auto"
     kv_scale_granularity: ScaleGranularity = "per_tensor"
+    kv_pool: KVPoolKind = "unified"
     layers: tuple[AttentionSpec, ...]
 
     @model_validator(mode="after")
@@ -155,21 +168,64 @@ class CacheSpec(BaseModel):
             raise ValueError(
                 f"layers: expected num_layers={self.num_layers} specs, got {len(self.layers)}"
             )
+        if self.kv_pool == "unified" and len(self.window_groups) > 1:
+            per_token = {self.layer_bytes_per_token(i) for i in range(self.num_layers)}
+            if len(per_token) > 1:
+                raise ValueError(
+                    "kv_pool: expected 'per_group' for a hybrid model whose layers differ "
+                    "in KV bytes per token (a unified pool shares one page tensor between "
+                    f"layers of different groups), got 'unified' with {sorted(per_token)}"
+                )
         return self
 
     # ---- derived -------------------------------------------------------------------
     @property
-    def kv_groups(self) -> tuple[KVGroup, ...]:
-        """Layers grouped by sliding window: the full-attention group first, then
-        sliding groups by ascending window. A model without sliding layers has one group."""
+    def window_groups(self) -> tuple[tuple[int | None, tuple[int, ...]], ...]:
+        """``(sliding_window, layer_ids)`` per distinct window: full attention first,
+        then windows ascending (the ``per_group`` KV groups)."""
         by_window: dict[int | None, list[int]] = {}
         for i, layer in enumerate(self.layers):
             by_window.setdefault(layer.sliding_window, []).append(i)
         keys = sorted(by_window, key=lambda w: (w is not None, w or 0))
-        return tuple(
-            KVGroup(group_id=g, layer_ids=tuple(by_window[w]), sliding_window=w)
-            for g, w in enumerate(keys)
-        )
+        return tuple((w, tuple(by_window[w])) for w in keys)
+
+    @property
+    def pool_group_layers(self) -> int:
+        """Layers per KV group: ``unified``: the gcd of the window groups' layer counts
+        (every group then has that many layers, so a block's page is the same size in
+        every group and no layer slot is padding); ``per_group``: the largest window
+        group's layer count (its layers' tensors are the ones sized per block)."""
+        counts = [len(ids) for _, ids in self.window_groups]
+        if self.kv_pool == "unified":
+            return math.gcd(*counts)
+        return max(counts)
+
+    @property
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """The KV groups (one block table each): layers grouped by sliding window, full
+        attention first, then sliding windows ascending. ``unified``: each window's
+        layers split, in layer order, into groups of :attr:`pool_group_layers`
+        (Gemma-3-27B: 10 full + 52 sliding layers -> 5 + 26 groups of 2). A model
+        without sliding layers has one group."""
+        out: list[KVGroup] = []
+        u = self.pool_group_layers if self.kv_pool == "unified" else 0
+        for w, ids in self.window_groups:
+            chunks = [ids[i : i + u] for i in range(0, len(ids), u)] if u else [ids]
+            for c in chunks:
+                out.append(KVGroup(group_id=len(out), layer_ids=c, sliding_window=w))
+        return tuple(out)
+
+    def layer_slot(self, layer_id: int) -> int:
+        """Unified pool: the page tensor layer ``layer_id`` stores into, its index in its
+        KV group (layers of different groups at the same index share one tensor, each
+        block id belonging to one group at a time). ``per_group``: the layer id (every
+        layer has its own tensor)."""
+        if self.kv_pool != "unified":
+            return layer_id
+        for g in self.kv_groups:
+            if layer_id in g.layer_ids:
+                return g.layer_ids.index(layer_id)
+        raise IndexError(f"layer_id: expected < {self.num_layers}, got {layer_id}")
 
     @property
     def kv_element_bytes(self) -> int:
@@ -193,8 +249,50 @@ class CacheSpec(BaseModel):
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers: ``block_size * bytes_per_token``."""
-        return self.block_size * self.bytes_per_token
+        """Bytes one block of the pool costs. ``per_group`` (and any one-group model):
+        ``block_size * bytes_per_token`` (all layers: each layer's tensor holds every
+        block id). ``unified`` with several groups: ``block_size`` x the bytes per token
+        of one group's :attr:`pool_group_layers` layers (a block holds one group's
+        layers only; layers of equal bytes per token, checked)."""
+        if self.kv_pool != "unified":
+            return self.block_size * self.bytes_per_token
+        ids = self.kv_groups[0].layer_ids
+        return self.block_size * sum(self.layer_bytes_per_token(i) for i in ids)
+
+    @property
+    def pool_tensor_layers(self) -> tuple[int, ...]:
+        """Layers whose cache tensors are allocated: ``per_group`` every layer;
+        ``unified`` the layers of group 0 (their tensors, one per layer slot, are the
+        storage every group's layers share)."""
+        if self.kv_pool != "unified":
+            return tuple(range(self.num_layers))
+        return self.kv_groups[0].layer_ids
+
+    def sequence_blocks(self, num_tokens: Any) -> Any:
+        """Blocks one sequence of ``num_tokens`` tokens holds in the pool while the
+        step computing its last token runs (an int, or an int64 numpy array of lengths):
+        per full group ``ceil(L / block_size)``; per sliding group of window ``W`` the
+        blocks from ``max(0, L - W) // block_size`` on (what ``SlidingWindowManager``
+        keeps after releasing for a query at position ``L - 1``). Unified pool: the sum
+        over groups (they share it); ``per_group``: the max (the binding group's pool).
+        Exact for decode; a prefill chunk allocated at once holds ``ceil(L /
+        block_size)`` in every group until the next allocation releases."""
+        bs = self.block_size
+        n = -(-num_tokens // bs)
+        per = []
+        for g in self.kv_groups:
+            w = g.sliding_window
+            if w is None:
+                per.append(n)
+            else:
+                d = num_tokens - w
+                per.append(n - (d + abs(d)) // 2 // bs)  # (d + |d|) / 2 = max(0, d)
+        if self.kv_pool == "unified":
+            return sum(per)
+        out = per[0]
+        for x in per[1:]:
+            out = out * (out >= x) + x * (x > out)  # max for ints and arrays alike
+        return out
 
     def layer_fixed_scale_bytes(self, layer_id: int) -> int:
         """Bytes of one layer's fp8 scales, K and V (per tensor: 1 float32 each; per
@@ -218,8 +316,9 @@ class CacheSpec(BaseModel):
 
     @property
     def total_bytes(self) -> int:
-        """Bytes the cache tensors of all layers occupy: ``num_blocks * bytes_per_block``
-        plus fp8 scales. For hybrid models each group's layers hold ``num_blocks`` blocks."""
+        """Bytes the cache tensors occupy: ``num_blocks * bytes_per_block`` plus fp8
+        scales (per layer: every layer has its own scales, also when it shares a
+        unified pool's page tensor)."""
         return self.num_blocks * self.bytes_per_block + self.fixed_scale_bytes
 
     @property
@@ -253,6 +352,7 @@ class CacheSpec(BaseModel):
         kv_dtype: KVCacheDType = "auto",
         dtype: ModelDType | None = None,
         kv_scale_granularity: ScaleGranularity = "per_tensor",
+        kv_pool: KVPoolKind = "unified",
     ) -> CacheSpec:
         """Lower a Hugging Face model config to a CacheSpec.
 
@@ -264,6 +364,7 @@ class CacheSpec(BaseModel):
             kv_dtype: KV storage dtype.
             dtype: model dtype; default the config's ``torch_dtype``/``dtype`` or float32.
             kv_scale_granularity: fp8 scale granularity.
+            kv_pool: ``unified`` or ``per_group`` (``CacheSpec.kv_pool``).
 
         Raises:
             SpecError: unknown model_type or inconsistent sizes.
@@ -289,6 +390,7 @@ class CacheSpec(BaseModel):
                 dtype=dtype,
                 kv_dtype=kv_dtype,
                 kv_scale_granularity=kv_scale_granularity,
+                kv_pool=kv_pool,
                 layers=layers,
             ),
         )
@@ -365,6 +467,7 @@ __all__ = [
     "CacheSpec",
     "KVCacheDType",
     "KVGroup",
+    "KVPoolKind",
     "ModelDType",
     "ScaleGranularity",
     "make_attention_spec",

@@ -23,20 +23,38 @@ def _p50_p95_p99(values: np.ndarray) -> list[float]:
 
 
 def blocks_per_sequence(spec: CacheSpec, seq_len: np.ndarray | int) -> np.ndarray:
-    """Blocks one sequence of ``seq_len`` tokens holds in the most demanding KV group:
-    ``ceil(L / block_size)`` for full attention; for a sliding group of window W, with
-    sliding-window freeing, at most ``ceil((W - 1) / block_size) + 1`` blocks."""
+    """Blocks one sequence of ``seq_len`` tokens holds in the pool during its decode
+    (``CacheSpec.sequence_blocks``: a unified pool sums its KV groups, per-group pools
+    take the most demanding group; a sliding group of window W holds only the blocks
+    from ``max(0, L - W) // block_size`` on)."""
     L = np.asarray(seq_len, dtype=np.int64)
+    return np.asarray(spec.sequence_blocks(L), dtype=np.int64)
+
+
+def max_sequence_tokens(spec: CacheSpec, blocks: int) -> int | None:
+    """Tokens that fit: the longest sequence whose decode never holds more than
+    ``blocks`` blocks (:func:`blocks_per_sequence` at every length up to it; a sliding
+    group's count oscillates within a block, so the running maximum is what counts).
+    Only full-attention groups: ``(blocks // num_groups) * block_size`` (per-group
+    pools: ``blocks * block_size``). None when no full-attention group exists and the
+    sliding groups' most never exceeds ``blocks`` (any length fits).
+    """
     bs = spec.block_size
-    full = -(-L // bs)
-    worst = np.zeros_like(full)
-    for g in spec.kv_groups:
-        if g.sliding_window is None:
-            worst = np.maximum(worst, full)
-        else:
-            cap = -(-(g.sliding_window - 1) // bs) + 1
-            worst = np.maximum(worst, np.minimum(full, cap))
-    return worst
+    groups = spec.kv_groups
+    nfull = sum(1 for g in groups if g.sliding_window is None)
+    per_pool = spec.kv_pool == "unified"
+    if nfull == len(groups):
+        return (blocks // len(groups) if per_pool else blocks) * bs
+    wmax = max(g.sliding_window or 0 for g in groups)
+    # past the largest window + a block the count only grows (full groups) or repeats
+    # with period block_size (sliding ones): scan up to there, or to the full bound
+    hi = wmax + 2 * bs if nfull == 0 else ((blocks // nfull if per_pool else blocks) + 1) * bs
+    lens = np.arange(1, hi + 1, dtype=np.int64)
+    run = np.maximum.accumulate(blocks_per_sequence(spec, lens))
+    over = np.nonzero(run > blocks)[0]
+    if len(over) == 0:
+        return None if nfull == 0 else int(hi)
+    return int(over[0])  # lens[i] = i + 1 is the first too long: i tokens fit
 
 
 @dataclass
@@ -140,7 +158,8 @@ def max_len_for_num_seqs(
     spec: CacheSpec, usable_blocks: int, num_seqs: int, model_max_len: int | None = None
 ) -> dict[str, Any]:
     """The largest max_model_len at which ``num_seqs`` sequences, all at full length, fit
-    in ``usable_blocks``: ``(usable_blocks // num_seqs) * block_size`` tokens, capped at
+    in ``usable_blocks``: :func:`max_sequence_tokens` of ``usable_blocks // num_seqs``
+    blocks (dense: ``(usable_blocks // num_seqs) * block_size`` tokens), capped at
     the model's context ``model_max_len`` when given; None when the model slides on every
     layer and one sequence's worst case already fits (any length does, up to the context).
 
@@ -156,10 +175,9 @@ def max_len_for_num_seqs(
     if num_seqs < 1:
         raise SpecError(f"num_seqs: expected >= 1, got {num_seqs}")
     per = usable_blocks // num_seqs
-    # a sliding-only model holds at most blocks_per_sequence(inf) blocks per sequence:
-    # if that fits, any length fits (None = unbounded by KV memory)
-    cap = int(blocks_per_sequence(spec, 1 << 40))
-    length: int | None = None if per >= cap else int(per * spec.block_size)
+    # the longest sequence whose blocks stay within its share (None = any length: a
+    # sliding-only model whose window blocks fit)
+    length: int | None = max_sequence_tokens(spec, per) if per else 0
     limited_by = "kv_memory"
     if per == 0:
         limited_by = "too_many_seqs"
@@ -172,4 +190,10 @@ def max_len_for_num_seqs(
     }
 
 
-__all__ = ["Workload", "analyze_workload", "blocks_per_sequence", "max_len_for_num_seqs"]
+__all__ = [
+    "Workload",
+    "analyze_workload",
+    "blocks_per_sequence",
+    "max_len_for_num_seqs",
+    "max_sequence_tokens",
+]

@@ -1,0 +1,165 @@
+"""Unified block pool vs per-group pools vs the bound (issue 25): tokens that fit and
+peak concurrent sequences on one 80 GB device, driven through the real allocator.
+
+Per model, the KV budget is ``80e9 x 0.9 - weight bytes`` (weights below, with their
+source). For each pool design the budget is turned into blocks
+(``budget // CacheSpec.bytes_per_block``) and:
+
+* **tokens that fit**: the longest single sequence
+  (``kvpage.workload.workload_stats.max_sequence_tokens``);
+* **peak concurrent sequences**, measured: sequences are admitted into a
+  :class:`~kvpage.cache.KVCacheManager` (prefix caching off) one after the other and
+  held, each grown to its full length by chunked prefill (2,048-token chunks) and then
+  64 decode steps of one token (the sliding groups' steady state), until one does not
+  fit; counted are the sequences held at full length. Workloads: ``long`` = sequences
+  of 32,768 tokens; ``mooncake`` = the Mooncake conversation trace's prompt + output
+  lengths, in trace order (first 2,000 requests).
+* **bound**: the bytes actually needed, without blocks: per sequence of ``L`` tokens
+  ``sum over full layers(L) + sum over sliding layers(min(L, W))`` x layer bytes per
+  token; the same greedy admission in the same order.
+
+Run: ``.venv/bin/python benches/bench_unified_pool.py`` (prints a Markdown table).
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from typing import Any
+
+from kvpage.cache import KVCacheManager
+from kvpage.specs import CacheSpec, load_preset, make_cache_spec
+from kvpage.workload.traces import load_trace
+from kvpage.workload.workload_stats import max_sequence_tokens
+
+DEVICE = 80_000_000_000
+UTIL = 0.9
+BS = 16
+CHUNK = 2048
+DECODE = 64
+
+
+def gemma3_27b() -> tuple[CacheSpec, int]:
+    """google/gemma-3-27b-it text config (HF config.json): 62 layers, 32 query / 16 KV
+    heads, head_dim 128, sliding_window 1024, every 6th layer global
+    (sliding_window_pattern 6: 10 global, 52 sliding); bf16; 27.4e9 parameters."""
+    layers = [
+        dict(
+            num_q_heads=32,
+            num_kv_heads=16,
+            head_dim=128,
+            sliding_window=None if (i + 1) % 6 == 0 else 1024,
+        )
+        for i in range(62)
+    ]
+    spec = make_cache_spec(num_layers=62, block_size=BS, dtype="bfloat16", layers=layers)
+    return spec, int(27.4e9 * 2)
+
+
+def gpt_oss_120b() -> tuple[CacheSpec, int]:
+    """The gpt-oss-120b preset (specs/gpt-oss-120b.yaml: 36 layers alternating sliding
+    (window 128) / full, 64 query / 8 KV heads, head_dim 64), bf16 KV. Weights: the
+    MXFP4 checkpoint, ~65 GB (model card: fits one 80 GB GPU)."""
+    p = load_preset("gpt-oss-120b")
+    return p.cache_spec(block_size=BS, dtype="bfloat16"), 65_000_000_000
+
+
+def llama3_8b() -> tuple[CacheSpec, int]:
+    """The llama-3-8b preset (specs/llama-3-8b.yaml), bf16 weights."""
+    p = load_preset("llama-3-8b")
+    return p.cache_spec(block_size=BS, dtype="bfloat16"), p.num_parameters * 2
+
+
+def bound_bytes(spec: CacheSpec, n: int) -> int:
+    """Bytes a sequence of ``n`` tokens needs without blocks (module docstring)."""
+    tot = 0
+    for i, a in enumerate(spec.layers):
+        w = a.sliding_window
+        tot += spec.layer_bytes_per_token(i) * (n if w is None else min(n, w))
+    return tot
+
+
+def bound_tokens(spec: CacheSpec, budget: int, cap: int = 1 << 24) -> int:
+    lo, hi = 0, cap
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if bound_bytes(spec, mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def fill(spec: CacheSpec, lengths: list[int]) -> int:
+    """Sequences held at full length before one does not fit (module docstring)."""
+    mgr = KVCacheManager(spec, enable_prefix_caching=False)
+    for k, n in enumerate(lengths):
+        rid = str(k)
+        toks = range(n)
+        pre = max(1, n - DECODE)
+        done = 0
+        ok = True
+        while done < n:
+            step = min(CHUNK, pre - done) if done < pre else 1
+            if mgr.allocate(rid, toks, step) is None:
+                ok = False
+                break
+            done += step
+        if not ok:
+            return k
+    return len(lengths)
+
+
+def fill_bound(spec: CacheSpec, budget: int, lengths: list[int]) -> int:
+    used = 0
+    for k, n in enumerate(lengths):
+        used += bound_bytes(spec, n)
+        if used > budget:
+            return k
+    return len(lengths)
+
+
+def main() -> None:
+    trace = load_trace("src/kvpage/data/traces/mooncake_conversation_trace.jsonl", limit=2000)
+    mooncake = [r.prompt_tokens + max(r.output_tokens, 1) for r in trace.requests]
+    rows: list[list[Any]] = []
+    for name, make in (("Gemma-3-27B", gemma3_27b), ("gpt-oss-120b", gpt_oss_120b), ("Llama-3-8B", llama3_8b)):  # fmt: skip
+        base, weights = make()
+        budget = int(DEVICE * UTIL) - weights
+        specs = {k: base.model_copy(update={"kv_pool": k}) for k in ("per_group", "unified")}
+        res: dict[str, dict[str, Any]] = {}
+        for k, s in specs.items():
+            nb = (budget - s.fixed_scale_bytes) // s.bytes_per_block
+            s = s.with_blocks(int(nb))
+            fit = max_sequence_tokens(s, s.num_blocks - 1)
+            longest = max(1, (fit or 1 << 20) // 32768)
+            res[k] = dict(
+                groups=len(s.kv_groups),
+                blocks=s.num_blocks,
+                tokens=fit,
+                long=fill(s, [32768] * (4 * longest + 8)),
+                mooncake=fill(s, mooncake),
+            )
+        bt = bound_tokens(base, budget)
+        b_long = fill_bound(base, budget, [32768] * 4096)
+        b_moon = fill_bound(base, budget, mooncake)
+        for k in ("per_group", "unified"):
+            r = res[k]
+            rows.append([name, k, r["groups"], r["blocks"], r["tokens"], r["long"], r["mooncake"]])
+        rows.append([name, "bound", "-", "-", bt, b_long, b_moon])
+        u = res["unified"]
+        print(
+            f"# {name}: budget {budget / 1e9:.2f} GB; unified/bound tokens "
+            f"{u['tokens'] / bt:.3f}, long {u['long']}/{b_long}, mooncake "
+            f"{u['mooncake']}/{b_moon}",
+            file=sys.stderr,
+        )
+    print(f"python {platform.python_version()}, {platform.machine()}")
+    print("| model | pool | KV groups | blocks | tokens that fit | peak seqs (32k) | peak seqs (Mooncake) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(str(x) for x in r) + " |")
+
+
+if __name__ == "__main__":
+    main()
