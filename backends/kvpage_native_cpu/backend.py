@@ -207,7 +207,11 @@ class NativeCpuBackend:
             BackendUnavailableError: the kernel library cannot be built or loaded.
             MemoryError: the kernel could not allocate its scratch memory.
         """
-        kind = check_launch_forward(query, cache, plan, spec, out, sinks)
+        kind = (  # validated at plan time (checks.check_step_layers) when marked
+            cache.kv_dtype
+            if plan.layers_checked
+            else check_launch_forward(query, cache, plan, spec, out, sinks)
+        )
         lib, reason = self._library()
         if lib is None:
             raise BackendUnavailableError("native-cpu: kernel unavailable", {self.name: [reason]})

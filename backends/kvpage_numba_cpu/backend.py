@@ -133,7 +133,11 @@ class NumbaCpuBackend:
         Raises:
             ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_forward``.
         """
-        kind = check_launch_forward(query, cache, plan, spec, out, sinks)
+        kind = (  # validated at plan time (checks.check_step_layers) when marked
+            cache.kv_dtype
+            if plan.layers_checked
+            else check_launch_forward(query, cache, plan, spec, out, sinks)
+        )
         from kvpage_numba_cpu import kernels
 
         out, ops = forward_operands(query, plan, spec, out)

@@ -165,7 +165,8 @@ def check_engine_field(name: str, value: Any) -> Any:
 class EngineConfig(StrictModel):
     """Every knob of ``LLM`` / ``LLMEngine.from_config`` (vLLM's names), and the
     ``engine`` section of ``kvpage serve``'s config. ``EngineConfig(**kwargs)`` raises
-    :class:`~kvpage.errors.SpecError` naming the first bad field; inside a larger
+    :class:`~kvpage.errors.SpecError` naming the first bad field (``TypeError`` for an
+    unknown keyword, as a Python call does); inside a larger
     pydantic model (``ServerConfig``) a bad field is a ``ValidationError`` at
     ``engine.<field>``. Each field's ``description`` is its ``--help`` text.
     """
@@ -243,6 +244,12 @@ class EngineConfig(StrictModel):
     )
 
     def __init__(self, /, **data: Any) -> None:
+        unknown = sorted(set(data) - set(type(self).model_fields))
+        if unknown:  # as a Python call with a wrong keyword does
+            raise TypeError(
+                f"EngineConfig() got an unexpected keyword argument {unknown[0]!r} (known: "
+                f"{', '.join(type(self).model_fields)})"
+            )
         try:
             super().__init__(**data)
         except ValidationError as exc:

@@ -139,7 +139,8 @@ class TorchBackend:
         Raises:
             ShapeError, DTypeError: see ``kvpage.attention.checks.check_forward``.
         """
-        check_forward(query, cache, plan, spec, out, sinks)
+        if not plan.layers_checked:  # else validated at plan time (checks.check_step_layers)
+            check_forward(query, cache, plan, spec, out, sinks)
         key = (
             cache.block_size,
             cache.num_blocks,
