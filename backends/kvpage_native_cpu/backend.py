@@ -20,9 +20,9 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
-from kvpage_numba_cpu.plan import CpuPlan, forward_operands, torch_threads
 
 from kvpage.attention.checks import check_launch_forward, check_write_kv
+from kvpage.attention.cpu_plan import CpuPlan, forward_operands, torch_threads
 from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.backends.torch_backend import TorchBackend

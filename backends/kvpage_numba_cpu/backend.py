@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 from kvpage.attention.checks import check_launch_forward
+from kvpage.attention.cpu_plan import CpuPlan, forward_operands, torch_threads
 from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.backends.torch_backend import TorchBackend
 from kvpage.specs import AttentionSpec, CacheSpec
-from kvpage_numba_cpu.plan import CpuPlan, forward_operands, torch_threads
 
 #: the 256 values of each fp8 format's bit patterns, built on first use
 _FP8_TABLES: dict[torch.dtype, np.ndarray] = {}
