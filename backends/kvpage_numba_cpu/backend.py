@@ -208,7 +208,8 @@ def _sync_threads() -> int:
     and return it. One thread touches nothing (asking numba would start its pool)."""
     import numba
 
-    n = max(1, min(torch_threads(), int(numba.config.NUMBA_NUM_THREADS)))
+    pool = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]  # set at import
+    n = max(1, min(torch_threads(), pool))
     if n > 1 and numba.get_num_threads() != n:
         numba.set_num_threads(n)
     return n
