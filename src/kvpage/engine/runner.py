@@ -62,8 +62,9 @@ class StepInputs:
         query_lens / seq_lens: ``[num_seqs]`` int64 new tokens / tokens after the step.
         logits_indices: ``[num_sampling_seqs]`` int64 rows of the last token of each
             sequence that samples.
-        block_tables: per KV group ``[num_seqs, max_blocks]`` int32, padded with 0 (the
-            reserved null block, so a stray read stays in bounds).
+        block_tables: per KV group ``[num_seqs, max_blocks]`` int32, padded with
+            ``kvpage.slots.PAD_BLOCK`` (-1) past each sequence's blocks: entries a
+            backend never reads (only ``ceil(seq_len / block_size)`` per row are used).
         slot_mappings: per KV group ``[num_tokens]`` int64 slots (-1 = padding; none
             here, every computed token has a slot).
     """

@@ -32,6 +32,7 @@ __all__ = [
     "SCHEDULING_POLICIES",
     "SchedulingPolicy",
     "StrictModel",
+    "UnknownFieldError",
     "check_engine_field",
 ]
 
@@ -162,6 +163,12 @@ def check_engine_field(name: str, value: Any) -> Any:
     return value
 
 
+class UnknownFieldError(SpecError, TypeError):
+    """A keyword of ``EngineConfig(...)`` that is no field: a ``TypeError`` as for any
+    Python call with a wrong keyword, and a ``SpecError`` naming it (inside a larger
+    model, pydantic reports it at ``engine.<name>``)."""
+
+
 class EngineConfig(StrictModel):
     """Every knob of ``LLM`` / ``LLMEngine.from_config`` (vLLM's names), and the
     ``engine`` section of ``kvpage serve``'s config. ``EngineConfig(**kwargs)`` raises
@@ -245,10 +252,10 @@ class EngineConfig(StrictModel):
 
     def __init__(self, /, **data: Any) -> None:
         unknown = sorted(set(data) - set(type(self).model_fields))
-        if unknown:  # as a Python call with a wrong keyword does
-            raise TypeError(
-                f"EngineConfig() got an unexpected keyword argument {unknown[0]!r} (known: "
-                f"{', '.join(type(self).model_fields)})"
+        if unknown:
+            raise UnknownFieldError(
+                f"{unknown[0]}: expected an EngineConfig field ("
+                f"{', '.join(type(self).model_fields)}), got an unknown keyword"
             )
         try:
             super().__init__(**data)
