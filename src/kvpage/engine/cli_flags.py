@@ -64,8 +64,8 @@ def _help(field: str, where: str | None) -> str:
     choices = _base_type(info.annotation)[1]
     if choices:
         desc += "; one of " + ", ".join(choices)
-    if where is None:
-        text = f"{desc} (default {info.default!r})"
+    if where is None:  # None defaults are explained by the description
+        text = desc if info.default is None else f"{desc} (default {info.default!r})"
     else:  # serve: where the flag lands in a --config file first
         text = f"config {where}.{field}; default {info.default!r}; {desc}"
     return text.replace("%", "%%")
