@@ -102,12 +102,6 @@ class AttentionSpec(BaseModel):
         """Query heads per KV head (1 = MHA, num_q_heads = MQA; vLLM's name)."""
         return self.num_q_heads // self.num_kv_heads
 
-    @property
-    def group_size(self) -> int:
-        """Deprecated alias of :attr:`num_queries_per_kv` ("group" in kvpage means a KV
-        group); kept for existing callers."""
-        return self.num_q_heads // self.num_kv_heads
-
 
 class KVGroup(BaseModel):
     """Layers that share one block table (same sliding window).

@@ -137,7 +137,7 @@ def _saturates(case: AttentionCase, keys: list[torch.Tensor], values: list[torch
 
 def _max_logit_terms(case: AttentionCase, query: torch.Tensor, keys: list[torch.Tensor]) -> float:
     """``scale * max over (token, head, key) of sum_d |q_d| * keys_d`` (keys >= 0)."""
-    g = case.spec.group_size
+    g = case.spec.num_queries_per_kv
     best, start = 0.0, 0
     for k, q in zip(keys, case.query_lens):
         qq = query[start : start + q].detach().cpu().double().abs()
