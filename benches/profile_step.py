@@ -7,7 +7,8 @@ defined in Python source files (``python_calls_per_step``, the headline number),
 kvpage's own functions, and of everything including C builtins, the number of source files they come from, and the functions with the most
 calls. Deterministic: the count does not depend on the machine's speed.
 
-Usage: ``.venv/bin/python benches/profile_step.py [--num-seqs 4] [--steps 5] [--top 15]``.
+Usage: ``.venv/bin/python benches/profile_step.py [--num-seqs 4] [--steps 5] [--top 15]
+[--backend torch]``.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--backend", default="torch", help="attention backend (torch, native-cpu, ...)")
     args = ap.parse_args()
 
     from kvpage import engine as E
 
-    llm = E.LLM("stories260K", max_num_seqs=64)
+    llm = E.LLM("stories260K", max_num_seqs=64, backend=args.backend)
     eng = llm.llm_engine
     params = E.SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     for i in range(args.num_seqs):
@@ -52,6 +54,7 @@ def main() -> None:
     kv_calls = sum(v[1] for k, v in st.stats.items() if "/kvpage" in k[0])  # type: ignore[attr-defined]
     report = {
         "num_seqs": args.num_seqs,
+        "backend": eng.backend_name,
         "python_calls_per_step": py_calls / args.steps,
         "kvpage_calls_per_step": kv_calls / args.steps,
         "all_calls_per_step": calls / args.steps,

@@ -20,17 +20,17 @@ PATHS = {
     "streamed": 0,
     "streamed-1-block-chunks": 0,
     "padded": 2**62,
-    "padded-1-seq-groups": 2**62,
+    "padded-1-seq-buckets": 2**62,
 }
 
 
 def _configure(path: str, monkeypatch: pytest.MonkeyPatch) -> TorchBackend:
-    """The backend for ``path``; small chunk/group limits force the multi-chunk and
-    multi-group code (one sequence per padded group) on the suite's small shapes."""
+    """The backend for ``path``; small chunk/bucket limits force the multi-chunk and
+    multi-bucket code (one sequence per padded bucket) on the suite's small shapes."""
     if path.endswith("chunks"):  # streamed decode: one block per gathered chunk
         monkeypatch.setattr(compute, "DECODE_CHUNK_BYTES", 1)
-    if path.endswith("groups"):  # padded batches split into one-sequence groups
-        monkeypatch.setattr(plan, "GROUP_BYTES", 1)
+    if path.endswith("buckets"):  # padded batches split into one-sequence buckets
+        monkeypatch.setattr(plan, "BUCKET_BYTES", 1)
     return TorchBackend(stream_min_bytes=PATHS[path])
 
 

@@ -1,36 +1,49 @@
-"""Code lines per package: lines that hold code tokens (docstrings and comments excluded).
+"""Lines of code per package: the one line counter of the repository.
 
-Usage: ``python scripts/loc.py [ROOT]`` prints ``package<TAB>files<TAB>code<TAB>docstring
-lines`` per package of ``src/kvpage``, per plugin under ``backends/`` and for
-``docs/examples``.
+A line counts as code when it holds a code token; docstrings (every string that is an
+expression statement, found with ``ast``: module, class and function docstrings and
+attribute docstrings alike), ``#`` comments and blank lines are counted apart.
+
+Usage: ``python scripts/loc.py [ROOT]`` prints one row per package of ``src/kvpage``,
+per plugin under ``backends/`` and for ``docs/examples``: files, code, docstring,
+comment-only and blank lines, and the total.
 """
 
 from __future__ import annotations
 
+import ast
 import io
 import sys
 import tokenize
 from pathlib import Path
 
-_SKIP = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
-_STMT_START = (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.NL)
+_LAYOUT = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
 
 
-def count(path: Path) -> tuple[int, int]:
-    """(code lines, docstring lines) of one file."""
-    code: set[int] = set()
+def count(path: Path) -> tuple[int, int, int, int]:
+    """``(code, docstring, comment-only, blank)`` lines of one file."""
+    src = path.read_text()
     doc: set[int] = set()
-    prev = None
-    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
-        if tok.type in _SKIP or tok.type == tokenize.ENDMARKER:
-            continue
-        is_doc = tok.type == tokenize.STRING and (prev is None or prev.type in _STMT_START)
-        (doc if is_doc else code).update(range(tok.start[0], tok.end[0] + 1))
-        prev = tok
-    return len(code - doc), len(doc)
+    for node in ast.walk(ast.parse(src, str(path))):
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            doc.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    code: set[int] = set()
+    comment: set[int] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            comment.add(tok.start[0])
+        elif tok.type not in _LAYOUT:
+            code.update(ln for ln in range(tok.start[0], tok.end[0] + 1) if ln not in doc)
+    blank = sum(1 for line in src.splitlines() if not line.strip())
+    return len(code), len(doc), len(comment - code - doc), blank
 
 
 def package_of(rel: tuple[str, ...]) -> str:
+    """The row a file (path parts relative to the root) is counted in."""
     if rel[0] == "src":
         if len(rel) > 4 and rel[2] == "backends":
             return "kvpage/backends"
@@ -44,15 +57,19 @@ def main() -> None:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
     files = [*root.glob("src/kvpage/**/*.py"), *root.glob("backends/**/*.py")]
     files += root.glob("docs/examples/*.py")
-    groups: dict[str, list[int]] = {}
+    rows: dict[str, list[int]] = {}
     for p in sorted(files):
-        c, d = count(p)
-        g = groups.setdefault(package_of(p.relative_to(root).parts), [0, 0, 0])
-        g[0] += 1
-        g[1] += c
-        g[2] += d
-    for name, (n, c, d) in sorted(groups.items()):
-        print(f"{name}\t{n}\t{c}\t{d}")
+        row = rows.setdefault(package_of(p.relative_to(root).parts), [0, 0, 0, 0, 0])
+        row[0] += 1
+        for i, v in enumerate(count(p)):
+            row[i + 1] += v
+    head = ("package", "files", "code", "docstr", "comment", "blank")
+    print(f"{head[0]:28s}" + "".join(f"{h:>8s}" for h in head[1:]))
+    total = [0] * 5
+    for name, row in sorted(rows.items()):
+        total = [a + b for a, b in zip(total, row)]
+        print(f"{name:28s}" + "".join(f"{v:8d}" for v in row))
+    print(f"{'TOTAL':28s}" + "".join(f"{v:8d}" for v in total))
 
 
 if __name__ == "__main__":

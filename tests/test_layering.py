@@ -13,6 +13,11 @@ Layers, bottom up (docs/architecture.md, "Layers"):
 5. ``sim``, ``server`` — simulator and OpenAI server over the engine;
 6. ``apps``, ``cluster`` (Ray Serve scale-out) and the top-level facade ``kvpage/__init__.py``;
 7. ``cli`` — the ``kvpage`` command; 8. ``__main__`` (``python -m kvpage``).
+
+The plugin backends in ``backends/`` (one top-level package each) import ``kvpage`` at
+layer 3 and below only (``PLUGIN_MAX_RANK``: the attention contract, the checks, the
+built-in backends), never another plugin: code two plugins share moves into
+``kvpage``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,11 @@ import pytest
 import kvpage
 
 SRC = Path(kvpage.__file__).parent
+#: the plugin backends' folder (each subfolder with an ``__init__.py`` is one plugin)
+PLUGINS = SRC.parents[1] / "backends"
+#: the highest kvpage layer a plugin may import (``backends``: the registry, the torch
+#: backend); the engine and everything above it are off limits
+PLUGIN_MAX_RANK = 3
 RANK = {
     "errors": 0,
     "version": 0,
@@ -131,6 +141,68 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+def plugin_violations(plugins: Path = PLUGINS) -> list[str]:
+    """``"file: import"`` for every import (module level, in functions and under
+    ``TYPE_CHECKING`` alike) of a plugin package under ``plugins`` that names another
+    plugin package there, or a kvpage package above :data:`PLUGIN_MAX_RANK`."""
+    names = {p.name for p in plugins.iterdir() if (p / "__init__.py").is_file()}
+    bad = []
+    for name in sorted(names):
+        for path in sorted((plugins / name).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    mods = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    mods = [node.module]
+                else:
+                    continue
+                for mod in mods:
+                    top = mod.split(".")[0]
+                    rel = path.relative_to(plugins)
+                    if top in names and top != name:
+                        bad.append(f"{rel}: {mod} (another plugin)")
+                    elif top == "kvpage" and RANK.get(_package(mod), 99) > PLUGIN_MAX_RANK:
+                        bad.append(f"{rel}: {mod} (kvpage layer {RANK.get(_package(mod))})")
+    return bad
+
+
+def test_plugins_import_kvpage_only() -> None:
+    assert PLUGINS.is_dir()
+    assert plugin_violations() == []
+
+
+@pytest.mark.parametrize(
+    ("files", "expect"),
+    [
+        (
+            {
+                "p_a/__init__.py": "",
+                "p_a/x.py": "from p_b.plan import Plan\n",
+                "p_b/__init__.py": "",
+            },
+            1,
+        ),  # fmt: skip
+        ({"p_a/__init__.py": "def f():\n    import p_b\n", "p_b/__init__.py": ""}, 1),
+        ({"p_a/__init__.py": "from kvpage.engine import LLM\n"}, 1),
+        (
+            {
+                "p_a/__init__.py": "from kvpage.attention.checks import check_forward\nimport numpy\n"
+            },
+            0,
+        ),  # fmt: skip
+        ({"p_a/__init__.py": "from p_a.x import y\n", "p_a/x.py": ""}, 0),  # its own modules
+    ],
+)
+def test_the_plugin_check_catches_violations(
+    tmp_path: Path, files: dict[str, str], expect: int
+) -> None:
+    for rel, text in files.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    assert len(plugin_violations(tmp_path)) == expect
 
 
 def test_every_package_has_a_layer() -> None:

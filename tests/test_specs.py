@@ -45,12 +45,7 @@ def test_attention_spec_errors(kwargs: dict, match: str) -> None:
 def test_attention_spec_defaults() -> None:
     a = make_attention_spec(num_q_heads=32, num_kv_heads=8, head_dim=128)
     assert a.scale == pytest.approx(0.08838834764831845)  # 1/sqrt(128), not from head count
-    assert (
-        a.num_queries_per_kv == 4
-        and a.group_size == 4
-        and a.sliding_window is None
-        and a.logits_soft_cap is None
-    )
+    assert a.num_queries_per_kv == 4 and a.sliding_window is None and a.logits_soft_cap is None
     assert make_attention_spec(num_q_heads=4, num_kv_heads=4, head_dim=8, scale=0.5).scale == 0.5
     with pytest.raises(Exception):  # frozen  # noqa: B017
         a.head_dim = 64  # type: ignore[misc]

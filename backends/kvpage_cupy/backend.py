@@ -214,7 +214,7 @@ class CupyBackend:
         dev = cache.kv.device
         token_seq, token_pos = plan.token_seq, plan.token_pos
         q = query if query.stride(-1) == 1 else query.contiguous()
-        gt = templates.heads_per_block(spec.group_size, hd)
+        gt = templates.heads_per_block(spec.num_queries_per_kv, hd)
         blocks = n * (hq // gt)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         max_keys = plan.keys_for(spec)
@@ -225,7 +225,7 @@ class CupyBackend:
         if use_rows:
             splits = 1
         src, expr, gt = templates.attention_instance(
-            query.dtype, cache.kv_dtype, cache.kv.dtype, hd, spec.group_size, rows=use_rows
+            query.dtype, cache.kv_dtype, cache.kv.dtype, hd, spec.num_queries_per_kv, rows=use_rows
         )
         chunk = -(-max_keys // splits)
         o = out if out.is_contiguous() else torch.empty_like(query)

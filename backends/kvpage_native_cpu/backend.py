@@ -20,9 +20,9 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
-from kvpage_numba_cpu.plan import CpuPlan, forward_operands, torch_threads
 
 from kvpage.attention.checks import check_launch_forward, check_write_kv
+from kvpage.attention.cpu_plan import CpuPlan, forward_operands, torch_threads
 from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.backends.torch_backend import TorchBackend
@@ -207,7 +207,11 @@ class NativeCpuBackend:
             BackendUnavailableError: the kernel library cannot be built or loaded.
             MemoryError: the kernel could not allocate its scratch memory.
         """
-        kind = check_launch_forward(query, cache, plan, spec, out, sinks)
+        kind = (  # validated at plan time (checks.check_step_layers) when marked
+            cache.kv_dtype
+            if plan.layers_checked
+            else check_launch_forward(query, cache, plan, spec, out, sinks)
+        )
         lib, reason = self._library()
         if lib is None:
             raise BackendUnavailableError("native-cpu: kernel unavailable", {self.name: [reason]})

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 from kvpage.attention.checks import check_launch_forward
+from kvpage.attention.cpu_plan import CpuPlan, forward_operands, torch_threads
 from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.backends.torch_backend import TorchBackend
 from kvpage.specs import AttentionSpec, CacheSpec
-from kvpage_numba_cpu.plan import CpuPlan, forward_operands, torch_threads
 
 #: the 256 values of each fp8 format's bit patterns, built on first use
 _FP8_TABLES: dict[torch.dtype, np.ndarray] = {}
@@ -133,7 +133,11 @@ class NumbaCpuBackend:
         Raises:
             ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_forward``.
         """
-        kind = check_launch_forward(query, cache, plan, spec, out, sinks)
+        kind = (  # validated at plan time (checks.check_step_layers) when marked
+            cache.kv_dtype
+            if plan.layers_checked
+            else check_launch_forward(query, cache, plan, spec, out, sinks)
+        )
         from kvpage_numba_cpu import kernels
 
         out, ops = forward_operands(query, plan, spec, out)
@@ -204,7 +208,8 @@ def _sync_threads() -> int:
     and return it. One thread touches nothing (asking numba would start its pool)."""
     import numba
 
-    n = max(1, min(torch_threads(), int(numba.config.NUMBA_NUM_THREADS)))
+    pool = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]  # set at import
+    n = max(1, min(torch_threads(), pool))
     if n > 1 and numba.get_num_threads() != n:
         numba.set_num_threads(n)
     return n

@@ -8,6 +8,7 @@ Every error a user can cause derives from :class:`KVPageError`. Messages read
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 #: most characters of an offending value's repr that an error message quotes
 GOT_REPR_MAX = 200
@@ -31,6 +32,43 @@ def got_repr(value: object, limit: int = GOT_REPR_MAX) -> str:
     if len(r) <= limit:
         return r
     return f"{r[:limit]}... ({len(r)} characters)"
+
+
+def format_validation_error(exc: Any) -> str:
+    """A pydantic ``ValidationError`` as one line per field, ``"engine.num_blocks:
+    expected >= 2, got 1"`` joined with ``"; "`` (no pydantic URL). A validator's own
+    ``"field: expected ..."`` message is kept as written, prefixed with where the field
+    sits (``engine.``)."""
+    ops = {
+        "greater_than_equal": ">=",
+        "greater_than": ">",
+        "less_than_equal": "<=",
+        "less_than": "<",
+    }
+    lines = []
+    for err in exc.errors():
+        path = [str(x) for x in err.get("loc", ())]
+        ctx = err.get("ctx") or {}
+        kind = err.get("type", "")
+        if kind in ops:
+            want = f"{ops[kind]} {next(iter(ctx.values()), '?')}"
+        elif kind == "missing":
+            want = "a value (required field)"
+        elif kind == "extra_forbidden":
+            want = "no such field (unknown option)"
+        else:
+            want = str(err.get("msg", "a valid value"))
+            want = want.removeprefix("Input should be ").removeprefix("Value error, ")
+        if kind == "value_error":
+            named = want.split(": expected ", 1)[0]
+            if not path or named.replace(".", "_").isidentifier():  # it names the field
+                if path and path[-1] == named:
+                    path.pop()
+                lines.append(".".join([*path, want]))
+                continue
+        got = "missing" if kind == "missing" else got_repr(err.get("input"), 120)
+        lines.append(f"{'.'.join(path) or 'config'}: expected {want}, got {got}")
+    return "; ".join(lines)
 
 
 class KVPageError(Exception):
@@ -114,5 +152,6 @@ __all__ = [
     "RequestRejected",
     "ShapeError",
     "SpecError",
+    "format_validation_error",
     "got_repr",
 ]

@@ -26,7 +26,7 @@ def slot_of(block_id: _IndexT, position: _IndexT, block_size: int) -> _IndexT:
     ``block_id`` (``= block_table[position // block_size]``):
     ``block_id * block_size + position % block_size``. Elementwise for int64 numpy
     arrays and torch tensors (same shapes or broadcastable)."""
-    return block_id * block_size + position % block_size  # type: ignore[return-value]
+    return block_id * block_size + position % block_size  # type: ignore[no-any-return]
 
 
 def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:

@@ -18,7 +18,8 @@ from kvpage.specs import make_attention_spec, make_cache_spec
 
 numba = pytest.importorskip("numba")
 from kvpage_numba_cpu import NumbaCpuBackend, kernels  # noqa: E402
-from kvpage_numba_cpu.plan import ROWS_PER_UNIT, _split  # noqa: E402
+
+from kvpage.attention.cpu_plan import ROWS_PER_UNIT, _split  # noqa: E402
 
 
 def _spec(dtype: str = "float32"):  # type: ignore[no-untyped-def]

@@ -81,7 +81,7 @@ def test_replay_rejects_bad_numbers(
 
 def test_num_blocks_message_agrees_with_the_rule(capsys: pytest.CaptureFixture[str]) -> None:
     _, err = _exit_code(["generate", "--num-blocks", "1", "hi"], capsys)
-    assert "expected an int >= 2" in err
+    assert "expected None or an int >= 2 (block 0 is the reserved null block)" in err
 
 
 def test_replay_output_folder_rejected_before_running(

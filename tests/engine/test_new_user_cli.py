@@ -218,7 +218,7 @@ def test_prefix_caching_flag_has_one_spelling_everywhere(command: str) -> None:
         assert parser.parse_args([command, flag]).enable_prefix_caching is False
     assert parser.parse_args([command, "--enable-prefix-caching"]).enable_prefix_caching is True
     default = parser.parse_args([command]).enable_prefix_caching
-    assert default is (None if command == "serve" else True)  # serve: the config file decides
+    assert default is None  # not given: EngineConfig's default (serve: the config file) decides
 
 
 def test_sigterm_during_replay_setup_exits_143_without_traceback(

@@ -176,7 +176,7 @@ def test_flag_errors_are_one_clean_line(capsys):
     """Finding 6/7: flag errors printed raw pydantic output (with an errors.pydantic.dev
     URL); an invalid --kv-cache-dtype was dumped rc 0."""
     for flags, field in [
-        (["--num-blocks", "1"], "engine.num_blocks: expected >= 2, got 1"),
+        (["--num-blocks", "1"], "engine.num_blocks: expected None or an int >= 2"),
         (["--kv-cache-dtype", "nonsense"], "engine.kv_cache_dtype: expected 'auto'"),
         (["--kv-pressure-action", "drop"], "admission.kv_pressure_action: expected"),
     ]:

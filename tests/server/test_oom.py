@@ -53,7 +53,7 @@ def test_oom_fails_only_its_step_and_degrades(server):
     def execute(out):
         # fail the first step that runs while another request waits behind it
         if not fired and state.engine.scheduler.num_waiting >= 1:
-            fired.append([s.request.group_id for s in out.scheduled])
+            fired.append([s.request.parent_id for s in out.scheduled])
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(out)
 

@@ -257,7 +257,7 @@ def _replay_main(args: argparse.Namespace) -> int:
             vocab_size=eng.vocab_size,
             prompt_scale=args.prompt_scale,
             output_scale=args.output_scale,
-            seed=args.seed,
+            seed=eng.config.seed,
         )
     except (KVPageError, ValueError) as e:
         print(f"kvpage replay: {e}", file=sys.stderr)
@@ -266,7 +266,7 @@ def _replay_main(args: argparse.Namespace) -> int:
     print(
         f"Replaying {len(reqs)} requests of trace {trace.name}{cap} over "
         f"{trace.duration_s / args.speedup:.1f} s of arrivals (speedup {args.speedup:g}) on "
-        f"{args.model}, backend {eng.backend_name}, {eng.cache_spec.num_blocks} blocks x "
+        f"{eng.config.model}, backend {eng.backend_name}, {eng.cache_spec.num_blocks} blocks x "
         f"{eng.cache_spec.block_size} tokens; lengths scaled per kvpage.apps.replay.",
         file=sys.stderr,
     )
@@ -287,7 +287,7 @@ def _replay_main(args: argparse.Namespace) -> int:
     s.update(
         trace=trace.name,
         trace_path=trace.path,
-        model=args.model,
+        model=eng.config.model,
         backend=eng.backend_name,
         block_size=eng.cache_spec.block_size,
         num_blocks=eng.cache_spec.num_blocks,

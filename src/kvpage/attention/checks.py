@@ -5,7 +5,13 @@ message *before* any state is touched, so a rejected call changes nothing.
 
 ``check_write_kv``, ``check_forward`` and ``check_block_pairs`` are what every backend
 runs (the step itself is validated once, when the plan is built:
-``kvpage.attention.plan.check_step``). The ``check_launch_*`` functions run them first
+``kvpage.attention.plan.check_step``). In the engine the per-layer part of
+``check_forward`` runs at plan time instead: :func:`check_layers` once for the
+runner's caches and specs (they never change), :func:`check_step_layers` once per step
+and KV group; it marks the plan (``StepPlan.layers_checked``) and the CPU backends'
+``forward`` then runs no per-layer check. ``KVPAGE_CHECK_EVERY_LAYER=1`` in the
+environment (:data:`CHECK_EVERY_LAYER`) leaves the plan unmarked, so every layer checks
+its arguments again (debugging a backend or a model). The ``check_launch_*`` functions run them first
 and add what kernels that take raw memory need (storage and scale dtypes, index dtypes,
 devices of every tensor, independent block copies); the triton, cupy and numba plugins
 use them.
@@ -15,6 +21,9 @@ only, so that validation never synchronizes a GPU.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable, Sequence
+
 import torch
 
 from kvpage.attention.metadata import KV_STORAGE_DTYPES, KVCache
@@ -23,6 +32,9 @@ from kvpage.errors import DTypeError, ShapeError
 from kvpage.specs import AttentionSpec
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: ``KVPAGE_CHECK_EVERY_LAYER=1``: every layer's ``forward`` checks its arguments even
+#: when the step's layers were validated at plan time (read at import)
+CHECK_EVERY_LAYER = os.environ.get("KVPAGE_CHECK_EVERY_LAYER", "") not in ("", "0")
 
 
 def check_cache(cache: KVCache, name: str = "cache") -> None:
@@ -197,6 +209,50 @@ def check_forward(
         check_sinks(sinks, spec, dev)
     if (cache.block_size, cache.num_blocks) not in plan.tables_checked:
         check_tables(plan, cache.block_size, cache.num_blocks)
+
+
+def check_layers(
+    caches: Sequence[KVCache], specs: Sequence[AttentionSpec], device: torch.device
+) -> None:
+    """What ``check_forward`` checks of a layer that never changes, once for all layers
+    (the engine's runner, at construction): each cache's layout, storage and scale
+    dtypes and devices (``check_launch_cache``), its heads/head_dim against its spec,
+    and that it lives on ``device``.
+
+    Raises:
+        ShapeError, DTypeError: named ``caches[i]...`` for the first bad layer.
+    """
+    if len(caches) != len(specs):
+        raise ShapeError(f"caches: expected {len(specs)} (one per layer spec), got {len(caches)}")
+    for i, (cache, spec) in enumerate(zip(caches, specs)):
+        check_launch_cache(cache, f"caches[{i}]")
+        if cache.num_kv_heads != spec.num_kv_heads or cache.head_dim != spec.head_dim:
+            raise ShapeError(
+                f"caches[{i}]: expected num_kv_heads={spec.num_kv_heads}, "
+                f"head_dim={spec.head_dim}, got {cache.num_kv_heads}, {cache.head_dim}"
+            )
+        check_device(f"caches[{i}].kv", cache.kv, device)
+
+
+def check_step_layers(
+    plan: StepPlan, pools: Iterable[tuple[int, int]], device: torch.device
+) -> None:
+    """What ``check_forward`` checks per step of the layers of one KV group, once, at
+    plan time: the plan is on ``device`` (the caches', :func:`check_layers`) and the
+    block tables fit every ``(block_size, num_blocks)`` pool of the group
+    (``check_tables``). Marks ``plan.layers_checked`` (unless :data:`CHECK_EVERY_LAYER`),
+    so the layers' ``forward`` skips its checks; the query, ``out`` and ``sinks`` are
+    then the model's own tensors, shaped by the same specs.
+
+    Raises:
+        ShapeError: a plan on another device, or block tables that do not fit a pool.
+    """
+    if plan.device != device:
+        raise ShapeError(f"meta.device: expected {device} (the cache's), got {plan.device}")
+    for block_size, num_blocks in pools:
+        check_tables(plan, block_size, num_blocks)
+    if not CHECK_EVERY_LAYER:
+        object.__setattr__(plan, "layers_checked", True)
 
 
 def check_block_pairs(pairs: torch.Tensor, num_blocks: int) -> None:

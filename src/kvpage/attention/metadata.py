@@ -268,11 +268,6 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return int(sum(self.query_lens_cpu))
 
-    @property
-    def context_lens_cpu(self) -> list[int]:
-        """Tokens already cached before this step, per sequence."""
-        return [s - q for s, q in zip(self.seq_lens_cpu, self.query_lens_cpu)]
-
     @classmethod
     def build(
         cls,

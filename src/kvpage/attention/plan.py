@@ -6,7 +6,10 @@ and checks only what differs per layer (its query, cache and spec:
 ``kvpage.attention.checks.check_forward``). Checks that depend on a cache's
 ``(block_size, num_blocks)`` (block-table width, block ids in the pool) are the same
 for every layer of a KV group: they run for the first layer and are remembered in the
-plan (``StepPlan.tables_checked``).
+plan (``StepPlan.tables_checked``). The engine's runner goes further: it validates its
+caches once and each step's plan against them before any layer runs
+(``checks.check_step_layers``, ``StepPlan.layers_checked``), and the CPU backends'
+``forward`` then checks nothing per layer.
 
 Each backend subclasses ``StepPlan`` with its own frozen fields (precomputed tensors,
 launch parameters) — never an untyped dict. Build one with
@@ -43,6 +46,10 @@ class StepPlan:
         tables_checked: ``(block_size, num_blocks)`` pairs whose block-table checks
             passed this step (``kvpage.attention.checks.check_tables``; a memo, not
             input).
+        layers_checked: every layer's cache, spec and pool was validated for this step
+            before any layer ran (``kvpage.attention.checks.check_step_layers``, the
+            engine's runner): ``forward`` then skips its per-layer argument checks
+            (``check_forward``). False (a plan used directly) = ``forward`` checks.
     """
 
     meta: AttentionMetadata
@@ -52,6 +59,7 @@ class StepPlan:
     is_decode: bool
     device: torch.device
     tables_checked: set[tuple[int, int]] = field(default_factory=set, repr=False, compare=False)
+    layers_checked: bool = field(default=False, repr=False, compare=False)
 
 
 def check_step(meta: AttentionMetadata) -> None:

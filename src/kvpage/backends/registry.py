@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 from importlib.metadata import EntryPoint, entry_points
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ def _load(name: str) -> object:
     return ep.load()
 
 
-def get_backend(name: str) -> AttentionBackend:
+def get_backend(name: str) -> AttentionBackend[Any]:
     """Instantiate the backend registered as ``name``.
 
     Raises:
@@ -127,7 +128,7 @@ def backend_reasons(name: str, spec: CacheSpec, device: torch.device | str) -> l
 
 def select_backend(
     spec: CacheSpec, device: torch.device | str, prefer: str = "auto"
-) -> AttentionBackend:
+) -> AttentionBackend[Any]:
     """Pick the backend that runs ``spec`` on ``device``.
 
     Args:

@@ -158,10 +158,6 @@ class BlockPool(PoolRetention):
         """``num_used / num_usable`` in [0, 1]."""
         return self.num_used / (self.num_blocks - 1)
 
-    def get_cached(self, block_hash: bytes) -> KVBlock | None:
-        """The block holding ``block_hash``'s content, or None (no state change)."""
-        return self.cached.get(block_hash)
-
     def priority_of(self, block_id: int) -> int:
         """The retention priority block ``block_id`` has now (``kvpage.cache.free_queue``)."""
         return self.blocks[block_id].priority

@@ -150,10 +150,6 @@ class TieredCache:
         """Tier name -> its counters (live objects; copy to keep a snapshot)."""
         return {t.name: t.stats for t in self.tiers}
 
-    def usage_bytes(self) -> dict[str, int]:
-        """Tier name -> payload bytes held now."""
-        return {t.name: t.used_bytes for t in self.tiers}
-
     def where(self, block_hash: BlockHash) -> list[str]:
         """Names of the places holding ``block_hash``: ``"device"`` (the pool), then
         ``"host"``, ``"disk"``."""

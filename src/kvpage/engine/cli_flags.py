@@ -1,95 +1,119 @@
-"""Command-line flags for engine options shared by every command that runs the engine
-(``kvpage generate``/``replay`` in :mod:`kvpage.apps.engine_cli` and ``kvpage serve`` in
-:mod:`kvpage.server.cli`), so each option has one spelling everywhere."""
+"""Command-line flags generated from :class:`~kvpage.specs.engine_config.EngineConfig`:
+one flag per field, for every command that runs the engine (``kvpage generate``/
+``replay`` in :mod:`kvpage.apps.engine_args`, ``kvpage serve`` in
+:mod:`kvpage.server.cli`), so each option has one spelling, one help text (the field's
+``description``) and one rule everywhere. A new engine field gets its flag for free.
+
+Every flag's default is None ("not given"): the config's default (or for ``serve`` the
+config file) decides; ``dest`` is the field name.
+"""
 
 from __future__ import annotations
 
 import argparse
+import typing
+from collections.abc import Callable
 from typing import Any
 
+from kvpage.errors import SpecError
+from kvpage.specs.engine_config import EngineConfig, check_engine_field
 
-def add_prefix_caching_flags(group: Any, default: bool | None = True) -> None:
-    """``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` (vLLM's spelling,
-    the one every kvpage command uses), with ``--no-prefix-caching`` kept as an alias of
-    the latter; ``dest="enable_prefix_caching"``. ``default`` None = "not given" (serve:
-    the config file decides)."""
-    pc = group.add_mutually_exclusive_group()
-    pc.add_argument(
-        "--enable-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_true",
-        default=default,
-        help="reuse cached blocks of a shared prompt prefix (default: on)",
-    )
-    pc.add_argument(
-        "--no-enable-prefix-caching",
-        "--no-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        help="turn prefix caching off (--no-prefix-caching is an alias)",
-    )
+#: fields whose flag is not ``--`` + the field name with dashes
+FLAG_NAMES: dict[str, str] = {"num_threads": "--threads"}
+#: bool fields: ``--<field>`` / ``--no-<field>``, plus these aliases of the negative
+NEGATIVE_ALIASES: dict[str, tuple[str, ...]] = {"enable_prefix_caching": ("--no-prefix-caching",)}
 
 
-#: the KV tier / preemption flags: flag -> (EngineConfig field, help)
-TIER_FLAGS: dict[str, tuple[str, str]] = {
-    "--kv-host-tier-bytes": (
-        "kv_host_tier_bytes",
-        "host-memory KV tier capacity in bytes: evicted prefix blocks are kept there and "
-        "promoted back on a hit (default 0: none)",
-    ),
-    "--kv-disk-tier-bytes": (
-        "kv_disk_tier_bytes",
-        "local-disk KV tier capacity in bytes (needs --kv-disk-tier-path; default 0: none)",
-    ),
-    "--kv-disk-tier-path": (
-        "kv_disk_tier_path",
-        "directory of the disk KV tier (survives restarts; one subdirectory per "
-        "model/cache-layout fingerprint)",
-    ),
-    "--preemption-mode": (
-        "preemption_mode",
-        "recompute (default) or swap: copy a preempted sequence's KV to host memory and "
-        "back when the cost model says it is cheaper",
-    ),
-    "--swap-space-bytes": (
-        "swap_space_bytes",
-        "host bytes for swapped-out sequences (preemption-mode swap; default 1 GiB)",
-    ),
-}
+def engine_flag(field: str) -> str:
+    """The flag of EngineConfig field ``field`` (``num_threads`` -> ``--threads``)."""
+    return FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0 (bytes), got {text!r}")
-    return v
+def _base_type(annotation: Any) -> tuple[type, tuple[str, ...]]:
+    """``(int | float | str, choices)`` of a field annotation (``int | None`` -> int;
+    a Literal -> str and its values; ``Any`` -> str)."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return str, tuple(str(a) for a in typing.get_args(annotation))
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    base = args[0]
+    return (base if base in (int, float, bool) else str), ()
 
 
-def add_tier_flags(group: Any) -> None:
-    """:data:`TIER_FLAGS` with ``default=None`` ("not given": the EngineConfig default,
-    or for ``serve`` the config file, decides); ``dest`` is the EngineConfig field."""
-    for flag, (dest, help_) in TIER_FLAGS.items():
-        if dest == "kv_disk_tier_path":
-            group.add_argument(flag, dest=dest, default=None, metavar="DIR", help=help_)
-        elif dest == "preemption_mode":
-            group.add_argument(
-                flag, dest=dest, default=None, choices=["recompute", "swap"], help=help_
+def _checked(field: str, base: type) -> Callable[[str], Any]:
+    """An argparse ``type`` that converts to ``base`` and applies the field's rule:
+    argparse then prints ``argument --x: expected <rule>, got '<text>'`` and exits 2."""
+
+    def parse(text: str) -> Any:
+        try:
+            value: Any = base(text)
+        except ValueError:
+            value = text  # the rule names what was expected
+        try:
+            return check_engine_field(field, value)
+        except SpecError as e:
+            want = str(e).split(": expected ", 1)[1].rsplit(", got ", 1)[0]
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+
+    parse.__name__ = base.__name__
+    return parse
+
+
+def _help(field: str, where: str | None) -> str:
+    info = EngineConfig.model_fields[field]
+    desc = info.description or ""
+    choices = _base_type(info.annotation)[1]
+    if choices:
+        desc += "; one of " + ", ".join(choices)
+    if where is None:  # None defaults are explained by the description
+        text = desc if info.default is None else f"{desc} (default {info.default!r})"
+    else:  # serve: where the flag lands in a --config file first
+        text = f"config {where}.{field}; default {info.default!r}; {desc}"
+    return text.replace("%", "%%")
+
+
+def add_engine_flags(group: Any, *, checked: bool = True, where: str | None = None) -> None:
+    """Add one flag per EngineConfig field to ``group`` (an argparse parser or group).
+
+    Args:
+        checked: apply each field's rule while parsing (``generate``/``replay``); False
+            leaves it to the config's validation (``serve``, whose flags override a
+            file and are validated together with it).
+        where: the config section the help names (``"engine"`` for serve), None = none.
+    """
+    for field, info in EngineConfig.model_fields.items():
+        flag, hlp = engine_flag(field), _help(field, where)
+        base, choices = _base_type(info.annotation)
+        if base is bool:
+            both = group.add_mutually_exclusive_group()
+            both.add_argument(flag, dest=field, action="store_true", default=None, help=hlp)
+            neg = "--no-" + flag.removeprefix("--")
+            both.add_argument(
+                neg,
+                *NEGATIVE_ALIASES.get(field, ()),
+                dest=field,
+                action="store_false",
+                help=f"the opposite of {flag}",
             )
-        else:
-            group.add_argument(flag, dest=dest, type=_nonneg_int, default=None, help=help_)
+            continue
+        group.add_argument(
+            flag,
+            dest=field,
+            type=_checked(field, base) if checked else base,
+            default=None,
+            choices=(choices or None) if checked else None,
+            metavar="DIR" if field.endswith("_path") else None,
+            help=hlp,
+        )
 
 
-def tier_kwargs(args: Any) -> dict[str, Any]:
-    """The EngineConfig kwargs of the tier flags that were given."""
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields given on the command line (None = not given)."""
     out = {}
-    for dest, _ in TIER_FLAGS.values():
-        v = getattr(args, dest, None)
+    for field in EngineConfig.model_fields:
+        v = getattr(args, field, None)
         if v is not None:
-            out[dest] = v
+            out[field] = v
     return out
 
 
-__all__ = ["TIER_FLAGS", "add_prefix_caching_flags", "add_tier_flags", "tier_kwargs"]
+__all__ = ["FLAG_NAMES", "NEGATIVE_ALIASES", "add_engine_flags", "engine_flag", "engine_kwargs"]

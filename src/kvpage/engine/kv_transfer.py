@@ -20,7 +20,7 @@ short and untested here (no GPU on the development machine).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,19 +34,7 @@ if TYPE_CHECKING:
     from kvpage.attention.metadata import KVCache
     from kvpage.cache import KVCacheManager
     from kvpage.specs import CacheSpec
-
-
-class TierConfig(Protocol):
-    """The fields of ``kvpage.engine.EngineConfig`` the tiers and the swapper read
-    (a protocol, so this module does not import the config module that builds it)."""
-
-    model: Any
-    kv_host_tier_bytes: int
-    kv_disk_tier_bytes: int
-    kv_disk_tier_path: str | None
-    preemption_mode: str
-    swap_space_bytes: int
-    max_num_batched_tokens: int
+    from kvpage.specs.engine_config import EngineConfig
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +123,7 @@ class TorchBlockMover:
 
 
 def build_swapper(
-    config: TierConfig, kv_caches: Sequence[KVCache], kvm: KVCacheManager
+    config: EngineConfig, kv_caches: Sequence[KVCache], kvm: KVCacheManager
 ) -> Swapper | None:
     """The swapper of ``preemption_mode="swap"`` (None for ``recompute``), with the
     host-bandwidth preset of the cache's device (``kvpage.engine.swap.HOST_BANDWIDTH``).
@@ -175,7 +163,7 @@ def _check_holds_a_block(name: str, capacity: int, block_nbytes: int, off: str =
 
 
 def build_tiers(
-    config: TierConfig, spec: CacheSpec, kv_caches: Sequence[KVCache], kvm: KVCacheManager
+    config: EngineConfig, spec: CacheSpec, kv_caches: Sequence[KVCache], kvm: KVCacheManager
 ) -> TieredCache | None:
     """The engine's KV tiers from ``config`` (an ``EngineConfig``; None when both
     capacities are 0), attached to ``kvm``. The disk tier's fingerprint covers the model

@@ -25,10 +25,10 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Iterator
-from typing import Literal
 
 from kvpage.engine.request import Request
 from kvpage.errors import RequestRejected, SpecError
+from kvpage.specs.engine_config import SCHEDULING_POLICIES, SchedulingPolicy
 
 __all__ = [
     "SCHEDULING_POLICIES",
@@ -39,10 +39,6 @@ __all__ = [
     "make_queue",
     "priority_key",
 ]
-
-SchedulingPolicy = Literal["fcfs", "priority"]
-#: the accepted values of ``scheduling_policy``
-SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
 
 
 def priority_key(req: Request) -> tuple[int, int, int]:

@@ -34,7 +34,7 @@ class Request:
     Attributes:
         request_id: the scheduler id (see :func:`sample_id`).
         parent_id: the user request id, shared by its ``n`` parallel samples (vLLM's
-            parent request). ``group_id`` is a deprecated read-only alias.
+            parent request).
         sample_index: index in ``[0, n)``.
         token_ids: prompt then generated tokens (mutated: tokens are appended).
         num_prompt_tokens: prompt length in tokens.
@@ -82,11 +82,6 @@ class Request:
     cache_miss: CacheMissExplanation | None = None
     num_cached_tokens_by_tier: dict[str, int] | None = None
     swapped_tokens: int = 0
-
-    @property
-    def group_id(self) -> str:
-        """Deprecated alias of :attr:`parent_id` (kvpage's "group" means a KV group)."""
-        return self.parent_id
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvpage.attention.checks import check_layers, check_step_layers
 from kvpage.attention.metadata import AttentionMetadata, KVCache, slot_of
 from kvpage.attention.plan import StepPlan
 from kvpage.cache import batch_block_tables
@@ -61,8 +62,9 @@ class StepInputs:
         query_lens / seq_lens: ``[num_seqs]`` int64 new tokens / tokens after the step.
         logits_indices: ``[num_sampling_seqs]`` int64 rows of the last token of each
             sequence that samples.
-        block_tables: per KV group ``[num_seqs, max_blocks]`` int32, padded with 0 (the
-            reserved null block, so a stray read stays in bounds).
+        block_tables: per KV group ``[num_seqs, max_blocks]`` int32, padded with
+            ``kvpage.slots.PAD_BLOCK`` (-1) past each sequence's blocks: entries a
+            backend never reads (only ``ceil(seq_len / block_size)`` per row are used).
         slot_mappings: per KV group ``[num_tokens]`` int64 slots (-1 = padding; none
             here, every computed token has a slot).
     """
@@ -137,6 +139,14 @@ class ModelRunner:
         self.groups = cache_spec.kv_groups
         #: per token: (largest decoder linear as run, lm_head) multiply-adds
         self.dense_macs = model.dense_macs_per_token()
+        # the layers' caches and specs never change: validated once here, and each step's
+        # plan per KV group against its pools (checks.check_step_layers), not per layer
+        self.cache_device = kv_caches[0].kv.device if kv_caches else device
+        check_layers(kv_caches, cache_spec.layers, self.cache_device)
+        self.pools = [
+            {(kv_caches[i].block_size, kv_caches[i].num_blocks) for i in g.layer_ids}
+            for g in self.groups
+        ]
         caps = getattr(backend, "capabilities", None)
         self.own_cpu_threads = device.type == "cpu" and bool(getattr(caps, "own_cpu_threads", False))  # fmt: skip
 
@@ -168,7 +178,9 @@ class ModelRunner:
                 query_lens_cpu=qcpu,
                 seq_lens_cpu=scpu,
             )
-            metas.append(self.backend.plan(meta))
+            plan = self.backend.plan(meta)
+            check_step_layers(plan, self.pools[g], self.cache_device)
+            metas.append(plan)
         return metas
 
     @torch.inference_mode()

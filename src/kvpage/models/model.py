@@ -22,6 +22,7 @@ from kvpage.models.layers import DecoderLayer, PackedWeight, make_norm
 from kvpage.models.rope import RotaryEmbedding
 from kvpage.models.tokenizer import ByteTokenizer, Tokenizer
 from kvpage.specs import CacheSpec, KVCacheDType, ModelDType, ScaleGranularity
+from kvpage.specs.core import KVPoolKind
 
 
 class _Backbone(nn.Module):
@@ -115,6 +116,7 @@ class ModelRunnerModel(nn.Module):
         num_blocks: int = 0,
         kv_dtype: KVCacheDType = "auto",
         kv_scale_granularity: ScaleGranularity = "per_tensor",
+        kv_pool: KVPoolKind = "unified",
     ) -> CacheSpec:
         """``CacheSpec.from_hf_config(self.config, ...)`` with this model's dtype.
 
@@ -128,6 +130,7 @@ class ModelRunnerModel(nn.Module):
             kv_dtype=kv_dtype,
             dtype=self.dtype_name,
             kv_scale_granularity=kv_scale_granularity,
+            kv_pool=kv_pool,
         )
 
     @property

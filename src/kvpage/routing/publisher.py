@@ -206,11 +206,6 @@ class KVEventPublisher:
             self._push("removed", medium, h)
 
     # ---- output -------------------------------------------------------------------
-    @property
-    def num_pending(self) -> int:
-        """Events waiting for the next :meth:`drain`."""
-        return len(self._pending)
-
     def held(self, medium: str = "device") -> frozenset[bytes]:
         """The hashes held now in ``medium`` (what a snapshot would carry)."""
         if medium == "device":

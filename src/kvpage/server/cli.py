@@ -16,13 +16,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvpage.engine.cli_flags import add_prefix_caching_flags, add_tier_flags, tier_kwargs
+from kvpage.engine.cli_flags import add_engine_flags, engine_kwargs
 from kvpage.errors import KVPageError, SpecError
 from kvpage.server.config import ServerConfig, dump_config, format_validation_error, load_config
 
 __all__ = ["add_serve_parser", "check_engine_config", "config_from_args", "serve_main"]
 
-# flag -> (section, field, type); section None = top level of ServerConfig.
+# flag -> (section, field, type) of the non-engine flags; section None = top level of
+# ServerConfig. The engine section's flags are generated from EngineConfig's fields
+# (kvpage.engine.cli_flags: one per field, dest = the field name).
 _FLAGS: dict[str, tuple[str | None, str, Any]] = {
     "host": (None, "host", str),
     "port": (None, "port", int),
@@ -30,21 +32,6 @@ _FLAGS: dict[str, tuple[str | None, str, Any]] = {
     "log_level": (None, "log_level", str),
     "engine_niceness": (None, "engine_niceness", int),
     "chat_template": (None, "chat_template", str),
-    "generation_config": ("engine", "generation_config", str),
-    "model": ("engine", "model", str),
-    "block_size": ("engine", "block_size", int),
-    "num_blocks": ("engine", "num_blocks", int),
-    "kv_cache_memory_bytes": ("engine", "kv_cache_memory_bytes", int),
-    "max_num_seqs": ("engine", "max_num_seqs", int),
-    "max_num_batched_tokens": ("engine", "max_num_batched_tokens", int),
-    "max_model_len": ("engine", "max_model_len", int),
-    "kv_cache_dtype": ("engine", "kv_cache_dtype", str),
-    "backend": ("engine", "backend", str),
-    "dtype": ("engine", "dtype", str),
-    "seed": ("engine", "seed", int),
-    "threads": ("engine", "num_threads", int),
-    "scheduling_policy": ("engine", "scheduling_policy", str),
-    "kv_retention_max_share": ("engine", "kv_retention_max_share", float),
     "kv_retention_max_priority": ("admission", "kv_retention_max_priority", int),
     "kv_retention_max_ttl_s": ("admission", "kv_retention_max_ttl_s", float),
     "kv_high_water": ("admission", "kv_high_water", float),
@@ -116,8 +103,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
             default=None,
             help=_flag_help(section, field),
         )
-    add_prefix_caching_flags(p, default=None)  # the spelling generate/replay use too
-    add_tier_flags(p)
+    add_engine_flags(p, checked=False, where="engine")  # the spelling generate/replay use too
     p.add_argument(
         "--allow-unknown-fields",
         dest="allow_unknown_fields",
@@ -210,11 +196,9 @@ def config_from_args(args: argparse.Namespace, base: ServerConfig | None = None)
         v = getattr(args, flag, None)
         if v is not None:
             (data if section is None else data[section])[name] = v
-    if getattr(args, "enable_prefix_caching", None) is not None:
-        data["engine"]["enable_prefix_caching"] = args.enable_prefix_caching
     if getattr(args, "engine_process", None) is not None:
         data["engine_process"] = args.engine_process
-    data["engine"].update(tier_kwargs(args))
+    data["engine"].update(engine_kwargs(args))
     rate, burst = getattr(args, "tenant_rate", None), getattr(args, "tenant_burst", None)
     if (rate is None) != (burst is None):
         raise SpecError(
@@ -242,18 +226,18 @@ def config_from_args(args: argparse.Namespace, base: ServerConfig | None = None)
 
 
 def check_engine_config(cfg: ServerConfig) -> None:
-    """The engine's argument checks (``kvpage.engine.config.EngineConfig``: dtypes, sizes,
-    seed, ``generation_config``), a registered ``backend`` name and a readable, valid
-    ``chat_template``, without loading the model.
+    """What the engine checks at build time beyond the config's own rules, without loading
+    the model: the ``device`` exists here, ``backend`` is a registered name and
+    ``chat_template`` is a readable, valid template.
 
     Raises:
         SpecError: the first invalid engine field, named.
     """
     from kvpage.backends import available_backends
     from kvpage.engine.chat import load_chat_template
-    from kvpage.engine.config import EngineConfig as EngineArgs
+    from kvpage.engine.config import check_device
 
-    EngineArgs(**cfg.engine.engine_kwargs())
+    check_device(cfg.engine.device)
     load_chat_template(cfg.chat_template)
     names = available_backends()
     if cfg.engine.backend != "auto" and cfg.engine.backend not in names:

@@ -6,7 +6,9 @@ degradation thresholds, bind address) is one :class:`ServerConfig`. ``kvpage ser
 back, so a known-good configuration can be kept in version control and restored to roll
 back a bad change. Command-line flags override values read from the file.
 
-This module imports only pydantic and pyyaml, so it is safe to import without the
+The ``engine`` section is the engine's own :class:`~kvpage.specs.engine_config.EngineConfig`
+(one model for ``LLM(...)``, this file and the command-line flags). This module imports
+only pydantic, pyyaml and kvpage's torch-free specs, so it is safe to import without the
 ``server`` extra.
 """
 
@@ -17,9 +19,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from kvpage.errors import SpecError
+from kvpage.errors import SpecError, format_validation_error
+from kvpage.specs.engine_config import EngineConfig
+from kvpage.specs.engine_config import StrictModel as _Strict
 
 __all__ = [
     "AdmissionConfig",
@@ -34,101 +38,6 @@ __all__ = [
     "load_config",
     "read_config_file",
 ]
-
-#: KV cache dtypes the engine accepts (``kvpage.specs.KVCacheDType``)
-KVCacheDTypeName = Literal["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
-
-
-def format_validation_error(exc: ValidationError) -> str:
-    """One line per field: ``"engine.num_blocks: expected >= 2, got 1"`` (no pydantic URL)."""
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ())) or "config"
-        ctx = err.get("ctx") or {}
-        kind = err.get("type", "")
-        ops = {
-            "greater_than_equal": ">=",
-            "greater_than": ">",
-            "less_than_equal": "<=",
-            "less_than": "<",
-        }
-        if kind in ops:
-            bound = next(iter(ctx.values()), "?")
-            want = f"{ops[kind]} {bound}"
-        elif kind == "missing":
-            want = "a value (required field)"
-        elif kind == "extra_forbidden":
-            want = "no such field (unknown option)"
-        else:
-            want = str(err.get("msg", "a valid value"))
-            want = want.removeprefix("Input should be ").removeprefix("Value error, ")
-        if kind == "value_error" and not err.get("loc"):
-            lines.append(want)  # a whole-model rule: its message names fields and values
-            continue
-        got = "missing" if kind == "missing" else repr(err.get("input"))[:120]
-        lines.append(f"{loc}: expected {want}, got {got}")
-    return "; ".join(lines)
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Validate the whole model with the new value first, so that a refused assignment
-        # (e.g. one breaking a cross-field rule) leaves the config unchanged.
-        if name in type(self).model_fields:
-            type(self).model_validate({**self.model_dump(), name: value})
-        super().__setattr__(name, value)
-
-
-class EngineConfig(_Strict):
-    """Keyword arguments of ``LLMEngine.from_config`` (the ``LLM`` constructor's knobs).
-
-    Defaults are the engine's own (issue 4): block_size 16, max_num_seqs 256,
-    max_num_batched_tokens 2048, prefix caching on.
-    """
-
-    model: str = "stories260K"
-    block_size: int = Field(16, ge=1)
-    num_blocks: int | None = Field(None, ge=2)
-    kv_cache_memory_bytes: int | None = Field(None, ge=1)
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: KVCacheDTypeName = "auto"
-    backend: str = "auto"
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    seed: int = Field(0, ge=0, le=2**63 - 1)
-    #: CPU threads (None = the engine's default 1; 0 = torch's default), ``--threads``
-    num_threads: int | None = Field(None, ge=0)
-    #: ``fcfs`` or ``priority`` (vLLM's ``--scheduling-policy``; the tenants' and
-    #: requests' ``priority``: docs/serving.md)
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    #: most of the pool retention policies may hold (``--kv-retention-max-share``)
-    kv_retention_max_share: float = Field(0.5, ge=0.0, le=1.0)
-    #: KV tiers and preemption (``kvpage.engine.EngineConfig``; ``--kv-host-tier-bytes``,
-    #: ``--kv-disk-tier-bytes``, ``--kv-disk-tier-path``, ``--preemption-mode``,
-    #: ``--swap-space-bytes``); cross-field rules are checked when the engine is built
-    kv_host_tier_bytes: int = Field(0, ge=0)
-    kv_disk_tier_bytes: int = Field(0, ge=0)
-    kv_disk_tier_path: str | None = None
-    preemption_mode: Literal["recompute", "swap"] = "recompute"
-    swap_space_bytes: int = Field(1 << 30, ge=0)
-    #: request defaults from generation_config.json: ``auto`` (the model folder's),
-    #: ``vllm``/``none`` (none), or a folder (vLLM's ``--generation-config``)
-    generation_config: str = Field("auto", min_length=1)
-
-    @model_validator(mode="after")
-    def _tiers(self) -> EngineConfig:
-        from kvpage.engine.config import check_tier_config
-
-        check_tier_config(self)  # type: ignore[arg-type]
-        return self
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Return the kwargs for ``LLMEngine.from_config`` (None values are dropped)."""
-        return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
 class TenantLimit(_Strict):
@@ -374,7 +283,7 @@ class ServerConfig(_Strict):
     @property
     def model_name(self) -> str:
         """The model id clients must use."""
-        return self.engine.model if self.served_model_name is None else self.served_model_name
+        return str(self.engine.model) if self.served_model_name is None else self.served_model_name
 
 
 def read_config_file(path: str | Path, what: str = "config") -> dict[str, Any]:

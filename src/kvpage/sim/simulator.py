@@ -49,6 +49,7 @@ from kvpage.sim.config import POLICIES, SimConfig
 from kvpage.sim.costmodel import StepCostModel, get_gpu
 from kvpage.sim.instance import SimInstance
 from kvpage.specs import CacheSpec
+from kvpage.specs.engine_config import check_engine_field
 from kvpage.stats import summarize
 from kvpage.workload.traces import TokenMapper, Trace, TraceRequest
 
@@ -90,9 +91,9 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
     """Pool spec, cost model, max_model_len and pool slots for a config.
 
     Raises:
-        SpecError: unknown policy/model/GPU, a pool that does not fit, or a bad knob
-            (``block_size < 1``, ``num_blocks < 2``, ``max_model_len < 1``,
-            ``time_scale`` not a finite number > 0).
+        SpecError: unknown policy/model/GPU, a pool that does not fit, a field shared
+            with the engine that breaks the engine's rule (:data:`ENGINE_FIELDS`), or
+            ``time_scale`` not a finite number > 0.
     """
     if cfg.policy not in POLICIES:
         raise SpecError(f"policy: expected one of {POLICIES}, got {cfg.policy!r}")
@@ -138,20 +139,29 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
     return spec, cost, mml, (nb - 1) * cfg.block_size // g
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+#: SimConfig fields that are engine fields: checked by the engine's rules
+#: (``kvpage.specs.engine_config.FIELD_RULES``; ``kv_dtype`` is ``kv_cache_dtype``)
+ENGINE_FIELDS = {
+    "block_size": "block_size",
+    "num_blocks": "num_blocks",
+    "max_model_len": "max_model_len",
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "seed": "seed",
+    "kv_dtype": "kv_cache_dtype",
+    "kv_host_tier_bytes": "kv_host_tier_bytes",
+    "kv_disk_tier_bytes": "kv_disk_tier_bytes",
+    "preemption_mode": "preemption_mode",
+    "swap_space_bytes": "swap_space_bytes",
+}
 
 
 def _check_config(cfg: SimConfig) -> None:
-    if not _is_int(cfg.block_size) or cfg.block_size < 1:
-        raise SpecError(f"block_size: expected an int >= 1, got {cfg.block_size!r}")
-    if cfg.num_blocks is not None and (not _is_int(cfg.num_blocks) or cfg.num_blocks < 2):
-        raise SpecError(
-            f"num_blocks: expected None or an int >= 2 (the null block + 1 usable block) at "
-            f"block_size {cfg.block_size}, got {cfg.num_blocks!r}"
-        )
-    if cfg.max_model_len is not None and (not _is_int(cfg.max_model_len) or cfg.max_model_len < 1):
-        raise SpecError(f"max_model_len: expected None or an int >= 1, got {cfg.max_model_len!r}")
+    for sim_name, engine_name in ENGINE_FIELDS.items():
+        try:
+            check_engine_field(engine_name, getattr(cfg, sim_name))
+        except SpecError as e:
+            raise SpecError(str(e).replace(engine_name, sim_name, 1)) from None
     ts = cfg.time_scale
     if (
         isinstance(ts, bool)

@@ -332,7 +332,7 @@ def attach_sim_tiers(
 
     Raises:
         SpecError: tiers or swap with a contiguous policy (no block pool), an unknown
-            transfer preset, or a bad tier config (``kvpage.engine.config.check_tier_config``).
+            transfer preset (the tier fields' own rules are checked by ``build_setup``).
     """
     from kvpage.cache import KVCacheManager
     from kvpage.cache.tier_store import HostTier
@@ -341,14 +341,6 @@ def attach_sim_tiers(
 
     host_b, disk_b = cfg.kv_host_tier_bytes, cfg.kv_disk_tier_bytes
     swap = cfg.preemption_mode == "swap"
-    if cfg.preemption_mode not in ("recompute", "swap"):
-        raise SpecError(
-            f"preemption_mode: expected 'recompute' or 'swap', got {cfg.preemption_mode!r}"
-        )
-    for name in ("kv_host_tier_bytes", "kv_disk_tier_bytes", "swap_space_bytes"):
-        v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise SpecError(f"{name}: expected an int >= 0 (bytes), got {v!r}")
     if not (host_b or disk_b or swap):
         return None
     if not isinstance(kv, KVCacheManager):

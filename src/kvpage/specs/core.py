@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -102,12 +102,6 @@ class AttentionSpec(BaseModel):
     @property
     def num_queries_per_kv(self) -> int:
         """Query heads per KV head (1 = MHA, num_q_heads = MQA; vLLM's name)."""
-        return self.num_q_heads // self.num_kv_heads
-
-    @property
-    def group_size(self) -> int:
-        """Deprecated alias of :attr:`num_queries_per_kv` ("group" in kvpage means a KV
-        group); kept for existing callers."""
         return self.num_q_heads // self.num_kv_heads
 
 
@@ -420,7 +414,10 @@ class CacheSpec(BaseModel):
         )
 
 
-def validated(model: type[BaseModel], data: Mapping[str, Any], source: str | None = None) -> Any:
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def validated(model: type[_M], data: Mapping[str, Any], source: str | None = None) -> _M:
     """``model.model_validate(data)`` with pydantic's errors as one :class:`SpecError`.
 
     ``source`` (a file name) is for data read from a file: the message then names the
@@ -451,12 +448,12 @@ def _format_validation(e: ValidationError, what: str, source: str | None = None)
 
 def make_attention_spec(**kwargs: Any) -> AttentionSpec:
     """Build an AttentionSpec, raising SpecError (not pydantic's error) on bad input."""
-    return validated(AttentionSpec, kwargs)  # type: ignore[no-any-return]
+    return validated(AttentionSpec, kwargs)
 
 
 def make_cache_spec(**kwargs: Any) -> CacheSpec:
     """Build a CacheSpec, raising SpecError on bad input."""
-    return validated(CacheSpec, kwargs)  # type: ignore[no-any-return]
+    return validated(CacheSpec, kwargs)
 
 
 __all__ = [

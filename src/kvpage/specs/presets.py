@@ -93,7 +93,7 @@ def load_preset(name: str) -> Preset:
     if not isinstance(data, dict):
         raise SpecError(f"preset {path}: expected a mapping, got {type(data).__name__}")
     data.setdefault("name", path.stem)
-    return validated(Preset, data, source=str(path))  # type: ignore[no-any-return]
+    return validated(Preset, data, source=str(path))
 
 
 __all__ = ["Preset", "list_presets", "load_preset"]

@@ -94,14 +94,14 @@ def _tokenizer(style: str) -> Any:
         t.post_processor = processors.TemplateProcessing(
             single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
         )
-        return PreTrainedTokenizerFast(
+        return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
             tokenizer_object=t,
             bos_token="<s>",
             eos_token="</s>",
             unk_token="<unk>",
             chat_template=LLAMA_TEMPLATE,
         )
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=t,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -160,7 +160,7 @@ def make_chat_folder(
         **ids,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model = AutoModelForCausalLM.from_config(cfg).eval()  # type: ignore[no-untyped-call]
     if emit is not None:
         set_emitted_token(model, emit)
     model.save_pretrained(out)
@@ -169,7 +169,7 @@ def make_chat_folder(
         gen_path.unlink()  # save_pretrained derives one from config.json: write ours only
     if style == "qwen" and generation_config:
         eos = [tok.convert_tokens_to_ids("<|im_end|>"), endoftext]
-        GenerationConfig(
+        GenerationConfig(  # type: ignore[no-untyped-call]
             bos_token_id=endoftext, eos_token_id=eos, do_sample=True, **QWEN_GENERATION_CONFIG
         ).save_pretrained(out)
     tok.save_pretrained(out)

@@ -12,6 +12,8 @@ same bound.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvpage.attention.metadata import AttentionMetadata
@@ -23,7 +25,7 @@ from kvpage.testing.tolerances import assert_close, tolerance_for
 
 
 def chunked_outputs(
-    backend: AttentionBackend,
+    backend: AttentionBackend[Any],
     case: AttentionCase,
     chunks: list[list[int]],
     device: torch.device | str = "cpu",
@@ -83,7 +85,7 @@ def chunked_outputs(
 
 
 def check_chunking_invariance(
-    backend: AttentionBackend,
+    backend: AttentionBackend[Any],
     case: AttentionCase,
     chunks: list[list[int]],
     device: torch.device | str = "cpu",
@@ -111,7 +113,7 @@ def check_chunking_invariance(
 
 
 def check_layout_invariance(
-    backend: AttentionBackend,
+    backend: AttentionBackend[Any],
     case: AttentionCase,
     block_size: int,
     block_tables: list[list[int]],

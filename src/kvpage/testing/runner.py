@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -54,7 +55,7 @@ def assert_cache_bits_equal(actual: KVCache, expected: KVCache, *, what: str) ->
 
 
 def run_attention(
-    backend: AttentionBackend,
+    backend: AttentionBackend[Any],
     query: torch.Tensor,
     cache: KVCache,
     plan: StepPlan,
@@ -88,7 +89,7 @@ def run_attention(
 
 
 def check_attention_case(
-    backend: AttentionBackend,
+    backend: AttentionBackend[Any],
     case: AttentionCase,
     device: torch.device | str = "cpu",
     *,
@@ -136,7 +137,7 @@ def _saturates(case: AttentionCase, keys: list[torch.Tensor], values: list[torch
 
 def _max_logit_terms(case: AttentionCase, query: torch.Tensor, keys: list[torch.Tensor]) -> float:
     """``scale * max over (token, head, key) of sum_d |q_d| * keys_d`` (keys >= 0)."""
-    g = case.spec.group_size
+    g = case.spec.num_queries_per_kv
     best, start = 0.0, 0
     for k, q in zip(keys, case.query_lens):
         qq = query[start : start + q].detach().cpu().double().abs()
@@ -212,7 +213,7 @@ def check_quantization_error(
 
 
 def check_write_kv_case(
-    backend: AttentionBackend,
+    backend: AttentionBackend[Any],
     case: AttentionCase,
     device: torch.device | str = "cpu",
     *,
@@ -255,7 +256,7 @@ def check_write_kv_case(
 
 
 def run_plugin_case(
-    backend: AttentionBackend, case: AttentionCase, device: torch.device | str = "cpu"
+    backend: AttentionBackend[Any], case: AttentionCase, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The shared plugin harness (what tests/backends run for every plugin): the case's
     context is written by the reference writer, its new tokens by ``backend.write_kv``

@@ -135,7 +135,8 @@ class TokenMapper:
         n = req.prompt_tokens
         if req.hash_ids is None:
             rng = np.random.default_rng([self.seed, 1, req.index])
-            return rng.integers(0, self.vocab_size, n, dtype=np.int64).tolist()
+            ids: list[int] = rng.integers(0, self.vocab_size, n, dtype=np.int64).tolist()
+            return ids
         hb = self.hash_block_tokens
         if len(req.hash_ids) * hb < n:
             raise TraceError(
@@ -145,12 +146,16 @@ class TokenMapper:
         parts = [self.hash_block(h) for h in req.hash_ids[: -(-n // hb)]]
         if not parts:
             return []
-        return np.concatenate(parts)[:n].tolist()
+        out: list[int] = np.concatenate(parts)[:n].tolist()
+        return out
 
     def output(self, req: TraceRequest) -> list[int]:
         """The request's ``output_tokens`` generated token ids (unique per request)."""
         rng = np.random.default_rng([self.seed, 2, req.index])
-        return rng.integers(0, self.vocab_size, req.output_tokens, dtype=np.int64).tolist()
+        ids: list[int] = rng.integers(
+            0, self.vocab_size, req.output_tokens, dtype=np.int64
+        ).tolist()
+        return ids
 
 
 def prompt_token_ids(req: TraceRequest, *, seed: int = 0, vocab_size: int = 32000) -> list[int]:

@@ -15,7 +15,7 @@ from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.attention.quant import quantize_fp8, quantize_int8
 from kvpage.backends.torch_backend.compute import pick_attend
-from kvpage.backends.torch_backend.plan import STREAM_MIN_BYTES, GroupIndex, TorchPlan
+from kvpage.backends.torch_backend.plan import STREAM_MIN_BYTES, SeqBucket, TorchPlan
 from kvpage.errors import ShapeError
 from kvpage.specs import AttentionSpec, CacheSpec
 
@@ -29,8 +29,8 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 class TorchBackend:
     """Paged attention in plain torch (see ``kvpage.attention.protocol.AttentionBackend``).
 
-    Decode and prefill share one path: sequences are grouped (``plan.TorchPlan``),
-    whole blocks are gathered per group, and attention runs through
+    Decode and prefill share one path: sequences are bucketed (``plan.TorchPlan``),
+    whole blocks are gathered per bucket, and attention runs through
     ``torch.nn.functional.scaled_dot_product_attention`` (explicit float32 matmuls
     when a logit soft cap or attention sinks are set). Unquantized caches compute in the cache dtype;
     int8/fp8 caches are dequantized to float32.
@@ -131,15 +131,16 @@ class TorchBackend:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of one layer over the step (``AttentionBackend.forward``): the
-        plan's groups for this cache and window, each attended by the compute path
-        chosen for it (``compute.pick_attend``) into ``out``. Groups, paths and their
+        plan's buckets for this cache and window, each attended by the compute path
+        chosen for it (``compute.pick_attend``) into ``out``. Buckets, paths and their
         step-constant buffers are built by the first layer of each layer shape and
         kept in ``plan.runs``; later layers only look them up.
 
         Raises:
             ShapeError, DTypeError: see ``kvpage.attention.checks.check_forward``.
         """
-        check_forward(query, cache, plan, spec, out, sinks)
+        if not plan.layers_checked:  # else validated at plan time (checks.check_step_layers)
+            check_forward(query, cache, plan, spec, out, sinks)
         key = (
             cache.block_size,
             cache.num_blocks,
@@ -162,26 +163,26 @@ class TorchBackend:
 
     def _layer_runs(
         self, cache: KVCache, plan: TorchPlan, spec: AttentionSpec
-    ) -> list[tuple[Callable[..., None], GroupIndex]]:
-        """The groups of a layer shape with their compute paths (once per step and
-        shape). Off the CPU, checks the block ids the groups read against the pool
+    ) -> list[tuple[Callable[..., None], SeqBucket]]:
+        """The buckets of a layer shape with their compute paths (once per step and
+        shape). Off the CPU, checks the block ids the buckets read against the pool
         (CPU block tables were checked by ``check_forward``).
 
         Raises:
             ShapeError: a block id outside ``[0, cache.num_blocks)``.
         """
         row_bytes = cache.num_kv_heads * cache.head_dim * cache.kv.element_size()
-        groups = plan.groups(
+        buckets = plan.buckets(
             cache.block_size, spec.sliding_window, row_bytes, self.stream_min_bytes
         )
         if plan.device.type != "cpu":
-            for g in groups:
+            for g in buckets:
                 if g.min_block < 0 or g.max_block >= cache.num_blocks:
                     raise ShapeError(
                         f"meta.block_tables: expected block ids in [0, {cache.num_blocks - 1}], "
                         f"got [{g.min_block}, {g.max_block}]"
                     )
-        return [(pick_attend(g, cache, spec), g) for g in groups]
+        return [(pick_attend(g, cache, spec), g) for g in buckets]
 
     def copy_blocks(self, caches: list[KVCache], pairs: torch.Tensor) -> None:
         """``cache[:, dst] = cache[:, src]`` for each ``(src, dst)`` row of ``pairs``

@@ -1,11 +1,11 @@
 """Attention math of the torch backend: gather, dequantize, attend (vectorized).
 
-Groups come from ``plan.py``. Streamed groups (one long sequence) gather whole blocks
+Buckets come from ``plan.py``. Streamed buckets (one long sequence) gather whole blocks
 with one row gather (``F.embedding``) per chunk and attend with batched matmuls over
 the KV heads (decode, soft cap) or ``scaled_dot_product_attention`` (prefill); padded
-groups (many short sequences) gather per slot into ``[n, max_keys]``: decode groups
-attend with two float32 batched matmuls per group over all heads at once (see
-``_decode_padded``), prefill groups use SDPA with a key mask, or explicit float32
+buckets (many short sequences) gather per slot into ``[n, max_keys]``: decode buckets
+attend with two float32 batched matmuls per bucket over all heads at once (see
+``_decode_padded``), prefill buckets use SDPA with a key mask, or explicit float32
 matmuls when a logit soft cap is set (SDPA has none).
 """
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpage.attention.metadata import KVCache
-from kvpage.backends.torch_backend.plan import GroupIndex
+from kvpage.backends.torch_backend.plan import SeqBucket
 from kvpage.specs import AttentionSpec
 
 #: the float32 logits of one chunk of query rows stay under this many bytes
@@ -33,7 +33,7 @@ DECODE_CHUNK_BYTES = 2 * 2**20
 
 
 def compute_dtype(cache: KVCache, streamed: bool) -> torch.dtype:
-    """Unquantized caches attend in the cache dtype (streamed groups on the CPU in
+    """Unquantized caches attend in the cache dtype (streamed buckets on the CPU in
     float32, which the buffer conversion makes free); int8/fp8 caches in float32."""
     if cache.kv_dtype != "auto":
         return torch.float32
@@ -135,7 +135,7 @@ def _explicit_heads(
 
 
 def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupIndex, spec: AttentionSpec
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: SeqBucket, spec: AttentionSpec
 ) -> torch.Tensor:
     """q ``[n, Lq, Hq, D]``, k/v ``[n, L, Hkv, D]`` -> ``[n, Lq, Hq, D]``."""
     res = F.scaled_dot_product_attention(
@@ -153,7 +153,7 @@ def _sdpa(
 def _decode_streamed(
     query: torch.Tensor,
     cache: KVCache,
-    g: GroupIndex,
+    g: SeqBucket,
     spec: AttentionSpec,
     out: torch.Tensor,
     sinks: torch.Tensor | None = None,
@@ -163,7 +163,7 @@ def _decode_streamed(
     softmax, then ``P @ V`` chunk by chunk. Each chunk is gathered and consumed while it
     is in cache, so the cache is read from memory once."""
     bs, hkv, d = cache.block_size, spec.num_kv_heads, spec.head_dim
-    grp = spec.group_size
+    grp = spec.num_queries_per_kv
     per = max(1, DECODE_CHUNK_BYTES // (bs * hkv * d * 4))
     nblk = int(g.index.numel())
     a0, n = g.key_offset, g.num_keys
@@ -190,7 +190,7 @@ def _decode_streamed(
 def _attend_streamed(
     query: torch.Tensor,
     cache: KVCache,
-    g: GroupIndex,
+    g: SeqBucket,
     spec: AttentionSpec,
     out: torch.Tensor,
     sinks: torch.Tensor | None = None,
@@ -216,11 +216,11 @@ def _attend_streamed(
 
 @dataclass(frozen=True)
 class PaddedDecode:
-    """Step-constant data of one padded decode group for one layer shape (built once per
+    """Step-constant data of one padded decode bucket for one layer shape (built once per
     step by :func:`layer_runs`, used by every layer of that shape).
 
     Attributes:
-        kv_index: ``[2 * n * max_keys]`` int64: the group's slots, then the same slots
+        kv_index: ``[2 * n * max_keys]`` int64: the bucket's slots, then the same slots
             shifted by the cache's slot count (the V half of ``cache.kv`` viewed as
             ``[2 * slots, ...]``), so K and V rows come in one gather; None for
             quantized caches (dequantized per half).
@@ -237,9 +237,9 @@ class PaddedDecode:
     qbd_diag: torch.Tensor
 
 
-def padded_decode_data(g: GroupIndex, cache: KVCache, spec: AttentionSpec) -> PaddedDecode:
-    """The :class:`PaddedDecode` of group ``g`` for caches shaped like ``cache`` and
-    layers like ``spec`` (tensors on the group's device)."""
+def padded_decode_data(g: SeqBucket, cache: KVCache, spec: AttentionSpec) -> PaddedDecode:
+    """The :class:`PaddedDecode` of bucket ``g`` for caches shaped like ``cache`` and
+    layers like ``spec`` (tensors on the bucket's device)."""
     n, _ = g.index.shape
     hkv, d, hq = cache.num_kv_heads, cache.head_dim, spec.num_q_heads
     kv_index = None
@@ -255,7 +255,7 @@ def padded_decode_data(g: GroupIndex, cache: KVCache, spec: AttentionSpec) -> Pa
 def _decode_padded(
     query: torch.Tensor,
     cache: KVCache,
-    g: GroupIndex,
+    g: SeqBucket,
     spec: AttentionSpec,
     out: torch.Tensor,
     sinks: torch.Tensor | None = None,
@@ -266,7 +266,7 @@ def _decode_padded(
     by the plan's additive ``key_bias``), in float32: logits ``[n, Hq, L]`` from one
     batched matmul against the K rows ``[n, L, Hkv * D]`` (block-diagonal query
     ``data.qbd``, no per-head copy of K), soft cap, bias, softmax, then ``P @ V`` and
-    the diagonal blocks of the result. Groups are small (``plan.GROUP_BYTES``), so the
+    the diagonal blocks of the result. Buckets are small (``plan.BUCKET_BYTES``), so the
     gathered K/V are read back from cache."""
     assert g.key_bias is not None
     n, L = g.index.shape
@@ -302,12 +302,12 @@ def _decode_padded(
 def _attend_padded(
     query: torch.Tensor,
     cache: KVCache,
-    g: GroupIndex,
+    g: SeqBucket,
     spec: AttentionSpec,
     out: torch.Tensor,
     sinks: torch.Tensor | None = None,
 ) -> None:
-    """A padded group through SDPA (or explicit float32 matmuls with a soft cap or
+    """A padded bucket through SDPA (or explicit float32 matmuls with a soft cap or
     sinks)."""
     dtype = compute_dtype(cache, streamed=False)
     n, max_q = g.q_rows.shape
@@ -338,14 +338,14 @@ def _attend_padded(
     out.index_copy_(0, g.out_rows, res.to(out.dtype))
 
 
-#: one layer's work on one group: ``attend(query, cache, group, spec, out, sinks)``
+#: one layer's work on one bucket: ``attend(query, cache, bucket, spec, out, sinks)``
 Attend = Callable[
-    [torch.Tensor, KVCache, GroupIndex, AttentionSpec, torch.Tensor, torch.Tensor | None], None
+    [torch.Tensor, KVCache, SeqBucket, AttentionSpec, torch.Tensor, torch.Tensor | None], None
 ]
 
 
-def pick_attend(g: GroupIndex, cache: KVCache, spec: AttentionSpec) -> Attend:
-    """The compute path of group ``g`` for caches shaped like ``cache`` and layers like
+def pick_attend(g: SeqBucket, cache: KVCache, spec: AttentionSpec) -> Attend:
+    """The compute path of bucket ``g`` for caches shaped like ``cache`` and layers like
     ``spec``: streamed decode (two chunked passes), streamed prefill, padded decode
     (block-diagonal query, while ``num_kv_heads * head_dim <= BLOCK_DIAG_MAX_ROW``; its
     step-constant buffers built here, once) or padded SDPA."""
@@ -354,17 +354,3 @@ def pick_attend(g: GroupIndex, cache: KVCache, spec: AttentionSpec) -> Attend:
     if g.key_bias is not None and cache.num_kv_heads * cache.head_dim <= BLOCK_DIAG_MAX_ROW:
         return partial(_decode_padded, data=padded_decode_data(g, cache, spec))
     return _attend_padded
-
-
-def attend_group(
-    query: torch.Tensor,
-    cache: KVCache,
-    g: GroupIndex,
-    spec: AttentionSpec,
-    out: torch.Tensor,
-    sinks: torch.Tensor | None = None,
-) -> None:
-    """Compute one group and write its real rows into ``out`` ``[num_tokens, Hq, D]``
-    (rows of other groups untouched). ``TorchBackend.forward`` takes the path from the
-    plan's memo (``pick_attend`` once per step and layer shape) instead."""
-    pick_attend(g, cache, spec)(query, cache, g, spec, out, sinks)

@@ -4,7 +4,7 @@ Key range of sequence ``i`` (absolute positions): ``lo_i .. seq_len_i - 1`` with
 ``lo_i = max(0, context_len_i - W + 1)`` for a sliding window ``W`` (the earliest key
 its first new token sees; ``kvpage.specs``: W keys including the current one), else 0.
 
-Sequences are split into two kinds of groups:
+Sequences are split into two kinds of buckets:
 
 * **streamed** (one sequence, long key range): its whole blocks are gathered into a
   buffer with one row gather per chunk and the key range is a slice of it, so
@@ -30,25 +30,25 @@ import torch
 from kvpage.attention.metadata import AttentionMetadata, slot_of
 from kvpage.attention.plan import StepPlan, step_fields
 
-#: a padded group may hold this factor more (query x key) work than real work ...
+#: a padded bucket may hold this factor more (query x key) work than real work ...
 PAD_FACTOR = 1.5
-#: ... plus this much slack, so that many tiny sequences still share one group
+#: ... plus this much slack, so that many tiny sequences still share one bucket
 PAD_SLACK = 64 * 1024
 #: sequences whose K rows of the key range exceed this many bytes are streamed alone
 STREAM_MIN_BYTES = 256 * 1024
-#: a padded group's gathered K (or V) stays under this many bytes (unless one sequence
-#: alone needs more), so a group's gather and its consumers mostly run in cache; 1 MiB
+#: a padded bucket's gathered K (or V) stays under this many bytes (unless one sequence
+#: alone needs more), so a bucket's gather and its consumers mostly run in cache; 1 MiB
 #: measured best for a 256-sequence decode step on stories260K shapes (128 KiB: 1.8x
-#: slower from per-group overhead; 4 MiB: 1.5x slower), see docs/benchmarks.md
-GROUP_BYTES = 1024 * 1024
+#: slower from per-bucket overhead; 4 MiB: 1.5x slower), see docs/benchmarks.md
+BUCKET_BYTES = 1024 * 1024
 
 
 @dataclass
-class GroupIndex:
-    """Gather and mask data of one group (tensors on the step's device).
+class SeqBucket:
+    """Gather and mask data of one bucket (tensors on the step's device).
 
     Attributes:
-        seqs: sequence indices of the group (host list).
+        seqs: sequence indices of the bucket (host list).
         streamed: True for a single streamed sequence (see module docstring).
         index: padded: ``[n, max_keys]`` int64 slots; streamed: ``[num_blocks]`` int64
             physical blocks covering the key range.
@@ -58,13 +58,13 @@ class GroupIndex:
         q_valid: ``[n * max_q]`` bool of real query rows, or None when all are real.
         out_rows: ``[num_real]`` int64 token rows receiving the outputs.
         attn_mask: ``[n, 1, max_q, max_keys]`` bool (True = attend) or None.
-        key_bias: padded decode groups (``max_q == 1``): ``[n, 1, max_keys]`` float32,
+        key_bias: padded decode buckets (``max_q == 1``): ``[n, 1, max_keys]`` float32,
             0 for keys in the range and -inf for padding (added to the logits); else None.
         kv_index: memo of ``compute``: K-then-V slot index per cache slot count.
         is_causal: True when a top-left causal mask (query j sees keys 0..j) is exact.
         max_q: padded query length.
-        q_start: first token row (streamed groups: rows are contiguous).
-        identity_rows: the group's outputs are exactly rows 0..n-1 in order.
+        q_start: first token row (streamed buckets: rows are contiguous).
+        identity_rows: the bucket's outputs are exactly rows 0..n-1 in order.
         min_block / max_block: range of physical block ids read (validated per cache).
     """
 
@@ -90,7 +90,7 @@ class GroupIndex:
 @dataclass(frozen=True, kw_only=True)
 class TorchPlan(StepPlan):
     """The torch backend's step plan: host copies of the step's lengths and block
-    tables, and a memo of groups per ``(block_size, sliding_window, bytes per key row,
+    tables, and a memo of buckets per ``(block_size, sliding_window, bytes per key row,
     stream threshold)`` (filled by the first layer that needs them).
 
     Attributes:
@@ -103,20 +103,20 @@ class TorchPlan(StepPlan):
     query_lens: list[int]
     seq_lens: list[int]
     query_starts: list[int]
-    memo: dict[tuple[int, int | None, int, int], list[GroupIndex]] = field(
+    memo: dict[tuple[int, int | None, int, int], list[SeqBucket]] = field(
         default_factory=dict, repr=False, compare=False
     )
     #: ``TorchBackend.forward``'s memo: per layer shape (block size, pool size, heads,
-    #: head_dim, storage dtype, query heads, window, stream threshold), the groups with
+    #: head_dim, storage dtype, query heads, window, stream threshold), the buckets with
     #: the compute path of each (``compute.pick_attend``)
-    runs: dict[tuple[Any, ...], list[tuple[Callable[..., None], GroupIndex]]] = field(
+    runs: dict[tuple[Any, ...], list[tuple[Callable[..., None], SeqBucket]]] = field(
         default_factory=dict, repr=False, compare=False
     )
 
     @classmethod
     def from_meta(cls, meta: AttentionMetadata) -> TorchPlan:
         """Validate the step (``kvpage.attention.plan.check_step``) and copy what the
-        groups are built from to the host.
+        buckets are built from to the host.
 
         Raises:
             ShapeError, DTypeError: see ``check_step``.
@@ -133,14 +133,14 @@ class TorchPlan(StepPlan):
             query_starts=qs,
         )
 
-    def groups(
+    def buckets(
         self,
         block_size: int,
         window: int | None,
         row_bytes: int,
         stream_min_bytes: int = STREAM_MIN_BYTES,
-    ) -> list[GroupIndex]:
-        """The groups for caches of ``block_size``, a layer window and ``row_bytes``
+    ) -> list[SeqBucket]:
+        """The buckets for caches of ``block_size``, a layer window and ``row_bytes``
         bytes per key (num_kv_heads * head_dim * element size); sequences whose key
         range holds at least ``stream_min_bytes`` are streamed alone."""
         key = (block_size, window, row_bytes, stream_min_bytes)
@@ -156,7 +156,7 @@ class TorchPlan(StepPlan):
 
     def _build(
         self, bs: int, window: int | None, row_bytes: int, stream_min: int
-    ) -> list[GroupIndex]:
+    ) -> list[SeqBucket]:
         # one pass over the sequences: key spans (``_key_range``, inlined: this runs per
         # step) and the streamed/batched split
         spans: dict[int, tuple[int, int]] = {}
@@ -176,14 +176,14 @@ class TorchPlan(StepPlan):
     def _partition(
         self, live: list[int], spans: dict[int, tuple[int, int]], row_bytes: int
     ) -> list[list[int]]:
-        """Greedy: sorted by query length then key span, a group grows while its padded
+        """Greedy: sorted by query length then key span, a bucket grows while its padded
         work stays within PAD_FACTOR of the real work (plus PAD_SLACK) and its padded
-        K rows within GROUP_BYTES."""
+        K rows within BUCKET_BYTES."""
         keyed = []
         for i in live:
             keyed.append((self.query_lens[i], spans[i][1] - spans[i][0], i))
         keyed.sort(reverse=True)
-        groups: list[list[int]] = []
+        buckets: list[list[int]] = []
         cur: list[int] = []
         real = max_q = max_k = 0
         for q, k, i in keyed:
@@ -191,15 +191,15 @@ class TorchPlan(StepPlan):
             pad = (len(cur) + 1) * nq * nk
             if cur and (
                 pad > PAD_FACTOR * nreal + PAD_SLACK
-                or (len(cur) + 1) * nk * row_bytes > GROUP_BYTES
+                or (len(cur) + 1) * nk * row_bytes > BUCKET_BYTES
             ):
-                groups.append(cur)
+                buckets.append(cur)
                 cur, nq, nk, nreal = [], q, k, q * k
             cur.append(i)
             max_q, max_k, real = nq, nk, nreal
         if cur:
-            groups.append(cur)
-        return groups
+            buckets.append(cur)
+        return buckets
 
     def _masks(
         self, kpos: torch.Tensor, qpos: torch.Tensor, key_valid: torch.Tensor, window: int | None
@@ -210,7 +210,7 @@ class TorchPlan(StepPlan):
             allowed &= kpos[:, None, :] > (qpos[:, :, None] - window)
         return allowed
 
-    def _streamed(self, i: int, bs: int, window: int | None) -> GroupIndex:
+    def _streamed(self, i: int, bs: int, window: int | None) -> SeqBucket:
         lo, hi = self._key_range(i, window)
         q, qs = self.query_lens[i], self.query_starts[i]
         first, last = lo // bs, (hi - 1) // bs
@@ -229,7 +229,7 @@ class TorchPlan(StepPlan):
                 valid = torch.ones_like(kpos, dtype=torch.bool)
                 mask = self._masks(kpos, qpos, valid, window)[:, None]
         dev = self.device
-        return GroupIndex(
+        return SeqBucket(
             seqs=[i],
             streamed=True,
             index=blocks.to(dev),
@@ -252,7 +252,7 @@ class TorchPlan(StepPlan):
         bs: int,
         window: int | None,
         spans: dict[int, tuple[int, int]],
-    ) -> GroupIndex:
+    ) -> SeqBucket:
         dev = self.device
         rows = []  # one host pass: (lo, seq_len, query_len, query_start) per sequence
         for i in seqs:
@@ -293,7 +293,7 @@ class TorchPlan(StepPlan):
         flat_valid = q_valid.reshape(-1)
         out_rows = q_rows.reshape(-1)[flat_valid]
         identity = max_q == 1 and all_q and out_rows.tolist() == list(range(self.query_starts[-1]))
-        return GroupIndex(
+        return SeqBucket(
             seqs=seqs,
             streamed=False,
             index=slots.to(dev),

@@ -1,4 +1,5 @@
-"""The step plan of the ``numba-cpu`` backend: host arrays the kernel reads, and the
+"""The step plan of the CPU kernel backends (the ``numba-cpu`` and ``native-cpu``
+plugins share it, so neither imports the other): host arrays the kernel reads, and the
 work split across threads.
 
 Built once per step from the host lists (``query_lens_cpu``, ``seq_lens_cpu``); every

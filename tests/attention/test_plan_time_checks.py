@@ -1,0 +1,101 @@
+"""Per-layer argument checks run at plan time in the engine (``check_layers`` once for
+the runner's caches, ``check_step_layers`` once per step and KV group), not in every
+layer's ``forward``; a plan used directly still has ``forward`` check every call, and
+``KVPAGE_CHECK_EVERY_LAYER=1`` turns the per-layer checks back on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpage.attention import checks
+from kvpage.attention.metadata import AttentionMetadata, allocate_kv_cache
+from kvpage.backends.torch_backend import TorchBackend
+from kvpage.errors import DTypeError, ShapeError
+from kvpage.specs import make_attention_spec
+
+SPEC = make_attention_spec(num_q_heads=4, num_kv_heads=2, head_dim=8)
+
+
+def _cache(num_kv_heads: int = 2, dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
+    return allocate_kv_cache(4, 2, num_kv_heads, 8, dtype=dtype)
+
+
+def _meta() -> AttentionMetadata:
+    return AttentionMetadata.build([1], [3], [[1, 2]], 2)
+
+
+def test_check_layers_catches_what_forward_did() -> None:
+    checks.check_layers([_cache(), _cache()], [SPEC, SPEC], torch.device("cpu"))
+    with pytest.raises(ShapeError, match=r"^caches\[1\]: expected num_kv_heads=2, head_dim=8"):
+        checks.check_layers([_cache(), _cache(num_kv_heads=1)], [SPEC, SPEC], torch.device("cpu"))
+    with pytest.raises(DTypeError, match=r"^caches\[0\].kv.dtype: expected float32"):
+        checks.check_layers([_cache(dtype=torch.int16)], [SPEC], torch.device("cpu"))
+    with pytest.raises(ShapeError, match=r"^caches\[0\].kv.device: expected meta, got cpu"):
+        checks.check_layers([_cache()], [SPEC], torch.device("meta"))
+    with pytest.raises(ShapeError, match=r"^caches: expected 2 \(one per layer spec\), got 1"):
+        checks.check_layers([_cache()], [SPEC, SPEC], torch.device("cpu"))
+
+
+def test_check_step_layers_catches_bad_tables_and_marks_the_plan() -> None:
+    backend = TorchBackend()
+    plan = backend.plan(_meta())
+    assert not plan.layers_checked
+    with pytest.raises(ShapeError, match=r"^meta.block_tables\[0\]: expected ids in \[0, 2\)"):
+        checks.check_step_layers(plan, [(2, 2)], torch.device("cpu"))  # block 2 of a 2-block pool
+    assert not plan.layers_checked
+    with pytest.raises(ShapeError, match=r"^meta.device: expected meta"):
+        checks.check_step_layers(plan, [(2, 4)], torch.device("meta"))
+    checks.check_step_layers(plan, [(2, 4)], torch.device("cpu"))
+    assert plan.layers_checked
+
+
+def test_marked_plan_skips_the_per_layer_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvpage.backends.torch_backend.backend as tb
+
+    calls: list[int] = []
+    real = tb.check_forward
+    monkeypatch.setattr(tb, "check_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    backend, cache = TorchBackend(), _cache()
+    q = torch.randn(1, 4, 8)
+    backend.forward(q, cache, backend.plan(_meta()), SPEC)  # unmarked: checked
+    assert calls == [1]
+    marked = backend.plan(_meta())
+    checks.check_step_layers(marked, [(2, 4)], torch.device("cpu"))
+    out = backend.forward(q, cache, marked, SPEC)
+    assert calls == [1]  # marked: no per-layer check, same result
+    torch.testing.assert_close(out, backend.forward(q, cache, backend.plan(_meta()), SPEC))
+    with pytest.raises(ShapeError, match=r"^query: expected \[1, 4, 8\]"):  # direct use: caught
+        backend.forward(torch.randn(2, 4, 8), cache, backend.plan(_meta()), SPEC)
+
+
+def test_debug_option_keeps_every_layer_checking(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checks, "CHECK_EVERY_LAYER", True)
+    plan = TorchBackend().plan(_meta())
+    checks.check_step_layers(plan, [(2, 4)], torch.device("cpu"))
+    assert not plan.layers_checked
+
+
+def test_engine_runner_checks_its_caches_at_construction() -> None:
+    from kvpage.engine import LLMEngine
+    from kvpage.engine.runner import ModelRunner
+
+    eng = LLMEngine.from_config(num_blocks=8)
+    r = eng.runner
+    bad = list(r.kv_caches)
+    bad[1] = _cache()  # another layer's shape
+    with pytest.raises(ShapeError, match=r"^caches\[1\]"):
+        ModelRunner(r.model, r.backend, bad, r.cache_spec, r.device)
+    eng.add_request("a", [1, 5, 6], __import__("kvpage").SamplingParams(max_tokens=2))
+    seen: list[object] = []  # the runner marks every step's plans
+    real_plan = r.backend.plan
+
+    def spy(meta):  # type: ignore[no-untyped-def]
+        p = real_plan(meta)
+        seen.append(p)
+        return p
+
+    r.backend.plan = spy  # type: ignore[method-assign]
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert seen and all(p.layers_checked for p in seen)
