@@ -1,0 +1,155 @@
+"""Structured outputs in the engine (kvpage.engine.structured, xgrammar) on the bundled
+model: JSON schema / regex / choice / grammar outputs that match, one matcher per sample
+(n > 1), a mixed batch whose unconstrained request is unchanged, logprobs of the masked
+distribution, stop strings, preemption (recompute and swap) resuming the matcher, a dead
+end finishing with its finish reason, and refusals by name."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from kvpage.engine import LLM, SamplingParams
+from kvpage.engine.structured import DEAD_END_FINISH_REASON, StructuredOutputsParams
+from kvpage.errors import RequestRejected
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["red", "blue"]}, "maxItems": 3},
+    },
+    "required": ["name", "age"],
+}
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("stories260K")
+
+
+def _gen(llm: LLM, prompts: list[str] | list[list[int]], **kw: object) -> list:  # type: ignore[type-arg]
+    return llm.generate(prompts, SamplingParams(**kw), use_tqdm=False)  # type: ignore[arg-type]
+
+
+def test_json_schema_n_samples_each_valid(llm: LLM) -> None:
+    so = StructuredOutputsParams(json=SCHEMA)
+    (out,) = _gen(llm, [PROMPT], n=3, seed=7, max_tokens=200, structured_outputs=so)
+    texts = set()
+    for c in out.outputs:
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+        texts.add(c.text)
+    assert len(texts) > 1  # each sample has its own matcher and its own draws
+
+
+def test_regex_choice_grammar_json_object(llm: LLM) -> None:
+    cases = [
+        (StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,4}"), r"[0-9]{3}-[a-z]{2,4}"),
+        (StructuredOutputsParams(choice=["yes", "no", "maybe so"]), r"yes|no|maybe so"),
+        (StructuredOutputsParams(grammar='root ::= "x" [a-c]+ "y"'), r"x[a-c]+y"),
+        (StructuredOutputsParams(grammar='start: "q" ("1" | "2")+ "!"'), r"q[12]+!"),
+    ]
+    for so, pattern in cases:
+        (out,) = _gen(llm, [PROMPT], n=2, seed=3, max_tokens=120, structured_outputs=so)
+        for c in out.outputs:
+            assert c.finish_reason == "stop"
+            assert re.fullmatch(pattern, c.text), (so, c.text)
+    so = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    (out,) = _gen(llm, [PROMPT], seed=5, max_tokens=40, structured_outputs=so)
+    c = out.outputs[0]
+    assert c.text.startswith("{") and " \n" not in c.text
+    if c.finish_reason == "stop":
+        assert isinstance(json.loads(c.text), dict)
+
+
+def test_mixed_batch_unconstrained_unchanged_and_logprobs(llm: LLM) -> None:
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    alone = llm.generate([PROMPT], plain, use_tqdm=False)[0].outputs[0].token_ids
+    so = StructuredOutputsParams(regex=r"[a-z]{5,9}")
+    cons = SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, structured_outputs=so)
+    outs = llm.generate([PROMPT, PROMPT, "The cat"], [plain, cons, plain], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone
+    c = outs[1].outputs[0]
+    assert re.fullmatch(r"[a-z]{5,9}", c.text)
+    tok = llm.get_tokenizer()
+    assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+    for t, pos in zip(c.token_ids, c.logprobs):
+        assert math.isfinite(pos[t].logprob)
+        for tid, lp in pos.items():  # only tokens the grammar allowed carry mass
+            piece = tok.decode([tid])
+            assert math.isinf(lp.logprob) or tid == 2 or re.fullmatch(r"[a-z]*", piece), piece
+
+
+def test_stop_string_cuts_constrained_output(llm: LLM) -> None:
+    so = StructuredOutputsParams(regex=r"ab(c|d)+e")
+    (out,) = _gen(llm, [PROMPT], temperature=0.0, max_tokens=30, stop=["b"], structured_outputs=so)
+    c = out.outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == ("a", "stop", "b")
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_request_resumes_its_matcher(mode: str) -> None:
+    # A matcher reset on preemption would allow 100 more characters after the resume.
+    prompts = [[1 + (i * 53 + j * 7) % 500 for j in range(40)] for i in range(6)]
+    so = StructuredOutputsParams(regex=r"[a-z ]{80,100}")
+    sp = SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=so)
+
+    def run(**kw: object) -> tuple[list[str], LLM]:
+        llm = LLM("stories260K", block_size=16, max_num_seqs=8, **kw)  # type: ignore[arg-type]
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        llm.llm_engine.kv_cache_manager.check_integrity()
+        return [o.outputs[0].text for o in outs], llm
+
+    base, _ = run(num_blocks=64)
+    got, small = run(num_blocks=12, preemption_mode=mode)
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert got == base
+    assert all(re.fullmatch(r"[a-z ]{80,100}", t) for t in got), got
+
+
+def test_dead_end_finishes_with_its_reason(llm: LLM) -> None:
+    # the grammar is complete after "a" (only EOS allowed) and min_tokens masks EOS
+    so = StructuredOutputsParams(choice=["a"])
+    (out,) = _gen(llm, [PROMPT], n=2, max_tokens=8, min_tokens=4, structured_outputs=so)
+    for c in out.outputs:
+        assert c.finish_reason == DEAD_END_FINISH_REASON
+        assert c.text == "a"
+    assert not llm.llm_engine.has_unfinished_requests()
+    llm.llm_engine.kv_cache_manager.check_integrity()
+
+
+def test_invalid_constraints_refused_by_name(llm: LLM) -> None:
+    bad = [
+        ({"json": {"type": "frobnicate"}}, "structured_outputs.json: expected a JSON schema"),
+        ({"json": "{not json"}, "structured_outputs.json: expected a JSON schema"),
+        ({"regex": "(ab"}, "structured_outputs.regex: expected a regex"),
+        ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar"),
+        ({"regex": "a", "choice": ["b"]}, "structured_outputs: expected exactly one"),
+        ({"choice": []}, "structured_outputs.choice"),
+        ({"regex": "a", "whitespace_pattern": " *"}, "structured_outputs.whitespace_pattern"),
+    ]
+    for kw, msg in bad:
+        with pytest.raises(RequestRejected, match=re.escape(msg)) as ei:
+            sp = SamplingParams(structured_outputs=kw)
+            llm.llm_engine.add_request("bad", PROMPT, sp)
+        assert ei.value.reason == "invalid_structured_outputs"
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_compile_cached_per_constraint(llm: LLM) -> None:
+    pool = llm.llm_engine.grammars
+    so = StructuredOutputsParams(json={"type": "object", "properties": {"k": {"enum": [1, 2]}}})
+    before = pool.num_compiled
+    for _ in range(2):
+        (out,) = _gen(llm, [PROMPT], max_tokens=30, structured_outputs=so)
+        assert json.loads(out.outputs[0].text)["k"] in (1, 2)
+    assert pool.num_compiled == before + 1
