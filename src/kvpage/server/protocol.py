@@ -74,6 +74,9 @@ class GenerationRequest(BaseModel):
     priority: int = 0
     #: the validated ``kv_retention`` policy in its dict form, or None
     kv_retention: dict[str, Any] | None = None
+    #: the ``StructuredOutputsParams`` keyword arguments of the request's constraint
+    #: (``kvpage.server.structured_fields``), or None
+    structured_outputs: dict[str, Any] | None = None
     created: int = Field(default_factory=lambda: int(time.time()))
     #: ``time.monotonic()`` seconds when the server received the request (TTFT/e2e start)
     arrival_s: float = Field(default_factory=time.monotonic)

@@ -81,6 +81,15 @@ class _Request(BaseModel):
     #: kvpage extension: how long this request's cached blocks stay after it
     #: (``kvpage.cache.KVRetention.from_dict``; limits: ``AdmissionConfig``)
     kv_retention: dict[str, Any] | None = None
+    # structured outputs (checked and converted by kvpage.server.structured_fields)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -22,6 +22,7 @@ from kvpage.server.protocol import (
     new_request_id,
     render_chat,
 )
+from kvpage.server.structured_fields import STRUCTURED_FIELDS, structured_outputs_of
 
 __all__ = ["check_retention", "max_token_bytes", "min_prompt_tokens", "prepare_request"]
 
@@ -218,6 +219,12 @@ def prepare_request(
             reason="invalid_sampling_params",
         )
     retention = check_retention(body.kv_retention, retention_limits)
+    structured = structured_outputs_of(
+        {
+            k: getattr(body, k)
+            for k in (*STRUCTURED_FIELDS, "guided_decoding_backend", "guided_whitespace_pattern")
+        }
+    )
     tenant = api_key or body.user or "anonymous"
     return GenerationRequest(
         kind=kind,  # type: ignore[arg-type]
@@ -246,6 +253,7 @@ def prepare_request(
         include_usage=body.include_usage(),
         tenant=tenant,
         kv_retention=retention,
+        structured_outputs=structured,
     )
 
 
