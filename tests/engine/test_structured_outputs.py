@@ -132,6 +132,11 @@ def test_invalid_constraints_refused_by_name(llm: LLM) -> None:
         ({"json": {"type": "frobnicate"}}, "structured_outputs.json: expected a JSON schema"),
         ({"json": "{not json"}, "structured_outputs.json: expected a JSON schema"),
         ({"regex": "(ab"}, "structured_outputs.regex: expected a regex"),
+        (
+            {"json": {"type": "object", "properties": {"a": {"not": {"type": "integer"}}}}},
+            "structured_outputs.json: expected a JSON schema without 'not' (xgrammar",
+        ),
+        ({"json": {"allOf": [{"type": "integer"}, {"minimum": 3}]}}, "without 'allOf'"),
         ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar"),
         ({"regex": "a", "choice": ["b"]}, "structured_outputs: expected exactly one"),
         ({"choice": []}, "structured_outputs.choice"),
@@ -153,3 +158,25 @@ def test_compile_cached_per_constraint(llm: LLM) -> None:
         (out,) = _gen(llm, [PROMPT], max_tokens=30, structured_outputs=so)
         assert json.loads(out.outputs[0].text)["k"] in (1, 2)
     assert pool.num_compiled == before + 1
+
+
+def test_sampler_masks_only_constrained_rows_and_flags_empty_masks() -> None:
+    import torch
+
+    from kvpage.engine.sampler import DEAD_END_TOKEN, Sampler, SamplingRows
+
+    logits = torch.arange(64, dtype=torch.float32).repeat(3, 1)  # argmax 63 everywhere
+    bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    bitmask[0, 0] = 1 << 5  # row 1 may only take token 5; row 2 nothing at all
+    p = SamplingParams(temperature=0.0, structured_outputs={"regex": "a"})
+    rows = SamplingRows(
+        params=[SamplingParams(temperature=0.0), p, p],
+        generators=[None, None, None],
+        all_greedy=False,
+        grammar_rows=[1, 2],
+        bitmask=bitmask,
+    )
+    before = logits.clone()
+    out = Sampler().sample(logits, rows)
+    assert out.token_ids == [63, 5, DEAD_END_TOKEN]
+    assert torch.equal(logits, before)  # the caller's logits are not mutated

@@ -170,10 +170,15 @@ class Sampler:
             logits = apply_penalties(logits, params, rows.contexts)
         n = len(params)
         dead: list[int] = []
-        if rows.grammar_rows:
-            g = torch.tensor(rows.grammar_rows, dtype=torch.int64, device=logits.device)
-            alive = torch.isfinite(logits.index_select(0, g)).any(dim=1).tolist()
-            dead = [r for r, ok in zip(rows.grammar_rows, alive) if not ok]
+        if rows.grammar_rows and rows.bitmask is not None:
+            # an empty bitmask row is a dead end; with penalties / min_tokens (contexts),
+            # the masks may also have removed every token the grammar allowed
+            empty = (rows.bitmask == 0).all(dim=1).tolist()
+            dead = [r for r, e in zip(rows.grammar_rows, empty) if e]
+            if rows.contexts is not None:
+                g = torch.tensor(rows.grammar_rows, dtype=torch.int64, device=logits.device)
+                best = logits.index_select(0, g).amax(dim=1).tolist()
+                dead = [r for r, b in zip(rows.grammar_rows, best) if b == float("-inf")]
             if dead:  # sample something harmless; the rows' ids are replaced below
                 logits = logits.clone()
                 logits[dead] = 0.0

@@ -260,6 +260,15 @@ def check_constraint(params: StructuredOutputsParams, field: str | None = None) 
                 f"{name}: expected a JSON schema (valid JSON), got {str(e)[:MESSAGE_CHARS]}",
                 reason="invalid_structured_outputs",
             ) from None
+        where = _ignored_keyword(json.loads(key[1]), "")
+        if where is not None:
+            name = field or "structured_outputs.json"
+            raise RequestRejected(
+                f"{name}: expected a JSON schema without {where[1]!r} (xgrammar "
+                f"{xgrammar_version()} accepts it but does not enforce it), got it at "
+                f"{where[0] or '/'}",
+                reason="invalid_structured_outputs",
+            )
     try:
         _grammar(key)
     except (RuntimeError, ValueError, TypeError) as e:
@@ -270,6 +279,43 @@ def check_constraint(params: StructuredOutputsParams, field: str | None = None) 
             f"{_library_message(e)}",
             reason="invalid_structured_outputs",
         ) from None
+
+
+#: JSON schema keywords xgrammar parses without enforcing (checked on xgrammar 0.2.8:
+#: ``{"not": {"type": "integer"}}`` accepts ``5``); refused rather than ignored
+IGNORED_KEYWORDS = ("not", "if", "then", "else")
+
+
+def _ignored_keyword(node: Any, path: str) -> tuple[str, str] | None:
+    """``(JSON pointer, keyword)`` of the first keyword xgrammar would silently ignore
+    (:data:`IGNORED_KEYWORDS`, or an ``allOf`` of more than one schema), else None."""
+    if isinstance(node, list):
+        for i, v in enumerate(node):
+            got = _ignored_keyword(v, f"{path}/{i}")
+            if got is not None:
+                return got
+        return None
+    if not isinstance(node, dict):
+        return None
+    for k in IGNORED_KEYWORDS:
+        if k in node:
+            return path, k
+    all_of = node.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        return path, "allOf"
+    for k, v in node.items():
+        if k in ("enum", "const", "default", "examples"):
+            continue  # values, not schemas
+        if k == "properties" and isinstance(v, dict):
+            for name, sub in v.items():
+                got = _ignored_keyword(sub, f"{path}/properties/{name}")
+                if got is not None:
+                    return got
+            continue
+        got = _ignored_keyword(v, f"{path}/{k}")
+        if got is not None:
+            return got
+    return None
 
 
 def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:
