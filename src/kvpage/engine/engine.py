@@ -247,13 +247,20 @@ class LLMEngine:
 
     def _admit_compiled(self) -> None:
         """Move the requests whose grammar finished compiling into the scheduler (in
-        arrival order); with nothing else to run, wait up to 5 ms for the first one. A
-        compile that failed drops its request (``failed_request_ids``)."""
+        arrival order); with nothing else to run, wait up to 5 ms for the first one.
+
+        Raises:
+            RuntimeError: a grammar that passed the admission check failed to compile (or
+                its request no longer fits): those requests are dropped and listed in
+                ``failed_request_ids`` (as after a failed step, so the server fails
+                exactly them); every other request is untouched.
+        """
         if not self._compiling:
             return
         if not self.scheduler.has_unfinished():
             concurrent.futures.wait([self._compiling[0][0]], timeout=0.005)
         keep = []
+        errors: list[str] = []
         for fut, req in self._compiling:
             if not fut.done():
                 keep.append((fut, req))
@@ -262,14 +269,17 @@ class LLMEngine:
             try:
                 grammar = fut.result()
                 self.scheduler.add_request(req)
-            except Exception:  # noqa: BLE001 - the request fails, the engine goes on
+            except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
                 self.outputs.forget(pid)
                 self.failed_request_ids.append(pid)
+                errors.append(f"{pid}: {e}")
                 continue
             preq = self.outputs.parent(pid)
             preq.grammar = grammar
             preq.arrival_order = req.arrival_order  # the scheduler numbers arrivals
         self._compiling = keep
+        if errors:
+            raise RuntimeError(f"structured_outputs: grammar not admitted ({'; '.join(errors)})")
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request: every sample stops and its blocks are freed at once.
