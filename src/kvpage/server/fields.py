@@ -67,11 +67,8 @@ COMPLETION_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
 CHAT_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     **_COMMON,
     "echo": _FALSE,
-    "tools": _EMPTY,
-    "tool_choice": (None, "none"),
     "functions": _EMPTY,
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None, True, False),
     "audio": _NULL,
     "modalities": (None, ["text"]),
     "prediction": _NULL,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 from collections.abc import AsyncIterator
@@ -239,8 +240,20 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
         started = [False] * req.n
         offsets = [0] * req.n
         pending = [first] if first is not None else []
+        held = [""] * req.n  # a forced tool_choice's text, answered once it is complete
         while True:
             for d in pending:
+                if req.tool_choice is not None:
+                    held[d.index] += d.text
+                    if d.finish_reason is None:
+                        continue
+                    calls = P.tool_calls_of(req, held[d.index], d.finish_reason)
+                    if calls is not None:
+                        tc = P.tool_call_chunk(req, d.index, calls, first=not started[d.index])
+                        started[d.index] = True
+                        yield "data: " + json.dumps(tc) + "\n\n"
+                        continue
+                    d = dataclasses.replace(d, text=held[d.index])  # cut: plain content
                 echo = None
                 if req.echo:
                     plp = usage.prompt_logprobs or [None] * len(req.prompt_token_ids)

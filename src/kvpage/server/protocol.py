@@ -77,6 +77,9 @@ class GenerationRequest(BaseModel):
     #: the ``StructuredOutputsParams`` keyword arguments of the request's constraint
     #: (``kvpage.server.structured_fields``), or None
     structured_outputs: dict[str, Any] | None = None
+    #: chat ``tool_choice`` "required" or ``{"type": "function", ...}`` whose schema
+    #: constrains the output (answered as ``tool_calls``), else None
+    tool_choice: Any = None
     created: int = Field(default_factory=lambda: int(time.time()))
     #: ``time.monotonic()`` seconds when the server received the request (TTFT/e2e start)
     arrival_s: float = Field(default_factory=time.monotonic)
@@ -177,11 +180,18 @@ def choice(
     prompt_logprobs: list[Any] | None = None,
 ) -> dict[str, Any]:
     """One non-streamed choice (vLLM's ``stop_reason``; completions choices carry
-    ``prompt_logprobs`` when asked)."""
+    ``prompt_logprobs`` when asked). A chat choice of a forced ``tool_choice`` that
+    finished with "stop" is answered as ``tool_calls`` (content null, finish reason
+    ``"tool_calls"``)."""
     if req.kind == "chat":
+        calls = tool_calls_of(req, text, finish)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            finish = "tool_calls"
         return {
             "index": index,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "finish_reason": finish,
             "stop_reason": stop_reason,
             "logprobs": logprobs,
@@ -196,6 +206,47 @@ def choice(
     if prompt_logprobs is not None:
         c["prompt_logprobs"] = prompt_logprobs
     return c
+
+
+def tool_calls_of(req: GenerationRequest, text: str, finish: str | None) -> list[Any] | None:
+    """The OpenAI ``tool_calls`` of a finished choice of a forced ``tool_choice``
+    (``kvpage.engine.tool_calls.calls_from_constrained``); None for other requests,
+    unfinished choices and a choice cut before its JSON ended (``"length"``: its text is
+    returned as content)."""
+    if req.tool_choice is None or finish != "stop":
+        return None
+    from kvpage.engine.tool_calls import calls_from_constrained
+
+    try:
+        return calls_from_constrained(text, req.tool_choice)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def tool_call_chunk(
+    req: GenerationRequest, index: int, calls: list[Any], *, first: bool = False
+) -> dict[str, Any]:
+    """The final streamed chunk of a forced-``tool_choice`` choice: the calls as one
+    ``delta.tool_calls`` (each with its ``index``), finish reason ``"tool_calls"``."""
+    delta: dict[str, Any] = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+    if first:
+        delta["role"] = "assistant"
+    return {
+        "id": req.request_id,
+        "object": "chat.completion.chunk",
+        "created": req.created,
+        "model": req.model,
+        "choices": [
+            {
+                "index": index,
+                "delta": delta,
+                "finish_reason": "tool_calls",
+                "logprobs": None,
+                "stop_reason": None,
+            }
+        ],
+        **capped_field(req),
+    }
 
 
 def chunk(

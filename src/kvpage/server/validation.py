@@ -12,7 +12,7 @@ from typing import Any
 
 from kvpage.cache.retention import KVRetention
 from kvpage.engine.chat import text_part_problem
-from kvpage.errors import SpecError, got_repr
+from kvpage.errors import RequestRejected, SpecError, got_repr
 from kvpage.server.fields import check_extra_fields
 from kvpage.server.protocol import (
     APIError,
@@ -225,6 +225,19 @@ def prepare_request(
             for k in (*STRUCTURED_FIELDS, "guided_decoding_backend", "guided_whitespace_pattern")
         }
     )
+    tool_choice = None
+    if isinstance(body, ChatCompletionRequest):
+        tool_choice, tool_constraint = _tool_constraint(body)
+        if tool_constraint is not None:
+            if structured is not None:
+                raise APIError(
+                    400,
+                    "tool_choice: expected no response_format / structured_outputs / guided_* "
+                    "field with a forced tool choice (its schema is the constraint), got both",
+                    param="tool_choice",
+                    code="invalid_structured_outputs",
+                )
+            structured = tool_constraint
     tenant = api_key or body.user or "anonymous"
     return GenerationRequest(
         kind=kind,  # type: ignore[arg-type]
@@ -254,7 +267,57 @@ def prepare_request(
         tenant=tenant,
         kv_retention=retention,
         structured_outputs=structured,
+        tool_choice=tool_choice,
     )
+
+
+def _tool_constraint(body: ChatCompletionRequest) -> tuple[Any, dict[str, Any] | None]:
+    """``(tool_choice, StructuredOutputsParams kwargs)`` of a chat request's ``tools`` /
+    ``tool_choice``: "required" and a named function are enforced by a JSON schema
+    (``kvpage.engine.tool_calls.tool_choice_constraint``); "none" asks for nothing;
+    "auto" (OpenAI's default when tools are given) is refused by name.
+
+    Raises:
+        APIError: 400 naming ``tools...`` / ``tool_choice``.
+    """
+    from kvpage.engine.tool_calls import tool_choice_constraint
+
+    if body.tools is None and body.tool_choice is None:
+        return None, None
+    if body.tools is None:
+        if body.tool_choice == "none":
+            return None, None
+        raise APIError(
+            400,
+            f"tool_choice: expected unset or 'none' without tools, got {got_repr(body.tool_choice)}",
+            param="tool_choice",
+        )
+    choice = "auto" if body.tool_choice is None else body.tool_choice
+    if choice == "auto":
+        raise APIError(
+            400,
+            "tool_choice: expected 'none', 'required' or a named function ('auto', the "
+            "default with tools, needs a tool-call parser and a chat template that shows "
+            "the tools: not implemented by kvpage yet), got 'auto'",
+            param="tool_choice",
+            code="unsupported_field",
+        )
+    try:
+        constraint = tool_choice_constraint(
+            body.tools, choice, body.parallel_tool_calls is not False
+        )
+    except RequestRejected as e:
+        msg = str(e)
+        raise APIError(400, msg, param=msg.partition(":")[0]) from None
+    if constraint is not None:
+        try:
+            structured_outputs_of({"structured_outputs": constraint})
+        except APIError as e:  # a parameters schema xgrammar cannot use
+            _, _, why = e.message.partition(":")
+            raise APIError(
+                400, f"tools:{why}", param="tools", code="invalid_structured_outputs"
+            ) from None
+    return (None if constraint is None else choice), constraint
 
 
 def check_retention(raw: dict[str, Any] | None, limits: tuple[int, float]) -> dict[str, Any] | None:
