@@ -129,3 +129,45 @@ def test_bad_tool_requests_refused_by_name(client: openai.OpenAI, extra, param) 
         client.chat.completions.create(model=M, messages=MSG, max_tokens=4, extra_body=extra)
     body = ei.value.body
     assert isinstance(body, dict) and body["param"] == param, body
+
+
+HERMES_DRAFT = r'Sure\. <tool_call>\{"name": "add", "arguments": \{"a": [0-9]\}\}</tool_call>'
+
+
+def test_auto_parses_hermes_calls_and_returns_text_without_one(serve) -> None:  # type: ignore[no-untyped-def]
+    srv = serve(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="k", max_retries=0)
+    kw = {"model": M, "messages": MSG, "tools": TOOLS, "max_tokens": 80, "seed": 1}
+    # the model is made to emit a Hermes call with a constrained draft (a regex)
+    r = c.chat.completions.create(**kw, extra_body={"guided_regex": HERMES_DRAFT})  # type: ignore[arg-type]
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content == "Sure."
+    (call,) = ch.message.tool_calls or []
+    assert call.function.name == "add"
+    jsonschema.validate(json.loads(call.function.arguments), ADD)
+    stream = c.chat.completions.create(
+        **kw,  # type: ignore[arg-type]
+        stream=True,
+        extra_body={"guided_regex": HERMES_DRAFT},
+    )
+    calls, content, finish = [], "", None
+    for chunk in stream:
+        for x in chunk.choices:
+            calls += x.delta.tool_calls or []
+            content += x.delta.content or ""
+            finish = x.finish_reason or finish
+    assert (finish, content, [t.function.name for t in calls]) == ("tool_calls", "Sure.", ["add"])
+    # no call in the reply: plain text
+    r = c.chat.completions.create(**kw, extra_body={"guided_regex": "[a-z ]{3,20}"})  # type: ignore[arg-type]
+    ch = r.choices[0]
+    assert ch.message.tool_calls is None and ch.finish_reason == "stop"
+    assert ch.message.content and "<tool_call>" not in ch.message.content
+
+
+def test_auto_tool_choice_needs_a_parser() -> None:
+    from pydantic import ValidationError
+
+    from kvpage.server.config import ServerConfig
+
+    with pytest.raises(ValidationError, match="tool_call_parser"):
+        ServerConfig.model_validate({"enable_auto_tool_choice": True})

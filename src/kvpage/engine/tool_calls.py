@@ -1,9 +1,9 @@
 """Tool calling building blocks: the JSON schemas that enforce ``tool_choice`` and the
 parsers that find tool calls in generated text.
 
-Not wired to ``/v1/chat/completions`` yet (``tools`` / ``tool_choice`` are still refused
-there by name): the model's chat template has to render the tools first (issue
-"Real checkpoints"). What is here is independent of the template:
+The server (``kvpage.server.validation``, ``kvpage.server.protocol.tool_reply``) uses
+them on ``/v1/chat/completions`` (docs/serving.md, "Tool calling"); rendering the tools
+into the prompt is the chat template's job, not done here:
 
 * :func:`check_tools` validates OpenAI ``tools`` (``[{"type": "function", "function":
   {"name", "description", "parameters", "strict"}}]``);

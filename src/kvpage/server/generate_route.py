@@ -151,6 +151,9 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
                 max_model_len=state.max_model_len,
                 max_bytes_per_token=state.max_bytes_per_token,
                 allow_unknown_fields=state.config.allow_unknown_fields,
+                tool_call_parser=(
+                    state.config.tool_call_parser if state.config.enable_auto_tool_choice else None
+                ),
                 retention_limits=(
                     state.config.admission.kv_retention_max_priority,
                     state.config.admission.kv_retention_max_ttl_s,
@@ -240,17 +243,22 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
         started = [False] * req.n
         offsets = [0] * req.n
         pending = [first] if first is not None else []
-        held = [""] * req.n  # a forced tool_choice's text, answered once it is complete
+        held = [""] * req.n  # a tool-calling choice's text, answered once it is complete
         while True:
             for d in pending:
                 if req.tool_choice is not None:
                     held[d.index] += d.text
                     if d.finish_reason is None:
                         continue
-                    calls = P.tool_calls_of(req, held[d.index], d.finish_reason)
-                    if calls is not None:
-                        tc = P.tool_call_chunk(req, d.index, calls, first=not started[d.index])
+                    reply = P.tool_reply(req, held[d.index], d.finish_reason)
+                    if reply is not None:
+                        first_c = not started[d.index]
                         started[d.index] = True
+                        if reply[0]:
+                            c = P.chunk(req, d.index, reply[0], None, first=first_c)
+                            yield "data: " + json.dumps(c) + "\n\n"
+                            first_c = False
+                        tc = P.tool_call_chunk(req, d.index, reply[1], first=first_c)
                         yield "data: " + json.dumps(tc) + "\n\n"
                         continue
                     d = dataclasses.replace(d, text=held[d.index])  # cut: plain content

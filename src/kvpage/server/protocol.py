@@ -78,7 +78,8 @@ class GenerationRequest(BaseModel):
     #: (``kvpage.server.structured_fields``), or None
     structured_outputs: dict[str, Any] | None = None
     #: chat ``tool_choice`` "required" or ``{"type": "function", ...}`` whose schema
-    #: constrains the output (answered as ``tool_calls``), else None
+    #: constrains the output, or ``{"auto": parser name}`` (the reply is parsed); both
+    #: answered as ``tool_calls`` (:func:`tool_reply`); None = no tools
     tool_choice: Any = None
     created: int = Field(default_factory=lambda: int(time.time()))
     #: ``time.monotonic()`` seconds when the server received the request (TTFT/e2e start)
@@ -184,10 +185,10 @@ def choice(
     finished with "stop" is answered as ``tool_calls`` (content null, finish reason
     ``"tool_calls"``)."""
     if req.kind == "chat":
-        calls = tool_calls_of(req, text, finish)
+        reply = tool_reply(req, text, finish)
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        if calls is not None:
-            message = {"role": "assistant", "content": None, "tool_calls": calls}
+        if reply is not None:
+            message = {"role": "assistant", "content": reply[0], "tool_calls": reply[1]}
             finish = "tool_calls"
         return {
             "index": index,
@@ -208,17 +209,29 @@ def choice(
     return c
 
 
-def tool_calls_of(req: GenerationRequest, text: str, finish: str | None) -> list[Any] | None:
-    """The OpenAI ``tool_calls`` of a finished choice of a forced ``tool_choice``
-    (``kvpage.engine.tool_calls.calls_from_constrained``); None for other requests,
-    unfinished choices and a choice cut before its JSON ended (``"length"``: its text is
-    returned as content)."""
-    if req.tool_choice is None or finish != "stop":
-        return None
-    from kvpage.engine.tool_calls import calls_from_constrained
+def tool_reply(
+    req: GenerationRequest, text: str, finish: str | None
+) -> tuple[str | None, list[Any]] | None:
+    """``(content, tool_calls)`` of a finished choice that called tools, else None (the
+    text is plain content).
 
+    A forced ``tool_choice`` (``kvpage.engine.tool_calls.calls_from_constrained``): the
+    calls, content None; None when the choice was cut before its JSON ended
+    (``"length"``). ``tool_choice`` ``{"auto": parser}``: what the server's parser finds,
+    with the text outside the calls as content (None when empty); None when it finds no
+    call. None for other requests and unfinished choices.
+    """
+    if req.tool_choice is None or finish is None:
+        return None
+    from kvpage.engine.tool_calls import TOOL_PARSERS, calls_from_constrained
+
+    if isinstance(req.tool_choice, dict) and "auto" in req.tool_choice:
+        content, calls = TOOL_PARSERS[req.tool_choice["auto"]](text)
+        return (content or None, calls) if calls else None
+    if finish != "stop":
+        return None
     try:
-        return calls_from_constrained(text, req.tool_choice)
+        return None, calls_from_constrained(text, req.tool_choice)
     except (ValueError, KeyError, TypeError):
         return None
 

@@ -87,6 +87,7 @@ def prepare_request(
     max_bytes_per_token: int | None = None,
     allow_unknown_fields: bool = False,
     retention_limits: tuple[int, float] = (3, 3600.0),
+    tool_call_parser: str | None = None,
 ) -> GenerationRequest:
     """Validate a parsed request and tokenize its prompt.
 
@@ -105,6 +106,8 @@ def prepare_request(
             refusing them (see :mod:`kvpage.server.fields`).
         retention_limits: ``(max priority, max ttl_s)`` a ``kv_retention`` policy may
             ask for (``AdmissionConfig.kv_retention_max_priority`` / ``_max_ttl_s``).
+        tool_call_parser: the server's parser when ``enable_auto_tool_choice`` is on
+            (chat ``tool_choice: "auto"`` is then allowed), else None (refused).
 
     Returns:
         The request with token ids and ``max_tokens`` resolved (completions default 16;
@@ -227,7 +230,7 @@ def prepare_request(
     )
     tool_choice = None
     if isinstance(body, ChatCompletionRequest):
-        tool_choice, tool_constraint = _tool_constraint(body)
+        tool_choice, tool_constraint = _tool_constraint(body, tool_call_parser)
         if tool_constraint is not None:
             if structured is not None:
                 raise APIError(
@@ -271,11 +274,14 @@ def prepare_request(
     )
 
 
-def _tool_constraint(body: ChatCompletionRequest) -> tuple[Any, dict[str, Any] | None]:
+def _tool_constraint(
+    body: ChatCompletionRequest, parser: str | None
+) -> tuple[Any, dict[str, Any] | None]:
     """``(tool_choice, StructuredOutputsParams kwargs)`` of a chat request's ``tools`` /
     ``tool_choice``: "required" and a named function are enforced by a JSON schema
     (``kvpage.engine.tool_calls.tool_choice_constraint``); "none" asks for nothing;
-    "auto" (OpenAI's default when tools are given) is refused by name.
+    "auto" (OpenAI's default when tools are given) returns ``{"auto": parser}`` (the
+    reply is parsed, not constrained) when the server has a parser, else is refused.
 
     Raises:
         APIError: 400 naming ``tools...`` / ``tool_choice``.
@@ -293,12 +299,15 @@ def _tool_constraint(body: ChatCompletionRequest) -> tuple[Any, dict[str, Any] |
             param="tool_choice",
         )
     choice = "auto" if body.tool_choice is None else body.tool_choice
+    if choice == "auto" and parser is not None:
+        tool_choice_constraint(body.tools, "none")  # validates the tools
+        return {"auto": parser}, None
     if choice == "auto":
         raise APIError(
             400,
             "tool_choice: expected 'none', 'required' or a named function ('auto', the "
-            "default with tools, needs a tool-call parser and a chat template that shows "
-            "the tools: not implemented by kvpage yet), got 'auto'",
+            "default with tools, needs a server started with --enable-auto-tool-choice "
+            "--tool-call-parser NAME), got 'auto'",
             param="tool_choice",
             code="unsupported_field",
         )
