@@ -109,3 +109,15 @@ def test_tool_choice_enforced_by_schema(choice: object) -> None:
             if isinstance(choice, dict):
                 assert name == "get_weather"
             jsonschema.validate(_args(call), by_name[name])
+
+
+def test_releasable_streams_only_surely_content() -> None:
+    from kvpage.engine.tool_calls import releasable
+
+    text = "Sure. <tool_call>" + '{"name": "add", "arguments": {}}</tool_call> ok'
+    seen = [releasable("hermes", text[:k]) for k in range(len(text) + 1)]
+    assert seen == sorted(seen) and max(seen) == len("Sure.")
+    assert releasable("hermes", "Hi <tool_") == 2 and releasable("hermes", "plain") == 5
+    assert releasable("llama3_json", ' {"name"') == 0
+    assert releasable("llama3_json", "<|python") == 0
+    assert releasable("llama3_json", "Hello") == 5

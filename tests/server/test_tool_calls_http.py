@@ -157,11 +157,19 @@ def test_auto_parses_hermes_calls_and_returns_text_without_one(serve) -> None:  
             content += x.delta.content or ""
             finish = x.finish_reason or finish
     assert (finish, content, [t.function.name for t in calls]) == ("tool_calls", "Sure.", ["add"])
-    # no call in the reply: plain text
-    r = c.chat.completions.create(**kw, extra_body={"guided_regex": "[a-z ]{3,20}"})  # type: ignore[arg-type]
+    # no call in the reply: plain text, streamed as it comes (not held to the end)
+    no_call = {"guided_regex": "[a-z ]{10,30}"}
+    r = c.chat.completions.create(**kw, extra_body=no_call)  # type: ignore[arg-type]
     ch = r.choices[0]
     assert ch.message.tool_calls is None and ch.finish_reason == "stop"
     assert ch.message.content and "<tool_call>" not in ch.message.content
+    parts = [
+        x.delta.content
+        for chunk in c.chat.completions.create(**kw, stream=True, extra_body=no_call)  # type: ignore[arg-type]
+        for x in chunk.choices
+        if x.delta.content
+    ]
+    assert "".join(parts) == ch.message.content and len(parts) > 1
 
 
 def test_auto_tool_choice_needs_a_parser() -> None:

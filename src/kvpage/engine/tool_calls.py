@@ -37,6 +37,7 @@ __all__ = [
     "check_tools",
     "parse_hermes",
     "parse_llama3_json",
+    "releasable",
     "tool_choice_constraint",
 ]
 
@@ -213,6 +214,29 @@ def parse_llama3_json(text: str) -> tuple[str, list[dict[str, Any]]]:
             return text, []
         i = len(body) - len(rest[1:].lstrip())
     return "", calls
+
+
+def releasable(parser: str, text: str) -> int:
+    """How many leading characters of a reply still being generated are content for
+    sure (may be streamed before the reply is parsed): for ``hermes``, the text before a
+    ``<tool_call>`` tag (and before a trailing partial tag and trailing whitespace); for
+    ``llama3_json``, all of it unless the reply starts like a call (``{`` or
+    ``<|python_tag|>``), then nothing. Never decreases as ``text`` grows."""
+    if parser == "hermes":
+        tag = "<tool_call>"
+        i = text.find(tag)
+        if i < 0:
+            i = len(text)
+            for k in range(min(len(tag) - 1, len(text)), 0, -1):
+                if text.endswith(tag[:k]):
+                    i = len(text) - k
+                    break
+        return len(text[:i].rstrip())
+    body = text.lstrip()
+    tag = "<|python_tag|>"
+    if not body or body.startswith("{") or body.startswith(tag) or tag.startswith(body):
+        return 0
+    return len(text)
 
 
 #: ``--tool-call-parser`` name -> parser (vLLM's names)

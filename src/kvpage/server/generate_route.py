@@ -19,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from kvpage.engine.tool_calls import releasable
 from kvpage.server import protocol as P
 from kvpage.server.auth import request_priority, scoped_cache_salt
 from kvpage.server.config import JSON_MAX_DEPTH
@@ -243,25 +244,35 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
         started = [False] * req.n
         offsets = [0] * req.n
         pending = [first] if first is not None else []
-        held = [""] * req.n  # a tool-calling choice's text, answered once it is complete
+        # a tool-calling choice's text: held until it can be parsed; with "auto", the
+        # part that is surely content (tool_calls.releasable) streams as it comes
+        held = [""] * req.n
+        sent = [0] * req.n
+        auto = req.tool_choice.get("auto") if isinstance(req.tool_choice, dict) else None
         while True:
             for d in pending:
                 if req.tool_choice is not None:
-                    held[d.index] += d.text
+                    i = d.index
+                    held[i] += d.text
                     if d.finish_reason is None:
-                        continue
-                    reply = P.tool_reply(req, held[d.index], d.finish_reason)
-                    if reply is not None:
-                        first_c = not started[d.index]
-                        started[d.index] = True
-                        if reply[0]:
-                            c = P.chunk(req, d.index, reply[0], None, first=first_c)
+                        r = releasable(auto, held[i]) if auto is not None else 0
+                        if r > sent[i]:
+                            c = P.chunk(req, i, held[i][sent[i] : r], None, first=not started[i])
+                            started[i], sent[i] = True, r
                             yield "data: " + json.dumps(c) + "\n\n"
-                            first_c = False
-                        tc = P.tool_call_chunk(req, d.index, reply[1], first=first_c)
+                        continue
+                    reply = P.tool_reply(req, held[i], d.finish_reason)
+                    if reply is not None:
+                        rest = (reply[0] or "")[len(held[i][: sent[i]].strip()) :].strip()
+                        if rest:
+                            c = P.chunk(req, i, rest, None, first=not started[i])
+                            started[i] = True
+                            yield "data: " + json.dumps(c) + "\n\n"
+                        tc = P.tool_call_chunk(req, i, reply[1], first=not started[i])
+                        started[i] = True
                         yield "data: " + json.dumps(tc) + "\n\n"
                         continue
-                    d = dataclasses.replace(d, text=held[d.index])  # cut: plain content
+                    d = dataclasses.replace(d, text=held[i][sent[i] :])  # no call: content
                 echo = None
                 if req.echo:
                     plp = usage.prompt_logprobs or [None] * len(req.prompt_token_ids)
