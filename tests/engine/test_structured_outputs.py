@@ -180,3 +180,16 @@ def test_sampler_masks_only_constrained_rows_and_flags_empty_masks() -> None:
     out = Sampler().sample(logits, rows)
     assert out.token_ids == [63, 5, DEAD_END_TOKEN]
     assert torch.equal(logits, before)  # the caller's logits are not mutated
+
+
+def test_request_aborted_while_its_grammar_compiles(llm: LLM) -> None:
+    eng = llm.llm_engine
+    so = StructuredOutputsParams(regex=r"[0-9]{1,3} (apples|pears)")  # new: compiles now
+    eng.add_request("compiling", PROMPT, SamplingParams(structured_outputs=so))
+    eng.abort_request("compiling")
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert not eng._compiling and not eng.scheduler.has_unfinished()
+    # the same constraint again: compiled once, served from the cache
+    (out,) = _gen(llm, [PROMPT], max_tokens=20, structured_outputs=so)
+    assert re.fullmatch(r"[0-9]{1,3} (apples|pears)", out.outputs[0].text)

@@ -220,6 +220,8 @@ class LLMEngine:
                 priority=priority,
             )
             compiling = None
+            parked = False  # decided once: the future may finish at any moment
+            grammar = None
             if params.structured_outputs is not None:
                 if request_id in self.outputs:
                     raise RequestRejected(
@@ -228,18 +230,20 @@ class LLMEngine:
                     )
                 # checked now (a bad schema is refused here), compiled on the pool's thread
                 compiling = self.grammars.submit(params.structured_outputs)
-            if compiling is None or compiling.done():
+            parked = compiling is not None and not compiling.done()
+            if parked:
+                self.scheduler.check_new(req)
+            else:
                 grammar = None if compiling is None else compiling.result()
                 self.scheduler.add_request(req)
-            else:
-                self.scheduler.check_new(req)
         except RequestRejected as e:
             e.request_id = request_id
             self.outputs.counters.rejected += 1
             raise
         now = time.monotonic() if arrival_time is None else arrival_time
         preq = ParentRequest(request_id, text, list(ids), params, now, req.arrival_order)
-        if compiling is not None and not compiling.done():
+        if parked:
+            assert compiling is not None
             self._compiling.append((compiling, req))
         else:
             preq.grammar = grammar
