@@ -57,6 +57,7 @@ __all__ = [
     "StructuredOutputsParams",
     "apply_token_bitmask",
     "check_constraint",
+    "preload",
     "tokenizer_info",
     "xgrammar_version",
 ]
@@ -190,6 +191,17 @@ def xgrammar_version() -> str:
     from importlib.metadata import version
 
     return version("xgrammar")
+
+
+def preload() -> bool:
+    """Import xgrammar now (about 1.4 s on the measured machine) so the first
+    constrained request does not pay for it on the server's event loop; True when it is
+    installed."""
+    try:
+        _xgr()
+    except RequestRejected:
+        return False
+    return True
 
 
 def _xgr() -> Any:
