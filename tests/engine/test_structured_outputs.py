@@ -193,3 +193,52 @@ def test_request_aborted_while_its_grammar_compiles(llm: LLM) -> None:
     # the same constraint again: compiled once, served from the cache
     (out,) = _gen(llm, [PROMPT], max_tokens=20, structured_outputs=so)
     assert re.fullmatch(r"[0-9]{1,3} (apples|pears)", out.outputs[0].text)
+
+
+def test_hf_tokenizer_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A random-weight Llama folder with a byte-level BPE tokenizer (HFTokenizer ->
+    xgrammar.TokenizerInfo.from_huggingface): constrained outputs match. (Its random
+    model writes control bytes inside strings, which xgrammar 0.2.8 lets through for
+    length-bounded strings unless kvpage rewrites them: see ``_bounded_strings``.)"""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    t = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    t.train_from_iterator(['{"name": "cat", "age": 3}', "Once upon a time 123"], trainer)
+    hf_tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(hf_tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        bos_token_id=hf_tok.bos_token_id,
+        eos_token_id=hf_tok.eos_token_id,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    hf_tok.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), num_blocks=64, block_size=16)
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    (out,) = _gen(llm, ["Once upon"], n=2, seed=1, max_tokens=120, structured_outputs=so)
+    for c in out.outputs:
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    so = StructuredOutputsParams(regex=r"[0-9]{2,4}")
+    (out,) = _gen(llm, ["Once upon"], n=2, seed=2, max_tokens=20, structured_outputs=so)
+    assert all(re.fullmatch(r"[0-9]{2,4}", c.text) for c in out.outputs)

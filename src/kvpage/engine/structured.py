@@ -227,6 +227,36 @@ def _ebnf_choice(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def _bounded_strings(node: Any) -> Any:
+    """``node`` with each ``{"type": "string"}`` schema that has ``minLength`` /
+    ``maxLength`` (and no ``pattern``, ``format``, ``enum`` or ``const``) given the
+    equivalent ``pattern`` of unescaped characters other than ``"``, ``\\`` and
+    U+0000-U+001F.
+
+    Why: xgrammar 0.2.8's grammar for a length-bounded string lets raw control
+    characters through (``"a\x0c"`` is accepted for ``{"type": "string", "maxLength":
+    12}``), which is not JSON; its pattern grammar does not. The cost: such strings are
+    written without escapes.
+    """
+    if isinstance(node, list):
+        return [_bounded_strings(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {
+        k: (v if k in ("enum", "const", "default", "examples") else _bounded_strings(v))
+        for k, v in node.items()
+    }
+    if (
+        out.get("type") == "string"
+        and ("minLength" in out or "maxLength" in out)
+        and not {"pattern", "format", "enum", "const"} & set(out)
+    ):
+        lo = int(out.pop("minLength", 0))
+        hi = out.pop("maxLength", None)
+        out["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{lo},{"" if hi is None else int(hi)}}}$'
+    return out
+
+
 def _grammar(key: tuple[str, str, bool]) -> Any:
     """The tokenizer-free ``xgrammar.Grammar`` of a constraint key (raises the library's
     error)."""
@@ -236,7 +266,8 @@ def _grammar(key: tuple[str, str, bool]) -> Any:
     if any_ws:
         ws["max_whitespace_cnt"] = MAX_WHITESPACE
     if kind == "json":
-        return xgr.Grammar.from_json_schema(text, **ws)
+        schema = _bounded_strings(json.loads(text))
+        return xgr.Grammar.from_json_schema(json.dumps(schema), **ws)
     if kind == "json_object":
         return xgr.Grammar.from_json_schema('{"type": "object"}', **ws)
     if kind == "regex":
