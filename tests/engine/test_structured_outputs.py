@@ -242,3 +242,26 @@ def test_hf_tokenizer_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
     so = StructuredOutputsParams(regex=r"[0-9]{2,4}")
     (out,) = _gen(llm, ["Once upon"], n=2, seed=2, max_tokens=20, structured_outputs=so)
     assert all(re.fullmatch(r"[0-9]{2,4}", c.text) for c in out.outputs)
+
+
+def test_length_bounded_strings_never_carry_raw_control_characters() -> None:
+    """xgrammar 0.2.8 accepts raw control characters in a length-bounded string; the
+    schema kvpage compiles refuses them (and keeps the bounds), type lists included."""
+    import xgrammar as xgr
+
+    from kvpage.engine.structured import GrammarCompilerPool
+    from kvpage.models.tokenizer_llama2c import Llama2cTokenizer, bundled_tokenizer_path
+
+    pool = GrammarCompilerPool(Llama2cTokenizer(bundled_tokenizer_path()), 512, [2])
+    for schema in (
+        {"type": "string", "minLength": 2, "maxLength": 5},
+        {"type": ["string", "null"], "minLength": 2, "maxLength": 5},
+    ):
+        compiled = pool.submit(StructuredOutputsParams(json=schema)).result()
+        for text, ok in [('"a\\x0cb"', False), ('"ab"', True), ('"a"', False), ('"abcdef"', False)]:
+            m = xgr.GrammarMatcher(compiled)
+            got = m.accept_string(text.encode().decode("unicode_escape")) and m.is_completed()
+            assert got == ok, (schema, text)
+        m = xgr.GrammarMatcher(compiled)
+        assert m.accept_string("null") == (schema["type"] != "string")
+    pool.shutdown()

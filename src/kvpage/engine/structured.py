@@ -231,10 +231,11 @@ def _bounded_strings(node: Any) -> Any:
     """``node`` with each ``{"type": "string"}`` schema that has ``minLength`` /
     ``maxLength`` (and no ``pattern``, ``format``, ``enum`` or ``const``) given the
     equivalent ``pattern`` of unescaped characters other than ``"``, ``\\`` and
-    U+0000-U+001F.
+    U+0000-U+001F. A type list such as ``["string", "null"]``
+    becomes an ``anyOf`` of that string and the other types.
 
     Why: xgrammar 0.2.8's grammar for a length-bounded string lets raw control
-    characters through (``"a\x0c"`` is accepted for ``{"type": "string", "maxLength":
+    characters through (``"a\\x0c"`` is accepted for ``{"type": "string", "maxLength":
     12}``), which is not JSON; its pattern grammar does not. The cost: such strings are
     written without escapes.
     """
@@ -246,14 +247,23 @@ def _bounded_strings(node: Any) -> Any:
         k: (v if k in ("enum", "const", "default", "examples") else _bounded_strings(v))
         for k, v in node.items()
     }
+    types = out.get("type")
     if (
-        out.get("type") == "string"
+        (types == "string" or (isinstance(types, list) and "string" in types))
         and ("minLength" in out or "maxLength" in out)
         and not {"pattern", "format", "enum", "const"} & set(out)
     ):
         lo = int(out.pop("minLength", 0))
         hi = out.pop("maxLength", None)
-        out["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{lo},{"" if hi is None else int(hi)}}}$'
+        pattern = f'^[^"\\\\\\x00-\\x1f]{{{lo},{"" if hi is None else int(hi)}}}$'
+        if types == "string":
+            out["pattern"] = pattern
+            return out
+        # a type list: the string branch gets the pattern, the others keep the rest
+        others = [t for t in types if t != "string"]
+        rest = {k: v for k, v in out.items() if k != "type"}
+        other = {**rest, "type": others[0] if len(others) == 1 else others}
+        return {"anyOf": [{"type": "string", "pattern": pattern}, other]}
     return out
 
 
