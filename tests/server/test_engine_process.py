@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
@@ -52,6 +53,16 @@ def test_the_engine_runs_in_a_child_process(server):
     assert state.engine.process.pid != os.getpid() and state.engine.process.is_alive()
     assert state.max_model_len == 512 and state.scheduling_policy == "priority"
     assert httpx.get(server.base_url + "/health", timeout=10).json()["status"] == "ok"
+
+
+def test_structured_outputs_cross_the_process_boundary(server):
+    pytest.importorskip("xgrammar")
+    r = _complete(server, max_tokens=40, n=2, guided_regex="[a-c]{2}-[0-9]")
+    assert r.status_code == 200, r.text
+    for c in r.json()["choices"]:
+        assert re.fullmatch("[a-c]{2}-[0-9]", c["text"]) and c["finish_reason"] == "stop"
+    bad = _complete(server, guided_regex="(x")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
 
 
 def test_completions_stream_cancel_and_errors_match_the_thread_engine(server):

@@ -201,7 +201,7 @@ BAD = [
     ('{"model": "stories260K", "prompt": [1, 99999]}', 400, "prompt"),
     ('{"model": "stories260K", "prompt": ["a", [1, 99999]]}', 400, "prompt"),
     ('{"model": "stories260K", "prompt": "hi", "logprobs": 21}', 400, "logprobs"),
-    ('{"model": "stories260K", "prompt": "hi", "guided_json": {}}', 400, "guided_json"),
+    ('{"model": "stories260K", "prompt": "hi", "guided_json": {"type": "x"}}', 400, "guided_json"),
     ('{"model": "stories260K", "prompt": "hi", "no_such_field": 1}', 400, "no_such_field"),
     ('{"model": "stories260K", "prompt": "hi", "max_tokens": 600}', 400, "max_tokens"),
     ("[1, 2]", 400, None),

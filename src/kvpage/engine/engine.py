@@ -7,6 +7,7 @@ batch API and ``kvpage.engine.config`` for how the engine is built.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import time
 from collections import deque
@@ -37,6 +38,7 @@ from kvpage.engine.request import Request
 from kvpage.engine.request_extras import prompt_logprob_spans
 from kvpage.engine.sampler import Sampler
 from kvpage.engine.scheduler import SchedulerOutput
+from kvpage.engine.structured import GrammarCompilerPool
 from kvpage.errors import RequestRejected, got_repr
 from kvpage.models.generation_config import sampling_defaults
 
@@ -100,6 +102,30 @@ class LLMEngine:
         self._unique_salts = 0
         #: ids of user requests dropped by failed steps (oldest first)
         self.failed_request_ids: deque[str] = deque(maxlen=1024)
+        #: constrained requests whose grammar is still compiling, in arrival order:
+        #: (compile future, sample 0); they join the scheduler once it is done
+        self._compiling: list[tuple[concurrent.futures.Future[Any], Request]] = []
+
+    @property
+    def grammars(self) -> GrammarCompilerPool:
+        """The grammar compiler pool of this engine's tokenizer (made on first use).
+
+        Raises:
+            RequestRejected: reason ``"structured_outputs_unavailable"``: the model has
+                no tokenizer, or xgrammar is missing.
+        """
+        pool = self.outputs.grammars
+        if pool is None:
+            if self.tokenizer is None:
+                raise RequestRejected(
+                    "structured_outputs: expected a model with a tokenizer (grammars are "
+                    "compiled against its vocabulary), got a model without one",
+                    reason="structured_outputs_unavailable",
+                )
+            stops = [] if self.eos_token_id is None else [int(self.eos_token_id)]
+            pool = GrammarCompilerPool(self.tokenizer, self.vocab_size, stops)
+            self.outputs.grammars = pool
+        return pool
 
     @classmethod
     def from_config(cls, **kwargs: Any) -> LLMEngine:
@@ -214,19 +240,78 @@ class LLMEngine:
                 | (frozenset() if params.ignore_eos else self.extra_eos_token_ids),
                 priority=priority,
             )
-            self.scheduler.add_request(req)
+            compiling = None
+            parked = False  # decided once: the future may finish at any moment
+            grammar = None
+            if params.structured_outputs is not None:
+                if request_id in self.outputs:
+                    raise RequestRejected(
+                        f"request_id: expected a new id, got {request_id!r} (already running)",
+                        reason="duplicate_request_id",
+                    )
+                # checked now (a bad schema is refused here), compiled on the pool's thread
+                compiling = self.grammars.submit(params.structured_outputs)
+            parked = compiling is not None and not compiling.done()
+            if parked:
+                self.scheduler.check_new(req)
+            else:
+                grammar = None if compiling is None else compiling.result()
+                self.scheduler.add_request(req)
         except RequestRejected as e:
             e.request_id = request_id
             self.outputs.counters.rejected += 1
             raise
         now = time.monotonic() if arrival_time is None else arrival_time
-        self.outputs.add(ParentRequest(request_id, text, list(ids), params, now, req.arrival_order))
+        preq = ParentRequest(request_id, text, list(ids), params, now, req.arrival_order)
+        if parked:
+            assert compiling is not None
+            self._compiling.append((compiling, req))
+        else:
+            preq.grammar = grammar
+        self.outputs.add(preq)
+
+    def _admit_compiled(self) -> None:
+        """Move the requests whose grammar finished compiling into the scheduler (in
+        arrival order); with nothing else to run, wait up to 5 ms for the first one.
+
+        Raises:
+            RuntimeError: a grammar that passed the admission check failed to compile (or
+                its request no longer fits): those requests are dropped and listed in
+                ``failed_request_ids`` (as after a failed step, so the server fails
+                exactly them); every other request is untouched.
+        """
+        if not self._compiling:
+            return
+        if not self.scheduler.has_unfinished():
+            concurrent.futures.wait([self._compiling[0][0]], timeout=0.005)
+        keep = []
+        errors: list[str] = []
+        for fut, req in self._compiling:
+            if not fut.done():
+                keep.append((fut, req))
+                continue
+            pid = req.parent_id
+            try:
+                grammar = fut.result()
+                self.scheduler.add_request(req)
+            except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
+                self.outputs.forget(pid)
+                self.failed_request_ids.append(pid)
+                errors.append(f"{pid}: {e}")
+                continue
+            preq = self.outputs.parent(pid)
+            preq.grammar = grammar
+            preq.arrival_order = req.arrival_order  # the scheduler numbers arrivals
+        self._compiling = keep
+        if errors:
+            raise RuntimeError(f"structured_outputs: grammar not admitted ({'; '.join(errors)})")
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request: every sample stops and its blocks are freed at once.
         Unknown or finished ids are ignored."""
         if request_id not in self.outputs:
             return
+        self._compiling = [(f, r) for f, r in self._compiling if r.parent_id != request_id]
         self.scheduler.abort(request_id)
         self.scheduler.release(request_id)
         self.outputs.forget(request_id)
@@ -257,6 +342,7 @@ class LLMEngine:
                 so the engine stays usable.
         """
         timer = StepTimer()
+        self._admit_compiled()
         out = self._schedule()
         if out is None:
             return []

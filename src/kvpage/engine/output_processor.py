@@ -24,6 +24,12 @@ from kvpage.engine.request_extras import (
     stop_reason,
 )
 from kvpage.engine.sampler import SamplerOutput, SamplingRows, make_generator
+from kvpage.engine.structured import (
+    DEAD_END_FINISH_REASON,
+    GrammarCompilerPool,
+    GrammarState,
+    bitmask_words,
+)
 
 if TYPE_CHECKING:
     from kvpage.engine.scheduler import Scheduler, SchedulerOutput
@@ -52,6 +58,12 @@ class ParentRequest:
     #: per prompt position (params.prompt_logprobs); position 0 stays None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     stop_reasons: dict[int, int | str] = field(default_factory=dict)
+    #: the compiled ``structured_outputs`` grammar (an ``xgrammar.CompiledGrammar``;
+    #: None = unconstrained or not compiled yet)
+    grammar: Any = None
+    #: per sample index: its grammar matcher (created at its first sampled token; kept
+    #: across preemption, since the generated tokens it accepted stay)
+    grammar_states: dict[int, GrammarState] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,6 +89,8 @@ class OutputProcessor:
         counters: prompt/generation tokens and rejected requests since the start.
         stream_text: when True, unfinished outputs carry decoded text too (costs a
             decode per token); finished outputs always do.
+        grammars: the engine's grammar compiler pool (matcher states are made with it);
+            None until a constrained request arrives.
     """
 
     def __init__(self, scheduler: Scheduler, tokenizer: Any, seed: int) -> None:
@@ -88,6 +102,7 @@ class OutputProcessor:
         self._parents: dict[str, ParentRequest] = {}
         #: unfinished requests with prompt_logprobs (0: steps skip looking for them)
         self._num_prompt_lp = 0
+        self.grammars: GrammarCompilerPool | None = None
 
     # ---- the request table ------------------------------------------------------------
     def add(self, preq: ParentRequest) -> None:
@@ -104,6 +119,10 @@ class OutputProcessor:
         preq = self._parents.pop(parent_id, None)
         if preq is not None and preq.prompt_logprobs is not None:
             self._num_prompt_lp -= 1
+
+    def parent(self, parent_id: str) -> ParentRequest:
+        """The engine-side state of an unfinished user request (KeyError if unknown)."""
+        return self._parents[parent_id]
 
     def __contains__(self, parent_id: object) -> bool:
         return parent_id in self._parents
@@ -128,6 +147,8 @@ class OutputProcessor:
         rows = SamplingRows()
         logit_rows: list[int] = []
         processing = False
+        states: list[GrammarState] = []
+        grammar_rows: list[int] = []
         r = 0
         for s in out.scheduled:
             req = s.request
@@ -142,6 +163,9 @@ class OutputProcessor:
                 processing = processing or p.needs_processing
             for j in range(1 + req.num_pending_samples):
                 index = j or req.sample_index
+                if preq.grammar is not None:
+                    grammar_rows.append(len(rows.params))
+                    states.append(self._grammar_state(preq, index))
                 logit_rows.append(r)
                 rows.params.append(p)
                 rows.generators.append(None if p.greedy else self._generator(preq, index))
@@ -152,7 +176,22 @@ class OutputProcessor:
             rows.logit_rows = logit_rows
         if processing:
             rows.contexts = [row_context(q) for q in rows.requests]
+        if states:
+            width = bitmask_words(states[0].vocab_size)
+            bitmask = torch.full((len(states), width), -1, dtype=torch.int32)
+            for i, st in enumerate(states):
+                st.fill_bitmask(bitmask, i)
+            rows.grammar_rows = grammar_rows
+            rows.bitmask = bitmask
         return rows
+
+    def _grammar_state(self, preq: ParentRequest, index: int) -> GrammarState:
+        st = preq.grammar_states.get(index)
+        if st is None:
+            assert self.grammars is not None  # set before a grammar is compiled
+            st = self.grammars.new_state(preq.grammar)
+            preq.grammar_states[index] = st
+        return st
 
     def _generator(self, preq: ParentRequest, index: int) -> torch.Generator | None:
         g = preq.generators.get(index)
@@ -214,10 +253,24 @@ class OutputProcessor:
             touched[seq.parent_id] = preq
             if preq.first_token_time is None:
                 preq.first_token_time = now
+            if preq.grammar is not None:
+                self._advance_grammar(seq, preq)
             p = preq.params
             if p.stop and not seq.is_finished and seq.num_output_tokens >= p.min_tokens:
                 self._check_stop_strings(seq, preq)
         return touched
+
+    def _advance_grammar(self, seq: Request, preq: ParentRequest) -> None:
+        """Feed the sequence's new token to its grammar matcher; a grammar that reached
+        its end finishes the sequence with "stop"."""
+        if seq.finish_reason == DEAD_END_FINISH_REASON:
+            return  # nothing was appended
+        st = preq.grammar_states[seq.sample_index]
+        if not st.accept(seq.token_ids[-1]):
+            # the mask allowed it, so only a grammar/vocabulary mismatch gets here
+            self.scheduler.finish(seq, DEAD_END_FINISH_REASON)
+        elif st.is_terminated and not seq.is_finished:
+            self.scheduler.finish(seq, "stop")
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvpage.cache.explain import CacheMissExplanation
 from kvpage.cache.retention import KVRetention
+from kvpage.engine.structured import StructuredOutputsParams
 from kvpage.engine.vllm_compat import SAMPLING_NOT_IMPLEMENTED, check_not_implemented
 from kvpage.errors import RequestRejected, SpecError, got_repr
 
@@ -22,9 +23,11 @@ from kvpage.errors import RequestRejected, SpecError, got_repr
 #: ``max_logprobs``)
 MAX_LOGPROBS = 20
 
-#: finish reasons of a completion: "stop" (EOS, a stop token id or a stop string) or
-#: "length" (max_tokens or max_model_len reached); "abort" when aborted by the user.
-FINISH_REASONS = ("stop", "length", "abort")
+#: finish reasons of a completion: "stop" (EOS, a stop token id, a stop string, or the
+#: end of a ``structured_outputs`` grammar) or "length" (max_tokens or max_model_len
+#: reached); "abort" when aborted by the user; "grammar_dead_end" when the
+#: ``structured_outputs`` grammar allows no next token (kvpage.engine.structured).
+FINISH_REASONS = ("stop", "length", "abort", "grammar_dead_end")
 
 
 #: largest value of a signed 64-bit integer (torch.int64); every integer parameter
@@ -106,6 +109,10 @@ class SamplingParams(metaclass=_VLLMCompatible):
             ``{"ranges": [{"start", "end", "priority", "ttl_s"}], "decode_priority",
             "decode_ttl_s"}``, converted on validation); None = plain LRU. Needs prefix
             caching. See docs/architecture.md, "Retention".
+        structured_outputs: constrain the output to a JSON schema, JSON object, regex,
+            choice or grammar (``kvpage.engine.structured.StructuredOutputsParams``, or
+            its dict form, converted on validation); None = unconstrained. Every sample
+            of ``n`` has its own grammar state. Needs the engine's tokenizer.
 
     Raises:
         RequestRejected: reason ``"invalid_sampling_params"``, message
@@ -130,6 +137,7 @@ class SamplingParams(metaclass=_VLLMCompatible):
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     kv_retention: KVRetention | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     #: derived by validate(): penalties or min_tokens are set (logits are processed)
     needs_processing: bool = field(default=False, init=False, repr=False, compare=False)
     #: derived by validate(): nothing beyond temperature/top-k/top-p (the fast path)
@@ -203,13 +211,26 @@ class SamplingParams(metaclass=_VLLMCompatible):
                 self.kv_retention = KVRetention.from_dict(kr)
             except SpecError as e:
                 raise RequestRejected(str(e), reason="invalid_sampling_params") from None
+        so: Any = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            if not isinstance(so, dict):
+                raise _bad("structured_outputs", "None, StructuredOutputsParams or a dict", so)
+            try:
+                self.structured_outputs = StructuredOutputsParams(**so)
+            except TypeError as e:
+                raise _bad("structured_outputs", "StructuredOutputsParams fields", str(e)) from None
         self.needs_processing = bool(
             self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.min_tokens
         )
-        self.plain = not (self.needs_processing or self.min_p or self.logprobs is not None)
+        self.plain = not (
+            self.needs_processing
+            or self.min_p
+            or self.logprobs is not None
+            or self.structured_outputs is not None
+        )
 
     @property
     def greedy(self) -> bool:

@@ -13,6 +13,12 @@ Before that, rows that ask for them get the ``min_tokens`` mask and the penaltie
 (vLLM's order: penalties, temperature, min-p, top-k, top-p). Rows without any of these
 take the unchanged fast path.
 
+Rows with a ``structured_outputs`` grammar first get its token bitmask: forbidden
+tokens' logits become ``-inf`` (:func:`kvpage.engine.structured.apply_token_bitmask`, on
+those rows only; the logprobs then describe the masked distribution, as vLLM's). A
+constrained row with no allowed token left after the mask, the penalties and the
+``min_tokens`` mask is a dead end: its sampled id is :data:`DEAD_END_TOKEN`.
+
 The one entry point is :meth:`Sampler.sample` (logits + :class:`SamplingRows`, the
 batch's per-row parameters) returning :class:`SamplerOutput` (ids and, for rows that
 ask, logprobs). A batch of plain greedy rows skips the per-row work (``argmax`` only).
@@ -29,6 +35,12 @@ import torch
 from kvpage.engine.params import SamplingParams
 from kvpage.engine.processing import RowContext, apply_penalties, compute_logprobs
 from kvpage.engine.request import Request
+from kvpage.engine.structured import apply_token_bitmask
+
+#: the "token id" of a constrained row whose grammar allows no token (a dead end):
+#: ``Scheduler.update`` finishes such a sequence with
+#: ``kvpage.engine.structured.DEAD_END_FINISH_REASON`` instead of appending it
+DEAD_END_TOKEN = -1
 
 
 def derive_seed(engine_seed: int, arrival_order: int, sample_index: int) -> int:
@@ -67,7 +79,10 @@ class SamplingRows:
         contexts: each row's prompt/output ids for penalties and ``min_tokens``; None
             unless some row's ``params.needs_processing``.
         all_greedy: every row is plain greedy (argmax of the raw logits: no penalties,
-            no logprobs), so :meth:`Sampler.sample` takes its fast path.
+            no logprobs, no grammar), so :meth:`Sampler.sample` takes its fast path.
+        grammar_rows: the rows with a ``structured_outputs`` grammar (None = none).
+        bitmask: int32 CPU ``[len(grammar_rows), ceil(vocab / 32)]``, row ``i`` the allowed
+            tokens of row ``grammar_rows[i]`` (bit ``t % 32`` of word ``t // 32``).
     """
 
     params: list[SamplingParams] = field(default_factory=list)
@@ -77,6 +92,8 @@ class SamplingRows:
     logit_rows: list[int] | None = None
     contexts: list[RowContext] | None = None
     all_greedy: bool = True
+    grammar_rows: list[int] | None = None
+    bitmask: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.params)
@@ -104,7 +121,8 @@ class SamplerOutput:
     """What :meth:`Sampler.sample` returns.
 
     Attributes:
-        token_ids: one sampled id per row.
+        token_ids: one sampled id per row (:data:`DEAD_END_TOKEN` for a constrained row
+            with no allowed token).
         logprobs: per row, the sampled token's logprob entry (of the raw logits, before
             penalties) when the row's ``params.logprobs`` is set, else None; the whole
             list is None when no row asks.
@@ -137,6 +155,10 @@ class Sampler:
             logits = logits.index_select(0, sel)
         if not rows.params:
             return SamplerOutput([])
+        if rows.bitmask is not None and rows.grammar_rows:
+            if rows.logit_rows is None:
+                logits = logits.clone()  # the caller's logits are not mutated
+            apply_token_bitmask(logits, rows.bitmask, rows.grammar_rows)
         if rows.all_greedy:
             return SamplerOutput(torch.argmax(logits, dim=-1).tolist())
         return self._sample_general(logits, rows)
@@ -147,6 +169,19 @@ class Sampler:
         if rows.contexts is not None:
             logits = apply_penalties(logits, params, rows.contexts)
         n = len(params)
+        dead: list[int] = []
+        if rows.grammar_rows and rows.bitmask is not None:
+            # an empty bitmask row is a dead end; with penalties / min_tokens (contexts),
+            # the masks may also have removed every token the grammar allowed
+            empty = (rows.bitmask == 0).all(dim=1).tolist()
+            dead = [r for r, e in zip(rows.grammar_rows, empty) if e]
+            if rows.contexts is not None:
+                g = torch.tensor(rows.grammar_rows, dtype=torch.int64, device=logits.device)
+                best = logits.index_select(0, g).amax(dim=1).tolist()
+                dead = [r for r, b in zip(rows.grammar_rows, best) if b == float("-inf")]
+            if dead:  # sample something harmless; the rows' ids are replaced below
+                logits = logits.clone()
+                logits[dead] = 0.0
         out = [0] * n
         greedy = [i for i in range(n) if params[i].greedy]
         rand = [i for i in range(n) if not params[i].greedy]
@@ -162,6 +197,8 @@ class Sampler:
             )
             for i, t in zip(rand, ids):
                 out[i] = t
+        for i in dead:
+            out[i] = DEAD_END_TOKEN
         return SamplerOutput(out, _logprob_rows(raw, params, out))
 
     @staticmethod
@@ -215,7 +252,7 @@ def _logprob_rows(
     logits: torch.Tensor, params: Sequence[SamplingParams], tokens: Sequence[int]
 ) -> list[LogprobEntry | None] | None:
     """The logprob entries of the rows whose params ask for logprobs (None if none do)."""
-    idx = [i for i, p in enumerate(params) if p.logprobs is not None]
+    idx = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] >= 0]
     if not idx:
         return None
     sub = logits[idx] if len(idx) != len(params) else logits
@@ -227,6 +264,7 @@ def _logprob_rows(
 
 
 __all__ = [
+    "DEAD_END_TOKEN",
     "LogprobEntry",
     "Sampler",
     "SamplerOutput",

@@ -49,6 +49,7 @@ from kvpage.engine.preemption import Preemptor
 from kvpage.engine.queue_policy import SchedulingPolicy, make_queue
 from kvpage.engine.request import Request, RequestStatus, sample_id
 from kvpage.engine.scheduled import ScheduledRequest
+from kvpage.engine.structured import DEAD_END_FINISH_REASON
 from kvpage.engine.swap import Swapper
 from kvpage.errors import RequestRejected, SpecError
 
@@ -181,6 +182,21 @@ class Scheduler:
                 than ``max_model_len`` (``"prompt_too_long"``), or never fits the pool
                 (``"exceeds_kv_capacity"``). Nothing changes then.
         """
+        self.check_new(request)
+        request.arrival_order = self._arrivals
+        self._arrivals += 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.samples[request.parent_id] = [request]
+        self.waiting.append(request)
+
+    def check_new(self, request: Request) -> None:
+        """The checks of :meth:`add_request`, changing nothing (the engine runs them when
+        it holds a request back until its grammar is compiled).
+
+        Raises:
+            RequestRejected: as :meth:`add_request`.
+        """
         pid = request.parent_id
         if pid in self.samples:
             raise RequestRejected(
@@ -211,12 +227,6 @@ class Scheduler:
         except RequestRejected as e:
             e.request_id = pid
             raise
-        request.arrival_order = self._arrivals
-        self._arrivals += 1
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self.samples[pid] = [request]
-        self.waiting.append(request)
 
     def cap_max_tokens(self, cap: int) -> dict[str, int]:
         """Lower every unfinished sequence's ``max_tokens`` to ``max(cap, generated + 1)``
@@ -367,6 +377,11 @@ class Scheduler:
             seqs = (req, *self._fork(req)) if req.num_pending_samples else (req,)
             for seq, tok in zip(seqs, toks):
                 tok = int(tok)
+                if tok < 0:  # DEAD_END_TOKEN: its grammar allows no token
+                    progressed.append(seq)
+                    self.finish(seq, DEAD_END_FINISH_REASON)
+                    finished.append(seq)
+                    continue
                 seq.token_ids.append(tok)
                 progressed.append(seq)
                 reason = seq.check_stop(tok)

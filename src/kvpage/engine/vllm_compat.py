@@ -51,7 +51,6 @@ SAMPLING_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,),
     "guided_decoding": (None,),
-    "structured_outputs": (None,),
     "logit_bias": (None, {}),
     "allowed_token_ids": (None,),
     "detokenize": (True,),

@@ -161,6 +161,14 @@ class ByteTokenizer:
             ids.insert(0, int(self.bos_id))
         return ids
 
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id decodes to, by id: ids 0..255 their byte, BOS/EOS and ids
+        from 256 ``b""`` (see ``kvpage.engine.structured.tokenizer_info``)."""
+        specials = {self.bos_id, *self.stop_token_ids}
+        return [
+            bytes([i]) if i < 256 and i not in specials else b"" for i in range(self.vocab_size)
+        ]
+
     def decode(self, ids: Sequence[int]) -> str:
         specials = {self.bos_id, *self.stop_token_ids}
         data = bytes(int(i) for i in ids if 0 <= int(i) < 256 and int(i) not in specials)

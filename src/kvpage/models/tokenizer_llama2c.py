@@ -214,6 +214,13 @@ class Llama2cTokenizer:
         """
         return self.decode_bytes(ids, prev_id).decode("utf-8", errors="replace")
 
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id decodes to, by id (``b""`` for UNK/BOS/EOS, one byte for the
+        byte-fallback ids, the piece otherwise): the vocabulary a grammar library needs
+        (``kvpage.engine.structured.tokenizer_info``). A leading space is kept: it is
+        dropped only right after BOS, which generated text never starts with."""
+        return list(self._piece_bytes)
+
     def id_to_piece(self, token_id: int) -> str:
         """The stored piece text of one id (e.g. ``"<0x0A>"``, ``" the"``)."""
         return self.pieces[token_id].decode("utf-8", errors="replace")

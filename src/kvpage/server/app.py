@@ -101,6 +101,11 @@ def create_app(
     ``app.state.metrics_app`` (run it on its own listener). The app is wrapped in the
     HTTP guard (:mod:`kvpage.server.http_limits`): API keys, body and content-type limits.
     """
+    # constraints are checked with xgrammar in the request handlers: import it here,
+    # not on the event loop during the first constrained request
+    from kvpage.engine.structured import preload
+
+    preload()
     if state is None:
         if engine is None:
             engine, sampling_params_cls = build_engine(config)

@@ -111,6 +111,20 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="ignore request fields outside the OpenAI/vLLM schemas (default: refuse, 400)",
     )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        dest="enable_auto_tool_choice",
+        action="store_true",
+        default=None,
+        help="chat tool_choice 'auto' parses tool calls from the reply (needs --tool-call-parser)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        dest="tool_call_parser",
+        choices=["hermes", "llama3_json"],
+        default=None,
+        help="how tool calls are found in a reply (vLLM's names)",
+    )
     ep = p.add_mutually_exclusive_group()
     ep.add_argument(
         "--engine-process",
@@ -192,6 +206,10 @@ def config_from_args(args: argparse.Namespace, base: ServerConfig | None = None)
         args.model = pos
     if getattr(args, "allow_unknown_fields", None):
         data["allow_unknown_fields"] = True
+    if getattr(args, "enable_auto_tool_choice", None):
+        data["enable_auto_tool_choice"] = True
+    if getattr(args, "tool_call_parser", None) is not None:
+        data["tool_call_parser"] = args.tool_call_parser
     for flag, (section, name, _) in _FLAGS.items():
         v = getattr(args, flag, None)
         if v is not None:

@@ -235,6 +235,12 @@ class ServerConfig(_Strict):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     #: ignore request fields outside the OpenAI/vLLM schemas instead of refusing them
     allow_unknown_fields: bool = False
+    #: vLLM's ``--enable-auto-tool-choice``: chat ``tool_choice: "auto"`` (the default
+    #: with ``tools``) parses the reply with ``tool_call_parser``; needs it set
+    enable_auto_tool_choice: bool = False
+    #: vLLM's ``--tool-call-parser``: how tool calls are found in a reply
+    #: (``kvpage.engine.tool_calls.TOOL_PARSERS``)
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
     #: run the engine in its own process (``kvpage.server.engine_process``), apart from
     #: the HTTP event loop and its GIL; False (default, measured better on a loaded
     #: 2-core machine: docs/benchmarks.md) = an engine thread in the server process
@@ -265,6 +271,15 @@ class ServerConfig(_Strict):
             raise ValueError(
                 f"security.metrics_port: expected a port other than port ({self.port}) "
                 f"for the separate /metrics listener, got {mp}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _auto_tools_need_a_parser(self) -> ServerConfig:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(
+                "tool_call_parser: expected 'hermes' or 'llama3_json' with "
+                "enable_auto_tool_choice (as vLLM), got None"
             )
         return self
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from kvpage.engine.tool_calls import releasable
 from kvpage.errors import got_repr
 from kvpage.server import protocol as P
 from kvpage.server.auth import request_priority, scoped_cache_salt
@@ -188,6 +190,9 @@ def _prepare_all(
             max_model_len=state.max_model_len,
             max_bytes_per_token=state.max_bytes_per_token,
             allow_unknown_fields=state.config.allow_unknown_fields,
+            tool_call_parser=(
+                state.config.tool_call_parser if state.config.enable_auto_tool_choice else None
+            ),
             retention_limits=(
                 state.config.admission.kv_retention_max_priority,
                 state.config.admission.kv_retention_max_ttl_s,
@@ -306,8 +311,35 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
         started = [False] * req.n
         offsets = [0] * req.n
         pending = [first] if first is not None else []
+        # a tool-calling choice's text: held until it can be parsed; with "auto", the
+        # part that is surely content (tool_calls.releasable) streams as it comes
+        held = [""] * req.n
+        sent = [0] * req.n
+        auto = req.tool_choice.get("auto") if isinstance(req.tool_choice, dict) else None
         while True:
             for d in pending:
+                if req.tool_choice is not None:
+                    i = d.index
+                    held[i] += d.text
+                    if d.finish_reason is None:
+                        r = releasable(auto, held[i]) if auto is not None else 0
+                        if r > sent[i]:
+                            c = P.chunk(req, i, held[i][sent[i] : r], None, first=not started[i])
+                            started[i], sent[i] = True, r
+                            yield "data: " + json.dumps(c) + "\n\n"
+                        continue
+                    reply = P.tool_reply(req, held[i], d.finish_reason)
+                    if reply is not None:
+                        rest = (reply[0] or "")[len(held[i][: sent[i]].strip()) :].strip()
+                        if rest:
+                            c = P.chunk(req, i, rest, None, first=not started[i])
+                            started[i] = True
+                            yield "data: " + json.dumps(c) + "\n\n"
+                        tc = P.tool_call_chunk(req, i, reply[1], first=not started[i])
+                        started[i] = True
+                        yield "data: " + json.dumps(tc) + "\n\n"
+                        continue
+                    d = dataclasses.replace(d, text=held[i][sent[i] :])  # no call: content
                 echo = None
                 if req.echo:
                     plp = usage.prompt_logprobs or [None] * len(req.prompt_token_ids)

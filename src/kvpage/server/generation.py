@@ -183,6 +183,11 @@ class RequestGeneration:
                 prompt_logprobs=req.prompt_logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 **({} if req.kv_retention is None else {"kv_retention": req.kv_retention}),
+                **(
+                    {}
+                    if req.structured_outputs is None
+                    else {"structured_outputs": req.structured_outputs}
+                ),
             )
             prompt: Any = list(req.prompt_token_ids)
             if req.cache_salt is not None:

@@ -77,6 +77,13 @@ class GenerationRequest(BaseModel):
     #: chat: where the chat template came from ("request", "server", "model" or
     #: "kvpage", ``kvpage.engine.chat.ChatPrompt.template``); None for completions
     chat_template: str | None = None
+    #: the ``StructuredOutputsParams`` keyword arguments of the request's constraint
+    #: (``kvpage.server.structured_fields``), or None
+    structured_outputs: dict[str, Any] | None = None
+    #: chat ``tool_choice`` "required" or ``{"type": "function", ...}`` whose schema
+    #: constrains the output, or ``{"auto": parser name}`` (the reply is parsed); both
+    #: answered as ``tool_calls`` (:func:`tool_reply`); None = no tools
+    tool_choice: Any = None
     created: int = Field(default_factory=lambda: int(time.time()))
     #: ``time.monotonic()`` seconds when the server received the request (TTFT/e2e start)
     arrival_s: float = Field(default_factory=time.monotonic)
@@ -177,11 +184,18 @@ def choice(
     prompt_logprobs: list[Any] | None = None,
 ) -> dict[str, Any]:
     """One non-streamed choice (vLLM's ``stop_reason``; completions choices carry
-    ``prompt_logprobs`` when asked)."""
+    ``prompt_logprobs`` when asked). A chat choice of a forced ``tool_choice`` that
+    finished with "stop" is answered as ``tool_calls`` (content null, finish reason
+    ``"tool_calls"``)."""
     if req.kind == "chat":
+        reply = tool_reply(req, text, finish)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reply is not None:
+            message = {"role": "assistant", "content": reply[0], "tool_calls": reply[1]}
+            finish = "tool_calls"
         return {
             "index": index,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "finish_reason": finish,
             "stop_reason": stop_reason,
             "logprobs": logprobs,
@@ -196,6 +210,59 @@ def choice(
     if prompt_logprobs is not None:
         c["prompt_logprobs"] = prompt_logprobs
     return c
+
+
+def tool_reply(
+    req: GenerationRequest, text: str, finish: str | None
+) -> tuple[str | None, list[Any]] | None:
+    """``(content, tool_calls)`` of a finished choice that called tools, else None (the
+    text is plain content).
+
+    A forced ``tool_choice`` (``kvpage.engine.tool_calls.calls_from_constrained``): the
+    calls, content None; None when the choice was cut before its JSON ended
+    (``"length"``). ``tool_choice`` ``{"auto": parser}``: what the server's parser finds,
+    with the text outside the calls as content (None when empty); None when it finds no
+    call. None for other requests and unfinished choices.
+    """
+    if req.tool_choice is None or finish is None:
+        return None
+    from kvpage.engine.tool_calls import TOOL_PARSERS, calls_from_constrained
+
+    if isinstance(req.tool_choice, dict) and "auto" in req.tool_choice:
+        content, calls = TOOL_PARSERS[req.tool_choice["auto"]](text)
+        return (content or None, calls) if calls else None
+    if finish != "stop":
+        return None
+    try:
+        return None, calls_from_constrained(text, req.tool_choice)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def tool_call_chunk(
+    req: GenerationRequest, index: int, calls: list[Any], *, first: bool = False
+) -> dict[str, Any]:
+    """The final streamed chunk of a forced-``tool_choice`` choice: the calls as one
+    ``delta.tool_calls`` (each with its ``index``), finish reason ``"tool_calls"``."""
+    delta: dict[str, Any] = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+    if first:
+        delta["role"] = "assistant"
+    return {
+        "id": req.request_id,
+        "object": "chat.completion.chunk",
+        "created": req.created,
+        "model": req.model,
+        "choices": [
+            {
+                "index": index,
+                "delta": delta,
+                "finish_reason": "tool_calls",
+                "logprobs": None,
+                "stop_reason": None,
+            }
+        ],
+        **capped_field(req),
+    }
 
 
 def chunk(

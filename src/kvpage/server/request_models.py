@@ -86,6 +86,15 @@ class _Request(BaseModel):
     #: kvpage extension: how long this request's cached blocks stay after it
     #: (``kvpage.cache.KVRetention.from_dict``; limits: ``AdmissionConfig``)
     kv_retention: dict[str, Any] | None = None
+    # structured outputs (checked and converted by kvpage.server.structured_fields)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -173,6 +182,11 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    #: OpenAI tools (``kvpage.engine.tool_calls.check_tools``); ``tool_choice``
+    #: "required" or a named function is enforced by a JSON schema
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -23,6 +23,7 @@ from kvpage.server.protocol import (
     new_request_id,
     render_chat,
 )
+from kvpage.server.structured_fields import STRUCTURED_FIELDS, structured_outputs_of
 
 __all__ = ["check_retention", "max_token_bytes", "min_prompt_tokens", "prepare_request"]
 
@@ -128,6 +129,7 @@ def prepare_request(
     retention_limits: tuple[int, float] = (3, 3600.0),
     chat_template: str | None = None,
     sampling_defaults: dict[str, Any] | None = None,
+    tool_call_parser: str | None = None,
 ) -> GenerationRequest:
     """Validate a parsed request and tokenize its prompt.
 
@@ -152,6 +154,8 @@ def prepare_request(
             (``LLMEngine.default_sampling_params``: temperature, top_p, top_k, min_p,
             repetition_penalty, max_tokens) for the fields the request leaves unset
             (or sends as null); None = kvpage's / OpenAI's defaults.
+        tool_call_parser: the server's parser when ``enable_auto_tool_choice`` is on
+            (chat ``tool_choice: "auto"`` is then allowed), else None (refused).
 
     Returns:
         The request with token ids and ``max_tokens`` resolved (completions default 16;
@@ -292,6 +296,25 @@ def prepare_request(
             reason="invalid_sampling_params",
         )
     retention = check_retention(body.kv_retention, retention_limits)
+    structured = structured_outputs_of(
+        {
+            k: getattr(body, k)
+            for k in (*STRUCTURED_FIELDS, "guided_decoding_backend", "guided_whitespace_pattern")
+        }
+    )
+    tool_choice = None
+    if isinstance(body, ChatCompletionRequest):
+        tool_choice, tool_constraint = _tool_constraint(body, tool_call_parser)
+        if tool_constraint is not None:
+            if structured is not None:
+                raise APIError(
+                    400,
+                    "tool_choice: expected no response_format / structured_outputs / guided_* "
+                    "field with a forced tool choice (its schema is the constraint), got both",
+                    param="tool_choice",
+                    code="invalid_structured_outputs",
+                )
+            structured = tool_constraint
     tenant = api_key or body.user or "anonymous"
     return GenerationRequest(
         kind=kind,  # type: ignore[arg-type]
@@ -321,6 +344,8 @@ def prepare_request(
         tenant=tenant,
         kv_retention=retention,
         chat_template=template_source,
+        structured_outputs=structured,
+        tool_choice=tool_choice,
     )
 
 
@@ -334,6 +359,61 @@ def _field(body: Any, name: str, defaults: dict[str, Any], fallback: Any = None)
         return defaults[name]
     v = getattr(body, name)
     return fallback if v is None else v
+
+
+def _tool_constraint(
+    body: ChatCompletionRequest, parser: str | None
+) -> tuple[Any, dict[str, Any] | None]:
+    """``(tool_choice, StructuredOutputsParams kwargs)`` of a chat request's ``tools`` /
+    ``tool_choice``: "required" and a named function are enforced by a JSON schema
+    (``kvpage.engine.tool_calls.tool_choice_constraint``); "none" asks for nothing;
+    "auto" (OpenAI's default when tools are given) returns ``{"auto": parser}`` (the
+    reply is parsed, not constrained) when the server has a parser, else is refused.
+
+    Raises:
+        APIError: 400 naming ``tools...`` / ``tool_choice``.
+    """
+    from kvpage.engine.tool_calls import tool_choice_constraint
+
+    if body.tools is None and body.tool_choice is None:
+        return None, None
+    if body.tools is None:
+        if body.tool_choice == "none":
+            return None, None
+        raise APIError(
+            400,
+            f"tool_choice: expected unset or 'none' without tools, got {got_repr(body.tool_choice)}",
+            param="tool_choice",
+        )
+    choice = "auto" if body.tool_choice is None else body.tool_choice
+    if choice == "auto" and parser is not None:
+        tool_choice_constraint(body.tools, "none")  # validates the tools
+        return {"auto": parser}, None
+    if choice == "auto":
+        raise APIError(
+            400,
+            "tool_choice: expected 'none', 'required' or a named function ('auto', the "
+            "default with tools, needs a server started with --enable-auto-tool-choice "
+            "--tool-call-parser NAME), got 'auto'",
+            param="tool_choice",
+            code="unsupported_field",
+        )
+    try:
+        constraint = tool_choice_constraint(
+            body.tools, choice, body.parallel_tool_calls is not False
+        )
+    except RequestRejected as e:
+        msg = str(e)
+        raise APIError(400, msg, param=msg.partition(":")[0]) from None
+    if constraint is not None:
+        try:
+            structured_outputs_of({"structured_outputs": constraint})
+        except APIError as e:  # a parameters schema xgrammar cannot use
+            _, _, why = e.message.partition(":")
+            raise APIError(
+                400, f"tools:{why}", param="tools", code="invalid_structured_outputs"
+            ) from None
+    return (None if constraint is None else choice), constraint
 
 
 def check_retention(raw: dict[str, Any] | None, limits: tuple[int, float]) -> dict[str, Any] | None:
