@@ -10,7 +10,7 @@ py="$(bash scripts/bootstrap.sh | tail -n 1)"
 bin="$(dirname "$py")"
 echo "== ruff check"; "$bin/ruff" check src backends tests conformance benches scripts docs/examples
 echo "== ruff format --check"; "$bin/ruff" format --check src backends tests conformance benches scripts docs/examples
-echo "== mypy src/kvpage"; "$bin/mypy" src/kvpage
+echo "== mypy (src/kvpage and the CPU plugins: pyproject.toml [tool.mypy] files)"; "$bin/mypy"
 echo "== pytest (started $(date +%H:%M:%S); each line of dots ends with [tests done/total])"
 export TRITON_INTERPRET=1 NUMBA_ENABLE_CUDASIM=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 start=$SECONDS

@@ -36,6 +36,8 @@ NON_DEFAULT: list[dict[str, Any]] = [
         kv_retention_max_share=0.25,
         preemption_mode="swap",
         swap_space_bytes=12345,
+        generation_config="none",
+        kv_pool="per_group",
     ),
     dict(
         num_threads=0,

@@ -100,7 +100,7 @@ def test_chat_prompt_ids_defaults_and_fields(serve: Any, folders: dict[str, Path
     assert r.json()["usage"]["prompt_tokens"] == len(
         hf.apply_chat_template(MSGS, return_dict=True)["input_ids"]
     )
-    # message fields the template renders pass through; tools stay refused by name
+    # message fields the template renders pass through
     tool_msgs = [
         {"role": "user", "content": "weather?", "name": "bob"},
         {
@@ -125,8 +125,22 @@ def test_chat_prompt_ids_defaults_and_fields(serve: Any, folders: dict[str, Path
         timeout=60,
     )
     assert r.status_code == 200, r.text
-    r = _chat(base, model, tools=[{"type": "function", "function": {"name": "get"}}])
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    # tools reach the template as its ``tools`` variable (transformers' apply_chat_template)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    tmpl = "{% for t in tools %}tool {{ t.function.name }};{% endfor %}{{ messages[-1].content }}"
+    r = _chat(base, model, tools=tools, tool_choice="required", chat_template=tmpl, max_tokens=2)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(hf.encode("tool get_weather;hello cat"))
+    r = _chat(base, model, tools=tools, tool_choice="none", chat_template=tmpl, max_tokens=2)
+    assert r.status_code == 200, r.text
+    # "none": the template still sees the tools (vLLM's default); the reply is plain text
+    assert r.json()["usage"]["prompt_tokens"] == len(hf.encode("tool get_weather;hello cat"))
+    assert r.json()["choices"][0]["message"].get("tool_calls") in (None, [])
+    # "auto" needs a server started with a tool-call parser; malformed tools name the field
+    r = _chat(base, model, tools=tools)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    r = _chat(base, model, tools=[{"type": "function", "function": {}}], tool_choice="required")
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("tools[0]")
     r = _chat(base, model, continue_final_message=True)
     assert r.status_code == 400 and "continue_final_message" in r.json()["error"]["message"]
     r = _chat(base, model, chat_template="{{ raise_exception('no') }}")

@@ -286,6 +286,7 @@ def render_chat_prompt(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> ChatPrompt:
     """Render and tokenize a conversation with the template chosen as the module
     docstring says.
@@ -301,6 +302,12 @@ def render_chat_prompt(
             keys in :data:`RESERVED_TEMPLATE_KWARGS` are refused.
         add_generation_prompt: end with the template's assistant header.
         continue_final_message: continue the last (assistant) message instead.
+        tools: OpenAI tool definitions (``{"type": "function", "function": {...}}``),
+            given to a Jinja template as its ``tools`` variable (transformers'
+            ``apply_chat_template(tools=...)``; templates that do not use it ignore it).
+            kvpage's plain template has no place for them: it renders none (a forced
+            tool call is still enforced by its JSON schema, see
+            ``kvpage.engine.tool_calls``).
 
     Returns:
         The :class:`ChatPrompt`. Jinja: ids = ``tokenizer.encode(text, bos=False)``
@@ -346,6 +353,8 @@ def render_chat_prompt(
     check_messages(messages, TEMPLATE_MESSAGE_FIELDS)
     _check_continue(messages, add_generation_prompt, continue_final_message)
     conv = _template_messages(messages)
+    if tools:
+        kwargs["tools"] = [dict(t) for t in tools]
     text = _render_jinja(
         tokenizer, conv, template, kwargs, add_generation_prompt, continue_final_message
     )

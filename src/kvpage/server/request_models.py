@@ -201,6 +201,7 @@ def render_chat(
     chat_template_kwargs: dict[str, Any] | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> ChatPrompt:
     """Render and tokenize a conversation (``kvpage.engine.chat.render_chat_prompt``:
     the request's template, else the server's ``--chat-template``, else the model's,
@@ -217,4 +218,5 @@ def render_chat(
         chat_template_kwargs=chat_template_kwargs,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
+        tools=tools,
     )

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvpage.cache.retention import KVRetention
 from kvpage.engine.chat import message_text, text_part_problem
+from kvpage.engine.tool_calls import check_tools
 from kvpage.errors import GOT_REPR_MAX, RequestRejected, SpecError, got_repr
 from kvpage.server.fields import check_extra_fields
 from kvpage.server.protocol import (
@@ -227,6 +228,8 @@ def prepare_request(
         all_text = "".join(message_text(m.content) for m in body.messages)
         check_text_fits(all_text, max_bytes_per_token, max_model_len, "messages")
         try:
+            if body.tools is not None:
+                check_tools(body.tools)  # before the template renders them
             chat = render_chat(
                 body.messages,
                 tokenizer,
@@ -235,6 +238,7 @@ def prepare_request(
                 chat_template_kwargs=body.chat_template_kwargs,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
+                tools=body.tools,  # shown with every tool_choice, "none" too (as vLLM)
             )
         except RequestRejected as e:
             param = str(e).split(":", 1)[0].strip()
