@@ -200,20 +200,14 @@ def test_hf_tokenizer_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
     xgrammar.TokenizerInfo.from_huggingface): constrained outputs match. (Its random
     model writes control bytes inside strings, which xgrammar 0.2.8 lets through for
     length-bounded strings unless kvpage rewrites them: see ``_bounded_strings``.)"""
-    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
     import torch
-    from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    t = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    t.train_from_iterator(['{"name": "cat", "age": 3}', "Once upon a time 123"], trainer)
+    from kvpage.testing.hf_folders import byte_level_bpe
+
+    texts = ['{"name": "cat", "age": 3}', "Once upon a time 123"]
+    t = byte_level_bpe(texts, ["<unk>", "<s>", "</s>"], vocab_size=300)
     hf_tok = transformers.PreTrainedTokenizerFast(
         tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )

@@ -20,27 +20,11 @@ from typing import Any
 
 import pytest
 import torch
+from family_harness import PROMPTS, SMALL, check_family, make_hf, transformers
 
-from kvpage.engine import LLM, SamplingParams
 from kvpage.models import load_model
 from kvpage.models.moe import MoEMLP, moe_weights_from_hf, moe_weights_to_hf
 
-transformers = pytest.importorskip("transformers")
-
-SMALL: dict[str, Any] = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    initializer_range=0.1,  # the default 0.02 gives near-tied logits
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-)
 _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
 #: (model_type, features) in the default run: one per family
@@ -92,91 +76,34 @@ SLOW: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
-PROMPTS = [
-    [5, 17, 99, 3, 200, 41, 7, 8, 9, 10, 11, 12, 13],
-    [250, 1, 33, 44, 55, 66, 77, 90],
-    list(range(30, 51)),
-]
-NUM_NEW = 8
 
-
-def make_hf_moe(model_type: str, features: dict[str, Any], seed: int = 0) -> Any:
-    """A random-weight transformers model of ``model_type`` (eager attention) with
-    non-trivial norms, biases and sinks."""
-    torch.manual_seed(seed)
-    cfg = transformers.CONFIG_MAPPING[model_type](**{**SMALL, **features})
-    cfg._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("sinks"):
-                p.copy_(torch.randn_like(p))  # about the size of the logits
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-    return model
-
-
-def hf_greedy(hf: Any, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens (no-cache full forwards: masks only) and their
-    log-probabilities."""
-    ids, lps = list(prompt), []
-    with torch.no_grad():
-        for _ in range(n):
-            logits = hf(torch.tensor([ids]), use_cache=False).logits[0, -1].float()
-            t = int(logits.argmax())
-            lps.append(float(torch.log_softmax(logits, -1)[t]))
-            ids.append(t)
-    return ids[len(prompt) :], lps
-
-
-def _run(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=0)
-    outs = llm.generate(PROMPTS, params)
-    toks = [o.outputs[0].token_ids for o in outs]
-    lps = [[float(d[t].logprob) for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]  # fmt: skip
-    return toks, lps
-
-
-def check_family(
+def check_moe_family(
     model_type: str, features: dict[str, Any], tmp_path: Path, backend: str = "auto"
 ) -> float:
-    """Greedy equality with transformers (folder load, chunked prefill, prefix-cache
-    rerun); returns the largest log-probability error seen."""
-    hf = make_hf_moe(model_type, features)
-    hf.save_pretrained(tmp_path)  # the hub layout (per-expert / fused gpt-oss tensors)
-    refs = [hf_greedy(hf, p, NUM_NEW) for p in PROMPTS]
-    want = [r[0] for r in refs]
-    assert len({t for r in want for t in r}) > 4  # not a degenerate constant output
-    model = load_model(tmp_path)
-    assert any(isinstance(layer.mlp, MoEMLP) for layer in model.model.layers)
-    # chunked prefill: a token budget of 7 splits every prompt; the rerun hits the
-    # prefix cache
-    llm = LLM(model, block_size=4, num_blocks=120, max_num_batched_tokens=7, backend=backend)
-    err = 0.0
-    for rnd in range(2):
-        got, lps = _run(llm)
-        assert got == want, f"{model_type} round {rnd}: {got} != {want}"
-        for (_, ref_lp), mine in zip(refs, lps):
-            err = max(err, max(abs(a - b) for a, b in zip(ref_lp, mine)))
-    assert llm.get_metrics()["kvpage:prefix_cache_hits_total"] > 0
-    llm.llm_engine.kv_cache_manager.check_integrity()
-    assert err < 1e-4, err
-    print(f"{model_type} {features}: tokens equal, max |logprob error| {err:.2e}")
-    return err
+    """:func:`family_harness.check_family` with a prefix-cache rerun, on a model whose
+    layers have the MoE MLP."""
+    return check_family(
+        model_type,
+        features,
+        tmp_path,
+        rounds=2,
+        backend=backend,
+        num_blocks=120,
+        max_num_seqs=256,
+        check_model=lambda m: any(isinstance(layer.mlp, MoEMLP) for layer in m.model.layers),
+    )
 
 
 @pytest.mark.parametrize("model_type", list(FAST))
 def test_moe_family_greedy_equals_transformers(model_type: str, tmp_path: Path) -> None:
-    check_family(model_type, FAST[model_type], tmp_path)
+    check_moe_family(model_type, FAST[model_type], tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(SLOW))
 def test_moe_family_matrix(case: str, tmp_path: Path) -> None:
     model_type, features = SLOW[case]
-    check_family(model_type, features, tmp_path)
+    check_moe_family(model_type, features, tmp_path)
 
 
 @pytest.mark.slow
@@ -184,7 +111,7 @@ def test_moe_family_matrix(case: str, tmp_path: Path) -> None:
 def test_gpt_oss_sinks_on_every_cpu_backend(backend: str, tmp_path: Path) -> None:
     """gpt-oss (attention sinks, sliding/full layers) token-equal on each backend that
     implements sinks."""
-    check_family("gpt_oss", FAST["gpt_oss"], tmp_path, backend=backend)
+    check_moe_family("gpt_oss", FAST["gpt_oss"], tmp_path, backend=backend)
 
 
 @pytest.mark.parametrize("model_type", list(FAST))
@@ -194,7 +121,7 @@ def test_in_memory_and_folder_layouts_agree(model_type: str, tmp_path: Path) -> 
     back in transformers' in-memory form (logits equal)."""
     from kvpage.models import to_transformers
 
-    hf = make_hf_moe(model_type, FAST[model_type], seed=1)
+    hf = make_hf(model_type, FAST[model_type], seed=1)
     hf.save_pretrained(tmp_path)
     a, b = load_model(hf), load_model(tmp_path)
     sa, sb = a.state_dict(), b.state_dict()

@@ -120,19 +120,12 @@ def test_byte_tokenizer() -> None:
 
 
 def _tiny_hf_tokenizer():  # type: ignore[no-untyped-def]
-    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from kvpage.testing.hf_folders import byte_level_bpe
 
-    t = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    t.train_from_iterator(["Once upon a time there was a cat.", "The cat sat on a mat."], trainer)
+    texts = ["Once upon a time there was a cat.", "The cat sat on a mat."]
+    t = byte_level_bpe(texts, ["<unk>", "<s>", "</s>"], vocab_size=300)
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )

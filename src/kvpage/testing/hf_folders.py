@@ -28,6 +28,7 @@ __all__ = [
     "CHATML_TEMPLATE",
     "LLAMA_TEMPLATE",
     "QWEN_GENERATION_CONFIG",
+    "byte_level_bpe",
     "make_chat_folder",
     "set_emitted_token",
 ]
@@ -76,19 +77,30 @@ _TEXT = [
 _SPECIALS = ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def _tokenizer(style: str) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+def byte_level_bpe(texts: list[str], special_tokens: list[str], vocab_size: int = 400) -> Any:
+    """A byte-level BPE ``tokenizers.Tokenizer`` (GPT-2 style pre-tokenizer and decoder,
+    every byte in its alphabet, so any text encodes) trained on ``texts``; the special
+    tokens take the first ids in order (``special_tokens[0]`` is also the unknown token).
+    Wrap it with ``transformers.PreTrainedTokenizerFast(tokenizer_object=...)``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t = Tokenizer(models.BPE(unk_token=special_tokens[0]))
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=_SPECIALS,
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    t.train_from_iterator(_TEXT, trainer)
+    t.train_from_iterator(texts, trainer)
+    return t
+
+
+def _tokenizer(style: str) -> Any:
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    t = byte_level_bpe(_TEXT, _SPECIALS)
     if style == "llama":
         bos = t.token_to_id("<s>")
         t.post_processor = processors.TemplateProcessing(
