@@ -41,25 +41,7 @@ def check_manager_integrity(
         pool.check_integrity()
         holders = [0] * pool.num_blocks
         for rid, req in requests.items():
-            table = req.tables[g]
-            want = -(-req.num_tokens // bs)
-            if len(table) != want:
-                raise IntegrityError(
-                    f"request {rid!r} group {g}: expected {want} blocks for "
-                    f"{req.num_tokens} tokens, got {len(table)}"
-                )
-            freed = req.freed[g]
-            for i, bid in enumerate(table):
-                if not 0 <= bid < pool.num_blocks:
-                    raise IntegrityError(
-                        f"request {rid!r} group {g}: block id expected in "
-                        f"[0, {pool.num_blocks}), got {bid}"
-                    )
-                if (bid == 0) != (i < freed):
-                    raise IntegrityError(
-                        f"request {rid!r} group {g}: table[{i}] = {bid} but the "
-                        f"window-freed prefix is {freed} blocks"
-                    )
+            for bid in _checked_table(rid, req, g, bs, pool.num_blocks):
                 holders[bid] += 1
             if enable_prefix_caching and len(req.hashes) != req.num_committed:
                 raise IntegrityError(
@@ -79,6 +61,33 @@ def check_manager_integrity(
             )
 
 
+def _checked_table(
+    rid: str, req: RequestBlocks, g: int, block_size: int, num_blocks: int
+) -> list[int]:
+    """Group ``g``'s block table of request ``rid`` after checking its length
+    (``ceil(num_tokens / block_size)``), its ids (in ``[0, num_blocks)``) and that the
+    null block stands exactly on the window-freed prefix."""
+    table = req.tables[g]
+    want = -(-req.num_tokens // block_size)
+    if len(table) != want:
+        raise IntegrityError(
+            f"request {rid!r} group {g}: expected {want} blocks for "
+            f"{req.num_tokens} tokens, got {len(table)}"
+        )
+    freed = req.freed[g]
+    for i, bid in enumerate(table):
+        if not 0 <= bid < num_blocks:
+            raise IntegrityError(
+                f"request {rid!r} group {g}: block id expected in [0, {num_blocks}), got {bid}"
+            )
+        if (bid == 0) != (i < freed):
+            raise IntegrityError(
+                f"request {rid!r} group {g}: table[{i}] = {bid} but the "
+                f"window-freed prefix is {freed} blocks"
+            )
+    return list(table)
+
+
 def _check_tables(
     pools: Sequence[BlockPool | GroupPool],
     requests: Mapping[str, RequestBlocks],
@@ -96,25 +105,8 @@ def _check_tables(
             raise IntegrityError(
                 f"request {rid!r}: expected {req.num_committed} block hashes, got {len(req.hashes)}"
             )
-        want = -(-req.num_tokens // block_size)
         for g in range(len(pools)):
-            table = req.tables[g]
-            if len(table) != want:
-                raise IntegrityError(
-                    f"request {rid!r} group {g}: expected {want} blocks for "
-                    f"{req.num_tokens} tokens, got {len(table)}"
-                )
-            freed = req.freed[g]
-            for i, bid in enumerate(table):
-                if not 0 <= bid < n:
-                    raise IntegrityError(
-                        f"request {rid!r} group {g}: block id expected in [0, {n}), got {bid}"
-                    )
-                if (bid == 0) != (i < freed):
-                    raise IntegrityError(
-                        f"request {rid!r} group {g}: table[{i}] = {bid} but the "
-                        f"window-freed prefix is {freed} blocks"
-                    )
+            for bid in _checked_table(rid, req, g, block_size, n):
                 if bid == 0:
                     continue
                 if owner[bid] not in (-1, g) or shared.group_of(bid) != g:
