@@ -26,6 +26,7 @@ import torch
 
 __all__ = [
     "CHATML_TEMPLATE",
+    "HERMES_TEMPLATE",
     "LLAMA_TEMPLATE",
     "QWEN_GENERATION_CONFIG",
     "byte_level_bpe",
@@ -48,6 +49,26 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
     "{% if enable_thinking is defined and not enable_thinking %}{{ '<think></think>' }}"
     "{% endif %}{% endif %}"
+)
+
+#: ChatML with Hermes-style tools (as Qwen2.5 / Hermes checkpoints ship it): the tools'
+#: signatures in a system turn, assistant calls as ``<tool_call>{json}</tool_call>``,
+#: tool results as ``<tool_response>`` user turns
+HERMES_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\nFunctions you may call:\n<tools>' }}"
+    "{% for t in tools %}{{ '\n' + (t | tojson) }}{% endfor %}"
+    '{{ \'\n</tools>\nCall one as <tool_call>{"name": ..., "arguments": ...}'
+    "</tool_call>.<|im_end|>\n' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + m['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% elif m.get('tool_calls') %}{{ '<|im_start|>assistant' }}"
+    "{% for c in m['tool_calls'] %}{{ '\n<tool_call>\n{\"name\": \"' + c['function']['name']"
+    " + '\", \"arguments\": ' + (c['function']['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') + '<|im_end|>\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
 #: a Llama-2-like template that writes BOS itself
@@ -96,7 +117,7 @@ def byte_level_bpe(texts: list[str], special_tokens: list[str], vocab_size: int 
     return t
 
 
-def _tokenizer(style: str) -> Any:
+def _tokenizer(style: str, chat_template: str | None = None) -> Any:
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
@@ -119,7 +140,7 @@ def _tokenizer(style: str) -> Any:
         pad_token="<|endoftext|>",
         unk_token="<unk>",
         additional_special_tokens=["<|im_start|>"],
-        chat_template=CHATML_TEMPLATE,
+        chat_template=chat_template or CHATML_TEMPLATE,
     )
 
 
@@ -130,6 +151,8 @@ def make_chat_folder(
     emit: int | None = None,
     generation_config: bool = True,
     seed: int = 0,
+    chat_template: str | None = None,
+    max_position_embeddings: int = 256,
 ) -> Path:
     """Write a model folder (config.json, safetensors, tokenizer files, for "qwen" a
     generation_config.json with EOS ``[<|im_end|>, <|endoftext|>]`` and
@@ -142,6 +165,9 @@ def make_chat_folder(
             docstring); None = plain random weights.
         generation_config: write the "qwen" generation_config.json (False: none).
         seed: torch seed of the random weights.
+        chat_template: the "qwen" folder's template instead of :data:`CHATML_TEMPLATE`
+            (e.g. :data:`HERMES_TEMPLATE`).
+        max_position_embeddings: the model's context length.
 
     Returns:
         The folder.
@@ -150,7 +176,7 @@ def make_chat_folder(
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tok = _tokenizer(style)
+    tok = _tokenizer(style, chat_template)
     endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
     ids = {
         "qwen": dict(bos_token_id=endoftext, eos_token_id=endoftext),
@@ -167,7 +193,7 @@ def make_chat_folder(
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=False,
         **ids,
     )
