@@ -1,0 +1,178 @@
+"""Speculative decoding (n-gram prompt lookup): greedy output token-identical to plain
+decoding (chunked prefill, preemption, stops inside an accepted draft), KV rollback
+(pool integrity, no rejected token hashed), refusals by name and the config rules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpage.cache.hashing import hash_request_blocks
+from kvpage.engine import LLM, SamplingParams
+from kvpage.engine.spec_decode import NgramProposer, accept_greedy
+from kvpage.errors import RequestRejected, SpecError
+from kvpage.specs.speculative import parse_speculative_config
+
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
+PROMPTS = [
+    # repeat their context, so drafts get accepted
+    "Once upon a time there was a little girl named Lily. She liked to play outside. "
+    "Once upon a time there was a little girl named",
+    "The cat sat on the mat. The cat sat on the mat. The cat",
+    # plain text
+    "Tom had a red ball. He",
+    "One day, a big dog",
+]
+
+
+def _run(spec: dict[str, Any] | None, params: SamplingParams, **kw: Any) -> tuple[Any, list[Any]]:
+    llm = LLM(model="stories260K", speculative_config=spec, **kw)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    llm.llm_engine.kv_cache_manager.check_integrity()
+    return llm.llm_engine, outs
+
+
+def _same(a: list[Any], b: list[Any]) -> None:
+    for x, y in zip(a, b, strict=True):
+        ox, oy = x.outputs[0], y.outputs[0]
+        assert (ox.token_ids, ox.text, ox.finish_reason, ox.stop_reason) == (
+            oy.token_ids,
+            oy.text,
+            oy.finish_reason,
+            oy.stop_reason,
+        )
+
+
+def _hashed_are_accepted(engine: Any, outs: list[Any]) -> None:
+    """Every hash registered in the pool is a block of some request's final tokens
+    (prompt + output): a block holding a rejected draft would hash differently."""
+    kvm = engine.kv_cache_manager
+    bs = kvm.block_size
+    valid = set()
+    for o in outs:
+        valid.update(
+            hash_request_blocks(list(o.prompt_token_ids) + list(o.outputs[0].token_ids), bs)
+        )
+    registered = [
+        b.block_hash for p in kvm.block_pools for b in p.blocks if b.block_hash is not None
+    ]
+    assert registered
+    assert set(registered) <= valid
+
+
+def test_greedy_identical_chunked_prefill_and_rollback() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=60)
+    kw = dict(max_num_batched_tokens=16, block_size=4)  # chunked prefill, many blocks
+    base, ref = _run(None, params, **kw)
+    eng, got = _run(SPEC, params, **kw)
+    _same(ref, got)
+    m = eng.get_metrics()
+    assert m["kvpage:spec_decode_num_draft_tokens"] > 0
+    assert (
+        0 < m["kvpage:spec_decode_num_accepted_tokens"] <= m["kvpage:spec_decode_num_draft_tokens"]
+    )
+    assert (
+        m["kvpage:generation_tokens_total"] == base.get_metrics()["kvpage:generation_tokens_total"]
+    )
+    # fewer steps than tokens: some step emitted several
+    assert eng.step_stats.num_steps < base.step_stats.num_steps
+    _hashed_are_accepted(eng, got)
+    assert eng.kv_cache_manager.num_used_blocks == 0
+
+
+def test_stops_inside_an_accepted_draft() -> None:
+    """max_tokens, stop token ids and stop strings at every position of a repeating
+    output end exactly where plain decoding ends (nothing past the stop)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=40)
+    _, ref = _run(None, greedy)
+    out0 = ref[1].outputs[0]  # the repeating prompt
+    ids, text = out0.token_ids, out0.text
+    cases = [SamplingParams(temperature=0.0, max_tokens=m) for m in (1, 2, 3, 5, 8, 13)]
+    cases += [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[t]) for t in ids[3:9]]
+    words = [w for w in text.split() if w][:6]
+    cases += [SamplingParams(temperature=0.0, max_tokens=40, stop=[w]) for w in words]
+    cases.append(
+        SamplingParams(
+            temperature=0.0, max_tokens=40, stop=[words[-1]], include_stop_str_in_output=True
+        )
+    )
+    for p in cases:
+        _, a = _run(None, p)
+        _, b = _run(SPEC, p)
+        _same(a, b)
+
+
+def test_preemption_identical() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=60)
+    kw = dict(block_size=4, num_blocks=40, max_num_batched_tokens=32)
+    base, ref = _run(None, params, **kw)
+    eng, got = _run(SPEC, params, **kw)
+    assert eng.scheduler.num_preemptions > 0
+    _same(ref, got)
+
+
+@pytest.mark.parametrize(
+    ("kw", "name"),
+    [
+        (dict(temperature=0.8), "temperature"),
+        (dict(temperature=0.0, n=2), "n"),
+        (dict(temperature=0.0, logprobs=1), "logprobs"),
+        (dict(temperature=0.0, repetition_penalty=1.2), "repetition_penalty"),
+        (dict(temperature=0.0, min_tokens=3), "min_tokens"),
+    ],
+)
+def test_refused_by_name(kw: dict[str, Any], name: str) -> None:
+    llm = LLM(model="stories260K", speculative_config=SPEC)
+    with pytest.raises(RequestRejected, match=rf"^{name}: expected .* speculative decoding") as e:
+        llm.llm_engine.add_request("r", "Once", SamplingParams(**kw))
+    assert e.value.reason == "invalid_sampling_params"
+
+
+@pytest.mark.parametrize(
+    ("value", "msg"),
+    [
+        (
+            {"method": "eagle", "num_speculative_tokens": 2},
+            r"speculative_config.method: expected 'ngram'",
+        ),
+        ({"method": "ngram"}, r"num_speculative_tokens: expected an int >= 1, got none"),
+        ({"num_speculative_tokens": 0}, r"num_speculative_tokens: expected an int >= 1, got 0"),
+        ({"num_speculative_tokens": 2, "model": "x"}, r"speculative_config.model: expected one of"),
+        (
+            {"num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3},
+            r"prompt_lookup_min: expected <= prompt_lookup_max=2, got 3",
+        ),
+        ("[1]", r"speculative_config: expected None or a dict"),
+    ],
+)
+def test_config_rules(value: Any, msg: str) -> None:
+    with pytest.raises(SpecError, match=msg):
+        parse_speculative_config(value)
+    with pytest.raises(SpecError, match=msg):
+        LLM(model="stories260K", speculative_config=value)
+
+
+def test_config_defaults_and_json() -> None:
+    c = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert c is not None and (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    c = parse_speculative_config({"num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert c is not None and (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
+
+
+def test_ngram_proposer_and_accept_rule() -> None:
+    p = NgramProposer(3, 1, 3)
+    # "5 6 7" occurred before, followed by 8 9 1
+    assert p.propose_one([5, 6, 7, 8, 9, 1, 2, 5, 6, 7], 10) == [8, 9, 1]
+    assert p.propose_one([5, 6, 7, 8, 9, 1, 2, 5, 6, 7], 2) == [8, 9]
+    assert p.propose_one([1, 2, 3, 4], 5) == []
+    # the latest earlier occurrence of the longest matching suffix wins
+    assert p.propose_one([1, 2, 9, 1, 2, 8, 1, 2], 1) == [8]
+    assert accept_greedy([4, 5, 6], [4, 5, 6], 7) == [4, 5, 6, 7]
+    assert accept_greedy([4, 5, 6], [4, 9, 6], 7) == [4, 9]
+    assert accept_greedy([4], [3], 7) == [3]
