@@ -73,9 +73,11 @@ def test_greedy_identical_chunked_prefill_and_rollback() -> None:
     eng, got = _run(SPEC, params, **kw)
     _same(ref, got)
     m = eng.get_metrics()
-    assert m["kvpage:spec_decode_num_draft_tokens"] > 0
+    assert m["kvpage:spec_decode_num_draft_tokens_total"] > 0
     assert (
-        0 < m["kvpage:spec_decode_num_accepted_tokens"] <= m["kvpage:spec_decode_num_draft_tokens"]
+        0
+        < m["kvpage:spec_decode_num_accepted_tokens_total"]
+        <= m["kvpage:spec_decode_num_draft_tokens_total"]
     )
     assert (
         m["kvpage:generation_tokens_total"] == base.get_metrics()["kvpage:generation_tokens_total"]
@@ -102,10 +104,14 @@ def test_stops_inside_an_accepted_draft() -> None:
             temperature=0.0, max_tokens=40, stop=[words[-1]], include_stop_str_in_output=True
         )
     )
-    for p in cases:
-        _, a = _run(None, p)
-        _, b = _run(SPEC, p)
-        _same(a, b)
+    # one batch per engine: every case is a request of its own
+    prompt = PROMPTS[1]
+    a = LLM(model="stories260K").generate([prompt] * len(cases), cases, use_tqdm=False)
+    spec_llm = LLM(model="stories260K", speculative_config=SPEC)
+    b = spec_llm.generate([prompt] * len(cases), cases, use_tqdm=False)
+    spec_llm.llm_engine.kv_cache_manager.check_integrity()
+    assert spec_llm.llm_engine.get_metrics()["kvpage:spec_decode_num_accepted_tokens_total"] > 0
+    _same(a, b)
 
 
 def test_preemption_identical() -> None:
@@ -176,3 +182,25 @@ def test_ngram_proposer_and_accept_rule() -> None:
     assert accept_greedy([4, 5, 6], [4, 5, 6], 7) == [4, 5, 6, 7]
     assert accept_greedy([4, 5, 6], [4, 9, 6], 7) == [4, 9]
     assert accept_greedy([4], [3], 7) == [3]
+
+
+def test_rollback_after_every_step() -> None:
+    """After each step a running sequence holds KV positions (and blocks) for exactly
+    its computed tokens: the rejected drafts' slots were given back."""
+    llm = LLM(model="stories260K", speculative_config=SPEC, block_size=4)
+    eng = llm.llm_engine
+    kvm = eng.kv_cache_manager
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=40))
+    rejected = 0
+    while eng.has_unfinished_requests():
+        before = eng.spec_stats.num_draft_tokens - eng.spec_stats.num_accepted_tokens
+        eng.step()
+        rejected += eng.spec_stats.num_draft_tokens - eng.spec_stats.num_accepted_tokens - before
+        for r in eng.scheduler.running:
+            n = r.num_computed_tokens
+            assert kvm.num_allocated_tokens(r.request_id) == n
+            assert len(kvm.block_table(r.request_id)) == -(-n // 4)
+        kvm.check_integrity()
+    assert rejected > 0
+    assert kvm.num_used_blocks == 0

@@ -57,12 +57,12 @@ TIER_METRIC_TEMPLATES = (
     "kvpage:kv_tier_{tier}_transfer_seconds_total",
 )
 
-#: speculative decoding's counters (vLLM's ``vllm:spec_decode_*`` names with kvpage's
+#: speculative decoding's counters (vLLM's ``vllm:spec_decode_*_total`` counters with kvpage's
 #: prefix), present in ``get_metrics`` when ``EngineConfig.speculative_config`` is set
 SPEC_DECODE_METRIC_NAMES = (
-    "kvpage:spec_decode_num_drafts",
-    "kvpage:spec_decode_num_draft_tokens",
-    "kvpage:spec_decode_num_accepted_tokens",
+    "kvpage:spec_decode_num_drafts_total",
+    "kvpage:spec_decode_num_draft_tokens_total",
+    "kvpage:spec_decode_num_accepted_tokens_total",
 )
 
 
@@ -183,9 +183,9 @@ def collect_metrics(
         **misses,
     }
     if spec is not None:
-        out["kvpage:spec_decode_num_drafts"] = float(spec.num_drafts)
-        out["kvpage:spec_decode_num_draft_tokens"] = float(spec.num_draft_tokens)
-        out["kvpage:spec_decode_num_accepted_tokens"] = float(spec.num_accepted_tokens)
+        out["kvpage:spec_decode_num_drafts_total"] = float(spec.num_drafts)
+        out["kvpage:spec_decode_num_draft_tokens_total"] = float(spec.num_draft_tokens)
+        out["kvpage:spec_decode_num_accepted_tokens_total"] = float(spec.num_accepted_tokens)
     sw = scheduler.swapper
     if sw is not None:
         ss = sw.stats
