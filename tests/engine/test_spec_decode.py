@@ -7,10 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from kvpage.cache.hashing import hash_request_blocks
 from kvpage.engine import LLM, SamplingParams
-from kvpage.engine.spec_decode import NgramProposer, accept_greedy
+from kvpage.engine.spec_decode import NgramProposer, accept_greedy, accept_sampled
 from kvpage.errors import RequestRejected, SpecError
 from kvpage.specs.speculative import parse_speculative_config
 
@@ -126,8 +127,8 @@ def test_preemption_identical() -> None:
 @pytest.mark.parametrize(
     ("kw", "name"),
     [
-        (dict(temperature=0.8), "temperature"),
         (dict(temperature=0.0, n=2), "n"),
+        (dict(temperature=0.8, n=3), "n"),
         (dict(temperature=0.0, logprobs=1), "logprobs"),
         (dict(temperature=0.0, repetition_penalty=1.2), "repetition_penalty"),
         (dict(temperature=0.0, min_tokens=3), "min_tokens"),
@@ -204,3 +205,72 @@ def test_rollback_after_every_step() -> None:
         kvm.check_integrity()
     assert rejected > 0
     assert kvm.num_used_blocks == 0
+
+
+def _chi2_homogeneity(a: list[Any], b: list[Any]) -> tuple[float, int, float]:
+    """Pearson's chi-square test that samples ``a`` and ``b`` share one distribution:
+    ``(statistic, degrees of freedom, p-value)``; categories expected < 5 times in
+    either sample are pooled into one (p-value: the regularised upper incomplete gamma
+    function, ``torch.special.gammaincc(df / 2, stat / 2)``)."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    na, nb = len(a), len(b)
+    cells: list[tuple[int, int]] = []
+    other = [0, 0]
+    for k in set(ca) | set(cb):
+        tot = ca[k] + cb[k]
+        if min(tot * na, tot * nb) / (na + nb) < 5:
+            other[0] += ca[k]
+            other[1] += cb[k]
+        else:
+            cells.append((ca[k], cb[k]))
+    if sum(other):
+        cells.append((other[0], other[1]))
+    stat = 0.0
+    for oa, ob in cells:
+        tot = oa + ob
+        for o, n in ((oa, na), (ob, nb)):
+            e = tot * n / (na + nb)
+            stat += (o - e) ** 2 / e
+    df = len(cells) - 1
+    p = float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
+    return stat, df, p
+
+
+def test_sampled_distribution_matches_plain() -> None:
+    """Rejection sampling keeps the output distribution: the joint distribution of
+    output tokens 2-4 (those the drafts cover) of 1,200 seeded requests with and
+    without speculation; chi-square homogeneity test, fixed seeds, threshold p > 0.001
+    (deterministic: the seeds fix every draw)."""
+    n = 1200
+    prompt = PROMPTS[1]
+
+    def run(spec: dict[str, Any] | None, base_seed: int) -> tuple[list[Any], Any]:
+        llm = LLM(model="stories260K", speculative_config=spec)
+        params = [
+            SamplingParams(
+                temperature=0.8, top_k=4, max_tokens=6, ignore_eos=True, seed=base_seed + i
+            )
+            for i in range(n)
+        ]
+        outs = llm.generate([prompt] * n, params, use_tqdm=False)
+        llm.llm_engine.kv_cache_manager.check_integrity()
+        return [tuple(o.outputs[0].token_ids[1:4]) for o in outs], llm.llm_engine
+
+    plain, _ = run(None, 0)
+    spec, eng = run(SPEC, 10**6)
+    st = eng.spec_stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens  # both branches ran
+    stat, df, p = _chi2_homogeneity(plain, spec)
+    assert df >= 5
+    assert p > 1e-3, (stat, df, p)
+
+
+def test_accept_sampled_rule() -> None:
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    assert accept_sampled([1, 2], probs, 0, g) == [1, 2, 0]  # certain drafts: all kept
+    probs = torch.tensor([[0.5, 0.0, 0.5]])
+    got = accept_sampled([1], probs, 0, g)  # impossible draft: replaced from the residual
+    assert len(got) == 1 and got[0] in (0, 2)

@@ -1,6 +1,6 @@
 """The server with speculative decoding: greedy completions equal those of a server
-without it, sampled ones are refused by name (400), and /metrics carries the
-spec_decode counters."""
+without it, sampled ones are served, penalties are refused by name (400), and /metrics
+carries the spec_decode counters."""
 
 from __future__ import annotations
 
@@ -31,8 +31,10 @@ def test_spec_server(serve):
     a, b = _post(plain, **body), _post(spec, **body)
     assert a.status_code == b.status_code == 200, b.text
     assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
-    r = _post(spec, prompt=PROMPT, max_tokens=5, temperature=0.7)
-    assert r.status_code == 400 and "temperature" in r.text, r.text
+    r = _post(spec, prompt=PROMPT, max_tokens=5, temperature=0.7, seed=3)
+    assert r.status_code == 200, r.text
+    r = _post(spec, prompt=PROMPT, max_tokens=5, temperature=0.7, presence_penalty=0.5)
+    assert r.status_code == 400 and "presence_penalty" in r.text, r.text
     text = httpx.get(spec.base_url + "/metrics", timeout=30).text
     fam = {f.name: f for f in text_string_to_metric_families(text)}
     for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):

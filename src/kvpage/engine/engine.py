@@ -38,7 +38,12 @@ from kvpage.engine.request import Request
 from kvpage.engine.request_extras import prompt_logprob_spans
 from kvpage.engine.sampler import Sampler
 from kvpage.engine.scheduler import SchedulerOutput
-from kvpage.engine.spec_decode import SpecDecodeStats, accept_greedy, check_spec_request
+from kvpage.engine.spec_decode import (
+    SpecDecodeStats,
+    accept_greedy,
+    accept_sampled,
+    check_spec_request,
+)
 from kvpage.engine.structured import GrammarCompilerPool
 from kvpage.errors import RequestRejected, got_repr
 from kvpage.models.generation_config import sampling_defaults
@@ -188,8 +193,8 @@ class LLMEngine:
                 "prompt_too_long", "exceeds_kv_capacity", "invalid_sampling_params",
                 "invalid_request_id", "invalid_request" (bad arrival_time or priority) or
                 "duplicate_request_id"; with speculative decoding on, "invalid_sampling_params"
-                for a request it cannot serve exactly (not greedy, n > 1, logprobs,
-                prompt_logprobs, penalties, min_tokens, min_p, structured_outputs:
+                for a request it cannot serve exactly (n > 1, logprobs, prompt_logprobs,
+                penalties, min_tokens, min_p, structured_outputs:
                 ``kvpage.engine.spec_decode.check_spec_request``). No state changes
                 (apart from the rejected-requests counter).
         """
@@ -433,9 +438,10 @@ class LLMEngine:
         self, out: SchedulerOutput, verify: torch.Tensor, sampled: dict[str, list[int]]
     ) -> None:
         """Replace each drafting sequence's sampled token (its bonus, after every draft)
-        in ``sampled`` (mutated) by the tokens its verification emits
-        (:func:`~kvpage.engine.spec_decode.accept_greedy` on the argmax of its
-        ``verify`` rows) and count drafts and acceptances in ``spec_stats``."""
+        in ``sampled`` (mutated) by the tokens its verification emits (greedy:
+        :func:`~kvpage.engine.spec_decode.accept_greedy` on the argmax of its
+        ``verify`` rows; sampled: :func:`~kvpage.engine.spec_decode.accept_sampled` on
+        their target probabilities) and count drafts and acceptances in ``spec_stats``."""
         assert self.spec_stats is not None
         targets: list[int] = torch.argmax(verify, dim=-1).tolist()
         st = self.spec_stats
@@ -444,8 +450,17 @@ class LLMEngine:
             d = s.draft_token_ids
             if not d:
                 continue
-            rid = s.request.request_id
-            emitted = accept_greedy(d, targets[r : r + len(d)], sampled[rid][0])
+            req = s.request
+            rid = req.request_id
+            p = req.params
+            if p.greedy:
+                emitted = accept_greedy(d, targets[r : r + len(d)], sampled[rid][0])
+            else:
+                rows = verify[r : r + len(d)].float().cpu()
+                probs = self.sampler.target_probs(rows, [p] * len(d))
+                gen = self.outputs.generator(req.parent_id, req.sample_index)
+                assert gen is not None  # a sampled row has one
+                emitted = accept_sampled(d, probs, sampled[rid][0], gen)
             r += len(d)
             sampled[rid] = emitted
             st.num_drafts += 1

@@ -193,6 +193,11 @@ class OutputProcessor:
             preq.grammar_states[index] = st
         return st
 
+    def generator(self, parent_id: str, index: int) -> torch.Generator | None:
+        """The generator of sample ``index`` of user request ``parent_id`` (made on
+        first use; the one its sampled rows draw from)."""
+        return self._generator(self._parents[parent_id], index)
+
     def _generator(self, preq: ParentRequest, index: int) -> torch.Generator | None:
         g = preq.generators.get(index)
         if g is None:

@@ -7,8 +7,8 @@ accepted left to right while each equals the target model's argmax at its positi
 and the first mismatch is replaced by that argmax (at full acceptance the last row's
 token is the bonus). So every step emits ``1 .. d + 1`` tokens, each the one greedy
 non-speculative decoding would emit (Leviathan et al. 2023, "Fast Inference from
-Transformers via Speculative Decoding", the greedy case; vLLM's rejection sampler for
-temperature 0).
+Transformers via Speculative Decoding", the greedy case). Sampled requests use
+rejection sampling instead (:func:`accept_sampled`), which keeps the distribution.
 
 The scheduler asks its :class:`Proposer` for drafts (one batched call per step, so a
 draft-model proposer can run one forward for all sequences), allocates KV slots for
@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from kvpage.engine.params import SamplingParams
 from kvpage.errors import RequestRejected
 from kvpage.specs.speculative import SpeculativeConfig
@@ -32,6 +34,7 @@ __all__ = [
     "Proposer",
     "SpecDecodeStats",
     "accept_greedy",
+    "accept_sampled",
     "check_spec_request",
     "make_proposer",
 ]
@@ -119,6 +122,44 @@ def accept_greedy(drafts: Sequence[int], targets: Sequence[int], bonus: int) -> 
     return [*drafts, bonus]
 
 
+def accept_sampled(
+    drafts: Sequence[int], probs: torch.Tensor, bonus: int, generator: torch.Generator
+) -> list[int]:
+    """The tokens a verified step of a sampled request emits: speculative (rejection)
+    sampling with a point-mass draft (Leviathan et al. 2023, Algorithm 1; Chen et al.
+    2023): draft ``j`` is accepted with probability ``min(1, p_j(d_j) / q_j(d_j)) =
+    p_j(d_j)`` (the n-gram proposal puts all its mass on ``d_j``); at the first
+    rejection the token is drawn from the residual ``max(0, p_j - q_j)``, renormalised
+    (``p_j`` without ``d_j``), and the step ends; after full acceptance ``bonus`` (drawn
+    from the last position's ``p``) follows. Every emitted token then has the target
+    distribution.
+
+    Args:
+        drafts: the ``d`` draft ids.
+        probs: ``[d, vocab]`` float CPU target probabilities at positions ``0 .. d-1``
+            (``Sampler.target_probs``).
+        bonus: the token sampled at position ``d``.
+        generator: the sequence's generator (one or two uniforms per verified draft).
+
+    Returns:
+        1 .. d + 1 token ids.
+    """
+    for j, d in enumerate(drafts):
+        p = probs[j]
+        u = float(torch.rand((), generator=generator))
+        if u < float(p[d]):
+            continue
+        res = p.clone()
+        res[d] = 0.0
+        cdf = torch.cumsum(res, dim=0)
+        v = torch.rand(1, generator=generator) * cdf[-1]
+        t = int(torch.searchsorted(cdf, v, right=True).clamp(max=len(p) - 1))
+        if float(res[t]) <= 0.0:  # float round-off at the top of the cdf
+            t = int(torch.nonzero(res).max())
+        return [*drafts[:j], t]
+    return [*drafts, bonus]
+
+
 @dataclass
 class SpecDecodeStats:
     """Counters since the engine started (vLLM's ``spec_decode`` metrics).
@@ -141,18 +182,16 @@ class SpecDecodeStats:
 
 
 def check_spec_request(params: SamplingParams) -> None:
-    """Refuse, by field, what speculative decoding does not serve exactly: only plain
-    greedy single-sample requests are verified (no rejection sampling for
-    ``temperature > 0``; penalties, ``min_tokens`` and ``min_p`` would need the logits
-    processed per draft position; logprobs and grammars per accepted token).
+    """Refuse, by field, what speculative decoding does not serve exactly: single-sample
+    requests, greedy (:func:`accept_greedy`) or sampled with temperature, top-k and
+    top-p (:func:`accept_sampled`); penalties, ``min_tokens`` and ``min_p`` would need
+    the logits processed per draft position, logprobs and grammars per accepted token.
 
     Raises:
         RequestRejected: reason ``"invalid_sampling_params"``, naming the field.
     """
     bad: tuple[str, str, object] | None = None
-    if params.temperature != 0.0:
-        bad = ("temperature", "0 (greedy)", params.temperature)
-    elif params.n != 1:
+    if params.n != 1:
         bad = ("n", "1", params.n)
     elif params.logprobs is not None:
         bad = ("logprobs", "None", params.logprobs)
@@ -174,6 +213,6 @@ def check_spec_request(params: SamplingParams) -> None:
         name, want, got = bad
         raise RequestRejected(
             f"{name}: expected {want} with speculative decoding (the engine's "
-            f"speculative_config serves greedy requests only, docs/user-guide.md), got {got!r}",
+            f"speculative_config does not implement it, docs/user-guide.md), got {got!r}",
             reason="invalid_sampling_params",
         )

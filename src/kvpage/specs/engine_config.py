@@ -291,8 +291,8 @@ class EngineConfig(StrictModel):
         None,
         description="speculative decoding (vLLM's speculative_config, a JSON object on the "
         'command line): {"method": "ngram", "num_speculative_tokens": k, '
-        '"prompt_lookup_max": M, "prompt_lookup_min": m}; greedy requests only '
-        "(docs/user-guide.md, 'Speculative decoding'); None = off",
+        '"prompt_lookup_max": M, "prompt_lookup_min": m} (docs/user-guide.md, '
+        "'Speculative decoding'); None = off",
     )
 
     def __init__(self, /, **data: Any) -> None:
