@@ -274,3 +274,39 @@ def test_accept_sampled_rule() -> None:
     probs = torch.tensor([[0.5, 0.0, 0.5]])
     got = accept_sampled([1], probs, 0, g)  # impossible draft: replaced from the residual
     assert len(got) == 1 and got[0] in (0, 2)
+
+
+def test_tiers_and_events_see_only_accepted_blocks() -> None:
+    """With a host tier and a KV-event publisher, a speculating engine's router view
+    equals its pool, its tier holds only blocks of accepted tokens, and its outputs
+    equal a plain engine's."""
+    from kvpage.routing import KVEventPublisher, PrefixIndex
+
+    kw: dict[str, Any] = dict(block_size=4, num_blocks=48, kv_host_tier_bytes=64 * 4 * 1280)
+    p = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = LLM(model="stories260K", **kw)
+    llm = LLM(model="stories260K", speculative_config=SPEC, **kw)
+    kvm = llm.llm_engine.kv_cache_manager
+    tiers = kvm.tiers
+    assert tiers is not None and tiers.host is not None
+    pub = KVEventPublisher("r0")
+    pub.attach(kvm)
+    idx = PrefixIndex()
+    idx.resync(pub.snapshot())
+    valid: set[bytes] = set()
+    for prompt in PROMPTS + PROMPTS[:2]:
+        (a,) = plain.generate([prompt], p, use_tqdm=False)
+        (o,) = llm.generate([prompt], p, use_tqdm=False)
+        _same([a], [o])
+        valid.update(
+            hash_request_blocks(list(o.prompt_token_ids) + list(o.outputs[0].token_ids), 4)
+        )
+        batch = pub.drain(heartbeat=True)
+        assert batch is not None and idx.apply(batch)
+        assert idx.view("r0") == kvm.prefix_pools[0].cached_hashes()
+        assert idx.view("r0", "host") == frozenset(tiers.host.hashes())
+        assert kvm.prefix_pools[0].cached_hashes() <= valid
+        assert frozenset(tiers.host.hashes()) <= valid
+        kvm.check_integrity()
+    assert tiers.host.stats.demotions > 0
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
