@@ -4,6 +4,7 @@ the simulator's shared fields all use the same pydantic model and rules."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,12 @@ NON_DEFAULT: list[dict[str, Any]] = [
         swap_space_bytes=12345,
         generation_config="none",
         kv_pool="per_group",
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        },
     ),
     dict(
         num_threads=0,
@@ -55,7 +62,7 @@ def _argv(cfg: EngineConfig) -> list[str]:
         if isinstance(v, bool):
             argv.append(engine_flag(name) if v else "--no-" + engine_flag(name)[2:])
         else:
-            argv += [engine_flag(name), str(v)]
+            argv += [engine_flag(name), json.dumps(v) if isinstance(v, dict) else str(v)]
     return argv
 
 

@@ -399,6 +399,32 @@ class KVCacheManager:
                 gm.commit(tables[g], i, h)
         req.num_committed = nfull
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Roll a request back to its first ``num_tokens`` positions: the positions
+        allocated past them are dropped and every block wholly past them goes back to the
+        free queue (last first), unhashed (speculative decoding's rejected drafts,
+        ``kvpage.engine.spec_decode``). Committed blocks are never dropped: they hold
+        only computed, accepted tokens.
+
+        Raises:
+            AllocationError: unknown request, ``num_tokens`` above the allocated
+                positions, or below the committed (hashed) blocks' tokens.
+        """
+        req = self._get(request_id)
+        bs = self.block_size
+        lo = req.num_committed * bs
+        if not lo <= num_tokens <= req.num_tokens:
+            raise AllocationError(
+                f"num_tokens: expected in [{lo}, {req.num_tokens}] (committed .. allocated "
+                f"positions), got {num_tokens}"
+            )
+        keep = -(-num_tokens // bs)
+        for gm, table in zip(self._groups, req.tables):
+            if len(table) > keep:
+                gm.free(table[keep:])
+                del table[keep:]
+        req.num_tokens = num_tokens
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give ``child_id`` the parent's blocks (ref counts +1), hashes and token count.
 

@@ -102,6 +102,11 @@ class KVAllocator(Protocol):
 
     def free(self, request_id: str) -> None: ...
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Drop the positions allocated past the first ``num_tokens`` (rejected
+        speculative drafts)."""
+        ...
+
     def check_integrity(self) -> None: ...
 
 

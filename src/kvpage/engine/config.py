@@ -203,7 +203,9 @@ def build_components(config: EngineConfig) -> EngineComponents:
     from kvpage.engine.kv_transfer import build_swapper, build_tiers
     from kvpage.engine.runner import ModelRunner
     from kvpage.engine.scheduler import Scheduler
+    from kvpage.engine.spec_decode import make_proposer
     from kvpage.models import load_model
+    from kvpage.specs.speculative import parse_speculative_config
 
     device = check_device(config.device)
     apply_num_threads(config.num_threads)
@@ -249,12 +251,14 @@ def build_components(config: EngineConfig) -> EngineComponents:
         max_alloc_tokens=config.max_num_batched_tokens,  # the scheduler's step budget
     )
     tiers = build_tiers(config, spec, kv_caches, kvm)
+    spec_cfg = parse_speculative_config(config.speculative_config)
     scheduler = Scheduler(
         kvm,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=mml,
         policy=config.scheduling_policy,
+        proposer=None if spec_cfg is None else make_proposer(spec_cfg),
     )
     scheduler.swapper = build_swapper(config, kv_caches, kvm)
     runner = ModelRunner(model, backend, kv_caches, spec, device)

@@ -38,9 +38,16 @@ from kvpage.engine.request import Request
 from kvpage.engine.request_extras import prompt_logprob_spans
 from kvpage.engine.sampler import Sampler
 from kvpage.engine.scheduler import SchedulerOutput
+from kvpage.engine.spec_decode import (
+    SpecDecodeStats,
+    accept_greedy,
+    accept_sampled,
+    check_spec_request,
+)
 from kvpage.engine.structured import GrammarCompilerPool
 from kvpage.errors import RequestRejected, got_repr
 from kvpage.models.generation_config import sampling_defaults
+from kvpage.specs.speculative import parse_speculative_config
 
 
 class LLMEngine:
@@ -63,6 +70,8 @@ class LLMEngine:
         sampler: the :class:`~kvpage.engine.sampler.Sampler`.
         outputs: the :class:`~kvpage.engine.output_processor.OutputProcessor`.
         step_stats: cumulative :class:`StepStats`.
+        spec_config: the resolved speculative decoding settings (None = off).
+        spec_stats: speculative decoding's draft/accepted counters (None = off).
         stream_text: when True, unfinished outputs carry decoded text too (costs a
             decode per token); finished outputs always do.
     """
@@ -99,6 +108,8 @@ class LLMEngine:
         #: ``LLM.generate`` without params and server fields a request leaves unset
         self.default_sampling_params: dict[str, Any] = sampling_defaults(self.generation_config)
         self.step_stats = StepStats()
+        self.spec_config = parse_speculative_config(config.speculative_config)
+        self.spec_stats = SpecDecodeStats() if self.spec_config is not None else None
         self._unique_salts = 0
         #: ids of user requests dropped by failed steps (oldest first)
         self.failed_request_ids: deque[str] = deque(maxlen=1024)
@@ -146,7 +157,11 @@ class LLMEngine:
     def get_metrics(self) -> dict[str, float]:
         """The engine metrics (:func:`kvpage.engine.engine_metrics.collect_metrics`)."""
         return collect_metrics(
-            self.kv_cache_manager, self.scheduler, self.tiers, self.outputs.counters
+            self.kv_cache_manager,
+            self.scheduler,
+            self.tiers,
+            self.outputs.counters,
+            self.spec_stats,
         )
 
     # ---- requests -----------------------------------------------------------------------
@@ -177,8 +192,11 @@ class LLMEngine:
             RequestRejected: with ``reason`` "invalid_prompt", "empty_prompt",
                 "prompt_too_long", "exceeds_kv_capacity", "invalid_sampling_params",
                 "invalid_request_id", "invalid_request" (bad arrival_time or priority) or
-                "duplicate_request_id". No state changes (apart from the rejected-requests
-                counter).
+                "duplicate_request_id"; with speculative decoding on, "invalid_sampling_params"
+                for a request it cannot serve exactly (n > 1, logprobs, prompt_logprobs,
+                penalties, min_tokens, min_p, structured_outputs:
+                ``kvpage.engine.spec_decode.check_spec_request``). No state changes
+                (apart from the rejected-requests counter).
         """
         try:
             if not isinstance(request_id, str) or not request_id:
@@ -194,6 +212,8 @@ class LLMEngine:
                     reason="invalid_sampling_params",
                 )
             params.validate()
+            if self.spec_config is not None:
+                check_spec_request(params)
             bad_stop = [t for t in params.stop_token_ids or () if not t < self.vocab_size]
             if bad_stop:
                 raise RequestRejected(
@@ -353,8 +373,10 @@ class LLMEngine:
                 self.tiers.flush()
             started = time.monotonic()
             timer.lap()  # schedule
-            logits = self._execute(out, timer)  # laps model
+            logits, verify = self._execute(out, timer)  # laps model
             sampled = self._sample(out, logits, started)
+            if verify is not None:
+                self._verify(out, verify, sampled)
             timer.lap()  # sample
             progressed, _ = self.scheduler.update(out, sampled)
             timer.lap()  # update
@@ -383,19 +405,67 @@ class LLMEngine:
             return None
         return out
 
-    def _execute(self, out: SchedulerOutput, timer: StepTimer) -> torch.Tensor:
+    def _execute(
+        self, out: SchedulerOutput, timer: StepTimer
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the model on plan ``out``: the logits of the sequences that sample (the
-        prompt-logprob rows are split off and recorded). Closes the timer's model lap."""
+        prompt-logprob rows are split off and recorded), and the verification rows of
+        the draft positions (``[num_drafts, vocab]``, batch order; None without drafts).
+        Closes the timer's model lap."""
         spans = prompt_logprob_spans(out) if self.outputs.wants_prompt_logprobs else []
-        logits = self.runner.execute(out, spans) if spans else self.runner.execute(out)
+        drafts = []
+        if self.spec_config is not None:
+            for i, s in enumerate(out.scheduled):
+                if s.draft_token_ids:
+                    drafts.append((i, 0, len(s.draft_token_ids)))
+        extra = spans + drafts
+        logits = self.runner.execute(out, extra) if extra else self.runner.execute(out)
         model_s = timer.lap()
         if self.scheduler.swapper is not None:  # the measured prefill rate of swap's cost model
             self.scheduler.swapper.cost.observe(out.num_batched_tokens, model_s)
-        if spans:
-            keep = int(logits.shape[0]) - sum(b for _, _, b in spans)
-            self.outputs.record_prompt_logprobs(out, spans, logits[keep:])
+        verify = None
+        if extra:
+            keep = int(logits.shape[0]) - sum(b for _, _, b in extra)
+            mid = keep + sum(b for _, _, b in spans)
+            if spans:
+                self.outputs.record_prompt_logprobs(out, spans, logits[keep:mid])
+            if drafts:
+                verify = logits[mid:]
             logits = logits[:keep]
-        return logits
+        return logits, verify
+
+    def _verify(
+        self, out: SchedulerOutput, verify: torch.Tensor, sampled: dict[str, list[int]]
+    ) -> None:
+        """Replace each drafting sequence's sampled token (its bonus, after every draft)
+        in ``sampled`` (mutated) by the tokens its verification emits (greedy:
+        :func:`~kvpage.engine.spec_decode.accept_greedy` on the argmax of its
+        ``verify`` rows; sampled: :func:`~kvpage.engine.spec_decode.accept_sampled` on
+        their target probabilities) and count drafts and acceptances in ``spec_stats``."""
+        assert self.spec_stats is not None
+        targets: list[int] = torch.argmax(verify, dim=-1).tolist()
+        st = self.spec_stats
+        r = 0
+        for s in out.scheduled:
+            d = s.draft_token_ids
+            if not d:
+                continue
+            req = s.request
+            rid = req.request_id
+            p = req.params
+            if p.greedy:
+                emitted = accept_greedy(d, targets[r : r + len(d)], sampled[rid][0])
+            else:
+                rows = verify[r : r + len(d)].float().cpu()
+                probs = self.sampler.target_probs(rows, [p] * len(d))
+                gen = self.outputs.generator(req.parent_id, req.sample_index)
+                assert gen is not None  # a sampled row has one
+                emitted = accept_sampled(d, probs, sampled[rid][0], gen)
+            r += len(d)
+            sampled[rid] = emitted
+            st.num_drafts += 1
+            st.num_draft_tokens += len(d)
+            st.num_accepted_tokens += len(emitted) - 1
 
     def _sample(
         self, out: SchedulerOutput, logits: torch.Tensor, started: float

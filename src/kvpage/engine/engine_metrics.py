@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from kvpage.cache.tiered import TieredCache
     from kvpage.engine.output_processor import RequestCounters
     from kvpage.engine.scheduler import Scheduler, SchedulerOutput
+    from kvpage.engine.spec_decode import SpecDecodeStats
 
 #: names of the engine metrics (the server exports the same; Prometheus style)
 METRIC_NAMES = (
@@ -56,6 +57,14 @@ TIER_METRIC_TEMPLATES = (
     "kvpage:kv_tier_{tier}_transfer_seconds_total",
 )
 
+#: speculative decoding's counters (vLLM's ``vllm:spec_decode_*_total`` counters with kvpage's
+#: prefix), present in ``get_metrics`` when ``EngineConfig.speculative_config`` is set
+SPEC_DECODE_METRIC_NAMES = (
+    "kvpage:spec_decode_num_drafts_total",
+    "kvpage:spec_decode_num_draft_tokens_total",
+    "kvpage:spec_decode_num_accepted_tokens_total",
+)
+
 
 class StepTimer:
     """The laps of one step, in ``time.perf_counter`` seconds: started at creation,
@@ -88,7 +97,8 @@ class StepStats:
         update_s: in ``Scheduler.update`` (commit, append, stop checks, fork, free).
         output_s: building the RequestOutputs (timings, stop strings, text).
         prefill_tokens / decode_tokens: tokens computed as prompt (or recompute) chunks
-            and as single decode tokens.
+            and as decode tokens (one per sequence, or its last token and drafts with
+            speculative decoding).
     """
 
     num_steps: int = 0
@@ -121,6 +131,8 @@ class StepStats:
         for s in out.scheduled:
             if s.num_tokens == 1 and s.start >= s.request.num_prompt_tokens:
                 decode += 1
+            elif s.draft_token_ids:
+                decode += s.num_tokens
             else:
                 prefill += s.num_tokens
         self.num_steps += 1
@@ -140,6 +152,7 @@ def collect_metrics(
     scheduler: Scheduler,
     tiers: TieredCache | None,
     counters: RequestCounters,
+    spec: SpecDecodeStats | None = None,
 ) -> dict[str, float]:
     """Current values of :data:`METRIC_NAMES`: KV usage as a fraction in [0, 1]
     (cached-but-unreferenced blocks count as free), running/waiting sequences, and
@@ -148,7 +161,9 @@ def collect_metrics(
     cache-miss reason (:data:`CACHE_MISS_METRIC`, one key per reason); plus, per
     configured KV tier, :data:`TIER_METRIC_TEMPLATES` (bytes, blocks, tokens,
     seconds), and with swap preemption ``kvpage:swap_*`` (space in use, swap-outs,
-    swap-ins, victims recomputed instead, bytes moved, transfer seconds)."""
+    swap-ins, victims recomputed instead, bytes moved, transfer seconds), and with
+    speculative decoding (``spec``) :data:`SPEC_DECODE_METRIC_NAMES` (sequence-steps
+    that drafted, draft tokens verified, draft tokens accepted)."""
     st = kv.stats
     reasons = scheduler.miss_reasons
     misses = {k: float(reasons.get(r, 0)) for k, r in zip(CACHE_MISS_KEYS, MISS_REASONS)}
@@ -167,6 +182,10 @@ def collect_metrics(
         "kvpage:kv_retained_blocks": float(kv.num_retained_blocks),
         **misses,
     }
+    if spec is not None:
+        out["kvpage:spec_decode_num_drafts_total"] = float(spec.num_drafts)
+        out["kvpage:spec_decode_num_draft_tokens_total"] = float(spec.num_draft_tokens)
+        out["kvpage:spec_decode_num_accepted_tokens_total"] = float(spec.num_accepted_tokens)
     sw = scheduler.swapper
     if sw is not None:
         ss = sw.stats
@@ -202,6 +221,7 @@ __all__ = [
     "CACHE_MISS_KEYS",
     "CACHE_MISS_METRIC",
     "METRIC_NAMES",
+    "SPEC_DECODE_METRIC_NAMES",
     "TIER_METRIC_TEMPLATES",
     "StepStats",
     "StepTimer",

@@ -193,6 +193,11 @@ class OutputProcessor:
             preq.grammar_states[index] = st
         return st
 
+    def generator(self, parent_id: str, index: int) -> torch.Generator | None:
+        """The generator of sample ``index`` of user request ``parent_id`` (made on
+        first use; the one its sampled rows draw from)."""
+        return self._generator(self._parents[parent_id], index)
+
     def _generator(self, preq: ParentRequest, index: int) -> torch.Generator | None:
         g = preq.generators.get(index)
         if g is None:
@@ -229,7 +234,10 @@ class OutputProcessor:
         user request among them (finished ones are released from the scheduler and
         forgotten). ``finished_only`` skips the outputs of unfinished requests."""
         touched = self._progress(progressed, now)
-        self.counters.generation_tokens += len(progressed)
+        n = 0
+        for seq in progressed:
+            n += seq.num_new_tokens
+        self.counters.generation_tokens += n
         results = []
         for pid, preq in touched.items():
             done = self.scheduler.samples_finished(pid)
@@ -278,10 +286,26 @@ class OutputProcessor:
         return str(self.tokenizer.decode(ids))
 
     def _check_stop_strings(self, seq: Request, preq: ParentRequest) -> None:
-        text = self._decode(seq.output_token_ids)
+        out = seq.output_token_ids
+        m = seq.num_new_tokens
+        if m <= 1:
+            self._stop_at(seq, preq, out)
+            return
+        # several tokens this step (speculative decoding): stop at the first one that
+        # completes a stop string, as one-token steps would, and drop those after it
+        for cut in range(len(out) - m + 1, len(out) + 1):
+            if self._stop_at(seq, preq, out[:cut]):
+                del seq.token_ids[seq.num_prompt_tokens + cut :]
+                seq.num_new_tokens -= len(out) - cut
+                return
+
+    def _stop_at(self, seq: Request, preq: ParentRequest, out: list[int]) -> bool:
+        """Finish ``seq`` with "stop" if output ids ``out`` contain a stop string
+        (after ``min_tokens``); True if so."""
+        text = self._decode(out)
         mt = preq.params.min_tokens
         # with min_tokens, a stop string must end in the min_tokens-th token or later
-        floor = len(self._decode(seq.output_token_ids[: mt - 1])) if mt > 1 else 0
+        floor = len(self._decode(out[: mt - 1])) if mt > 1 else 0
         for stop in preq.params.stop or ():
             k = text.find(stop, max(0, floor - len(stop) + 1))
             if k >= 0:
@@ -289,7 +313,8 @@ class OutputProcessor:
                 preq.texts[seq.sample_index] = text[:keep]
                 preq.stop_reasons[seq.sample_index] = stop
                 self.scheduler.finish(seq, "stop")
-                return
+                return True
+        return False
 
     def _make_output(self, preq: ParentRequest, finished: bool) -> RequestOutput:
         # runs for every request that progressed, every step: no generators or

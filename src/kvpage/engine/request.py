@@ -58,6 +58,8 @@ class Request:
             found (``Allocation.cached_tokens_by_tier``); None before admission.
         swapped_tokens: tokens whose K/V are swapped out to host memory (swap
             preemption, ``kvpage.engine.swap``); 0 when not swapped out.
+        num_new_tokens: tokens appended by the latest step that progressed it (1, or
+            up to k + 1 with speculative decoding).
     """
 
     request_id: str
@@ -82,6 +84,7 @@ class Request:
     cache_miss: CacheMissExplanation | None = None
     num_cached_tokens_by_tier: dict[str, int] | None = None
     swapped_tokens: int = 0
+    num_new_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -208,6 +208,43 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
     ) -> list[int]:
         m, vocab = logits.shape
+        probs, idx = Sampler.sorted_probs(logits, params)
+        cdf = torch.cumsum(probs, dim=-1)
+        u = torch.empty(m, dtype=torch.float32)
+        for r, g in enumerate(generators):
+            u[r] = torch.rand((), generator=g)
+        target = (u * cdf[:, -1]).unsqueeze(1)
+        pos = torch.searchsorted(cdf, target, right=True).squeeze(1)
+        # a zero-probability tail has the same cdf as the last kept token: step back to it
+        pos = pos.clamp(max=vocab - 1)
+        kept = (probs > 0).sum(dim=-1) - 1
+        pos = torch.minimum(pos, kept)
+        return idx.gather(1, pos.unsqueeze(1)).squeeze(1).tolist()
+
+    @staticmethod
+    def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """The distribution each random row samples from (temperature, min-p, top-k,
+        top-p as :meth:`sample`; no penalties), in vocabulary order.
+
+        Args:
+            logits: ``[m, vocab]`` float CPU rows; params: their ``m`` (non-greedy)
+                sampling parameters.
+
+        Returns:
+            ``[m, vocab]`` float32 probabilities, each row summing to 1.
+        """
+        probs, idx = Sampler.sorted_probs(logits, params)
+        full = torch.zeros_like(probs).scatter_(1, idx, probs)
+        return full / full.sum(dim=-1, keepdim=True)
+
+    @staticmethod
+    def sorted_probs(
+        logits: torch.Tensor, params: Sequence[SamplingParams]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs, ids)``: each row's kept probabilities sorted descending (not
+        renormalised after the top-p cut) and the token id of each entry (the module
+        docstring's method, up to the uniform draw)."""
+        m, vocab = logits.shape
         temps = [p.temperature for p in params]
         scaled = logits / torch.tensor(temps, dtype=torch.float32)[:, None]
         bad = ~torch.isfinite(scaled).all(dim=1)
@@ -235,17 +272,7 @@ class Sampler:
         before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
         probs = probs.masked_fill(before >= top_p[:, None], 0.0)
         probs[:, 0] = torch.where(probs[:, 0] > 0, probs[:, 0], torch.ones(m))
-        cdf = torch.cumsum(probs, dim=-1)
-        u = torch.empty(m, dtype=torch.float32)
-        for r, g in enumerate(generators):
-            u[r] = torch.rand((), generator=g)
-        target = (u * cdf[:, -1]).unsqueeze(1)
-        pos = torch.searchsorted(cdf, target, right=True).squeeze(1)
-        # a zero-probability tail has the same cdf as the last kept token: step back to it
-        pos = pos.clamp(max=vocab - 1)
-        kept = (probs > 0).sum(dim=-1) - 1
-        pos = torch.minimum(pos, kept)
-        return idx.gather(1, pos.unsqueeze(1)).squeeze(1).tolist()
+        return probs, idx
 
 
 def _logprob_rows(

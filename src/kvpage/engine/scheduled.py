@@ -23,6 +23,9 @@ class ScheduledRequest:
         block_tables: one block table per KV group (physical block ids).
         samples: True when this step computes the last known token, so the model's
             logits at it are sampled (False for a non-final prefill chunk).
+        draft_token_ids: speculative draft tokens computed after the last known token
+            (``token_ids[1:]``; empty = none): the logits at every position are
+            verified (``kvpage.engine.spec_decode``).
     """
 
     request: Request
@@ -31,6 +34,7 @@ class ScheduledRequest:
     token_ids: list[int]
     block_tables: list[list[int]]
     samples: bool
+    draft_token_ids: list[int] | None = None
 
     @property
     def request_id(self) -> str:

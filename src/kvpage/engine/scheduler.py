@@ -49,6 +49,7 @@ from kvpage.engine.preemption import Preemptor
 from kvpage.engine.queue_policy import SchedulingPolicy, make_queue
 from kvpage.engine.request import Request, RequestStatus, sample_id
 from kvpage.engine.scheduled import ScheduledRequest
+from kvpage.engine.spec_decode import Proposer
 from kvpage.engine.structured import DEAD_END_FINISH_REASON
 from kvpage.engine.swap import Swapper
 from kvpage.errors import RequestRejected, SpecError
@@ -86,6 +87,12 @@ class Scheduler:
         max_num_batched_tokens: token budget of one step (>= 1).
         max_model_len: longest sequence (prompt + output) in tokens (>= 1).
         policy: ``"fcfs"`` or ``"priority"`` (:mod:`kvpage.engine.queue_policy`).
+        proposer: speculative decoding's draft proposer
+            (:mod:`kvpage.engine.spec_decode`); None = off. With one, every running
+            sequence about to decode gets up to ``k`` draft tokens scheduled after its
+            last token (KV slots allocated for them; fewer when the step's budget, its
+            ``max_tokens`` or the pool is short), and :meth:`update` takes 1 .. d + 1
+            verified tokens for it and rolls its KV back to the accepted length.
 
     Raises:
         SpecError: a limit is < 1, or an unknown policy.
@@ -99,6 +106,7 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         max_model_len: int = 512,
         policy: SchedulingPolicy = "fcfs",
+        proposer: Proposer | None = None,
     ) -> None:
         for name, v in (
             ("max_num_seqs", max_num_seqs),
@@ -112,6 +120,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.num_groups = kv_cache_manager.num_groups
+        self.proposer = proposer
         #: waiting sequences in service order (a deque for fcfs, a heap for priority)
         self.waiting = make_queue(policy)
         self.policy: SchedulingPolicy = self.waiting.policy
@@ -258,10 +267,22 @@ class Scheduler:
         self.waiting.order_running(self.running)
         i = 0
         running, allocate = self.running, self.kv.allocate
+        drafts = self._propose() if self.proposer is not None else None
         while i < len(running) and budget > 0:
             req = running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             assert n >= 1, f"running sequence {req.request_id} has nothing to compute"
+            draft = drafts.get(req.request_id) if drafts else None
+            if draft:
+                draft = draft[: budget - 1]
+                alloc = allocate(req.request_id, req.token_ids, 1 + len(draft)) if draft else None
+                if alloc is not None:
+                    assert draft is not None
+                    self._emit(out, req, 1 + len(draft), alloc, draft)
+                    budget -= 1 + len(draft)
+                    i += 1
+                    continue
+                # no room for the drafts: decode plainly (preempting as usual)
             alloc = allocate(req.request_id, req.token_ids, n)
             while alloc is None:
                 victim = running.pop()
@@ -320,6 +341,28 @@ class Scheduler:
         self.num_steps += 1
         return out
 
+    def _propose(self) -> dict[str, list[int]]:
+        """Draft tokens of the running sequences about to decode one token (their
+        prompt computed, no sample left to fork), at most ``max_tokens - generated - 1``
+        each (the step emits one more): one batched proposer call."""
+        assert self.proposer is not None
+        seqs: list[Request] = []
+        limits: list[int] = []
+        for r in self.running:
+            room = r.max_tokens - r.num_output_tokens - 1
+            if (
+                room > 0
+                and r.num_tokens - r.num_computed_tokens == 1
+                and r.num_output_tokens >= 1
+                and not r.num_pending_samples
+            ):
+                seqs.append(r)
+                limits.append(room)
+        if not seqs:
+            return {}
+        got = self.proposer.propose([r.token_ids for r in seqs], limits)
+        return {r.request_id: d for r, d in zip(seqs, got) if d}
+
     @staticmethod
     def _explain(req: Request, kv: RetentionAllocator, cached: int) -> CacheMissExplanation:
         """Why the first admission's prefix hit is ``cached`` tokens (kept, and counted
@@ -329,15 +372,27 @@ class Scheduler:
             return CacheMissExplanation("prompt_logprobs", req.num_tokens, cached)
         return kv.explain_miss(req.token_ids, cached, cache_salt=req.cache_salt)
 
-    def _emit(self, out: SchedulerOutput, req: Request, n: int, alloc: Allocation) -> None:
+    def _emit(
+        self,
+        out: SchedulerOutput,
+        req: Request,
+        n: int,
+        alloc: Allocation,
+        draft: list[int] | None = None,
+    ) -> None:
         copies = alloc.copies
         if copies and any(copies):
             for g, pairs in enumerate(copies):
                 out.copies[g].extend(pairs)
         start = req.num_computed_tokens
         toks = req.token_ids
-        end = start + n
         tables = self.kv.block_tables(req.request_id)
+        if draft:  # the last known token, then the drafts (n = 1 + len(draft))
+            out.scheduled.append(
+                ScheduledRequest(req, start, n, [toks[start], *draft], tables, True, draft)
+            )
+            return
+        end = start + n
         out.scheduled.append(
             ScheduledRequest(req, start, n, toks[start:end], tables, end == len(toks))
         )
@@ -351,7 +406,10 @@ class Scheduler:
             out: the plan that ran.
             sampled: for each scheduled sequence with ``samples`` set, its
                 ``num_samples`` sampled token ids (sample 0's first, then one per forked
-                sample, by index).
+                sample, by index); for one with draft tokens, the 1 .. d + 1 tokens its
+                verification emits (``kvpage.engine.spec_decode.accept_greedy``), which
+                are appended up to the first that stops it; its KV is rolled back to the
+                accepted length and only accepted tokens are committed.
 
         Returns:
             ``(progressed, finished)``: sequences that got a token this step (forked
@@ -365,6 +423,9 @@ class Scheduler:
             req = s.request
             if req.status is not running:
                 continue  # aborted after scheduling
+            if s.draft_token_ids:
+                self._update_verified(req, s.start, sampled[req.request_id], progressed, finished)
+                continue
             req.num_computed_tokens = n_done = s.start + s.num_tokens
             commit(req.request_id, req.token_ids, n_done)
             if not s.samples:
@@ -378,17 +439,50 @@ class Scheduler:
             for seq, tok in zip(seqs, toks):
                 tok = int(tok)
                 if tok < 0:  # DEAD_END_TOKEN: its grammar allows no token
+                    seq.num_new_tokens = 0
                     progressed.append(seq)
                     self.finish(seq, DEAD_END_FINISH_REASON)
                     finished.append(seq)
                     continue
                 seq.token_ids.append(tok)
+                seq.num_new_tokens = 1
                 progressed.append(seq)
                 reason = seq.check_stop(tok)
                 if reason is not None:
                     self.finish(seq, reason)
                     finished.append(seq)
         return progressed, finished
+
+    def _update_verified(
+        self,
+        req: Request,
+        start: int,
+        toks: Sequence[int],
+        progressed: list[Request],
+        finished: list[Request],
+    ) -> None:
+        """Apply a speculative step's emitted tokens ``toks`` (1 .. d + 1) to ``req``,
+        scheduled at ``start`` with d drafts: append up to the first that stops it,
+        roll the KV back to ``start + appended`` positions (the last appended token is
+        not computed yet; the rejected drafts' slots and blocks are freed) and commit
+        only those."""
+        reason = None
+        appended = 0
+        for tok in toks:
+            req.token_ids.append(int(tok))
+            appended += 1
+            reason = req.check_stop(int(tok))
+            if reason is not None:
+                break
+        n_done = start + appended
+        req.num_computed_tokens = n_done
+        req.num_new_tokens = appended
+        self.kv.truncate(req.request_id, n_done)
+        self.kv.commit(req.request_id, req.token_ids, n_done)
+        progressed.append(req)
+        if reason is not None:
+            self.finish(req, reason)
+            finished.append(req)
 
     def _fork(self, parent: Request) -> list[Request]:
         """Create the parent's pending samples, sharing its blocks (copy-on-write)."""

@@ -37,7 +37,6 @@ LLM_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "mm_processor_kwargs": (None,),
     "compilation_config": (None,),
     "enable_lora": (False,),
-    "speculative_config": (None,),
     "served_model_name": (None,),
 }
 

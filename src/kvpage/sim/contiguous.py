@@ -213,6 +213,17 @@ class ContiguousAllocator:
     def fork(self, parent_id: str, child_id: str) -> None:
         raise AllocationError("fork: expected a paged allocator, got a contiguous one")
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Drop the positions past the first ``num_tokens`` (the extent stays reserved).
+
+        Raises:
+            AllocationError: unknown request or ``num_tokens`` outside ``[0, allocated]``.
+        """
+        e = self._get(request_id)
+        if not 0 <= num_tokens <= e.num_tokens:
+            raise AllocationError(f"num_tokens: expected in [0, {e.num_tokens}], got {num_tokens}")
+        e.num_tokens = num_tokens
+
     def free(self, request_id: str) -> None:
         """Return the request's extent, merging it with free neighbours."""
         e = self._get(request_id)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvpage.errors import SpecError, format_validation_error, got_repr
 from kvpage.specs.core import KVCacheDType, KVPoolKind, ModelDType
+from kvpage.specs.speculative import parse_speculative_config
 
 __all__ = [
     "DEFAULT_RETENTION_MAX_SHARE",
@@ -146,6 +147,11 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "'auto', 'vllm', 'none' or an existing folder",
     ),
     "kv_pool": _one_of("unified", "per_group"),
+    "speculative_config": (
+        lambda v: v is None or isinstance(v, dict),
+        "None or a dict (vLLM's speculative_config: method, num_speculative_tokens, "
+        "prompt_lookup_max, prompt_lookup_min) or its JSON text",
+    ),
 }
 
 
@@ -171,6 +177,11 @@ def check_engine_field(name: str, value: Any) -> Any:
         SpecError: ``"<name>: expected <rule>, got <value>"``.
     """
     accepts, phrase = FIELD_RULES[name]
+    if name == "speculative_config" and value is not None:
+        # a dict or its JSON text (the CLI flag); the keys' own rules name the key
+        spec = parse_speculative_config(value)
+        assert spec is not None
+        return {f: getattr(spec, f) for f in spec.__slots__}
     if not accepts(value):
         if name == "device":
             phrase = _device_phrase(value)
@@ -275,6 +286,13 @@ class EngineConfig(StrictModel):
         description="unified: one block pool for every KV group (a sliding-window group "
         "holds only its window's blocks); per_group: one pool per KV group, each sized "
         "for full-length sequences (docs/architecture.md, 'One pool for every kind of layer')",
+    )
+    speculative_config: dict[str, Any] | None = Field(
+        None,
+        description="speculative decoding (vLLM's speculative_config, a JSON object on the "
+        'command line): {"method": "ngram", "num_speculative_tokens": k, '
+        '"prompt_lookup_max": M, "prompt_lookup_min": m} (docs/user-guide.md, '
+        "'Speculative decoding'); None = off",
     )
 
     def __init__(self, /, **data: Any) -> None:

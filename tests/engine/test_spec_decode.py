@@ -1,0 +1,312 @@
+"""Speculative decoding (n-gram prompt lookup): greedy output token-identical to plain
+decoding (chunked prefill, preemption, stops inside an accepted draft), KV rollback
+(pool integrity, no rejected token hashed), refusals by name and the config rules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvpage.cache.hashing import hash_request_blocks
+from kvpage.engine import LLM, SamplingParams
+from kvpage.engine.spec_decode import NgramProposer, accept_greedy, accept_sampled
+from kvpage.errors import RequestRejected, SpecError
+from kvpage.specs.speculative import parse_speculative_config
+
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
+PROMPTS = [
+    # repeat their context, so drafts get accepted
+    "Once upon a time there was a little girl named Lily. She liked to play outside. "
+    "Once upon a time there was a little girl named",
+    "The cat sat on the mat. The cat sat on the mat. The cat",
+    # plain text
+    "Tom had a red ball. He",
+    "One day, a big dog",
+]
+
+
+def _run(spec: dict[str, Any] | None, params: SamplingParams, **kw: Any) -> tuple[Any, list[Any]]:
+    llm = LLM(model="stories260K", speculative_config=spec, **kw)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    llm.llm_engine.kv_cache_manager.check_integrity()
+    return llm.llm_engine, outs
+
+
+def _same(a: list[Any], b: list[Any]) -> None:
+    for x, y in zip(a, b, strict=True):
+        ox, oy = x.outputs[0], y.outputs[0]
+        assert (ox.token_ids, ox.text, ox.finish_reason, ox.stop_reason) == (
+            oy.token_ids,
+            oy.text,
+            oy.finish_reason,
+            oy.stop_reason,
+        )
+
+
+def _hashed_are_accepted(engine: Any, outs: list[Any]) -> None:
+    """Every hash registered in the pool is a block of some request's final tokens
+    (prompt + output): a block holding a rejected draft would hash differently."""
+    kvm = engine.kv_cache_manager
+    bs = kvm.block_size
+    valid = set()
+    for o in outs:
+        valid.update(
+            hash_request_blocks(list(o.prompt_token_ids) + list(o.outputs[0].token_ids), bs)
+        )
+    registered = [
+        b.block_hash for p in kvm.block_pools for b in p.blocks if b.block_hash is not None
+    ]
+    assert registered
+    assert set(registered) <= valid
+
+
+def test_greedy_identical_chunked_prefill_and_rollback() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=60)
+    kw = dict(max_num_batched_tokens=16, block_size=4)  # chunked prefill, many blocks
+    base, ref = _run(None, params, **kw)
+    eng, got = _run(SPEC, params, **kw)
+    _same(ref, got)
+    m = eng.get_metrics()
+    assert m["kvpage:spec_decode_num_draft_tokens_total"] > 0
+    assert (
+        0
+        < m["kvpage:spec_decode_num_accepted_tokens_total"]
+        <= m["kvpage:spec_decode_num_draft_tokens_total"]
+    )
+    assert (
+        m["kvpage:generation_tokens_total"] == base.get_metrics()["kvpage:generation_tokens_total"]
+    )
+    # fewer steps than tokens: some step emitted several
+    assert eng.step_stats.num_steps < base.step_stats.num_steps
+    _hashed_are_accepted(eng, got)
+    assert eng.kv_cache_manager.num_used_blocks == 0
+
+
+def test_stops_inside_an_accepted_draft() -> None:
+    """max_tokens, stop token ids and stop strings at every position of a repeating
+    output end exactly where plain decoding ends (nothing past the stop)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=40)
+    _, ref = _run(None, greedy)
+    out0 = ref[1].outputs[0]  # the repeating prompt
+    ids, text = out0.token_ids, out0.text
+    cases = [SamplingParams(temperature=0.0, max_tokens=m) for m in (1, 2, 3, 5, 8, 13)]
+    cases += [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[t]) for t in ids[3:9]]
+    words = [w for w in text.split() if w][:6]
+    cases += [SamplingParams(temperature=0.0, max_tokens=40, stop=[w]) for w in words]
+    cases.append(
+        SamplingParams(
+            temperature=0.0, max_tokens=40, stop=[words[-1]], include_stop_str_in_output=True
+        )
+    )
+    # one batch per engine: every case is a request of its own
+    prompt = PROMPTS[1]
+    a = LLM(model="stories260K").generate([prompt] * len(cases), cases, use_tqdm=False)
+    spec_llm = LLM(model="stories260K", speculative_config=SPEC)
+    b = spec_llm.generate([prompt] * len(cases), cases, use_tqdm=False)
+    spec_llm.llm_engine.kv_cache_manager.check_integrity()
+    assert spec_llm.llm_engine.get_metrics()["kvpage:spec_decode_num_accepted_tokens_total"] > 0
+    _same(a, b)
+
+
+def test_preemption_identical() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=60)
+    kw = dict(block_size=4, num_blocks=40, max_num_batched_tokens=32)
+    base, ref = _run(None, params, **kw)
+    eng, got = _run(SPEC, params, **kw)
+    assert eng.scheduler.num_preemptions > 0
+    _same(ref, got)
+
+
+@pytest.mark.parametrize(
+    ("kw", "name"),
+    [
+        (dict(temperature=0.0, n=2), "n"),
+        (dict(temperature=0.8, n=3), "n"),
+        (dict(temperature=0.0, logprobs=1), "logprobs"),
+        (dict(temperature=0.0, repetition_penalty=1.2), "repetition_penalty"),
+        (dict(temperature=0.0, min_tokens=3), "min_tokens"),
+    ],
+)
+def test_refused_by_name(kw: dict[str, Any], name: str) -> None:
+    llm = LLM(model="stories260K", speculative_config=SPEC)
+    with pytest.raises(RequestRejected, match=rf"^{name}: expected .* speculative decoding") as e:
+        llm.llm_engine.add_request("r", "Once", SamplingParams(**kw))
+    assert e.value.reason == "invalid_sampling_params"
+
+
+@pytest.mark.parametrize(
+    ("value", "msg"),
+    [
+        (
+            {"method": "eagle", "num_speculative_tokens": 2},
+            r"speculative_config.method: expected 'ngram'",
+        ),
+        ({"method": "ngram"}, r"num_speculative_tokens: expected an int >= 1, got none"),
+        ({"num_speculative_tokens": 0}, r"num_speculative_tokens: expected an int >= 1, got 0"),
+        ({"num_speculative_tokens": 2, "model": "x"}, r"speculative_config.model: expected one of"),
+        (
+            {"num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3},
+            r"prompt_lookup_min: expected <= prompt_lookup_max=2, got 3",
+        ),
+        ("[1]", r"speculative_config: expected None or a dict"),
+    ],
+)
+def test_config_rules(value: Any, msg: str) -> None:
+    with pytest.raises(SpecError, match=msg):
+        parse_speculative_config(value)
+    with pytest.raises(SpecError, match=msg):
+        LLM(model="stories260K", speculative_config=value)
+
+
+def test_config_defaults_and_json() -> None:
+    c = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert c is not None and (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    c = parse_speculative_config({"num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert c is not None and (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
+
+
+def test_ngram_proposer_and_accept_rule() -> None:
+    p = NgramProposer(3, 1, 3)
+    # "5 6 7" occurred before, followed by 8 9 1
+    assert p.propose_one([5, 6, 7, 8, 9, 1, 2, 5, 6, 7], 10) == [8, 9, 1]
+    assert p.propose_one([5, 6, 7, 8, 9, 1, 2, 5, 6, 7], 2) == [8, 9]
+    assert p.propose_one([1, 2, 3, 4], 5) == []
+    # the latest earlier occurrence of the longest matching suffix wins
+    assert p.propose_one([1, 2, 9, 1, 2, 8, 1, 2], 1) == [8]
+    assert accept_greedy([4, 5, 6], [4, 5, 6], 7) == [4, 5, 6, 7]
+    assert accept_greedy([4, 5, 6], [4, 9, 6], 7) == [4, 9]
+    assert accept_greedy([4], [3], 7) == [3]
+
+
+def test_rollback_after_every_step() -> None:
+    """After each step a running sequence holds KV positions (and blocks) for exactly
+    its computed tokens: the rejected drafts' slots were given back."""
+    llm = LLM(model="stories260K", speculative_config=SPEC, block_size=4)
+    eng = llm.llm_engine
+    kvm = eng.kv_cache_manager
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=40))
+    rejected = 0
+    while eng.has_unfinished_requests():
+        before = eng.spec_stats.num_draft_tokens - eng.spec_stats.num_accepted_tokens
+        eng.step()
+        rejected += eng.spec_stats.num_draft_tokens - eng.spec_stats.num_accepted_tokens - before
+        for r in eng.scheduler.running:
+            n = r.num_computed_tokens
+            assert kvm.num_allocated_tokens(r.request_id) == n
+            assert len(kvm.block_table(r.request_id)) == -(-n // 4)
+        kvm.check_integrity()
+    assert rejected > 0
+    assert kvm.num_used_blocks == 0
+
+
+def _chi2_homogeneity(a: list[Any], b: list[Any]) -> tuple[float, int, float]:
+    """Pearson's chi-square test that samples ``a`` and ``b`` share one distribution:
+    ``(statistic, degrees of freedom, p-value)``; categories expected < 5 times in
+    either sample are pooled into one (p-value: the regularised upper incomplete gamma
+    function, ``torch.special.gammaincc(df / 2, stat / 2)``)."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    na, nb = len(a), len(b)
+    cells: list[tuple[int, int]] = []
+    other = [0, 0]
+    for k in set(ca) | set(cb):
+        tot = ca[k] + cb[k]
+        if min(tot * na, tot * nb) / (na + nb) < 5:
+            other[0] += ca[k]
+            other[1] += cb[k]
+        else:
+            cells.append((ca[k], cb[k]))
+    if sum(other):
+        cells.append((other[0], other[1]))
+    stat = 0.0
+    for oa, ob in cells:
+        tot = oa + ob
+        for o, n in ((oa, na), (ob, nb)):
+            e = tot * n / (na + nb)
+            stat += (o - e) ** 2 / e
+    df = len(cells) - 1
+    p = float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
+    return stat, df, p
+
+
+def test_sampled_distribution_matches_plain() -> None:
+    """Rejection sampling keeps the output distribution: the joint distribution of
+    output tokens 2-4 (those the drafts cover) of 1,200 seeded requests with and
+    without speculation; chi-square homogeneity test, fixed seeds, threshold p > 0.001
+    (deterministic: the seeds fix every draw)."""
+    n = 1200
+    prompt = PROMPTS[1]
+
+    def run(spec: dict[str, Any] | None, base_seed: int) -> tuple[list[Any], Any]:
+        llm = LLM(model="stories260K", speculative_config=spec)
+        params = [
+            SamplingParams(
+                temperature=0.8, top_k=4, max_tokens=6, ignore_eos=True, seed=base_seed + i
+            )
+            for i in range(n)
+        ]
+        outs = llm.generate([prompt] * n, params, use_tqdm=False)
+        llm.llm_engine.kv_cache_manager.check_integrity()
+        return [tuple(o.outputs[0].token_ids[1:4]) for o in outs], llm.llm_engine
+
+    plain, _ = run(None, 0)
+    spec, eng = run(SPEC, 10**6)
+    st = eng.spec_stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens  # both branches ran
+    stat, df, p = _chi2_homogeneity(plain, spec)
+    assert df >= 5
+    assert p > 1e-3, (stat, df, p)
+
+
+def test_accept_sampled_rule() -> None:
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    assert accept_sampled([1, 2], probs, 0, g) == [1, 2, 0]  # certain drafts: all kept
+    probs = torch.tensor([[0.5, 0.0, 0.5]])
+    got = accept_sampled([1], probs, 0, g)  # impossible draft: replaced from the residual
+    assert len(got) == 1 and got[0] in (0, 2)
+
+
+def test_tiers_and_events_see_only_accepted_blocks() -> None:
+    """With a host tier and a KV-event publisher, a speculating engine's router view
+    equals its pool, its tier holds only blocks of accepted tokens, and its outputs
+    equal a plain engine's."""
+    from kvpage.routing import KVEventPublisher, PrefixIndex
+
+    kw: dict[str, Any] = dict(block_size=4, num_blocks=48, kv_host_tier_bytes=64 * 4 * 1280)
+    p = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = LLM(model="stories260K", **kw)
+    llm = LLM(model="stories260K", speculative_config=SPEC, **kw)
+    kvm = llm.llm_engine.kv_cache_manager
+    tiers = kvm.tiers
+    assert tiers is not None and tiers.host is not None
+    pub = KVEventPublisher("r0")
+    pub.attach(kvm)
+    idx = PrefixIndex()
+    idx.resync(pub.snapshot())
+    valid: set[bytes] = set()
+    for prompt in PROMPTS + PROMPTS[:2]:
+        (a,) = plain.generate([prompt], p, use_tqdm=False)
+        (o,) = llm.generate([prompt], p, use_tqdm=False)
+        _same([a], [o])
+        valid.update(
+            hash_request_blocks(list(o.prompt_token_ids) + list(o.outputs[0].token_ids), 4)
+        )
+        batch = pub.drain(heartbeat=True)
+        assert batch is not None and idx.apply(batch)
+        assert idx.view("r0") == kvm.prefix_pools[0].cached_hashes()
+        assert idx.view("r0", "host") == frozenset(tiers.host.hashes())
+        assert kvm.prefix_pools[0].cached_hashes() <= valid
+        assert frozenset(tiers.host.hashes()) <= valid
+        kvm.check_integrity()
+    assert tiers.host.stats.demotions > 0
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
