@@ -24,24 +24,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpage.engine.params import SamplingParams
+from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput
+
 __all__ = ["AsyncEngine", "EngineFailure", "StepStats", "is_out_of_memory"]
 
 logger = logging.getLogger("kvpage.server.engine")
-
-
-class EngineFailure(RuntimeError):
-    """Delivered to a request's stream when an engine step raised.
-
-    Attributes:
-        oom: the step ran out of device or host memory (see :func:`is_out_of_memory`).
-    """
-
-    def __init__(self, message: str, oom: bool = False) -> None:
-        super().__init__(message)
-        self.oom = oom
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (EngineFailure, (str(self), self.oom))
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -94,7 +82,8 @@ class _Command:
 
 
 class AsyncEngine:
-    """Runs an ``LLMEngine`` in a background thread for asyncio handlers.
+    """Runs an ``LLMEngine`` in a background thread for asyncio handlers (an
+    :class:`~kvpage.server.engine_client.EngineClient`).
 
     Args:
         engine: an object with the Engine contract (``add_request``, ``abort_request``,
@@ -161,12 +150,12 @@ class AsyncEngine:
     async def add(
         self,
         request_id: str,
-        prompt: Any,
-        params: Any,
+        prompt: PromptInput,
+        params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         replayable: bool = False,
-    ) -> asyncio.Queue[Any]:
+    ) -> asyncio.Queue[EngineOutput]:
         """Add a request; return the queue its ``RequestOutput``s arrive on.
 
         ``arrival_time`` (``time.monotonic()`` seconds) is passed to the engine, and
@@ -191,7 +180,7 @@ class AsyncEngine:
         """
         if not self.running:
             raise RuntimeError("engine loop: expected a running loop, got a stopped one")
-        q: asyncio.Queue[Any] = asyncio.Queue()
+        q: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self._streams[request_id] = q
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         kw = {"priority": priority} if priority else {}

@@ -46,8 +46,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvpage.engine.params import SamplingParams
+from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput
 from kvpage.server.engine_core import EngineInfo, engine_report
-from kvpage.server.engine_loop import EngineFailure, StepStats
+from kvpage.server.engine_loop import StepStats
 from kvpage.server.engine_spawn import SpawnedEngine
 from kvpage.server.framing import FrameError, encode_frame, recv_frame
 from kvpage.server.output_codec import OutputDecoder
@@ -63,7 +65,8 @@ _MAX_READS = 16
 
 
 class ProcessAsyncEngine:
-    """``AsyncEngine``'s interface over an :class:`EngineProcess` (see module doc).
+    """The :class:`~kvpage.server.engine_client.EngineClient` over an
+    :class:`EngineProcess` (see module doc).
 
     Everything runs on the event loop given to :meth:`start`: the socket is read when
     it is readable (non-blocking, framed), each complete frame is unpickled and handled
@@ -354,16 +357,16 @@ class ProcessAsyncEngine:
     async def add(
         self,
         request_id: str,
-        prompt: Any,
-        params: Any,
+        prompt: PromptInput,
+        params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         replayable: bool = False,
-    ) -> asyncio.Queue[Any]:
+    ) -> asyncio.Queue[EngineOutput]:
         """As :meth:`AsyncEngine.add <kvpage.server.engine_loop.AsyncEngine.add>`."""
         if not self.running:
             raise RuntimeError("engine loop: expected a running loop, got a stopped one")
-        q: asyncio.Queue[Any] = asyncio.Queue()
+        q: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self._streams[request_id] = q
         kw = {"priority": priority} if priority else {}
         try:

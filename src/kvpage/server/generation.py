@@ -16,7 +16,7 @@ from typing import Any
 from kvpage.errors import RequestRejected
 from kvpage.server.config import ServerConfig
 from kvpage.server.degradation import DegradationController
-from kvpage.server.engine_loop import EngineFailure
+from kvpage.server.engine_client import EngineClient, EngineFailure, PromptInput
 from kvpage.server.metrics import RequestSeries, ServerMetrics
 from kvpage.server.protocol import APIError, GenerationRequest
 
@@ -122,7 +122,7 @@ class RequestGeneration:
     tokenizer: Any
     params_cls: Callable[..., Any]
     clock: Callable[[], float]
-    loop: Any
+    loop: EngineClient
     metrics: ServerMetrics
     degradation: DegradationController
     #: request id -> max_tokens lowered by degraded mode while it ran (ServingState)
@@ -189,9 +189,12 @@ class RequestGeneration:
                     else {"structured_outputs": req.structured_outputs}
                 ),
             )
-            prompt: Any = list(req.prompt_token_ids)
+            prompt: PromptInput = list(req.prompt_token_ids)
             if req.cache_salt is not None:
-                prompt = {"prompt_token_ids": prompt, "cache_salt": req.cache_salt}
+                prompt = {
+                    "prompt_token_ids": list(req.prompt_token_ids),
+                    "cache_salt": req.cache_salt,
+                }
             try:
                 q = await self.loop.add(
                     req.request_id,

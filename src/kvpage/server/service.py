@@ -38,6 +38,7 @@ from kvpage.server.admission import (
 from kvpage.server.auth import Authenticator
 from kvpage.server.config import ServerConfig
 from kvpage.server.degradation import DegradationController
+from kvpage.server.engine_client import EngineClient
 from kvpage.server.engine_loop import AsyncEngine, StepStats
 from kvpage.server.generation import Delta, RequestGeneration, Usage, rejection_error
 from kvpage.server.metrics import ServerMetrics
@@ -169,7 +170,7 @@ class ServingState(RequestGeneration):
             )
         #: the engine loop: a thread here, or the pipe to an engine process
         make_loop = getattr(engine, "make_async_engine", None)
-        self.loop: Any = (
+        self.loop: EngineClient = (
             make_loop(on_step=self._on_step)
             if make_loop is not None
             else AsyncEngine(engine, on_step=self._on_step)
