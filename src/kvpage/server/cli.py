@@ -69,7 +69,9 @@ def _flag_help(section: str | None, field: str) -> str:
     return text.replace("%", "%%")
 
 
-def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_serve_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     """Register ``serve`` on an argparse subparsers object; returns the new parser."""
     p = subparsers.add_parser(
         "serve",

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvpage.engine.params import SamplingParams
 from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput
@@ -30,6 +30,8 @@ from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput
 __all__ = ["AsyncEngine", "EngineFailure", "StepStats", "is_out_of_memory"]
 
 logger = logging.getLogger("kvpage.server.engine")
+
+_T = TypeVar("_T")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -108,7 +110,7 @@ class AsyncEngine:
         self._on_step = on_step
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[Any]] = {}  # touched on the event loop only
+        self._streams: dict[str, asyncio.Queue[EngineOutput]] = {}  # touched on the event loop only
         self._live: set[str] = set()  # touched on the engine thread only
         #: final-only requests -> (a token seen, choices finished) at the last delivery
         #: (engine thread only; pruned to the live requests)
@@ -221,7 +223,7 @@ class AsyncEngine:
         self._commands.put(_Command("abort", request_id, future=fut))
         await asyncio.wrap_future(fut)
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def call(self, fn: Callable[[Any], _T]) -> _T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._commands.put(_Command("call", fn=fn, future=fut))
@@ -274,7 +276,7 @@ class AsyncEngine:
                 return
             self._apply(cmd)
 
-    def _deliver(self, request_id: str, item: Any) -> None:
+    def _deliver(self, request_id: str, item: EngineOutput) -> None:
         # Runs on the event loop.
         q = self._streams.get(request_id)
         if q is not None:
@@ -284,7 +286,7 @@ class AsyncEngine:
 
     # Delivery hooks (the engine process, kvpage.server.engine_process, overrides them to
     # send over its pipe instead): called on the engine thread.
-    def _emit(self, request_id: str, item: Any) -> None:
+    def _emit(self, request_id: str, item: EngineOutput) -> None:
         """Hand ``item`` (a RequestOutput or EngineFailure) to ``request_id``'s handler."""
         loop = self._loop
         assert loop is not None

@@ -44,7 +44,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from kvpage.engine.params import SamplingParams
 from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput
@@ -55,6 +55,8 @@ from kvpage.server.framing import FrameError, encode_frame, recv_frame
 from kvpage.server.output_codec import OutputDecoder
 
 __all__ = ["EngineInfo", "EngineProcess", "ProcessAsyncEngine", "engine_report"]
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger("kvpage.server.engine")
 
@@ -79,14 +81,16 @@ class ProcessAsyncEngine:
         final_report: :func:`engine_report` of the child at stop (None before).
     """
 
-    def __init__(self, proc: SpawnedEngine, *, on_step: Any = None) -> None:
+    def __init__(
+        self, proc: SpawnedEngine, *, on_step: Callable[[StepStats], None] | None = None
+    ) -> None:
         self.engine = proc
         self._sock = proc.sock
         self._fd = proc.sock.fileno()
         self._reader = proc.reader
         self._backlog = proc.backlog
         self._on_step = on_step
-        self._streams: dict[str, asyncio.Queue[Any]] = {}
+        self._streams: dict[str, asyncio.Queue[EngineOutput]] = {}
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -394,10 +398,11 @@ class ProcessAsyncEngine:
         self._decoder.forget(request_id)
         await self._request(("abort",), request_id)
 
-    async def call(self, fn: Any) -> Any:
+    async def call(self, fn: Callable[[Any], _T]) -> _T:
         """Run ``fn(engine)`` in the child between steps (``fn`` must pickle: a
         module-level function) and return its (picklable) result."""
-        return await self._request(("call",), fn)
+        result: _T = await self._request(("call",), fn)  # unpickled in this process
+        return result
 
 
 class EngineProcess(SpawnedEngine):
@@ -405,6 +410,8 @@ class EngineProcess(SpawnedEngine):
     :class:`~kvpage.server.engine_spawn.SpawnedEngine` for the arguments and errors.
     Requests go through :meth:`make_async_engine`."""
 
-    def make_async_engine(self, on_step: Any = None) -> ProcessAsyncEngine:
+    def make_async_engine(
+        self, on_step: Callable[[StepStats], None] | None = None
+    ) -> ProcessAsyncEngine:
         """The HTTP-side engine loop talking to this child."""
         return ProcessAsyncEngine(self, on_step=on_step)

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from kvpage.engine.tool_calls import releasable
 from kvpage.errors import got_repr
+from kvpage.models.tokenizer_base import Tokenizer
 from kvpage.server import protocol as P
 from kvpage.server.auth import request_priority, scoped_cache_salt
 from kvpage.server.config import JSON_MAX_DEPTH
@@ -220,10 +221,11 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
         results = await _run_all(state, request, reqs, echo_texts)
         headers = _response_headers(state, request, reqs) or None  # reads the context
         asked_plp = body.prompt_logprobs is not None
-        return await asyncio.get_running_loop().run_in_executor(
-            state.tokenize_pool,  # the body's JSON grows with n x prompts
-            lambda: JSONResponse(build_body(results, asked_plp, state.tokenizer), headers=headers),
-        )
+
+        def response() -> Response:  # the body's JSON grows with n x prompts: off the loop
+            return JSONResponse(build_body(results, asked_plp, state.tokenizer), headers=headers)
+
+        return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, response)
     # Streams: the headers are built once admission (which applies the degraded-mode
     # cap) and the engine's accept are done, just before the 200 is sent.
     if len(reqs) > 1:
@@ -390,7 +392,7 @@ class _ChoiceEvents:
     """
 
     def __init__(
-        self, req: P.GenerationRequest, echo_text: str, usage: Usage, tokenizer: Any
+        self, req: P.GenerationRequest, echo_text: str, usage: Usage, tokenizer: Tokenizer
     ) -> None:
         self.req, self.echo_text, self.usage, self.tokenizer = req, echo_text, usage, tokenizer
         self.started = [False] * req.n  # a chunk of the choice was sent

@@ -13,12 +13,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpage.engine.params import CompletionOutput, RequestOutput
+from kvpage.engine.params import CompletionOutput, RequestOutput, SamplingParams
 from kvpage.errors import RequestRejected
 from kvpage.models.tokenizer_base import Tokenizer
 from kvpage.server.config import ServerConfig
 from kvpage.server.degradation import DegradationController
-from kvpage.server.engine_client import EngineClient, EngineFailure, PromptInput
+from kvpage.server.engine_client import EngineClient, EngineFailure, EngineOutput, PromptInput
 from kvpage.server.metrics import RequestSeries, ServerMetrics
 from kvpage.server.protocol import APIError, GenerationRequest
 
@@ -145,7 +145,7 @@ class RequestGeneration:
     # state owned by ServingState.__init__
     config: ServerConfig
     tokenizer: Tokenizer
-    params_cls: Callable[..., Any]
+    params_cls: Callable[..., SamplingParams]
     clock: Callable[[], float]
     loop: EngineClient
     metrics: ServerMetrics
@@ -216,7 +216,7 @@ class RequestGeneration:
         hold = max((len(s) for s in req.stop), default=1) - 1
         first_token_at: float | None = None
         done = False
-        last: Any = None
+        last: EngineOutput | None = None
         try:
             while not done:
                 out = last = await q.get()
@@ -260,7 +260,7 @@ class RequestGeneration:
                 c.finish = "length"
                 yield Delta(choices.index(c), c.text[c.sent :], "length")
 
-    def _sampling_params(self, req: GenerationRequest) -> Any:
+    def _sampling_params(self, req: GenerationRequest) -> SamplingParams:
         """The engine's sampling parameters of ``req`` (``params_cls``: the engine's
         ``SamplingParams``)."""
         return self.params_cls(

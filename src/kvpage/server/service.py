@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpage.engine.chat import load_chat_template, model_chat_template
+from kvpage.engine.params import SamplingParams
 from kvpage.server.admission import (
     Decision,
     KVBudget,
@@ -48,7 +49,7 @@ from kvpage.server.validation import max_token_bytes
 _log = logging.getLogger("kvpage.server")
 
 
-def chat_template_name(state: Any) -> str:
+def chat_template_name(state: ServingState) -> str:
     """Which template renders chat requests that bring none: ``"server"``
     (``--chat-template``), ``"model"`` (the tokenizer's) or ``"kvpage"`` (plain)."""
     if state.chat_template is not None:
@@ -56,7 +57,7 @@ def chat_template_name(state: Any) -> str:
     return "model" if model_chat_template(state.tokenizer) is not None else "kvpage"
 
 
-def log_template_choice(state: Any, generation_config_path: str | None) -> None:
+def log_template_choice(state: ServingState, generation_config_path: str | None) -> None:
     """Log at start-up which chat template and which generation defaults apply."""
     name = chat_template_name(state)
     why = {
@@ -126,7 +127,7 @@ class ServingState(RequestGeneration):
         self,
         config: ServerConfig,
         engine: Any,
-        sampling_params_cls: Callable[..., Any],
+        sampling_params_cls: Callable[..., SamplingParams],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvpage.engine.chat import message_text
 from kvpage.errors import RequestRejected, got_repr
+from kvpage.models.tokenizer_base import Tokenizer
 from kvpage.server.protocol import APIError, ChatMessage, render_chat
 from kvpage.server.validation import check_duplicate_keys, check_text_fits
 
@@ -58,7 +59,7 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def _render_ids(messages: Any, tokenizer: Any, **kwargs: Any) -> list[int]:
+def _render_ids(messages: Any, tokenizer: Tokenizer, **kwargs: Any) -> list[int]:
     """Prompt ids of a conversation, as /v1/chat/completions renders it."""
     return render_chat(messages, tokenizer, **kwargs).prompt_token_ids
 

@@ -34,7 +34,7 @@ __all__ = ["check_retention", "max_token_bytes", "min_prompt_tokens", "prepare_r
 _MAX_SEED = 2**63 - 1
 
 
-def max_token_bytes(tokenizer: Any) -> int | None:
+def max_token_bytes(tokenizer: Tokenizer) -> int | None:
     """Most UTF-8 bytes of text one token of ``tokenizer`` can cover, if knowable.
 
     Known for tokenizers that list their vocabulary as ``pieces`` (bytes or str, e.g.
@@ -428,7 +428,7 @@ def _generation_request(
     """The validated request (a new request id; sampling fields resolved by
     :func:`_field`)."""
     return GenerationRequest(
-        kind=kind,  # type: ignore[arg-type]
+        kind=kind,
         request_id=new_request_id(kind),
         model=model_name,
         prompt_token_ids=ids,
@@ -588,7 +588,9 @@ def _check_text_parts(body: ChatCompletionRequest) -> None:
             )
 
 
-def _prompt_ids(prompt: Any, tokenizer: Any, bound: int | None, max_model_len: int) -> list[int]:
+def _prompt_ids(
+    prompt: Any, tokenizer: Tokenizer, bound: int | None, max_model_len: int
+) -> list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise APIError(
