@@ -52,6 +52,10 @@ _ACCEPTS = {
 }
 
 
+#: a parsed generation body
+_Body = P.CompletionRequest | P.ChatCompletionRequest
+
+
 def _clean_loc(loc: Any) -> list[str]:
     # drop pydantic's union-branch tags ("str", "list[int]", "function-after[...]")
     out = []
@@ -121,7 +125,9 @@ def _response_headers(
     return headers
 
 
-def _parse(model_cls: type[P.CompletionRequest] | type[P.ChatCompletionRequest], raw: bytes) -> Any:
+def _parse(
+    model_cls: type[P.CompletionRequest] | type[P.ChatCompletionRequest], raw: bytes
+) -> _Body:
     """The validated body (on the tokenize pool: parsing a 4 MiB body takes long).
     A key given twice in one JSON object is refused (:func:`check_duplicate_keys`)."""
     try:
@@ -133,7 +139,7 @@ def _parse(model_cls: type[P.CompletionRequest] | type[P.ChatCompletionRequest],
     return body
 
 
-def _split_prompts(body: Any) -> list[Any]:
+def _split_prompts(body: _Body) -> list[Any]:
     """The prompts of a body: the entries of a list of strings / of token-id lists, else
     the one prompt (chat: ``[None]``, the messages are the prompt)."""
     if isinstance(body, P.CompletionRequest):
@@ -174,7 +180,7 @@ def check_request_size(state: ServingState, prompts: list[Any], n: int) -> None:
 
 
 def _prepare_all(
-    state: ServingState, kind: str, body: Any, prompts: list[Any], tenant: str
+    state: ServingState, kind: str, body: _Body, prompts: list[Any], tenant: str
 ) -> tuple[list[P.GenerationRequest], list[str]]:
     """One ``GenerationRequest`` per prompt and the texts ``echo`` prepends (on the
     tokenize pool: the work grows with the body). The first refused prompt raises."""
@@ -244,7 +250,7 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
 
 async def _parsed_requests(
     state: ServingState, request: Request, kind: str
-) -> tuple[Any, list[P.GenerationRequest], list[str]]:
+) -> tuple[_Body, list[P.GenerationRequest], list[str]]:
     """``(parsed body, one validated request per prompt, their echo texts)``, with the
     tenant's cache salt and priority set.
 

@@ -7,6 +7,7 @@ is set up by ``ServingState.__init__``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Callable, Iterator
 from contextvars import ContextVar
@@ -187,31 +188,7 @@ class RequestGeneration:
             APIError: 400/429 when the engine refuses the request, 500 on engine failure.
         """
         arrival = req.arrival_s
-        placement: dict[str, str] = {}
-        try:
-            params = self._sampling_params(req)
-            prompt = _engine_prompt(req)
-            try:
-                q = await self.loop.add(
-                    req.request_id,
-                    prompt,
-                    params,
-                    arrival_time=arrival,
-                    priority=req.priority,
-                    # not streamed: nothing reaches the client before the end, so an
-                    # ingress may run it again on another replica after a failure
-                    replayable=not req.stream,
-                )
-            finally:
-                placement = self._placed(req.request_id)
-        except RequestRejected as exc:
-            err = rejection_error(exc)
-            self.metrics.series(placement).error("engine_rejected")
-            raise err from None
-        except APIError as exc:  # the ingress: no replica could take it (503)
-            self.metrics.series(placement).error(exc.reason)
-            raise
-        series = self.metrics.series(placement)
+        q, series = await self._start(req)
         choices = [_Choice() for _ in range(req.n)]
         hold = max((len(s) for s in req.stop), default=1) - 1
         first_token_at: float | None = None
@@ -259,6 +236,41 @@ class RequestGeneration:
             if c.finish is None:
                 c.finish = "length"
                 yield Delta(choices.index(c), c.text[c.sent :], "length")
+
+    async def _start(
+        self, req: GenerationRequest
+    ) -> tuple[asyncio.Queue[EngineOutput], RequestSeries]:
+        """Send ``req`` to the engine; return its output queue and its metric series
+        (labelled with where it was placed).
+
+        Raises:
+            APIError: the engine refused it (400/429), or no replica could take it (503).
+        """
+        placement: dict[str, str] = {}
+        try:
+            params = self._sampling_params(req)
+            prompt = _engine_prompt(req)
+            try:
+                q = await self.loop.add(
+                    req.request_id,
+                    prompt,
+                    params,
+                    arrival_time=req.arrival_s,
+                    priority=req.priority,
+                    # not streamed: nothing reaches the client before the end, so an
+                    # ingress may run it again on another replica after a failure
+                    replayable=not req.stream,
+                )
+            finally:
+                placement = self._placed(req.request_id)
+        except RequestRejected as exc:
+            err = rejection_error(exc)
+            self.metrics.series(placement).error("engine_rejected")
+            raise err from None
+        except APIError as exc:  # the ingress: no replica could take it (503)
+            self.metrics.series(placement).error(exc.reason)
+            raise
+        return q, self.metrics.series(placement)
 
     def _sampling_params(self, req: GenerationRequest) -> SamplingParams:
         """The engine's sampling parameters of ``req`` (``params_cls``: the engine's

@@ -54,7 +54,7 @@ class _MultiStream:
         self.state, self.reqs, self.echo_texts = state, reqs, echo_texts
         self.usages = [Usage() for _ in reqs]
         self.charging = state.charged(reqs)
-        self.admissions: list[Any] = []
+        self.admissions: list[contextlib.AbstractAsyncContextManager[None]] = []
         self.gens: list[AsyncGenerator[Delta, None]] = []
         self.firsts: list[Delta | None] = []
         #: (prompt, delta | None at its end | the APIError it failed with)
@@ -91,8 +91,8 @@ class _MultiStream:
                 await g.aclose()
             for r in reqs:
                 state.cancel_causes.pop(r.request_id, None)
-            for adm in reversed(self.admissions):
-                await adm.__aexit__(type(exc), exc, exc.__traceback__)
+            for held in reversed(self.admissions):
+                await held.__aexit__(type(exc), exc, exc.__traceback__)
             await self.charging.__aexit__(type(exc), exc, exc.__traceback__)
             raise
 
