@@ -185,3 +185,9 @@ def test_stop_reports_a_clean_engine(server):
     assert rep["free_blocks"] == rep["usable_blocks"] == 64
     assert rep["running"] == rep["waiting"] == 0 and not rep["unfinished"]
     assert not state.loop.running and not state.engine.process.is_alive()
+
+
+def test_the_process_loop_is_an_engine_client(server):
+    from kvpage.server.engine_client import EngineClient
+
+    assert isinstance(server.app.state.serving.loop, EngineClient)

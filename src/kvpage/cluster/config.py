@@ -38,11 +38,11 @@ from kvpage.errors import SpecError
 from kvpage.server.config import (
     EngineConfig,
     ServerConfig,
-    _Strict,
     dump_mapping,
     format_validation_error,
     read_config_file,
 )
+from kvpage.specs.engine_config import StrictModel as _Strict
 
 __all__ = [
     "POLICIES",

@@ -93,7 +93,7 @@ class ClusterState(ServingState):
         #: the deployment this ingress runs (``/admin/config``)
         self.cluster = cluster
         super().__init__(config, facade, SamplingParams)
-        self.loop = loop  # type: ignore[assignment]
+        self.loop = loop
 
     def effective_config(self) -> dict[str, Any]:
         """``GET /admin/config``: the running deployment as a deployment file (the

@@ -1,8 +1,6 @@
 """The ingress side of a request: an engine loop whose engine is a replica group.
 
-:class:`RemoteEngineLoop` has the handler API of :class:`kvpage.server.engine_loop.
-AsyncEngine` (``add``, ``abort``, ``abort_nowait``, ``running``, ``metrics_snapshot``),
-so the server's :class:`~kvpage.server.service.ServingState` -- validation, admission,
+:class:`RemoteEngineLoop` is a :class:`kvpage.server.engine_client.EngineClient`, so the server's :class:`~kvpage.server.service.ServingState` -- validation, admission,
 stop strings, streaming, metrics -- runs unchanged at the ingress; only where the
 engine runs differs. ``add`` picks the replica group (:meth:`GroupSelector.select`),
 sends the request through the group's deployment handle (the custom router picks the
@@ -32,8 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpage.cluster.core import RouterCore
+from kvpage.engine.params import SamplingParams
 from kvpage.errors import RequestRejected
-from kvpage.server.engine_loop import EngineFailure
+from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput
 from kvpage.server.protocol import APIError
 
 __all__ = ["GroupSelector", "RemoteEngineLoop", "ReplicaGroup"]
@@ -199,12 +198,12 @@ class RemoteEngineLoop:
     async def add(
         self,
         request_id: str,
-        prompt: Any,
-        params: Any,
+        prompt: PromptInput,
+        params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         replayable: bool = False,
-    ) -> asyncio.Queue[Any]:
+    ) -> asyncio.Queue[EngineOutput]:
         """Send a request to a replica; return the queue its outputs arrive on (the
         first one is already there). ``priority`` goes to the replica's scheduler as in
         :meth:`AsyncEngine.add <kvpage.server.engine_loop.AsyncEngine.add>`.
@@ -228,7 +227,7 @@ class RemoteEngineLoop:
         self.observer.request(group.name)
         if name != drawn:
             self.observer.fallback(drawn, name)
-        q: asyncio.Queue[Any] = asyncio.Queue()
+        q: asyncio.Queue[EngineOutput] = asyncio.Queue()
         ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         task = asyncio.ensure_future(
             self._run(group, request_id, prompt, params, arrival_time, priority, q, ack, replayable)

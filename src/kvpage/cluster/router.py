@@ -60,7 +60,8 @@ class KVAwareRouter(RequestRouter):
         current replica set the first time it is found."""
         # looked up in the module at call time: Ray Serve may hand us a copy of this
         # class whose module globals are not the live ones of this process
-        core = importlib.import_module("kvpage.cluster.core").CORES.get(self._core_key)
+        cores: dict[str, RouterCore] = importlib.import_module("kvpage.cluster.core").CORES
+        core = cores.get(self._core_key)
         if core is not None and getattr(self, "_told", None) is not core:
             self._told = core
             core.set_replicas(r.unique_id for r in self.curr_replicas)

@@ -107,18 +107,66 @@ def create_app(
 
     preload()
     if state is None:
-        if engine is None:
-            engine, sampling_params_cls = build_engine(config)
-        if sampling_params_cls is None:
-            raise TypeError("sampling_params_cls: expected a SamplingParams class, got None")
-        try:
-            state = ServingState(config, engine, sampling_params_cls)
-        except BaseException:
-            close = getattr(engine, "close", None)  # an engine process does not outlive us
-            if callable(close):
-                close()
-            raise
-    engine = state.engine
+        state = _serving_state(config, engine, sampling_params_cls)
+    # redirect_slashes=False: "/tokenize/" is an unknown route (404, OpenAI body), never
+    # an empty 307 whose Location is built from the client's Host header
+    app = FastAPI(
+        title="kvpage",
+        lifespan=_lifespan(state),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
+    )
+    app.state.serving = state
+    app.state.metrics_app = (
+        create_metrics_app(state) if config.security.metrics_port is not None else None
+    )
+    install_security(app, state)
+    install_openapi(app, config.model_name)
+    _install_error_handlers(app)
+    _register_generation_routes(app, state)
+    _register_model_routes(app, state)
+    register_utility_routes(app, state, _validation_message)
+    register_config_route(app, state)
+
+    if app.state.metrics_app is None:
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return metrics_response(state)  # type: ignore[no-any-return]
+
+    return app
+
+
+def _serving_state(
+    config: ServerConfig, engine: Any | None, sampling_params_cls: Callable[..., Any] | None
+) -> ServingState:
+    """The serving state over ``engine`` (built from ``config`` when None); an engine
+    that has a ``close`` (an engine process) is closed when the state cannot be built.
+
+    Raises:
+        TypeError: ``engine`` given without ``sampling_params_cls``.
+    """
+    if engine is None:
+        engine, sampling_params_cls = build_engine(config)
+    if sampling_params_cls is None:
+        raise TypeError("sampling_params_cls: expected a SamplingParams class, got None")
+    try:
+        return ServingState(config, engine, sampling_params_cls)
+    except BaseException:
+        close = getattr(engine, "close", None)  # an engine process does not outlive us
+        if callable(close):
+            close()
+        raise
+
+
+def _lifespan(
+    state: ServingState,
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the engine loop and the degradation ticker run while it is
+    open; at its end both stop and the tokenize pool shuts down."""
+    config, engine = state.config, state.engine
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -140,22 +188,11 @@ def create_app(
             await asyncio.to_thread(state.loop.stop)
             state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
-    # redirect_slashes=False: "/tokenize/" is an unknown route (404, OpenAI body), never
-    # an empty 307 whose Location is built from the client's Host header
-    app = FastAPI(
-        title="kvpage",
-        lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-        redirect_slashes=False,
-    )
-    app.state.serving = state
-    app.state.metrics_app = (
-        create_metrics_app(state) if config.security.metrics_port is not None else None
-    )
-    install_security(app, state)
-    install_openapi(app, config.model_name)
+    return lifespan
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error is answered with an OpenAI error body (:func:`_error`)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -175,6 +212,11 @@ def create_app(
         return _error(
             APIError(500, f"server: internal error ({type(exc).__name__})", type="server_error")
         )
+
+
+def _register_generation_routes(app: FastAPI, state: ServingState) -> None:
+    """``POST /v1/completions`` and ``/v1/chat/completions`` (:func:`_generate`), counted
+    by endpoint, status and placement."""
 
     async def handle(request: Request, kind: str) -> Response:
         endpoint = "chat" if kind == "chat" else "completions"
@@ -204,6 +246,10 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await handle(request, "chat")
 
+
+def _register_model_routes(app: FastAPI, state: ServingState) -> None:
+    """``GET /v1/models``, ``/v1/models/{id}`` and ``/health``."""
+    config = state.config
     started = int(time.time())  # /v1/models "created": when this server started (Unix s)
 
     def model_card() -> dict[str, Any]:
@@ -241,17 +287,6 @@ def create_app(
         # normally answered by the HTTP guard before routing (same function)
         status, body = state.health()
         return JSONResponse(body, status_code=status)
-
-    register_utility_routes(app, state, _validation_message)
-    register_config_route(app, state)
-
-    if app.state.metrics_app is None:
-
-        @app.get("/metrics")
-        async def metrics() -> Response:
-            return metrics_response(state)  # type: ignore[no-any-return]
-
-    return app
 
 
 async def _tick(state: ServingState) -> None:

@@ -69,7 +69,9 @@ def _flag_help(section: str | None, field: str) -> str:
     return text.replace("%", "%%")
 
 
-def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_serve_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     """Register ``serve`` on an argparse subparsers object; returns the new parser."""
     p = subparsers.add_parser(
         "serve",
@@ -85,6 +87,24 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="model to serve (as vLLM's `vllm serve MODEL`; same as --model)",
     )
+    _add_config_file_flags(p)
+    for flag, (section, field, typ) in _FLAGS.items():
+        p.add_argument(
+            "--" + flag.replace("_", "-"),
+            dest=flag,
+            type=typ,
+            default=None,
+            help=_flag_help(section, field),
+        )
+    add_engine_flags(p, checked=False, where="engine")  # the spelling generate/replay use too
+    _add_feature_flags(p)
+    _add_security_flags(p)
+    p.set_defaults(func=serve_main)
+    return p
+
+
+def _add_config_file_flags(p: argparse.ArgumentParser) -> None:
+    """``--config`` and the ``--dump-config`` family."""
     p.add_argument("--config", metavar="FILE", help="YAML/JSON ServerConfig (see --dump-config)")
     p.add_argument("--dump-config", action="store_true", help="print the effective config and exit")
     p.add_argument("--dump-format", choices=["yaml", "json"], default="yaml")
@@ -95,15 +115,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "write the values it decided (num_blocks, backend, max_model_len, num_threads) and "
         "the machine they were decided on, so a restore starts identically",
     )
-    for flag, (section, field, typ) in _FLAGS.items():
-        p.add_argument(
-            "--" + flag.replace("_", "-"),
-            dest=flag,
-            type=typ,
-            default=None,
-            help=_flag_help(section, field),
-        )
-    add_engine_flags(p, checked=False, where="engine")  # the spelling generate/replay use too
+
+
+def _add_feature_flags(p: argparse.ArgumentParser) -> None:
+    """Request-handling features: unknown fields, tool calls, the engine process."""
     p.add_argument(
         "--allow-unknown-fields",
         dest="allow_unknown_fields",
@@ -139,6 +154,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_false",
         help="run the engine as a thread of the server process (default)",
     )
+
+
+def _add_security_flags(p: argparse.ArgumentParser) -> None:
+    """Tenants, API keys and CORS."""
     p.add_argument("--tenant-rate", type=float, default=None, help="default tokens/s per tenant")
     p.add_argument(
         "--tenant-burst", type=float, default=None, help="default bucket size per tenant"
@@ -175,8 +194,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="ORIGIN",
         help="send CORS headers for this origin (repeatable; default: no CORS)",
     )
-    p.set_defaults(func=serve_main)
-    return p
 
 
 def config_from_args(args: argparse.Namespace, base: ServerConfig | None = None) -> ServerConfig:

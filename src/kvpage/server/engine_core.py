@@ -20,6 +20,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpage.models.tokenizer_base import Tokenizer
+from kvpage.server.engine_client import EngineOutput
 from kvpage.server.engine_loop import AsyncEngine, StepStats, _Command
 from kvpage.server.framing import FrameError, FrameReader, recv_frame, send_frame
 from kvpage.server.output_codec import OutputEncoder
@@ -33,7 +35,7 @@ logger = logging.getLogger("kvpage.server.engine")
 class EngineInfo:
     """What the HTTP process needs to know about the engine (sent once, at start)."""
 
-    tokenizer: Any
+    tokenizer: Tokenizer | None  # the engine's (None: an engine built without one)
     cache_spec: Any
     backend_name: str
     max_model_len: int
@@ -91,7 +93,7 @@ class _EngineCore(AsyncEngine):
         with self._send_lock:
             send_frame(self._sock, msg)
 
-    def _emit(self, request_id: str, item: Any) -> None:
+    def _emit(self, request_id: str, item: EngineOutput) -> None:
         self._outbox.append((request_id, self._codec.encode(item)))
 
     def _stats(self, st: StepStats) -> None:

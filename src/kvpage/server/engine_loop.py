@@ -22,26 +22,16 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from kvpage.engine.params import SamplingParams
+from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput
 
 __all__ = ["AsyncEngine", "EngineFailure", "StepStats", "is_out_of_memory"]
 
 logger = logging.getLogger("kvpage.server.engine")
 
-
-class EngineFailure(RuntimeError):
-    """Delivered to a request's stream when an engine step raised.
-
-    Attributes:
-        oom: the step ran out of device or host memory (see :func:`is_out_of_memory`).
-    """
-
-    def __init__(self, message: str, oom: bool = False) -> None:
-        super().__init__(message)
-        self.oom = oom
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (EngineFailure, (str(self), self.oom))
+_T = TypeVar("_T")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -94,7 +84,8 @@ class _Command:
 
 
 class AsyncEngine:
-    """Runs an ``LLMEngine`` in a background thread for asyncio handlers.
+    """Runs an ``LLMEngine`` in a background thread for asyncio handlers (an
+    :class:`~kvpage.server.engine_client.EngineClient`).
 
     Args:
         engine: an object with the Engine contract (``add_request``, ``abort_request``,
@@ -119,7 +110,7 @@ class AsyncEngine:
         self._on_step = on_step
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[Any]] = {}  # touched on the event loop only
+        self._streams: dict[str, asyncio.Queue[EngineOutput]] = {}  # touched on the event loop only
         self._live: set[str] = set()  # touched on the engine thread only
         #: final-only requests -> (a token seen, choices finished) at the last delivery
         #: (engine thread only; pruned to the live requests)
@@ -161,12 +152,12 @@ class AsyncEngine:
     async def add(
         self,
         request_id: str,
-        prompt: Any,
-        params: Any,
+        prompt: PromptInput,
+        params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         replayable: bool = False,
-    ) -> asyncio.Queue[Any]:
+    ) -> asyncio.Queue[EngineOutput]:
         """Add a request; return the queue its ``RequestOutput``s arrive on.
 
         ``arrival_time`` (``time.monotonic()`` seconds) is passed to the engine, and
@@ -191,7 +182,7 @@ class AsyncEngine:
         """
         if not self.running:
             raise RuntimeError("engine loop: expected a running loop, got a stopped one")
-        q: asyncio.Queue[Any] = asyncio.Queue()
+        q: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self._streams[request_id] = q
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         kw = {"priority": priority} if priority else {}
@@ -232,7 +223,7 @@ class AsyncEngine:
         self._commands.put(_Command("abort", request_id, future=fut))
         await asyncio.wrap_future(fut)
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def call(self, fn: Callable[[Any], _T]) -> _T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._commands.put(_Command("call", fn=fn, future=fut))
@@ -285,7 +276,7 @@ class AsyncEngine:
                 return
             self._apply(cmd)
 
-    def _deliver(self, request_id: str, item: Any) -> None:
+    def _deliver(self, request_id: str, item: EngineOutput) -> None:
         # Runs on the event loop.
         q = self._streams.get(request_id)
         if q is not None:
@@ -295,7 +286,7 @@ class AsyncEngine:
 
     # Delivery hooks (the engine process, kvpage.server.engine_process, overrides them to
     # send over its pipe instead): called on the engine thread.
-    def _emit(self, request_id: str, item: Any) -> None:
+    def _emit(self, request_id: str, item: EngineOutput) -> None:
         """Hand ``item`` (a RequestOutput or EngineFailure) to ``request_id``'s handler."""
         loop = self._loop
         assert loop is not None

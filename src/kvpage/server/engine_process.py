@@ -44,15 +44,19 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
+from kvpage.engine.params import SamplingParams
+from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput
 from kvpage.server.engine_core import EngineInfo, engine_report
-from kvpage.server.engine_loop import EngineFailure, StepStats
+from kvpage.server.engine_loop import StepStats
 from kvpage.server.engine_spawn import SpawnedEngine
 from kvpage.server.framing import FrameError, encode_frame, recv_frame
 from kvpage.server.output_codec import OutputDecoder
 
 __all__ = ["EngineInfo", "EngineProcess", "ProcessAsyncEngine", "engine_report"]
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger("kvpage.server.engine")
 
@@ -63,7 +67,8 @@ _MAX_READS = 16
 
 
 class ProcessAsyncEngine:
-    """``AsyncEngine``'s interface over an :class:`EngineProcess` (see module doc).
+    """The :class:`~kvpage.server.engine_client.EngineClient` over an
+    :class:`EngineProcess` (see module doc).
 
     Everything runs on the event loop given to :meth:`start`: the socket is read when
     it is readable (non-blocking, framed), each complete frame is unpickled and handled
@@ -76,14 +81,16 @@ class ProcessAsyncEngine:
         final_report: :func:`engine_report` of the child at stop (None before).
     """
 
-    def __init__(self, proc: SpawnedEngine, *, on_step: Any = None) -> None:
+    def __init__(
+        self, proc: SpawnedEngine, *, on_step: Callable[[StepStats], None] | None = None
+    ) -> None:
         self.engine = proc
         self._sock = proc.sock
         self._fd = proc.sock.fileno()
         self._reader = proc.reader
         self._backlog = proc.backlog
         self._on_step = on_step
-        self._streams: dict[str, asyncio.Queue[Any]] = {}
+        self._streams: dict[str, asyncio.Queue[EngineOutput]] = {}
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -354,16 +361,16 @@ class ProcessAsyncEngine:
     async def add(
         self,
         request_id: str,
-        prompt: Any,
-        params: Any,
+        prompt: PromptInput,
+        params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         replayable: bool = False,
-    ) -> asyncio.Queue[Any]:
+    ) -> asyncio.Queue[EngineOutput]:
         """As :meth:`AsyncEngine.add <kvpage.server.engine_loop.AsyncEngine.add>`."""
         if not self.running:
             raise RuntimeError("engine loop: expected a running loop, got a stopped one")
-        q: asyncio.Queue[Any] = asyncio.Queue()
+        q: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self._streams[request_id] = q
         kw = {"priority": priority} if priority else {}
         try:
@@ -391,10 +398,11 @@ class ProcessAsyncEngine:
         self._decoder.forget(request_id)
         await self._request(("abort",), request_id)
 
-    async def call(self, fn: Any) -> Any:
+    async def call(self, fn: Callable[[Any], _T]) -> _T:
         """Run ``fn(engine)`` in the child between steps (``fn`` must pickle: a
         module-level function) and return its (picklable) result."""
-        return await self._request(("call",), fn)
+        result: _T = await self._request(("call",), fn)  # unpickled in this process
+        return result
 
 
 class EngineProcess(SpawnedEngine):
@@ -402,6 +410,8 @@ class EngineProcess(SpawnedEngine):
     :class:`~kvpage.server.engine_spawn.SpawnedEngine` for the arguments and errors.
     Requests go through :meth:`make_async_engine`."""
 
-    def make_async_engine(self, on_step: Any = None) -> ProcessAsyncEngine:
+    def make_async_engine(
+        self, on_step: Callable[[StepStats], None] | None = None
+    ) -> ProcessAsyncEngine:
         """The HTTP-side engine loop talking to this child."""
         return ProcessAsyncEngine(self, on_step=on_step)

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,10 +20,11 @@ from pydantic import ValidationError
 
 from kvpage.engine.tool_calls import releasable
 from kvpage.errors import got_repr
+from kvpage.models.tokenizer_base import Tokenizer
 from kvpage.server import protocol as P
 from kvpage.server.auth import request_priority, scoped_cache_salt
 from kvpage.server.config import JSON_MAX_DEPTH
-from kvpage.server.generation import current_placements, merged_placement
+from kvpage.server.generation import Delta, current_placements, merged_placement
 from kvpage.server.multi_stream import stream_many
 from kvpage.server.responses import (
     CAPPED_HEADER,
@@ -39,7 +39,7 @@ from kvpage.server.responses import (
 )
 from kvpage.server.security import may_see_topology, request_tenant
 from kvpage.server.service import APIError, Charge, ServingState, Usage
-from kvpage.server.sse import _Stream, _until_disconnect
+from kvpage.server.sse import _Stream, _until_disconnect, sse_event
 from kvpage.server.validation import check_duplicate_keys, prepare_request
 
 __all__: list[str] = []
@@ -50,6 +50,10 @@ _ACCEPTS = {
     "stop": "a non-empty string or a list of them",
     "content": "a string or a list of text parts",
 }
+
+
+#: a parsed generation body
+_Body = P.CompletionRequest | P.ChatCompletionRequest
 
 
 def _clean_loc(loc: Any) -> list[str]:
@@ -121,7 +125,9 @@ def _response_headers(
     return headers
 
 
-def _parse(model_cls: type[P.CompletionRequest] | type[P.ChatCompletionRequest], raw: bytes) -> Any:
+def _parse(
+    model_cls: type[P.CompletionRequest] | type[P.ChatCompletionRequest], raw: bytes
+) -> _Body:
     """The validated body (on the tokenize pool: parsing a 4 MiB body takes long).
     A key given twice in one JSON object is refused (:func:`check_duplicate_keys`)."""
     try:
@@ -133,7 +139,7 @@ def _parse(model_cls: type[P.CompletionRequest] | type[P.ChatCompletionRequest],
     return body
 
 
-def _split_prompts(body: Any) -> list[Any]:
+def _split_prompts(body: _Body) -> list[Any]:
     """The prompts of a body: the entries of a list of strings / of token-id lists, else
     the one prompt (chat: ``[None]``, the messages are the prompt)."""
     if isinstance(body, P.CompletionRequest):
@@ -174,7 +180,7 @@ def check_request_size(state: ServingState, prompts: list[Any], n: int) -> None:
 
 
 def _prepare_all(
-    state: ServingState, kind: str, body: Any, prompts: list[Any], tenant: str
+    state: ServingState, kind: str, body: _Body, prompts: list[Any], tenant: str
 ) -> tuple[list[P.GenerationRequest], list[str]]:
     """One ``GenerationRequest`` per prompt and the texts ``echo`` prepends (on the
     tokenize pool: the work grows with the body). The first refused prompt raises."""
@@ -210,74 +216,22 @@ def _prepare_all(
 
 
 async def _generate(state: ServingState, request: Request, kind: str) -> Response:
-    raw = await request.body()
-    model_cls: type[P.CompletionRequest] | type[P.ChatCompletionRequest] = (
-        P.ChatCompletionRequest if kind == "chat" else P.CompletionRequest
-    )
-    # Nothing that grows with the body runs on the event loop: parsing, validation,
-    # tokenization and (below) the JSON of the response run on the tokenize pool, so
-    # /health and the other requests are never blocked behind a large body.
-    loop = asyncio.get_running_loop()
-    body = await loop.run_in_executor(state.tokenize_pool, _parse, model_cls, raw)
-    prompts = _split_prompts(body)
-    check_request_size(state, prompts, body.n or 1)
-    asked_plp = body.prompt_logprobs is not None
-    tenant = request_tenant(request, body.user)
-    salt = scoped_cache_salt(state.config.security.prefix_cache_scope, tenant, body.cache_salt)
-    try:
-        priority = request_priority(tenant, body.priority, state.scheduling_policy)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="priority", reason="invalid_request") from None
-    reqs, echo_texts = await loop.run_in_executor(
-        state.tokenize_pool,
-        functools.partial(_prepare_all, state, kind, body, prompts, tenant.name),
-    )
-    for r in reqs:
-        r.cache_salt = salt
-        r.priority = priority
-    req = reqs[0]
-    if not req.stream:
+    """``POST /v1/completions`` (``kind="completion"``) or ``/v1/chat/completions``
+    (``"chat"``): the JSON body of the finished request(s), or an SSE stream.
 
-        async def one_request(
-            r: P.GenerationRequest, echo_text: str, charge: Charge | None = None
-        ) -> RequestResult:
-            res = RequestResult(r, [ChoiceState() for _ in range(r.n)], Usage(), echo_text)
-            async with state.admitted(r, charge):
-                if charge is not None:
-                    charge.started = True
-                gen = state.generate(r, res.usage)
-                async with contextlib.aclosing(gen):
-                    async for d in _until_disconnect(gen, request):
-                        res.choices[d.index].add(d)
-            return res
-
-        if len(reqs) == 1:
-            results = [await one_request(req, echo_texts[0])]
-        else:
-            # One request, one charge: the tenant pays the summed cost before any
-            # prompt starts (refused -> nothing charged, nothing runs).
-            async with state.charged(reqs) as charge:
-                tasks = [
-                    asyncio.ensure_future(one_request(r, e, charge))
-                    for r, e in zip(reqs, echo_texts)
-                ]
-                try:
-                    results = list(await asyncio.gather(*tasks))
-                except BaseException as exc:  # one prompt failed: abort the others
-                    if isinstance(exc, APIError):
-                        for r in reqs:
-                            state.cancel_causes[r.request_id] = "sibling_failed"
-                    for t in tasks:
-                        t.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-                    for r in reqs:
-                        state.cancel_causes.pop(r.request_id, None)
-                    raise
+    Raises:
+        APIError: the request was refused (before any byte of a stream was sent).
+    """
+    body, reqs, echo_texts = await _parsed_requests(state, request, kind)
+    if not reqs[0].stream:
+        results = await _run_all(state, request, reqs, echo_texts)
         headers = _response_headers(state, request, reqs) or None  # reads the context
-        return await loop.run_in_executor(  # the body's JSON grows with n x prompts
-            state.tokenize_pool,
-            lambda: JSONResponse(build_body(results, asked_plp, state.tokenizer), headers=headers),
-        )
+        asked_plp = body.prompt_logprobs is not None
+
+        def response() -> Response:  # the body's JSON grows with n x prompts: off the loop
+            return JSONResponse(build_body(results, asked_plp, state.tokenizer), headers=headers)
+
+        return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, response)
     # Streams: the headers are built once admission (which applies the degraded-mode
     # cap) and the engine's accept are done, just before the 200 is sent.
     if len(reqs) > 1:
@@ -291,15 +245,110 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
                 {"Cache-Control": "no-cache", **_response_headers(state, request, reqs)},
             ),
         )
-    usage = Usage()
+    return await _stream_one(state, request, reqs, echo_texts[0])
 
-    # Streaming: admission and the engine's accept/refuse happen before the 200 is sent,
-    # so refusals are plain 4xx; cleanup is tied to the response's life (see _Stream).
+
+async def _parsed_requests(
+    state: ServingState, request: Request, kind: str
+) -> tuple[_Body, list[P.GenerationRequest], list[str]]:
+    """``(parsed body, one validated request per prompt, their echo texts)``, with the
+    tenant's cache salt and priority set.
+
+    Raises:
+        APIError: 400 (413 too large) on an invalid body.
+    """
+    raw = await request.body()
+    model_cls: type[P.CompletionRequest] | type[P.ChatCompletionRequest] = (
+        P.ChatCompletionRequest if kind == "chat" else P.CompletionRequest
+    )
+    # Nothing that grows with the body runs on the event loop: parsing, validation,
+    # tokenization and the JSON of the response run on the tokenize pool, so
+    # /health and the other requests are never blocked behind a large body.
+    loop = asyncio.get_running_loop()
+    body = await loop.run_in_executor(state.tokenize_pool, _parse, model_cls, raw)
+    prompts = _split_prompts(body)
+    check_request_size(state, prompts, body.n or 1)
+    tenant = request_tenant(request, body.user)
+    salt = scoped_cache_salt(state.config.security.prefix_cache_scope, tenant, body.cache_salt)
+    try:
+        priority = request_priority(tenant, body.priority, state.scheduling_policy)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="priority", reason="invalid_request") from None
+    reqs, echo_texts = await loop.run_in_executor(
+        state.tokenize_pool,
+        functools.partial(_prepare_all, state, kind, body, prompts, tenant.name),
+    )
+    for r in reqs:
+        r.cache_salt = salt
+        r.priority = priority
+    return body, reqs, echo_texts
+
+
+async def _run_one(
+    state: ServingState,
+    request: Request,
+    r: P.GenerationRequest,
+    echo_text: str,
+    charge: Charge | None = None,
+) -> RequestResult:
+    """Admit and run one non-streamed request to its end (aborted if the client leaves)."""
+    res = RequestResult(r, [ChoiceState() for _ in range(r.n)], Usage(), echo_text)
+    async with state.admitted(r, charge):
+        if charge is not None:
+            charge.started = True
+        gen = state.generate(r, res.usage)
+        async with contextlib.aclosing(gen):
+            async for d in _until_disconnect(gen, request):
+                res.choices[d.index].add(d)
+    return res
+
+
+async def _run_all(
+    state: ServingState,
+    request: Request,
+    reqs: list[P.GenerationRequest],
+    echo_texts: list[str],
+) -> list[RequestResult]:
+    """Run every prompt's request concurrently under one charge; when one fails the
+    others are aborted (cause ``sibling_failed`` for an API error) and it re-raises."""
+    if len(reqs) == 1:
+        return [await _run_one(state, request, reqs[0], echo_texts[0])]
+    # One request, one charge: the tenant pays the summed cost before any
+    # prompt starts (refused -> nothing charged, nothing runs).
+    async with state.charged(reqs) as charge:
+        tasks = [
+            asyncio.ensure_future(_run_one(state, request, r, e, charge))
+            for r, e in zip(reqs, echo_texts)
+        ]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException as exc:  # one prompt failed: abort the others
+            if isinstance(exc, APIError):
+                for r in reqs:
+                    state.cancel_causes[r.request_id] = "sibling_failed"
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for r in reqs:
+                state.cancel_causes.pop(r.request_id, None)
+            raise
+
+
+async def _stream_one(
+    state: ServingState, request: Request, reqs: list[P.GenerationRequest], echo_text: str
+) -> Response:
+    """The SSE response of one streamed request.
+
+    Admission and the engine's accept/refuse happen before the 200 is sent, so refusals
+    are plain 4xx; cleanup is tied to the response's life (see :class:`_Stream`).
+    """
+    req = reqs[0]
+    usage = Usage()
     admission = state.admitted(req)
     await admission.__aenter__()
     gen = state.generate(req, usage)
     try:
-        first: Any = await gen.__anext__()
+        first: Delta | None = await gen.__anext__()
     except StopAsyncIteration:
         first = None
     except BaseException as exc:
@@ -307,76 +356,109 @@ async def _generate(state: ServingState, request: Request, kind: str) -> Respons
         await admission.__aexit__(type(exc), exc, exc.__traceback__)
         raise
 
-    async def sse() -> AsyncIterator[str]:
-        started = [False] * req.n
-        offsets = [0] * req.n
-        pending = [first] if first is not None else []
-        # a tool-calling choice's text: held until it can be parsed; with "auto", the
-        # part that is surely content (tool_calls.releasable) streams as it comes
-        held = [""] * req.n
-        sent = [0] * req.n
-        auto = req.tool_choice.get("auto") if isinstance(req.tool_choice, dict) else None
-        while True:
-            for d in pending:
-                if req.tool_choice is not None:
-                    i = d.index
-                    held[i] += d.text
-                    if d.finish_reason is None:
-                        r = releasable(auto, held[i]) if auto is not None else 0
-                        if r > sent[i]:
-                            c = P.chunk(req, i, held[i][sent[i] : r], None, first=not started[i])
-                            started[i], sent[i] = True, r
-                            yield "data: " + json.dumps(c) + "\n\n"
-                        continue
-                    reply = P.tool_reply(req, held[i], d.finish_reason)
-                    if reply is not None:
-                        rest = (reply[0] or "")[len(held[i][: sent[i]].strip()) :].strip()
-                        if rest:
-                            c = P.chunk(req, i, rest, None, first=not started[i])
-                            started[i] = True
-                            yield "data: " + json.dumps(c) + "\n\n"
-                        tc = P.tool_call_chunk(req, i, reply[1], first=not started[i])
-                        started[i] = True
-                        yield "data: " + json.dumps(tc) + "\n\n"
-                        continue
-                    d = dataclasses.replace(d, text=held[i][sent[i] :])  # no call: content
-                echo = None
-                if req.echo:
-                    plp = usage.prompt_logprobs or [None] * len(req.prompt_token_ids)
-                    echo = (req.prompt_token_ids, list(plp))
-                c = stream_chunk(
-                    req,
-                    d,
-                    first=not started[d.index],
-                    echo_text=echo_texts[0],
-                    echo_entries=echo,
-                    offset=offsets[d.index],
-                    tokenizer=state.tokenizer,
-                )
-                if not started[d.index] and req.echo:
-                    offsets[d.index] += len(echo_texts[0])
-                offsets[d.index] += len(d.text)
-                started[d.index] = True
-                yield "data: " + json.dumps(c) + "\n\n"
-            try:
-                pending = [await gen.__anext__()]
-            except StopAsyncIteration:
-                break
-            except APIError as e:
-                yield (
-                    "data: "
-                    + json.dumps(P.error_body(e.message, type=e.type, code=e.code))
-                    + "\n\n"
-                )
-                break
-        if req.include_usage:
-            u = P.usage_chunk(req, usage.completion_tokens, usage.cached_tokens, [usage.cache_info])
-            yield "data: " + json.dumps(u) + "\n\n"
-        yield "data: [DONE]\n\n"
-
     async def cleanup() -> None:
         await gen.aclose()  # aborts the request if it is still running (client gone)
         await admission.__aexit__(None, None, None)
 
     headers = {"Cache-Control": "no-cache", **_response_headers(state, request, reqs)}
-    return _Stream(sse(), cleanup, headers)
+    events = _sse(_ChoiceEvents(req, echo_text, usage, state.tokenizer), gen, first)
+    return _Stream(events, cleanup, headers)
+
+
+async def _sse(
+    choices: _ChoiceEvents, gen: AsyncIterator[Delta], first: Delta | None
+) -> AsyncIterator[str]:
+    """The events of a streamed request: its chunks, an error event if the engine
+    failed mid-stream, the usage chunk when asked, then ``[DONE]``."""
+    req, usage = choices.req, choices.usage
+    pending = [first] if first is not None else []
+    while True:
+        for d in pending:
+            for event in choices.events(d):
+                yield event
+        try:
+            pending = [await gen.__anext__()]
+        except StopAsyncIteration:
+            break
+        except APIError as e:
+            yield sse_event(P.error_body(e.message, type=e.type, code=e.code))
+            break
+    if req.include_usage:
+        u = P.usage_chunk(req, usage.completion_tokens, usage.cached_tokens, [usage.cache_info])
+        yield sse_event(u)
+    yield "data: [DONE]\n\n"
+
+
+class _ChoiceEvents:
+    """Per-choice state of one streamed request: what each delta becomes as events.
+
+    A tool-calling choice's text is held until it can be parsed; with
+    ``tool_choice: "auto"``, the part that is surely content
+    (:func:`~kvpage.engine.tool_calls.releasable`) streams as it comes.
+    """
+
+    def __init__(
+        self, req: P.GenerationRequest, echo_text: str, usage: Usage, tokenizer: Tokenizer
+    ) -> None:
+        self.req, self.echo_text, self.usage, self.tokenizer = req, echo_text, usage, tokenizer
+        self.started = [False] * req.n  # a chunk of the choice was sent
+        self.offsets = [0] * req.n  # text offset of the choice's next chunk (logprobs)
+        self.held = [""] * req.n  # tool-calling choices: text generated so far
+        self.sent = [0] * req.n  # ... and how much of it was sent as content
+        tc = req.tool_choice
+        self.auto = tc.get("auto") if isinstance(tc, dict) else None
+
+    def events(self, d: Delta) -> list[str]:
+        """The SSE events of delta ``d`` (maybe none) in order."""
+        out: list[str] = []
+        if self.req.tool_choice is not None:
+            content = self._tool_events(d, out)
+            if content is None:
+                return out
+            d = content
+        out.append(self._chunk(d))
+        return out
+
+    def _tool_events(self, d: Delta, out: list[str]) -> Delta | None:
+        """Append the events of a tool-calling choice's delta; return the delta to send
+        as plain content (a finished choice that made no call), else None."""
+        req, i, held, sent, started = self.req, d.index, self.held, self.sent, self.started
+        held[i] += d.text
+        if d.finish_reason is None:
+            r = releasable(self.auto, held[i]) if self.auto is not None else 0
+            if r > sent[i]:
+                c = P.chunk(req, i, held[i][sent[i] : r], None, first=not started[i])
+                started[i], sent[i] = True, r
+                out.append(sse_event(c))
+            return None
+        reply = P.tool_reply(req, held[i], d.finish_reason)
+        if reply is None:
+            return dataclasses.replace(d, text=held[i][sent[i] :])  # no call: content
+        rest = (reply[0] or "")[len(held[i][: sent[i]].strip()) :].strip()
+        if rest:
+            out.append(sse_event(P.chunk(req, i, rest, None, first=not started[i])))
+            started[i] = True
+        out.append(sse_event(P.tool_call_chunk(req, i, reply[1], first=not started[i])))
+        started[i] = True
+        return None
+
+    def _chunk(self, d: Delta) -> str:
+        req, i = self.req, d.index
+        echo = None
+        if req.echo:
+            plp = self.usage.prompt_logprobs or [None] * len(req.prompt_token_ids)
+            echo = (req.prompt_token_ids, list(plp))
+        c = stream_chunk(
+            req,
+            d,
+            first=not self.started[i],
+            echo_text=self.echo_text,
+            echo_entries=echo,
+            offset=self.offsets[i],
+            tokenizer=self.tokenizer,
+        )
+        if not self.started[i] and req.echo:
+            self.offsets[i] += len(self.echo_text)
+        self.offsets[i] += len(d.text)
+        self.started[i] = True
+        return sse_event(c)

@@ -7,16 +7,19 @@ is set up by ``ServingState.__init__``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpage.engine.params import CompletionOutput, RequestOutput, SamplingParams
 from kvpage.errors import RequestRejected
+from kvpage.models.tokenizer_base import Tokenizer
 from kvpage.server.config import ServerConfig
 from kvpage.server.degradation import DegradationController
-from kvpage.server.engine_loop import EngineFailure
+from kvpage.server.engine_client import EngineClient, EngineFailure, EngineOutput, PromptInput
 from kvpage.server.metrics import RequestSeries, ServerMetrics
 from kvpage.server.protocol import APIError, GenerationRequest
 
@@ -114,15 +117,38 @@ class _Choice:
     stop_floor: int | None = None  # stop strings may not end before this text offset
 
 
+def _note_cache_usage(usage: Usage, out: RequestOutput) -> None:
+    """Copy ``out``'s prompt-side results into ``usage``: cached tokens, the cache
+    report (tiers, miss explanation; the first output's) and prompt logprobs."""
+    usage.cached_tokens = int(out.num_cached_tokens)
+    if not usage.cache_info:
+        why = getattr(out, "cache_miss", None)
+        usage.cache_info = {
+            "cached_tokens_by_tier": dict(
+                getattr(out, "num_cached_tokens_by_tier", None) or {"device": usage.cached_tokens}
+            ),
+            "miss": None if why is None else why.public().to_dict(),
+        }
+    if out.prompt_logprobs is not None:
+        usage.prompt_logprobs = out.prompt_logprobs
+
+
+def _engine_prompt(req: GenerationRequest) -> PromptInput:
+    """``req``'s prompt as the engine takes it (token ids, with its cache salt)."""
+    if req.cache_salt is None:
+        return list(req.prompt_token_ids)
+    return {"prompt_token_ids": list(req.prompt_token_ids), "cache_salt": req.cache_salt}
+
+
 class RequestGeneration:
     """``generate`` of :class:`~kvpage.server.service.ServingState` (see there)."""
 
     # state owned by ServingState.__init__
     config: ServerConfig
-    tokenizer: Any
-    params_cls: Callable[..., Any]
+    tokenizer: Tokenizer
+    params_cls: Callable[..., SamplingParams]
     clock: Callable[[], float]
-    loop: Any
+    loop: EngineClient
     metrics: ServerMetrics
     degradation: DegradationController
     #: request id -> max_tokens lowered by degraded mode while it ran (ServingState)
@@ -162,98 +188,23 @@ class RequestGeneration:
             APIError: 400/429 when the engine refuses the request, 500 on engine failure.
         """
         arrival = req.arrival_s
-        placement: dict[str, str] = {}
-        try:
-            params = self.params_cls(
-                max_tokens=req.max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=req.top_k,
-                n=req.n,
-                seed=req.seed,
-                ignore_eos=req.ignore_eos,
-                stop=req.stop or None,
-                stop_token_ids=req.stop_token_ids or None,
-                presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty,
-                min_p=req.min_p,
-                min_tokens=min(req.min_tokens, req.max_tokens),
-                logprobs=req.logprobs,
-                prompt_logprobs=req.prompt_logprobs,
-                include_stop_str_in_output=req.include_stop_str_in_output,
-                **({} if req.kv_retention is None else {"kv_retention": req.kv_retention}),
-                **(
-                    {}
-                    if req.structured_outputs is None
-                    else {"structured_outputs": req.structured_outputs}
-                ),
-            )
-            prompt: Any = list(req.prompt_token_ids)
-            if req.cache_salt is not None:
-                prompt = {"prompt_token_ids": prompt, "cache_salt": req.cache_salt}
-            try:
-                q = await self.loop.add(
-                    req.request_id,
-                    prompt,
-                    params,
-                    arrival_time=arrival,
-                    priority=req.priority,
-                    # not streamed: nothing reaches the client before the end, so an
-                    # ingress may run it again on another replica after a failure
-                    replayable=not req.stream,
-                )
-            finally:
-                placement = self._placed(req.request_id)
-        except RequestRejected as exc:
-            err = rejection_error(exc)
-            self.metrics.series(placement).error("engine_rejected")
-            raise err from None
-        except APIError as exc:  # the ingress: no replica could take it (503)
-            self.metrics.series(placement).error(exc.reason)
-            raise
-        series = self.metrics.series(placement)
+        q, series = await self._start(req)
         choices = [_Choice() for _ in range(req.n)]
         hold = max((len(s) for s in req.stop), default=1) - 1
         first_token_at: float | None = None
         done = False
-        last: Any = None
+        last: EngineOutput | None = None
         try:
             while not done:
                 out = last = await q.get()
                 if isinstance(out, EngineFailure):
                     done = True
                     series.error("out_of_memory" if out.oom else "engine_error")
-                    if out.oom:
-                        raise APIError(
-                            503,
-                            f"engine: out of memory in the step running this request ({out})",
-                            type="server_error",
-                            code="out_of_memory",
-                            headers={"Retry-After": str(self.config.admission.retry_after_s)},
-                            reason="out_of_memory",
-                        )
-                    raise APIError(
-                        500,
-                        f"engine: step failed ({out})",
-                        type="server_error",
-                        reason="engine_error",
-                    )
+                    raise self._failure_error(out)
                 done = bool(out.finished)
                 if done:
                     self._note_running_cap(req)
-                usage.cached_tokens = int(out.num_cached_tokens)
-                if not usage.cache_info:
-                    why = getattr(out, "cache_miss", None)
-                    usage.cache_info = {
-                        "cached_tokens_by_tier": dict(
-                            getattr(out, "num_cached_tokens_by_tier", None)
-                            or {"device": usage.cached_tokens}
-                        ),
-                        "miss": None if why is None else why.public().to_dict(),
-                    }
-                if out.prompt_logprobs is not None:
-                    usage.prompt_logprobs = out.prompt_logprobs
+                _note_cache_usage(usage, out)
                 for comp in out.outputs:
                     c = choices[comp.index]
                     if c.finish is not None:
@@ -266,46 +217,9 @@ class RequestGeneration:
                         self.degradation.record_ttft(first_token_at - arrival, first_token_at)
                     if comp.finish_reason is None and not req.stream:
                         continue  # not streamed: only the final text matters
-                    # Only the request's final output carries the engine's text (stop
-                    # strings already cut). A choice that ends before its siblings (n > 1,
-                    # e.g. after a preemption) arrives with finish_reason set but text ""
-                    # on a not-yet-finished output, so decode its token ids here (stop
-                    # strings are re-applied below).
-                    full = (
-                        comp.text
-                        if out.finished
-                        else str(self.tokenizer.decode(list(comp.token_ids)))
-                    )
-                    hit = None
-                    if req.stop and c.num_tokens >= req.min_tokens:
-                        if c.stop_floor is None:  # min_tokens: earlier text never stops
-                            k = req.min_tokens - 1
-                            c.stop_floor = (
-                                len(self.tokenizer.decode(list(comp.token_ids[:k]))) if k else 0
-                            )
-                        hit = _find_stop(full, req.stop, c.text, c.stop_floor)
-                    if hit is not None:
-                        cut, s = hit
-                        keep = cut + len(s) if req.include_stop_str_in_output else cut
-                        c.text, c.finish, c.stop_reason = full[:keep], "stop", s
-                    else:
-                        c.text = full
-                        if comp.finish_reason is not None or out.finished:
-                            c.finish = comp.finish_reason or "length"
-                            c.stop_reason = comp.stop_reason
-                    end = len(c.text) if c.finish else _safe_end(c.text, hold)
-                    if end > c.sent or c.finish:
-                        lps = comp.logprobs[c.tok_sent :] if comp.logprobs is not None else None
-                        yield Delta(
-                            comp.index,
-                            c.text[c.sent : end],
-                            c.finish,
-                            list(comp.token_ids[c.tok_sent :]),
-                            lps,
-                            c.stop_reason,
-                        )
-                        c.sent = max(c.sent, end)
-                        c.tok_sent = len(comp.token_ids)
+                    delta = self._choice_delta(req, out, comp, c, hold)
+                    if delta is not None:
+                        yield delta
                 if not done and all(c.finish is not None for c in choices):
                     await self.loop.abort(req.request_id)  # every choice hit a stop string
                     done = True
@@ -322,6 +236,133 @@ class RequestGeneration:
             if c.finish is None:
                 c.finish = "length"
                 yield Delta(choices.index(c), c.text[c.sent :], "length")
+
+    async def _start(
+        self, req: GenerationRequest
+    ) -> tuple[asyncio.Queue[EngineOutput], RequestSeries]:
+        """Send ``req`` to the engine; return its output queue and its metric series
+        (labelled with where it was placed).
+
+        Raises:
+            APIError: the engine refused it (400/429), or no replica could take it (503).
+        """
+        placement: dict[str, str] = {}
+        try:
+            params = self._sampling_params(req)
+            prompt = _engine_prompt(req)
+            try:
+                q = await self.loop.add(
+                    req.request_id,
+                    prompt,
+                    params,
+                    arrival_time=req.arrival_s,
+                    priority=req.priority,
+                    # not streamed: nothing reaches the client before the end, so an
+                    # ingress may run it again on another replica after a failure
+                    replayable=not req.stream,
+                )
+            finally:
+                placement = self._placed(req.request_id)
+        except RequestRejected as exc:
+            err = rejection_error(exc)
+            self.metrics.series(placement).error("engine_rejected")
+            raise err from None
+        except APIError as exc:  # the ingress: no replica could take it (503)
+            self.metrics.series(placement).error(exc.reason)
+            raise
+        return q, self.metrics.series(placement)
+
+    def _sampling_params(self, req: GenerationRequest) -> SamplingParams:
+        """The engine's sampling parameters of ``req`` (``params_cls``: the engine's
+        ``SamplingParams``)."""
+        return self.params_cls(
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            n=req.n,
+            seed=req.seed,
+            ignore_eos=req.ignore_eos,
+            stop=req.stop or None,
+            stop_token_ids=req.stop_token_ids or None,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            min_p=req.min_p,
+            min_tokens=min(req.min_tokens, req.max_tokens),
+            logprobs=req.logprobs,
+            prompt_logprobs=req.prompt_logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            **({} if req.kv_retention is None else {"kv_retention": req.kv_retention}),
+            **(
+                {}
+                if req.structured_outputs is None
+                else {"structured_outputs": req.structured_outputs}
+            ),
+        )
+
+    def _failure_error(self, out: EngineFailure) -> APIError:
+        """The answer to an engine failure: 503 (``Retry-After``) out of memory, else 500."""
+        if out.oom:
+            return APIError(
+                503,
+                f"engine: out of memory in the step running this request ({out})",
+                type="server_error",
+                code="out_of_memory",
+                headers={"Retry-After": str(self.config.admission.retry_after_s)},
+                reason="out_of_memory",
+            )
+        return APIError(
+            500, f"engine: step failed ({out})", type="server_error", reason="engine_error"
+        )
+
+    def _choice_delta(
+        self,
+        req: GenerationRequest,
+        out: RequestOutput,
+        comp: CompletionOutput,
+        c: _Choice,
+        hold: int,
+    ) -> Delta | None:
+        """Advance choice ``c`` to completion ``comp`` of output ``out`` (stop strings,
+        finish); return the delta to send (text past what was sent, holding back ``hold``
+        characters that may start a stop string), or None."""
+        # Only the request's final output carries the engine's text (stop
+        # strings already cut). A choice that ends before its siblings (n > 1,
+        # e.g. after a preemption) arrives with finish_reason set but text ""
+        # on a not-yet-finished output, so decode its token ids here (stop
+        # strings are re-applied below).
+        full = comp.text if out.finished else str(self.tokenizer.decode(list(comp.token_ids)))
+        hit = None
+        if req.stop and c.num_tokens >= req.min_tokens:
+            if c.stop_floor is None:  # min_tokens: earlier text never stops
+                k = req.min_tokens - 1
+                c.stop_floor = len(self.tokenizer.decode(list(comp.token_ids[:k]))) if k else 0
+            hit = _find_stop(full, req.stop, c.text, c.stop_floor)
+        if hit is not None:
+            cut, s = hit
+            keep = cut + len(s) if req.include_stop_str_in_output else cut
+            c.text, c.finish, c.stop_reason = full[:keep], "stop", s
+        else:
+            c.text = full
+            if comp.finish_reason is not None or out.finished:
+                c.finish = comp.finish_reason or "length"
+                c.stop_reason = comp.stop_reason
+        end = len(c.text) if c.finish else _safe_end(c.text, hold)
+        if not (end > c.sent or c.finish):
+            return None
+        lps = comp.logprobs[c.tok_sent :] if comp.logprobs is not None else None
+        delta = Delta(
+            comp.index,
+            c.text[c.sent : end],
+            c.finish,
+            list(comp.token_ids[c.tok_sent :]),
+            lps,
+            c.stop_reason,
+        )
+        c.sent = max(c.sent, end)
+        c.tok_sent = len(comp.token_ids)
+        return delta
 
     def _note_running_cap(self, req: GenerationRequest) -> None:
         """A request capped while it ran (degraded mode, ``ServingState.cap_admitted``)

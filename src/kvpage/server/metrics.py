@@ -150,6 +150,14 @@ class ServerMetrics:
         self.placement_labels = pl = tuple(placement_labels)
         self._series: dict[tuple[str, ...], RequestSeries] = {}
         r.register(_EngineCollector(engine_snapshot, model_name))
+        self._request_metrics(r, pl)
+        self._step_metrics(r)
+        self._state_metrics(r, pl)
+        self._event_counters(r, pl)
+        self._set_initial_values()
+
+    def _request_metrics(self, r: CollectorRegistry, pl: tuple[str, ...]) -> None:
+        """Per-request latency histograms and outcome counters (labelled by placement)."""
         phases = {
             "queue": "Request time waiting before its first engine step (arrival -> first "
             "scheduled)",
@@ -201,6 +209,9 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def _step_metrics(self, r: CollectorRegistry) -> None:
+        """Per-engine-step throughput and batch histograms."""
         self.prefill_tps = Histogram(
             "kvpage:prefill_tokens_per_second",
             "Prompt tokens computed per second of engine step time, per step with prefill",
@@ -225,6 +236,9 @@ class ServerMetrics:
             buckets=_COUNT_BUCKETS,
             registry=r,
         )
+
+    def _state_metrics(self, r: CollectorRegistry, pl: tuple[str, ...]) -> None:
+        """Gauges of the server's current state (queues, KV memory) and the cache info."""
         self.queue_length = Gauge(
             "kvpage:server_queue_length",
             "Requests waiting: engine = scheduler waiting queue, kv_pressure = long-context "
@@ -256,6 +270,16 @@ class ServerMetrics:
             ["kind"],
             registry=r,
         )
+        self.cache_config = Info(
+            "kvpage:cache_config",
+            "KV cache configuration: block size, number of blocks, kv dtype, backend"
+            + (" (one series per replica group; num_blocks is per replica)" if pl else ""),
+            ["group"] if "group" in pl else [],
+            registry=r,
+        )
+
+    def _event_counters(self, r: CollectorRegistry, pl: tuple[str, ...]) -> None:
+        """Counters of refusals, cancellations, degradation and engine failures."""
         self.cancellations = Counter(
             "kvpage:request_cancellations",
             "Requests aborted before finishing (client disconnect, server shutdown)",
@@ -303,13 +327,9 @@ class ServerMetrics:
             "allocation failures)",
             registry=r,
         )
-        self.cache_config = Info(
-            "kvpage:cache_config",
-            "KV cache configuration: block size, number of blocks, kv dtype, backend"
-            + (" (one series per replica group; num_blocks is per replica)" if pl else ""),
-            ["group"] if "group" in pl else [],
-            registry=r,
-        )
+
+    def _set_initial_values(self) -> None:
+        """Every fixed-label series exists from the start (at 0; the pool's total bytes)."""
         for q in ("engine", "kv_pressure", "long_context"):
             self.queue_length.labels(queue=q).set(0)
         for k in ("actual", "projected"):
@@ -317,7 +337,7 @@ class ServerMetrics:
         self.degraded.set(0)
         self.kv_bytes.labels(kind="total").set(self.kv_total_bytes)
         self.kv_bytes.labels(kind="used").set(0)
-        if not pl:
+        if not self.placement_labels:
             self.series()  # the single server's series exist (at 0) from the start
 
     def placement(self, placement: Mapping[str, str] | None) -> dict[str, str]:

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from kvpage.engine.chat import ChatPrompt, render_chat_prompt
 from kvpage.engine.params import MAX_LOGPROBS
+from kvpage.models.tokenizer_base import Tokenizer
 
 #: most characters of the ``user`` field (OpenAI does not say; 256 is ample for an id)
 USER_MAX_CHARS = 256
@@ -194,7 +195,7 @@ class ChatCompletionRequest(_Request):
 
 def render_chat(
     messages: list[ChatMessage],
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     *,
     default_chat_template: str | None = None,
     chat_template: str | None = None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpage.models.tokenizer_base import Tokenizer
 from kvpage.server import protocol as P
 from kvpage.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from kvpage.server.service import Delta, Usage
@@ -67,7 +68,7 @@ class RequestResult:
     echo_text: str = ""
 
 
-def prompt_text(req: P.GenerationRequest, prompt: Any, tokenizer: Any) -> str:
+def prompt_text(req: P.GenerationRequest, prompt: Any, tokenizer: Tokenizer) -> str:
     """The text ``echo`` prepends: the prompt string, or its token ids decoded."""
     if isinstance(prompt, str):
         return prompt
@@ -81,7 +82,7 @@ def _logprobs(
     *,
     echo: tuple[list[int], list[Any]] | None,
     offset: int,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     echo_text: str = "",
 ) -> dict[str, Any] | None:
     if req.logprobs is None:
@@ -103,7 +104,7 @@ def _logprobs(
 
 
 def build_body(
-    results: list[RequestResult], asked_prompt_logprobs: bool, tokenizer: Any = None
+    results: list[RequestResult], asked_prompt_logprobs: bool, tokenizer: Tokenizer | None = None
 ) -> dict[str, Any]:
     """The non-streamed body of one or several prompts' results (see module docstring);
     ``tokenizer`` decodes the echoed first prompt token, which has no logprob entry."""
@@ -157,7 +158,7 @@ def stream_chunk(
     echo_text: str,
     echo_entries: tuple[list[int], list[Any]] | None,
     offset: int,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
 ) -> dict[str, Any]:
     """One SSE chunk for a delta; the first chunk of a choice carries the ``echo`` text
     (and, with logprobs, the prompt tokens' logprobs)."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpage.engine.chat import load_chat_template, model_chat_template
+from kvpage.engine.params import SamplingParams
 from kvpage.server.admission import (
     Decision,
     KVBudget,
@@ -38,6 +39,7 @@ from kvpage.server.admission import (
 from kvpage.server.auth import Authenticator
 from kvpage.server.config import ServerConfig
 from kvpage.server.degradation import DegradationController
+from kvpage.server.engine_client import EngineClient
 from kvpage.server.engine_loop import AsyncEngine, StepStats
 from kvpage.server.generation import Delta, RequestGeneration, Usage, rejection_error
 from kvpage.server.metrics import ServerMetrics
@@ -47,7 +49,7 @@ from kvpage.server.validation import max_token_bytes
 _log = logging.getLogger("kvpage.server")
 
 
-def chat_template_name(state: Any) -> str:
+def chat_template_name(state: ServingState) -> str:
     """Which template renders chat requests that bring none: ``"server"``
     (``--chat-template``), ``"model"`` (the tokenizer's) or ``"kvpage"`` (plain)."""
     if state.chat_template is not None:
@@ -55,7 +57,7 @@ def chat_template_name(state: Any) -> str:
     return "model" if model_chat_template(state.tokenizer) is not None else "kvpage"
 
 
-def log_template_choice(state: Any, generation_config_path: str | None) -> None:
+def log_template_choice(state: ServingState, generation_config_path: str | None) -> None:
     """Log at start-up which chat template and which generation defaults apply."""
     name = chat_template_name(state)
     why = {
@@ -101,6 +103,29 @@ def _rate_limited(d: Decision) -> APIError:
     )
 
 
+def _served_model_len(sched: Any, configured_default: int | None) -> int:
+    """The longest prompt + max_tokens served: the scheduler's ``max_servable_len`` (its
+    ``max_model_len``, or less when one sequence of that length cannot fit the KV pool;
+    logged), else the configured ``max_model_len``, else 2**30."""
+    served = int(
+        getattr(sched, "max_servable_len", None)
+        or getattr(sched, "max_model_len", None)
+        or configured_default
+        or 1 << 30
+    )
+    configured = getattr(sched, "max_model_len", None)
+    if configured is not None and served < configured:
+        logging.getLogger("kvpage.server").warning(
+            "max_model_len %d is served as %d: the KV cache pool holds at most %d tokens "
+            "for one sequence (raise --num-blocks / the KV memory, or lower "
+            "--max-model-len); longer requests are refused with context_length_exceeded",
+            configured,
+            served,
+            served - 1,
+        )
+    return served
+
+
 class ServingState(RequestGeneration):
     """Everything one server instance holds.
 
@@ -125,7 +150,7 @@ class ServingState(RequestGeneration):
         self,
         config: ServerConfig,
         engine: Any,
-        sampling_params_cls: Callable[..., Any],
+        sampling_params_cls: Callable[..., SamplingParams],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -151,29 +176,9 @@ class ServingState(RequestGeneration):
         #: the longest prompt + max_tokens served: the engine's max_model_len, or less
         #: when one sequence of that length cannot fit the KV pool (then requests are
         #: validated against the pool's limit, and the default max_tokens fits it)
-        self.max_model_len = int(
-            getattr(sched, "max_servable_len", None)
-            or getattr(sched, "max_model_len", None)
-            or config.engine.max_model_len
-            or 1 << 30
-        )
-        configured = getattr(sched, "max_model_len", None)
-        if configured is not None and self.max_model_len < configured:
-            logging.getLogger("kvpage.server").warning(
-                "max_model_len %d is served as %d: the KV cache pool holds at most %d tokens "
-                "for one sequence (raise --num-blocks / the KV memory, or lower "
-                "--max-model-len); longer requests are refused with context_length_exceeded",
-                configured,
-                self.max_model_len,
-                self.max_model_len - 1,
-            )
+        self.max_model_len = _served_model_len(sched, config.engine.max_model_len)
         #: the engine loop: a thread here, or the pipe to an engine process
-        make_loop = getattr(engine, "make_async_engine", None)
-        self.loop: Any = (
-            make_loop(on_step=self._on_step)
-            if make_loop is not None
-            else AsyncEngine(engine, on_step=self._on_step)
-        )
+        self.loop: EngineClient = self._engine_client(engine)
         total = getattr(spec, "total_bytes", 0)
         self.metrics = ServerMetrics(
             lambda: self.loop.metrics_snapshot if self.export_engine_snapshot else {},
@@ -186,6 +191,19 @@ class ServingState(RequestGeneration):
         self.scheduling_policy = str(
             getattr(sched, "policy", None) or config.engine.scheduling_policy
         )
+        self._init_tenancy(config)
+        self._init_admission(config, spec, clock)
+
+    def _engine_client(self, engine: Any) -> EngineClient:
+        """The engine process's own client when it makes one, else the engine thread."""
+        make_loop = getattr(engine, "make_async_engine", None)
+        if make_loop is not None:
+            client: EngineClient = make_loop(on_step=self._on_step)
+            return client
+        return AsyncEngine(engine, on_step=self._on_step)
+
+    def _init_tenancy(self, config: ServerConfig) -> None:
+        """API keys, per-tenant rate limits and in-flight sequence budgets."""
         #: API keys -> tenants (raises SpecError on a bad keys file)
         self.auth = Authenticator(config.security)
         self.auth.check_policy(self.scheduling_policy)
@@ -199,6 +217,9 @@ class ServingState(RequestGeneration):
         self.tenant_sequences = TenantSequences(
             config.admission.max_inflight_sequences_per_tenant, config.admission.retry_after_s
         )
+
+    def _init_admission(self, config: ServerConfig, spec: Any, clock: Callable[[], float]) -> None:
+        """The KV budget, degraded mode and the counters of admitted requests."""
         #: engine steps that ran out of device or host memory
         self.num_oom = 0
         self.kv_budget = KVBudget(

@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-__all__: list[str] = []
+__all__ = ["sse_event"]
+
+
+def sse_event(data: Any) -> str:
+    """One server-sent event whose ``data`` is ``data`` as JSON."""
+    return "data: " + json.dumps(data) + "\n\n"
 
 
 class _Stream(StreamingResponse):

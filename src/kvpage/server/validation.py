@@ -15,6 +15,7 @@ from kvpage.cache.retention import KVRetention
 from kvpage.engine.chat import message_text, text_part_problem
 from kvpage.engine.tool_calls import check_tools
 from kvpage.errors import GOT_REPR_MAX, RequestRejected, SpecError, got_repr
+from kvpage.models.tokenizer_base import Tokenizer
 from kvpage.server.fields import check_extra_fields
 from kvpage.server.protocol import (
     APIError,
@@ -33,7 +34,7 @@ __all__ = ["check_retention", "max_token_bytes", "min_prompt_tokens", "prepare_r
 _MAX_SEED = 2**63 - 1
 
 
-def max_token_bytes(tokenizer: Any) -> int | None:
+def max_token_bytes(tokenizer: Tokenizer) -> int | None:
     """Most UTF-8 bytes of text one token of ``tokenizer`` can cover, if knowable.
 
     Known for tokenizers that list their vocabulary as ``pieces`` (bytes or str, e.g.
@@ -123,7 +124,7 @@ def prepare_request(
     api_key: str | None,
     *,
     model_name: str,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     max_model_len: int,
     max_bytes_per_token: int | None = None,
     allow_unknown_fields: bool = False,
@@ -164,6 +165,52 @@ def prepare_request(
 
     Raises:
         APIError: 404 unknown model, 400 anything else invalid. No state is touched.
+    """
+    stops = _check_body(kind, body, model_name, tokenizer, allow_unknown_fields)
+    if isinstance(body, ChatCompletionRequest):
+        template_source, ids, max_name, max_tokens = _chat_prompt(
+            body, tokenizer, chat_template, max_bytes_per_token, max_model_len
+        )
+    else:
+        template_source = None
+        ids = _prompt_ids(body.prompt, tokenizer, max_bytes_per_token, max_model_len)
+        max_name = "max_tokens"
+        max_tokens = body.max_tokens
+    defaults = sampling_defaults or {}
+    max_tokens = _resolve_max_tokens(
+        kind, body, len(ids), max_name, max_tokens, defaults, max_model_len
+    )
+    _check_seed(body)
+    retention = check_retention(body.kv_retention, retention_limits)
+    structured, tool_choice = _structured_outputs(body, tool_call_parser)
+    return _generation_request(
+        kind,
+        body,
+        api_key or body.user or "anonymous",
+        model_name,
+        ids,
+        max_tokens,
+        stops,
+        defaults,
+        retention,
+        template_source,
+        structured,
+        tool_choice,
+    )
+
+
+def _check_body(
+    kind: str,
+    body: CompletionRequest | ChatCompletionRequest,
+    model_name: str,
+    tokenizer: Tokenizer,
+    allow_unknown_fields: bool,
+) -> list[str]:
+    """The checks that need no tokenizing, in the order their errors take precedence;
+    return the request's stop strings.
+
+    Raises:
+        APIError: 404 unknown model, 400 an unsupported field or an invalid value.
     """
     bad = check_extra_fields(kind, body.model_extra or {}, allow_unknown=allow_unknown_fields)
     if bad is not None:
@@ -209,57 +256,83 @@ def prepare_request(
             param="model",
             reason="unknown_model",
         )
-    if isinstance(body, ChatCompletionRequest):
-        if (
-            body.max_tokens is not None
-            and body.max_completion_tokens is not None
-            and body.max_tokens != body.max_completion_tokens
-        ):
-            raise APIError(
-                400,
-                "max_completion_tokens: expected the same value as max_tokens when both "
-                f"are given (max_tokens is its older name), got {got_repr(body.max_completion_tokens)} "
-                f"and max_tokens {got_repr(body.max_tokens)}",
-                param="max_completion_tokens",
-            )
-        _check_text_parts(body)
-        # bounded work: messages whose text alone provably cannot fit are refused before
-        # the template renders (a template only adds text)
-        all_text = "".join(message_text(m.content) for m in body.messages)
-        check_text_fits(all_text, max_bytes_per_token, max_model_len, "messages")
-        try:
-            if body.tools is not None:
-                check_tools(body.tools)  # before the template renders them
-            chat = render_chat(
-                body.messages,
-                tokenizer,
-                default_chat_template=chat_template,
-                chat_template=body.chat_template,
-                chat_template_kwargs=body.chat_template_kwargs,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                tools=body.tools,  # shown with every tool_choice, "none" too (as vLLM)
-            )
-        except RequestRejected as e:
-            param = str(e).split(":", 1)[0].strip()
-            raise APIError(400, str(e), param=param, reason="invalid_request") from None
-        template_source = chat.template
-        ids = chat.prompt_token_ids
-        max_name = "max_completion_tokens" if body.max_tokens is None else "max_tokens"
-        max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
-    else:
-        template_source = None
-        ids = _prompt_ids(body.prompt, tokenizer, max_bytes_per_token, max_model_len)
-        max_name = "max_tokens"
-        max_tokens = body.max_tokens
-    defaults = sampling_defaults or {}
+    return stops
+
+
+def _chat_prompt(
+    body: ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    chat_template: str | None,
+    max_bytes_per_token: int | None,
+    max_model_len: int,
+) -> tuple[str | None, list[int], str, int | None]:
+    """Render and tokenize a chat request's messages (its tools too); return
+    ``(template source, prompt token ids, max-tokens field name, its value or None)``.
+
+    Raises:
+        APIError: 400 conflicting max_tokens / max_completion_tokens, invalid content
+            parts, text that cannot fit, invalid tools, or a template that fails.
+    """
+    if (
+        body.max_tokens is not None
+        and body.max_completion_tokens is not None
+        and body.max_tokens != body.max_completion_tokens
+    ):
+        raise APIError(
+            400,
+            "max_completion_tokens: expected the same value as max_tokens when both "
+            f"are given (max_tokens is its older name), got {got_repr(body.max_completion_tokens)} "
+            f"and max_tokens {got_repr(body.max_tokens)}",
+            param="max_completion_tokens",
+        )
+    _check_text_parts(body)
+    # bounded work: messages whose text alone provably cannot fit are refused before
+    # the template renders (a template only adds text)
+    all_text = "".join(message_text(m.content) for m in body.messages)
+    check_text_fits(all_text, max_bytes_per_token, max_model_len, "messages")
+    try:
+        if body.tools is not None:
+            check_tools(body.tools)  # before the template renders them
+        chat = render_chat(
+            body.messages,
+            tokenizer,
+            default_chat_template=chat_template,
+            chat_template=body.chat_template,
+            chat_template_kwargs=body.chat_template_kwargs,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            tools=body.tools,  # shown with every tool_choice, "none" too (as vLLM)
+        )
+    except RequestRejected as e:
+        param = str(e).split(":", 1)[0].strip()
+        raise APIError(400, str(e), param=param, reason="invalid_request") from None
+    max_name = "max_completion_tokens" if body.max_tokens is None else "max_tokens"
+    max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
+    return chat.template, chat.prompt_token_ids, max_name, max_tokens
+
+
+def _resolve_max_tokens(
+    kind: str,
+    body: CompletionRequest | ChatCompletionRequest,
+    n_prompt: int,
+    max_name: str,
+    max_tokens: int | None,
+    defaults: dict[str, Any],
+    max_model_len: int,
+) -> int:
+    """``max_tokens`` of a prompt of ``n_prompt`` tokens: the request's, else the
+    generation config's (within the room left), else 16 (completions) or the room left
+    (chat); checked against ``min_tokens`` and ``max_model_len``.
+
+    Raises:
+        APIError: 400 (``context_length_exceeded`` when it cannot fit).
+    """
     if max_tokens is None and "max_tokens" in defaults:
         # unset: the generation config's max_new_tokens, within the room left (vLLM's
         # get_max_tokens takes the smaller too)
-        max_tokens = min(int(defaults["max_tokens"]), max_model_len - len(ids))
+        max_tokens = min(int(defaults["max_tokens"]), max_model_len - n_prompt)
     elif max_tokens is None and kind == "completion":
         max_tokens = 16  # OpenAI's default (chat: the room left, below)
-    n_prompt = len(ids)
     if n_prompt >= max_model_len:
         raise APIError(
             400,
@@ -290,6 +363,11 @@ def prepare_request(
             param=max_name,
             reason="prompt_too_long",
         )
+    return max_tokens
+
+
+def _check_seed(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Raises APIError (400) unless every choice's seed (``seed + i``) fits."""
     if body.seed is not None and not 0 <= body.seed <= _MAX_SEED - (body.n - 1):
         # choice i samples with seed + i, which must fit a signed 64-bit seed
         raise APIError(
@@ -299,7 +377,18 @@ def prepare_request(
             param="seed",
             reason="invalid_sampling_params",
         )
-    retention = check_retention(body.kv_retention, retention_limits)
+
+
+def _structured_outputs(
+    body: CompletionRequest | ChatCompletionRequest, tool_call_parser: str | None
+) -> tuple[dict[str, Any] | None, Any]:
+    """``(StructuredOutputsParams kwargs or None, tool_choice)`` of the request: its
+    response_format / structured_outputs / guided_* fields, or a forced tool choice's
+    schema (never both).
+
+    Raises:
+        APIError: 400 on an invalid or conflicting constraint.
+    """
     structured = structured_outputs_of(
         {
             k: getattr(body, k)
@@ -319,9 +408,27 @@ def prepare_request(
                     code="invalid_structured_outputs",
                 )
             structured = tool_constraint
-    tenant = api_key or body.user or "anonymous"
+    return structured, tool_choice
+
+
+def _generation_request(
+    kind: str,
+    body: CompletionRequest | ChatCompletionRequest,
+    tenant: str,
+    model_name: str,
+    ids: list[int],
+    max_tokens: int,
+    stops: list[str],
+    defaults: dict[str, Any],
+    retention: dict[str, Any] | None,
+    template_source: str | None,
+    structured: dict[str, Any] | None,
+    tool_choice: Any,
+) -> GenerationRequest:
+    """The validated request (a new request id; sampling fields resolved by
+    :func:`_field`)."""
     return GenerationRequest(
-        kind=kind,  # type: ignore[arg-type]
+        kind=kind,
         request_id=new_request_id(kind),
         model=model_name,
         prompt_token_ids=ids,
@@ -481,7 +588,9 @@ def _check_text_parts(body: ChatCompletionRequest) -> None:
             )
 
 
-def _prompt_ids(prompt: Any, tokenizer: Any, bound: int | None, max_model_len: int) -> list[int]:
+def _prompt_ids(
+    prompt: Any, tokenizer: Tokenizer, bound: int | None, max_model_len: int
+) -> list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise APIError(
