@@ -33,7 +33,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_serve"), pytest.mar
 
 #: long enough (seconds of decoding on 2 shared cores) to be in flight at the kill
 MAX_TOKENS = 480
-IN_FLIGHT = 12  # requests sent before the kill, half streamed
+#: requests sent before the kill; i % 4 >= 2 streams, so round robin's alternation puts
+#: both kinds on each replica
+IN_FLIGHT = 12
 AFTER = 6  # requests sent after the kill
 
 
@@ -120,7 +122,7 @@ def test_replica_killed_with_requests_in_flight() -> None:
         retries0 = _metric(metrics(), "kvpage:router_retries_total")
         pool = concurrent.futures.ThreadPoolExecutor(IN_FLIGHT + AFTER)
         t0 = time.monotonic()
-        before = [pool.submit(_one, url, i, i % 2 == 1) for i in range(IN_FLIGHT)]
+        before = [pool.submit(_one, url, i, i % 4 >= 2) for i in range(IN_FLIGHT)]
         _wait(
             lambda: sum(1 for v in per_replica("kvpage:num_requests_running").values() if v) == 2,
             120,
@@ -137,7 +139,7 @@ def test_replica_killed_with_requests_in_flight() -> None:
         ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
         after = []
         for i in range(IN_FLIGHT, IN_FLIGHT + AFTER):  # arriving while Serve notices
-            after.append(pool.submit(_one, url, i, i % 2 == 1))
+            after.append(pool.submit(_one, url, i, i % 4 >= 2))
             time.sleep(0.2)
         results = [f.result(timeout=600) for f in before + after]
         wall = time.monotonic() - t0
