@@ -233,3 +233,15 @@ def test_serve_without_server_packages_names_them(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "kvpage serve: needs the server packages" in err
     assert "scripts/bootstrap.sh" in err and "kvpage[server]" in err
+
+
+def test_serve_replicas_without_ray_names_both_extras(monkeypatch, capsys):
+    """--replicas on a venv without Ray Serve (or the server packages): one clear line."""
+    import sys
+
+    from kvpage.cli import main
+
+    monkeypatch.setitem(sys.modules, "kvpage.cluster.launch", None)  # import -> ImportError
+    assert main(["serve", "--replicas", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "need Ray Serve and the server packages" in err and "kvpage[server,cluster]" in err
