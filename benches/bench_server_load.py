@@ -29,6 +29,12 @@ process holds only the server: its event loop, tokenizer pool and the engine thr
 (``--engine-niceness``, default 10). Server CPU seconds count the server process
 only.
 
+With ``--client curl`` the load comes from one ``curl --parallel --parallel-max CLIENTS``
+process instead (a non-Python client whose pool reuses connections: keep-alive), one
+config-file entry per request; a request is lost when curl reports no HTTP status line
+(``http_code`` 000 or a curl error). The summary's ``curl`` entry counts the new
+connections curl opened and the transfers that reused one.
+
 Checks (exit status 1 if any fails): every valid request completes (finish_reason
 "length", 1 <= completion tokens <= max_tokens) or is refused with 429 + Retry-After;
 every malformed request gets a 4xx; no request is lost (no other status, no transport
@@ -236,6 +242,156 @@ def _drive_process(
     out.put(asyncio.run(drive(base_url, specs, clients, auth, default_pool)))
 
 
+def _curl_quote(s: str) -> str:
+    """A value for a curl config file (double-quoted; backslash and quote escaped)."""
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _curl_judge(spec: dict[str, Any], status: int | None, retry_after: str, body: bytes) -> bool:
+    """The verdict on one curl transfer, with the rules :func:`run_one` applies to httpx."""
+    if status is None:
+        return False
+    if spec["kind"] in HOSTILE:
+        return status == HOSTILE_STATUS[spec["kind"]]
+    if spec["kind"] == "malformed":
+        try:
+            return 400 <= status < 500 and "error" in json.loads(body)
+        except ValueError:
+            return False
+    if status != 200:
+        return status == 429 and bool(retry_after)
+    if not spec["stream"]:
+        j = json.loads(body)
+        n = j["usage"]["completion_tokens"]
+        return bool(j["choices"][0]["finish_reason"] == "length" and 1 <= n <= spec["max_tokens"])
+    finish, done = None, False
+    for line in body.decode().splitlines():
+        if line == "data: [DONE]":
+            done = True
+        elif line.startswith("data: "):
+            finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
+    return done and finish == "length"
+
+
+def drive_curl(
+    base_url: str, specs: list[dict[str, Any]], clients: int, auth: bool, workdir: str
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Send ``specs`` with one ``curl --parallel --parallel-max clients`` process (a non-Python
+    client; its connection pool reuses connections: HTTP/1.1 keep-alive). One config-file
+    entry per request (its body from a file, its response into a file, a ``--write-out``
+    line with its status, new connections, curl exit code and time). Lost = a transfer with
+    no HTTP status line (``http_code`` 000 or a nonzero curl exit code). Returns the per-request
+    results (as :func:`run_one`'s) and the connection statistics."""
+    import shutil
+    import subprocess
+
+    curl = shutil.which("curl")
+    if curl is None:
+        raise SystemExit("--client curl: no curl on PATH")
+    entries = []
+    for s in specs:
+        i = s["i"]
+        key = tenant_key(s["tenant"]) if auth else s["tenant"]
+        ctype = "application/json"
+        if s["kind"] in HOSTILE:
+            kind = s["kind"]
+            body = json.dumps({"model": MODEL, "prompt": "Once", "max_tokens": 1}).encode()
+            if kind == "oversized":
+                body = b'{"model": "stories260K", "prompt": "' + b"a" * 5_000_000 + b'"}'
+            elif kind == "wrong_ctype":
+                ctype = "text/plain"
+            else:
+                key = "sk-wrong"
+        elif s["kind"] == "malformed":
+            body = s["malformed"][1]
+        else:
+            body = json.dumps(
+                {
+                    "model": MODEL,
+                    "prompt": s["prompt"],
+                    "max_tokens": s["max_tokens"],
+                    "temperature": 0.8,
+                    "seed": i,
+                    "ignore_eos": True,
+                    "stream": s["stream"],
+                }
+            ).encode()
+        bpath = os.path.join(workdir, f"req{i}.json")
+        with open(bpath, "wb") as f:
+            f.write(body)
+        entries.append(
+            "\n".join(
+                (
+                    f"url = {_curl_quote(base_url + '/v1/completions')}",
+                    f"header = {_curl_quote('Authorization: Bearer ' + key)}",
+                    f"header = {_curl_quote('Content-Type: ' + ctype)}",
+                    f"data-binary = {_curl_quote('@' + bpath)}",
+                    f"output = {_curl_quote(os.path.join(workdir, f'resp{i}'))}",
+                    "write-out = "
+                    + _curl_quote(
+                        f"R {i} %{{http_code}} %{{num_connects}} %{{exitcode}} "
+                        "%{time_total} [%header{retry-after}]\\n"
+                    ),
+                    "no-buffer",
+                )
+            )
+        )
+    cfg_path = os.path.join(workdir, "curl.cfg")
+    with open(cfg_path, "w") as f:
+        f.write("\nnext\n".join(entries) + "\n")
+    proc = subprocess.run(
+        [curl, "--silent", "--parallel", "--parallel-max", str(clients), "--config", cfg_path],
+        capture_output=True,
+        timeout=3600,
+    )
+    lines: dict[int, list[str]] = {}
+    for line in proc.stdout.decode().splitlines():
+        parts = line.split(" ")
+        if parts[0] == "R" and len(parts) >= 6:
+            lines.setdefault(int(parts[1]), parts)
+    dup_lines = sum(1 for line in proc.stdout.decode().splitlines() if line.startswith("R ")) - len(
+        lines
+    )
+    results: list[dict[str, Any]] = []
+    new_conns = 0
+    for s in specs:
+        res: dict[str, Any] = {"i": s["i"], "kind": s["kind"]}
+        parts = lines.get(s["i"])
+        if parts is None:
+            res.update(status=None, ok=False, error="no write-out line")
+            results.append(res)
+            continue
+        code, conns, exitcode, t = int(parts[2]), int(parts[3]), int(parts[4]), float(parts[5])
+        new_conns += conns
+        retry_after = " ".join(parts[6:]).strip("[]")
+        status = code if code and exitcode == 0 else None
+        rpath = os.path.join(workdir, f"resp{s['i']}")
+        body = open(rpath, "rb").read() if os.path.exists(rpath) else b""  # noqa: SIM115
+        res["status"] = status
+        if status is None:
+            res.update(ok=False, error=f"curl exit {exitcode}, http_code {code}", after_s=t)
+        else:
+            res["ok"] = _curl_judge(s, status, retry_after, body)
+            if s["kind"] == "valid" and status == 200:
+                res["e2e"] = t
+                if not s["stream"]:
+                    res["tokens"] = json.loads(body)["usage"]["completion_tokens"]
+        results.append(res)
+    stats = {
+        "curl": subprocess.run([curl, "--version"], capture_output=True, check=True)
+        .stdout.decode()
+        .split("\n")[0],
+        "curl_exit": proc.returncode,
+        "transfers": len(specs),
+        "new_connections": new_conns,
+        "reused_connection_transfers": sum(
+            1 for p in lines.values() if int(p[3]) == 0 and int(p[2]) != 0
+        ),
+        "duplicate_write_out_lines": dup_lines,
+    }
+    return results, stats
+
+
 def _control_server(port_q: Any, stop: Any) -> None:
     """Child process: a trivial uvicorn app answering ``GET /health`` (the control: its
     probe latency is what this machine's scheduling alone costs)."""
@@ -252,12 +408,17 @@ def _control_server(port_q: Any, stop: Any) -> None:
     srv.stop()
 
 
-def health_probe(base_url: str, stop: Any, out: Any, every_s: float = 0.05) -> None:
+def health_probe(
+    base_url: str, stop: Any, out: Any, every_s: float = 0.05, ready: Any = None
+) -> None:
     """Child process: GET /health every ``every_s`` until ``stop`` is set; put the list
-    of latencies (seconds; None for a failed probe) on ``out``."""
+    of latencies (seconds; None for a failed probe) on ``out``. Sets ``ready`` (an event)
+    when the first probe has been sent."""
     lat: list[float | None] = []
     with httpx.Client(base_url=base_url, timeout=10) as c:
         while not stop.is_set():
+            if ready is not None and lat:
+                ready.set()
             t0 = time.perf_counter()
             try:
                 ok = c.get("/health").status_code == 200
@@ -373,7 +534,17 @@ def main(argv: list[str] | None = None) -> int:
         help="serve with uvicorn's own h11 protocol instead of kvpage's IdleOnlyH11Protocol "
         "(the keep-alive timeout may then close a connection with a request in it)",
     )
+    ap.add_argument(
+        "--client",
+        choices=("httpx", "curl"),
+        default="httpx",
+        help="the load client: httpx (asyncio, --clients workers) or curl (one "
+        "`curl --parallel --parallel-max CLIENTS` process: a non-Python client with its own "
+        "keep-alive pool; needs --cancel-frac 0, curl cannot drop a stream after N chunks)",
+    )
     args = ap.parse_args(argv)
+    if args.client == "curl" and args.cancel_frac:
+        ap.error("--client curl cannot cancel streams after 1-3 chunks: pass --cancel-frac 0")
 
     import torch
 
@@ -434,18 +605,28 @@ def main(argv: list[str] | None = None) -> int:
 
         ctx = mp.get_context("spawn")
         stop, out_q = ctx.Event(), ctx.Queue()
-        probe = ctx.Process(target=health_probe, args=(srv.base_url, stop, out_q))
+        probe_ready = ctx.Event()
+        probe = ctx.Process(
+            target=health_probe, args=(srv.base_url, stop, out_q, 0.05, probe_ready)
+        )
         stop_ctl, ctl_url_q, ctl_q = ctx.Event(), ctx.Queue(), ctx.Queue()
         ctl_srv = ctx.Process(target=_control_server, args=(ctl_url_q, stop_ctl))
         ctl_srv.start()
         ctl_probe = ctx.Process(target=health_probe, args=(ctl_url_q.get(timeout=120), stop, ctl_q))
         probe.start()
         ctl_probe.start()
+        probe_ready.wait(120)  # the probe covers the whole run
     health: list[float | None] = []
     control: list[float | None] = []
     try:
         t0, c0 = time.perf_counter(), time.process_time()
-        if args.auth:  # clients in their own process, like remote clients
+        curl_stats = None
+        if args.client == "curl":  # curl is its own process
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="kvpage-curl-") as wd:
+                results, curl_stats = drive_curl(srv.base_url, specs, args.clients, args.auth, wd)
+        elif args.auth:  # clients in their own process, like remote clients
             res_q = ctx.Queue()
             driver = ctx.Process(
                 target=_drive_process,
@@ -505,7 +686,9 @@ def main(argv: list[str] | None = None) -> int:
         "lost_or_wrong": len(bad),
         "transport_errors": sum(1 for r in results if "error" in r),
         "duplicated": len(results) - len({r["i"] for r in results}),
-        "default_pool": args.default_pool,
+        "client": args.client,
+        **({"curl": curl_stats} if curl_stats is not None else {}),
+        "default_pool": args.default_pool if args.client == "httpx" else None,
         "keep_alive_timeout_s": cfg.security.keep_alive_timeout_s,
         "protocol": "uvicorn H11Protocol" if args.stock_h11 else "IdleOnlyH11Protocol",
         "engine": f"process+nice{args.engine_niceness}" if args.engine_process else "thread",

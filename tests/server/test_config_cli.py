@@ -219,3 +219,29 @@ def test_every_config_flag_has_help_naming_its_field() -> None:
         where = field if section is None else f"{section}.{field}"
         assert helps[flag].startswith(f"config {where}; default "), (flag, helps[flag])
     assert "one of queue, reject" in helps["kv_pressure_action"]
+
+
+def test_serve_without_server_packages_names_them(monkeypatch, capsys):
+    """The core venv of scripts/run.sh has no FastAPI/uvicorn: `kvpage serve` says what to
+    install instead of a traceback."""
+    import sys
+
+    from kvpage.server.cli import serve_main
+
+    monkeypatch.setitem(sys.modules, "kvpage.server.runner", None)  # import -> ImportError
+    assert serve_main(_parser().parse_args(["serve"])) == 2
+    err = capsys.readouterr().err
+    assert "kvpage serve: needs the server packages" in err
+    assert "scripts/bootstrap.sh" in err and "kvpage[server]" in err
+
+
+def test_serve_replicas_without_ray_names_both_extras(monkeypatch, capsys):
+    """--replicas on a venv without Ray Serve (or the server packages): one clear line."""
+    import sys
+
+    from kvpage.cli import main
+
+    monkeypatch.setitem(sys.modules, "kvpage.cluster.launch", None)  # import -> ImportError
+    assert main(["serve", "--replicas", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "need Ray Serve and the server packages" in err and "kvpage[server,cluster]" in err

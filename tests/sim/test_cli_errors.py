@@ -151,3 +151,21 @@ def test_plan_num_seqs_and_model_errors(tmp_path, capsys):
     bad.write_text("{not json")
     assert main(["plan", "--model", str(bad), "--memory", "80GiB"]) == 2
     assert "expected a readable JSON config" in _err(capsys)
+
+
+def test_plots_without_matplotlib_refused_up_front(tmp_path, capsys, monkeypatch):
+    """scripts/run.sh's core venv has no matplotlib: --plots is refused by name before the
+    profile is computed, not a traceback after it."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real(name, *a),
+    )
+    tr = _csv(tmp_path, "2023-11-16 00:00:00.0,10,5\n")
+    assert main(["profile", "--trace", tr, "--plots", str(tmp_path / "p")]) == 2
+    out, err = capsys.readouterr()
+    assert "--plots: needs matplotlib" in err and "Traceback" not in err
+    assert out == ""  # no table: refused before any work

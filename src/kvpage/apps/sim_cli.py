@@ -7,6 +7,7 @@ sub-parsers object and sets ``func`` to its handler (``handler(args) -> int`` ex
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,11 @@ def run_profile(args: argparse.Namespace) -> int:
             if Path(args.plots).exists() and not Path(args.plots).is_dir():
                 raise KVPageError(f"--plots: expected a folder, got the file {args.plots!r}")
             prepare_output(str(Path(args.plots) / "lengths.png"), "--plots")
+            if importlib.util.find_spec("matplotlib") is None:  # e.g. scripts/run.sh's venv
+                raise KVPageError(
+                    "--plots: needs matplotlib, which is not installed (pip install "
+                    "'kvpage[cli]', or `bash scripts/bootstrap.sh` for everything)"
+                )
         trace = load_trace(args.trace, limit=trace_limit(args.limit))
     except KVPageError as e:
         print(f"kvpage profile: {e}", file=sys.stderr)

@@ -185,8 +185,9 @@ def serve_entry(args: argparse.Namespace) -> int:
         from kvpage.cluster.launch import run_forever
     except ImportError as exc:
         print(
-            f"kvpage serve: --replicas/--ray-address/--router/--deployment need Ray Serve "
-            f"(pip install 'kvpage[cluster]'), got {exc}",
+            "kvpage serve: --replicas/--ray-address/--router/--deployment need Ray Serve and "
+            "the server packages (pip install 'kvpage[server,cluster]', or "
+            f"`bash scripts/bootstrap.sh` for everything), got {exc}",
             file=sys.stderr,
         )
         return 2

@@ -375,8 +375,16 @@ def serve_main(args: argparse.Namespace) -> int:
         return 0
     import logging
 
-    from kvpage.server.runner import run_server
-
+    try:
+        from kvpage.server.runner import run_server
+    except ImportError as exc:  # e.g. the core venv of scripts/run.sh: no server packages
+        print(
+            "kvpage serve: needs the server packages (FastAPI, uvicorn, prometheus-client, "
+            "xgrammar): `bash scripts/bootstrap.sh` installs everything, or "
+            f"pip install 'kvpage[server]'; got {exc}",
+            file=sys.stderr,
+        )
+        return 2
     logging.basicConfig(
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
