@@ -154,3 +154,23 @@ def check_family(
     assert err < 1e-4, err
     print(f"{model_type} {features}: tokens equal, max |logprob error| {err:.2e}")
     return err
+
+
+def check_layouts_agree(model_type: str, features: dict[str, Any], tmp_path: Path) -> Any:
+    """An in-memory transformers model and its saved folder load to the same kvpage
+    weights, and ``to_transformers`` writes them back with equal logits; returns the
+    kvpage model loaded from memory."""
+    from kvpage.models import to_transformers
+
+    hf = make_hf(model_type, features, seed=1)
+    hf.save_pretrained(tmp_path)
+    a, b = load_model(hf), load_model(tmp_path)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    back = to_transformers(a)
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=0, rtol=0)
+    return a

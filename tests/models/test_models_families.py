@@ -23,14 +23,11 @@ import pytest
 import torch
 from family_harness import (
     GPT2_SMALL,
-    PROMPTS,
     SMALL,
     check_family,
-    make_hf,
+    check_layouts_agree,
     transformers,
 )
-
-from kvpage.models import load_model
 
 _LONGROPE = dict(
     rope_type="longrope",
@@ -237,20 +234,7 @@ def test_in_memory_and_folder_layouts_agree(case: str, tmp_path: Path) -> None:
     """An in-memory transformers model and its saved folder load to the same kvpage
     weights; ``to_transformers`` writes them back under the family's names (logits
     equal)."""
-    from kvpage.models import to_transformers
-
-    mt, feats = FAST[case]
-    hf = make_hf(mt, feats, seed=1)
-    hf.save_pretrained(tmp_path)
-    a, b = load_model(hf), load_model(tmp_path)
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for k in sa:
-        assert torch.equal(sa[k], sb[k]), k
-    back = to_transformers(a)
-    ids = torch.tensor([PROMPTS[0]])
-    with torch.no_grad():
-        torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=0, rtol=0)
+    check_layouts_agree(*FAST[case], tmp_path)
 
 
 def test_family_configs_refused_by_name() -> None:

@@ -20,9 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-from family_harness import PROMPTS, SMALL, check_family, make_hf, transformers
+from family_harness import SMALL, check_family, check_layouts_agree, transformers
 
-from kvpage.models import load_model
 from kvpage.models.moe import MoEMLP, moe_weights_from_hf, moe_weights_to_hf
 
 _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
@@ -119,19 +118,7 @@ def test_in_memory_and_folder_layouts_agree(model_type: str, tmp_path: Path) -> 
     """The in-memory transformers model (fused expert tensors) and its saved folder
     (the hub layout) load to the same kvpage weights; ``to_transformers`` writes them
     back in transformers' in-memory form (logits equal)."""
-    from kvpage.models import to_transformers
-
-    hf = make_hf(model_type, FAST[model_type], seed=1)
-    hf.save_pretrained(tmp_path)
-    a, b = load_model(hf), load_model(tmp_path)
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for k in sa:
-        assert torch.equal(sa[k], sb[k]), k
-    back = to_transformers(a)
-    ids = torch.tensor([PROMPTS[0]])
-    with torch.no_grad():
-        torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=0, rtol=0)
+    a = check_layouts_agree(model_type, FAST[model_type], tmp_path)
     params = a.arch.moe
     assert params is not None
     round_trip = moe_weights_from_hf(moe_weights_to_hf(a.hf_state_dict(), params), params)
