@@ -5,6 +5,7 @@ the union, and the sampling defaults follow the file."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,11 @@ transformers = pytest.importorskip("transformers")
 
 from kvpage.engine import LLM, SamplingParams  # noqa: E402
 from kvpage.errors import RequestRejected, SpecError  # noqa: E402
-from kvpage.testing.hf_folders import QWEN_GENERATION_CONFIG, make_chat_folder  # noqa: E402
+from kvpage.testing.hf_folders import (  # noqa: E402
+    QWEN_GENERATION_CONFIG,
+    TOOL_MESSAGES,
+    make_chat_folder,
+)
 
 MSGS = [
     {"role": "system", "content": "be nice"},
@@ -87,21 +92,7 @@ def test_chat_options_match_apply_chat_template(folders: dict[str, Path]) -> Non
     tmpl = "{% for m in messages %}{{ m['role'] }}|{{ m['content'] }};{% endfor %}"
     assert ids(MSGS, chat_template=tmpl) == _chat_ids(hf, MSGS, chat_template=tmpl)
     # message fields the template renders are passed through, not refused
-    tool = [
-        {"role": "user", "content": "weather?", "name": "bob"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "c1",
-                    "type": "function",
-                    "function": {"name": "get", "arguments": '{"city": "Paris"}'},
-                }
-            ],
-        },
-        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
-    ]
+    tool = copy.deepcopy(TOOL_MESSAGES)
     hf_tool = [dict(m) for m in tool]
     hf_tool[1] = {
         **tool[1],

@@ -5,6 +5,7 @@ fields and ``--chat-template``."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,11 @@ transformers = pytest.importorskip("transformers")
 
 from kvpage.server.protocol import APIError, ChatCompletionRequest, CompletionRequest  # noqa: E402
 from kvpage.server.validation import prepare_request  # noqa: E402
-from kvpage.testing.hf_folders import QWEN_GENERATION_CONFIG, make_chat_folder  # noqa: E402
+from kvpage.testing.hf_folders import (  # noqa: E402
+    QWEN_GENERATION_CONFIG,
+    TOOL_MESSAGES,
+    make_chat_folder,
+)
 
 MSGS = [{"role": "system", "content": "be nice"}, {"role": "user", "content": "hello cat"}]
 SMALL = {"num_blocks": 64, "block_size": 16, "max_model_len": 128, "max_num_batched_tokens": 128}
@@ -101,21 +106,7 @@ def test_chat_prompt_ids_defaults_and_fields(serve: Any, folders: dict[str, Path
         hf.apply_chat_template(MSGS, return_dict=True)["input_ids"]
     )
     # message fields the template renders pass through
-    tool_msgs = [
-        {"role": "user", "content": "weather?", "name": "bob"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "c1",
-                    "type": "function",
-                    "function": {"name": "get", "arguments": '{"city": "Paris"}'},
-                }
-            ],
-        },
-        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
-    ]
+    tool_msgs = copy.deepcopy(TOOL_MESSAGES)
     r = httpx.post(base + "/tokenize", json={"messages": tool_msgs}, timeout=30)
     assert r.status_code == 200, r.text
     assert "Paris" in hf.decode(r.json()["tokens"]) and "bob" in hf.decode(r.json()["tokens"])

@@ -29,6 +29,7 @@ __all__ = [
     "HERMES_TEMPLATE",
     "LLAMA_TEMPLATE",
     "QWEN_GENERATION_CONFIG",
+    "TOOL_MESSAGES",
     "byte_level_bpe",
     "make_chat_folder",
     "set_emitted_token",
@@ -87,6 +88,24 @@ QWEN_GENERATION_CONFIG: dict[str, Any] = {
     "repetition_penalty": 1.05,
     "max_new_tokens": 7,
 }
+
+#: a conversation with the message fields templates render (``name``, an assistant
+#: ``tool_calls`` with JSON ``arguments``, a ``tool`` result with ``tool_call_id``)
+TOOL_MESSAGES: list[dict[str, Any]] = [
+    {"role": "user", "content": "weather?", "name": "bob"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+]
 
 _TEXT = [
     "Once upon a time there was a little cat who sat on a mat.",
