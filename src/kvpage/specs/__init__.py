@@ -2,7 +2,8 @@
 
 Split by job: :mod:`kvpage.specs.core` (the spec types), :mod:`kvpage.specs.hf`
 (reading HF ``config.json`` and llama2.c headers: the one config reader),
-:mod:`kvpage.specs.presets` (named presets). Everything is importable from
+:mod:`kvpage.specs.presets` (named presets), :mod:`kvpage.specs.state` (recurrent
+layers' per-sequence state). Everything is importable from
 ``kvpage.specs`` as before.
 """
 
@@ -29,6 +30,7 @@ from kvpage.specs.hf import (
     read_hf_config_file,
 )
 from kvpage.specs.presets import Preset, list_presets, load_preset
+from kvpage.specs.state import StateSpec
 
 __all__ = [
     "DTYPE_BYTES",
@@ -43,6 +45,7 @@ __all__ = [
     "ModelDType",
     "Preset",
     "ScaleGranularity",
+    "StateSpec",
     "attention_layers_from_hf",
     "hf_attention_shape",
     "hf_config_dict",

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvpage.errors import SpecError
+from kvpage.specs.state import RECURRENT_MODEL_TYPES
 
 __all__ = [
     "MODEL_TYPES",
@@ -43,8 +44,11 @@ MODEL_TYPES: tuple[str, ...] = (
 )  # fmt: skip
 #: the MoE model types among them (``kvpage.models.moe``): their expert keys are expected
 MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "gpt_oss")
-#: model types ``kvpage plan`` can size a cache for: every one kvpage runs
-PLAN_MODEL_TYPES: tuple[str, ...] = MODEL_TYPES
+#: model types ``kvpage plan`` can size a cache for: every one kvpage runs, and the
+#: recurrent/hybrid ones whose layers ``kvpage.specs.state`` lowers
+PLAN_MODEL_TYPES: tuple[str, ...] = MODEL_TYPES + tuple(
+    t for t in RECURRENT_MODEL_TYPES if t not in MODEL_TYPES
+)
 
 _SSM = "SSM state (a per-sequence recurrent state instead of a KV cache)"
 _HYBRID = "hybrid SSM state (Mamba layers beside the attention layers)"
@@ -154,6 +158,8 @@ def check_architecture(cfg: Mapping[str, Any], supported: Sequence[str] = MODEL_
     mt = cfg.get("model_type")
     arch = cfg.get("architectures")
     if isinstance(mt, str) and mt in supported:
+        if mt in RECURRENT_MODEL_TYPES:  # state sizes and experts are their own keys
+            return mt
         rest = {k: v for k, v in cfg.items() if k != "model_type"}
         if mt in MOE_MODEL_TYPES:  # expert counts are this family's own keys
             rest = {k: v for k, v in rest.items() if k not in _MOE_KEYS}

@@ -34,6 +34,7 @@ from kvpage.specs.hf import (
     hf_config_dict,
     llama2c_header_to_hf,
 )
+from kvpage.specs.state import StateSpec, state_layers_from_hf
 
 KVCacheDType = Literal["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
 ModelDType = Literal["float32", "float16", "bfloat16"]
@@ -142,12 +143,15 @@ class CacheSpec(BaseModel):
         dtype: model (activation) dtype.
         kv_dtype: storage dtype of K/V; ``auto`` = the model dtype.
         kv_scale_granularity: for fp8, one scale per tensor or per KV head.
-        layers: one AttentionSpec per layer.
+        layers: one AttentionSpec per attention layer (decoder order; a hybrid model's
+            recurrent-only layers have none).
+        state_layers: one StateSpec per recurrent mixer (Mamba-2, Gated DeltaNet;
+            ``kvpage.specs.state``), decoder order; empty for a pure-attention model.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    num_layers: int = Field(ge=1)
+    num_layers: int = Field(ge=0)
     block_size: int = Field(default=16, ge=1)
     num_blocks: int = Field(default=0, ge=0)
     dtype: ModelDType = "float32"
@@ -155,6 +159,7 @@ class CacheSpec(BaseModel):
     kv_scale_granularity: ScaleGranularity = "per_tensor"
     kv_pool: KVPoolKind = "unified"
     layers: tuple[AttentionSpec, ...]
+    state_layers: tuple[StateSpec, ...] = ()
 
     @model_validator(mode="after")
     def _check(self) -> CacheSpec:
@@ -162,6 +167,8 @@ class CacheSpec(BaseModel):
             raise ValueError(
                 f"layers: expected num_layers={self.num_layers} specs, got {len(self.layers)}"
             )
+        if self.num_layers == 0 and not self.state_layers:
+            raise ValueError("num_layers: expected >= 1 attention or state layer, got 0")
         if self.kv_pool == "unified" and len(self.window_groups) > 1:
             per_token = {self.layer_bytes_per_token(i) for i in range(self.num_layers)}
             if len(per_token) > 1:
@@ -190,6 +197,8 @@ class CacheSpec(BaseModel):
         every group and no layer slot is padding); ``per_group``: the largest window
         group's layer count (its layers' tensors are the ones sized per block)."""
         counts = [len(ids) for _, ids in self.window_groups]
+        if not counts:  # a recurrent-only model (mamba2): no KV groups
+            return 0
         if self.kv_pool == "unified":
             return math.gcd(*counts)
         return max(counts)
@@ -248,7 +257,7 @@ class CacheSpec(BaseModel):
         block id). ``unified`` with several groups: ``block_size`` x the bytes per token
         of one group's :attr:`pool_group_layers` layers (a block holds one group's
         layers only; layers of equal bytes per token, checked)."""
-        if self.kv_pool != "unified":
+        if self.kv_pool != "unified" or not self.kv_groups:
             return self.block_size * self.bytes_per_token
         ids = self.kv_groups[0].layer_ids
         return self.block_size * sum(self.layer_bytes_per_token(i) for i in ids)
@@ -258,7 +267,7 @@ class CacheSpec(BaseModel):
         """Layers whose cache tensors are allocated: ``per_group`` every layer;
         ``unified`` the layers of group 0 (their tensors, one per layer slot, are the
         storage every group's layers share)."""
-        if self.kv_pool != "unified":
+        if self.kv_pool != "unified" or not self.kv_groups:
             return tuple(range(self.num_layers))
         return self.kv_groups[0].layer_ids
 
@@ -281,7 +290,7 @@ class CacheSpec(BaseModel):
             else:
                 d = num_tokens - w
                 per.append(n - (d + abs(d)) // 2 // bs)  # (d + |d|) / 2 = max(0, d)
-        if self.kv_pool == "unified":
+        if self.kv_pool == "unified" or not per:
             return sum(per)
         out = per[0]
         for x in per[1:]:
@@ -314,6 +323,12 @@ class CacheSpec(BaseModel):
         scales (per layer: every layer has its own scales, also when it shares a
         unified pool's page tensor)."""
         return self.num_blocks * self.bytes_per_block + self.fixed_scale_bytes
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """Bytes one sequence's recurrent state occupies over all state layers (conv and
+        SSM states; ``StateSpec.bytes``); 0 without recurrent layers."""
+        return sum(s.bytes for s in self.state_layers)
 
     @property
     def max_sliding_window(self) -> int | None:
@@ -375,6 +390,7 @@ class CacheSpec(BaseModel):
         layers = attention_layers_from_hf(cfg)
         if dtype is None:
             dtype = dtype_from_config(cfg)
+        states = state_layers_from_hf(cfg, dtype)
         return validated(
             cls,
             dict(
@@ -386,6 +402,7 @@ class CacheSpec(BaseModel):
                 kv_scale_granularity=kv_scale_granularity,
                 kv_pool=kv_pool,
                 layers=layers,
+                state_layers=states,
             ),
         )
 

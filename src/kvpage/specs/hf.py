@@ -18,6 +18,7 @@ from typing import Any
 
 from kvpage.errors import SpecError
 from kvpage.specs.architectures import PLAN_MODEL_TYPES, check_architecture
+from kvpage.specs.state import attention_layer_ids, layer_mixers
 
 #: model dtypes kvpage runs (the ``ModelDType`` values)
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -158,7 +159,11 @@ def hf_attention_shape(cfg: Mapping[str, Any]) -> HFAttentionShape:
         return HFAttentionShape(mt, n_layers, hidden, heads, heads, hidden // heads)
     mt = check_architecture(cfg, PLAN_MODEL_TYPES)  # one line naming what is missing
     check_hf_numbers(cfg)
-    n_layers = int(_req(cfg, "num_hidden_layers"))
+    mixers = layer_mixers(cfg)
+    if mixers is not None and cfg.get("num_hidden_layers") is None:
+        n_layers = len(mixers)  # Nemotron-H: one decoder layer per layers_block_type entry
+    else:
+        n_layers = int(_req(cfg, "num_hidden_layers"))
     heads = int(_req(cfg, "num_attention_heads"))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     hidden = int(_req(cfg, "hidden_size"))
@@ -175,7 +180,13 @@ def hf_attention_shape(cfg: Mapping[str, Any]) -> HFAttentionShape:
 
 def attention_layers_from_hf(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Per-layer AttentionSpec fields from an HF ``config.json`` mapping (see
-    ``CacheSpec.from_hf_config`` for the rules)."""
+    ``CacheSpec.from_hf_config`` for the rules). A recurrent/hybrid model
+    (``kvpage.specs.state``) gets one entry per attention decoder layer, in layer
+    order (none for ``mamba2``)."""
+    attn_ids = attention_layer_ids(cfg)
+    if attn_ids == ():
+        check_architecture(cfg, PLAN_MODEL_TYPES)
+        return []
     shape = hf_attention_shape(cfg)
     mt, n_layers, hd = shape.model_type, shape.num_layers, shape.head_dim
     heads, kv_heads = shape.num_q_heads, shape.num_kv_heads
@@ -224,8 +235,10 @@ def attention_layers_from_hf(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
         # Gemma3Attention never passes attn_logit_softcapping to the attention (q/k
         # norm replaced it; transformers 5.23): only Gemma-2 caps the scores
         cap = cfg.get("attn_logit_softcapping") if mt == "gemma2" else None
-    elif mt == "granite" and cfg.get("attention_multiplier") is not None:
+    elif mt in ("granite", "granitemoehybrid") and cfg.get("attention_multiplier") is not None:
         scale = float(cfg["attention_multiplier"])  # GraniteAttention.scaling
+    if attn_ids is not None:  # hybrid: only the attention layers hold KV
+        sliding = [False] * len(attn_ids)
     return [
         dict(
             num_q_heads=heads,
