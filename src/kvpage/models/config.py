@@ -17,8 +17,9 @@ from kvpage.errors import SpecError
 from kvpage.models.rope import ROPE_TYPES
 from kvpage.specs.architectures import MODEL_TYPES, check_architecture
 from kvpage.specs.families import FAMILIES, Family
-from kvpage.specs.hf import hf_attention_shape
+from kvpage.specs.hf import HFAttentionShape, hf_attention_shape
 from kvpage.specs.moe import MoEParams, moe_params_from_hf
+from kvpage.specs.state import attention_layer_ids, layer_mixers
 
 SUPPORTED_MODEL_TYPES = MODEL_TYPES  # kvpage.specs.architectures: the one list
 #: activation name (HF ``ACT2FN`` key) -> our name
@@ -43,7 +44,8 @@ class ArchConfig:
             q/k norm, MLP kind, fused q/k/v, RoPE layout, multipliers, weight names.
         vocab_size, hidden_size, intermediate_size, num_layers: sizes.
         num_q_heads, num_kv_heads, head_dim: attention shape (``head_dim`` defaults to
-            ``hidden_size // num_attention_heads``).
+            ``hidden_size // num_attention_heads``); all 0 for a model without attention
+            layers (``mamba2``).
         rms_norm_eps: the norm epsilon (RMSNorm or LayerNorm: the family's key).
         rope_theta: RoPE base (``rope_parameters.rope_theta`` in transformers 5,
             ``rope_theta`` before).
@@ -243,7 +245,12 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
     """
     mt = check_architecture(cfg, SUPPORTED_MODEL_TYPES)
     fam = FAMILIES[mt]
-    shape = hf_attention_shape(cfg)  # the one reader of layer and head sizes
+    attention_free = attention_layer_ids(cfg) == ()  # mamba2: no attention sizes
+    if attention_free:
+        mixers = layer_mixers(cfg) or ()
+        shape = HFAttentionShape(mt, len(mixers), int(_req(cfg, "hidden_size")), 0, 0, 0)
+    else:
+        shape = hf_attention_shape(cfg)  # the one reader of layer and head sizes
     hidden = shape.hidden_size
     act_name = fam.activation(cfg)
     if act_name not in ACTIVATIONS:
@@ -261,6 +268,11 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
         vocab = int(_req(cfg, "vocab_size"))
         max_pos = int(_req(cfg, "n_positions"))
         theta, scaling, rotary_dim, local = 0.0, None, shape.head_dim, None
+    elif attention_free:  # no positions at all (the recurrence orders the tokens)
+        inter = int(cfg.get("intermediate_size") or 0)
+        vocab = int(_req(cfg, "vocab_size"))
+        max_pos = int(cfg.get("max_position_embeddings") or 1 << 16)
+        theta, scaling, rotary_dim, local = 0.0, None, 0, None
     else:
         inter = int(_req(cfg, "intermediate_size"))
         vocab = int(_req(cfg, "vocab_size"))

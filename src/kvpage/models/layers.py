@@ -204,11 +204,13 @@ class PagedAttention(nn.Module):
         hq, hk = arch.num_q_heads, arch.num_kv_heads
         fam = arch.family
         self.num_q_heads, self.num_kv_heads, self.head_dim = hq, hk, d
+        self.gate = False
         if fam.fused_qkv:  # Phi3Attention.qkv_proj / GPT-2 c_attn: q, k, v rows
             self.qkv_proj = nn.Linear(h, (hq + 2 * hk) * d, bias=arch.qkv_bias)
             self._qkv = FusedLinear([self.qkv_proj])
-        else:
-            self.q_proj = nn.Linear(h, hq * d, bias=arch.qkv_bias)
+        else:  # Qwen3-Next: q_proj rows per head = query then output gate
+            self.gate = fam.attn_output_gate
+            self.q_proj = nn.Linear(h, hq * d * (2 if self.gate else 1), bias=arch.qkv_bias)
             self.k_proj = nn.Linear(h, hk * d, bias=arch.qkv_bias)
             self.v_proj = nn.Linear(h, hk * d, bias=arch.qkv_bias)
             self._qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
@@ -293,6 +295,12 @@ class PagedAttention(nn.Module):
         """
         t = x.shape[0]
         qkv = self._qkv(x)
+        gate = None
+        if self.gate:  # [t, hq, 2d] per head: query, gate (Qwen3NextAttention)
+            hq, d = self.num_q_heads, self.head_dim
+            qg = qkv[:, : 2 * hq * d].view(t, hq, 2 * d)
+            gate = qg[:, :, d:].reshape(t, hq * d)
+            qkv = torch.cat([qg[:, :, :d].reshape(t, hq * d), qkv[:, 2 * hq * d :]], dim=1)
         b = self._splits[0] + self._splits[1]
         v = qkv[:, b:].view(t, self.num_kv_heads, self.head_dim)
         if not self._plain_rope or cos is None or sin is None:
@@ -307,6 +315,8 @@ class PagedAttention(nn.Module):
         else:
             o = backend.forward(q, cache, plan, self.spec)
         o = o.reshape(t, self.num_q_heads * self.head_dim)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
         return self._o(o, self.o_proj.weight, self.o_proj.bias)
 
 

@@ -77,6 +77,10 @@ class MoEMLP(nn.Module):
                 for _ in range(params.num_experts)
             ]
         )
+        self.shared_expert: Expert | None = None
+        if params.shared_expert_intermediate_size:  # Qwen3NextSparseMoeBlock
+            self.shared_expert = Expert(hidden_size, params.shared_expert_intermediate_size, False)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router of ``x`` ``[num_tokens, hidden]``: ``(weights [num_tokens, top_k]``
@@ -115,6 +119,7 @@ class MoEMLP(nn.Module):
         out = torch.zeros_like(x)
         if t == 0:
             return out
+
         k = self.params.top_k
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -133,6 +138,12 @@ class MoEMLP(nn.Module):
             y = y * w[start : start + n, None]
             out.index_add_(0, rows, y.to(out.dtype))
             start += n
+        if self.shared_expert is not None:  # + sigmoid(gate x) * shared(x), added last
+            se = self.shared_expert
+            gu = se._gate_up(x)
+            i = se.gate_proj.out_features
+            s = F.linear(F.silu(gu[:, :i]) * gu[:, i:], se.down_proj.weight)
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * s
         return out
 
 

@@ -41,9 +41,10 @@ __all__ = [
 MODEL_TYPES: tuple[str, ...] = (
     "llama", "mistral", "qwen2", "gemma2", "qwen3", "gemma3_text", "phi3", "olmo2",
     "granite", "glm4", "cohere", "starcoder2", "gpt2", "mixtral", "qwen3_moe", "gpt_oss",
+    "qwen3_next", "mamba2",
 )  # fmt: skip
 #: the MoE model types among them (``kvpage.models.moe``): their expert keys are expected
-MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "gpt_oss")
+MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "gpt_oss", "qwen3_next")
 #: model types ``kvpage plan`` can size a cache for: every one kvpage runs, and the
 #: recurrent/hybrid ones whose layers ``kvpage.specs.state`` lowers
 PLAN_MODEL_TYPES: tuple[str, ...] = MODEL_TYPES + tuple(
@@ -62,7 +63,6 @@ _MOE_KEYS = ("num_local_experts", "n_routed_experts", "num_experts")
 #: known HF ``model_type`` -> what kvpage lacks to run it
 UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
     "mamba": f"Mamba {_SSM}",
-    "mamba2": f"Mamba-2 {_SSM}",
     "falcon_mamba": f"Mamba {_SSM}",
     "rwkv": f"RWKV {_SSM}",
     "recurrent_gemma": "RG-LRU recurrent state beside the KV cache",
