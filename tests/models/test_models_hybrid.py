@@ -31,6 +31,21 @@ CONFIGS: dict[str, dict[str, Any]] = {
         vocab_size=256, hidden_size=32, num_heads=8, head_dim=8, state_size=16, n_groups=2,
         num_hidden_layers=2, chunk_size=8,
     ),
+    "nemotron_h": dict(
+        vocab_size=256, hidden_size=64, layers_block_type=["mamba", "attention", "mlp", "mamba"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
+        mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, chunk_size=8,
+        max_position_embeddings=512,
+    ),
+    "granitemoehybrid": dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"], num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=32, shared_intermediate_size=48,
+        num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16,
+        mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=8, position_embedding_type="rope",
+        embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0,
+        attention_multiplier=0.2, max_position_embeddings=512,
+    ),
 }  # fmt: skip
 PREFIX = [5, 17, 99, 3, 200, 41, 7, 8]  # two blocks of 4
 PROMPTS = [PREFIX + [9, 10, 11, 12, 13], [250, 1, 33, 44, 55, 66, 77, 90], list(range(30, 51))]

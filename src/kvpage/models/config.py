@@ -31,6 +31,7 @@ ACTIVATIONS = {
     "gelu_fast": "gelu_tanh",
     "gelu": "gelu",
     "gelu_python": "gelu",
+    "relu2": "relu2",
 }
 
 
@@ -70,6 +71,8 @@ class ArchConfig:
         qk_norm: the layers norm q and k before RoPE (``family.qk_norm`` says how).
         sinks: every attention layer has a learned sink logit per query head
             (gpt-oss ``self_attn.sinks``).
+        use_rope: the attention layers rotate q/k (``family.rope``; Granite-4 hybrid:
+            ``position_embedding_type == "rope"``).
     """
 
     model_type: str
@@ -99,6 +102,7 @@ class ArchConfig:
     moe: MoEParams | None = None
     qk_norm: bool = False
     sinks: bool = False
+    use_rope: bool = True
 
     @property
     def max_context_len(self) -> int:
@@ -246,6 +250,11 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
     mt = check_architecture(cfg, SUPPORTED_MODEL_TYPES)
     fam = FAMILIES[mt]
     attention_free = attention_layer_ids(cfg) == ()  # mamba2: no attention sizes
+    if mt == "nemotron_h" and "moe" in str(cfg.get("layers_block_type") or ""):
+        raise SpecError(
+            "config.layers_block_type: expected mamba/attention/mlp layers, got 'moe' "
+            "(Nemotron-H's MoE: sigmoid group routing with relu2 experts, not implemented)"
+        )
     if attention_free:
         mixers = layer_mixers(cfg) or ()
         shape = HFAttentionShape(mt, len(mixers), int(_req(cfg, "hidden_size")), 0, 0, 0)
@@ -327,6 +336,9 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
         moe=moe_params_from_hf(cfg, shape.num_layers),
         qk_norm=fam.has_qk_norm(cfg),
         sinks=fam.sinks,
+        use_rope=not attention_free
+        and fam.rope
+        and (mt != "granitemoehybrid" or cfg.get("position_embedding_type") == "rope"),
     )
 
 

@@ -7,8 +7,14 @@ Block layouts (transformers 5.23 modeling files):
 * ``qwen3_next`` (``Qwen3NextDecoderLayer``): ``x += mixer(input_layernorm(x))`` with
   the mixer Gated DeltaNet (``linear_attn``) or gated attention (``self_attn``), then
   ``x += mlp(post_attention_layernorm(x))`` (sparse MoE with a shared expert, or dense);
-* ``mamba2`` (``Mamba2Block``): ``x += mamba(input_layernorm(x))`` (HF: ``norm`` and
-  ``mixer``), no MLP; with ``residual_in_fp32`` the residual stream is float32.
+* ``mamba2`` (``Mamba2Block``): ``x += mixer(input_layernorm(x))`` (HF: ``norm``), no
+  MLP; with ``residual_in_fp32`` the residual stream is float32;
+* ``nemotron_h`` (``NemotronHBlock``): ``x += mixer(input_layernorm(x))`` with the
+  mixer Mamba-2, attention without RoPE, or (layers that mix nothing) a relu2 MLP;
+  Mamba-2's ``dt`` is clamped below at ``time_step_min`` (``NemotronHMamba2Mixer``);
+* ``granitemoehybrid`` (``GraniteMoeHybridDecoderLayer``): ``x += rm * mixer(n1(x))``
+  (``mamba`` or ``self_attn``), ``x += rm * (moe(n2(x)) + shared_mlp(n2(x)))`` (just
+  ``shared_mlp`` without experts), ``rm`` = ``residual_multiplier``.
 
 The mixers' settings are read from the config here (Mamba-2 sizes through
 :mod:`kvpage.specs.state`, the one reader of them).
@@ -48,10 +54,15 @@ def _float(v: Any, key: str) -> float:
 
 
 def mamba2_from_hf(cfg: Mapping[str, Any], hidden_size: int, eps: float) -> Mamba2Mixer:
-    """A :class:`Mamba2Mixer` of a config's sizes (``Mamba2Mixer`` keys: ``chunk_size``,
-    ``use_bias``, ``use_conv_bias``, ``time_step_limit``)."""
+    """A :class:`Mamba2Mixer` of a config's sizes and its family's keys: ``chunk_size``,
+    ``use_bias``, ``use_conv_bias``, ``time_step_limit`` (Mamba2Mixer,
+    NemotronHMamba2Mixer: limit ``(time_step_min, inf)``), Granite-4's ``mamba_*``."""
     heads, hd, d_state, groups, kernel, _ = _mamba2_sizes(cfg)
     limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    if cfg.get("model_type") == "nemotron_h":
+        limit = (cfg.get("time_step_min", 0.001), float("inf"))
+    granite = cfg.get("model_type") == "granitemoehybrid"
+    p = "mamba_" if granite else ""
     return Mamba2Mixer(
         hidden_size,
         heads,
@@ -59,15 +70,24 @@ def mamba2_from_hf(cfg: Mapping[str, Any], hidden_size: int, eps: float) -> Mamb
         d_state,
         groups,
         kernel,
-        int(cfg.get("chunk_size") or 256),
+        int(cfg.get(f"{p}chunk_size") or 256),
         eps,
-        use_bias=bool(cfg.get("use_bias", False)),
-        use_conv_bias=bool(cfg.get("use_conv_bias", True)),
+        use_bias=bool(cfg.get("mamba_proj_bias" if granite else "use_bias", False)),
+        use_conv_bias=bool(cfg.get("mamba_conv_bias" if granite else "use_conv_bias", True)),
         time_step_limit=(
             _float(limit[0], "time_step_limit"),
             _float(limit[1], "time_step_limit"),
         ),
     )
+
+
+#: the HF attribute name of each mixer kind per family (so checkpoint keys load as is)
+_MIXER_NAMES: dict[str, dict[str, str]] = {
+    "qwen3_next": {"attention": "self_attn", "gated_deltanet": "linear_attn"},
+    "mamba2": {"mamba2": "mixer"},
+    "nemotron_h": {"attention": "mixer", "mamba2": "mixer", "mlp": "mixer"},
+    "granitemoehybrid": {"attention": "self_attn", "mamba2": "mamba"},
+}
 
 
 def gated_deltanet_from_hf(cfg: Mapping[str, Any], hidden_size: int, eps: float) -> GatedDeltaNet:
@@ -105,26 +125,37 @@ class HybridDecoderLayer(nn.Module):
         super().__init__()
         h, eps = arch.hidden_size, arch.rms_norm_eps
         self.mixers = mixers
-        if len(mixers) != 1:
+        self.single = arch.family.block == "single"
+        if len(mixers) > 1 or (not mixers and not self.single):
             raise ShapeError(f"layer {layer_id}: expected one mixer, got {mixers}")
-        self.kind = mixers[0]
+        self.kind = mixers[0] if mixers else "mlp"
+        self.op_name = _MIXER_NAMES[arch.model_type][self.kind]
+        op: nn.Module
         if self.kind == "attention":
             if attn_spec is None:
                 raise ShapeError(f"layer {layer_id}: expected an AttentionSpec, got None")
-            self.self_attn = PagedAttention(arch, attn_spec)
+            op = PagedAttention(arch, attn_spec)
         elif self.kind == "gated_deltanet":
-            self.linear_attn = gated_deltanet_from_hf(cfg, h, eps)
-        else:
-            self.mamba = mamba2_from_hf(cfg, h, eps)
+            op = gated_deltanet_from_hf(cfg, h, eps)
+        elif self.kind == "mamba2":
+            op = mamba2_from_hf(cfg, h, eps)
+        else:  # Nemotron-H's MLP-only layer
+            op = MLP(arch)
+        self.add_module(self.op_name, op)
         self.input_layernorm = make_norm(arch, h)
         self.mlp: MLP | MoEMLP | None = None
-        if arch.family.mlp != "none":
+        self.shared_mlp: MLP | None = None
+        if not self.single:
             self.post_attention_layernorm = make_norm(arch, h)
             if arch.moe is not None and layer_id in arch.moe.sparse_layers:
                 self.mlp = MoEMLP(h, arch.moe)
-            else:
+            elif arch.model_type != "granitemoehybrid":
                 self.mlp = MLP(arch)
+            if arch.model_type == "granitemoehybrid":  # GraniteMoeHybridMLP
+                inter = int(cfg.get("shared_intermediate_size") or 0)
+                self.shared_mlp = MLP(arch, inter, kind="fused_glu")
         self.residual_fp32 = arch.model_type == "mamba2" and bool(cfg.get("residual_in_fp32", True))
+        self.residual_multiplier = arch.residual_multiplier
 
     def forward(
         self,
@@ -145,17 +176,28 @@ class HybridDecoderLayer(nn.Module):
         """
         dtype = self.input_layernorm.weight.dtype
         h = self.input_layernorm(x.to(dtype), ops)
+        op = getattr(self, self.op_name)
         if self.kind == "attention":
             assert cache is not None and plan is not None
-            a = self.self_attn(h, cos, sin, cache, plan, backend, ops)
+            a = op(h, cos, sin, cache, plan, backend, ops)
+        elif self.kind == "mlp":
+            a = op(h, ops)
         else:
             assert state is not None and batch is not None
-            mixer = self.linear_attn if self.kind == "gated_deltanet" else self.mamba
-            a = mixer(h, state, batch)
+            a = op(h, state, batch)
+        rm = self.residual_multiplier
+        if rm is not None:
+            a = a * rm
         x = (x.float() if self.residual_fp32 else x) + a
-        if self.mlp is None:
+        if self.single:
             return x
-        return x + self.mlp(self.post_attention_layernorm(x, ops), ops)
+        h = self.post_attention_layernorm(x, ops)
+        m = self.mlp(h, ops) if self.mlp is not None else None
+        if self.shared_mlp is not None:
+            s = self.shared_mlp(h, ops)
+            m = s if m is None else m + s
+        assert m is not None
+        return x + (m * rm if rm is not None else m)
 
 
 __all__ = ["HybridDecoderLayer", "gated_deltanet_from_hf", "mamba2_from_hf"]

@@ -145,12 +145,18 @@ class MLP(nn.Module):
     """The dense MLP of ``arch.family.mlp``: ``glu`` ``down(act(gate(x)) * up(x))``
     (gate and up as one fused matmul), ``fused_glu`` the same from one
     ``gate_up_proj`` (gate rows first: Phi-3, GLM-4), ``plain`` ``down(act(up(x)))``
-    (StarCoder2 / GPT-2 ``c_fc`` / ``c_proj``)."""
+    (StarCoder2 / GPT-2 ``c_fc`` / ``c_proj``). ``intermediate_size`` / ``kind``
+    override the arch's (Granite-4 hybrid's ``shared_mlp``: ``fused_glu`` of
+    ``shared_intermediate_size``). Activations: SiLU, GELU (tanh or erf), ``relu2``
+    (``relu(x) ** 2``, Nemotron-H)."""
 
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(
+        self, arch: ArchConfig, intermediate_size: int | None = None, kind: str | None = None
+    ) -> None:
         super().__init__()
-        h, i, b = arch.hidden_size, arch.intermediate_size, arch.mlp_bias
-        self.kind = arch.family.mlp if arch.family.mlp != "moe" else "glu"
+        h, b = arch.hidden_size, arch.mlp_bias
+        i = arch.intermediate_size if intermediate_size is None else intermediate_size
+        self.kind = kind or (arch.family.mlp if arch.family.mlp != "moe" else "glu")
         self.gate_up_proj: nn.Linear | None = None
         if self.kind == "glu":
             self.gate_proj = nn.Linear(h, i, bias=b)
@@ -172,6 +178,8 @@ class MLP(nn.Module):
             return F.silu(g)
         if self.activation == "gelu_tanh":
             return F.gelu(g, approximate="tanh")
+        if self.activation == "relu2":
+            return torch.square(F.relu(g))
         return F.gelu(g)
 
     def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
@@ -231,7 +239,7 @@ class PagedAttention(nn.Module):
         elif self.qk_norm == "head_ln":  # CohereAttention: [heads, head_dim] weights
             self.q_norm = HeadLayerNorm(hq, d, arch.rms_norm_eps)
             self.k_norm = HeadLayerNorm(hk, d, arch.rms_norm_eps)
-        self.rope = not fam.learned_positions
+        self.rope = not fam.learned_positions and arch.use_rope
         self.interleaved = fam.rope_interleaved
         # the fused rotate-half path (backend LayerOps or apply_rope_qkv) applies when
         # nothing comes between the projection and a full-width rotate-half RoPE

@@ -59,7 +59,7 @@ def rotary_embeddings(arch: ArchConfig) -> tuple[RotaryEmbedding | None, RotaryE
     """The RoPE tables of the full-attention layers and, when they differ (Gemma-3's
     ``rope_local_base_freq``), of the sliding layers; ``(None, None)`` with learned
     positions."""
-    if arch.family.learned_positions or arch.head_dim == 0:  # GPT-2; mamba2
+    if arch.family.learned_positions or not arch.use_rope:  # GPT-2; mamba2, Nemotron-H
         return None, None
     n = min(arch.max_position_embeddings, 8192)
     full = RotaryEmbedding(arch.head_dim, arch.rope_theta, n, arch.rope_scaling, arch.rotary_dim)

@@ -85,7 +85,11 @@ class Family:
             ``2 * head_dim`` rows: query then gate); the attention output is multiplied
             by ``sigmoid(gate)`` before ``o_proj`` (``Qwen3NextAttention``).
         recurrent: the layers are those of :func:`kvpage.specs.state.layer_mixers`
-            (Mamba-2, Gated DeltaNet, attention), built by ``kvpage.models.hybrid``.
+            (Mamba-2, Gated DeltaNet, attention), built by ``kvpage.models.hybrid``;
+            ``block`` ``single`` there: ``x + op(input_layernorm(x))`` with one op per
+            layer (the mixer, or the MLP on a mixer-less layer: Nemotron-H).
+        rope: attention layers rotate q/k (Nemotron-H's have no positional encoding;
+            Granite-4 hybrid's only with ``position_embedding_type: rope``).
     """
 
     model_type: str
@@ -116,6 +120,7 @@ class Family:
     partial_rotary_default: float = 1.0
     attn_output_gate: bool = False
     recurrent: bool = False
+    rope: bool = True
 
     def biases(self, cfg: Mapping[str, Any]) -> tuple[bool, bool, bool]:
         """``(qkv_bias, o_bias, mlp_bias)`` of a config."""
@@ -283,6 +288,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "mamba2",
             eps_keys=("layer_norm_epsilon",),
+            block="single",
             mlp="none",
             recurrent=True,
             renames=(
@@ -290,7 +296,44 @@ FAMILIES: dict[str, Family] = {
                 ("backbone.embedding.", "model.embed_tokens."),
                 ("backbone.norm_f.", "model.norm."),
                 ("backbone.layers.{i}.norm.", _LAYER + "input_layernorm."),
-                ("backbone.layers.{i}.mixer.", _LAYER + "mamba."),
+                ("backbone.layers.", "model.layers."),
+            ),
+        ),
+        # NemotronHBlock: x + mixer(norm(x)), the mixer Mamba-2, attention without
+        # positions, or a relu2 MLP (up/down)
+        Family(
+            "nemotron_h",
+            eps_keys=("layer_norm_epsilon",),
+            block="single",
+            mlp="plain",
+            attn_bias_key=None,
+            mlp_bias_key="mlp_bias",
+            act_keys=("mlp_hidden_act",),
+            act_default="relu2",
+            recurrent=True,
+            rope=False,
+            renames=(  # transformers' in-memory names, then the hub's backbone.*
+                ("model.embeddings.", "model.embed_tokens."),
+                ("model.norm_f.", "model.norm."),
+                (_LAYER + "norm.", _LAYER + "input_layernorm."),
+                ("backbone.embeddings.", "model.embed_tokens."),
+                ("backbone.norm_f.", "model.norm."),
+                ("backbone.layers.{i}.norm.", _LAYER + "input_layernorm."),
+                ("backbone.layers.", "model.layers."),
+            ),
+        ),
+        # GraniteMoeHybridDecoderLayer: x + rm * mixer(n1(x)) (Mamba-2 or attention),
+        # x + rm * (moe(n2(x)) + shared_mlp(n2(x))); Granite's multipliers
+        Family(
+            "granitemoehybrid",
+            mlp="moe",
+            embed_scale="embedding_multiplier",
+            residual_multiplier=True,
+            logits="divide",
+            recurrent=True,
+            renames=(
+                (_LAYER + "shared_mlp.input_linear.", _LAYER + "shared_mlp.gate_up_proj."),
+                (_LAYER + "shared_mlp.output_linear.", _LAYER + "shared_mlp.down_proj."),
             ),
         ),
     )

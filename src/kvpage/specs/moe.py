@@ -79,6 +79,24 @@ def moe_params_from_hf(cfg: Mapping[str, Any], num_layers: int) -> MoEParams | N
         return None
     if mt == "qwen3_next" and not cfg.get("num_experts"):
         return None  # Qwen3NextDecoderLayer: num_experts 0 = dense MLPs only
+    if mt == "granitemoehybrid":  # GraniteMoeHybridTopKRouter: softmax of the top-k logits
+        if not cfg.get("num_local_experts"):
+            return None  # only the shared MLP
+        n, k = _int(cfg, "num_local_experts"), _int(cfg, "num_experts_per_tok")
+        if k > n:
+            raise SpecError(f"config.num_experts_per_tok: expected <= {n} experts, got {k}")
+        return MoEParams(
+            family=mt,
+            num_experts=n,
+            top_k=k,
+            intermediate_size=_int(cfg, "intermediate_size"),
+            routing="topk_softmax",
+            norm_topk_prob=False,
+            weights_in_model_dtype=True,
+            bias=False,
+            activation="silu",
+            sparse_layers=tuple(range(num_layers)),
+        )
     qwen = mt in ("qwen3_moe", "qwen3_next")
     if qwen:
         n = _int(cfg, "num_experts", "num_local_experts")
