@@ -46,6 +46,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
         embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0,
         attention_multiplier=0.2, max_position_embeddings=512,
     ),
+    "falcon_h1": dict(
+        vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=64, mamba_n_heads=8,
+        mamba_d_head=8, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=8,
+        mamba_rms_norm=True, mamba_norm_before_gate=False, projectors_bias=True,
+        embedding_multiplier=1.5, lm_head_multiplier=0.7, mlp_multipliers=[0.8, 1.3],
+        key_multiplier=0.9, attention_in_multiplier=1.2, attention_out_multiplier=0.6,
+        ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.7], ssm_in_multiplier=1.3,
+        ssm_out_multiplier=0.8, max_position_embeddings=512,
+    ),
 }  # fmt: skip
 PREFIX = [5, 17, 99, 3, 200, 41, 7, 8]  # two blocks of 4
 PROMPTS = [PREFIX + [9, 10, 11, 12, 13], [250, 1, 33, 44, 55, 66, 77, 90], list(range(30, 51))]
@@ -92,7 +102,28 @@ def _want(hf: Any, prompt: list[int]) -> list[int]:
 def test_greedy_one_pass_chunked_prefix_hit_preemption(
     family: tuple[str, Any, ModelRunnerModel],
 ) -> None:
-    mt, hf, model = family
+    check_greedy(*family)
+
+
+VARIANTS = [
+    ("falcon_h1", dict(mamba_rms_norm=False)),  # y * silu(z), its default
+    ("falcon_h1", dict(mamba_rms_norm=True, mamba_norm_before_gate=True)),
+    ("granitemoehybrid", dict(num_local_experts=0, position_embedding_type=None)),
+    ("qwen3_next", dict(num_experts=0)),  # dense MLPs only
+    ("mamba2", dict(n_groups=1, residual_in_fp32=False)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mt", "over"), VARIANTS)
+def test_config_variants(mt: str, over: dict[str, Any], tmp_path: Path) -> None:
+    hf = make_hf(mt, seed=3, **over)
+    hf.save_pretrained(tmp_path)
+    check_greedy(mt, hf, load_model(tmp_path))
+
+
+def check_greedy(mt: str, hf: Any, model: ModelRunnerModel) -> None:
+    """Greedy equality (and logits within 1e-4) in the four schedules."""
     want = [_want(hf, p) for p in PROMPTS]
     assert len({t for w in want for t in w}) > 4  # not a degenerate constant output
     backend = get_test_backend()
@@ -108,6 +139,7 @@ def test_greedy_one_pass_chunked_prefix_hit_preemption(
     assert [s.generated for s in seqs] == want, mt
     err = max(float((torch.stack(s.logits) - hf_logits(hf, s)).abs().max()) for s in seqs)
     assert err < 1e-4, (mt, err)
+    print(f"{mt}: tokens equal, max |logit error| {err:.2e}")
     # prefix hit: PROMPTS[0]'s prefill stops at the PREFIX block boundary, its state is
     # snapshotted (slot 0 -> 5); OTHER shares the two prefix blocks and continues from
     # a copy of the snapshot (5 -> 2)
