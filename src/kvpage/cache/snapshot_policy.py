@@ -140,6 +140,8 @@ class SnapshotPolicy:
         hashes: Sequence[BlockHash],
         num_prompt_tokens: int,
         num_cached_tokens: int,
+        *,
+        self_pass: bool = False,
     ) -> list[SnapshotPoint]:
         """The boundaries to snapshot while prefilling a prompt, in position order:
         the deepest predicted-shared boundary (if any) and the prompt boundary, both
@@ -151,6 +153,8 @@ class SnapshotPolicy:
                 request's own pass counts.
             num_prompt_tokens: the prompt's length ``P``.
             num_cached_tokens: the prefix hit (tokens; the prefill starts there).
+            self_pass: count this request's own pass as if :meth:`observe` had run
+                (the answer :meth:`observe` then this call will give; changes nothing).
 
         Raises:
             SpecError: ``len(hashes) != P // block_size``.
@@ -168,7 +172,7 @@ class SnapshotPolicy:
                 b = (i + 1) * bs
                 if b <= num_cached_tokens:
                     break
-                if self.pass_count(hashes[i]) >= self.share_threshold:
+                if self.pass_count(hashes[i]) + self_pass >= self.share_threshold:
                     out.append(SnapshotPoint(b, "predicted", hashes[i]))
                     break
         if last > num_cached_tokens:
