@@ -18,6 +18,7 @@ from kvpage.specs import (
     make_attention_spec,
     make_cache_spec,
 )
+from kvpage.specs.state import attention_layer_ids
 
 transformers = pytest.importorskip("transformers")
 
@@ -315,6 +316,10 @@ PRESET_BYTES = {
     "stories260K": 5 * 2 * 4 * 8 * 4,
     "gpt-oss-120b": 36 * 2 * 8 * 64 * 2,
     "gpt-oss-20b": 24 * 2 * 8 * 64 * 2,
+    # hybrids: the attention layers only
+    "qwen3-next-80b-a3b": 12 * 2 * 2 * 256 * 2,
+    "nemotron-h-8b": 4 * 2 * 8 * 128 * 2,
+    "granite-4.0-h-tiny": 4 * 2 * 4 * 128 * 2,
 }
 
 
@@ -323,7 +328,9 @@ def test_every_preset_loads(name: str) -> None:
     p = load_preset(name)
     assert p.name == name and p.num_parameters > 0 and p.max_model_len > 0
     s = p.cache_spec(num_blocks=4)
-    assert s.num_layers == p.hf_config.get("num_hidden_layers", s.num_layers)
+    attn = attention_layer_ids(p.hf_config)  # hybrids: only the attention layers
+    n_layers = p.hf_config.get("num_hidden_layers", s.num_layers)
+    assert s.num_layers == (n_layers if attn is None else len(attn))
     if name in PRESET_BYTES:
         assert s.bytes_per_token == PRESET_BYTES[name]
 

@@ -25,6 +25,12 @@ token count that is a multiple of the block size, and leaves out:
 * **tensor parallelism** — KV heads are sharded: each of ``tp`` ranks holds
   ``num_kv_heads / tp`` heads; when ``tp > num_kv_heads`` heads must be replicated
   (each rank holds one head; ``tp`` must then be a multiple of ``num_kv_heads``);
+* **recurrent state** (hybrid models: Mamba-2 / Gated DeltaNet layers,
+  ``CacheSpec.state_layers``) — a fixed ``state_bytes_per_sequence`` per sequence (conv +
+  SSM states, ``StateSpec.bytes``) for its live state, plus prefix-cache snapshots of
+  the same size; sized as the engine sizes them (``kvpage.cache.state_pool``:
+  ``max_num_seqs`` live slots first, then ``state_snapshot_share`` of the rest for
+  snapshots, the rest KV blocks);
 * **everything that is not KV** — weights (``num_parameters x bytes`` / tp), activations,
   CUDA graphs, allocator fragmentation and the framework's own buffers, which the
   ``utilization`` fraction and ``overhead_bytes`` stand in for.
@@ -43,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpage.cache.state_pool import snapshot_slots_for, split_state_memory
 from kvpage.errors import SpecError
 from kvpage.specs import (
     DTYPE_BYTES,
@@ -275,6 +282,13 @@ class CapacityPlan:
     kv_pool: str = "unified"
     num_kv_groups: int = 1
     tokens_unbounded: bool = False
+    num_state_layers: int = 0
+    state_bytes_per_sequence: int = 0
+    state_live_slots: int = 0
+    state_snapshot_share: float = 0.0
+    state_snapshot_slots: int = 0
+    state_snapshot_bytes: int = 0
+    state_seqs_that_fit: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -297,6 +311,8 @@ def plan_capacity(
     num_seqs: int | None = None,
     max_model_len: int | None = None,
     kv_pool: str = "unified",
+    max_num_seqs: int = 256,
+    state_snapshot_share: float = 0.1,
 ) -> CapacityPlan:
     """Size the KV cache of ``model`` on one device (one TP rank).
 
@@ -318,11 +334,22 @@ def plan_capacity(
     without full-attention layers whose windows always fit reports
     ``usable_blocks // num_kv_groups * block_size`` with ``tokens_unbounded`` set.
 
+    Hybrid models (recurrent state layers): the budget is split as the engine splits
+    ``kv_cache_memory_bytes`` (``kvpage.cache.state_pool.split_state_memory``):
+    ``max_num_seqs x state_bytes_per_sequence`` for the live states, then
+    ``state_snapshot_share`` of the rest for snapshots (``state_snapshot_slots`` of
+    ``state_bytes_per_sequence`` each, at most one per usable block) and the rest for KV
+    blocks (``num_blocks``); ``state_seqs_that_fit`` = sequences of ``model_max_len``
+    tokens whose KV blocks and live state fit the whole budget without snapshots,
+    ``floor((kv_budget - fixed) / (sequence_blocks(L) x bytes_per_block +
+    state_bytes_per_sequence))``.
+
     Raises:
         SpecError: bad or unsupported model (``kvpage.specs.architectures``), ``max_model_len``
             above the model's context, a size above 1 PiB, budget below zero, TP
             sharding refused, bad dtypes; ``weight_bytes`` missing where the parameter
-            count is unknown.
+            count is unknown; ``tp > 1``, ``max_num_seqs < 1`` or a share outside
+            [0, 1) with recurrent state layers.
     """
     src = resolve_model(model)
     if num_seqs is not None and (isinstance(num_seqs, bool) or num_seqs < 1):
@@ -372,6 +399,37 @@ def plan_capacity(
             f"2 KV blocks, got {budget / GIB:.2f} GiB left for KV"
         )
     num_blocks = (budget - fixed) // bpb
+    state_bytes = spec.state_bytes_per_sequence
+    snap_slots = snap_bytes = seqs_fit = 0
+    if state_bytes:
+        if tp != 1:
+            raise SpecError(
+                f"tp: expected 1 for a model with recurrent state layers (sharding the "
+                f"recurrent states is not modelled), got {tp}"
+            )
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:  # fmt: skip
+            raise SpecError(f"max_num_seqs: expected an int >= 1, got {max_num_seqs!r}")
+        if not 0.0 <= state_snapshot_share < 1.0:
+            raise SpecError(
+                f"state_snapshot_share: expected a number in [0, 1), got {state_snapshot_share!r}"
+            )
+        kv_bytes, snap_budget = split_state_memory(
+            budget, state_bytes, max_num_seqs, state_snapshot_share
+        )
+        num_blocks = (kv_bytes - fixed) // bpb
+        if num_blocks < 2:
+            raise SpecError(
+                f"device_bytes: expected room for {max_num_seqs} live recurrent states "
+                f"({state_bytes:,} bytes each) and 2 KV blocks, got "
+                f"{budget / GIB:.2f} GiB left for KV and state"
+            )
+        snap_slots = snapshot_slots_for(
+            state_bytes, state_snapshot_share, int(num_blocks) - 1, snapshot_bytes=snap_budget
+        )
+        snap_bytes = snap_slots * state_bytes
+        mml = max_model_len or src.max_model_len
+        per_seq = int(spec.sequence_blocks(mml)) * bpb + state_bytes
+        seqs_fit = max(0, (budget - fixed) // per_seq)
     ngroups = len(spec.kv_groups)
     fit = max_sequence_tokens(spec, int(num_blocks) - 1)
     if fit is None:
@@ -399,6 +457,13 @@ def plan_capacity(
         kv_pool=spec.kv_pool,
         num_kv_groups=ngroups,
         tokens_unbounded=max_sequence_tokens(spec, int(num_blocks) - 1) is None,
+        num_state_layers=len(spec.state_layers),
+        state_bytes_per_sequence=state_bytes,
+        state_live_slots=max_num_seqs if state_bytes else 0,
+        state_snapshot_share=state_snapshot_share if state_bytes else 0.0,
+        state_snapshot_slots=snap_slots,
+        state_snapshot_bytes=snap_bytes,
+        state_seqs_that_fit=int(seqs_fit),
     )
     if workload is not None:
         plan.workload = analyze_workload(

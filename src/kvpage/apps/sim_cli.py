@@ -67,6 +67,18 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--num-seqs", type=int, default=None, help="N (>= 1) for the largest max_model_len"
     )
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=256,
+        help="hybrid models: live recurrent-state slots (the engine's max_num_seqs)",
+    )
+    p.add_argument(
+        "--state-snapshot-share",
+        type=float,
+        default=0.1,
+        help="hybrid models: share of the memory after the live states for state snapshots",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_plan)
     return p
@@ -116,6 +128,8 @@ def run_plan(args: argparse.Namespace) -> int:
             num_seqs=args.num_seqs,
             max_model_len=args.max_model_len,
             kv_pool=args.kv_pool,
+            max_num_seqs=args.max_num_seqs,
+            state_snapshot_share=args.state_snapshot_share,
         )
     except KVPageError as e:
         print(f"kvpage plan: {e}", file=sys.stderr)
@@ -145,6 +159,23 @@ def run_plan(args: argparse.Namespace) -> int:
             f"{d['tokens']:,}" + (" (any length: windows only)" if d["tokens_unbounded"] else ""),
         ),
     ]
+    if d["num_state_layers"]:
+        rows += [
+            (
+                "recurrent state layers / bytes per sequence",
+                f"{d['num_state_layers']} / {d['state_bytes_per_sequence']:,}",
+            ),
+            (
+                "live state slots / snapshot slots (share)",
+                f"{d['state_live_slots']:,} / {d['state_snapshot_slots']:,} "
+                f"({d['state_snapshot_share']})",
+            ),
+            ("snapshot memory", f"{d['state_snapshot_bytes'] / gib:,.2f} GiB"),
+            (
+                "sequences that fit at max_model_len (KV + state)",
+                f"{d['state_seqs_that_fit']:,} x {d['model_max_len']:,} tokens",
+            ),
+        ]
     rows += [(k, _fmt(v)) for k, v in d["workload"].items()]
     print(_table("kvpage plan", rows))
     return 0

@@ -1,0 +1,164 @@
+"""A hybrid model (qwen3_next: Gated DeltaNet + gated attention, tiny random weights
+built offline) through the whole engine: greedy output equal to transformers with
+chunked prefill, with prefix hits at recurrent-state snapshots and after preemption;
+the 100-token system prompt hitting at its 96-token boundary; a conversation's second
+turn starting from the first turn's end state; the metrics and ``cached_tokens`` that
+report it; every block and state slot free at the end; what is refused by name."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpage.engine import LLM
+from kvpage.engine.params import RequestOutput, SamplingParams
+from kvpage.errors import SpecError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from hybrid_harness import hf_generate  # noqa: E402
+from test_models_hybrid import make_hf  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+BS = 16
+#: prompts avoid token 0: it is the pad token, which transformers' generate masks out
+SYSTEM = [(7 * i + 3) % 250 + 3 for i in range(100)]  # a 100-token system prompt
+
+
+@pytest.fixture(scope="module")
+def q3n(tmp_path_factory: Any) -> tuple[Any, str]:
+    hf = make_hf("qwen3_next", max_position_embeddings=512)
+    folder = tmp_path_factory.mktemp("qwen3_next")
+    hf.save_pretrained(folder)
+    return hf, str(folder)
+
+
+def _llm(folder: str, **kw: Any) -> LLM:
+    args: dict[str, Any] = dict(model=folder, block_size=BS, max_model_len=512, seed=0)
+    args.update(kw)
+    return LLM(**args)
+
+
+def _gen(llm: LLM, prompts: list[list[int]], n: int) -> list[RequestOutput]:
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+
+
+def _all_free(llm: LLM) -> None:
+    kv = llm.llm_engine.kv_cache_manager
+    kv.check_integrity()
+    assert kv.num_requests == 0 and kv.num_used_blocks == 0
+    assert kv.state is not None and kv.state.num_live_used == 0
+    assert not llm.llm_engine.scheduler.has_unfinished()
+
+
+def test_system_prompt_hits_at_96_with_another_question(q3n: tuple[Any, str]) -> None:
+    hf, folder = q3n
+    llm = _llm(folder, max_num_batched_tokens=2048)
+    a = SYSTEM + [11, 12, 13, 14, 15]  # 105 tokens: prompt boundary 96
+    b = SYSTEM + [21, 22, 23, 24, 25, 26, 27]  # the same system prompt, another question
+    (oa,) = _gen(llm, [a], 8)
+    (ob,) = _gen(llm, [b], 8)
+    assert oa.num_cached_tokens == 0 and ob.num_cached_tokens == 96  # block 6's boundary
+    assert list(oa.outputs[0].token_ids) == hf_generate(hf, a, 8)
+    assert list(ob.outputs[0].token_ids) == hf_generate(hf, b, 8)
+    m = llm.llm_engine.get_metrics()
+    assert m["kvpage:prefix_cache_hits_total"] == 96.0
+    assert m["kvpage:state_snapshot_hits_total"] == 1.0
+    assert m["kvpage:state_snapshots_taken_total"] >= 1.0
+    assert m["kvpage:state_slots_total"] == llm.llm_engine.kv_cache_manager.state.num_slots  # type: ignore[union-attr]
+    _all_free(llm)
+
+
+def test_second_turn_reuses_first_turns_end_state(q3n: tuple[Any, str]) -> None:
+    hf, folder = q3n
+    llm = _llm(folder, max_num_batched_tokens=2048)
+    turn1 = [1, *range(40, 80)]  # 41 tokens
+    (o1,) = _gen(llm, [turn1], 30)  # computed 41 + 30 - 1 = 70: last boundary 64
+    out1 = list(o1.outputs[0].token_ids)
+    assert out1 == hf_generate(hf, turn1, 30)
+    turn2 = turn1 + out1 + [5, 6, 7, 8, 9]
+    (o2,) = _gen(llm, [turn2], 8)
+    assert o2.num_cached_tokens == 64  # the first turn's rolling end-state snapshot
+    assert list(o2.outputs[0].token_ids) == hf_generate(hf, turn2, 8)
+    kinds = llm.llm_engine.kv_cache_manager.state.stats.snapshots_taken_by_kind  # type: ignore[union-attr]
+    assert kinds.get("decode", 0) >= 2  # 48 and 64 during turn 1 (48 dropped)
+    _all_free(llm)
+
+
+def test_chunked_prefill_and_predicted_boundary(q3n: tuple[Any, str]) -> None:
+    """Budget 24 tokens per step: chunks also end at each snapshot boundary; the third
+    request hits at the system prompt's boundary the second one predicted shared."""
+    hf, folder = q3n
+    llm = _llm(folder, max_num_batched_tokens=24, state_share_threshold=2)
+    qs = [[30 + i, 31 + i] + [60 + i] * 20 for i in range(3)]  # 122 tokens: boundary 112
+    outs = [_gen(llm, [SYSTEM + q], 6)[0] for q in qs]
+    for q, o in zip(qs, outs):
+        assert list(o.outputs[0].token_ids) == hf_generate(hf, SYSTEM + q, 6)
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 96]
+    kinds = llm.llm_engine.kv_cache_manager.state.stats.snapshots_taken_by_kind  # type: ignore[union-attr]
+    assert kinds["predicted"] == 1 and kinds["prompt"] == 3
+    _all_free(llm)
+
+
+def test_batch_with_preemption_equal_to_transformers(q3n: tuple[Any, str]) -> None:
+    hf, folder = q3n
+    llm = _llm(folder, num_blocks=14, max_num_batched_tokens=32, max_num_seqs=4)
+    prompts = [SYSTEM[:50] + [i + 3] * 10 for i in range(3)] + [list(range(100, 140))]
+    outs = _gen(llm, prompts, 40)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    # readmissions after preemption restart from their own snapshots
+    assert llm.llm_engine.kv_cache_manager.state.stats.snapshot_hits >= 2  # type: ignore[union-attr]
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == hf_generate(hf, p, 40)
+    _all_free(llm)
+
+
+def test_n2_forks_the_state(q3n: tuple[Any, str]) -> None:
+    hf, folder = q3n
+    llm = _llm(folder)
+    p = list(range(10, 45))
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=2)
+    (o,) = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
+    want = hf_generate(hf, p, 6)
+    assert [list(c.token_ids) for c in o.outputs] == [want, want]
+    _all_free(llm)
+
+
+def test_no_state_snapshot_is_explained(q3n: tuple[Any, str]) -> None:
+    _, folder = q3n
+    llm = _llm(folder, state_share_threshold=9, state_predicted_share=0.0)
+    a = list(range(3, 75))  # 72 tokens: prompt snapshot at 64 only
+    _gen(llm, [a], 1)
+    b = a[:40] + [200] * 30  # KV shares blocks 0, 1 (32 tokens): no snapshot at 32
+    (ob,) = _gen(llm, [b], 1)
+    why = ob.cache_miss
+    assert ob.num_cached_tokens == 0 and why is not None
+    assert why.reason == "no_state_snapshot"
+    assert why.message == "no state snapshot at position 32 (nearest none)"
+    _gen(llm, [a[:20]], 1)  # a snapshot at 16 (its prompt boundary)
+    c = a[:40] + [201] * 30
+    (oc,) = _gen(llm, [c], 1)
+    assert oc.num_cached_tokens == 16 and oc.cache_miss is not None
+    assert oc.cache_miss.message == "no state snapshot at position 32 (nearest 16)"
+    m = llm.llm_engine.get_metrics()
+    assert (
+        m['kvpage:cache_miss_reasons_total{reason="no_state_snapshot"}'] == 3.0
+    )  # a[:20] too (KV at 16)
+    _all_free(llm)
+
+
+def test_refused_by_name(q3n: tuple[Any, str]) -> None:
+    _, folder = q3n
+    with pytest.raises(SpecError, match="preemption_mode"):
+        _llm(folder, preemption_mode="swap")
+    with pytest.raises(SpecError, match="speculative_config"):
+        _llm(
+            folder,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )
+    with pytest.raises(SpecError, match="kv_cache_memory_bytes"):
+        _llm(folder, kv_cache_memory_bytes=1000)
