@@ -36,6 +36,10 @@ class SimConfig:
             ``swap_space`` default).
         kv_pool: ``unified`` (one block pool for every KV group) or ``per_group``
             (``kvpage.specs.CacheSpec.kv_pool``).
+        weight_bytes: bytes of the weights on the device (they size the KV budget and
+            are read once per step by the cost model); None = ``num_parameters x`` the
+            model dtype's bytes (``kvpage.capacity.plan_capacity``). Give it for
+            quantized checkpoints (gpt-oss-120b's MXFP4 experts: ~65 GB).
     """
 
     model: str = "llama-3-8b"
@@ -61,6 +65,7 @@ class SimConfig:
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 4 << 30
     kv_pool: str = "unified"
+    weight_bytes: int | None = None
 
 
 __all__ = ["POLICIES", "SimConfig"]

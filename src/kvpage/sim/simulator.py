@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kvpage.cache.explain import aggregate_misses
@@ -50,6 +50,8 @@ from kvpage.sim.costmodel import StepCostModel, get_gpu
 from kvpage.sim.instance import SimInstance
 from kvpage.specs import CacheSpec
 from kvpage.specs.engine_config import check_engine_field
+from kvpage.specs.hf import hf_attention_shape
+from kvpage.specs.moe import moe_parameter_count, moe_params_from_hf
 from kvpage.stats import summarize
 from kvpage.workload.traces import TokenMapper, Trace, TraceRequest
 
@@ -115,6 +117,7 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
         kv_dtype=cfg.kv_dtype,
         block_size=cfg.block_size,
         kv_pool=cfg.kv_pool,
+        weight_bytes=cfg.weight_bytes,
     )
     if src.num_parameters is None:  # plan_capacity refuses this without weight bytes
         raise SpecError(f"model: expected a countable parameter count, got {src.param_error}")
@@ -132,11 +135,34 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
         flops_efficiency=cfg.flops_efficiency,
         bandwidth_efficiency=cfg.bandwidth_efficiency,
         step_overhead_s=cfg.step_overhead_s,
+        active_parameters=active_parameters(src.hf_config, src.num_parameters),
+        layer_windows=tuple(
+            (spec.layer_bytes_per_token(i), x.sliding_window) for i, x in enumerate(spec.layers)
+        ),
     )
     mml = cfg.max_model_len or src.max_model_len
     # token slots: a unified pool's block holds one of its G groups' layers
     g = len(spec.kv_groups) if spec.kv_pool == "unified" else 1
     return spec, cost, mml, (nb - 1) * cfg.block_size // g
+
+
+def active_parameters(hf_config: dict[str, Any], num_parameters: int) -> int:
+    """Parameters one token passes: all of them for a dense model; a MoE model
+    (``kvpage.specs.moe``) less, per sparse layer, the ``num_experts - top_k`` experts
+    the token is not routed to (each ``moe_parameter_count`` of one expert less its
+    router row). The router itself is counted (every token computes all its logits).
+
+    Raises:
+        SpecError: invalid MoE fields (``moe_params_from_hf``).
+    """
+    shape = hf_attention_shape(hf_config)
+    moe = moe_params_from_hf(hf_config, shape.num_layers)
+    if moe is None:
+        return num_parameters
+    h = shape.hidden_size
+    one = moe_parameter_count(replace(moe, num_experts=1), h) - h - (1 if moe.bias else 0)
+    idle = len(moe.sparse_layers) * (moe.num_experts - moe.top_k) * one
+    return max(1, num_parameters - idle)
 
 
 #: SimConfig fields that are engine fields: checked by the engine's rules
@@ -254,4 +280,12 @@ def _tier_extra(inst: SimInstance) -> dict[str, Any]:
     return out
 
 
-__all__ = ["POLICIES", "SimConfig", "SimResult", "build_setup", "instance_result", "simulate"]
+__all__ = [
+    "POLICIES",
+    "SimConfig",
+    "SimResult",
+    "active_parameters",
+    "build_setup",
+    "instance_result",
+    "simulate",
+]
