@@ -21,6 +21,11 @@ the hit did not cover and names one reason (:data:`MISS_REASONS`):
   tenant must report it as ``never_seen`` (:meth:`CacheMissExplanation.public`);
 * ``sliding_window``: the full-attention groups hold the next block, but a
   sliding-window group lacks blocks the first computed token must see;
+* ``no_state_snapshot``: a hybrid model (recurrent layers): the attention KV covers the
+  prompt up to position ``p`` (``state_position``) but no recurrent-state snapshot
+  exists there, so the hit ended at an earlier snapshot; ``state_nearest`` is the
+  snapshot boundary along the prompt nearest to ``p`` (None = none)
+  (``kvpage.cache.state_pool``);
 * ``hit_not_taken``: every group could serve the next block, but the caller took a
   shorter hit (the engine never does; an API caller passing less than the lookup);
 * ``prefix_caching_disabled`` and ``prompt_logprobs`` (the engine computes every prompt
@@ -52,6 +57,7 @@ MISS_REASONS = (
     "evicted",
     "different_cache_key",
     "sliding_window",
+    "no_state_snapshot",
     "hit_not_taken",
     "prefix_caching_disabled",
     "prompt_logprobs",
@@ -66,6 +72,8 @@ MISS_ADVICE = {
     "different_cache_key": "same tokens under another salt/tenant/adapter: check routing "
     "and the cache scope",
     "sliding_window": "a sliding-window group dropped the window's blocks: more memory",
+    "no_state_snapshot": "the recurrent state was not snapshotted there: raise "
+    "state_snapshot_share or lower state_share_threshold",
     "hit_not_taken": "the block was cached but a shorter hit was taken",
     "prefix_caching_disabled": "turn prefix caching on",
     "prompt_logprobs": "prompt_logprobs requests compute every token",
@@ -92,6 +100,8 @@ class CacheMissExplanation:
         policy: ``evicted``: the eviction policy that chose it (e.g. "lru",
             "lru:low-priority", "lru:retained", "reset").
         evicted_at: ``evicted``: ``time.monotonic()`` seconds of the eviction.
+        state_position: ``no_state_snapshot``: tokens the attention KV covered.
+        state_nearest: ``no_state_snapshot``: the nearest snapshot boundary (tokens).
     """
 
     reason: str
@@ -101,6 +111,17 @@ class CacheMissExplanation:
     tier: str | None = None
     policy: str | None = None
     evicted_at: float | None = None
+    state_position: int | None = None
+    state_nearest: int | None = None
+
+    @property
+    def message(self) -> str:
+        """One line for people: the reason, with the positions of ``no_state_snapshot``
+        ("no state snapshot at position p (nearest q)")."""
+        if self.reason == "no_state_snapshot":
+            near = "none" if self.state_nearest is None else str(self.state_nearest)
+            return f"no state snapshot at position {self.state_position} (nearest {near})"
+        return self.reason.replace("_", " ")
 
     @property
     def num_missed_tokens(self) -> int:
@@ -129,6 +150,10 @@ class CacheMissExplanation:
             d["policy"] = self.policy
             ago = None if self.evicted_at is None else max(0.0, t - self.evicted_at)
             d["evicted_s_ago"] = None if ago is None else round(ago, 3)
+        if self.reason == "no_state_snapshot":
+            d["state_position"] = self.state_position
+            d["state_nearest"] = self.state_nearest
+            d["message"] = self.message
         return d
 
 

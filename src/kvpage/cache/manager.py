@@ -31,6 +31,16 @@ its :class:`~kvpage.cache.block_pool.GroupPool` view (own hash map); the fit che
 sum every group's demand, window releases of all groups run before any group's new
 blocks are taken, and eviction follows the one free queue (global LRU, tail-first,
 retention levels). ``per_group`` (and every one-group model): one pool per group.
+
+Recurrent state (hybrid models, ``CacheSpec.state_layers``): the manager composes a
+:class:`~kvpage.cache.state_pool.StatePool` (:attr:`KVCacheManager.state`): one live
+state slot per request (taken with its first allocation, returned by :meth:`free`,
+copied by :meth:`fork`) and snapshots keyed by the block hash ending at their boundary.
+A prefix hit is then the longest prefix whose KV blocks are cached in every attention
+group **and** that ends at a snapshot (searched right to left over the KV hit's
+boundaries); the boundaries to snapshot come from the pool's
+:class:`~kvpage.cache.snapshot_policy.SnapshotPolicy` (:meth:`state_chunk_end` tells the
+scheduler where a prefill chunk must end; :meth:`commit` takes the snapshots).
 """
 
 from __future__ import annotations
@@ -47,11 +57,14 @@ from kvpage.cache.explain import (
     CacheMissExplanation,
     EvictionRecord,
 )
+from kvpage.cache.free_queue import PRIORITY_DEFAULT
 from kvpage.cache.group_managers import GroupManager, GrowthPlan, make_group_manager
 from kvpage.cache.hashing import BlockHash, chain_hash, encode_extra_keys, iter_block_hashes
 from kvpage.cache.integrity import check_manager_integrity
 from kvpage.cache.prefix_cache import PrefixCache
 from kvpage.cache.retention import KVRetention
+from kvpage.cache.snapshot_policy import SnapshotPoint
+from kvpage.cache.state_pool import StatePool
 from kvpage.errors import AllocationError, SpecError
 from kvpage.specs import CacheSpec
 
@@ -111,7 +124,25 @@ class KVCacheManager:
         eviction_record_cap: int = DEFAULT_EVICTION_RECORD_CAP,
         clock: Callable[[], float] = time.monotonic,
         max_alloc_tokens: int | None = None,
+        state_pool: StatePool | None = None,
     ) -> None:
+        if bool(spec.state_layers) != (state_pool is not None):
+            raise SpecError(
+                f"state_pool: expected a StatePool exactly when the spec has state layers "
+                f"(it has {len(spec.state_layers)}), got "
+                f"{'none' if state_pool is None else 'one'}"
+            )
+        if state_pool is not None and state_pool.policy.block_size != spec.block_size:
+            raise SpecError(
+                f"state_pool.policy.block_size: expected {spec.block_size} (the spec's), "
+                f"got {state_pool.policy.block_size}"
+            )
+        #: the recurrent state slots (hybrid models), None without state layers
+        self.state = state_pool
+        #: per request, the snapshot boundaries still to take (prefill)
+        self._points: dict[str, list[SnapshotPoint]] = {}
+        #: the last hybrid lookup: (extra, tokens hashed, KV hit, state hit) in tokens
+        self._state_lookup: tuple[bytes, list[int], int, int] | None = None
         if max_alloc_tokens is not None and max_alloc_tokens < 1:
             raise SpecError(f"max_alloc_tokens: expected None or >= 1, got {max_alloc_tokens}")
         self.max_alloc_tokens = max_alloc_tokens
@@ -334,9 +365,26 @@ class KVCacheManager:
             fits = need <= self._shared.num_free
         else:
             fits = all(gm.can_start(ids, n_new) for gm, ids in zip(self._groups, hit))
+        state = self.state
+        if state is not None:
+            if h and not state.has_snapshot(hashes[hb - 1]):
+                raise AllocationError(
+                    f"num_cached_tokens: expected a state snapshot at position {h}, got none "
+                    "(call get_num_cached_tokens right before allocate)"
+                )
+            if state.num_live_used >= state.num_live_slots:
+                fits = False
         if not fits:
             self._stats.allocation_failures += 1
             return None
+        if state is not None:
+            state.allocate_live(request_id)
+            if h:
+                state.restore(request_id, hashes[hb - 1])
+            if self.enable_prefix_caching:
+                full = self.prefix_cache.block_hashes(extra, token_ids, len(token_ids) // bs)
+                state.policy.observe(full)
+                self._points[request_id] = state.policy.prompt_points(full, len(token_ids), h)
         tables: list[list[int]] = []
         new_blocks: list[list[int]] = []
         freed: list[int] = []
@@ -384,6 +432,14 @@ class KVCacheManager:
         i0 = req.num_committed
         if nfull <= i0:
             return
+        self._commit_blocks(req, token_ids, nfull)
+        if self.state is not None:
+            self._take_snapshot(request_id, req, token_ids, num_computed_tokens)
+
+    def _commit_blocks(self, req: RequestBlocks, token_ids: Sequence[int], nfull: int) -> None:
+        """Hash and register blocks ``num_committed .. nfull - 1`` (see :meth:`commit`)."""
+        bs = self.block_size
+        i0 = req.num_committed
         hashes = req.hashes
         parent = hashes[-1] if hashes else self.prefix_cache.root
         extra = req.extra
@@ -399,6 +455,82 @@ class KVCacheManager:
                 gm.commit(tables[g], i, h)
         req.num_committed = nfull
 
+    def _take_snapshot(
+        self, request_id: str, req: RequestBlocks, token_ids: Sequence[int], n_done: int
+    ) -> None:
+        """After a step whose last computed token ends at block boundary ``n_done``:
+        take the policy's snapshot there (a prefill point, or the rolling decode one
+        when the sequence is computed to its end)."""
+        state = self.state
+        assert state is not None
+        bs = self.block_size
+        if n_done % bs or not state.has_live(request_id):
+            return
+        kind = None
+        points = self._points.get(request_id)
+        while points and points[0].position <= n_done:
+            p = points.pop(0)
+            if p.position == n_done:
+                kind = p.kind
+        if kind is None and n_done == len(token_ids):
+            kind = "decode"
+        if kind is None:
+            return
+        prio, ttl = PRIORITY_DEFAULT, None
+        if req.retention is not None:
+            policy, n_prompt = req.retention
+            blk = n_done // bs - 1
+            for a, b, pr, t in policy.block_spans(n_prompt, bs, blk + 1):
+                if a <= blk < b:
+                    prio, ttl = pr, t
+        state.take(request_id, req.hashes[n_done // bs - 1], kind, priority=prio, ttl_s=ttl)
+
+    def state_chunk_end(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        start: int,
+        end: int,
+        *,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+    ) -> int:
+        """Where a chunk computing positions ``[start, end)`` must end so that every
+        snapshot boundary the policy wants lies at the end of some step: the first wanted
+        boundary inside ``(start, end)``, else ``end`` (always ``end`` without state
+        layers or prefix caching). For a request not allocated yet (its first admission,
+        ``start`` = its hit) the boundaries are those its :meth:`allocate` will plan.
+        Changes nothing."""
+        state = self.state
+        if state is None or not self.enable_prefix_caching or end - start <= 1:
+            return end
+        points = self._points.get(request_id)
+        if points is None:
+            if request_id in self._reqs:
+                return end
+            extra = encode_extra_keys(cache_salt, adapter_id)
+            full = self.prefix_cache.block_hashes(
+                extra, token_ids, len(token_ids) // self.block_size
+            )
+            points = state.policy.prompt_points(full, len(token_ids), start, self_pass=True)
+        return state.policy.chunk_end(start, end, points)
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The state slot copies ``(src, dst)`` queued since the last call, in order
+        (``StatePool.take_copies``); the engine runs all of them before the next
+        forward. Empty without state layers."""
+        return [] if self.state is None else self.state.take_copies()
+
+    def state_slot(self, request_id: str) -> int:
+        """The live state slot of ``request_id``.
+
+        Raises:
+            AllocationError: no state layers, or the request holds no slot.
+        """
+        if self.state is None:
+            raise AllocationError("state_slot: expected a model with state layers, got none")
+        return self.state.live_slot(request_id)
+
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Roll a request back to its first ``num_tokens`` positions: the positions
         allocated past them are dropped and every block wholly past them goes back to the
@@ -411,6 +543,12 @@ class KVCacheManager:
                 positions, or below the committed (hashed) blocks' tokens.
         """
         req = self._get(request_id)
+        if self.state is not None and num_tokens != req.num_tokens:
+            raise AllocationError(
+                "truncate: expected no rollback on a model with recurrent state layers (a "
+                "recurrent state cannot be rolled back to an earlier token), got "
+                f"{req.num_tokens} -> {num_tokens}"
+            )
         bs = self.block_size
         lo = req.num_committed * bs
         if not lo <= num_tokens <= req.num_tokens:
@@ -434,6 +572,11 @@ class KVCacheManager:
         p = self._get(parent_id)
         if child_id in self._reqs:
             raise AllocationError(f"child_id: expected a new request id, got {child_id!r}")
+        if self.state is not None:
+            self.state.fork_live(parent_id, child_id)  # raises first: nothing changed
+            pts = self._points.get(parent_id)
+            if pts is not None:
+                self._points[child_id] = list(pts)
         for gm, table in zip(self._groups, p.tables):
             gm.fork(table)
         self._reqs[child_id] = RequestBlocks(
@@ -454,6 +597,9 @@ class KVCacheManager:
         """
         req = self._get(request_id)
         del self._reqs[request_id]
+        if self.state is not None:
+            self.state.free_live(request_id)
+            self._points.pop(request_id, None)
         if req.retention is not None:
             for g, table in enumerate(req.tables):
                 self._retain(req, g, 0, len(table))
@@ -480,7 +626,15 @@ class KVCacheManager:
         prefix found in a tier are first promoted into free pool blocks (that changes
         the pool: cached blocks, evictions, tier contents; never a table or stat here).
         """
-        return self.prefix_cache.lookup(token_ids, encode_extra_keys(cache_salt, adapter_id))
+        extra = encode_extra_keys(cache_salt, adapter_id)
+        kv = self.prefix_cache.lookup(token_ids, extra)
+        if self.state is None:
+            return kv
+        bs = self.block_size
+        hashes = self.prefix_cache.block_hashes(extra, token_ids, kv // bs) if kv else []
+        hit = self.state.deepest(hashes, kv // bs) * bs
+        self._state_lookup = (extra, list(token_ids[:kv]), kv, hit)
+        return hit
 
     def explain_miss(
         self,
@@ -497,6 +651,28 @@ class KVCacheManager:
         the bounded key record (for ``different_cache_key`` checks of later requests).
         """
         extra = encode_extra_keys(cache_salt, adapter_id)
+        look = self._state_lookup
+        if (
+            self.state is not None
+            and look is not None
+            and look[0] == extra
+            and look[3] == num_cached_tokens
+            and look[2] > num_cached_tokens
+            and look[1] == list(token_ids[: look[2]])
+        ):
+            if remember_key:
+                self.prefix_cache.explain_miss(token_ids, look[2], extra, True)
+            bs = self.block_size
+            full = self.prefix_cache.block_hashes(extra, token_ids, len(token_ids) // bs)
+            near = self.state.nearest(full, look[2] // bs)
+            return CacheMissExplanation(
+                "no_state_snapshot",
+                len(token_ids),
+                num_cached_tokens,
+                num_cached_tokens // bs,
+                state_position=look[2],
+                state_nearest=None if near is None else near * bs,
+            )
         return self.prefix_cache.explain_miss(token_ids, num_cached_tokens, extra, remember_key)
 
     def attach_tiers(self, tiers: TieredCache) -> None:
@@ -512,8 +688,14 @@ class KVCacheManager:
         self.prefix_cache.attach_tiers(tiers)
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every hash entry if no request holds blocks; False (no change) otherwise."""
-        return self.prefix_cache.reset()
+        """Drop every hash entry (and state snapshot) if no request holds blocks; False
+        (no change) otherwise."""
+        if self._reqs and self.state is not None:
+            return False
+        done = self.prefix_cache.reset()
+        if done and self.state is not None:
+            self.state.reset()
+        return done
 
     # ---- retention ----------------------------------------------------------------------
     def set_retention(
@@ -638,6 +820,8 @@ class KVCacheManager:
         check_manager_integrity(
             self._pools, self._reqs, self.block_size, self.enable_prefix_caching, self._shared
         )
+        if self.state is not None:
+            self.state.check_integrity(list(self._reqs))
 
     def _get(self, request_id: str) -> RequestBlocks:
         req = self._reqs.get(request_id)

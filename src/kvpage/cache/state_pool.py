@@ -1,0 +1,437 @@
+"""The state slots of a hybrid model's recurrent layers (:class:`StatePool`).
+
+A recurrent layer (Mamba-2, Gated DeltaNet; ``kvpage.specs.state``) keeps one
+fixed-size state per sequence instead of KV blocks. The storage is one
+``kvpage.attention.state.StateCache`` per recurrent layer with ``num_slots`` rows; this
+pool decides, host side and torch-free, what each row (*slot*) holds:
+
+* **live slots** ``0 .. num_live_slots - 1``: the state of one running sequence each,
+  allocated with its first allocation and freed on finish, abort and preemption by
+  recompute (the state is then recomputed, or restored from a snapshot);
+* **snapshot slots** ``num_live_slots .. num_slots - 1``: prefix-cache entries, the
+  state after the first ``b`` tokens of some sequence, ``b`` a block boundary, keyed by
+  the hash of the block ending at ``b`` (``kvpage.cache.hashing``: the same chain,
+  salts, adapters and tenant scope as the KV blocks). Which boundaries are taken is the
+  :class:`~kvpage.cache.snapshot_policy.SnapshotPolicy`'s decision; a snapshot is
+  evicted by retention priority, then least recently used (the free-queue order of the
+  KV blocks, ``kvpage.cache.free_queue``), and predicted snapshots hold at most
+  ``policy.predicted_cap(num_snapshot_slots)`` slots (their own least recently used
+  goes first).
+
+Data moves only as row copies ``(src, dst)`` that the pool queues in order (a snapshot
+taken after a step: live -> snapshot; a prefix hit: snapshot -> live; a fork: live ->
+live) and the engine runs, all of them and in queue order, before the next forward
+(:meth:`take_copies`). Because every queued copy runs before any forward writes a slot,
+a slot may be reused (evicted, freed) while a copy from it is queued: the copy still
+reads the content it was queued for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvpage.cache.free_queue import NUM_PRIORITY_LEVELS, PRIORITY_DEFAULT
+from kvpage.cache.hashing import BlockHash
+from kvpage.cache.snapshot_policy import SnapshotKind, SnapshotPolicy
+from kvpage.errors import AllocationError, IntegrityError, SpecError
+
+
+@dataclass
+class Snapshot:
+    """One snapshot slot's entry.
+
+    Attributes:
+        slot: its row in every ``StateCache``.
+        block_hash: the hash of the block ending at its boundary (its key).
+        kind: why it was taken (``kvpage.cache.snapshot_policy.SNAPSHOT_KINDS``).
+        priority: retention level (``kvpage.cache.free_queue``); evicted lowest first.
+        deadline: clock reading after which a raised ``priority`` counts as default
+            (None = never).
+        owner: the request whose rolling decode snapshot it is (None = none).
+    """
+
+    slot: int
+    block_hash: BlockHash
+    kind: SnapshotKind
+    priority: int = PRIORITY_DEFAULT
+    deadline: float | None = None
+    owner: str | None = None
+
+
+@dataclass
+class StatePoolStats:
+    """Counters of a :class:`StatePool`.
+
+    Attributes:
+        snapshots_taken: snapshots stored (copies live -> snapshot queued).
+        snapshots_taken_by_kind: the same by kind.
+        snapshot_hits: prefix hits served from a snapshot (copies snapshot -> live).
+        snapshot_evictions: snapshots dropped to make room (LRU / retention / cap).
+        snapshots_dropped: rolling decode snapshots replaced by their owner's newer one.
+        snapshots_skipped: wanted snapshots not taken (no snapshot slots, or a zero
+            predicted cap).
+    """
+
+    snapshots_taken: int = 0
+    snapshots_taken_by_kind: dict[str, int] = field(default_factory=dict)
+    snapshot_hits: int = 0
+    snapshot_evictions: int = 0
+    snapshots_dropped: int = 0
+    snapshots_skipped: int = 0
+
+
+class StatePool:
+    """Owner of the recurrent state slots (module docstring).
+
+    Args:
+        num_live_slots: slots for running sequences (>= 1; the engine gives
+            ``max_num_seqs``, so a running sequence always has one).
+        num_snapshot_slots: slots for prefix-cache snapshots (>= 0).
+        policy: the snapshot policy (its ``predicted_cap`` bounds predicted snapshots).
+        clock: seconds, for retention deadlines (``time.monotonic``).
+
+    Attributes:
+        num_slots: rows every ``StateCache`` needs: live + snapshot slots.
+        stats: the counters (:class:`StatePoolStats`).
+
+    Raises:
+        SpecError: a count out of range.
+    """
+
+    def __init__(
+        self,
+        num_live_slots: int,
+        num_snapshot_slots: int,
+        policy: SnapshotPolicy,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(num_live_slots, bool) or not isinstance(num_live_slots, int) or num_live_slots < 1:  # fmt: skip
+            raise SpecError(f"num_live_slots: expected an int >= 1, got {num_live_slots!r}")
+        if isinstance(num_snapshot_slots, bool) or not isinstance(num_snapshot_slots, int) or num_snapshot_slots < 0:  # fmt: skip
+            raise SpecError(f"num_snapshot_slots: expected an int >= 0, got {num_snapshot_slots!r}")
+        self.num_live_slots = num_live_slots
+        self.num_snapshot_slots = num_snapshot_slots
+        self.num_slots = num_live_slots + num_snapshot_slots
+        self.policy = policy
+        self.predicted_cap = policy.predicted_cap(num_snapshot_slots)
+        self.clock = clock
+        self.stats = StatePoolStats()
+        self._free_live: list[int] = list(range(num_live_slots - 1, -1, -1))
+        self._live: dict[str, int] = {}
+        self._free_snap: list[int] = list(range(self.num_slots - 1, num_live_slots - 1, -1))
+        #: hash -> entry, least recently used first
+        self._snaps: OrderedDict[BlockHash, Snapshot] = OrderedDict()
+        self._num_predicted = 0
+        #: request -> hash of its rolling decode snapshot
+        self._rolling: dict[str, BlockHash] = {}
+        self._copies: list[tuple[int, int]] = []
+
+    # ---- live slots -----------------------------------------------------------------
+    def allocate_live(self, request_id: str) -> int | None:
+        """A live slot for ``request_id`` (its state starts as "none": the first step's
+        ``has_initial_state`` is False unless a restore is queued), or None when every
+        live slot is taken (nothing changed).
+
+        Raises:
+            AllocationError: ``request_id`` already holds one.
+        """
+        if request_id in self._live:
+            raise AllocationError(f"request_id: expected no live state slot, got {request_id!r}")
+        if not self._free_live:
+            return None
+        slot = self._free_live.pop()
+        self._live[request_id] = slot
+        return slot
+
+    def free_live(self, request_id: str) -> None:
+        """Return ``request_id``'s live slot (finish, abort, preemption). Its rolling
+        decode snapshot stays a normal cache entry.
+
+        Raises:
+            AllocationError: it holds none.
+        """
+        slot = self._live.pop(request_id, None)
+        if slot is None:
+            raise AllocationError(f"request_id: expected a live state slot, got {request_id!r}")
+        self._free_live.append(slot)
+        h = self._rolling.pop(request_id, None)
+        if h is not None:
+            e = self._snaps.get(h)
+            if e is not None and e.owner == request_id:
+                e.owner = None
+
+    def live_slot(self, request_id: str) -> int:
+        """The live slot of ``request_id``. Raises AllocationError if it holds none."""
+        slot = self._live.get(request_id)
+        if slot is None:
+            raise AllocationError(f"request_id: expected a live state slot, got {request_id!r}")
+        return slot
+
+    def has_live(self, request_id: str) -> bool:
+        """Whether ``request_id`` holds a live slot."""
+        return request_id in self._live
+
+    def fork_live(self, parent_id: str, child_id: str) -> int:
+        """A live slot for ``child_id`` holding a copy of the parent's state (copy
+        queued). Returns the child's slot.
+
+        Raises:
+            AllocationError: unknown parent, child already holding one, or no live slot
+                free (nothing changed).
+        """
+        src = self.live_slot(parent_id)
+        if child_id in self._live:
+            raise AllocationError(f"child_id: expected no live state slot, got {child_id!r}")
+        if not self._free_live:
+            raise AllocationError(
+                f"fork: expected a free live state slot for {child_id!r}, got none "
+                f"(num_live_slots={self.num_live_slots})"
+            )
+        dst = self.allocate_live(child_id)
+        assert dst is not None
+        self._copies.append((src, dst))
+        return dst
+
+    @property
+    def num_live_used(self) -> int:
+        """Live slots held by running sequences."""
+        return len(self._live)
+
+    # ---- snapshots ------------------------------------------------------------------
+    def has_snapshot(self, block_hash: BlockHash) -> bool:
+        """Whether a snapshot keyed ``block_hash`` exists."""
+        return block_hash in self._snaps
+
+    def snapshot_slot(self, block_hash: BlockHash) -> int | None:
+        """The slot of the snapshot keyed ``block_hash`` (None = none)."""
+        e = self._snaps.get(block_hash)
+        return None if e is None else e.slot
+
+    def deepest(self, hashes: Sequence[BlockHash], max_blocks: int) -> int:
+        """The largest ``k <= min(max_blocks, len(hashes))`` with a snapshot keyed
+        ``hashes[k - 1]``, searching right to left (0 = none). Changes nothing."""
+        snaps = self._snaps
+        for k in range(min(max_blocks, len(hashes)), 0, -1):
+            if hashes[k - 1] in snaps:
+                return k
+        return 0
+
+    def nearest(self, hashes: Sequence[BlockHash], position_blocks: int) -> int | None:
+        """The boundary (in blocks) of the snapshot along ``hashes`` nearest to
+        ``position_blocks`` (either side; ties go left), None when there is none."""
+        best: int | None = None
+        for k in range(1, len(hashes) + 1):
+            if hashes[k - 1] in self._snaps and (
+                best is None or abs(k - position_blocks) < abs(best - position_blocks)
+            ):
+                best = k
+        return best
+
+    def restore(self, request_id: str, block_hash: BlockHash) -> None:
+        """Queue the copy snapshot ``block_hash`` -> ``request_id``'s live slot (a
+        prefix hit) and mark the snapshot most recently used.
+
+        Raises:
+            AllocationError: no such snapshot, or no live slot for ``request_id``.
+        """
+        e = self._snaps.get(block_hash)
+        if e is None:
+            raise AllocationError(
+                "num_cached_tokens: expected a state snapshot at the hit's boundary, got none "
+                "(call get_num_cached_tokens right before allocate)"
+            )
+        dst = self.live_slot(request_id)
+        self._snaps.move_to_end(block_hash)
+        self._copies.append((e.slot, dst))
+        self.stats.snapshot_hits += 1
+
+    def take(
+        self,
+        request_id: str,
+        block_hash: BlockHash,
+        kind: SnapshotKind,
+        *,
+        priority: int = PRIORITY_DEFAULT,
+        ttl_s: float | None = None,
+    ) -> int | None:
+        """Snapshot ``request_id``'s live state as the entry ``block_hash`` (call after
+        the step whose last token ends that block; the copy live -> snapshot is
+        queued). An existing entry with that key is only marked most recently used (same
+        tokens, same state). A ``decode`` snapshot replaces the request's previous
+        rolling one (dropped). Returns the snapshot's slot, or None when none could be
+        taken (no snapshot slots; a predicted one with a zero cap).
+
+        Raises:
+            AllocationError: ``request_id`` holds no live slot.
+            SpecError: ``priority`` outside the retention levels.
+        """
+        src = self.live_slot(request_id)
+        if not 0 <= priority < NUM_PRIORITY_LEVELS:
+            raise SpecError(f"priority: expected 0 .. {NUM_PRIORITY_LEVELS - 1}, got {priority!r}")
+        deadline = None if ttl_s is None else self.clock() + ttl_s
+        e = self._snaps.get(block_hash)
+        if e is not None:
+            self._snaps.move_to_end(block_hash)
+            if priority > e.priority:
+                e.priority, e.deadline = priority, deadline
+            if e.kind == "predicted" and kind != "predicted":  # now wanted for itself
+                e.kind = kind
+                self._num_predicted -= 1
+            return e.slot
+        if self.num_snapshot_slots == 0 or (kind == "predicted" and self.predicted_cap == 0):
+            self.stats.snapshots_skipped += 1
+            return None
+        if kind == "predicted" and self._num_predicted >= self.predicted_cap:
+            self._evict(predicted_only=True)
+        if not self._free_snap:
+            self._evict(predicted_only=False)
+        slot = self._free_snap.pop()
+        e = Snapshot(slot, block_hash, kind, priority, deadline)
+        self._snaps[block_hash] = e
+        if kind == "predicted":
+            self._num_predicted += 1
+        self._copies.append((src, slot))
+        st = self.stats
+        st.snapshots_taken += 1
+        st.snapshots_taken_by_kind[kind] = st.snapshots_taken_by_kind.get(kind, 0) + 1
+        if kind == "decode":
+            old = self._rolling.get(request_id)
+            if old is not None:
+                prev = self._snaps.get(old)
+                if prev is not None and prev.owner == request_id:
+                    self._drop(old)
+                    st.snapshots_dropped += 1
+            e.owner = request_id
+            self._rolling[request_id] = block_hash
+        return slot
+
+    def _level(self, e: Snapshot, now: float) -> int:
+        if e.deadline is not None and e.deadline <= now:
+            return PRIORITY_DEFAULT
+        return e.priority
+
+    def _evict(self, *, predicted_only: bool) -> None:
+        """Drop the least recently used snapshot of the lowest retention level (among
+        predicted ones only, when asked). O(snapshots)."""
+        now = self.clock()
+        victim: Snapshot | None = None
+        best = NUM_PRIORITY_LEVELS
+        for e in self._snaps.values():  # least recently used first
+            if predicted_only and e.kind != "predicted":
+                continue
+            lv = self._level(e, now)
+            if lv < best:
+                victim, best = e, lv
+                if lv == 0:
+                    break
+        assert victim is not None, "evict: no snapshot to evict"
+        self._drop(victim.block_hash)
+        self.stats.snapshot_evictions += 1
+
+    def _drop(self, block_hash: BlockHash) -> None:
+        e = self._snaps.pop(block_hash)
+        if e.kind == "predicted":
+            self._num_predicted -= 1
+        if e.owner is not None and self._rolling.get(e.owner) == block_hash:
+            del self._rolling[e.owner]
+        self._free_snap.append(e.slot)
+
+    @property
+    def num_snapshots(self) -> int:
+        """Snapshot slots holding an entry."""
+        return len(self._snaps)
+
+    @property
+    def num_predicted(self) -> int:
+        """Entries of kind ``predicted``."""
+        return self._num_predicted
+
+    def snapshot_hashes(self) -> list[BlockHash]:
+        """The entries' keys, least recently used first."""
+        return list(self._snaps)
+
+    def entry(self, block_hash: BlockHash) -> Snapshot | None:
+        """A copy of the entry keyed ``block_hash`` (None = none), for inspection."""
+        e = self._snaps.get(block_hash)
+        return None if e is None else Snapshot(**vars(e))
+
+    # ---- copies, reset, integrity ---------------------------------------------------
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The queued ``(src, dst)`` slot copies, in order (the engine runs them all
+        before the next forward: ``StateCache.copy_slots``); the queue is emptied."""
+        out, self._copies = self._copies, []
+        return out
+
+    @property
+    def num_pending_copies(self) -> int:
+        """Copies queued and not yet taken."""
+        return len(self._copies)
+
+    def pending_copies(self) -> list[tuple[int, int]]:
+        """A copy of the queued copies, in order (for inspection; nothing taken)."""
+        return list(self._copies)
+
+    def reset(self) -> bool:
+        """Drop every snapshot if no live slot is held; False (no change) otherwise."""
+        if self._live:
+            return False
+        for h in list(self._snaps):
+            self._drop(h)
+        return True
+
+    def check_integrity(self, live_requests: Sequence[str] | None = None) -> None:
+        """Verify the slot invariants: live and snapshot slots each in their range, each
+        slot either free or held exactly once, free + used == total, the predicted
+        count and cap, rolling entries owned by live requests, queued copies in range;
+        with ``live_requests``, the live slots are exactly theirs.
+
+        Raises:
+            IntegrityError: with the numbers.
+        """
+        L, S = self.num_live_slots, self.num_slots
+        live = list(self._live.values())
+        if len(set(live) | set(self._free_live)) != L or len(live) + len(self._free_live) != L:
+            raise IntegrityError(
+                f"state live slots: expected {L} slots each free or held once, got "
+                f"{len(live)} held + {len(self._free_live)} free ({len(set(live))} distinct)"
+            )
+        if any(not 0 <= s < L for s in live + self._free_live):
+            raise IntegrityError(f"state live slots: expected slots in [0, {L}), got {live}")
+        snap = [e.slot for e in self._snaps.values()]
+        n_snap = S - L
+        if len(set(snap) | set(self._free_snap)) != n_snap or len(snap) + len(self._free_snap) != n_snap:  # fmt: skip
+            raise IntegrityError(
+                f"state snapshot slots: expected {n_snap} slots each free or held once, got "
+                f"{len(snap)} held + {len(self._free_snap)} free"
+            )
+        if any(not L <= s < S for s in snap + self._free_snap):
+            raise IntegrityError(f"state snapshot slots: expected slots in [{L}, {S}), got {snap}")
+        for h, e in self._snaps.items():
+            if e.block_hash != h:
+                raise IntegrityError("state snapshot: expected its key to be its block hash")
+        n_pred = sum(1 for e in self._snaps.values() if e.kind == "predicted")
+        if n_pred != self._num_predicted or n_pred > self.predicted_cap:
+            raise IntegrityError(
+                f"state snapshots: expected {self._num_predicted} predicted <= cap "
+                f"{self.predicted_cap}, got {n_pred}"
+            )
+        for rid, h in self._rolling.items():
+            owned = self._snaps.get(h)
+            if rid not in self._live or owned is None or owned.owner != rid:
+                raise IntegrityError(
+                    f"state rolling snapshot of {rid!r}: expected a live request owning it"
+                )
+        if any(not (0 <= a < S and 0 <= b < S) for a, b in self._copies):
+            raise IntegrityError(f"state copies: expected slots in [0, {S}), got {self._copies}")
+        if live_requests is not None and set(live_requests) != set(self._live):
+            raise IntegrityError(
+                f"state live slots: expected the requests {sorted(live_requests)}, got "
+                f"{sorted(self._live)}"
+            )
+
+
+__all__ = ["Snapshot", "StatePool", "StatePoolStats"]
