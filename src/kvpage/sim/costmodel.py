@@ -15,7 +15,11 @@ A roofline model of one forward step over a batch (no weights are needed):
 * **memory time** = bytes / (peak_bandwidth x bandwidth_efficiency), with
   ``bytes = weight_bytes + sum_i sum_layers min(seq_len_i, W_l) x layer_kv_bytes_per_token``
   (weights read once per step, every sequence's K/V within each layer's window read
-  once, new K/V written). Decode steps are memory-bound.
+  once, new K/V written) plus, for a hybrid model, ``2 x state_bytes_per_sequence`` per
+  scheduled sequence (its recurrent state read and written once per step; the
+  recurrent layers' own FLOPs, ~4 x heads x key_dim x value_dim per token and layer,
+  are not counted: under 2 % of ``2 x active_parameters`` for Qwen3-Next-80B-A3B).
+  Decode steps are memory-bound.
 * **step time** = ``max(compute, memory) + step_overhead_s`` (the slower of the two rooflines;
   ``step_overhead_s`` stands for kernel launches, sampling and scheduling on the host).
 
@@ -106,6 +110,8 @@ class StepCostModel:
         layer_windows: per layer ``(KV bytes per token, sliding window or None)``; empty
             = every layer full attention with ``kv_bytes_per_token / num_layers`` each.
             When given, ``kv_bytes_per_token`` must equal the sum of the layers' bytes.
+        state_bytes_per_sequence: recurrent state bytes of one sequence (hybrid
+            models, ``CacheSpec.state_bytes_per_sequence``), 0 = none.
 
     Raises:
         SpecError: an efficiency outside (0, 1], a negative overhead, ``layer_windows``
@@ -126,6 +132,7 @@ class StepCostModel:
     step_overhead_s: float = 0.002
     active_parameters: int | None = None
     layer_windows: tuple[tuple[int, int | None], ...] = ()
+    state_bytes_per_sequence: int = 0
 
     def __post_init__(self) -> None:
         lw = self.layer_windows
@@ -178,7 +185,8 @@ class StepCostModel:
         for w, (_, b) in self._windows().items():
             lens = (q + c for q, c in zip(query_lens, context_lens))
             kv += b * sum(n if w is None else min(n, w) for n in lens)
-        return float(self.weight_bytes + kv)
+        state = 2 * self.state_bytes_per_sequence * len(query_lens)
+        return float(self.weight_bytes + kv + state)
 
     def step_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
         """Seconds one step takes (0 for an empty batch)."""

@@ -45,7 +45,7 @@ from typing import Any
 from kvpage.cache.explain import aggregate_misses
 from kvpage.capacity import plan_capacity, resolve_model
 from kvpage.errors import SpecError
-from kvpage.sim.config import POLICIES, SimConfig
+from kvpage.sim.config import POLICIES, RECURRENT_STATE_MODES, SimConfig
 from kvpage.sim.costmodel import StepCostModel, get_gpu
 from kvpage.sim.instance import SimInstance
 from kvpage.specs import CacheSpec
@@ -122,7 +122,14 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
     if src.num_parameters is None:  # plan_capacity refuses this without weight bytes
         raise SpecError(f"model: expected a countable parameter count, got {src.param_error}")
     nb = cfg.num_blocks if cfg.num_blocks is not None else plan.num_blocks
+    state_bytes = spec.state_bytes_per_sequence
+    if state_bytes:
+        _check_state_config(cfg)
+        if cfg.num_blocks is None:
+            nb = _hybrid_num_blocks(cfg, spec, plan.kv_budget_bytes)
     spec = spec.with_blocks(nb)
+    if state_bytes and cfg.recurrent_state == "free":  # the attention-only bound
+        spec = spec.model_copy(update={"state_layers": ()})
     a = spec.layers[0]
     cost = StepCostModel(
         num_parameters=src.num_parameters,
@@ -135,7 +142,9 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
         flops_efficiency=cfg.flops_efficiency,
         bandwidth_efficiency=cfg.bandwidth_efficiency,
         step_overhead_s=cfg.step_overhead_s,
-        active_parameters=active_parameters(src.hf_config, src.num_parameters),
+        active_parameters=cfg.active_parameters
+        or active_parameters(src.hf_config, src.num_parameters),
+        state_bytes_per_sequence=state_bytes,
         layer_windows=tuple(
             (spec.layer_bytes_per_token(i), x.sliding_window) for i, x in enumerate(spec.layers)
         ),
@@ -144,6 +153,51 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
     # token slots: a unified pool's block holds one of its G groups' layers
     g = len(spec.kv_groups) if spec.kv_pool == "unified" else 1
     return spec, cost, mml, (nb - 1) * cfg.block_size // g
+
+
+def _check_state_config(cfg: SimConfig) -> None:
+    """Refuse, by name, what a simulated hybrid model does not support (the engine's
+    rules: ``kvpage.engine.config``)."""
+    if cfg.recurrent_state not in RECURRENT_STATE_MODES:
+        raise SpecError(
+            f"recurrent_state: expected one of {RECURRENT_STATE_MODES}, got "
+            f"{cfg.recurrent_state!r}"
+        )
+    share = cfg.state_snapshot_share
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
+        raise SpecError(f"state_snapshot_share: expected a number in [0, 1), got {share!r}")
+    if not cfg.policy.startswith("paged"):
+        raise SpecError(
+            f"policy: expected a paged policy for a model with recurrent state layers "
+            f"(the contiguous allocators hold no state slots), got {cfg.policy!r}"
+        )
+    if cfg.preemption_mode == "swap":
+        raise SpecError(
+            "preemption_mode: expected 'recompute' for a model with recurrent state layers "
+            "(swap moves KV blocks only, not the recurrent state slots), got 'swap'"
+        )
+
+
+def _hybrid_num_blocks(cfg: SimConfig, spec: CacheSpec, budget: int) -> int:
+    """KV blocks (incl. the null block) of a hybrid model: the live state slots'
+    bytes (``max_num_seqs`` x state bytes) come off the KV budget first, the rest splits
+    ``state_snapshot_share : 1 - share`` between snapshots and KV blocks (the engine's
+    rule for a byte budget, ``kvpage.engine.config``; the snapshot count:
+    ``kvpage.sim.instance.snapshot_slots``).
+
+    Raises:
+        SpecError: fewer than 2 KV blocks fit.
+    """
+    rest = budget - cfg.max_num_seqs * spec.state_bytes_per_sequence
+    kv = int(rest * (1.0 - cfg.state_snapshot_share))
+    nb = (kv - spec.fixed_scale_bytes) // spec.bytes_per_block
+    if nb < 2:
+        raise SpecError(
+            f"max_num_seqs: expected room for {cfg.max_num_seqs} live recurrent states "
+            f"({spec.state_bytes_per_sequence:,} bytes each) and 2 KV blocks in "
+            f"{budget:,} bytes, got {nb} blocks"
+        )
+    return int(nb)
 
 
 def active_parameters(hf_config: dict[str, Any], num_parameters: int) -> int:
@@ -261,9 +315,33 @@ def instance_result(inst: SimInstance, num_requests: int, t_first: float, slots:
         extra={
             "prefix_hit_pct_incl_readmissions": 100.0 * hit_all,
             **_tier_extra(inst),
+            **_state_extra(inst),
         },
         miss_reasons=aggregate_misses(inst.misses),
     )
+
+
+def _state_extra(inst: SimInstance) -> dict[str, Any]:
+    """Recurrent-state counters for ``SimResult.extra`` (empty without state layers):
+    ``state`` = the pool's slot counts, ``StatePoolStats`` and the snapshot memory share
+    (snapshot slots' bytes / (KV blocks + live state slots + snapshot slots bytes))."""
+    pool = getattr(inst.kv, "state", None)
+    if pool is None:
+        return {}
+    spec = inst.kv.spec
+    sb = spec.state_bytes_per_sequence
+    kv = (spec.num_blocks - 1) * spec.bytes_per_block
+    snap = pool.num_snapshot_slots * sb
+    total = kv + pool.num_live_slots * sb + snap
+    return {
+        "state": {
+            "live_slots": pool.num_live_slots,
+            "snapshot_slots": pool.num_snapshot_slots,
+            "state_bytes_per_sequence": sb,
+            "snapshot_memory_share_pct": 100.0 * snap / total if total else 0.0,
+            **asdict(pool.stats),
+        }
+    }
 
 
 def _tier_extra(inst: SimInstance) -> dict[str, Any]:
