@@ -51,6 +51,10 @@ NON_DEFAULT: list[dict[str, Any]] = [
         kv_host_tier_bytes=4096,
         kv_disk_tier_bytes=8192,
         kv_disk_tier_path="/tmp/kvpage-tier",
+        state_snapshot_share=0.3,
+        state_snapshot_slots=17,
+        state_share_threshold=3,
+        state_predicted_share=0.5,
     ),
 ]
 

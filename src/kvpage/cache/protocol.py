@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 from kvpage.cache.allocation import Allocation
 from kvpage.cache.explain import CacheMissExplanation
 from kvpage.cache.retention import KVRetention
+from kvpage.cache.state_pool import StatePool
 
 
 @runtime_checkable
@@ -130,4 +131,30 @@ class RetentionAllocator(Protocol):
     ) -> CacheMissExplanation: ...
 
 
-__all__ = ["AllocatorStats", "KVAllocator", "RetentionAllocator"]
+@runtime_checkable
+class StateAllocator(Protocol):
+    """What an allocator of a model with recurrent state layers adds
+    (``KVCacheManager`` with a ``StatePool``): where prefill chunks must end for the
+    snapshot policy, the live state slot of each sequence and the queued slot copies.
+    The scheduler uses them when present and ``state`` is not None."""
+
+    @property
+    def state(self) -> StatePool | None: ...
+
+    def state_chunk_end(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        start: int,
+        end: int,
+        *,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+    ) -> int: ...
+
+    def state_slot(self, request_id: str) -> int: ...
+
+    def take_state_copies(self) -> list[tuple[int, int]]: ...
+
+
+__all__ = ["AllocatorStats", "KVAllocator", "RetentionAllocator", "StateAllocator"]

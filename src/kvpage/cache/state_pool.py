@@ -434,4 +434,55 @@ class StatePool:
             )
 
 
-__all__ = ["Snapshot", "StatePool", "StatePoolStats"]
+def split_state_memory(
+    memory_bytes: int, state_bytes: int, num_live_slots: int, snapshot_share: float
+) -> tuple[int, int]:
+    """Split a cache memory budget of a hybrid model: first one live state slot per
+    sequence (``num_live_slots * state_bytes``), then the rest between KV blocks and
+    snapshots, ``floor(rest * snapshot_share)`` bytes for snapshots.
+
+    Returns:
+        ``(kv_bytes, snapshot_bytes)``; ``kv_bytes`` may be <= 0 (the caller refuses a
+        budget too small).
+    """
+    rest = memory_bytes - num_live_slots * state_bytes
+    snap = int(max(rest, 0) * snapshot_share)
+    return rest - snap, snap
+
+
+def snapshot_slots_for(
+    state_bytes: int,
+    snapshot_share: float,
+    usable_blocks: int,
+    *,
+    kv_bytes: int | None = None,
+    snapshot_bytes: int | None = None,
+) -> int:
+    """Snapshot slots of a hybrid model's pool: ``snapshot_bytes // state_bytes`` (a
+    budget split by :func:`split_state_memory`), or with the KV size given
+    ``floor(kv_bytes * share / (1 - share) / state_bytes)``; at most ``usable_blocks``
+    (a snapshot sits at the end of a cached KV block, so more can never all be hits).
+
+    Raises:
+        SpecError: neither or both of ``kv_bytes`` / ``snapshot_bytes``; share not in
+            [0, 1); ``state_bytes < 1``.
+    """
+    if (kv_bytes is None) == (snapshot_bytes is None):
+        raise SpecError("snapshot_slots_for: expected exactly one of kv_bytes, snapshot_bytes")
+    if not 0.0 <= snapshot_share < 1.0:
+        raise SpecError(f"state_snapshot_share: expected a number in [0, 1), got {snapshot_share}")
+    if state_bytes < 1:
+        raise SpecError(f"state_bytes: expected >= 1, got {state_bytes}")
+    if snapshot_bytes is None:
+        assert kv_bytes is not None
+        snapshot_bytes = int(kv_bytes * snapshot_share / (1.0 - snapshot_share))
+    return int(max(0, min(snapshot_bytes // state_bytes, usable_blocks)))
+
+
+__all__ = [
+    "Snapshot",
+    "StatePool",
+    "StatePoolStats",
+    "snapshot_slots_for",
+    "split_state_memory",
+]

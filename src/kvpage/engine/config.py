@@ -13,6 +13,13 @@ Sizing rules (documented defaults):
   block_size) x G + 1`` (``G`` = KV groups sharing a unified pool, else 1), capped at
   :data:`DEFAULT_KV_CACHE_BYTES_CAP` bytes of cache (and at least enough for one
   full-length sequence).
+* Hybrid models (recurrent state layers, ``CacheSpec.state_layers``): one live state slot
+  per ``max_num_seqs`` plus snapshot slots (``kvpage.cache.state_pool``). With
+  ``kv_cache_memory_bytes`` the live slots' bytes come off the budget first and the rest
+  splits ``state_snapshot_share`` : ``1 - state_snapshot_share`` between snapshots and KV
+  blocks (``split_state_memory``); otherwise the KV blocks are sized as above and the
+  snapshots get ``share / (1 - share)`` of their bytes; either way at most one snapshot
+  per usable KV block, and ``state_snapshot_slots`` overrides the count.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from kvpage.specs.engine_config import DEFAULT_RETENTION_MAX_SHARE, EngineConfig
 if TYPE_CHECKING:
     from kvpage.attention.metadata import KVCache
     from kvpage.attention.protocol import AttentionBackend
+    from kvpage.attention.state import StateCache
     from kvpage.cache import KVCacheManager
     from kvpage.cache.tiered import TieredCache
     from kvpage.engine.runner import ModelRunner
@@ -173,6 +181,8 @@ class EngineComponents:
         runner: turns a SchedulerOutput into one forward pass over ``kv_caches``.
         max_model_len: longest sequence in tokens.
         tiers: the KV tiers below the pool (None = none configured).
+        state_caches: hybrid models: one ``StateCache`` per ``cache_spec.state_layers``
+            entry, ``kv_cache_manager.state.num_slots`` rows each (None = no state layers).
     """
 
     model: ModelRunnerModel
@@ -184,6 +194,25 @@ class EngineComponents:
     runner: ModelRunner
     max_model_len: int
     tiers: TieredCache | None = None
+    state_caches: list[StateCache] | None = None
+
+
+def _check_state_config(config: EngineConfig) -> None:
+    """Refuse, by name, what a model with recurrent state layers does not support.
+
+    Raises:
+        SpecError: ``preemption_mode="swap"`` or a ``speculative_config``.
+    """
+    if config.preemption_mode == "swap":
+        raise SpecError(
+            "preemption_mode: expected 'recompute' for a model with recurrent state layers "
+            "(swap moves KV blocks only, not the recurrent state slots), got 'swap'"
+        )
+    if config.speculative_config is not None:
+        raise SpecError(
+            "speculative_config: expected None for a model with recurrent state layers "
+            "(rejected drafts would need the recurrent state rolled back), got a config"
+        )
 
 
 def build_components(config: EngineConfig) -> EngineComponents:
@@ -198,8 +227,11 @@ def build_components(config: EngineConfig) -> EngineComponents:
             the spec.
     """
     from kvpage.attention.metadata import allocate_model_kv_caches
+    from kvpage.attention.state import StateCache
     from kvpage.backends import select_backend
     from kvpage.cache import KVCacheManager, max_retained_blocks
+    from kvpage.cache.snapshot_policy import SnapshotPolicy
+    from kvpage.cache.state_pool import StatePool, snapshot_slots_for, split_state_memory
     from kvpage.engine.kv_transfer import build_swapper, build_tiers
     from kvpage.engine.runner import ModelRunner
     from kvpage.engine.scheduler import Scheduler
@@ -225,9 +257,27 @@ def build_components(config: EngineConfig) -> EngineComponents:
     mml = config.max_model_len or int(mpe or 2048)
     probe = model.cache_spec(config.block_size, 0, config.kv_cache_dtype, kv_pool=config.kv_pool)
     groups = len(probe.kv_groups) if probe.kv_pool == "unified" else 1
-    num_blocks = resolve_num_blocks(
-        config, probe.bytes_per_block, probe.fixed_scale_bytes, mml, groups
-    )
+    state_bytes = probe.state_bytes_per_sequence
+    share = config.state_snapshot_share
+    snap_bytes: int | None = None
+    if state_bytes:
+        _check_state_config(config)
+    if state_bytes and config.num_blocks is None and config.kv_cache_memory_bytes is not None:
+        kv_bytes, snap_bytes = split_state_memory(
+            config.kv_cache_memory_bytes, state_bytes, config.max_num_seqs, share
+        )
+        num_blocks = (kv_bytes - probe.fixed_scale_bytes) // probe.bytes_per_block
+        if num_blocks < 2:
+            raise SpecError(
+                f"kv_cache_memory_bytes: expected room for {config.max_num_seqs} live "
+                f"recurrent states ({state_bytes} bytes each) and 2 KV blocks of "
+                f"{probe.bytes_per_block} bytes after a {share} snapshot share, got "
+                f"{config.kv_cache_memory_bytes}"
+            )
+    else:
+        num_blocks = resolve_num_blocks(
+            config, probe.bytes_per_block, probe.fixed_scale_bytes, mml, groups
+        )
     spec = model.cache_spec(
         config.block_size, num_blocks, config.kv_cache_dtype, kv_pool=config.kv_pool
     )
@@ -244,11 +294,40 @@ def build_components(config: EngineConfig) -> EngineComponents:
     cap = max_retained_blocks(
         num_blocks - 1, config.kv_retention_max_share, -(-mml // config.block_size)
     )
+    state_pool = None
+    state_caches = None
+    if spec.state_layers:
+        if config.state_snapshot_slots is not None:
+            n_snap = config.state_snapshot_slots
+        elif snap_bytes is not None:
+            n_snap = snapshot_slots_for(
+                state_bytes, share, num_blocks - 1, snapshot_bytes=snap_bytes
+            )
+        else:
+            kv_total = (num_blocks - 1) * spec.bytes_per_block
+            n_snap = snapshot_slots_for(state_bytes, share, num_blocks - 1, kv_bytes=kv_total)
+        policy = SnapshotPolicy(
+            config.block_size,
+            share_threshold=config.state_share_threshold,
+            predicted_share=config.state_predicted_share,
+        )
+        state_pool = StatePool(config.max_num_seqs, n_snap, policy)
+        try:
+            state_caches = [
+                StateCache.allocate(s, state_pool.num_slots, device) for s in spec.state_layers
+            ]
+        except (RuntimeError, MemoryError) as e:
+            raise SpecError(
+                f"state_snapshot_slots: expected recurrent state slots that fit in "
+                f"{config.device} memory, got {state_pool.num_slots} slots of "
+                f"{state_bytes:,} bytes: {str(e).splitlines()[0][:200]}"
+            ) from None
     kvm = KVCacheManager(
         spec,
         enable_prefix_caching=config.enable_prefix_caching,
         max_retained_blocks=cap,
         max_alloc_tokens=config.max_num_batched_tokens,  # the scheduler's step budget
+        state_pool=state_pool,
     )
     tiers = build_tiers(config, spec, kv_caches, kvm)
     spec_cfg = parse_speculative_config(config.speculative_config)
@@ -261,8 +340,10 @@ def build_components(config: EngineConfig) -> EngineComponents:
         proposer=None if spec_cfg is None else make_proposer(spec_cfg),
     )
     scheduler.swapper = build_swapper(config, kv_caches, kvm)
-    runner = ModelRunner(model, backend, kv_caches, spec, device)
-    return EngineComponents(model, spec, backend, kv_caches, kvm, scheduler, runner, mml, tiers)
+    runner = ModelRunner(model, backend, kv_caches, spec, device, state_caches=state_caches)
+    return EngineComponents(
+        model, spec, backend, kv_caches, kvm, scheduler, runner, mml, tiers, state_caches
+    )
 
 
 __all__ = [

@@ -402,6 +402,8 @@ class LLMEngine:
         if out.is_empty:
             if self.tiers is not None:
                 self.tiers.flush()
+            # snapshots taken after the last step must land before any later forward
+            self.runner.copy_state_slots(out.state_copies)
             return None
         return out
 

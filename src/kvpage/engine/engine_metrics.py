@@ -34,6 +34,17 @@ METRIC_NAMES = (
     "kvpage:requests_rejected_total",
     "kvpage:kv_retained_blocks",
 )
+#: a hybrid model's recurrent-state metrics (``kvpage.cache.state_pool``), present in
+#: ``get_metrics`` when the model has state layers
+STATE_METRIC_NAMES = (
+    "kvpage:state_slots_used",
+    "kvpage:state_slots_total",
+    "kvpage:state_live_slots_used",
+    "kvpage:state_snapshots",
+    "kvpage:state_snapshots_taken_total",
+    "kvpage:state_snapshot_hits_total",
+    "kvpage:state_snapshot_evictions_total",
+)
 #: the labelled counter of first admissions by cache-miss reason: ``get_metrics`` keys
 #: are ``f'{CACHE_MISS_METRIC}{{reason="{r}"}}'`` for every r in ``kvpage.cache.MISS_REASONS``
 CACHE_MISS_METRIC = "kvpage:cache_miss_reasons_total"
@@ -163,7 +174,10 @@ def collect_metrics(
     seconds), and with swap preemption ``kvpage:swap_*`` (space in use, swap-outs,
     swap-ins, victims recomputed instead, bytes moved, transfer seconds), and with
     speculative decoding (``spec``) :data:`SPEC_DECODE_METRIC_NAMES` (sequence-steps
-    that drafted, draft tokens verified, draft tokens accepted)."""
+    that drafted, draft tokens verified, draft tokens accepted), and for a hybrid model
+    (recurrent state layers) :data:`STATE_METRIC_NAMES` (state slots used / total, live
+    slots used, snapshots held, snapshots taken, prefix hits served from a snapshot,
+    snapshots evicted)."""
     st = kv.stats
     reasons = scheduler.miss_reasons
     misses = {k: float(reasons.get(r, 0)) for k, r in zip(CACHE_MISS_KEYS, MISS_REASONS)}
@@ -182,6 +196,16 @@ def collect_metrics(
         "kvpage:kv_retained_blocks": float(kv.num_retained_blocks),
         **misses,
     }
+    pool = kv.state
+    if pool is not None:
+        ps = pool.stats
+        out["kvpage:state_slots_used"] = float(pool.num_live_used + pool.num_snapshots)
+        out["kvpage:state_slots_total"] = float(pool.num_slots)
+        out["kvpage:state_live_slots_used"] = float(pool.num_live_used)
+        out["kvpage:state_snapshots"] = float(pool.num_snapshots)
+        out["kvpage:state_snapshots_taken_total"] = float(ps.snapshots_taken)
+        out["kvpage:state_snapshot_hits_total"] = float(ps.snapshot_hits)
+        out["kvpage:state_snapshot_evictions_total"] = float(ps.snapshot_evictions)
     if spec is not None:
         out["kvpage:spec_decode_num_drafts_total"] = float(spec.num_drafts)
         out["kvpage:spec_decode_num_draft_tokens_total"] = float(spec.num_draft_tokens)
@@ -219,6 +243,7 @@ def collect_metrics(
 
 __all__ = [
     "CACHE_MISS_KEYS",
+    "STATE_METRIC_NAMES",
     "CACHE_MISS_METRIC",
     "METRIC_NAMES",
     "SPEC_DECODE_METRIC_NAMES",

@@ -16,8 +16,10 @@ import torch
 from kvpage.attention.checks import check_layers, check_step_layers
 from kvpage.attention.metadata import AttentionMetadata, KVCache, slot_of
 from kvpage.attention.plan import StepPlan
+from kvpage.attention.state import StateBatch, StateCache
 from kvpage.cache import batch_block_tables
 from kvpage.engine.scheduler import SchedulerOutput
+from kvpage.errors import SpecError
 from kvpage.specs import CacheSpec
 
 if TYPE_CHECKING:
@@ -121,6 +123,12 @@ class ModelRunner:
             by :meth:`copy_blocks`).
         cache_spec: the cache layout (block_size, KV groups).
         device: where the tensors go.
+        state_caches: hybrid models: one ``StateCache`` per ``cache_spec.state_layers``
+            entry (mutated by the recurrent mixers and by :meth:`copy_state_slots`);
+            None = no state layers.
+
+    Raises:
+        SpecError: ``state_caches`` do not match ``cache_spec.state_layers``.
     """
 
     def __init__(
@@ -130,7 +138,16 @@ class ModelRunner:
         kv_caches: list[KVCache],
         cache_spec: CacheSpec,
         device: torch.device,
+        *,
+        state_caches: list[StateCache] | None = None,
     ) -> None:
+        n_state = len(cache_spec.state_layers)
+        if n_state != len(state_caches or ()):
+            raise SpecError(
+                f"state_caches: expected {n_state} (one per cache_spec.state_layers entry), "
+                f"got {len(state_caches or ())}"
+            )
+        self.state_caches = state_caches if n_state else None
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -158,6 +175,32 @@ class ModelRunner:
             caches = [self.kv_caches[layer] for layer in self.groups[g].layer_ids]
             t = torch.tensor(pairs, dtype=torch.int64, device=self.device).reshape(-1, 2)
             self.backend.copy_blocks(caches, t)
+
+    def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Run recurrent-state slot copies ``(src, dst)`` in order on every state cache
+        (snapshots, prefix-hit restores, forks; ``SchedulerOutput.state_copies``).
+        Copies are applied one after another, so a later pair reads what an earlier one
+        wrote."""
+        if not pairs or self.state_caches is None:
+            return
+        for a, b in pairs:  # in order: a pair may read a slot an earlier pair wrote
+            t = torch.tensor([[a, b]], dtype=torch.int64)
+            for sc in self.state_caches:
+                sc.copy_slots(t)
+
+    def build_state_batch(self, out: SchedulerOutput, inp: StepInputs) -> StateBatch:
+        """The step's :class:`~kvpage.attention.state.StateBatch`: each sequence's live
+        slot (``out.state_slots``), ``has_initial_state`` = it starts past position 0
+        (its slot holds the state after its ``start`` tokens: an earlier chunk, or a
+        restored snapshot), the packed offsets, and whether every sequence decodes."""
+        dev = self.device
+        starts = [s.start for s in out.scheduled]
+        return StateBatch(
+            state_indices=torch.tensor(out.state_slots, dtype=torch.int64, device=dev),
+            has_initial_state=torch.tensor([st > 0 for st in starts], dtype=torch.bool, device=dev),
+            query_start_loc=torch.from_numpy(inp.query_start_loc).to(dev),
+            is_decode=all(s.num_tokens == 1 for s in out.scheduled),
+        )
 
     def build_metadata(self, inp: StepInputs) -> list[StepPlan]:
         """One plan per KV group: ``backend.plan`` of the group's AttentionMetadata."""
@@ -200,6 +243,7 @@ class ModelRunner:
             order, then the ``extra_spans`` rows in order.
         """
         self.copy_blocks(out.copies)
+        self.copy_state_slots(out.state_copies)
         inp = StepInputs(out, self.cache_spec.block_size, len(self.groups))
         if extra_spans:
             qsl = inp.query_start_loc
@@ -214,6 +258,12 @@ class ModelRunner:
             want = dense_threads(macs, threads)
         if want != threads:
             torch.set_num_threads(want)
+        state_kw: dict[str, Any] = {}
+        if self.state_caches is not None:
+            state_kw = {
+                "state_caches": self.state_caches,
+                "state_batch": self.build_state_batch(out, inp),
+            }
         try:
             logits: torch.Tensor = self.model(
                 torch.from_numpy(inp.input_ids).to(dev),
@@ -222,6 +272,7 @@ class ModelRunner:
                 metas,
                 self.backend,
                 torch.from_numpy(inp.logits_indices).to(dev),
+                **state_kw,
             )
         finally:
             if want != threads:

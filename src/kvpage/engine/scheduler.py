@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from kvpage.cache.allocation import Allocation
 from kvpage.cache.explain import CacheMissExplanation
-from kvpage.cache.protocol import KVAllocator, RetentionAllocator
+from kvpage.cache.protocol import KVAllocator, RetentionAllocator, StateAllocator
 from kvpage.engine.preemption import Preemptor
 from kvpage.engine.queue_policy import SchedulingPolicy, make_queue
 from kvpage.engine.request import Request, RequestStatus, sample_id
@@ -65,12 +65,21 @@ class SchedulerOutput:
             the step writes any K/V.
         preempted: ids of sequences preempted while scheduling this step.
         num_batched_tokens: tokens computed in this step (<= max_num_batched_tokens).
+        state_copies: recurrent-state slot copies ``(src, dst)`` to run, in order, on
+            every ``StateCache`` before the step's forward (snapshots taken after the
+            last step, prefix-hit restores, forks; ``KVCacheManager.take_state_copies``);
+            the engine runs them even when nothing is scheduled. Empty without state
+            layers.
+        state_slots: per scheduled sequence (batch order), its live state slot (empty
+            without state layers).
     """
 
     scheduled: list[ScheduledRequest]
     copies: list[list[tuple[int, int]]]
     preempted: list[str] = field(default_factory=list)
     num_batched_tokens: int = 0
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_slots: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -94,8 +103,14 @@ class Scheduler:
             ``max_tokens`` or the pool is short), and :meth:`update` takes 1 .. d + 1
             verified tokens for it and rolls its KV back to the accepted length.
 
+    With an allocator holding recurrent state (``StateAllocator`` with a ``state``
+    pool: hybrid models), a prefill chunk ends exactly at each block boundary the
+    snapshot policy wants (``state_chunk_end``), the plan carries the state slot copies
+    and every sequence's live slot, and speculative decoding is refused.
+
     Raises:
-        SpecError: a limit is < 1, or an unknown policy.
+        SpecError: a limit is < 1, an unknown policy, or a proposer with recurrent
+            state layers.
     """
 
     def __init__(
@@ -135,6 +150,16 @@ class Scheduler:
         self._retaining = (
             kv_cache_manager if isinstance(kv_cache_manager, RetentionAllocator) else None
         )
+        self._stateful = (
+            kv_cache_manager
+            if isinstance(kv_cache_manager, StateAllocator) and kv_cache_manager.state is not None
+            else None
+        )
+        if self._stateful is not None and proposer is not None:
+            raise SpecError(
+                "speculative_config: expected none for a model with recurrent state layers "
+                "(rejected drafts would need the recurrent state rolled back), got a proposer"
+            )
 
     @property
     def swapper(self) -> Swapper | None:
@@ -272,6 +297,11 @@ class Scheduler:
             req = running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             assert n >= 1, f"running sequence {req.request_id} has nothing to compute"
+            if self._stateful is not None and n > 1:
+                n = self._stateful.state_chunk_end(
+                    req.request_id, req.token_ids, req.num_computed_tokens,
+                    req.num_computed_tokens + n, cache_salt=req.cache_salt,
+                ) - req.num_computed_tokens  # fmt: skip
             draft = drafts.get(req.request_id) if drafts else None
             if draft:
                 draft = draft[: budget - 1]
@@ -310,6 +340,11 @@ class Scheduler:
                         # explained before the allocation, which may evict blocks itself
                         why = self._explain(req, self._retaining, cached)
                 n = min(req.num_tokens - cached - swapped, budget)
+                if self._stateful is not None and n > 1 and not swapped:
+                    n = self._stateful.state_chunk_end(
+                        req.request_id, req.token_ids, cached, cached + n,
+                        cache_salt=req.cache_salt,
+                    ) - cached  # fmt: skip
                 alloc = self.kv.allocate(
                     req.request_id,
                     req.token_ids,
@@ -338,6 +373,10 @@ class Scheduler:
                 self._emit(out, req, n, alloc)
                 budget -= n
         out.num_batched_tokens = self.max_num_batched_tokens - budget
+        if self._stateful is not None:
+            stateful = self._stateful
+            out.state_copies = stateful.take_state_copies()
+            out.state_slots = [stateful.state_slot(s.request.request_id) for s in out.scheduled]
         self.num_steps += 1
         return out
 

@@ -17,8 +17,9 @@ from kvpage.errors import SpecError
 from kvpage.models.rope import ROPE_TYPES
 from kvpage.specs.architectures import MODEL_TYPES, check_architecture
 from kvpage.specs.families import FAMILIES, Family
-from kvpage.specs.hf import hf_attention_shape
+from kvpage.specs.hf import HFAttentionShape, hf_attention_shape
 from kvpage.specs.moe import MoEParams, moe_params_from_hf
+from kvpage.specs.state import attention_layer_ids, layer_mixers
 
 SUPPORTED_MODEL_TYPES = MODEL_TYPES  # kvpage.specs.architectures: the one list
 #: activation name (HF ``ACT2FN`` key) -> our name
@@ -30,6 +31,7 @@ ACTIVATIONS = {
     "gelu_fast": "gelu_tanh",
     "gelu": "gelu",
     "gelu_python": "gelu",
+    "relu2": "relu2",
 }
 
 
@@ -43,7 +45,8 @@ class ArchConfig:
             q/k norm, MLP kind, fused q/k/v, RoPE layout, multipliers, weight names.
         vocab_size, hidden_size, intermediate_size, num_layers: sizes.
         num_q_heads, num_kv_heads, head_dim: attention shape (``head_dim`` defaults to
-            ``hidden_size // num_attention_heads``).
+            ``hidden_size // num_attention_heads``); all 0 for a model without attention
+            layers (``mamba2``).
         rms_norm_eps: the norm epsilon (RMSNorm or LayerNorm: the family's key).
         rope_theta: RoPE base (``rope_parameters.rope_theta`` in transformers 5,
             ``rope_theta`` before).
@@ -68,6 +71,8 @@ class ArchConfig:
         qk_norm: the layers norm q and k before RoPE (``family.qk_norm`` says how).
         sinks: every attention layer has a learned sink logit per query head
             (gpt-oss ``self_attn.sinks``).
+        use_rope: the attention layers rotate q/k (``family.rope``; Granite-4 hybrid:
+            ``position_embedding_type == "rope"``).
     """
 
     model_type: str
@@ -97,6 +102,7 @@ class ArchConfig:
     moe: MoEParams | None = None
     qk_norm: bool = False
     sinks: bool = False
+    use_rope: bool = True
 
     @property
     def max_context_len(self) -> int:
@@ -243,7 +249,17 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
     """
     mt = check_architecture(cfg, SUPPORTED_MODEL_TYPES)
     fam = FAMILIES[mt]
-    shape = hf_attention_shape(cfg)  # the one reader of layer and head sizes
+    attention_free = attention_layer_ids(cfg) == ()  # mamba2: no attention sizes
+    if mt == "nemotron_h" and "moe" in str(cfg.get("layers_block_type") or ""):
+        raise SpecError(
+            "config.layers_block_type: expected mamba/attention/mlp layers, got 'moe' "
+            "(Nemotron-H's MoE: sigmoid group routing with relu2 experts, not implemented)"
+        )
+    if attention_free:
+        mixers = layer_mixers(cfg) or ()
+        shape = HFAttentionShape(mt, len(mixers), int(_req(cfg, "hidden_size")), 0, 0, 0)
+    else:
+        shape = hf_attention_shape(cfg)  # the one reader of layer and head sizes
     hidden = shape.hidden_size
     act_name = fam.activation(cfg)
     if act_name not in ACTIVATIONS:
@@ -261,6 +277,11 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
         vocab = int(_req(cfg, "vocab_size"))
         max_pos = int(_req(cfg, "n_positions"))
         theta, scaling, rotary_dim, local = 0.0, None, shape.head_dim, None
+    elif attention_free:  # no positions at all (the recurrence orders the tokens)
+        inter = int(cfg.get("intermediate_size") or 0)
+        vocab = int(_req(cfg, "vocab_size"))
+        max_pos = int(cfg.get("max_position_embeddings") or 1 << 16)
+        theta, scaling, rotary_dim, local = 0.0, None, 0, None
     else:
         inter = int(_req(cfg, "intermediate_size"))
         vocab = int(_req(cfg, "vocab_size"))
@@ -315,6 +336,9 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
         moe=moe_params_from_hf(cfg, shape.num_layers),
         qk_norm=fam.has_qk_norm(cfg),
         sinks=fam.sinks,
+        use_rope=not attention_free
+        and fam.rope
+        and (mt != "granitemoehybrid" or cfg.get("position_embedding_type") == "rope"),
     )
 
 

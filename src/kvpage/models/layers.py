@@ -145,12 +145,18 @@ class MLP(nn.Module):
     """The dense MLP of ``arch.family.mlp``: ``glu`` ``down(act(gate(x)) * up(x))``
     (gate and up as one fused matmul), ``fused_glu`` the same from one
     ``gate_up_proj`` (gate rows first: Phi-3, GLM-4), ``plain`` ``down(act(up(x)))``
-    (StarCoder2 / GPT-2 ``c_fc`` / ``c_proj``)."""
+    (StarCoder2 / GPT-2 ``c_fc`` / ``c_proj``). ``intermediate_size`` / ``kind``
+    override the arch's (Granite-4 hybrid's ``shared_mlp``: ``fused_glu`` of
+    ``shared_intermediate_size``). Activations: SiLU, GELU (tanh or erf), ``relu2``
+    (``relu(x) ** 2``, Nemotron-H)."""
 
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(
+        self, arch: ArchConfig, intermediate_size: int | None = None, kind: str | None = None
+    ) -> None:
         super().__init__()
-        h, i, b = arch.hidden_size, arch.intermediate_size, arch.mlp_bias
-        self.kind = arch.family.mlp if arch.family.mlp != "moe" else "glu"
+        h, b = arch.hidden_size, arch.mlp_bias
+        i = arch.intermediate_size if intermediate_size is None else intermediate_size
+        self.kind = kind or (arch.family.mlp if arch.family.mlp != "moe" else "glu")
         self.gate_up_proj: nn.Linear | None = None
         if self.kind == "glu":
             self.gate_proj = nn.Linear(h, i, bias=b)
@@ -172,6 +178,8 @@ class MLP(nn.Module):
             return F.silu(g)
         if self.activation == "gelu_tanh":
             return F.gelu(g, approximate="tanh")
+        if self.activation == "relu2":
+            return torch.square(F.relu(g))
         return F.gelu(g)
 
     def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
@@ -204,11 +212,13 @@ class PagedAttention(nn.Module):
         hq, hk = arch.num_q_heads, arch.num_kv_heads
         fam = arch.family
         self.num_q_heads, self.num_kv_heads, self.head_dim = hq, hk, d
+        self.gate = False
         if fam.fused_qkv:  # Phi3Attention.qkv_proj / GPT-2 c_attn: q, k, v rows
             self.qkv_proj = nn.Linear(h, (hq + 2 * hk) * d, bias=arch.qkv_bias)
             self._qkv = FusedLinear([self.qkv_proj])
-        else:
-            self.q_proj = nn.Linear(h, hq * d, bias=arch.qkv_bias)
+        else:  # Qwen3-Next: q_proj rows per head = query then output gate
+            self.gate = fam.attn_output_gate
+            self.q_proj = nn.Linear(h, hq * d * (2 if self.gate else 1), bias=arch.qkv_bias)
             self.k_proj = nn.Linear(h, hk * d, bias=arch.qkv_bias)
             self.v_proj = nn.Linear(h, hk * d, bias=arch.qkv_bias)
             self._qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
@@ -229,7 +239,7 @@ class PagedAttention(nn.Module):
         elif self.qk_norm == "head_ln":  # CohereAttention: [heads, head_dim] weights
             self.q_norm = HeadLayerNorm(hq, d, arch.rms_norm_eps)
             self.k_norm = HeadLayerNorm(hk, d, arch.rms_norm_eps)
-        self.rope = not fam.learned_positions
+        self.rope = not fam.learned_positions and arch.use_rope
         self.interleaved = fam.rope_interleaved
         # the fused rotate-half path (backend LayerOps or apply_rope_qkv) applies when
         # nothing comes between the projection and a full-width rotate-half RoPE
@@ -293,6 +303,12 @@ class PagedAttention(nn.Module):
         """
         t = x.shape[0]
         qkv = self._qkv(x)
+        gate = None
+        if self.gate:  # [t, hq, 2d] per head: query, gate (Qwen3NextAttention)
+            hq, d = self.num_q_heads, self.head_dim
+            qg = qkv[:, : 2 * hq * d].view(t, hq, 2 * d)
+            gate = qg[:, :, d:].reshape(t, hq * d)
+            qkv = torch.cat([qg[:, :, :d].reshape(t, hq * d), qkv[:, 2 * hq * d :]], dim=1)
         b = self._splits[0] + self._splits[1]
         v = qkv[:, b:].view(t, self.num_kv_heads, self.head_dim)
         if not self._plain_rope or cos is None or sin is None:
@@ -307,6 +323,8 @@ class PagedAttention(nn.Module):
         else:
             o = backend.forward(q, cache, plan, self.spec)
         o = o.reshape(t, self.num_q_heads * self.head_dim)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
         return self._o(o, self.o_proj.weight, self.o_proj.bias)
 
 

@@ -16,24 +16,42 @@ from torch import nn
 from kvpage.attention.metadata import MODEL_DTYPES, KVCache
 from kvpage.attention.plan import StepPlan
 from kvpage.attention.protocol import AttentionBackend
+from kvpage.attention.state import StateBatch, StateCache
 from kvpage.errors import ShapeError, SpecError
 from kvpage.models.config import ArchConfig, arch_from_hf
+from kvpage.models.hybrid import HybridDecoderLayer
 from kvpage.models.layers import DecoderLayer, PackedWeight, make_norm
 from kvpage.models.rope import RotaryEmbedding
 from kvpage.models.tokenizer import ByteTokenizer, Tokenizer
 from kvpage.specs import CacheSpec, KVCacheDType, ModelDType, ScaleGranularity
 from kvpage.specs.core import KVPoolKind
+from kvpage.specs.state import LayerMixer, layer_mixers
 
 
 class _Backbone(nn.Module):
-    def __init__(self, arch: ArchConfig, spec: CacheSpec) -> None:
+    def __init__(
+        self,
+        arch: ArchConfig,
+        spec: CacheSpec,
+        cfg: dict[str, Any],
+        mixers: tuple[tuple[LayerMixer, ...], ...] | None,
+        attn_index: list[int],
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         if arch.family.learned_positions:  # GPT-2 wpe
             self.embed_positions = nn.Embedding(arch.max_position_embeddings, arch.hidden_size)
-        self.layers = nn.ModuleList(
-            [DecoderLayer(arch, spec.layers[i], i) for i in range(arch.num_layers)]
-        )
+        layers: list[nn.Module]
+        if mixers is None:
+            layers = [DecoderLayer(arch, spec.layers[i], i) for i in range(arch.num_layers)]
+        else:  # recurrent / hybrid: each layer's mixers (kvpage.models.hybrid)
+            layers = [
+                HybridDecoderLayer(
+                    arch, cfg, i, m, spec.layers[attn_index[i]] if attn_index[i] >= 0 else None
+                )
+                for i, m in enumerate(mixers)
+            ]
+        self.layers = nn.ModuleList(layers)
         self.norm = make_norm(arch, arch.hidden_size)
 
 
@@ -41,7 +59,7 @@ def rotary_embeddings(arch: ArchConfig) -> tuple[RotaryEmbedding | None, RotaryE
     """The RoPE tables of the full-attention layers and, when they differ (Gemma-3's
     ``rope_local_base_freq``), of the sliding layers; ``(None, None)`` with learned
     positions."""
-    if arch.family.learned_positions:
+    if arch.family.learned_positions or not arch.use_rope:  # GPT-2; mamba2, Nemotron-H
         return None, None
     n = min(arch.max_position_embeddings, 8192)
     full = RotaryEmbedding(arch.head_dim, arch.rope_theta, n, arch.rope_scaling, arch.rotary_dim)
@@ -65,8 +83,13 @@ class ModelRunnerModel(nn.Module):
         config: the HF-style config dict.
         arch: the normalised ``ArchConfig``.
         tokenizer: ``encode``/``decode``/``bos_id``/``eos_id``/``vocab_size``.
-        layer_groups: ``[num_layers]`` index of each layer's KV group in
-            ``cache_spec(...).kv_groups`` (the metadata ``forward`` uses for that layer).
+        layer_groups: index of each attention layer's KV group in
+            ``cache_spec(...).kv_groups`` (the metadata ``forward`` uses for that
+            layer), one per ``cache_spec().layers`` entry.
+        mixers: ``layer_mixers(config)``: per decoder layer its mixers, None for an
+            attention-only family.
+        attn_index / state_index: per decoder layer its index in ``kv_caches`` /
+            ``state_caches`` (``cache_spec().layers`` / ``.state_layers``), -1 if none.
         dtype_name: the model dtype's name.
 
     Parameters start uninitialised-to-defaults; loaders fill them with ``load_state_dict``.
@@ -90,8 +113,21 @@ class ModelRunnerModel(nn.Module):
             for lid in g.layer_ids:
                 self.layer_groups[lid] = g.group_id
         self.num_kv_groups = len(spec.kv_groups)
-        self.model = _Backbone(self.arch, spec)
-        #: per layer: use ``rotary_local`` (a sliding layer with its own RoPE base)
+        self.num_state_layers = len(spec.state_layers)
+        self.mixers = layer_mixers(self.config)
+        n = self.arch.num_layers
+        self.attn_index = list(range(n))
+        self.state_index = [-1] * n
+        if self.mixers is not None:
+            self.attn_index, self.state_index = [-1] * n, [-1] * n
+            attn = rec = 0
+            for lid, ms in enumerate(self.mixers):
+                if "attention" in ms:
+                    self.attn_index[lid], attn = attn, attn + 1
+                if any(m != "attention" for m in ms):
+                    self.state_index[lid], rec = rec, rec + 1
+        self.model = _Backbone(self.arch, spec, self.config, self.mixers, self.attn_index)
+        #: per attention layer: use ``rotary_local`` (a sliding layer with its own base)
         self.layer_local_rope = [
             self.arch.rope_local is not None and a.sliding_window is not None for a in spec.layers
         ]
@@ -178,32 +214,63 @@ class ModelRunnerModel(nn.Module):
         plans: list[StepPlan],
         backend: AttentionBackend,
         logits_indices: torch.Tensor,
+        *,
+        state_caches: list[StateCache] | None = None,
+        state_batch: StateBatch | None = None,
     ) -> torch.Tensor:
         """One step over a packed batch of new tokens.
 
         Args:
             input_ids: ``[num_tokens]`` int64 token ids, sequences packed as in the metadata.
             positions: ``[num_tokens]`` int64 absolute position of each token.
-            kv_caches: one KVCache per layer; mutated: this step's K/V are written at the
-                slot mapping of the layer's group.
+            kv_caches: one KVCache per attention layer (``cache_spec().layers``; every
+                layer for an attention-only family); mutated: this step's K/V are
+                written at the slot mapping of the layer's group.
             plans: one plan per KV group (``layer_groups``): ``backend.plan`` of the
                 group's AttentionMetadata.
             backend: the attention backend (``write_kv`` then ``forward``).
             logits_indices: ``[num_seqs]`` int64 rows (of the ``num_tokens``) to compute
                 logits for (usually each sequence's last new token).
+            state_caches: one StateCache per recurrent mixer
+                (``cache_spec().state_layers``, in layer order); required by a model
+                with recurrent layers. Mutated: each sequence's slot
+                (``state_batch.state_indices``) ends holding the state after its last
+                new token (read as zeros where ``has_initial_state`` is False).
+            state_batch: the step's state slots (the sequences in the packed order of
+                the attention metadata).
 
         Returns:
             ``[num_seqs, vocab_size]`` logits in float32 (the Gemma-2 final soft cap
             applied).
 
         Raises:
-            ShapeError: list lengths or token counts disagree.
+            ShapeError: list lengths or token counts disagree; state_caches/state_batch
+                missing for a model with recurrent layers.
         """
         n = input_ids.shape[0]
         if positions.shape[0] != n:
             raise ShapeError(f"positions: expected {n} entries, got {positions.shape[0]}")
-        if len(kv_caches) != self.arch.num_layers:
-            raise ShapeError(f"kv_caches: expected {self.arch.num_layers}, got {len(kv_caches)}")
+        if len(kv_caches) != len(self.layer_groups):
+            raise ShapeError(
+                f"kv_caches: expected {len(self.layer_groups)} (one per attention layer), "
+                f"got {len(kv_caches)}"
+            )
+        if self.num_state_layers:
+            if state_caches is None or state_batch is None:
+                raise ShapeError(
+                    f"state_caches, state_batch: expected {self.num_state_layers} state "
+                    "caches and a StateBatch (the model has recurrent layers), got None"
+                )
+            if len(state_caches) != self.num_state_layers:
+                raise ShapeError(
+                    f"state_caches: expected {self.num_state_layers}, got {len(state_caches)}"
+                )
+            qsl = state_batch.query_start_loc
+            if qsl.shape[0] != state_batch.num_seqs + 1 or int(qsl[-1]) != n:
+                raise ShapeError(
+                    f"state_batch.query_start_loc: expected {state_batch.num_seqs + 1} "
+                    f"offsets ending at {n} tokens, got {qsl.tolist()}"
+                )
         if len(plans) != self.num_kv_groups:
             raise ShapeError(
                 f"plans: expected {self.num_kv_groups} (one per KV group), got {len(plans)}"
@@ -231,9 +298,19 @@ class ModelRunnerModel(nn.Module):
         get_ops = getattr(backend, "layer_ops", None)
         ops = get_ops(x.dtype, x.device) if get_ops is not None else None
         local = self.layer_local_rope
-        for lid, layer in enumerate(self.model.layers):
-            c, s_ = (cos_l, sin_l) if local[lid] else (cos, sin)
-            x = layer(x, c, s_, kv_caches[lid], plans[self.layer_groups[lid]], backend, ops)
+        if self.mixers is None:
+            for lid, layer in enumerate(self.model.layers):
+                c, s_ = (cos_l, sin_l) if local[lid] else (cos, sin)
+                x = layer(x, c, s_, kv_caches[lid], plans[self.layer_groups[lid]], backend, ops)
+        else:
+            for lid, layer in enumerate(self.model.layers):
+                ai, si = self.attn_index[lid], self.state_index[lid]
+                kv = kv_caches[ai] if ai >= 0 else None
+                plan = plans[self.layer_groups[ai]] if ai >= 0 else None
+                c, s_ = (cos_l, sin_l) if ai >= 0 and local[ai] else (cos, sin)
+                st = state_caches[si] if si >= 0 and state_caches is not None else None
+                x = layer(x, c, s_, kv, plan, backend, ops, st, state_batch)
+            x = x.to(self.dtype)  # Mamba-2's float32 residual stream
         x = self.model.norm(x[logits_indices], ops)
         w = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         logits = self._lm(x, w, None).float()

@@ -77,6 +77,10 @@ class MoEMLP(nn.Module):
                 for _ in range(params.num_experts)
             ]
         )
+        self.shared_expert: Expert | None = None
+        if params.shared_expert_intermediate_size:  # Qwen3NextSparseMoeBlock
+            self.shared_expert = Expert(hidden_size, params.shared_expert_intermediate_size, False)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router of ``x`` ``[num_tokens, hidden]``: ``(weights [num_tokens, top_k]``
@@ -115,6 +119,7 @@ class MoEMLP(nn.Module):
         out = torch.zeros_like(x)
         if t == 0:
             return out
+
         k = self.params.top_k
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -133,6 +138,12 @@ class MoEMLP(nn.Module):
             y = y * w[start : start + n, None]
             out.index_add_(0, rows, y.to(out.dtype))
             start += n
+        if self.shared_expert is not None:  # + sigmoid(gate x) * shared(x), added last
+            se = self.shared_expert
+            gu = se._gate_up(x)
+            i = se.gate_proj.out_features
+            s = F.linear(F.silu(gu[:, :i]) * gu[:, i:], se.down_proj.weight)
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * s
         return out
 
 
@@ -149,7 +160,8 @@ def moe_weights_from_hf(
     ``experts.<e>.w1/w3/w2``; Qwen3-MoE ``mlp.gate`` and ``mlp.experts.<e>.
     {gate,up,down}_proj``, kvpage's own; gpt-oss ``mlp.router`` and fused
     ``mlp.experts.gate_up_proj [E, hidden, 2I]`` (gate/up interleaved),
-    ``gate_up_proj_bias``, ``down_proj [E, I, hidden]``, ``down_proj_bias``) and
+    ``gate_up_proj_bias``, ``down_proj [E, I, hidden]``, ``down_proj_bias``; Granite-4
+    hybrid ``block_sparse_moe.router.layer``, ``input_linear``, ``output_linear``) and
     transformers' in-memory fused form (``mlp.gate``, ``mlp.experts.gate_up_proj
     [E, 2I, hidden]`` gate rows first, ``mlp.experts.down_proj [E, hidden, I]``).
 
@@ -167,6 +179,11 @@ def moe_weights_from_hf(
         pre, rest = m.groups()
         rest = rest.replace("block_sparse_moe.", "mlp.", 1)
         rest = rest.replace("mlp.router.", "mlp.gate.", 1)
+        # Granite-4 hybrid's hub layout: router.layer, input_linear [E, 2I, hidden]
+        # (gate rows first), output_linear [E, hidden, I]
+        rest = rest.replace("mlp.gate.layer.", "mlp.gate.", 1)
+        rest = rest.replace("mlp.input_linear.weight", "mlp.experts.gate_up_proj", 1)
+        rest = rest.replace("mlp.output_linear.weight", "mlp.experts.down_proj", 1)
         em = re.match(r"^mlp\.experts\.(\d+)\.w([123])\.weight$", rest)
         if em is not None:
             name = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}[em.group(2)]

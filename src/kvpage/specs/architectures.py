@@ -41,9 +41,12 @@ __all__ = [
 MODEL_TYPES: tuple[str, ...] = (
     "llama", "mistral", "qwen2", "gemma2", "qwen3", "gemma3_text", "phi3", "olmo2",
     "granite", "glm4", "cohere", "starcoder2", "gpt2", "mixtral", "qwen3_moe", "gpt_oss",
+    "qwen3_next", "mamba2", "nemotron_h", "granitemoehybrid",
 )  # fmt: skip
 #: the MoE model types among them (``kvpage.models.moe``): their expert keys are expected
-MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "gpt_oss")
+MOE_MODEL_TYPES: tuple[str, ...] = (
+    "mixtral", "qwen3_moe", "gpt_oss", "qwen3_next", "granitemoehybrid",
+)  # fmt: skip
 #: model types ``kvpage plan`` can size a cache for: every one kvpage runs, and the
 #: recurrent/hybrid ones whose layers ``kvpage.specs.state`` lowers
 PLAN_MODEL_TYPES: tuple[str, ...] = MODEL_TYPES + tuple(
@@ -62,7 +65,6 @@ _MOE_KEYS = ("num_local_experts", "n_routed_experts", "num_experts")
 #: known HF ``model_type`` -> what kvpage lacks to run it
 UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
     "mamba": f"Mamba {_SSM}",
-    "mamba2": f"Mamba-2 {_SSM}",
     "falcon_mamba": f"Mamba {_SSM}",
     "rwkv": f"RWKV {_SSM}",
     "recurrent_gemma": "RG-LRU recurrent state beside the KV cache",
@@ -70,9 +72,7 @@ UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
     "zamba": _HYBRID,
     "zamba2": _HYBRID,
     "bamba": _HYBRID,
-    "falcon_h1": _HYBRID,
-    "nemotron_h": _HYBRID,
-    "granitemoehybrid": f"{_HYBRID} and {_MOE}",
+    "falcon_h1": "Falcon-H1's parallel attention + Mamba-2 layer and its muP multipliers",
     "lfm2": "hybrid short-convolution state beside the attention layers",
     "deepseek_v2": f"{_MLA} and {_MOE}",
     "deepseek_v3": f"{_MLA} and {_MOE}",

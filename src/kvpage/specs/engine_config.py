@@ -147,6 +147,13 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "'auto', 'vllm', 'none' or an existing folder",
     ),
     "kv_pool": _one_of("unified", "per_group"),
+    "state_snapshot_share": (
+        lambda v: _share(v) and v < 1,
+        "a number in [0, 1) (share of the cache memory for recurrent-state snapshots)",
+    ),
+    "state_snapshot_slots": (_int_in(0, optional=True), "None or an int >= 0"),
+    "state_share_threshold": (_int_in(2), "an int >= 2 (requests passing a boundary)"),
+    "state_predicted_share": (_share, "a number in [0, 1]"),
     "speculative_config": (
         lambda v: v is None or isinstance(v, dict),
         "None or a dict (vLLM's speculative_config: method, num_speculative_tokens, "
@@ -286,6 +293,30 @@ class EngineConfig(StrictModel):
         description="unified: one block pool for every KV group (a sliding-window group "
         "holds only its window's blocks); per_group: one pool per KV group, each sized "
         "for full-length sequences (docs/architecture.md, 'One pool for every kind of layer')",
+    )
+    state_snapshot_share: float = Field(
+        0.1,
+        description="hybrid models (recurrent layers): share of the cache memory, after "
+        "one live state slot per max_num_seqs, given to recurrent-state snapshots for "
+        "prefix caching (the rest holds KV blocks); with num_blocks given, snapshots get "
+        "share / (1 - share) of the KV bytes; at most one snapshot per usable KV block "
+        "(0 = no snapshots: no prefix hits on a hybrid)",
+    )
+    state_snapshot_slots: int | None = Field(
+        None,
+        description="hybrid models: recurrent-state snapshot slots, overriding "
+        "state_snapshot_share (None = from the share)",
+    )
+    state_share_threshold: int = Field(
+        2,
+        description="hybrid models: requests that must have passed a block boundary "
+        "before it is predicted shared and snapshotted (docs/architecture.md, 'Recurrent "
+        "state')",
+    )
+    state_predicted_share: float = Field(
+        0.25,
+        description="hybrid models: most share of the snapshot slots that predicted-shared "
+        "boundaries may hold, in [0, 1] (0 = only prompt and end-of-sequence snapshots)",
     )
     speculative_config: dict[str, Any] | None = Field(
         None,

@@ -57,7 +57,7 @@ class Family:
         qk_norm_key: the config key that switches ``qk_norm`` on (None: always on).
         mlp: ``glu`` (``down(act(gate x) * up x)``) | ``fused_glu`` (the same with one
             ``gate_up_proj``, gate rows first) | ``plain`` (``down(act(up x))``) |
-            ``moe`` (``kvpage.models.moe``).
+            ``moe`` (``kvpage.models.moe``) | ``none`` (Mamba-2: no MLP).
         fused_qkv: one ``qkv_proj`` instead of ``q_proj`` / ``k_proj`` / ``v_proj``.
         attn_bias_key, attn_bias_default: the config key switching the q/k/v/o biases
             and its default (None key: the default alone).
@@ -80,7 +80,16 @@ class Family:
             transposed (GPT-2's ``Conv1D``: ``[in, out]``).
         sinks: attention sinks on every layer (gpt-oss).
         partial_rotary_default: ``partial_rotary_factor`` when the config leaves it out
-            (GLM-4: 0.5, ``Glm4Config``).
+            (GLM-4: 0.5, ``Glm4Config``; Qwen3-Next: 0.25).
+        attn_output_gate: ``q_proj`` also yields a per-head output gate (each head's
+            ``2 * head_dim`` rows: query then gate); the attention output is multiplied
+            by ``sigmoid(gate)`` before ``o_proj`` (``Qwen3NextAttention``).
+        recurrent: the layers are those of :func:`kvpage.specs.state.layer_mixers`
+            (Mamba-2, Gated DeltaNet, attention), built by ``kvpage.models.hybrid``;
+            ``block`` ``single`` there: ``x + op(input_layernorm(x))`` with one op per
+            layer (the mixer, or the MLP on a mixer-less layer: Nemotron-H).
+        rope: attention layers rotate q/k (Nemotron-H's have no positional encoding;
+            Granite-4 hybrid's only with ``position_embedding_type: rope``).
     """
 
     model_type: str
@@ -109,6 +118,9 @@ class Family:
     conv1d: tuple[str, ...] = ()
     sinks: bool = False
     partial_rotary_default: float = 1.0
+    attn_output_gate: bool = False
+    recurrent: bool = False
+    rope: bool = True
 
     def biases(self, cfg: Mapping[str, Any]) -> tuple[bool, bool, bool]:
         """``(qkv_bias, o_bias, mlp_bias)`` of a config."""
@@ -261,6 +273,69 @@ FAMILIES: dict[str, Family] = {
         Family("mixtral", mlp="moe"),
         Family("qwen3_moe", mlp="moe", qk_norm="head"),
         Family("gpt_oss", mlp="moe", attn_bias_default=True, sinks=True),
+        # Qwen3NextDecoderLayer: Gated DeltaNet or gated attention, then the MLP (MoE
+        # with a shared expert, or dense); every norm is the zero-centred (1 + w) one
+        Family(
+            "qwen3_next",
+            norm="rms_gemma",
+            qk_norm="head",
+            mlp="moe",
+            attn_output_gate=True,
+            partial_rotary_default=0.25,
+            recurrent=True,
+        ),
+        # Mamba2Block: x + mixer(norm(x)), no MLP; Mamba2Model's names
+        Family(
+            "mamba2",
+            eps_keys=("layer_norm_epsilon",),
+            block="single",
+            mlp="none",
+            recurrent=True,
+            renames=(
+                ("backbone.embeddings.", "model.embed_tokens."),
+                ("backbone.embedding.", "model.embed_tokens."),
+                ("backbone.norm_f.", "model.norm."),
+                ("backbone.layers.{i}.norm.", _LAYER + "input_layernorm."),
+                ("backbone.layers.", "model.layers."),
+            ),
+        ),
+        # NemotronHBlock: x + mixer(norm(x)), the mixer Mamba-2, attention without
+        # positions, or a relu2 MLP (up/down)
+        Family(
+            "nemotron_h",
+            eps_keys=("layer_norm_epsilon",),
+            block="single",
+            mlp="plain",
+            attn_bias_key=None,
+            mlp_bias_key="mlp_bias",
+            act_keys=("mlp_hidden_act",),
+            act_default="relu2",
+            recurrent=True,
+            rope=False,
+            renames=(  # transformers' in-memory names, then the hub's backbone.*
+                ("model.embeddings.", "model.embed_tokens."),
+                ("model.norm_f.", "model.norm."),
+                (_LAYER + "norm.", _LAYER + "input_layernorm."),
+                ("backbone.embeddings.", "model.embed_tokens."),
+                ("backbone.norm_f.", "model.norm."),
+                ("backbone.layers.{i}.norm.", _LAYER + "input_layernorm."),
+                ("backbone.layers.", "model.layers."),
+            ),
+        ),
+        # GraniteMoeHybridDecoderLayer: x + rm * mixer(n1(x)) (Mamba-2 or attention),
+        # x + rm * (moe(n2(x)) + shared_mlp(n2(x))); Granite's multipliers
+        Family(
+            "granitemoehybrid",
+            mlp="moe",
+            embed_scale="embedding_multiplier",
+            residual_multiplier=True,
+            logits="divide",
+            recurrent=True,
+            renames=(
+                (_LAYER + "shared_mlp.input_linear.", _LAYER + "shared_mlp.gate_up_proj."),
+                (_LAYER + "shared_mlp.output_linear.", _LAYER + "shared_mlp.down_proj."),
+            ),
+        ),
     )
 }
 
@@ -317,6 +392,11 @@ def count_parameters(
     (LayerNorm: + bias), the MLP (dense or ``moe_layer_params`` on ``moe_layers``
     layers), the final norm and the LM head unless tied."""
     fam = family_of(cfg)
+    if fam.recurrent:
+        raise SpecError(
+            f"config.model_type: expected an attention-only family to count parameters "
+            f"from the row, got {fam.model_type!r} (recurrent layers: count the model's)"
+        )
     h, hq, hk, d, i = hidden, num_q_heads, num_kv_heads, head_dim, intermediate
     qkv_b, o_b, mlp_b = fam.biases(cfg)
     attn = 2 * h * hq * d + 2 * h * hk * d

@@ -37,6 +37,9 @@ class MoEParams:
         activation: ``silu`` (SwiGLU) or ``clamped_swiglu`` (gpt-oss).
         swiglu_alpha, swiglu_limit: gpt-oss's ``alpha`` and clamp ``L``.
         sparse_layers: the layers whose MLP is the MoE (others: a dense MLP).
+        shared_expert_intermediate_size: width of the always-on shared expert, added
+            to the routed output times ``sigmoid(shared_expert_gate(x))`` (Qwen3-Next
+            ``Qwen3NextSparseMoeBlock``); 0 = none.
     """
 
     family: str
@@ -51,6 +54,7 @@ class MoEParams:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     sparse_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
 
 
 def _int(cfg: Mapping[str, Any], *keys: str) -> int:
@@ -73,7 +77,28 @@ def moe_params_from_hf(cfg: Mapping[str, Any], num_layers: int) -> MoEParams | N
     mt = cfg.get("model_type")
     if mt not in MOE_MODEL_TYPES:
         return None
-    if mt == "qwen3_moe":
+    if mt == "qwen3_next" and not cfg.get("num_experts"):
+        return None  # Qwen3NextDecoderLayer: num_experts 0 = dense MLPs only
+    if mt == "granitemoehybrid":  # GraniteMoeHybridTopKRouter: softmax of the top-k logits
+        if not cfg.get("num_local_experts"):
+            return None  # only the shared MLP
+        n, k = _int(cfg, "num_local_experts"), _int(cfg, "num_experts_per_tok")
+        if k > n:
+            raise SpecError(f"config.num_experts_per_tok: expected <= {n} experts, got {k}")
+        return MoEParams(
+            family=mt,
+            num_experts=n,
+            top_k=k,
+            intermediate_size=_int(cfg, "intermediate_size"),
+            routing="topk_softmax",
+            norm_topk_prob=False,
+            weights_in_model_dtype=True,
+            bias=False,
+            activation="silu",
+            sparse_layers=tuple(range(num_layers)),
+        )
+    qwen = mt in ("qwen3_moe", "qwen3_next")
+    if qwen:
         n = _int(cfg, "num_experts", "num_local_experts")
         inter = _int(cfg, "moe_intermediate_size")
     else:
@@ -83,7 +108,7 @@ def moe_params_from_hf(cfg: Mapping[str, Any], num_layers: int) -> MoEParams | N
     if k > n:
         raise SpecError(f"config.num_experts_per_tok: expected <= {n} experts, got {k}")
     layers = tuple(range(num_layers))
-    if mt == "qwen3_moe":  # Qwen3MoeDecoderLayer: which layers are sparse
+    if qwen:  # Qwen3MoeDecoderLayer / Qwen3NextDecoderLayer: which layers are sparse
         only = set(cfg.get("mlp_only_layers") or [])
         step = int(cfg.get("decoder_sparse_step") or 1)
         layers = tuple(i for i in layers if i not in only and (i + 1) % step == 0)
@@ -115,19 +140,25 @@ def moe_params_from_hf(cfg: Mapping[str, Any], num_layers: int) -> MoEParams | N
         intermediate_size=inter,
         routing="softmax_topk",
         norm_topk_prob=True if mt == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
-        weights_in_model_dtype=mt == "qwen3_moe",
+        weights_in_model_dtype=qwen,
         bias=False,
         activation="silu",
         sparse_layers=layers,
+        shared_expert_intermediate_size=(
+            _int(cfg, "shared_expert_intermediate_size") if mt == "qwen3_next" else 0
+        ),
     )
 
 
 def moe_parameter_count(params: MoEParams, hidden_size: int) -> int:
     """Parameters of one MoE layer's MLP: the router (``E * hidden``, plus ``E`` bias)
-    and ``E`` experts of three ``hidden x I`` matrices (plus ``2I + hidden`` biases)."""
+    and ``E`` experts of three ``hidden x I`` matrices (plus ``2I + hidden`` biases),
+    plus a shared expert and its ``[1, hidden]`` gate where the family has one."""
     e, i, h = params.num_experts, params.intermediate_size, hidden_size
     per = 3 * h * i + (2 * i + h if params.bias else 0)
-    return e * h + (e if params.bias else 0) + e * per
+    si = params.shared_expert_intermediate_size
+    shared = 3 * h * si + h if si else 0  # shared expert and its gate
+    return e * h + (e if params.bias else 0) + e * per + shared
 
 
 __all__ = ["MOE_MODEL_TYPES", "MoEParams", "moe_parameter_count", "moe_params_from_hf"]
