@@ -29,15 +29,17 @@ if TYPE_CHECKING:
 
 
 def snapshot_slots(cfg: SimConfig, spec: CacheSpec) -> int:
-    """Snapshot slots of a hybrid model's pool: the KV blocks' bytes x ``share / (1 -
-    share)`` (the memory ``kvpage.sim.simulator.build_setup`` left for them) in whole states, at
-    most one per usable KV block; 0 without state layers."""
+    """Snapshot slots of a hybrid model's pool (0 without state layers): the engine's
+    ``kvpage.cache.state_pool.snapshot_slots_for`` with the KV blocks' bytes (so the
+    snapshots get ``share / (1 - share)`` of them, the memory
+    ``kvpage.sim.simulator.build_setup`` left for them), at most one per usable block."""
+    from kvpage.cache.state_pool import snapshot_slots_for
+
     sb = spec.state_bytes_per_sequence
     if not sb:
         return 0
-    share = cfg.state_snapshot_share
     kv = (spec.num_blocks - 1) * spec.bytes_per_block
-    return min(int(kv * share / (1.0 - share)) // sb, spec.num_blocks - 1)
+    return snapshot_slots_for(sb, cfg.state_snapshot_share, spec.num_blocks - 1, kv_bytes=kv)
 
 
 def make_allocator(

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kvpage.cache.explain import aggregate_misses
+from kvpage.cache.state_pool import split_state_memory
 from kvpage.capacity import plan_capacity, resolve_model
 from kvpage.errors import SpecError
 from kvpage.sim.config import POLICIES, RECURRENT_STATE_MODES, SimConfig
@@ -160,12 +161,8 @@ def _check_state_config(cfg: SimConfig) -> None:
     rules: ``kvpage.engine.config``)."""
     if cfg.recurrent_state not in RECURRENT_STATE_MODES:
         raise SpecError(
-            f"recurrent_state: expected one of {RECURRENT_STATE_MODES}, got "
-            f"{cfg.recurrent_state!r}"
+            f"recurrent_state: expected one of {RECURRENT_STATE_MODES}, got {cfg.recurrent_state!r}"
         )
-    share = cfg.state_snapshot_share
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
-        raise SpecError(f"state_snapshot_share: expected a number in [0, 1), got {share!r}")
     if not cfg.policy.startswith("paged"):
         raise SpecError(
             f"policy: expected a paged policy for a model with recurrent state layers "
@@ -179,23 +176,22 @@ def _check_state_config(cfg: SimConfig) -> None:
 
 
 def _hybrid_num_blocks(cfg: SimConfig, spec: CacheSpec, budget: int) -> int:
-    """KV blocks (incl. the null block) of a hybrid model: the live state slots'
-    bytes (``max_num_seqs`` x state bytes) come off the KV budget first, the rest splits
-    ``state_snapshot_share : 1 - share`` between snapshots and KV blocks (the engine's
-    rule for a byte budget, ``kvpage.engine.config``; the snapshot count:
-    ``kvpage.sim.instance.snapshot_slots``).
+    """KV blocks (incl. the null block) of a hybrid model: the engine's rule for a byte
+    budget (``kvpage.engine.config``): ``kvpage.cache.state_pool.split_state_memory``
+    takes the live state slots' bytes (``max_num_seqs`` x state bytes) first and splits
+    the rest ``state_snapshot_share : 1 - share`` between snapshots and KV blocks (the
+    snapshot count: ``kvpage.sim.instance.snapshot_slots``).
 
     Raises:
         SpecError: fewer than 2 KV blocks fit.
     """
-    rest = budget - cfg.max_num_seqs * spec.state_bytes_per_sequence
-    kv = int(rest * (1.0 - cfg.state_snapshot_share))
+    sb = spec.state_bytes_per_sequence
+    kv, _ = split_state_memory(budget, sb, cfg.max_num_seqs, cfg.state_snapshot_share)
     nb = (kv - spec.fixed_scale_bytes) // spec.bytes_per_block
     if nb < 2:
         raise SpecError(
             f"max_num_seqs: expected room for {cfg.max_num_seqs} live recurrent states "
-            f"({spec.state_bytes_per_sequence:,} bytes each) and 2 KV blocks in "
-            f"{budget:,} bytes, got {nb} blocks"
+            f"({sb:,} bytes each) and 2 KV blocks in {budget:,} bytes, got {nb} blocks"
         )
     return int(nb)
 
@@ -233,6 +229,9 @@ ENGINE_FIELDS = {
     "kv_disk_tier_bytes": "kv_disk_tier_bytes",
     "preemption_mode": "preemption_mode",
     "swap_space_bytes": "swap_space_bytes",
+    "state_snapshot_share": "state_snapshot_share",
+    "state_share_threshold": "state_share_threshold",
+    "state_predicted_share": "state_predicted_share",
 }
 
 
@@ -325,10 +324,12 @@ def _state_extra(inst: SimInstance) -> dict[str, Any]:
     """Recurrent-state counters for ``SimResult.extra`` (empty without state layers):
     ``state`` = the pool's slot counts, ``StatePoolStats`` and the snapshot memory share
     (snapshot slots' bytes / (KV blocks + live state slots + snapshot slots bytes))."""
-    pool = getattr(inst.kv, "state", None)
-    if pool is None:
+    from kvpage.cache import KVCacheManager
+
+    kvm = inst.kv
+    if not isinstance(kvm, KVCacheManager) or kvm.state is None:
         return {}
-    spec = inst.kv.spec
+    pool, spec = kvm.state, kvm.spec
     sb = spec.state_bytes_per_sequence
     kv = (spec.num_blocks - 1) * spec.bytes_per_block
     snap = pool.num_snapshot_slots * sb
