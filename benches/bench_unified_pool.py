@@ -18,18 +18,33 @@ source). For each pool design the budget is turned into blocks
   ``sum over full layers(L) + sum over sliding layers(min(L, W))`` x layer bytes per
   token; the same greedy admission in the same order.
 
-Run: ``.venv/bin/python benches/bench_unified_pool.py`` (prints a Markdown table).
+Simulator section (``--sim``): output tok/s, peak concurrent sequences (peak batch),
+preemptions and TTFT from ``kvpage.sim.simulate`` (the real scheduler and
+``KVCacheManager``, step times from the roofline cost model with window-limited KV
+reads and MoE active parameters) on an H100-80GB for the same models and budgets
+(``SimConfig.weight_bytes``), per-group vs unified pool: ``long`` = :data:`LONG_N`
+requests of 32,768 prompt + 256 output tokens (distinct prompts, all at t = 0, policy
+``paged``) at two step budgets (``max_num_batched_tokens`` 8,192 and 2,048);
+``mooncake`` = the first :data:`MOONCAKE_N` requests of the Mooncake conversation
+trace at its own arrival rate (policy ``paged-prefix``). The bound's column is the
+greedy count of sequences at full length that fit in the bound's bytes (no simulated
+tok/s for the bound: it has no allocator).
+
+Run: ``.venv/bin/python benches/bench_unified_pool.py [--sim]`` (prints Markdown tables).
 """
 
 from __future__ import annotations
 
+import argparse
 import platform
 import sys
+import time
 from typing import Any
 
 from kvpage.cache import KVCacheManager
+from kvpage.sim.simulator import SimConfig, SimResult, simulate
 from kvpage.specs import CacheSpec, load_preset, make_cache_spec
-from kvpage.workload.traces import load_trace
+from kvpage.workload.traces import TraceRequest, load_trace
 from kvpage.workload.workload_stats import max_sequence_tokens
 
 DEVICE = 80_000_000_000
@@ -119,7 +134,74 @@ def fill_bound(spec: CacheSpec, budget: int, lengths: list[int]) -> int:
     return len(lengths)
 
 
+#: preset, weight bytes (None = parameters x 2): the budgets of the capacity table
+SIM_MODELS: list[tuple[str, str, int | None]] = [
+    ("Gemma-3-27B", "gemma-3-27b", int(27.4e9 * 2)),
+    ("gpt-oss-120b", "gpt-oss-120b", 65_000_000_000),
+    ("Llama-3-8B", "llama-3-8b", None),
+]
+LONG_N = 24
+LONG_PROMPT = 32768
+LONG_OUT = 256
+MOONCAKE_N = 300
+
+
+def long_requests(n: int = LONG_N) -> list[TraceRequest]:
+    """``n`` distinct requests of :data:`LONG_PROMPT` + :data:`LONG_OUT` tokens at t = 0."""
+    return [TraceRequest(i, 0.0, LONG_PROMPT, LONG_OUT) for i in range(n)]
+
+
+def sim_config(preset: str, weights: int | None, pool: str, **kw: Any) -> SimConfig:
+    """The simulator config of one bench row (H100-80GB, bf16, block 16, 128k context
+    except Llama-3-8B's 8k, which the long workload's 32k prompts exceed)."""
+    mml = None if preset == "llama-3-8b" else 131072
+    return SimConfig(
+        model=preset, gpu="H100-80GB", kv_pool=pool, weight_bytes=weights, max_model_len=mml, **kw
+    )
+
+
+def sim_rows() -> list[list[Any]]:
+    """Rows of the simulator table (module docstring)."""
+    trace = load_trace("mooncake-conv", limit=MOONCAKE_N)
+    rows: list[list[Any]] = []
+    for name, preset, weights in SIM_MODELS:
+        runs: list[tuple[str, Any, dict[str, Any]]] = [
+            ("mooncake", trace, dict(policy="paged-prefix")),
+        ]
+        if preset != "llama-3-8b":  # 32k prompts exceed Llama-3-8B's 8k context
+            runs += [
+                ("long, 8k step", long_requests(), dict(policy="paged")),
+                (
+                    "long, 2k step",
+                    long_requests(),
+                    dict(policy="paged", max_num_batched_tokens=2048),
+                ),  # fmt: skip
+            ]
+        for wl, reqs, kw in runs:
+            for pool in ("per_group", "unified"):
+                t0 = time.perf_counter()
+                r: SimResult = simulate(reqs, sim_config(preset, weights, pool, **kw))
+                print(f"# {name} {wl} {pool}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+                rows.append(
+                    [
+                        name,
+                        wl,
+                        pool,
+                        f"{r.finished}/{r.requests}",
+                        f"{r.throughput_tok_s:,.1f}",
+                        r.peak_batch,
+                        r.preemptions,
+                        f"{r.ttft_s.get('p50', 0.0):,.1f}",
+                        f"{r.prefix_hit_pct:.1f}",
+                    ]
+                )
+    return rows
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sim", action="store_true", help="also the simulator table (minutes)")
+    args = ap.parse_args()
     trace = load_trace("src/kvpage/data/traces/mooncake_conversation_trace.jsonl", limit=2000)
     mooncake = [r.prompt_tokens + max(r.output_tokens, 1) for r in trace.requests]
     rows: list[list[Any]] = []
@@ -159,6 +241,12 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(str(x) for x in r) + " |")
+    if args.sim:
+        print()
+        print("| model | workload | pool | finished | output tok/s | peak batch | preemptions | TTFT p50 s | prefix hit % |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in sim_rows():
+            print("| " + " | ".join(str(x) for x in r) + " |")
 
 
 if __name__ == "__main__":

@@ -320,6 +320,7 @@ PRESET_BYTES = {
     "qwen3-next-80b-a3b": 12 * 2 * 2 * 256 * 2,
     "nemotron-h-8b": 4 * 2 * 8 * 128 * 2,
     "granite-4.0-h-tiny": 4 * 2 * 4 * 128 * 2,
+    "gemma-3-27b": 62 * 2 * 16 * 128 * 2,
 }
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: SimConfig.recurrent_state values
+RECURRENT_STATE_MODES = ("snapshots", "free")
+
 POLICIES = ("contiguous-max", "contiguous-pow2", "contiguous-oracle", "paged", "paged-prefix")
 
 
@@ -36,6 +39,23 @@ class SimConfig:
             ``swap_space`` default).
         kv_pool: ``unified`` (one block pool for every KV group) or ``per_group``
             (``kvpage.specs.CacheSpec.kv_pool``).
+        weight_bytes: bytes of the weights on the device (they size the KV budget and
+            are read once per step by the cost model); None = ``num_parameters x`` the
+            model dtype's bytes (``kvpage.capacity.plan_capacity``). Give it for
+            quantized checkpoints (gpt-oss-120b's MXFP4 experts: ~65 GB).
+        active_parameters: parameters one token passes, for the cost model's FLOPs; None
+            = ``kvpage.sim.simulator.active_parameters`` of the config (all of them for
+            a family without MoE fields the spec compiler reads, e.g. ``qwen3_next``).
+        recurrent_state: hybrid models (``CacheSpec.state_layers``) only:
+            ``snapshots`` = live state slots and prefix-cache snapshots in a
+            ``kvpage.cache.state_pool.StatePool`` (a hit needs a snapshot at its end);
+            ``free`` = the attention-only bound (no state memory, no snapshots: every
+            KV prefix hit counts, the KV blocks those of ``snapshots``).
+        state_snapshot_share: fraction of the memory left after the live state slots
+            that holds snapshots (the rest: KV blocks), in [0, 1).
+        state_share_threshold, state_predicted_share: the snapshot policy's
+            ``share_threshold`` and ``predicted_share``
+            (``kvpage.cache.snapshot_policy.SnapshotPolicy``).
     """
 
     model: str = "llama-3-8b"
@@ -61,6 +81,12 @@ class SimConfig:
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 4 << 30
     kv_pool: str = "unified"
+    weight_bytes: int | None = None
+    active_parameters: int | None = None
+    recurrent_state: str = "snapshots"
+    state_snapshot_share: float = 0.1
+    state_share_threshold: int = 2
+    state_predicted_share: float = 0.25
 
 
-__all__ = ["POLICIES", "SimConfig"]
+__all__ = ["POLICIES", "RECURRENT_STATE_MODES", "SimConfig"]

@@ -3,14 +3,23 @@
 A roofline model of one forward step over a batch (no weights are needed):
 
 * **compute time** = FLOPs / (peak_flops x flops_efficiency), with
-  ``FLOPs = 2 x num_parameters x num_batched_tokens`` (every weight is one multiply-add
-  per token: Kaplan et al. 2020, "Scaling Laws", sec. 2.1) plus attention
-  ``4 x layers x num_q_heads x head_dim x sum_i q_i x (c_i + (q_i + 1) / 2)`` (QK^T and
-  PV for query i's ``q_i`` new tokens against ``c_i`` cached ones, causal within the
+  ``FLOPs = 2 x active_parameters x num_batched_tokens`` (every weight a token passes is
+  one multiply-add: Kaplan et al. 2020, "Scaling Laws", sec. 2.1; a MoE token passes only
+  its top-k experts, so ``active_parameters`` = all parameters minus the other experts')
+  plus attention ``4 x num_q_heads x head_dim x sum_layers sum_i keys_l(c_i, q_i)`` (QK^T
+  and PV), where ``keys_l`` is the number of (query, key) pairs of query i's ``q_i`` new
+  tokens at positions ``c_i .. c_i + q_i - 1``: ``sum_x min(x, W_l)`` for
+  ``x = c_i + 1 .. c_i + q_i`` (``W_l`` = layer l's sliding window, infinite for full
+  attention; without windows this is ``q_i x (c_i + (q_i + 1) / 2)``, causal within the
   chunk). Prefill-heavy steps are compute-bound.
 * **memory time** = bytes / (peak_bandwidth x bandwidth_efficiency), with
-  ``bytes = weight_bytes + sum_i seq_len_i x kv_bytes_per_token`` (weights read once per
-  step, every sequence's K/V read once, new K/V written). Decode steps are memory-bound.
+  ``bytes = weight_bytes + sum_i sum_layers min(seq_len_i, W_l) x layer_kv_bytes_per_token``
+  (weights read once per step, every sequence's K/V within each layer's window read
+  once, new K/V written) plus, for a hybrid model, ``2 x state_bytes_per_sequence`` per
+  scheduled sequence (its recurrent state read and written once per step; the
+  recurrent layers' own FLOPs, ~4 x heads x key_dim x value_dim per token and layer,
+  are not counted: under 2 % of ``2 x active_parameters`` for Qwen3-Next-80B-A3B).
+  Decode steps are memory-bound.
 * **step time** = ``max(compute, memory) + step_overhead_s`` (the slower of the two rooflines;
   ``step_overhead_s`` stands for kernel launches, sampling and scheduling on the host).
 
@@ -96,6 +105,19 @@ class StepCostModel:
         flops_efficiency: achieved / peak FLOP/s (0 < e <= 1), default 0.6 (assumed).
         bandwidth_efficiency: achieved / peak bandwidth (0 < e <= 1), default 0.8 (assumed).
         step_overhead_s: fixed host-side cost per step in seconds, default 0.002 (assumed).
+        active_parameters: parameters one token passes (MoE: top-k experts); None =
+            ``num_parameters`` (dense).
+        layer_windows: per layer ``(KV bytes per token, sliding window or None)``; empty
+            = every layer full attention with ``kv_bytes_per_token / num_layers`` each.
+            When given, ``kv_bytes_per_token`` must equal the sum of the layers' bytes.
+        state_bytes_per_sequence: recurrent state bytes of one sequence (hybrid
+            models, ``CacheSpec.state_bytes_per_sequence``), 0 = none.
+
+    Raises:
+        SpecError: an efficiency outside (0, 1], a negative overhead, ``layer_windows``
+            of another length than ``num_layers`` or not summing to
+            ``kv_bytes_per_token``, a window < 1, ``active_parameters`` outside
+            ``[1, num_parameters]``.
     """
 
     num_parameters: int
@@ -108,8 +130,27 @@ class StepCostModel:
     flops_efficiency: float = 0.6
     bandwidth_efficiency: float = 0.8
     step_overhead_s: float = 0.002
+    active_parameters: int | None = None
+    layer_windows: tuple[tuple[int, int | None], ...] = ()
+    state_bytes_per_sequence: int = 0
 
     def __post_init__(self) -> None:
+        lw = self.layer_windows
+        if lw:
+            if len(lw) != self.num_layers:
+                raise SpecError(f"layer_windows: expected {self.num_layers} layers, got {len(lw)}")
+            if sum(b for b, _ in lw) != self.kv_bytes_per_token:
+                raise SpecError(
+                    f"layer_windows: expected bytes summing to kv_bytes_per_token="
+                    f"{self.kv_bytes_per_token}, got {sum(b for b, _ in lw)}"
+                )
+            if any(w is not None and w < 1 for _, w in lw):
+                raise SpecError(f"layer_windows: expected windows >= 1 or None, got {lw}")
+        ap = self.active_parameters
+        if ap is not None and not (1 <= ap <= self.num_parameters):
+            raise SpecError(
+                f"active_parameters: expected 1 .. num_parameters={self.num_parameters}, got {ap}"
+            )
         for name in ("flops_efficiency", "bandwidth_efficiency"):
             v = getattr(self, name)
             if not (0 < v <= 1):
@@ -117,19 +158,35 @@ class StepCostModel:
         if self.step_overhead_s < 0:
             raise SpecError(f"step_overhead_s: expected >= 0, got {self.step_overhead_s}")
 
+    def _windows(self) -> dict[int | None, tuple[int, int]]:
+        """window -> (layers, KV bytes per token of those layers)."""
+        if not self.layer_windows:
+            return {None: (self.num_layers, self.kv_bytes_per_token)}
+        out: dict[int | None, tuple[int, int]] = {}
+        for b, w in self.layer_windows:
+            n, tot = out.get(w, (0, 0))
+            out[w] = (n + 1, tot + b)
+        return out
+
     def flops(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
         """FLOPs of a step computing ``query_lens[i]`` new tokens on top of
-        ``context_lens[i]`` cached tokens per sequence."""
+        ``context_lens[i]`` cached tokens per sequence (module docstring)."""
         tokens = sum(query_lens)
-        attn = sum(q * (c + (q + 1) / 2) for q, c in zip(query_lens, context_lens))
-        return 2.0 * self.num_parameters * tokens + 4.0 * self.num_layers * (
-            self.num_q_heads * self.head_dim * attn
-        )
+        attn = 0.0
+        for w, (n, _) in self._windows().items():
+            attn += n * sum(_pairs(c, q, w) for q, c in zip(query_lens, context_lens))
+        active = self.active_parameters or self.num_parameters
+        return 2.0 * active * tokens + 4.0 * self.num_q_heads * self.head_dim * attn
 
     def bytes_moved(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
-        """Bytes read and written: weights once, K/V of every sequence's full length."""
-        kv_tokens = sum(q + c for q, c in zip(query_lens, context_lens))
-        return float(self.weight_bytes + kv_tokens * self.kv_bytes_per_token)
+        """Bytes read and written: weights once, each sequence's K/V within each layer's
+        window (module docstring)."""
+        kv = 0
+        for w, (_, b) in self._windows().items():
+            lens = (q + c for q, c in zip(query_lens, context_lens))
+            kv += b * sum(n if w is None else min(n, w) for n in lens)
+        state = 2 * self.state_bytes_per_sequence * len(query_lens)
+        return float(self.weight_bytes + kv + state)
 
     def step_time(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
         """Seconds one step takes (0 for an empty batch)."""
@@ -142,6 +199,16 @@ class StepCostModel:
             self.gpu.peak_bandwidth * self.bandwidth_efficiency
         )
         return max(compute, memory) + self.step_overhead_s
+
+
+def _pairs(c: int, q: int, w: int | None) -> float:
+    """``sum_x min(x, w)`` for ``x = c + 1 .. c + q`` (keys each new query sees)."""
+    a, b = c + 1, c + q
+    if w is None or b <= w:
+        return (a + b) * q / 2
+    if a >= w:
+        return float(w * q)
+    return (a + w) * (w - a + 1) / 2 + w * (b - w)
 
 
 def get_gpu(name: str) -> GPUPreset:

@@ -28,6 +28,20 @@ if TYPE_CHECKING:
     from kvpage.engine.request import Request
 
 
+def snapshot_slots(cfg: SimConfig, spec: CacheSpec) -> int:
+    """Snapshot slots of a hybrid model's pool (0 without state layers): the engine's
+    ``kvpage.cache.state_pool.snapshot_slots_for`` with the KV blocks' bytes (so the
+    snapshots get ``share / (1 - share)`` of them, the memory
+    ``kvpage.sim.simulator.build_setup`` left for them), at most one per usable block."""
+    from kvpage.cache.state_pool import snapshot_slots_for
+
+    sb = spec.state_bytes_per_sequence
+    if not sb:
+        return 0
+    kv = (spec.num_blocks - 1) * spec.bytes_per_block
+    return snapshot_slots_for(sb, cfg.state_snapshot_share, spec.num_blocks - 1, kv_bytes=kv)
+
+
 def make_allocator(
     cfg: SimConfig, spec: CacheSpec, mml: int, slots: int, final: dict[str, int]
 ) -> KVAllocator:
@@ -36,11 +50,23 @@ def make_allocator(
         return ContiguousAllocator(slots, cfg.policy.split("-")[1], mml, final.__getitem__)
     from kvpage.cache import KVCacheManager
 
+    pool = None
+    if spec.state_layers:  # hybrid: live state slots + snapshots (the engine's pool)
+        from kvpage.cache.snapshot_policy import SnapshotPolicy
+        from kvpage.cache.state_pool import StatePool
+
+        policy = SnapshotPolicy(
+            spec.block_size,
+            share_threshold=cfg.state_share_threshold,
+            predicted_share=cfg.state_predicted_share,
+        )
+        pool = StatePool(cfg.max_num_seqs, snapshot_slots(cfg, spec), policy)
     return KVCacheManager(
         spec,
         enable_prefix_caching=cfg.policy == "paged-prefix",
         hash_seed=cfg.seed,
         max_alloc_tokens=cfg.max_num_batched_tokens,
+        state_pool=pool,
     )
 
 
@@ -245,4 +271,4 @@ class SimInstance:
         return True
 
 
-__all__ = ["SimInstance", "make_allocator", "reserved_live"]
+__all__ = ["SimInstance", "make_allocator", "reserved_live", "snapshot_slots"]

@@ -39,17 +39,20 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kvpage.cache.explain import aggregate_misses
+from kvpage.cache.state_pool import split_state_memory
 from kvpage.capacity import plan_capacity, resolve_model
 from kvpage.errors import SpecError
-from kvpage.sim.config import POLICIES, SimConfig
+from kvpage.sim.config import POLICIES, RECURRENT_STATE_MODES, SimConfig
 from kvpage.sim.costmodel import StepCostModel, get_gpu
 from kvpage.sim.instance import SimInstance
 from kvpage.specs import CacheSpec
 from kvpage.specs.engine_config import check_engine_field
+from kvpage.specs.hf import hf_attention_shape
+from kvpage.specs.moe import moe_parameter_count, moe_params_from_hf
 from kvpage.stats import summarize
 from kvpage.workload.traces import TokenMapper, Trace, TraceRequest
 
@@ -115,11 +118,19 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
         kv_dtype=cfg.kv_dtype,
         block_size=cfg.block_size,
         kv_pool=cfg.kv_pool,
+        weight_bytes=cfg.weight_bytes,
     )
     if src.num_parameters is None:  # plan_capacity refuses this without weight bytes
         raise SpecError(f"model: expected a countable parameter count, got {src.param_error}")
     nb = cfg.num_blocks if cfg.num_blocks is not None else plan.num_blocks
+    state_bytes = spec.state_bytes_per_sequence
+    if state_bytes:
+        _check_state_config(cfg)
+        if cfg.num_blocks is None:
+            nb = _hybrid_num_blocks(cfg, spec, plan.kv_budget_bytes)
     spec = spec.with_blocks(nb)
+    if state_bytes and cfg.recurrent_state == "free":  # the attention-only bound
+        spec = spec.model_copy(update={"state_layers": ()})
     a = spec.layers[0]
     cost = StepCostModel(
         num_parameters=src.num_parameters,
@@ -132,11 +143,76 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
         flops_efficiency=cfg.flops_efficiency,
         bandwidth_efficiency=cfg.bandwidth_efficiency,
         step_overhead_s=cfg.step_overhead_s,
+        active_parameters=cfg.active_parameters
+        or active_parameters(src.hf_config, src.num_parameters),
+        state_bytes_per_sequence=state_bytes,
+        layer_windows=tuple(
+            (spec.layer_bytes_per_token(i), x.sliding_window) for i, x in enumerate(spec.layers)
+        ),
     )
     mml = cfg.max_model_len or src.max_model_len
     # token slots: a unified pool's block holds one of its G groups' layers
     g = len(spec.kv_groups) if spec.kv_pool == "unified" else 1
     return spec, cost, mml, (nb - 1) * cfg.block_size // g
+
+
+def _check_state_config(cfg: SimConfig) -> None:
+    """Refuse, by name, what a simulated hybrid model does not support (the engine's
+    rules: ``kvpage.engine.config``)."""
+    if cfg.recurrent_state not in RECURRENT_STATE_MODES:
+        raise SpecError(
+            f"recurrent_state: expected one of {RECURRENT_STATE_MODES}, got {cfg.recurrent_state!r}"
+        )
+    if not cfg.policy.startswith("paged"):
+        raise SpecError(
+            f"policy: expected a paged policy for a model with recurrent state layers "
+            f"(the contiguous allocators hold no state slots), got {cfg.policy!r}"
+        )
+    if cfg.preemption_mode == "swap":
+        raise SpecError(
+            "preemption_mode: expected 'recompute' for a model with recurrent state layers "
+            "(swap moves KV blocks only, not the recurrent state slots), got 'swap'"
+        )
+
+
+def _hybrid_num_blocks(cfg: SimConfig, spec: CacheSpec, budget: int) -> int:
+    """KV blocks (incl. the null block) of a hybrid model: the engine's rule for a byte
+    budget (``kvpage.engine.config``): ``kvpage.cache.state_pool.split_state_memory``
+    takes the live state slots' bytes (``max_num_seqs`` x state bytes) first and splits
+    the rest ``state_snapshot_share : 1 - share`` between snapshots and KV blocks (the
+    snapshot count: ``kvpage.sim.instance.snapshot_slots``).
+
+    Raises:
+        SpecError: fewer than 2 KV blocks fit.
+    """
+    sb = spec.state_bytes_per_sequence
+    kv, _ = split_state_memory(budget, sb, cfg.max_num_seqs, cfg.state_snapshot_share)
+    nb = (kv - spec.fixed_scale_bytes) // spec.bytes_per_block
+    if nb < 2:
+        raise SpecError(
+            f"max_num_seqs: expected room for {cfg.max_num_seqs} live recurrent states "
+            f"({sb:,} bytes each) and 2 KV blocks in {budget:,} bytes, got {nb} blocks"
+        )
+    return int(nb)
+
+
+def active_parameters(hf_config: dict[str, Any], num_parameters: int) -> int:
+    """Parameters one token passes: all of them for a dense model; a MoE model
+    (``kvpage.specs.moe``) less, per sparse layer, the ``num_experts - top_k`` experts
+    the token is not routed to (each ``moe_parameter_count`` of one expert less its
+    router row). The router itself is counted (every token computes all its logits).
+
+    Raises:
+        SpecError: invalid MoE fields (``moe_params_from_hf``).
+    """
+    shape = hf_attention_shape(hf_config)
+    moe = moe_params_from_hf(hf_config, shape.num_layers)
+    if moe is None:
+        return num_parameters
+    h = shape.hidden_size
+    one = moe_parameter_count(replace(moe, num_experts=1), h) - h - (1 if moe.bias else 0)
+    idle = len(moe.sparse_layers) * (moe.num_experts - moe.top_k) * one
+    return max(1, num_parameters - idle)
 
 
 #: SimConfig fields that are engine fields: checked by the engine's rules
@@ -153,6 +229,9 @@ ENGINE_FIELDS = {
     "kv_disk_tier_bytes": "kv_disk_tier_bytes",
     "preemption_mode": "preemption_mode",
     "swap_space_bytes": "swap_space_bytes",
+    "state_snapshot_share": "state_snapshot_share",
+    "state_share_threshold": "state_share_threshold",
+    "state_predicted_share": "state_predicted_share",
 }
 
 
@@ -235,9 +314,35 @@ def instance_result(inst: SimInstance, num_requests: int, t_first: float, slots:
         extra={
             "prefix_hit_pct_incl_readmissions": 100.0 * hit_all,
             **_tier_extra(inst),
+            **_state_extra(inst),
         },
         miss_reasons=aggregate_misses(inst.misses),
     )
+
+
+def _state_extra(inst: SimInstance) -> dict[str, Any]:
+    """Recurrent-state counters for ``SimResult.extra`` (empty without state layers):
+    ``state`` = the pool's slot counts, ``StatePoolStats`` and the snapshot memory share
+    (snapshot slots' bytes / (KV blocks + live state slots + snapshot slots bytes))."""
+    from kvpage.cache import KVCacheManager
+
+    kvm = inst.kv
+    if not isinstance(kvm, KVCacheManager) or kvm.state is None:
+        return {}
+    pool, spec = kvm.state, kvm.spec
+    sb = spec.state_bytes_per_sequence
+    kv = (spec.num_blocks - 1) * spec.bytes_per_block
+    snap = pool.num_snapshot_slots * sb
+    total = kv + pool.num_live_slots * sb + snap
+    return {
+        "state": {
+            "live_slots": pool.num_live_slots,
+            "snapshot_slots": pool.num_snapshot_slots,
+            "state_bytes_per_sequence": sb,
+            "snapshot_memory_share_pct": 100.0 * snap / total if total else 0.0,
+            **asdict(pool.stats),
+        }
+    }
 
 
 def _tier_extra(inst: SimInstance) -> dict[str, Any]:
@@ -254,4 +359,12 @@ def _tier_extra(inst: SimInstance) -> dict[str, Any]:
     return out
 
 
-__all__ = ["POLICIES", "SimConfig", "SimResult", "build_setup", "instance_result", "simulate"]
+__all__ = [
+    "POLICIES",
+    "SimConfig",
+    "SimResult",
+    "active_parameters",
+    "build_setup",
+    "instance_result",
+    "simulate",
+]

@@ -1,0 +1,101 @@
+"""Issue 26's simulator accounting: a Qwen3-Next-80B-A3B-like hybrid
+(benches/bench_hybrid_snapshots.py's config) on one 80 GB device: state bytes, the
+memory split between KV blocks, live states and snapshots, vLLM's raised block size,
+and that a hit on a hybrid needs a snapshot at its end (the attention-only bound with
+free state never hits less). Counts, not speed."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from kvpage.errors import SpecError
+from kvpage.sim.instance import snapshot_slots
+from kvpage.sim.simulator import build_setup, simulate
+from kvpage.workload.trace_types import TraceRequest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_hybrid", ROOT / "benches/bench_hybrid_snapshots.py")  # fmt: skip
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModuleType, str]:
+    b = _bench()
+    return b, b.write_preset(tmp_path_factory.mktemp("preset"))
+
+
+def test_state_bytes_split_and_vllm_block_size(bench: tuple[ModuleType, str]) -> None:
+    b, model = bench
+    cfg = b.config(model, 16, "snapshots", state_snapshot_share=0.1)
+    spec, cost, _, _ = build_setup(cfg)
+    # Gated DeltaNet: conv (16*128*2 + 32*128 = 8192 channels) x (kernel 4 - 1) + the
+    # 32 x 128 x 128 state, bf16, in 36 of the 48 layers
+    per_layer = (8192 * 3 + 32 * 128 * 128) * 2
+    assert len(spec.state_layers) == 36 and spec.num_layers == 12
+    assert spec.state_bytes_per_sequence == 36 * per_layer == 39_518_208
+    assert spec.bytes_per_token == 12 * 2 * 2 * 256 * 2
+    assert cost.state_bytes_per_sequence == spec.state_bytes_per_sequence
+    # budget = 80e9 x 0.9 - 40e9 weights; live states first, then 10 % to snapshots
+    budget = int(80e9 * 0.9) - b.WEIGHT_BYTES
+    live = 64 * spec.state_bytes_per_sequence
+    kv = (spec.num_blocks - 1) * spec.bytes_per_block
+    n_snap = snapshot_slots(cfg, spec)
+    snap = n_snap * spec.state_bytes_per_sequence
+    assert kv + spec.bytes_per_block + live + snap <= budget
+    assert abs(snap - 0.1 * (budget - live)) <= spec.state_bytes_per_sequence + spec.bytes_per_block
+    # vLLM: one 2,048-byte-per-token attention layer page must hold 1,097,728 bytes
+    assert b.vllm_block_size(spec) == 544 == 34 * 16
+    assert 528 * 2048 < per_layer <= 544 * 2048  # 536 tokens: 528 too few, 544 enough
+    # the bound keeps the same KV blocks, without state
+    free, _, _, _ = build_setup(b.config(model, 16, "free", state_snapshot_share=0.1))
+    assert free.num_blocks == spec.num_blocks and free.state_layers == ()
+
+
+def test_refusals(bench: tuple[ModuleType, str]) -> None:
+    b, model = bench
+    for kw, match in (
+        (dict(recurrent_state="maybe"), "recurrent_state"),
+        (dict(state_snapshot_share=1.0), "state_snapshot_share"),
+        (dict(preemption_mode="swap"), "preemption_mode"),
+    ):
+        with pytest.raises(SpecError, match=match):
+            build_setup(b.config(model, 16, kw.pop("recurrent_state", "snapshots"), **kw))
+
+
+def test_hits_need_a_snapshot_and_the_bound_hits_at_least_as_much(
+    bench: tuple[ModuleType, str],
+) -> None:
+    """Four requests share a 1,024-token prefix (two 512-token hash blocks), one after
+    the other: a hybrid hit needs a snapshot at its end (kvpage: block-16 positions,
+    vLLM-aligned: 544-token ones); the attention-only bound serves every KV hit."""
+    b, model = bench
+    reqs = [TraceRequest(i, 10.0 * i, 1024 + 300, 4, (0, 1, 100 + i)) for i in range(4)]
+    res = {}
+    for name, bs, mode in (("kvpage", 16, "snapshots"), ("vllm", 544, "snapshots"), ("bound", 16, "free")):  # fmt: skip
+        res[name] = simulate(reqs, b.config(model, bs, mode))
+    for r in res.values():
+        assert r.finished == 4
+    st = res["kvpage"].extra["state"]
+    assert st["snapshots_taken"] >= 1 and "state" not in res["bound"].extra
+    assert res["bound"].prefix_hit_pct >= res["kvpage"].prefix_hit_pct
+    assert res["bound"].prefix_hit_pct >= res["vllm"].prefix_hit_pct
+    # the bound: every later request hits the 1,024 shared tokens
+    assert res["bound"].prefix_hit_pct == pytest.approx(100 * 3 * 1024 / (4 * 1324))
+    # kvpage: request 0 snapshots its prompt boundary 1,312; request 1 finds the KV of
+    # the shared 1,024 tokens but no state there, so it hits nothing and takes the
+    # predicted-shared snapshot at 1,024 (2 requests passed it); requests 2 and 3 hit it
+    assert st["snapshots_taken_by_kind"]["predicted"] >= 1
+    assert st["snapshot_hits"] == 2
+    assert res["kvpage"].prefix_hit_pct == pytest.approx(100 * 2 * 1024 / (4 * 1324))
+    # vLLM-aligned (544): the deepest aligned boundary inside the shared prefix is 544
+    assert res["vllm"].prefix_hit_pct == pytest.approx(100 * 2 * 544 / (4 * 1324))
