@@ -281,7 +281,7 @@ def mla_softmax_scale(cfg: Mapping[str, Any]) -> float:
     ``mscale_all_dim`` is set (HF ``DeepseekV3Attention.scaling`` /
     ``yarn_apply_mscale``)."""
     qk_head_dim = int(_req(cfg, "qk_nope_head_dim")) + int(_req(cfg, "qk_rope_head_dim"))
-    scale = float(qk_head_dim) ** -0.5
+    scale = 1.0 / math.sqrt(qk_head_dim)
     rp = rope_parameters_of(cfg)
     kind = rp.get("rope_type", rp.get("type", "default"))
     if kind != "default" and rp.get("mscale_all_dim"):
