@@ -131,6 +131,11 @@ class AttentionSpec(BaseModel):
             )
         if self.sinks:
             raise ValueError("sinks: expected no attention sinks on an MLA layer, got sinks")
+        if self.sliding_window is not None:  # no MLA model slides; not implemented
+            raise ValueError(
+                f"sliding_window: expected None on an MLA layer (not implemented), got "
+                f"{self.sliding_window}"
+            )
         return self
 
     @property
