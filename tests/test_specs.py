@@ -321,6 +321,7 @@ PRESET_BYTES = {
     "nemotron-h-8b": 4 * 2 * 8 * 128 * 2,
     "granite-4.0-h-tiny": 4 * 2 * 4 * 128 * 2,
     "gemma-3-27b": 62 * 2 * 16 * 128 * 2,
+    "deepseek-v3": 61 * 576 * 2,  # MLA: one latent (kv_lora_rank 512 + rope 64) per token
 }
 
 
@@ -399,3 +400,49 @@ def test_supported_model_type_beside_an_unsupported_architecture_is_refused(extr
     with pytest.raises(SpecError, match=f"model_type 'llama' with architectures .*{needs}"):
         check_architecture(cfg)
     assert check_architecture({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+
+
+# ---- MLA (multi-head latent attention) ------------------------------------------------------
+def test_mla_attention_spec_validation() -> None:
+    a = make_attention_spec(
+        num_q_heads=8, num_kv_heads=1, head_dim=40, kv_lora_rank=32, qk_rope_head_dim=8, scale=0.1
+    )
+    assert a.is_mla and a.value_dim == 32 and a.kv_planes == 1
+    assert not make_attention_spec(num_q_heads=8, num_kv_heads=2, head_dim=16).is_mla
+    with pytest.raises(SpecError, match="num_kv_heads: expected 1 for an MLA layer"):
+        make_attention_spec(num_q_heads=8, num_kv_heads=2, head_dim=40, kv_lora_rank=32,
+                            qk_rope_head_dim=8)  # fmt: skip
+    with pytest.raises(
+        SpecError, match="head_dim: expected kv_lora_rank \\+ qk_rope_head_dim = 40"
+    ):
+        make_attention_spec(num_q_heads=8, num_kv_heads=1, head_dim=32, kv_lora_rank=32,
+                            qk_rope_head_dim=8)  # fmt: skip
+    with pytest.raises(SpecError, match="qk_rope_head_dim: expected 0 without kv_lora_rank"):
+        make_attention_spec(num_q_heads=8, num_kv_heads=1, head_dim=8, qk_rope_head_dim=8)
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "per_token", "fixed"),
+    [("auto", 40 * 4, 0), ("int8", 40 + 4, 0), ("fp8_e4m3", 40, 4)],
+)
+def test_mla_bytes_per_token(kv_dtype: str, per_token: int, fixed: int) -> None:
+    cfg = {
+        "model_type": "deepseek_v3", "num_hidden_layers": 3, "num_attention_heads": 4,
+        "hidden_size": 64, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+        "v_head_dim": 16, "vocab_size": 100, "intermediate_size": 64,
+    }  # fmt: skip
+    s = CacheSpec.from_hf_config(cfg, kv_dtype=kv_dtype, num_blocks=5, block_size=4)  # type: ignore[arg-type]
+    assert s.bytes_per_token == 3 * per_token
+    assert s.fixed_scale_bytes == 3 * fixed
+    assert s.total_bytes == 5 * 4 * 3 * per_token + 3 * fixed
+    assert s.layers[0].scale == pytest.approx((16 + 8) ** -0.5)
+
+
+def test_mla_scale_with_yarn_mscale() -> None:
+    """HF DeepseekV3Attention.scaling: qk_head_dim ** -0.5 * yarn_get_mscale(40, 1) ** 2."""
+    import math
+
+    a = load_preset("deepseek-v3").cache_spec().layers[0]
+    m = 0.1 * math.log(40) + 1.0
+    assert a.scale == pytest.approx(192**-0.5 * m * m)
+    assert (a.num_q_heads, a.num_kv_heads, a.head_dim, a.kv_lora_rank) == (128, 1, 576, 512)

@@ -22,6 +22,8 @@ from kvpage.attention.canonical import (
     TokenMapPlan,
     fp8_scale_table,
     head_dim_reasons,
+    mla_reasons,
+    refuse_mla,
     refuse_sinks,
     sinks_reasons,
 )
@@ -105,6 +107,7 @@ class CupyBackend:
         return (
             reasons
             + sinks_reasons(spec, self.name)
+            + mla_reasons(spec, self.name)
             + head_dim_reasons(spec, templates.MAX_HEAD_DIM)
         )
 
@@ -147,7 +150,11 @@ class CupyBackend:
 
     # ---- write -------------------------------------------------------------------------------
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        cache: KVCache,
+        slot_mapping: torch.Tensor,
     ) -> None:
         """Store K/V at their slots (``AttentionBackend.write_kv``; formulas in
         ``kvpage.attention.quant``). Mutates ``cache.kv`` (and int8 ``token_scales``).
@@ -203,6 +210,7 @@ class CupyBackend:
             ShapeError, DTypeError: see ``check_launch_forward``.
         """
         refuse_sinks(spec, self.name)  # attention sinks: not in these kernels
+        refuse_mla(spec, self.name)  # MLA latent caches: not in these kernels
         checks.check_launch_forward(query, cache, plan, spec, out)
         meta = plan.meta
         self._require_cuda(cache.kv)

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from kvpage.attention.canonical import mla_as_mqa
 from kvpage.attention.checks import check_launch_forward, check_write_kv
 from kvpage.attention.cpu_plan import CpuPlan, forward_operands, torch_threads
 from kvpage.attention.metadata import AttentionMetadata, KVCache
@@ -74,8 +75,11 @@ class NativeCpuBackend:
         priority={"cpu": 5},
         query_dtypes=frozenset({"float32", "bfloat16"}),
         sinks=True,
+        mla=True,
         notes=(
             "compiled at first use by $CC (default cc), cached under ~/.cache/kvpage",
+            "MLA: the latent read as both K and V of one KV head (num_blocks = 0 in the "
+            "kernel arguments aliases the V plane to the K plane)",
             "float16 refused: the kernel reads float32 or bfloat16 storage",
             "threads are the kernel's own pthreads, one C call per layer (GIL released)",
         ),
@@ -152,12 +156,17 @@ class NativeCpuBackend:
         return CpuPlan.from_meta(meta, torch_threads())
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        cache: KVCache,
+        slot_mapping: torch.Tensor,
     ) -> None:
         """Store K/V at ``slot_mapping`` (see ``AttentionBackend.write_kv``): one C
         call of row copies when nothing needs converting (auto KV in the model dtype,
         int64 slots, rows contiguous), else the torch backend's ``write_kv`` (the one
-        implementation of the int8/fp8 quantization).
+        implementation of the int8/fp8 quantization, and of MLA latent writes:
+        ``value=None``).
 
         Raises:
             ShapeError, DTypeError: see ``kvpage.attention.checks.check_write_kv``.
@@ -166,6 +175,7 @@ class NativeCpuBackend:
         lib = self._library()[0]
         if (
             lib is None
+            or value is None
             or cache.kv_dtype != "auto"
             or key.dtype != kv.dtype
             or value.dtype != kv.dtype
@@ -200,7 +210,11 @@ class NativeCpuBackend:
         """Attention of one layer over the step (``AttentionBackend.forward``) by the
         C kernel; writes ``out`` (or a new tensor) and nothing else. Attention sinks
         (``sinks``, ``[num_q_heads]`` float32) are added to each row's denominator
-        when its keys are done (``kernel.c``).
+        when its keys are done (``kernel.c``). An MLA layer (``spec.kv_lora_rank``)
+        runs as one-KV-head attention whose key and value are the latent (the kernel
+        reads the V plane at ``kv + num_blocks * ...``; passing ``num_blocks = 0``
+        makes it the K plane), into a ``[num_tokens, num_q_heads, head_dim]`` buffer
+        of which the first ``kv_lora_rank`` elements are the result.
 
         Raises:
             ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_forward``.
@@ -215,6 +229,8 @@ class NativeCpuBackend:
         lib, reason = self._library()
         if lib is None:
             raise BackendUnavailableError("native-cpu: kernel unavailable", {self.name: [reason]})
+        if spec.is_mla:
+            return self._forward_mla(lib, query, cache, plan, spec, kind, out)
         out, ops = forward_operands(query, plan, spec, out)
         if ops is None:
             return out
@@ -242,6 +258,37 @@ class NativeCpuBackend:
                 raise MemoryError("native-cpu: the kernel could not allocate its scratch memory")
         if res is not out:
             out.copy_(res)
+        return out
+
+    def _forward_mla(
+        self,
+        lib: ctypes.CDLL,
+        query: torch.Tensor,
+        cache: KVCache,
+        plan: CpuPlan,
+        spec: AttentionSpec,
+        kind: str,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``forward`` of an MLA layer (checked by the caller): one KV head, V = the
+        latent (kernel ``num_blocks`` 0), result ``[..., :kv_lora_rank]``."""
+        _, mqa = mla_as_mqa(cache, spec)
+        full, ops = forward_operands(query, plan, mqa, None)
+        if out is None:
+            out = torch.empty(
+                (*query.shape[:2], spec.value_dim), dtype=query.dtype, device=query.device
+            )
+        if ops is None:
+            return out
+        res, q, units, bounds = ops
+        keep: list[torch.Tensor] = []
+        args = _step_args(plan, mqa, cache, kind, units, keep)
+        args.num_blocks = 0  # the V plane is the K plane: the latent is the value
+        args.q, args.kv, args.out = q.data_ptr(), cache.kv.data_ptr(), res.data_ptr()
+        parts, n = _parts(args, bounds)
+        if n and lib.kvp_paged_attention_parts(parts, n) != 0:
+            raise MemoryError("native-cpu: the kernel could not allocate its scratch memory")
+        out.copy_(res[..., : spec.value_dim])
         return out
 
 

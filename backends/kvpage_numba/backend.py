@@ -20,6 +20,8 @@ from kvpage.attention.canonical import (
     TokenMapPlan,
     fp8_scale_table,
     head_dim_reasons,
+    mla_reasons,
+    refuse_mla,
     refuse_sinks,
     sinks_reasons,
 )
@@ -122,6 +124,7 @@ class NumbaBackend:
         return (
             reasons
             + sinks_reasons(spec, self.name)
+            + mla_reasons(spec, self.name)
             + head_dim_reasons(spec, self.capabilities.max_head_dim)
         )
 
@@ -160,7 +163,11 @@ class NumbaBackend:
 
     # ---- write ---------------------------------------------------------------------------------
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        cache: KVCache,
+        slot_mapping: torch.Tensor,
     ) -> None:
         """Store K/V at their slots (see ``AttentionBackend.write_kv``; formulas in
         ``kvpage.attention.quant``). Mutates ``cache.kv`` (and ``token_scales``).
@@ -237,6 +244,7 @@ class NumbaBackend:
             ShapeError, DTypeError: see ``check_launch_forward``.
         """
         refuse_sinks(spec, self.name)  # attention sinks: not in these kernels
+        refuse_mla(spec, self.name)  # MLA latent caches: not in these kernels
         checks.check_launch_forward(query, cache, plan, spec, out)
         meta = plan.meta
         if out is None:

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from kvpage.attention.canonical import mla_reasons, refuse_mla
 from kvpage.attention.checks import check_launch_forward
 from kvpage.attention.cpu_plan import CpuPlan, forward_operands, torch_threads
 from kvpage.attention.metadata import AttentionMetadata, KVCache
@@ -88,7 +89,7 @@ class NumbaCpuBackend:
             why.append("numba is not installed (pip install kvpage[numba])")
         if spec.dtype not in self.capabilities.query_dtypes:
             why.append(f"dtype: expected float32|bfloat16, got {spec.dtype}")
-        return why
+        return why + mla_reasons(spec, self.name)
 
     def test_budget(self, device: torch.device) -> Mapping[str, object] | None:
         """The suite's full default budget (``{}``: no field changed; ``None`` would
@@ -108,7 +109,11 @@ class NumbaCpuBackend:
         return CpuPlan.from_meta(meta, _sync_threads())
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        cache: KVCache,
+        slot_mapping: torch.Tensor,
     ) -> None:
         """The torch backend's ``write_kv`` (see ``AttentionBackend.write_kv``)."""
         self._torch.write_kv(key, value, cache, slot_mapping)
@@ -138,6 +143,7 @@ class NumbaCpuBackend:
             if plan.layers_checked
             else check_launch_forward(query, cache, plan, spec, out, sinks)
         )
+        refuse_mla(spec, self.name)  # MLA latent caches: not in this kernel
         from kvpage_numba_cpu import kernels
 
         out, ops = forward_operands(query, plan, spec, out)

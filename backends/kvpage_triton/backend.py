@@ -16,7 +16,13 @@ from types import ModuleType
 
 import torch
 
-from kvpage.attention.canonical import head_dim_reasons, refuse_sinks, sinks_reasons
+from kvpage.attention.canonical import (
+    head_dim_reasons,
+    mla_reasons,
+    refuse_mla,
+    refuse_sinks,
+    sinks_reasons,
+)
 from kvpage.attention.checks import check_block_pairs
 from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
@@ -120,7 +126,12 @@ class TritonBackend:
                     )
         else:
             reasons.append(f"device: expected cuda (or cpu with TRITON_INTERPRET=1), got {device}")
-        return reasons + sinks_reasons(spec, self.name) + head_dim_reasons(spec, MAX_HEAD_DIM)
+        return (
+            reasons
+            + sinks_reasons(spec, self.name)
+            + mla_reasons(spec, self.name)
+            + head_dim_reasons(spec, MAX_HEAD_DIM)
+        )
 
     def _kernels(self, device: torch.device) -> ModuleType:
         """Import the launcher (and triton) on first use; check the device can run it."""
@@ -165,7 +176,11 @@ class TritonBackend:
 
     # ---- kernels -------------------------------------------------------------------
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        cache: KVCache,
+        slot_mapping: torch.Tensor,
     ) -> None:
         """Store K/V ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping``
         (int64, -1 = skip), quantizing per ``kvpage.attention.quant`` for int8/fp8.
@@ -196,6 +211,7 @@ class TritonBackend:
             BackendUnavailableError: the device cannot run the kernels.
         """
         refuse_sinks(spec, self.name)  # attention sinks: not in these kernels
+        refuse_mla(spec, self.name)  # MLA latent caches: not in these kernels
         kind = check_forward(query, cache, plan, spec, out)
         launch = self._kernels(query.device)
         if out is None:

@@ -24,7 +24,9 @@ token count that is a multiple of the block size, and leaves out:
   every layer holds ``num_blocks`` blocks and the binding group decides;
 * **tensor parallelism** — KV heads are sharded: each of ``tp`` ranks holds
   ``num_kv_heads / tp`` heads; when ``tp > num_kv_heads`` heads must be replicated
-  (each rank holds one head; ``tp`` must then be a multiple of ``num_kv_heads``);
+  (each rank holds one head; ``tp`` must then be a multiple of ``num_kv_heads``); an
+  MLA layer's latent (``AttentionSpec.kv_lora_rank``) is shared by all heads and every
+  rank holds all of it (query heads are split);
 * **recurrent state** (hybrid models: Mamba-2 / Gated DeltaNet layers,
   ``CacheSpec.state_layers``) — a fixed ``state_bytes_per_sequence`` per sequence (conv +
   SSM states, ``StateSpec.bytes``) for its live state, plus prefix-cache snapshots of
@@ -218,7 +220,9 @@ def shard_cache_spec(spec: CacheSpec, tp: int, *, replicate_kv_heads: bool = Fal
     for i, a in enumerate(spec.layers):
         if a.num_q_heads % tp:
             raise SpecError(f"tp: expected a divisor of num_q_heads={a.num_q_heads}, got {tp}")
-        if a.num_kv_heads % tp == 0:
+        if a.is_mla:  # one latent per token shared by all heads: every rank holds it
+            kv = 1
+        elif a.num_kv_heads % tp == 0:
             kv = a.num_kv_heads // tp
         elif replicate_kv_heads and tp % a.num_kv_heads == 0:
             kv = 1

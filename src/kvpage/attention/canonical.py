@@ -88,6 +88,59 @@ def refuse_sinks(spec: AttentionSpec, backend: str) -> None:
         )
 
 
+def mla_reasons(spec: CacheSpec, backend: str) -> list[str]:
+    """``["layers[i].kv_lora_rank: expected no MLA layers (<backend> does not implement
+    multi-head latent attention), got kv_lora_rank=r"]`` for the first MLA layer of
+    ``spec`` (``AttentionSpec.kv_lora_rank``); ``[]`` when none is. For the
+    ``unsupported_reasons`` of a backend without MLA (and
+    ``kvpage.backends.backend_reasons`` for any backend that does not declare
+    ``capabilities.mla``)."""
+    for i, layer in enumerate(spec.layers):
+        if layer.kv_lora_rank is not None:
+            return [
+                f"layers[{i}].kv_lora_rank: expected no MLA layers ({backend} does not "
+                f"implement multi-head latent attention), got kv_lora_rank={layer.kv_lora_rank}"
+            ]
+    return []
+
+
+def refuse_mla(spec: AttentionSpec, backend: str) -> None:
+    """The ``forward`` guard of a backend without MLA: raise ``BackendUnavailableError``
+    naming the feature for an MLA layer (``spec.kv_lora_rank`` set)."""
+    if spec.kv_lora_rank is not None:
+        why = (
+            f"kv_lora_rank: expected no MLA layer ({backend} does not implement multi-head "
+            f"latent attention), got kv_lora_rank={spec.kv_lora_rank}"
+        )
+        raise BackendUnavailableError(f"{backend}: MLA not implemented", {backend: [why]})
+
+
+def mla_as_mqa(cache: KVCache, spec: AttentionSpec) -> tuple[KVCache, AttentionSpec]:
+    """An MLA layer as the multi-query attention it is in the absorbed form (DeepSeek-V2,
+    arXiv:2405.04434, appendix C): one KV head whose key is the latent
+    ``[head_dim]`` and whose value is the same latent (the output's first
+    ``kv_lora_rank`` elements are the MLA output). Returns a KVCache whose V plane is
+    the K plane (``kv.expand(2, ...)``: a stride-0 view, no copy; int8 token scales
+    likewise; fp8 ``v_scale`` = ``k_scale``) and the MQA spec (same heads, head_dim,
+    scale). Kernels that read ``kv[0]`` and ``kv[1]`` then compute ``softmax(scale *
+    q . latent) @ latent``; the caller keeps ``[..., :kv_lora_rank]``. Mutates nothing.
+    """
+    kv = cache.kv.expand(2, *cache.kv.shape[1:])
+    ts = cache.token_scales
+    alias = KVCache(kv=kv, token_scales=None if ts is None else ts.expand(2, *ts.shape[1:]))
+    alias.k_scale = cache.k_scale
+    alias.v_scale = cache.k_scale
+    mqa = AttentionSpec(
+        num_q_heads=spec.num_q_heads,
+        num_kv_heads=1,
+        head_dim=spec.head_dim,
+        scale=spec.scale,
+        sliding_window=spec.sliding_window,
+        logits_soft_cap=spec.logits_soft_cap,
+    )
+    return alias, mqa
+
+
 def token_map(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence index and absolute position of every query row, as two ``[num_tokens]``
     int32 tensors on ``meta.seq_lens``'s device, built from the host lists
@@ -117,8 +170,10 @@ def max_keys_per_query(meta: AttentionMetadata, spec: AttentionSpec) -> int:
 
 def fp8_scale_table(cache: KVCache) -> torch.Tensor:
     """``[2, num_kv_heads]`` float32 on the cache's device: the K and V fp8 scales per
-    KV head (a per-tensor scale broadcast), or ones for a cache without fp8 scales."""
+    KV head (a per-tensor scale broadcast; an MLA latent cache: ``k_scale`` twice), or
+    ones for a cache without fp8 scales."""
     h = cache.num_kv_heads
-    if cache.k_scale is None or cache.v_scale is None:
+    v_scale = cache.k_scale if cache.is_latent else cache.v_scale  # one latent, one scale
+    if cache.k_scale is None or v_scale is None:
         return torch.ones((2, h), dtype=torch.float32, device=cache.kv.device)
-    return torch.stack([cache.k_scale.expand(h), cache.v_scale.expand(h)]).contiguous()
+    return torch.stack([cache.k_scale.expand(h), v_scale.expand(h)]).contiguous()

@@ -41,9 +41,10 @@ def check_cache(cache: KVCache, name: str = "cache") -> None:
     """The cache's tensors agree with its kv dtype (scales present, shapes right);
     ``name`` prefixes the messages."""
     kv = cache.kv
-    if kv.dim() != 5 or kv.shape[0] != 2:
+    if kv.dim() != 5 or kv.shape[0] not in (1, 2) or (kv.shape[0] == 1 and kv.shape[3] != 1):
         raise ShapeError(
-            f"{name}.kv: expected [2, num_blocks, block_size, num_kv_heads, head_dim], got {list(kv.shape)}"
+            f"{name}.kv: expected [2, num_blocks, block_size, num_kv_heads, head_dim] (MLA "
+            f"latent: [1, num_blocks, block_size, 1, head_dim]), got {list(kv.shape)}"
         )
     if cache.kv_dtype == "int8":
         ts = cache.token_scales
@@ -53,7 +54,13 @@ def check_cache(cache: KVCache, name: str = "cache") -> None:
                 f"{None if ts is None else list(ts.shape)}"
             )
     elif cache.kv_dtype.startswith("fp8"):
-        for sname, s in (("k_scale", cache.k_scale), ("v_scale", cache.v_scale)):
+        scales = [("k_scale", cache.k_scale)]
+        if cache.is_latent:  # one latent: one scale set
+            if cache.v_scale is not None:
+                raise ShapeError(f"{name}.v_scale: expected None for an MLA latent cache, got a tensor")  # fmt: skip
+        else:
+            scales.append(("v_scale", cache.v_scale))
+        for sname, s in scales:
             if s is None or s.dim() > 1 or (s.dim() == 1 and s.shape[0] != kv.shape[3]):
                 raise ShapeError(
                     f"{name}.{sname}: expected [] or [{kv.shape[3]}], got "
@@ -62,9 +69,10 @@ def check_cache(cache: KVCache, name: str = "cache") -> None:
 
 
 def check_write_kv(
-    key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor | None, cache: KVCache, slot_mapping: torch.Tensor
 ) -> None:
-    """Validate ``write_kv`` arguments (see ``AttentionBackend.write_kv``).
+    """Validate ``write_kv`` arguments (see ``AttentionBackend.write_kv``). An MLA latent
+    cache (``cache.is_latent``) takes the latent as ``key`` and ``value=None``.
 
     The slot range is checked only for a slot mapping on the CPU: on CUDA, reading its
     min/max would synchronize the device on every ``write_kv`` of every layer. There the
@@ -78,7 +86,14 @@ def check_write_kv(
     """
     check_cache(cache)
     want = (cache.num_kv_heads, cache.head_dim)
-    for name, x in (("key", key), ("value", value)):
+    if (value is None) != cache.is_latent:
+        raise ShapeError(
+            "value: expected None for an MLA latent cache (the latent is the key)"
+            if cache.is_latent
+            else "value: expected a tensor (a K/V cache), got None"
+        )
+    pairs = [("key", key)] if value is None else [("key", key), ("value", value)]
+    for name, x in pairs:
         if x.dim() != 3 or tuple(x.shape[1:]) != want:
             raise ShapeError(
                 f"{name}: expected [num_tokens, {want[0]}, {want[1]}], got {list(x.shape)}"
@@ -87,7 +102,7 @@ def check_write_kv(
             raise DTypeError(f"{name}: expected float32|float16|bfloat16, got {x.dtype}")
         if x.device != cache.kv.device:  # check_device, inlined (hot path)
             raise ShapeError(f"{name}.device: expected {cache.kv.device}, got {x.device}")
-    if key.shape[0] != value.shape[0]:
+    if value is not None and key.shape[0] != value.shape[0]:
         raise ShapeError(f"value: expected {key.shape[0]} tokens like key, got {value.shape[0]}")
     if slot_mapping.dtype.is_floating_point or slot_mapping.dtype == torch.bool:
         raise DTypeError(f"slot_mapping: expected int64, got {slot_mapping.dtype}")
@@ -178,12 +193,19 @@ def check_forward(
         ShapeError: the cache layout, its heads/head_dim vs ``spec``, query
             ``[plan.num_tokens, num_q_heads, head_dim]``, ``out``'s shape, a tensor on
             another device than the cache, the block tables (``check_tables``), or
-            ``sinks`` against ``spec.sinks`` (``check_sinks``).
+            ``sinks`` against ``spec.sinks`` (``check_sinks``); an MLA layer
+            (``spec.kv_lora_rank``) needs a latent cache and ``out`` ``[rows,
+            num_q_heads, kv_lora_rank]``.
         DTypeError: query or out not float32|float16|bfloat16, or out's dtype differs;
             sinks not float32.
     """
     check_cache(cache)
     hq, hkv, d = spec.num_q_heads, spec.num_kv_heads, spec.head_dim
+    if cache.is_latent != spec.is_mla:
+        raise ShapeError(
+            f"cache: expected {'an MLA latent' if spec.is_mla else 'a K/V'} cache for this "
+            f"layer, got kv {list(cache.kv.shape)}"
+        )
     if cache.num_kv_heads != hkv or cache.head_dim != d:
         raise ShapeError(
             f"cache: expected num_kv_heads={hkv}, head_dim={d}, got "
@@ -200,8 +222,9 @@ def check_forward(
     if plan.device != dev:
         raise ShapeError(f"meta.device: expected {dev} (the cache's), got {plan.device}")
     if out is not None:
-        if out.shape != query.shape:
-            raise ShapeError(f"out: expected {list(query.shape)}, got {list(out.shape)}")
+        want = (rows, hq, spec.value_dim)
+        if tuple(out.shape) != want:
+            raise ShapeError(f"out: expected {list(want)}, got {list(out.shape)}")
         if out.dtype != query.dtype:
             raise DTypeError(f"out: expected {query.dtype}, got {out.dtype}")
         check_device("out", out, dev)
@@ -226,6 +249,11 @@ def check_layers(
         raise ShapeError(f"caches: expected {len(specs)} (one per layer spec), got {len(caches)}")
     for i, (cache, spec) in enumerate(zip(caches, specs)):
         check_launch_cache(cache, f"caches[{i}]")
+        if cache.is_latent != spec.is_mla:
+            raise ShapeError(
+                f"caches[{i}]: expected {'an MLA latent' if spec.is_mla else 'a K/V'} cache, "
+                f"got kv {list(cache.kv.shape)}"
+            )
         if cache.num_kv_heads != spec.num_kv_heads or cache.head_dim != spec.head_dim:
             raise ShapeError(
                 f"caches[{i}]: expected num_kv_heads={spec.num_kv_heads}, "
@@ -302,7 +330,7 @@ def check_launch_cache(cache: KVCache, name: str = "cache") -> str:
 
 def check_launch_write(
     key: torch.Tensor,
-    value: torch.Tensor,
+    value: torch.Tensor | None,
     cache: KVCache,
     slot_mapping: torch.Tensor,
     *,
@@ -320,6 +348,11 @@ def check_launch_write(
     Raises:
         ShapeError, DTypeError: as named in the message.
     """
+    if value is None or cache.is_latent:  # K/V-plane kernels only
+        raise ShapeError(
+            "cache: expected a K/V cache [2, ...] (this launcher writes K and V planes), got "
+            f"an MLA latent cache {list(cache.kv.shape)} or value None"
+        )
     check_write_kv(key, value, cache, slot_mapping)
     kind = check_launch_cache(cache)
     kv = cache.kv

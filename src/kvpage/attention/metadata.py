@@ -13,6 +13,11 @@ Slot ``s`` is ``kv[:, s // block_size, s % block_size]``; the slot of the token 
 position ``p`` is ``slot_of(block_table[p // block_size], p, block_size)`` (the one
 definition of the formula, used by the cache manager, scheduler, runner and backends).
 
+An MLA layer (``AttentionSpec.kv_lora_rank``; DeepSeek-V2/V3) caches one latent vector
+per token instead of K and V: ``kv`` is ``[1, num_blocks, block_size, 1, head_dim]``
+(``head_dim = kv_lora_rank + qk_rope_head_dim``), int8 token scales ``[1, num_blocks,
+block_size, 1]``, fp8 one ``k_scale`` and no ``v_scale`` (``KVCache.is_latent``).
+
 Block tables are padded with ``PAD_BLOCK`` (-1) past a sequence's last block, in every
 producer (``AttentionMetadata.build``, ``kvpage.cache.batch_block_tables``, the runner);
 padding is never read: kernels only read the ``ceil(seq_len / block_size)`` leading
@@ -67,7 +72,8 @@ class KVCache:
     reassigned afterwards (make a new KVCache); the scales may be.
 
     Attributes:
-        kv: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; dtype is the model
+        kv: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (an MLA layer's
+            latent cache: ``[1, num_blocks, block_size, 1, head_dim]``); dtype is the model
             dtype (float32|float16|bfloat16) for ``kv_dtype="auto"``, else int8,
             float8_e4m3fn or float8_e5m2.
         token_scales: int8 only: ``[2, num_blocks, block_size, num_kv_heads]`` float32,
@@ -94,16 +100,22 @@ class KVCache:
         _, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = shape
         self.kv_dtype = _kv_dtype_name(self.kv.dtype)
 
+    @property
+    def is_latent(self) -> bool:
+        """An MLA latent cache (``kv.shape[0] == 1``: one latent per token, no V)."""
+        return self.kv.dim() == 5 and self.kv.shape[0] == 1
+
 
 def kv_cache_shape(spec: CacheSpec, layer_id: int) -> tuple[int, int, int, int, int]:
-    """``(2, num_blocks, block_size, num_kv_heads, head_dim)`` of layer ``layer_id``:
-    the layout of every backend (why there is one layout: docs/backend-authoring.md).
+    """``(2, num_blocks, block_size, num_kv_heads, head_dim)`` of layer ``layer_id``
+    (an MLA layer: ``(1, num_blocks, block_size, 1, head_dim)``, the latent): the
+    layout of every backend (why there is one layout: docs/backend-authoring.md).
 
     Raises:
         IndexError: ``layer_id`` is not a layer of ``spec``.
     """
     a = spec.layers[layer_id]
-    return (2, spec.num_blocks, spec.block_size, a.num_kv_heads, a.head_dim)
+    return (a.kv_planes, spec.num_blocks, spec.block_size, a.num_kv_heads, a.head_dim)
 
 
 def allocate_layer_cache(spec: CacheSpec, layer_id: int, device: torch.device | str) -> KVCache:
@@ -114,7 +126,7 @@ def allocate_layer_cache(spec: CacheSpec, layer_id: int, device: torch.device | 
     Raises:
         IndexError: ``layer_id`` is not a layer of ``spec``.
     """
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache_shape(spec, layer_id)
+    planes, num_blocks, block_size, num_kv_heads, head_dim = kv_cache_shape(spec, layer_id)
     return allocate_kv_cache(
         num_blocks,
         block_size,
@@ -124,6 +136,7 @@ def allocate_layer_cache(spec: CacheSpec, layer_id: int, device: torch.device | 
         kv_dtype=spec.kv_dtype,
         kv_scale_granularity=spec.kv_scale_granularity,
         device=device,
+        latent=planes == 1,
     )
 
 
@@ -190,6 +203,7 @@ def allocate_kv_cache(
     k_scale: float | torch.Tensor = 1.0,
     v_scale: float | torch.Tensor = 1.0,
     fill: float | None = None,
+    latent: bool = False,
 ) -> KVCache:
     """Allocate one layer's cache in the canonical layout.
 
@@ -199,11 +213,14 @@ def allocate_kv_cache(
         kv_scale_granularity: fp8 scales ``per_tensor`` (shape ``[]``) or ``per_head``.
         k_scale, v_scale: initial fp8 scales (broadcast to the granularity's shape).
         fill: value to fill K/V with (NaN for poisoning in tests); default zeros.
+        latent: an MLA latent cache: ``kv`` ``[1, ...]`` (``num_kv_heads`` must be 1),
+            int8 token scales ``[1, ...]``, fp8 ``k_scale`` only (``v_scale`` None).
 
     Returns:
         A zero-filled (or ``fill``-filled) KVCache on ``device``.
     """
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    planes = 1 if latent else 2
+    shape = (planes, num_blocks, block_size, num_kv_heads, head_dim)
     store = KV_STORAGE_DTYPES.get(kv_dtype, dtype)
     if fill is None:
         kv = torch.zeros(shape, dtype=store, device=device)
@@ -215,16 +232,17 @@ def allocate_kv_cache(
     if kv_dtype == "int8":
         f = float("nan") if fill is not None and fill != fill else 0.0
         cache.token_scales = torch.full(
-            (2, num_blocks, block_size, num_kv_heads), f, dtype=torch.float32, device=device
+            (planes, num_blocks, block_size, num_kv_heads), f, dtype=torch.float32, device=device
         )
     elif kv_dtype.startswith("fp8"):
         sshape: tuple[int, ...] = () if kv_scale_granularity == "per_tensor" else (num_kv_heads,)
         cache.k_scale = torch.broadcast_to(
             torch.as_tensor(k_scale, dtype=torch.float32, device=device), sshape
         ).clone()
-        cache.v_scale = torch.broadcast_to(
-            torch.as_tensor(v_scale, dtype=torch.float32, device=device), sshape
-        ).clone()
+        if not latent:
+            cache.v_scale = torch.broadcast_to(
+                torch.as_tensor(v_scale, dtype=torch.float32, device=device), sshape
+            ).clone()
     return cache
 
 

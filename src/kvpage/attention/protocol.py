@@ -49,6 +49,11 @@ class BackendCapabilities:
             ``sinks=`` argument of ``forward``). Off by default: a backend that does
             not declare it is refused sink layers by ``select_backend`` and never drawn
             sink cases by the conformance strategies.
+        mla: the backend computes MLA layers (``AttentionSpec.kv_lora_rank``: a latent
+            cache ``[1, num_blocks, block_size, 1, head_dim]``, ``write_kv(latent,
+            None, ...)``, ``forward`` -> ``[num_tokens, num_q_heads, kv_lora_rank]``).
+            Off by default: ``select_backend`` refuses MLA layers to a backend that
+            does not declare it.
         min_compute_capability: CUDA (major, minor) needed, or None.
         block_sizes: supported block sizes; empty = any.
         own_cpu_threads: on the CPU the backend splits its work over threads of its
@@ -69,6 +74,7 @@ class BackendCapabilities:
     logits_soft_cap: bool = True
     gqa: bool = True
     sinks: bool = False
+    mla: bool = False
     min_compute_capability: tuple[int, int] | None = None
     own_cpu_threads: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -118,12 +124,19 @@ class AttentionBackend(Protocol[PlanT]):
         ...
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        cache: KVCache,
+        slot_mapping: torch.Tensor,
     ) -> None:
         """Store new K/V into their slots, quantizing for int8/fp8 caches.
 
         Args:
-            key, value: ``[num_tokens, num_kv_heads, head_dim]``, model dtype.
+            key, value: ``[num_tokens, num_kv_heads, head_dim]``, model dtype. An MLA
+                latent cache (``cache.is_latent``, backends declaring
+                ``capabilities.mla``): the latent ``[num_tokens, 1, head_dim]`` as
+                ``key`` and ``value=None`` (fp8: quantized with ``k_scale``).
             cache: mutated in place: ``kv`` (and ``token_scales`` for int8) at the
                 slots in ``slot_mapping``; every other slot stays bit-identical.
             slot_mapping: ``[num_tokens]`` int64; -1 = skip this token.
@@ -172,7 +185,11 @@ class AttentionBackend(Protocol[PlanT]):
 
         Returns:
             ``[plan.num_tokens, num_q_heads, head_dim]`` in the query dtype (``out``
-            when given).
+            when given). An MLA layer (``spec.kv_lora_rank``): ``query`` is the
+            absorbed query ``[num_tokens, num_q_heads, head_dim]``, the result (and
+            ``out``) ``[num_tokens, num_q_heads, kv_lora_rank]`` (attention over the
+            latent; values = its first ``kv_lora_rank`` elements; the float64
+            reference defines it).
 
         Raises:
             ShapeError, DTypeError: ``kvpage.attention.checks.check_forward``;

@@ -11,6 +11,13 @@ sinks (``spec.sinks``, gpt-oss) the softmax of query head h runs over the logits
 one more logit ``sinks[h]`` whose probability is dropped:
 ``p_j = exp(l_j) / (exp(sinks[h]) + sum_i exp(l_i))`` (HF ``eager_attention_forward``
 in transformers/models/gpt_oss/modeling_gpt_oss.py: concatenate, softmax, drop).
+
+MLA (``spec.kv_lora_rank``; DeepSeek-V2, arXiv:2405.04434, eqs. 9-11 with the up-
+projections absorbed, appendix C; HF ``DeepseekV3Attention``): the cache holds one
+latent ``c`` of ``head_dim = kv_lora_rank + qk_rope_head_dim`` elements per token and
+the query is the absorbed query ``[W_UK^T q_nope, q_rope]`` of the same width; logits
+= scale * q . c over all ``head_dim`` elements, output = softmax . c[:kv_lora_rank]
+(``[num_q_heads, kv_lora_rank]`` per token; the model applies ``W_UV`` after).
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ from kvpage.specs import AttentionSpec
 
 
 def reference_write_kv(
-    key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor | None, cache: KVCache, slot_mapping: torch.Tensor
 ) -> None:
-    """Write each token's K/V to its slot, one token at a time (-1 = skip).
+    """Write each token's K/V to its slot, one token at a time (-1 = skip); an MLA
+    latent cache takes the latent as ``key`` and ``value=None`` (fp8: ``k_scale``).
 
     Mutates ``cache`` (``kv`` and, for int8, ``token_scales``) at the mapped slots only.
     """
@@ -34,7 +42,8 @@ def reference_write_kv(
         if slot < 0:
             continue
         b, o = divmod(int(slot), bs)
-        for i, x in enumerate((key[t], value[t])):
+        rows = (key[t],) if value is None else (key[t], value[t])
+        for i, x in enumerate(rows):
             kind = cache.kv_dtype
             if kind == "auto":
                 cache.kv[i, b, o] = x.to(cache.kv.dtype)
@@ -53,11 +62,11 @@ def gather_kv(
     cache: KVCache, block_table: list[int], seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized K and V of positions ``0 .. seq_len-1`` of one sequence, float64,
-    each ``[seq_len, num_kv_heads, head_dim]``."""
+    each ``[seq_len, num_kv_heads, head_dim]`` (an MLA latent cache: the latent twice)."""
     bs = cache.block_size
     rows = [(block_table[p // bs], p % bs) for p in range(seq_len)]
     out = []
-    for i in (0, 1):
+    for i in (0,) if cache.is_latent else (0, 1):
         toks = []
         for b, o in rows:
             stored = cache.kv[i, b, o]
@@ -74,7 +83,7 @@ def gather_kv(
             out.append(torch.stack(toks).double().cpu())
         else:
             out.append(torch.zeros(0, cache.num_kv_heads, cache.head_dim, dtype=torch.float64))
-    return out[0], out[1]
+    return out[0], out[-1]
 
 
 def softmax_with_sink(logits: torch.Tensor, sink: float | None) -> torch.Tensor:
@@ -107,16 +116,18 @@ def reference_attention(
     """Paged attention for every new token of the step (decode or prefill alike).
 
     Args:
-        query: ``[num_tokens, num_q_heads, head_dim]`` any float dtype.
-        cache: the layer's cache, already holding this step's K/V.
+        query: ``[num_tokens, num_q_heads, head_dim]`` any float dtype (MLA: the
+            absorbed query).
+        cache: the layer's cache, already holding this step's K/V (MLA: latents).
         meta: the step (query_start_loc, seq_lens, block_tables).
         spec: the layer's attention spec.
         sinks: ``[num_q_heads]`` sink logits exactly when ``spec.sinks``.
 
     Returns:
-        ``[num_tokens, num_q_heads, head_dim]`` float64.
+        ``[num_tokens, num_q_heads, head_dim]`` float64 (MLA: ``[num_tokens,
+        num_q_heads, kv_lora_rank]``).
     """
-    out = torch.zeros(query.shape, dtype=torch.float64)
+    out = torch.zeros((*query.shape[:2], spec.value_dim), dtype=torch.float64)
     group = spec.num_q_heads // spec.num_kv_heads
     sink = _sink_values(sinks, spec)
     qsl = meta.query_start_loc.tolist()
@@ -124,6 +135,7 @@ def reference_attention(
     for s in range(meta.num_seqs):
         seq_len = meta.seq_lens_cpu[s]
         k, v = gather_kv(cache, tables[s], seq_len)
+        v = v[..., : spec.value_dim]  # MLA: the values are the latent's first elements
         start, end = qsl[s], qsl[s + 1]
         context = seq_len - (end - start)
         for j, t in enumerate(range(start, end)):

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvpage.attention.canonical import sinks_reasons
+from kvpage.attention.canonical import mla_reasons, sinks_reasons
 from kvpage.attention.protocol import AttentionBackend
 from kvpage.errors import BackendUnavailableError
 from kvpage.specs import CacheSpec
@@ -108,7 +108,8 @@ def backend_reasons(name: str, spec: CacheSpec, device: torch.device | str) -> l
 
     Import and construction failures, and exceptions raised by the backend's own
     ``unsupported_reasons``, are returned as reasons; so are attention-sink layers for
-    a backend that does not declare ``capabilities.sinks``.
+    a backend that does not declare ``capabilities.sinks`` and MLA layers for one that
+    does not declare ``capabilities.mla``.
     """
     dev = torch.device(device)
     try:
@@ -121,6 +122,10 @@ def backend_reasons(name: str, spec: CacheSpec, device: torch.device | str) -> l
         return [f"unsupported_reasons raised {type(e).__name__}: {e}"]
     if not getattr(backend.capabilities, "sinks", False):  # a feature it never declared
         for r in sinks_reasons(spec, name):
+            if not any(w.startswith(r.split(":")[0]) for w in why):
+                why.append(r)
+    if not getattr(backend.capabilities, "mla", False):
+        for r in mla_reasons(spec, name):
             if not any(w.startswith(r.split(":")[0]) for w in why):
                 why.append(r)
     return why

@@ -30,6 +30,7 @@ from kvpage.specs.state import RECURRENT_MODEL_TYPES
 
 __all__ = [
     "MODEL_TYPES",
+    "MLA_ARCH_TYPES",
     "MOE_MODEL_TYPES",
     "PLAN_MODEL_TYPES",
     "UNSUPPORTED_ARCHITECTURES",
@@ -49,9 +50,13 @@ MOE_MODEL_TYPES: tuple[str, ...] = (
 )  # fmt: skip
 #: model types ``kvpage plan`` can size a cache for: every one kvpage runs, and the
 #: recurrent/hybrid ones whose layers ``kvpage.specs.state`` lowers
-PLAN_MODEL_TYPES: tuple[str, ...] = MODEL_TYPES + tuple(
-    t for t in RECURRENT_MODEL_TYPES if t not in MODEL_TYPES
+PLAN_MODEL_TYPES: tuple[str, ...] = (
+    MODEL_TYPES
+    + tuple(t for t in RECURRENT_MODEL_TYPES if t not in MODEL_TYPES)
+    + tuple(t for t in ("deepseek_v3",) if t not in MODEL_TYPES)
 )
+#: model types with MLA attention (``kv_lora_rank`` is their own key)
+MLA_ARCH_TYPES: tuple[str, ...] = ("deepseek_v3",)
 
 _SSM = "SSM state (a per-sequence recurrent state instead of a KV cache)"
 _HYBRID = "hybrid SSM state (Mamba layers beside the attention layers)"
@@ -74,7 +79,6 @@ UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
     "bamba": _HYBRID,
     "lfm2": "hybrid short-convolution state beside the attention layers",
     "deepseek_v2": f"{_MLA} and {_MOE}",
-    "deepseek_v3": f"{_MLA} and {_MOE}",
     "kimi_k2": f"{_MLA} and {_MOE}",
     "qwen2_moe": f"{_MOE} with a shared expert",
     "olmoe": _MOE,
@@ -160,8 +164,10 @@ def check_architecture(cfg: Mapping[str, Any], supported: Sequence[str] = MODEL_
         if mt in RECURRENT_MODEL_TYPES:  # state sizes and experts are their own keys
             return mt
         rest = {k: v for k, v in cfg.items() if k != "model_type"}
-        if mt in MOE_MODEL_TYPES:  # expert counts are this family's own keys
+        if mt in MOE_MODEL_TYPES or mt in MLA_ARCH_TYPES:  # this family's own keys
             rest = {k: v for k, v in rest.items() if k not in _MOE_KEYS}
+        if mt in MLA_ARCH_TYPES:
+            rest.pop("kv_lora_rank", None)
         clash = _architecture_clash(arch, mt) or missing_features(rest)
         if clash is None:
             return mt

@@ -66,6 +66,17 @@ class AttentionSpec(BaseModel):
             ``p_j = exp(l_j) / (exp(s_h) + sum_i exp(l_i))``. The values are weights,
             not part of the spec: ``forward(..., sinks=)`` takes them
             (``[num_q_heads]`` float32). The cache layout is unchanged.
+        kv_lora_rank: set = an MLA layer (multi-head latent attention, DeepSeek-V2/V3,
+            Kimi-K2; DeepSeek-V2 paper arXiv:2405.04434 section 2.1, HF
+            ``DeepseekV3Attention`` in transformers/models/deepseek_v3/
+            modeling_deepseek_v3.py): per token one latent vector of ``head_dim =
+            kv_lora_rank + qk_rope_head_dim`` elements, shared by every query head
+            (``num_kv_heads`` is 1), is cached instead of K and V. Attention runs in
+            the absorbed form: logits ``scale * q_absorbed . latent`` over all
+            ``head_dim`` elements, output ``softmax . latent[:, :kv_lora_rank]``
+            (``[num_q_heads, kv_lora_rank]`` per token). None = ordinary K/V attention.
+        qk_rope_head_dim: MLA only: the decoupled RoPE key's elements at the end of the
+            latent (0 otherwise).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -77,6 +88,8 @@ class AttentionSpec(BaseModel):
     sliding_window: int | None = Field(default=None, ge=1)
     logits_soft_cap: float | None = Field(default=None, gt=0.0)
     sinks: bool = False
+    kv_lora_rank: int | None = Field(default=None, ge=1)
+    qk_rope_head_dim: int = Field(default=0, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -98,7 +111,48 @@ class AttentionSpec(BaseModel):
             )
         if not (self.scale > 0.0):
             raise ValueError(f"scale: expected > 0, got {self.scale}")
+        if self.kv_lora_rank is None:
+            if self.qk_rope_head_dim:
+                raise ValueError(
+                    "qk_rope_head_dim: expected 0 without kv_lora_rank (MLA only), got "
+                    f"{self.qk_rope_head_dim}"
+                )
+            return self
+        if self.num_kv_heads != 1:
+            raise ValueError(
+                f"num_kv_heads: expected 1 for an MLA layer (one latent per token), got "
+                f"{self.num_kv_heads}"
+            )
+        want = self.kv_lora_rank + self.qk_rope_head_dim
+        if self.head_dim != want:
+            raise ValueError(
+                f"head_dim: expected kv_lora_rank + qk_rope_head_dim = {want} for an MLA "
+                f"layer, got {self.head_dim}"
+            )
+        if self.sinks:
+            raise ValueError("sinks: expected no attention sinks on an MLA layer, got sinks")
+        if self.sliding_window is not None:  # no MLA model slides; not implemented
+            raise ValueError(
+                f"sliding_window: expected None on an MLA layer (not implemented), got "
+                f"{self.sliding_window}"
+            )
         return self
+
+    @property
+    def is_mla(self) -> bool:
+        """An MLA layer (``kv_lora_rank`` set): the cache holds one latent per token."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def value_dim(self) -> int:
+        """Elements per head of ``forward``'s output: ``kv_lora_rank`` for MLA (the
+        values are the latent's first ``kv_lora_rank`` elements), else ``head_dim``."""
+        return self.kv_lora_rank if self.kv_lora_rank is not None else self.head_dim
+
+    @property
+    def kv_planes(self) -> int:
+        """Cached vectors per token and KV head: 1 for MLA (the latent), else 2 (K, V)."""
+        return 1 if self.kv_lora_rank is not None else 2
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -238,11 +292,14 @@ class CacheSpec(BaseModel):
         return KV_DTYPE_BYTES[self.kv_dtype]
 
     def layer_bytes_per_token(self, layer_id: int) -> int:
-        """Bytes one token occupies in one layer: K and V, plus int8 per-token scales."""
+        """Bytes one token occupies in one layer: K and V, plus int8 per-token scales;
+        an MLA layer (``AttentionSpec.kv_lora_rank``) one latent of ``head_dim``
+        elements (+ one int8 scale). DeepSeek-V3 in bf16: 576 x 2 = 1,152."""
         a = self.layers[layer_id]
-        b = 2 * a.num_kv_heads * a.head_dim * self.kv_element_bytes
+        planes = a.kv_planes
+        b = planes * a.num_kv_heads * a.head_dim * self.kv_element_bytes
         if self.kv_dtype == "int8":
-            b += 2 * a.num_kv_heads * SCALE_BYTES
+            b += planes * a.num_kv_heads * SCALE_BYTES
         return b
 
     @property
@@ -299,11 +356,13 @@ class CacheSpec(BaseModel):
 
     def layer_fixed_scale_bytes(self, layer_id: int) -> int:
         """Bytes of one layer's fp8 scales, K and V (per tensor: 1 float32 each; per
-        head: ``num_kv_heads``); 0 for other KV dtypes. Independent of num_blocks."""
+        head: ``num_kv_heads``; an MLA layer's latent: one scale set, ``k_scale``);
+        0 for other KV dtypes. Independent of num_blocks."""
         if not self.kv_dtype.startswith("fp8"):
             return 0
-        per = 1 if self.kv_scale_granularity == "per_tensor" else self.layers[layer_id].num_kv_heads
-        return 2 * per * SCALE_BYTES
+        a = self.layers[layer_id]
+        per = 1 if self.kv_scale_granularity == "per_tensor" else a.num_kv_heads
+        return a.kv_planes * per * SCALE_BYTES
 
     def layer_bytes(self, layer_id: int, num_blocks: int) -> int:
         """Bytes of one layer's cache tensors holding ``num_blocks`` blocks in the canonical

@@ -187,6 +187,9 @@ def attention_layers_from_hf(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
     if attn_ids == ():
         check_architecture(cfg, PLAN_MODEL_TYPES)
         return []
+    if cfg.get("model_type") in MLA_MODEL_TYPES:
+        check_architecture(cfg, PLAN_MODEL_TYPES)
+        return mla_layers_from_hf(cfg)
     shape = hf_attention_shape(cfg)
     mt, n_layers, hd = shape.model_type, shape.num_layers, shape.head_dim
     heads, kv_heads = shape.num_q_heads, shape.num_kv_heads
@@ -253,6 +256,66 @@ def attention_layers_from_hf(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+#: model types whose attention is MLA (multi-head latent attention)
+MLA_MODEL_TYPES = ("deepseek_v3",)
+
+
+def rope_parameters_of(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters of a config: ``rope_parameters`` (transformers 5) or the
+    older ``rope_scaling`` key, as a dict (empty when neither is set)."""
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return dict(rp) if isinstance(rp, Mapping) else {}
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention-temperature factor ``0.1 * mscale * ln(factor) + 1`` (1 for
+    ``factor <= 1``; Peng et al. 2023, arXiv:2309.00071; HF ``yarn_get_mscale`` in
+    transformers/models/deepseek_v3/modeling_deepseek_v3.py)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def mla_softmax_scale(cfg: Mapping[str, Any]) -> float:
+    """The softmax scale of an MLA layer: ``qk_head_dim ** -0.5`` with ``qk_head_dim =
+    qk_nope_head_dim + qk_rope_head_dim``, times ``yarn_mscale(factor,
+    mscale_all_dim) ** 2`` when the RoPE type is not ``default`` and
+    ``mscale_all_dim`` is set (HF ``DeepseekV3Attention.scaling`` /
+    ``yarn_apply_mscale``)."""
+    qk_head_dim = int(_req(cfg, "qk_nope_head_dim")) + int(_req(cfg, "qk_rope_head_dim"))
+    scale = 1.0 / math.sqrt(qk_head_dim)
+    rp = rope_parameters_of(cfg)
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if kind != "default" and rp.get("mscale_all_dim"):
+        m = yarn_mscale(float(rp["factor"]), float(rp["mscale_all_dim"]))
+        scale *= m * m
+    return scale
+
+
+def mla_layers_from_hf(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """AttentionSpec fields of every layer of an MLA config (``deepseek_v3``): one KV
+    head of ``head_dim = kv_lora_rank + qk_rope_head_dim`` (the cached latent), the
+    config's query heads, :func:`mla_softmax_scale`. (HF's ``head_dim`` attribute of
+    these configs is ``qk_rope_head_dim`` and is not read.)
+
+    Raises:
+        SpecError: a size missing or not a positive integer.
+    """
+    for key in ("num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):  # fmt: skip
+        v = _req(cfg, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise SpecError(f"config.{key}: expected a positive integer, got {v!r}")
+    rank, rope = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
+    layer = dict(
+        num_q_heads=int(cfg["num_attention_heads"]),
+        num_kv_heads=1,
+        head_dim=rank + rope,
+        scale=mla_softmax_scale(cfg),
+        kv_lora_rank=rank,
+        qk_rope_head_dim=rope,
+    )
+    return [dict(layer) for _ in range(int(cfg["num_hidden_layers"]))]
+
+
 def llama2c_header_to_hf(source: str | Path | bytes) -> dict[str, Any]:
     """Read a llama2.c header and return the equivalent HF Llama ``config.json`` fields.
 
@@ -290,7 +353,12 @@ def llama2c_header_to_hf(source: str | Path | bytes) -> dict[str, Any]:
 
 
 __all__ = [
+    "MLA_MODEL_TYPES",
     "HFAttentionShape",
+    "mla_layers_from_hf",
+    "mla_softmax_scale",
+    "rope_parameters_of",
+    "yarn_mscale",
     "attention_layers_from_hf",
     "dtype_from_config",
     "hf_attention_shape",

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from kvpage.attention.canonical import mla_as_mqa
 from kvpage.attention.checks import check_block_pairs, check_forward, check_write_kv
 from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
@@ -33,7 +34,10 @@ class TorchBackend:
     whole blocks are gathered per bucket, and attention runs through
     ``torch.nn.functional.scaled_dot_product_attention`` (explicit float32 matmuls
     when a logit soft cap or attention sinks are set). Unquantized caches compute in the cache dtype;
-    int8/fp8 caches are dequantized to float32.
+    int8/fp8 caches are dequantized to float32. An MLA layer runs as the MQA it is in
+    the absorbed form (``kvpage.attention.canonical.mla_as_mqa``: the latent is the one
+    KV head's key and value) through the same paths; its output keeps the first
+    ``kv_lora_rank`` elements.
     """
 
     name = "torch"
@@ -41,6 +45,7 @@ class TorchBackend:
         devices=frozenset({"cpu", "cuda"}),
         priority={"cpu": 0, "cuda": 0},
         sinks=True,
+        mla=True,
         notes=("reference-grade semantics in vectorized torch; any head_dim and block_size",),
     )
 
@@ -84,10 +89,16 @@ class TorchBackend:
         return TorchPlan.from_meta(meta)
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        cache: KVCache,
+        slot_mapping: torch.Tensor,
     ) -> None:
         """Store K/V ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping``
         (``[num_tokens]`` int64, -1 = skip), quantizing per ``kvpage.attention.quant``.
+        An MLA latent cache (``cache.is_latent``): the latent ``[num_tokens, 1,
+        head_dim]`` as ``key``, ``value=None`` (fp8 with ``k_scale``).
 
         Mutates ``cache.kv`` (and ``cache.token_scales`` for int8) at the mapped slots
         only; every other slot stays bit-identical. Slots must be distinct.
@@ -97,23 +108,25 @@ class TorchBackend:
         """
         check_write_kv(key, value, cache, slot_mapping)
         slots = slot_mapping.to(torch.int64)
+        rows = [key] if value is None else [key, value]
         if slots.numel() and bool((slots < 0).any()):
             keep = torch.nonzero(slots >= 0).squeeze(1)
-            slots, key, value = slots[keep], key[keep], value[keep]
+            slots, rows = slots[keep], [x[keep] for x in rows]
         if slots.numel() == 0:
             return
         n = cache.num_blocks * cache.block_size
         h, d = cache.num_kv_heads, cache.head_dim
         byte = cache.kv.element_size() == 1  # fp8/int8: copy as uint8 bits (see _bits)
-        flat = (cache.kv.view(torch.uint8) if byte else cache.kv).view(2, n, h, d)
+        planes = len(rows)
+        flat = (cache.kv.view(torch.uint8) if byte else cache.kv).view(planes, n, h, d)
         kind = cache.kv_dtype
-        for i, x in enumerate((key, value)):
+        for i, x in enumerate(rows):
             if kind == "auto":
                 stored = x.to(cache.kv.dtype)
             elif kind == "int8":
                 stored, scales = quantize_int8(x)
                 assert cache.token_scales is not None
-                cache.token_scales.view(2, n, h)[i].index_copy_(0, slots, scales)
+                cache.token_scales.view(planes, n, h)[i].index_copy_(0, slots, scales)
             else:
                 s = cache.k_scale if i == 0 else cache.v_scale
                 assert s is not None
@@ -134,13 +147,36 @@ class TorchBackend:
         plan's buckets for this cache and window, each attended by the compute path
         chosen for it (``compute.pick_attend``) into ``out``. Buckets, paths and their
         step-constant buffers are built by the first layer of each layer shape and
-        kept in ``plan.runs``; later layers only look them up.
+        kept in ``plan.runs``; later layers only look them up. An MLA layer
+        (``spec.kv_lora_rank``): ``query`` is the absorbed query ``[num_tokens,
+        num_q_heads, head_dim]`` and the result ``[num_tokens, num_q_heads,
+        kv_lora_rank]`` (``mla_as_mqa``).
 
         Raises:
             ShapeError, DTypeError: see ``kvpage.attention.checks.check_forward``.
         """
         if not plan.layers_checked:  # else validated at plan time (checks.check_step_layers)
             check_forward(query, cache, plan, spec, out, sinks)
+        if spec.is_mla:
+            alias, mqa = mla_as_mqa(cache, spec)
+            full = self._attend(query, alias, plan, mqa, None, None)
+            res = full[..., : spec.value_dim]
+            if out is None:
+                return res.contiguous()
+            out.copy_(res)
+            return out
+        return self._attend(query, cache, plan, spec, out, sinks)
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        plan: TorchPlan,
+        spec: AttentionSpec,
+        out: torch.Tensor | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``forward`` after its checks, for a K/V cache (an MLA alias included)."""
         key = (
             cache.block_size,
             cache.num_blocks,
@@ -150,6 +186,7 @@ class TorchBackend:
             spec.num_q_heads,
             spec.sliding_window,
             self.stream_min_bytes,
+            cache.kv.stride(0) == 0,  # an MLA alias (V plane = K plane): no [2 * slots] view
         )
         runs = plan.runs.get(key)
         if runs is None:

@@ -243,7 +243,7 @@ def padded_decode_data(g: SeqBucket, cache: KVCache, spec: AttentionSpec) -> Pad
     n, _ = g.index.shape
     hkv, d, hq = cache.num_kv_heads, cache.head_dim, spec.num_q_heads
     kv_index = None
-    if cache.kv_dtype == "auto":
+    if cache.kv_dtype == "auto" and cache.kv.stride(0) != 0:  # not an MLA alias (one plane)
         slots = cache.num_blocks * cache.block_size
         flat = g.index.reshape(-1)
         kv_index = torch.cat([flat, flat + slots])
