@@ -20,7 +20,9 @@ SPEC = {
     "num_speculative_tokens": 4,
     "prompt_lookup_max": 3,
     "prompt_lookup_min": 1,
+    "draft_policy": "fixed",  # drafts every step: the counts below are deterministic
 }
+ADAPTIVE = {**SPEC, "draft_policy": "adaptive"}
 PROMPTS = [
     # repeat their context, so drafts get accepted
     "Once upon a time there was a little girl named Lily. She liked to play outside. "
@@ -310,3 +312,87 @@ def test_tiers_and_events_see_only_accepted_blocks() -> None:
         kvm.check_integrity()
     assert tiers.host.stats.demotions > 0
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_config_batch_limit_and_policy_keys() -> None:
+    c = parse_speculative_config({"num_speculative_tokens": 2})
+    assert c is not None and (c.disable_by_batch_size, c.draft_policy) == (None, "adaptive")
+    c = parse_speculative_config(
+        {"num_speculative_tokens": 2, "disable_by_batch_size": 4, "draft_policy": "fixed"}
+    )
+    assert c is not None and (c.disable_by_batch_size, c.draft_policy) == (4, "fixed")
+    for bad, msg in (
+        ({"disable_by_batch_size": 0}, r"disable_by_batch_size: expected an int >= 1, got 0"),
+        ({"draft_policy": "greedy"}, r"draft_policy: expected one of adaptive, fixed, got"),
+    ):
+        with pytest.raises(SpecError, match=msg):
+            parse_speculative_config({"num_speculative_tokens": 2, **bad})
+
+
+def test_disable_by_batch_size() -> None:
+    """No step drafts while more than ``disable_by_batch_size`` sequences run; the
+    batch drafts again once it shrinks to the limit; outputs equal plain decoding."""
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in (60, 8, 8, 8)]
+    plain = LLM(model="stories260K").generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(model="stories260K", speculative_config={**SPEC, "disable_by_batch_size": 1})
+    eng = llm.llm_engine
+    for i, (p, sp) in enumerate(zip(PROMPTS, params)):
+        eng.add_request(str(i), p, sp)
+    outs: dict[str, Any] = {}
+    while eng.has_unfinished_requests():
+        batch = len(eng.scheduler.running)
+        before = eng.spec_stats.num_draft_tokens
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        if batch > 1:
+            assert eng.spec_stats.num_draft_tokens == before
+    assert eng.spec_stats.num_accepted_tokens > 0  # the long one drafted once alone
+    _same(plain, [outs[str(i)] for i in range(len(PROMPTS))])
+    eng.kv_cache_manager.check_integrity()
+
+
+def test_adaptive_policy_greedy_identical() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=60)
+    kw = dict(max_num_batched_tokens=16, block_size=4)
+    _, ref = _run(None, params, **kw)
+    eng, got = _run(ADAPTIVE, params, **kw)
+    _same(ref, got)
+    assert eng.spec_stats.num_draft_tokens > 0  # the warm-up drafts
+    assert eng.kv_cache_manager.num_used_blocks == 0
+
+
+def test_draft_policy_rules() -> None:
+    from kvpage.engine.spec_decode import DraftPolicy
+
+    p = DraftPolicy(4, None, adaptive=True)
+    # rule 4: full acceptance grows by 2 (cap k), any rejection shrinks by 1 (floor 1)
+    assert p.limit("a") == 4
+    for acc, want in ((1, 3), (0, 2), (0, 1), (0, 1), (1, 3), (3, 4)):
+        p.observe_verified("a", p.limit("a"), acc)
+        assert p.limit("a") == want
+    p.prune(["b"])
+    assert p.limit("a") == 4
+    # rule 3: drafting on first, then off, then the cheaper per token; probes of the other
+    decisions = []
+    for _ in range(3 + 3 + 64):
+        on = p.drafting(8)
+        decisions.append(on)
+        # on: 3 ms per step for 1.2 tokens; off: 2 ms for 1 token -> off is cheaper
+        p.observe_step(3e-3 if on else 2e-3, 6 if on else 5, pure_decode=True)
+    assert decisions[:6] == [True] * 3 + [False] * 3
+    assert sum(decisions[6:]) == 64 // DraftPolicy.PROBE_EVERY  # only the probes draft
+    # another bucket is measured on its own; batch 1 where drafting pays
+    for _ in range(40):
+        on = p.drafting(1)
+        p.observe_step(1e-3, 3 if on else 1, pure_decode=True)
+    assert p.drafting(1) or p.buckets[1].decisions % DraftPolicy.PROBE_EVERY == 0
+    assert p.buckets[1].on.cost < p.buckets[1].off.cost
+    # a step with a prefill chunk is not recorded
+    n = p.buckets[4].on.steps + p.buckets[4].off.steps
+    p.drafting(8)
+    p.observe_step(1.0, 1, pure_decode=False)
+    assert p.buckets[4].on.steps + p.buckets[4].off.steps == n
+    # rule 1 before everything; "fixed" always drafts k
+    q = DraftPolicy(4, 2, adaptive=False)
+    assert not q.drafting(3) and q.drafting(2) and q.limit("x") == 4

@@ -380,6 +380,8 @@ class LLMEngine:
             timer.lap()  # sample
             progressed, _ = self.scheduler.update(out, sampled)
             timer.lap()  # update
+            if self.scheduler.draft_policy is not None:
+                self._observe_policy(out, sampled, sum(timer.laps))
             results = self.outputs.emit(progressed, time.monotonic(), finished_only)
             timer.lap()  # output
         except BaseException:
@@ -445,6 +447,7 @@ class LLMEngine:
         assert self.spec_stats is not None
         targets: list[int] = torch.argmax(verify, dim=-1).tolist()
         st = self.spec_stats
+        policy = self.scheduler.draft_policy
         r = 0
         for s in out.scheduled:
             d = s.draft_token_ids
@@ -463,9 +466,23 @@ class LLMEngine:
                 emitted = accept_sampled(d, probs, sampled[rid][0], gen)
             r += len(d)
             sampled[rid] = emitted
+            if policy is not None:
+                policy.observe_verified(rid, len(d), len(emitted) - 1)
             st.num_drafts += 1
             st.num_draft_tokens += len(d)
             st.num_accepted_tokens += len(emitted) - 1
+
+    def _observe_policy(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]], seconds: float
+    ) -> None:
+        """Feed the draft policy this step's wall ``seconds`` (schedule to update) and
+        emitted tokens; a step is pure decode when every scheduled sequence computed
+        one token (or its last token and drafts) and sampled."""
+        policy = self.scheduler.draft_policy
+        assert policy is not None
+        pure = all(s.samples and (s.draft_token_ids or s.num_tokens == 1) for s in out.scheduled)
+        emitted = sum(len(v) for v in sampled.values())
+        policy.observe_step(seconds, emitted, pure)
 
     def _sample(
         self, out: SchedulerOutput, logits: torch.Tensor, started: float

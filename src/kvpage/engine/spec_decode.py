@@ -15,12 +15,17 @@ draft-model proposer can run one forward for all sequences), allocates KV slots 
 them, and after the step rolls the KV cache back to the accepted length
 (``KVCacheManager.truncate``); only accepted tokens are ever committed to the prefix
 cache.
+
+How many drafts a sequence gets is :class:`DraftPolicy`'s: ``disable_by_batch_size``
+(vLLM's key) turns drafting off above a batch size, and the ``"adaptive"`` policy sets
+each sequence's draft length from its acceptance and turns drafting off at batch sizes
+where steps with drafts measured slower per emitted token than steps without.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -30,12 +35,14 @@ from kvpage.errors import RequestRejected
 from kvpage.specs.speculative import SpeculativeConfig
 
 __all__ = [
+    "DraftPolicy",
     "NgramProposer",
     "Proposer",
     "SpecDecodeStats",
     "accept_greedy",
     "accept_sampled",
     "check_spec_request",
+    "make_draft_policy",
     "make_proposer",
 ]
 
@@ -102,6 +109,147 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
     return NgramProposer(
         config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
     )
+
+
+def make_draft_policy(config: SpeculativeConfig) -> DraftPolicy:
+    """The :class:`DraftPolicy` of ``config`` (``disable_by_batch_size``,
+    ``draft_policy``)."""
+    return DraftPolicy(
+        config.num_speculative_tokens,
+        config.disable_by_batch_size,
+        config.draft_policy == "adaptive",
+    )
+
+
+@dataclass
+class _Arm:
+    """Measured cost of one mode (drafting on / off) at one batch-size bucket: an
+    exponential moving average of step seconds per emitted token over pure decode
+    steps, and how many such steps it has seen."""
+
+    cost: float = 0.0
+    steps: int = 0
+
+    def observe(self, sec_per_token: float, weight: float) -> None:
+        self.cost = (
+            sec_per_token if self.steps == 0 else self.cost + weight * (sec_per_token - self.cost)
+        )
+        self.steps += 1
+
+
+@dataclass
+class _Bucket:
+    """The two arms of one batch-size bucket and its decision counter."""
+
+    on: _Arm = field(default_factory=_Arm)
+    off: _Arm = field(default_factory=_Arm)
+    decisions: int = 0
+
+
+class DraftPolicy:
+    """How many drafts each decoding sequence gets in a step.
+
+    Rules, applied in order each step (``batch`` = the running sequences):
+
+    1. ``batch > disable_by_batch_size``: no drafts (vLLM's ``disable_by_batch_size``).
+    2. ``"fixed"``: every sequence gets up to ``k`` drafts (vLLM's behaviour).
+    3. ``"adaptive"``, per batch-size bucket ``b = batch.bit_length()`` (1, 2-3, 4-7,
+       8-15, ...): the policy keeps, for drafting on and for drafting off, an
+       exponential moving average (weight :attr:`EMA_WEIGHT`) of the step's wall
+       seconds per emitted token over steps that only decode (a prefill chunk in the
+       step makes it incomparable, so it is not recorded). Each mode is first tried for
+       :attr:`WARMUP_STEPS` steps (on first); then the step drafts iff the on-cost is
+       <= the off-cost, except that every :attr:`PROBE_EVERY`-th decision of a bucket
+       takes the other mode, so both estimates follow the load. The exploration costs
+       at most 1 / PROBE_EVERY of the steps at the worse mode's rate.
+    4. ``"adaptive"``, per sequence: a draft length ``k_r`` starts at ``k``; after a
+       verification that accepted every draft it grows by 2 (to at most ``k``), after
+       one that rejected any it shrinks by 1 (to at least 1). This is the "heuristic"
+       schedule of Hugging Face transformers' assisted generation
+       (``num_assistant_tokens_schedule``): drafts are cheap while they are accepted
+       and the rows past the first rejection are wasted compute.
+
+    Greedy outputs and the sampled distribution do not depend on the policy (it only
+    changes which drafts are verified). State: the buckets' arms and ``k_r`` per
+    sequence id (pruned to the live ids by :meth:`prune`).
+
+    Args:
+        k: ``num_speculative_tokens`` (>= 1).
+        disable_by_batch_size: rule 1's limit (None = none).
+        adaptive: rules 3 and 4 on (``draft_policy="adaptive"``).
+    """
+
+    EMA_WEIGHT = 0.2
+    WARMUP_STEPS = 3
+    PROBE_EVERY = 16
+
+    def __init__(self, k: int, disable_by_batch_size: int | None, adaptive: bool) -> None:
+        self.k = k
+        self.disable_by_batch_size = disable_by_batch_size
+        self.adaptive = adaptive
+        self.buckets: dict[int, _Bucket] = {}
+        self.draft_len: dict[str, int] = {}
+        #: (bucket, drafting) of the last :meth:`drafting` decision, for :meth:`observe_step`
+        self._last: tuple[int, bool] | None = None
+
+    def drafting(self, batch: int) -> bool:
+        """Whether this step drafts at all, with ``batch`` running sequences (rules
+        1-3). Remembers the decision for :meth:`observe_step`."""
+        self._last = None
+        if batch < 1:
+            return False
+        if self.disable_by_batch_size is not None and batch > self.disable_by_batch_size:
+            return False
+        if not self.adaptive:
+            return True
+        b = batch.bit_length()
+        bk = self.buckets.get(b)
+        if bk is None:
+            bk = self.buckets[b] = _Bucket()
+        if bk.on.steps < self.WARMUP_STEPS:
+            on = True
+        elif bk.off.steps < self.WARMUP_STEPS:
+            on = False
+        else:
+            bk.decisions += 1
+            on = bk.on.cost <= bk.off.cost
+            if bk.decisions % self.PROBE_EVERY == 0:
+                on = not on
+        self._last = (b, on)
+        return on
+
+    def limit(self, request_id: str) -> int:
+        """Most drafts sequence ``request_id`` gets when the step drafts (rule 4)."""
+        if not self.adaptive:
+            return self.k
+        return self.draft_len.get(request_id, self.k)
+
+    def observe_verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """Rule 4's update after a verification of ``num_drafts`` drafts of which the
+        first ``num_accepted`` were accepted."""
+        if not self.adaptive or num_drafts < 1:
+            return
+        cur = self.draft_len.get(request_id, self.k)
+        if num_accepted >= num_drafts:
+            self.draft_len[request_id] = min(self.k, cur + 2)
+        else:
+            self.draft_len[request_id] = max(1, cur - 1)
+
+    def observe_step(self, seconds: float, num_emitted: int, pure_decode: bool) -> None:
+        """Rule 3's measurement of the step decided by the last :meth:`drafting` call:
+        ``seconds`` of wall time that emitted ``num_emitted`` tokens; recorded only when
+        ``pure_decode`` (no prefill chunk ran in it)."""
+        last, self._last = self._last, None
+        if last is None or not pure_decode or num_emitted < 1:
+            return
+        b, on = last
+        bk = self.buckets[b]
+        (bk.on if on else bk.off).observe(seconds / num_emitted, self.EMA_WEIGHT)
+
+    def prune(self, live: Iterable[str]) -> None:
+        """Forget the draft lengths of sequences not in ``live``."""
+        keep = set(live)
+        self.draft_len = {r: v for r, v in self.draft_len.items() if r in keep}
 
 
 def accept_greedy(drafts: Sequence[int], targets: Sequence[int], bonus: int) -> list[int]:
