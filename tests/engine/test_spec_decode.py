@@ -367,32 +367,43 @@ def test_draft_policy_rules() -> None:
 
     p = DraftPolicy(4, None, adaptive=True)
     # rule 4: full acceptance grows by 2 (cap k), any rejection shrinks by 1 (floor 1)
+    p.mode = "short"
     assert p.limit("a") == 4
     for acc, want in ((1, 3), (0, 2), (0, 1), (0, 1), (1, 3), (3, 4)):
         p.observe_verified("a", p.limit("a"), acc)
         assert p.limit("a") == want
     p.prune(["b"])
     assert p.limit("a") == 4
-    # rule 3: drafting on first, then off, then the cheaper per token; probes of the other
-    decisions = []
-    for _ in range(3 + 3 + 64):
+    # rule 3: each mode warms up in MODES order, then the cheapest per token wins and
+    # every PROBE_EVERY-th decision takes one of the others, alternately
+    cost = {"full": 5e-4, "short": 4.5e-4, "off": 4e-4}  # seconds per emitted token
+    modes = []
+    for _ in range(9 + 64):
         on = p.drafting(8)
-        decisions.append(on)
-        # on: 3 ms per step for 1.2 tokens; off: 2 ms for 1 token -> off is cheaper
-        p.observe_step(3e-3 if on else 2e-3, 6 if on else 5, pure_decode=True)
-    assert decisions[:6] == [True] * 3 + [False] * 3
-    assert sum(decisions[6:]) == 64 // DraftPolicy.PROBE_EVERY  # only the probes draft
+        assert on == (p.mode != "off")
+        modes.append(p.mode)
+        p.observe_step(cost[p.mode] * 5, 5, pure_decode=True)
+    assert modes[:9] == ["full"] * 3 + ["short"] * 3 + ["off"] * 3
+    probes = [m for m in modes[9:] if m != "off"]
+    assert probes == ["full", "short"] * (64 // DraftPolicy.PROBE_EVERY // 2)
+    # in mode "short" a sequence gets its own draft length, in "full" k
+    p.observe_verified("c", 4, 0)
+    p.mode = "short"
+    assert p.limit("c") == 3
+    p.mode = "full"
+    assert p.limit("c") == 4
     # another bucket is measured on its own; batch 1 where drafting pays
-    for _ in range(40):
-        on = p.drafting(1)
-        p.observe_step(1e-3, 3 if on else 1, pure_decode=True)
-    assert p.drafting(1) or p.buckets[1].decisions % DraftPolicy.PROBE_EVERY == 0
-    assert p.buckets[1].on.cost < p.buckets[1].off.cost
+    for _ in range(9 + 32):  # the next decision (the 33rd) is no probe
+        p.drafting(1)
+        p.observe_step(1e-3, {"full": 3, "short": 2, "off": 1}[p.mode], pure_decode=True)
+    arms = p.buckets[1].arms
+    assert arms["full"].cost < arms["short"].cost < arms["off"].cost
+    assert p.drafting(1) and p.mode == "full"
     # a step with a prefill chunk is not recorded
-    n = p.buckets[4].on.steps + p.buckets[4].off.steps
+    n = sum(a.steps for a in p.buckets[4].arms.values())
     p.drafting(8)
     p.observe_step(1.0, 1, pure_decode=False)
-    assert p.buckets[4].on.steps + p.buckets[4].off.steps == n
+    assert sum(a.steps for a in p.buckets[4].arms.values()) == n
     # rule 1 before everything; "fixed" always drafts k
     q = DraftPolicy(4, 2, adaptive=False)
     assert not q.drafting(3) and q.drafting(2) and q.limit("x") == 4

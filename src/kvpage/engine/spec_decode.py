@@ -137,13 +137,19 @@ class _Arm:
         self.steps += 1
 
 
+#: the adaptive policy's modes, in warm-up order: ``"full"`` drafts up to k per
+#: sequence, ``"short"`` up to the sequence's own draft length, ``"off"`` none
+MODES: tuple[str, ...] = ("full", "short", "off")
+
+
 @dataclass
 class _Bucket:
-    """The two arms of one batch-size bucket and its decision counter."""
+    """The arms (one per mode of :data:`MODES`) of one batch-size bucket, its decision
+    counter and the next probe's index."""
 
-    on: _Arm = field(default_factory=_Arm)
-    off: _Arm = field(default_factory=_Arm)
+    arms: dict[str, _Arm] = field(default_factory=lambda: {m: _Arm() for m in MODES})
     decisions: int = 0
+    probes: int = 0
 
 
 class DraftPolicy:
@@ -154,24 +160,28 @@ class DraftPolicy:
     1. ``batch > disable_by_batch_size``: no drafts (vLLM's ``disable_by_batch_size``).
     2. ``"fixed"``: every sequence gets up to ``k`` drafts (vLLM's behaviour).
     3. ``"adaptive"``, per batch-size bucket ``b = batch.bit_length()`` (1, 2-3, 4-7,
-       8-15, ...): the policy keeps, for drafting on and for drafting off, an
-       exponential moving average (weight :attr:`EMA_WEIGHT`) of the step's wall
-       seconds per emitted token over steps that only decode (a prefill chunk in the
-       step makes it incomparable, so it is not recorded). Each mode is first tried for
-       :attr:`WARMUP_STEPS` steps (on first); then the step drafts iff the on-cost is
-       <= the off-cost, except that every :attr:`PROBE_EVERY`-th decision of a bucket
-       takes the other mode, so both estimates follow the load. The exploration costs
-       at most 1 / PROBE_EVERY of the steps at the worse mode's rate.
-    4. ``"adaptive"``, per sequence: a draft length ``k_r`` starts at ``k``; after a
-       verification that accepted every draft it grows by 2 (to at most ``k``), after
-       one that rejected any it shrinks by 1 (to at least 1). This is the "heuristic"
-       schedule of Hugging Face transformers' assisted generation
-       (``num_assistant_tokens_schedule``): drafts are cheap while they are accepted
-       and the rows past the first rejection are wasted compute.
+       8-15, ...): three modes compete, ``"full"`` (up to ``k`` drafts per sequence),
+       ``"short"`` (up to the sequence's own length ``k_r``, rule 4) and ``"off"``
+       (none). The policy keeps per mode an exponential moving average (weight
+       :attr:`EMA_WEIGHT`) of the step's wall seconds per emitted token over steps that
+       only decode (a prefill chunk in the step makes it incomparable, so it is not
+       recorded). Each mode is first run for :attr:`WARMUP_STEPS` steps (in
+       :data:`MODES` order); then the step takes the mode of least cost, except that
+       every :attr:`PROBE_EVERY`-th decision of a bucket takes one of the other two
+       (alternately), so every estimate follows the load. Exploration costs at most
+       1 / PROBE_EVERY of the steps at a worse mode's rate. Why measure: whether a
+       draft row pays depends on whether the step is bound by its fixed cost and
+       weight reads (small batch: extra query rows are nearly free) or by compute
+       (large batch: every row costs), which differs by model, machine and load.
+    4. per sequence, ``k_r`` starts at ``k``; after a verification that accepted every
+       draft it grows by 2 (to at most ``k``), after one that rejected any it shrinks
+       by 1 (to at least 1): the "heuristic" schedule of Hugging Face transformers'
+       assisted generation (``num_assistant_tokens_schedule``); the rows past a
+       sequence's first rejection are the wasted compute.
 
     Greedy outputs and the sampled distribution do not depend on the policy (it only
-    changes which drafts are verified). State: the buckets' arms and ``k_r`` per
-    sequence id (pruned to the live ids by :meth:`prune`).
+    changes which drafts are verified). State: the buckets' arms, the current mode and
+    ``k_r`` per sequence id (pruned to the live ids by :meth:`prune`).
 
     Args:
         k: ``num_speculative_tokens`` (>= 1).
@@ -189,13 +199,16 @@ class DraftPolicy:
         self.adaptive = adaptive
         self.buckets: dict[int, _Bucket] = {}
         self.draft_len: dict[str, int] = {}
-        #: (bucket, drafting) of the last :meth:`drafting` decision, for :meth:`observe_step`
-        self._last: tuple[int, bool] | None = None
+        #: the mode of the current step (``"full"`` under the fixed policy)
+        self.mode = "full"
+        #: the bucket of the last :meth:`drafting` decision, for :meth:`observe_step`
+        self._last: int | None = None
 
     def drafting(self, batch: int) -> bool:
         """Whether this step drafts at all, with ``batch`` running sequences (rules
-        1-3). Remembers the decision for :meth:`observe_step`."""
+        1-3); sets :attr:`mode` and remembers the decision for :meth:`observe_step`."""
         self._last = None
+        self.mode = "full"
         if batch < 1:
             return False
         if self.disable_by_batch_size is not None and batch > self.disable_by_batch_size:
@@ -206,21 +219,23 @@ class DraftPolicy:
         bk = self.buckets.get(b)
         if bk is None:
             bk = self.buckets[b] = _Bucket()
-        if bk.on.steps < self.WARMUP_STEPS:
-            on = True
-        elif bk.off.steps < self.WARMUP_STEPS:
-            on = False
-        else:
+        arms = bk.arms
+        mode = next((m for m in MODES if arms[m].steps < self.WARMUP_STEPS), None)
+        if mode is None:
             bk.decisions += 1
-            on = bk.on.cost <= bk.off.cost
+            mode = min(MODES, key=lambda m: arms[m].cost)
             if bk.decisions % self.PROBE_EVERY == 0:
-                on = not on
-        self._last = (b, on)
-        return on
+                others = [m for m in MODES if m != mode]
+                mode = others[bk.probes % len(others)]
+                bk.probes += 1
+        self.mode = mode
+        self._last = b
+        return mode != "off"
 
     def limit(self, request_id: str) -> int:
-        """Most drafts sequence ``request_id`` gets when the step drafts (rule 4)."""
-        if not self.adaptive:
+        """Most drafts sequence ``request_id`` gets in this drafting step (``k``, or
+        its ``k_r`` in mode ``"short"``)."""
+        if self.mode != "short":
             return self.k
         return self.draft_len.get(request_id, self.k)
 
@@ -239,12 +254,10 @@ class DraftPolicy:
         """Rule 3's measurement of the step decided by the last :meth:`drafting` call:
         ``seconds`` of wall time that emitted ``num_emitted`` tokens; recorded only when
         ``pure_decode`` (no prefill chunk ran in it)."""
-        last, self._last = self._last, None
-        if last is None or not pure_decode or num_emitted < 1:
+        b, self._last = self._last, None
+        if b is None or not pure_decode or num_emitted < 1:
             return
-        b, on = last
-        bk = self.buckets[b]
-        (bk.on if on else bk.off).observe(seconds / num_emitted, self.EMA_WEIGHT)
+        self.buckets[b].arms[self.mode].observe(seconds / num_emitted, self.EMA_WEIGHT)
 
     def prune(self, live: Iterable[str]) -> None:
         """Forget the draft lengths of sequences not in ``live``."""
