@@ -129,10 +129,9 @@ def test_preemption_identical() -> None:
 @pytest.mark.parametrize(
     ("kw", "name"),
     [
-        (dict(temperature=0.0, n=2), "n"),
-        (dict(temperature=0.8, n=3), "n"),
-        (dict(temperature=0.0, logprobs=1), "logprobs"),
         (dict(temperature=0.0, repetition_penalty=1.2), "repetition_penalty"),
+        (dict(temperature=0.8, presence_penalty=0.5), "presence_penalty"),
+        (dict(temperature=0.8, min_p=0.1), "min_p"),
         (dict(temperature=0.0, min_tokens=3), "min_tokens"),
     ],
 )
@@ -407,3 +406,78 @@ def test_draft_policy_rules() -> None:
     # rule 1 before everything; "fixed" always drafts k
     q = DraftPolicy(4, 2, adaptive=False)
     assert not q.drafting(3) and q.drafting(2) and q.limit("x") == 4
+
+
+def _same_logprobs(a: Any, b: Any, tol: float = 1e-4) -> None:
+    """Per position: the same chosen and top token ids, ranks and logprobs within
+    ``tol`` (the verification forward computes the positions as a chunk, plain decoding
+    one by one)."""
+    assert a is not None and b is not None and len(a) == len(b)
+    for pa, pb in zip(a, b):
+        assert list(pa) == list(pb)
+        for t in pa:
+            assert pa[t].rank == pb[t].rank
+            assert abs(pa[t].logprob - pb[t].logprob) <= tol
+
+
+def test_n_and_logprobs_greedy_identical() -> None:
+    """n > 1 (every sample speculates after the fork) and logprobs (emitted tokens
+    scored on their verification rows, the bonus on its sampled row) equal plain
+    decoding: same tokens, same top-3 ids and ranks, logprobs within 1e-4."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, n=2, logprobs=3, prompt_logprobs=2)
+    _, ref = _run(None, params, block_size=4)
+    eng, got = _run(SPEC, params, block_size=4)
+    assert eng.spec_stats.num_accepted_tokens > 0
+    for x, y in zip(ref, got, strict=True):
+        assert len(x.outputs) == len(y.outputs) == 2
+        for ox, oy in zip(x.outputs, y.outputs, strict=True):
+            assert ox.token_ids == oy.token_ids and ox.finish_reason == oy.finish_reason
+            assert len(oy.logprobs) == len(oy.token_ids)
+            _same_logprobs(ox.logprobs, oy.logprobs)
+            assert abs(ox.cumulative_logprob - oy.cumulative_logprob) <= 1e-3
+        _same_logprobs(x.prompt_logprobs[1:], y.prompt_logprobs[1:])
+    assert eng.kv_cache_manager.num_used_blocks == 0
+
+
+def test_logprobs_with_stops_inside_a_draft() -> None:
+    """A stop inside an accepted draft keeps exactly the appended tokens' logprobs."""
+    _, ref = _run(None, SamplingParams(temperature=0.0, max_tokens=40))
+    ids = ref[1].outputs[0].token_ids
+    cases = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=1) for m in (3, 7, 12)]
+    cases += [
+        SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[t], logprobs=0)
+        for t in ids[4:8]
+    ]
+    prompt = PROMPTS[1]
+    a = LLM(model="stories260K").generate([prompt] * len(cases), cases, use_tqdm=False)
+    llm = LLM(model="stories260K", speculative_config=SPEC)
+    b = llm.generate([prompt] * len(cases), cases, use_tqdm=False)
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+    _same(a, b)
+    for x, y in zip(a, b):
+        _same_logprobs(x.outputs[0].logprobs, y.outputs[0].logprobs)
+
+
+def test_sampled_n_children_speculate() -> None:
+    """Sampled n = 3 with logprobs: every sample gets its own tokens (seeded), its
+    logprobs are one per token and equal the model's raw log-softmax of the plain
+    path's scoring (each sample re-scored by a plain engine with prompt_logprobs)."""
+    llm = LLM(model="stories260K", speculative_config=SPEC, block_size=4)
+    params = SamplingParams(temperature=0.8, top_k=4, n=3, max_tokens=24, seed=5, logprobs=0)
+    (o,) = llm.generate([PROMPTS[1]], params, use_tqdm=False)
+    eng = llm.llm_engine
+    assert eng.spec_stats.num_drafts > 0
+    eng.kv_cache_manager.check_integrity()
+    assert eng.kv_cache_manager.num_used_blocks == 0
+    plain = LLM(model="stories260K")
+    score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    for c in o.outputs:
+        assert len(c.token_ids) == 24 and len(c.logprobs) == 24
+        (sc,) = plain.generate(
+            [{"prompt_token_ids": list(o.prompt_token_ids) + list(c.token_ids)}],
+            score,
+            use_tqdm=False,
+        )
+        want = sc.prompt_logprobs[len(o.prompt_token_ids) :]
+        for t, lp, w in zip(c.token_ids, c.logprobs, want, strict=True):
+            assert abs(lp[t].logprob - w[t].logprob) <= 1e-4

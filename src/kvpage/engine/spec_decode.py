@@ -343,22 +343,21 @@ class SpecDecodeStats:
 
 
 def check_spec_request(params: SamplingParams) -> None:
-    """Refuse, by field, what speculative decoding does not serve exactly: single-sample
-    requests, greedy (:func:`accept_greedy`) or sampled with temperature, top-k and
-    top-p (:func:`accept_sampled`); penalties, ``min_tokens`` and ``min_p`` would need
-    the logits processed per draft position, logprobs and grammars per accepted token.
+    """Refuse, by field, what speculative decoding does not serve exactly. Served:
+    greedy (:func:`accept_greedy`) and sampled with temperature, top-k and top-p
+    (:func:`accept_sampled`), ``n > 1`` (each sample speculates on its own after the
+    fork), ``logprobs`` (each emitted token scored on its verification row) and
+    ``prompt_logprobs`` (prefill only). Refused: penalties, ``min_tokens`` and
+    ``min_p`` (the logits would need processing per draft position with the context
+    up to it: each draft position's penalties see the drafts before it, which
+    ``Sampler.target_probs`` does not model) and grammars (the matcher would need to
+    advance through the drafts and roll back on rejection).
 
     Raises:
         RequestRejected: reason ``"invalid_sampling_params"``, naming the field.
     """
     bad: tuple[str, str, object] | None = None
-    if params.n != 1:
-        bad = ("n", "1", params.n)
-    elif params.logprobs is not None:
-        bad = ("logprobs", "None", params.logprobs)
-    elif params.prompt_logprobs is not None:
-        bad = ("prompt_logprobs", "None", params.prompt_logprobs)
-    elif params.structured_outputs is not None:
+    if params.structured_outputs is not None:
         bad = ("structured_outputs", "None", "a grammar")
     elif params.presence_penalty:
         bad = ("presence_penalty", "0", params.presence_penalty)
