@@ -481,3 +481,23 @@ def test_sampled_n_children_speculate() -> None:
         want = sc.prompt_logprobs[len(o.prompt_token_ids) :]
         for t, lp, w in zip(c.token_ids, c.logprobs, want, strict=True):
             assert abs(lp[t].logprob - w[t].logprob) <= 1e-4
+
+
+def test_draft_policy_cost_is_winsorised() -> None:
+    """One step stalled 100x by another process moves a mode's cost estimate by at most
+    EMA_WEIGHT * 0.5 of itself (the 1.5x cap)."""
+    from kvpage.engine.spec_decode import DraftPolicy
+
+    p = DraftPolicy(4, None, adaptive=True)
+    for _ in range(3):
+        p.drafting(1)
+        p.observe_step(1e-3, 1, pure_decode=True)
+    arm = p.buckets[1].arms["full"]
+    assert arm.cost == pytest.approx(1e-3)
+    for _ in range(3):  # the "short" and "off" warm-ups
+        p.drafting(1)
+        p.observe_step(1e-3, 1, pure_decode=True)
+    while not (p.drafting(1) and p.mode == "full"):
+        p.observe_step(1e-3, 1, pure_decode=True)
+    p.observe_step(0.1, 1, pure_decode=True)
+    assert arm.cost == pytest.approx(1e-3 * (1 + DraftPolicy.EMA_WEIGHT * 0.5))

@@ -123,18 +123,26 @@ def make_draft_policy(config: SpeculativeConfig) -> DraftPolicy:
 
 @dataclass
 class _Arm:
-    """Measured cost of one mode (drafting on / off) at one batch-size bucket: an
-    exponential moving average of step seconds per emitted token over pure decode
-    steps, and how many such steps it has seen."""
+    """Measured cost of one mode at one batch-size bucket: a winsorised exponential
+    moving average of step seconds per emitted token over pure decode steps (each
+    observation capped at :data:`_CAP` times the current estimate, so one step stalled
+    by another process on a shared machine moves it by at most ``weight * (_CAP - 1)``
+    of itself), and how many such steps it has seen."""
 
     cost: float = 0.0
     steps: int = 0
 
     def observe(self, sec_per_token: float, weight: float) -> None:
-        self.cost = (
-            sec_per_token if self.steps == 0 else self.cost + weight * (sec_per_token - self.cost)
-        )
+        if self.steps == 0:
+            self.cost = sec_per_token
+        else:
+            x = min(sec_per_token, _CAP * self.cost)
+            self.cost += weight * (x - self.cost)
         self.steps += 1
+
+
+#: the winsorising cap of :class:`_Arm` observations (times the current estimate)
+_CAP = 1.5
 
 
 #: the adaptive policy's modes, in warm-up order: ``"full"`` drafts up to k per
@@ -163,8 +171,9 @@ class DraftPolicy:
        8-15, ...): three modes compete, ``"full"`` (up to ``k`` drafts per sequence),
        ``"short"`` (up to the sequence's own length ``k_r``, rule 4) and ``"off"``
        (none). The policy keeps per mode an exponential moving average (weight
-       :attr:`EMA_WEIGHT`) of the step's wall seconds per emitted token over steps that
-       only decode (a prefill chunk in the step makes it incomparable, so it is not
+       :attr:`EMA_WEIGHT`; each observation capped at 1.5 times the estimate, so a
+       step stalled by another process barely moves it) of the step's wall seconds per
+       emitted token over steps that only decode (a prefill chunk in the step makes it incomparable, so it is not
        recorded). Each mode is first run for :attr:`WARMUP_STEPS` steps (in
        :data:`MODES` order); then the step takes the mode of least cost, except that
        every :attr:`PROBE_EVERY`-th decision of a bucket takes one of the other two
