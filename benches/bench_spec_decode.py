@@ -10,20 +10,26 @@ Workloads (stories260K, CPU, float32, greedy, ``ignore_eos``, 128 output tokens)
   of the bundled Azure conversation trace (ContextTokens // 8 clipped to [16, 256], BOS then random ids);
   drafts rarely match, so this measures the cost of proposing and verifying.
 
-Batch 1 runs the requests one at a time; batch 8 runs 8 at once. Two engines (spec off
-and ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-"prompt_lookup_min": 2}`` by default) are built in one process on the same weights and run in
-alternating rounds; each round reports generated tokens per wall second, the mean TTFT
-and (spec) the acceptance rate ``accepted / draft tokens`` of that round.
+Batch 1 runs 4 requests one at a time; batch B (8, 64) runs B at once. Engines (spec
+off, and ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+"prompt_lookup_min": 2}`` by default with ``draft_policy`` ``"fixed"`` and
+``"adaptive"``) are built in one process on the same weights and run in alternating
+rounds (off, fixed, adaptive, off, ...); each round reports generated tokens per wall
+second and per process CPU-second (``time.process_time``: on a shared machine the
+wall rate moves with the other jobs, the CPU rate much less), the mean TTFT, (spec) the acceptance rate ``accepted / draft tokens`` and the
+1-minute load average at its end. The adaptive engine keeps its measurements across
+rounds (as a server would); each engine gets one unreported warm-up request per row.
 
 Usage: ``.venv/bin/python benches/bench_spec_decode.py [--rounds 3] [--k 4]
-[--lookup-min 2] [--lookup-max 4] [--out out/bench_spec_decode.json]``.
+[--batches 1,8,64] [--lookup-min 2] [--lookup-max 4]
+[--out out/bench_spec_decode.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -86,12 +92,14 @@ def run_round(llm: Any, prompts: list[list[int]], batch: int, max_tokens: int) -
     toks = 0
     ttft: list[float] = []
     t0 = time.perf_counter()
+    c0 = time.process_time()
     for i in range(0, len(prompts), batch):
         chunk = [{"prompt_token_ids": q} for q in prompts[i : i + batch]]
         for o in llm.generate(chunk, p, use_tqdm=False):
             toks += len(o.outputs[0].token_ids)
             ttft.append(o.first_token_time - o.arrival_time)
     wall = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     after = eng.get_metrics()
     eng.kv_cache_manager.check_integrity()
 
@@ -102,11 +110,13 @@ def run_round(llm: Any, prompts: list[list[int]], batch: int, max_tokens: int) -
     acc = d("kvpage:spec_decode_num_accepted_tokens_total")
     return {
         "tok_s": toks / wall,
+        "tok_cpu_s": toks / cpu,
         "ttft_ms": 1e3 * statistics.mean(ttft),
         "draft_tokens": drafts,
         "accepted_tokens": acc,
         "acceptance_rate": acc / drafts if drafts else 0.0,
         "tokens": toks,
+        "load": os.getloadavg()[0],
     }
 
 
@@ -117,6 +127,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=4)
+    ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--out", default="out/bench_spec_decode.json")
     a = ap.parse_args()
     from kvpage.engine import LLM
@@ -128,31 +139,49 @@ def main() -> None:
         "prompt_lookup_max": a.lookup_max,
         "prompt_lookup_min": a.lookup_min,
     }
-    off = LLM(model="stories260K", enable_prefix_caching=False)
-    on = LLM(model="stories260K", enable_prefix_caching=False, speculative_config=spec)
-    vocab = int(off.llm_engine.vocab_size)
-    workloads = {"repeat": story_prompts(8), "random": random_prompts(8, vocab)}
+    batches = [int(b) for b in a.batches.split(",")]
+    engines = {
+        "off": LLM(model="stories260K", enable_prefix_caching=False),
+        "fixed": LLM(
+            model="stories260K",
+            enable_prefix_caching=False,
+            speculative_config={**spec, "draft_policy": "fixed"},
+        ),
+        "adaptive": LLM(
+            model="stories260K",
+            enable_prefix_caching=False,
+            speculative_config={**spec, "draft_policy": "adaptive"},
+        ),
+    }
+    vocab = int(engines["off"].llm_engine.vocab_size)
+    n = max(8, *batches)
+    workloads = {"repeat": story_prompts(n), "random": random_prompts(n, vocab)}
     rows = []
     for wname, prompts in workloads.items():
-        for batch in (1, 8):
-            ps = prompts[:4] if batch == 1 else prompts
-            res: dict[str, list[dict[str, float]]] = {"off": [], "spec": []}
-            for llm in (off, on):  # warm-up, not reported
+        for batch in batches:
+            ps = prompts[:4] if batch == 1 else prompts[:batch]
+            res: dict[str, list[dict[str, float]]] = {m: [] for m in engines}
+            for llm in engines.values():  # warm-up, not reported
                 run_round(llm, ps[:1], 1, 8)
             for _ in range(a.rounds):
-                for mode, llm in (("off", off), ("spec", on)):
+                for mode, llm in engines.items():
                     res[mode].append(run_round(llm, ps, batch, a.max_tokens))
-            ratios = [s["tok_s"] / o["tok_s"] for s, o in zip(res["spec"], res["off"])]
-            row = {
-                "workload": wname,
-                "batch": batch,
-                "off_tok_s": [round(r["tok_s"], 1) for r in res["off"]],
-                "spec_tok_s": [round(r["tok_s"], 1) for r in res["spec"]],
-                "ratio": [round(x, 3) for x in ratios],
-                "acceptance_rate": [round(r["acceptance_rate"], 3) for r in res["spec"]],
-                "off_ttft_ms": [round(r["ttft_ms"], 1) for r in res["off"]],
-                "spec_ttft_ms": [round(r["ttft_ms"], 1) for r in res["spec"]],
-            }
+            row: dict[str, Any] = {"workload": wname, "batch": batch}
+            for mode in engines:
+                row[f"{mode}_tok_s"] = [round(r["tok_s"], 1) for r in res[mode]]
+                row[f"{mode}_tok_cpu_s"] = [round(r["tok_cpu_s"], 1) for r in res[mode]]
+                row[f"{mode}_ttft_ms"] = [round(r["ttft_ms"], 1) for r in res[mode]]
+                if mode != "off":
+                    row[f"{mode}_ratio"] = [
+                        round(s["tok_s"] / o["tok_s"], 3) for s, o in zip(res[mode], res["off"])
+                    ]
+                    row[f"{mode}_cpu_ratio"] = [
+                        round(s["tok_cpu_s"] / o["tok_cpu_s"], 3)
+                        for s, o in zip(res[mode], res["off"])
+                    ]
+                    row[f"{mode}_acceptance"] = [round(r["acceptance_rate"], 3) for r in res[mode]]
+                    row[f"{mode}_draft_tokens"] = [int(r["draft_tokens"]) for r in res[mode]]
+            row["load"] = [round(r["load"], 1) for r in res["off"]]
             rows.append(row)
             print(json.dumps(row), flush=True)
     meta = {
@@ -165,6 +194,7 @@ def main() -> None:
         "rounds": a.rounds,
         "max_tokens": a.max_tokens,
         "prompt_lookup": [a.lookup_min, a.lookup_max],
+        "batches": batches,
     }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,9 @@ SPEC = {
     "num_speculative_tokens": 4,
     "prompt_lookup_max": 3,
     "prompt_lookup_min": 1,
+    "draft_policy": "fixed",  # drafts every step: the counts below are deterministic
 }
+ADAPTIVE = {**SPEC, "draft_policy": "adaptive"}
 PROMPTS = [
     # repeat their context, so drafts get accepted
     "Once upon a time there was a little girl named Lily. She liked to play outside. "
@@ -127,10 +129,9 @@ def test_preemption_identical() -> None:
 @pytest.mark.parametrize(
     ("kw", "name"),
     [
-        (dict(temperature=0.0, n=2), "n"),
-        (dict(temperature=0.8, n=3), "n"),
-        (dict(temperature=0.0, logprobs=1), "logprobs"),
         (dict(temperature=0.0, repetition_penalty=1.2), "repetition_penalty"),
+        (dict(temperature=0.8, presence_penalty=0.5), "presence_penalty"),
+        (dict(temperature=0.8, min_p=0.1), "min_p"),
         (dict(temperature=0.0, min_tokens=3), "min_tokens"),
     ],
 )
@@ -310,3 +311,193 @@ def test_tiers_and_events_see_only_accepted_blocks() -> None:
         kvm.check_integrity()
     assert tiers.host.stats.demotions > 0
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_config_batch_limit_and_policy_keys() -> None:
+    c = parse_speculative_config({"num_speculative_tokens": 2})
+    assert c is not None and (c.disable_by_batch_size, c.draft_policy) == (None, "adaptive")
+    c = parse_speculative_config(
+        {"num_speculative_tokens": 2, "disable_by_batch_size": 4, "draft_policy": "fixed"}
+    )
+    assert c is not None and (c.disable_by_batch_size, c.draft_policy) == (4, "fixed")
+    for bad, msg in (
+        ({"disable_by_batch_size": 0}, r"disable_by_batch_size: expected an int >= 1, got 0"),
+        ({"draft_policy": "greedy"}, r"draft_policy: expected one of adaptive, fixed, got"),
+    ):
+        with pytest.raises(SpecError, match=msg):
+            parse_speculative_config({"num_speculative_tokens": 2, **bad})
+
+
+def test_disable_by_batch_size() -> None:
+    """No step drafts while more than ``disable_by_batch_size`` sequences run; the
+    batch drafts again once it shrinks to the limit; outputs equal plain decoding."""
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in (60, 8, 8, 8)]
+    plain = LLM(model="stories260K").generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(model="stories260K", speculative_config={**SPEC, "disable_by_batch_size": 1})
+    eng = llm.llm_engine
+    for i, (p, sp) in enumerate(zip(PROMPTS, params)):
+        eng.add_request(str(i), p, sp)
+    outs: dict[str, Any] = {}
+    while eng.has_unfinished_requests():
+        batch = len(eng.scheduler.running)
+        before = eng.spec_stats.num_draft_tokens
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        if batch > 1:
+            assert eng.spec_stats.num_draft_tokens == before
+    assert eng.spec_stats.num_accepted_tokens > 0  # the long one drafted once alone
+    _same(plain, [outs[str(i)] for i in range(len(PROMPTS))])
+    eng.kv_cache_manager.check_integrity()
+
+
+def test_adaptive_policy_greedy_identical() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=60)
+    kw = dict(max_num_batched_tokens=16, block_size=4)
+    _, ref = _run(None, params, **kw)
+    eng, got = _run(ADAPTIVE, params, **kw)
+    _same(ref, got)
+    assert eng.spec_stats.num_draft_tokens > 0  # the warm-up drafts
+    assert eng.kv_cache_manager.num_used_blocks == 0
+
+
+def test_draft_policy_rules() -> None:
+    from kvpage.engine.spec_decode import DraftPolicy
+
+    p = DraftPolicy(4, None, adaptive=True)
+    # rule 4: full acceptance grows by 2 (cap k), any rejection shrinks by 1 (floor 1)
+    p.mode = "short"
+    assert p.limit("a") == 4
+    for acc, want in ((1, 3), (0, 2), (0, 1), (0, 1), (1, 3), (3, 4)):
+        p.observe_verified("a", p.limit("a"), acc)
+        assert p.limit("a") == want
+    p.prune(["b"])
+    assert p.limit("a") == 4
+    # rule 3: each mode warms up in MODES order, then the cheapest per token wins and
+    # every PROBE_EVERY-th decision takes one of the others, alternately
+    cost = {"full": 5e-4, "short": 4.5e-4, "off": 4e-4}  # seconds per emitted token
+    modes = []
+    for _ in range(9 + 64):
+        on = p.drafting(8)
+        assert on == (p.mode != "off")
+        modes.append(p.mode)
+        p.observe_step(cost[p.mode] * 5, 5, pure_decode=True)
+    assert modes[:9] == ["full"] * 3 + ["short"] * 3 + ["off"] * 3
+    probes = [m for m in modes[9:] if m != "off"]
+    assert probes == ["full", "short"] * (64 // DraftPolicy.PROBE_EVERY // 2)
+    # in mode "short" a sequence gets its own draft length, in "full" k
+    p.observe_verified("c", 4, 0)
+    p.mode = "short"
+    assert p.limit("c") == 3
+    p.mode = "full"
+    assert p.limit("c") == 4
+    # another bucket is measured on its own; batch 1 where drafting pays
+    for _ in range(9 + 32):  # the next decision (the 33rd) is no probe
+        p.drafting(1)
+        p.observe_step(1e-3, {"full": 3, "short": 2, "off": 1}[p.mode], pure_decode=True)
+    arms = p.buckets[1].arms
+    assert arms["full"].cost < arms["short"].cost < arms["off"].cost
+    assert p.drafting(1) and p.mode == "full"
+    # a step with a prefill chunk is not recorded
+    n = sum(a.steps for a in p.buckets[4].arms.values())
+    p.drafting(8)
+    p.observe_step(1.0, 1, pure_decode=False)
+    assert sum(a.steps for a in p.buckets[4].arms.values()) == n
+    # rule 1 before everything; "fixed" always drafts k
+    q = DraftPolicy(4, 2, adaptive=False)
+    assert not q.drafting(3) and q.drafting(2) and q.limit("x") == 4
+
+
+def _same_logprobs(a: Any, b: Any, tol: float = 1e-4) -> None:
+    """Per position: the same chosen and top token ids, ranks and logprobs within
+    ``tol`` (the verification forward computes the positions as a chunk, plain decoding
+    one by one)."""
+    assert a is not None and b is not None and len(a) == len(b)
+    for pa, pb in zip(a, b):
+        assert list(pa) == list(pb)
+        for t in pa:
+            assert pa[t].rank == pb[t].rank
+            assert abs(pa[t].logprob - pb[t].logprob) <= tol
+
+
+def test_n_and_logprobs_greedy_identical() -> None:
+    """n > 1 (every sample speculates after the fork) and logprobs (emitted tokens
+    scored on their verification rows, the bonus on its sampled row) equal plain
+    decoding: same tokens, same top-3 ids and ranks, logprobs within 1e-4."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, n=2, logprobs=3, prompt_logprobs=2)
+    _, ref = _run(None, params, block_size=4)
+    eng, got = _run(SPEC, params, block_size=4)
+    assert eng.spec_stats.num_accepted_tokens > 0
+    for x, y in zip(ref, got, strict=True):
+        assert len(x.outputs) == len(y.outputs) == 2
+        for ox, oy in zip(x.outputs, y.outputs, strict=True):
+            assert ox.token_ids == oy.token_ids and ox.finish_reason == oy.finish_reason
+            assert len(oy.logprobs) == len(oy.token_ids)
+            _same_logprobs(ox.logprobs, oy.logprobs)
+            assert abs(ox.cumulative_logprob - oy.cumulative_logprob) <= 1e-3
+        _same_logprobs(x.prompt_logprobs[1:], y.prompt_logprobs[1:])
+    assert eng.kv_cache_manager.num_used_blocks == 0
+
+
+def test_logprobs_with_stops_inside_a_draft() -> None:
+    """A stop inside an accepted draft keeps exactly the appended tokens' logprobs."""
+    _, ref = _run(None, SamplingParams(temperature=0.0, max_tokens=40))
+    ids = ref[1].outputs[0].token_ids
+    cases = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=1) for m in (3, 7, 12)]
+    cases += [
+        SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[t], logprobs=0)
+        for t in ids[4:8]
+    ]
+    prompt = PROMPTS[1]
+    a = LLM(model="stories260K").generate([prompt] * len(cases), cases, use_tqdm=False)
+    llm = LLM(model="stories260K", speculative_config=SPEC)
+    b = llm.generate([prompt] * len(cases), cases, use_tqdm=False)
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+    _same(a, b)
+    for x, y in zip(a, b):
+        _same_logprobs(x.outputs[0].logprobs, y.outputs[0].logprobs)
+
+
+def test_sampled_n_children_speculate() -> None:
+    """Sampled n = 3 with logprobs: every sample gets its own tokens (seeded), its
+    logprobs are one per token and equal the model's raw log-softmax of the plain
+    path's scoring (each sample re-scored by a plain engine with prompt_logprobs)."""
+    llm = LLM(model="stories260K", speculative_config=SPEC, block_size=4)
+    params = SamplingParams(temperature=0.8, top_k=4, n=3, max_tokens=24, seed=5, logprobs=0)
+    (o,) = llm.generate([PROMPTS[1]], params, use_tqdm=False)
+    eng = llm.llm_engine
+    assert eng.spec_stats.num_drafts > 0
+    eng.kv_cache_manager.check_integrity()
+    assert eng.kv_cache_manager.num_used_blocks == 0
+    plain = LLM(model="stories260K")
+    score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    for c in o.outputs:
+        assert len(c.token_ids) == 24 and len(c.logprobs) == 24
+        (sc,) = plain.generate(
+            [{"prompt_token_ids": list(o.prompt_token_ids) + list(c.token_ids)}],
+            score,
+            use_tqdm=False,
+        )
+        want = sc.prompt_logprobs[len(o.prompt_token_ids) :]
+        for t, lp, w in zip(c.token_ids, c.logprobs, want, strict=True):
+            assert abs(lp[t].logprob - w[t].logprob) <= 1e-4
+
+
+def test_draft_policy_cost_is_winsorised() -> None:
+    """One step stalled 100x by another process moves a mode's cost estimate by at most
+    EMA_WEIGHT * 0.5 of itself (the 1.5x cap)."""
+    from kvpage.engine.spec_decode import DraftPolicy
+
+    p = DraftPolicy(4, None, adaptive=True)
+    for _ in range(3):
+        p.drafting(1)
+        p.observe_step(1e-3, 1, pure_decode=True)
+    arm = p.buckets[1].arms["full"]
+    assert arm.cost == pytest.approx(1e-3)
+    for _ in range(3):  # the "short" and "off" warm-ups
+        p.drafting(1)
+        p.observe_step(1e-3, 1, pure_decode=True)
+    while not (p.drafting(1) and p.mode == "full"):
+        p.observe_step(1e-3, 1, pure_decode=True)
+    p.observe_step(0.1, 1, pure_decode=True)
+    assert arm.cost == pytest.approx(1e-3 * (1 + DraftPolicy.EMA_WEIGHT * 0.5))

@@ -16,6 +16,7 @@ SPEC = {
     "num_speculative_tokens": 4,
     "prompt_lookup_max": 3,
     "prompt_lookup_min": 1,
+    "draft_policy": "fixed",
 }
 PROMPT = "The cat sat on the mat. The cat sat on the mat. The cat"
 

@@ -235,7 +235,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
     from kvpage.engine.kv_transfer import build_swapper, build_tiers
     from kvpage.engine.runner import ModelRunner
     from kvpage.engine.scheduler import Scheduler
-    from kvpage.engine.spec_decode import make_proposer
+    from kvpage.engine.spec_decode import make_draft_policy, make_proposer
     from kvpage.models import load_model
     from kvpage.specs.speculative import parse_speculative_config
 
@@ -338,6 +338,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
         max_model_len=mml,
         policy=config.scheduling_policy,
         proposer=None if spec_cfg is None else make_proposer(spec_cfg),
+        draft_policy=None if spec_cfg is None else make_draft_policy(spec_cfg),
     )
     scheduler.swapper = build_swapper(config, kv_caches, kvm)
     runner = ModelRunner(model, backend, kv_caches, spec, device, state_caches=state_caches)

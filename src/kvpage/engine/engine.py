@@ -32,11 +32,12 @@ from kvpage.engine.engine_metrics import (
 )
 from kvpage.engine.output_processor import OutputProcessor, ParentRequest
 from kvpage.engine.params import RequestOutput, SamplingParams
+from kvpage.engine.processing import compute_logprobs
 from kvpage.engine.prompts import parse_prompt
 from kvpage.engine.queue_policy import check_priority
 from kvpage.engine.request import Request
 from kvpage.engine.request_extras import prompt_logprob_spans
-from kvpage.engine.sampler import Sampler
+from kvpage.engine.sampler import LogprobEntry, Sampler
 from kvpage.engine.scheduler import SchedulerOutput
 from kvpage.engine.spec_decode import (
     SpecDecodeStats,
@@ -374,12 +375,21 @@ class LLMEngine:
             started = time.monotonic()
             timer.lap()  # schedule
             logits, verify = self._execute(out, timer)  # laps model
-            sampled = self._sample(out, logits, started)
+            defer: frozenset[str] = frozenset()
+            if verify is not None:  # the speculating sequences' logprobs wait for _verify
+                defer = frozenset(s.request.request_id for s in out.scheduled if s.draft_token_ids)
+            sampled, held = self._sample(out, logits, started, defer)
+            spec_lp = None
             if verify is not None:
-                self._verify(out, verify, sampled)
+                spec_lp = self._verify(out, verify, sampled, held)
             timer.lap()  # sample
             progressed, _ = self.scheduler.update(out, sampled)
+            if spec_lp:
+                for seq, toks, ents in spec_lp:
+                    self.outputs.record_sequence_logprobs(seq, toks, ents)
             timer.lap()  # update
+            if self.scheduler.draft_policy is not None:
+                self._observe_policy(out, sampled, sum(timer.laps))
             results = self.outputs.emit(progressed, time.monotonic(), finished_only)
             timer.lap()  # output
         except BaseException:
@@ -437,16 +447,31 @@ class LLMEngine:
         return logits, verify
 
     def _verify(
-        self, out: SchedulerOutput, verify: torch.Tensor, sampled: dict[str, list[int]]
-    ) -> None:
+        self,
+        out: SchedulerOutput,
+        verify: torch.Tensor,
+        sampled: dict[str, list[int]],
+        held: dict[str, LogprobEntry],
+    ) -> list[tuple[Request, list[int], list[LogprobEntry]]]:
         """Replace each drafting sequence's sampled token (its bonus, after every draft)
         in ``sampled`` (mutated) by the tokens its verification emits (greedy:
         :func:`~kvpage.engine.spec_decode.accept_greedy` on the argmax of its
         ``verify`` rows; sampled: :func:`~kvpage.engine.spec_decode.accept_sampled` on
-        their target probabilities) and count drafts and acceptances in ``spec_stats``."""
+        their target probabilities), count drafts and acceptances in ``spec_stats`` and
+        feed the draft policy.
+
+        Returns:
+            For each drafting sequence that asked for logprobs: ``(sequence, emitted
+            ids, one logprob entry per emitted id)``; an emitted id at draft position
+            ``j`` is scored on verification row ``j`` (the raw logits the plain decode
+            step of that position computes), the bonus by its sampled row (``held``,
+            from :meth:`OutputProcessor.record_logprobs`).
+        """
         assert self.spec_stats is not None
         targets: list[int] = torch.argmax(verify, dim=-1).tolist()
         st = self.spec_stats
+        policy = self.scheduler.draft_policy
+        lps: list[tuple[Request, list[int], list[LogprobEntry]]] = []
         r = 0
         for s in out.scheduled:
             d = s.draft_token_ids
@@ -463,21 +488,47 @@ class LLMEngine:
                 gen = self.outputs.generator(req.parent_id, req.sample_index)
                 assert gen is not None  # a sampled row has one
                 emitted = accept_sampled(d, probs, sampled[rid][0], gen)
+            if p.logprobs is not None:
+                m = min(len(emitted), len(d))
+                ents = compute_logprobs(verify[r : r + m], emitted[:m], [p.logprobs] * m)
+                if len(emitted) > len(d):
+                    ents.append(held[rid])
+                lps.append((req, emitted, ents))
             r += len(d)
             sampled[rid] = emitted
+            if policy is not None:
+                policy.observe_verified(rid, len(d), len(emitted) - 1)
             st.num_drafts += 1
             st.num_draft_tokens += len(d)
             st.num_accepted_tokens += len(emitted) - 1
+        return lps
+
+    def _observe_policy(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]], seconds: float
+    ) -> None:
+        """Feed the draft policy this step's wall ``seconds`` (schedule to update) and
+        emitted tokens; a step is pure decode when every scheduled sequence computed
+        one token (or its last token and drafts) and sampled."""
+        policy = self.scheduler.draft_policy
+        assert policy is not None
+        pure = all(s.samples and (s.draft_token_ids or s.num_tokens == 1) for s in out.scheduled)
+        emitted = sum(len(v) for v in sampled.values())
+        policy.observe_step(seconds, emitted, pure)
 
     def _sample(
-        self, out: SchedulerOutput, logits: torch.Tensor, started: float
-    ) -> dict[str, list[int]]:
-        """Sample plan ``out``'s rows from ``logits``; records the logprobs asked for.
-        Returns ``{sequence id: its sampled ids}`` for ``Scheduler.update``."""
+        self,
+        out: SchedulerOutput,
+        logits: torch.Tensor,
+        started: float,
+        defer: frozenset[str] = frozenset(),
+    ) -> tuple[dict[str, list[int]], dict[str, LogprobEntry]]:
+        """Sample plan ``out``'s rows from ``logits``; records the logprobs asked for
+        (those of the sequence ids in ``defer`` are returned instead). Returns
+        ``({sequence id: its sampled ids}, {deferred id: its logprob entry})``."""
         rows = self.outputs.sampling_rows(out, started)
         res = self.sampler.sample(logits, rows)
-        self.outputs.record_logprobs(rows, res)
-        return rows.by_request(res.token_ids)
+        held = self.outputs.record_logprobs(rows, res, defer)
+        return rows.by_request(res.token_ids), held
 
     def _fail_requests(self, parent_ids: set[str]) -> None:
         """Abort and forget the user requests ``parent_ids`` after a failed step."""

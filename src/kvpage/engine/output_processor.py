@@ -23,7 +23,7 @@ from kvpage.engine.request_extras import (
     row_context,
     stop_reason,
 )
-from kvpage.engine.sampler import SamplerOutput, SamplingRows, make_generator
+from kvpage.engine.sampler import LogprobEntry, SamplerOutput, SamplingRows, make_generator
 from kvpage.engine.structured import (
     DEAD_END_FINISH_REASON,
     GrammarCompilerPool,
@@ -213,18 +213,40 @@ class OutputProcessor:
         (:func:`kvpage.engine.request_extras.record_prompt_logprobs`)."""
         record_prompt_logprobs(self._parents, out, spans, logits, self.tokenizer)
 
-    def record_logprobs(self, rows: SamplingRows, res: SamplerOutput) -> None:
-        """Append the sampled tokens' logprobs of the rows that asked for them."""
+    def record_logprobs(
+        self, rows: SamplingRows, res: SamplerOutput, defer: frozenset[str] = frozenset()
+    ) -> dict[str, LogprobEntry]:
+        """Append the sampled tokens' logprobs of the rows that asked for them, except
+        rows of the sequence ids in ``defer`` (speculating sequences: their sampled
+        token is the bonus after the drafts, which verification may drop), whose entries
+        are returned by sequence id instead (for :meth:`record_sequence_logprobs`)."""
+        held: dict[str, LogprobEntry] = {}
         if res.logprobs is None:
-            return
+            return held
         for req, index, tok, ent in zip(
             rows.requests, rows.sample_indices, res.token_ids, res.logprobs
         ):
             if ent is None:
                 continue
-            preq = self._parents[req.parent_id]
-            preq.logprobs.setdefault(index, []).append(position_logprobs(tok, ent, self.tokenizer))
-            preq.cumulative[index] = preq.cumulative.get(index, 0.0) + ent[0]
+            if req.request_id in defer:
+                held[req.request_id] = ent
+                continue
+            self._append_logprob(req.parent_id, index, tok, ent)
+        return held
+
+    def record_sequence_logprobs(
+        self, seq: Request, token_ids: list[int], entries: list[LogprobEntry]
+    ) -> None:
+        """Append the logprobs of the first ``seq.num_new_tokens`` of ``token_ids`` (the
+        tokens a speculative step emitted that the scheduler appended; ``entries`` one
+        per emitted token, from the verification rows and the bonus row)."""
+        for tok, ent in zip(token_ids[: seq.num_new_tokens], entries):
+            self._append_logprob(seq.parent_id, seq.sample_index, tok, ent)
+
+    def _append_logprob(self, parent_id: str, index: int, tok: int, ent: LogprobEntry) -> None:
+        preq = self._parents[parent_id]
+        preq.logprobs.setdefault(index, []).append(position_logprobs(tok, ent, self.tokenizer))
+        preq.cumulative[index] = preq.cumulative.get(index, 0.0) + ent[0]
 
     # ---- outputs ----------------------------------------------------------------------
     def emit(

@@ -49,7 +49,7 @@ from kvpage.engine.preemption import Preemptor
 from kvpage.engine.queue_policy import SchedulingPolicy, make_queue
 from kvpage.engine.request import Request, RequestStatus, sample_id
 from kvpage.engine.scheduled import ScheduledRequest
-from kvpage.engine.spec_decode import Proposer
+from kvpage.engine.spec_decode import DraftPolicy, Proposer
 from kvpage.engine.structured import DEAD_END_FINISH_REASON
 from kvpage.engine.swap import Swapper
 from kvpage.errors import RequestRejected, SpecError
@@ -102,6 +102,8 @@ class Scheduler:
             last token (KV slots allocated for them; fewer when the step's budget, its
             ``max_tokens`` or the pool is short), and :meth:`update` takes 1 .. d + 1
             verified tokens for it and rolls its KV back to the accepted length.
+        draft_policy: whether a step drafts and how many drafts each sequence gets
+            (:class:`kvpage.engine.spec_decode.DraftPolicy`; None = up to ``k`` always).
 
     With an allocator holding recurrent state (``StateAllocator`` with a ``state``
     pool: hybrid models), a prefill chunk ends exactly at each block boundary the
@@ -122,6 +124,7 @@ class Scheduler:
         max_model_len: int = 512,
         policy: SchedulingPolicy = "fcfs",
         proposer: Proposer | None = None,
+        draft_policy: DraftPolicy | None = None,
     ) -> None:
         for name, v in (
             ("max_num_seqs", max_num_seqs),
@@ -136,6 +139,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_groups = kv_cache_manager.num_groups
         self.proposer = proposer
+        self.draft_policy = draft_policy
         #: waiting sequences in service order (a deque for fcfs, a heap for priority)
         self.waiting = make_queue(policy)
         self.policy: SchedulingPolicy = self.waiting.policy
@@ -383,10 +387,17 @@ class Scheduler:
     def _propose(self) -> dict[str, list[int]]:
         """Draft tokens of the running sequences about to decode one token (their
         prompt computed, no sample left to fork), at most ``max_tokens - generated - 1``
-        each (the step emits one more): one batched proposer call."""
+        each (the step emits one more) and at most the draft policy's limit: one batched
+        proposer call (none when the policy skips drafting this step)."""
         assert self.proposer is not None
         seqs: list[Request] = []
         limits: list[int] = []
+        policy = self.draft_policy
+        if policy is not None:
+            if len(policy.draft_len) > 2 * len(self.running) + 64:
+                policy.prune(r.request_id for r in self.running)
+            if not policy.drafting(len(self.running)):
+                return {}
         for r in self.running:
             room = r.max_tokens - r.num_output_tokens - 1
             if (
@@ -396,7 +407,7 @@ class Scheduler:
                 and not r.num_pending_samples
             ):
                 seqs.append(r)
-                limits.append(room)
+                limits.append(room if policy is None else min(room, policy.limit(r.request_id)))
         if not seqs:
             return {}
         got = self.proposer.propose([r.token_ids for r in seqs], limits)

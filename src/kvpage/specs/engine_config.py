@@ -157,7 +157,8 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "speculative_config": (
         lambda v: v is None or isinstance(v, dict),
         "None or a dict (vLLM's speculative_config: method, num_speculative_tokens, "
-        "prompt_lookup_max, prompt_lookup_min) or its JSON text",
+        "prompt_lookup_max, prompt_lookup_min, disable_by_batch_size; kvpage's "
+        "draft_policy) or its JSON text",
     ),
 }
 
@@ -322,7 +323,8 @@ class EngineConfig(StrictModel):
         None,
         description="speculative decoding (vLLM's speculative_config, a JSON object on the "
         'command line): {"method": "ngram", "num_speculative_tokens": k, '
-        '"prompt_lookup_max": M, "prompt_lookup_min": m} (docs/user-guide.md, '
+        '"prompt_lookup_max": M, "prompt_lookup_min": m, "disable_by_batch_size": B, '
+        '"draft_policy": "adaptive" | "fixed"} (docs/user-guide.md, '
         "'Speculative decoding'); None = off",
     )
 

@@ -1,6 +1,8 @@
 """Speculative decoding settings: :class:`SpeculativeConfig`, parsed from vLLM's
 ``speculative_config`` dict (``{"method": "ngram", "num_speculative_tokens": k,
-"prompt_lookup_max": M, "prompt_lookup_min": m}``).
+"prompt_lookup_max": M, "prompt_lookup_min": m, "disable_by_batch_size": B}``) plus
+kvpage's ``"draft_policy"`` (``"adaptive"``, the default, or ``"fixed"``; see
+:class:`kvpage.engine.spec_decode.DraftPolicy`).
 
 Only ``method="ngram"`` (prompt lookup, no draft model) exists today; the engine side is
 :mod:`kvpage.engine.spec_decode`. Defaults follow vLLM's ``SpeculativeConfig`` for
@@ -16,11 +18,22 @@ from typing import Any
 
 from kvpage.errors import SpecError, got_repr
 
-__all__ = ["SPEC_METHODS", "SpeculativeConfig", "parse_speculative_config"]
+__all__ = ["DRAFT_POLICIES", "SPEC_METHODS", "SpeculativeConfig", "parse_speculative_config"]
 
 #: the ``method`` values kvpage implements
 SPEC_METHODS: tuple[str, ...] = ("ngram",)
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "disable_by_batch_size",
+    "draft_policy",
+)
+#: the ``draft_policy`` values: ``"fixed"`` drafts up to k tokens every decode step (vLLM's
+#: behaviour); ``"adaptive"`` adapts each sequence's draft length to its acceptance and
+#: turns drafting off at batch sizes where it measured slower (``DraftPolicy``)
+DRAFT_POLICIES: tuple[str, ...] = ("adaptive", "fixed")
 #: vLLM's default lookup n-gram length when neither bound is given
 DEFAULT_PROMPT_LOOKUP = 5
 
@@ -35,12 +48,19 @@ class SpeculativeConfig:
             a step verifies them in one forward over k + 1 positions.
         prompt_lookup_max / prompt_lookup_min: longest / shortest suffix n-gram (tokens)
             looked up in the sequence's earlier tokens (1 <= min <= max).
+        disable_by_batch_size: vLLM's key: no drafts in a step whose running batch holds
+            more than this many sequences (None = no limit). vLLM applies it to new
+            requests by the number of enqueued ones; kvpage decides it per step by the
+            running batch, so a batch that shrinks speculates again.
+        draft_policy: ``"adaptive"`` (default) or ``"fixed"`` (:data:`DRAFT_POLICIES`).
     """
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
+    disable_by_batch_size: int | None = None
+    draft_policy: str = "adaptive"
 
 
 def _int_ge1(name: str, v: Any) -> int:
@@ -59,7 +79,9 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         SpecError: ``"speculative_config[.<key>]: expected ..., got ..."``: not a dict,
             an unknown key (vLLM's other keys such as ``model`` are refused by name), a
             method other than ``"ngram"``, a missing or bad ``num_speculative_tokens``,
-            bad lookup bounds or ``prompt_lookup_min > prompt_lookup_max``.
+            bad lookup bounds or ``prompt_lookup_min > prompt_lookup_max``, a
+            ``disable_by_batch_size`` that is not an int >= 1, a ``draft_policy`` not in
+            :data:`DRAFT_POLICIES`.
     """
     if value is None:
         return None
@@ -100,4 +122,13 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         raise SpecError(
             f"speculative_config.prompt_lookup_min: expected <= prompt_lookup_max={hi}, got {lo}"
         )
-    return SpeculativeConfig(str(method), k, hi, lo)
+    dbs = value.get("disable_by_batch_size")
+    if dbs is not None:
+        dbs = _int_ge1("disable_by_batch_size", dbs)
+    policy = value.get("draft_policy", "adaptive")
+    if policy not in DRAFT_POLICIES:
+        raise SpecError(
+            f"speculative_config.draft_policy: expected one of {', '.join(DRAFT_POLICIES)}, "
+            f"got {got_repr(policy)}"
+        )
+    return SpeculativeConfig(str(method), k, hi, lo, dbs, str(policy))
