@@ -3,16 +3,17 @@
 Each mutant changes one thing in the module's source (AST level): a comparison
 operator flipped (``<``/``<=``, ``>``/``>=``, ``==``/``!=``, ``in``/``not in``,
 ``is``/``is not``), an ``and``/``or`` swapped, an integer constant changed by one, or a
-``raise`` statement replaced by ``pass`` (the check removed). For each mutant the tree
-is copied, the module rewritten, and the given pytest command run in the copy with a
-timeout; a mutant "survives" when the tests pass. Used for docs/mutation-testing.md
-because mutmut could not be run here (see that page).
+``raise`` statement replaced by ``pass`` (the check removed). For each mutant a forked
+child of this process (torch, pytest and the module imported once) executes the mutated
+source, swaps its functions into every module that imported the originals and its
+methods onto the original classes (which keep their identity), and runs the given
+pytest arguments with a timeout; a mutant "survives" when the tests pass. Nothing is
+written to the tree. Used for docs/mutation-testing.md (see that page).
 
 Usage::
 
-    python scripts/mutate.py --root . --module src/kvpage/attention/checks.py \
-        --out out/mutants.json -- python -m pytest -q -x -p no:cacheprovider \
-        conformance/test_contract.py --backend torch -n 0
+    python scripts/mutate.py --module kvpage.attention.checks --out out/mutants.json \
+        -- -q -x -p no:cacheprovider conformance/test_contract.py --backend torch -n 0
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import FunctionType
 
 FLIP: dict[type, type] = {
     ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,
@@ -80,6 +82,19 @@ def mutate(source: str, site: tuple[str, int, int]) -> tuple[str, int, str]:
     return ast.unparse(ast.fix_missing_locations(tree)), line, desc
 
 
+def _patch_methods(original: type, mutant: type) -> None:
+    """Put the mutant class's methods (and properties) onto the original class object.
+
+    The class keeps its identity (isinstance, subclasses and references elsewhere see
+    the original), so a mutation inside a method body is exercised. Not exercised: a
+    mutated class-level value (a dataclass default, a class constant) and a method using
+    zero-argument ``super()`` (its ``__class__`` cell names the mutant class).
+    """
+    for name, attr in vars(mutant).items():
+        if isinstance(attr, (FunctionType, property, staticmethod, classmethod)):
+            setattr(original, name, attr)
+
+
 def _run_mutant(modname: str, mutated: str, args: list[str], timeout: float) -> str:
     """Fork; in the child swap the module's objects for the mutant's and run pytest."""
     import importlib
@@ -96,6 +111,9 @@ def _run_mutant(modname: str, mutated: str, args: list[str], timeout: float) -> 
             exec(compile(mutated, original.__file__ or modname, "exec"), new)
             for k, v in vars(original).items():  # keep classes: subclasses and isinstance
                 if isinstance(v, type):  # elsewhere refer to the originals
+                    mutant_cls = new.get(k)
+                    if isinstance(mutant_cls, type) and mutant_cls is not v:
+                        _patch_methods(v, mutant_cls)
                     new[k] = v
             swap = {
                 id(v): new[k]

@@ -126,7 +126,7 @@ class CupyBackend:
         return TokenMapPlan.from_meta(meta)
 
     # ---- launching -------------------------------------------------------------------------
-    def _run(self, fn: Any, grid: tuple[int, ...], block: int, args: tuple, dev: torch.device) -> None:  # fmt: skip
+    def _run(self, fn: Any, grid: tuple[int, ...], block: int, args: tuple[object, ...], dev: torch.device) -> None:  # fmt: skip
         import cupy
 
         with cupy.cuda.Device(dev.index or 0):

@@ -29,7 +29,7 @@ from kvpage.attention.metadata import FP8_MAX, AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.errors import ShapeError
 from kvpage.specs import AttentionSpec, CacheSpec
-from kvpage_numba.simulator import SimArray, SimLaunch
+from kvpage_numba.simulator import SimArray, SimLaunch, cudasim_enabled
 
 _FP8_FORMATS = {"fp8_e4m3": (3, 7), "fp8_e5m2": (2, 15)}
 _RAW_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -39,9 +39,7 @@ def _numba_state() -> tuple[bool, bool]:
     """(numba importable, simulator enabled) without failing when numba is absent."""
     if importlib.util.find_spec("numba") is None:
         return False, False
-    import numba
-
-    return True, bool(numba.config.ENABLE_CUDASIM)
+    return True, cudasim_enabled()
 
 
 class NumbaBackend:
@@ -117,7 +115,8 @@ class NumbaBackend:
         elif dev.type == "cuda":
             from numba import cuda
 
-            if not cuda.is_available():
+            # numba.cuda.is_available has no annotations
+            if not cuda.is_available():  # type: ignore[no-untyped-call]
                 reasons.append("device cuda: numba.cuda.is_available() is False (no driver/device)")
         elif dev.type not in ("cpu", "cuda"):
             reasons.append(f"device: expected cpu or cuda, got {dev.type}")

@@ -31,14 +31,14 @@ import numpy as np
 from numba import cuda
 
 from kvpage_numba.fp8 import bf16_bits_to_float, fp8_encode, round_half_even
-from kvpage_numba.simulator import install_locked_shared_arrays
+from kvpage_numba.simulator import cudasim_enabled, install_locked_shared_arrays
 
 #: largest head_dim the kernels hold in per-thread arrays
 MAX_HEAD_DIM = 256
 #: largest thread block the shared-memory merge supports
 MAX_THREADS = 128
 
-_SIM = bool(numba.config.ENABLE_CUDASIM)
+_SIM = cudasim_enabled()
 if _SIM:  # the simulator's shared-array allocation races without it (simulator.py)
     install_locked_shared_arrays()
 _NEG_INF = np.float32(-np.inf)

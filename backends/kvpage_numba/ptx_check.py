@@ -62,6 +62,10 @@ class _FakeDevice:
     def __init__(self, cc: tuple[int, ...]) -> None:
         self.compute_capability = cc
 
+    def __call__(self) -> _FakeDevice:
+        """Stands in for ``dispatcher.get_current_device()``: returns itself."""
+        return self
+
 
 def main(argv: list[str]) -> int:
     """Compile all variants for each ``major.minor`` in ``argv`` (default 8.0 and 9.0);
@@ -77,10 +81,11 @@ def main(argv: list[str]) -> int:
     for cc in ccs:
         # device functions are compiled for the *current device's* compute capability;
         # with no driver, stand in a device of the target capability (this process only)
-        dispatcher.get_current_device = lambda cc=cc: _FakeDevice(cc)  # type: ignore[attr-defined]
+        dispatcher.get_current_device = _FakeDevice(cc)
         for label, fn, sig in variants():
             try:
-                ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
+                # numba.cuda.compile_ptx has no annotations
+                ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)  # type: ignore[no-untyped-call]
                 print(f"ok   sm_{cc[0]}{cc[1]} {label} ({len(ptx)} chars)")
             except Exception as e:  # report every failure, keep going
                 failures += 1

@@ -49,21 +49,30 @@ def locked_shared_array(self: Any, shape: Any, dtype: Any) -> Any:
     return arr
 
 
+def cudasim_enabled() -> bool:
+    """Whether numba runs CUDA kernels in its simulator (``NUMBA_ENABLE_CUDASIM=1`` when
+    numba was imported). Imports numba."""
+    import numba
+
+    # numba.config sets its options from the environment with setattr at import, so
+    # mypy sees no attribute (numba.config has no stub for them)
+    return bool(numba.config.ENABLE_CUDASIM)  # type: ignore[attr-defined]
+
+
 def install_locked_shared_arrays() -> None:
     """Make the CUDA simulator's static ``cuda.shared.array`` allocation thread-safe (see
     the module docstring). Idempotent; a no-op unless ``NUMBA_ENABLE_CUDASIM=1``. Mutates
     ``numba.cuda.simulator.kernelapi.FakeCUDAShared.array`` for the whole process."""
     if _INSTALLED:
         return
-    import numba
-
-    if not numba.config.ENABLE_CUDASIM:
+    if not cudasim_enabled():
         return
     from numba.cuda.simulator import kernelapi
 
     global NUMBA_SHARED_ARRAY
     NUMBA_SHARED_ARRAY = kernelapi.FakeCUDAShared.array
-    kernelapi.FakeCUDAShared.array = locked_shared_array
+    # replacing the simulator's method on its class is the point of this function
+    kernelapi.FakeCUDAShared.array = locked_shared_array  # type: ignore[method-assign]
     _INSTALLED.append(True)
 
 

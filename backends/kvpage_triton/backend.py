@@ -9,10 +9,9 @@ imported); on CUDA it compiles the kernels for the device.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
-from types import ModuleType
+from typing import Protocol
 
 import torch
 
@@ -30,6 +29,36 @@ from kvpage.errors import BackendUnavailableError, DTypeError, ShapeError
 from kvpage.specs import AttentionSpec, CacheSpec
 from kvpage_triton.plan import TritonPlan
 from kvpage_triton.validate import check_cache, check_forward, check_write_kv
+
+
+class _Launcher(Protocol):
+    """What the backend uses of the lazily imported ``kvpage_triton.launch`` module."""
+
+    INTERPRET: bool
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        plan: TritonPlan,
+        spec: AttentionSpec,
+        out: torch.Tensor,
+        kind: str,
+        *,
+        force_splits: int | None = None,
+    ) -> torch.Tensor: ...
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: KVCache,
+        slot_mapping: torch.Tensor,
+        kind: str,
+    ) -> None: ...
+
+    def copy_blocks(self, caches: list[KVCache], pairs: torch.Tensor) -> None: ...
+
 
 #: largest head_dim: BLOCK_D is head_dim rounded up to a power of two (masked), and a
 #: 512-wide Q/K/V tile set does not fit in registers/shared memory at useful tile sizes
@@ -73,7 +102,7 @@ class TritonBackend:
         if num_splits is not None and num_splits < 1:
             raise ShapeError(f"num_splits: expected >= 1 or None, got {num_splits}")
         self.num_splits = num_splits
-        self._launch: ModuleType | None = None
+        self._launch: _Launcher | None = None
 
     def test_budget(self, device: torch.device) -> dict[str, object] | None:
         """Conformance budget (``AttentionBackend.test_budget``): under the
@@ -133,15 +162,16 @@ class TritonBackend:
             + head_dim_reasons(spec, MAX_HEAD_DIM)
         )
 
-    def _kernels(self, device: torch.device) -> ModuleType:
+    def _kernels(self, device: torch.device) -> _Launcher:
         """Import the launcher (and triton) on first use; check the device can run it."""
         if self._launch is None:
             try:
-                self._launch = importlib.import_module("kvpage_triton.launch")
+                import kvpage_triton.launch as launch
             except ImportError as e:  # pragma: no cover - depends on the environment
                 raise BackendUnavailableError(
                     "triton backend unavailable", {"triton": [f"import failed: {e}"]}
                 ) from e
+            self._launch = launch
         interp = bool(self._launch.INTERPRET)
         if device.type == "cpu" and not interp:
             raise BackendUnavailableError(

@@ -18,10 +18,17 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:
+    import argparse
 
 from kvpage.cache.explain import miss_table_rows
 from kvpage.errors import KVPageError
+
+#: what ``ArgumentParser.add_subparsers()`` returns; each ``add_*_parser`` adds one
+#: subcommand to it (a string: ``_SubParsersAction`` is not subscriptable at runtime)
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 def trace_limit(value: int | None, flag: str = "--limit") -> int | None:

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpage.errors import KVPageError
+
+if TYPE_CHECKING:
+    from kvpage.sim.config import SimConfig
+    from kvpage.workload.traces import Trace, TraceRequest
 
 #: columns of the cluster table: (header, key or (key, subkeys), format)
 CLUSTER_COLUMNS: list[tuple[str, Any, str]] = [
@@ -61,7 +66,12 @@ def cap_outputs(trace: Any, cap: int | None) -> Any:
 MAX_INSTANCES = 256
 
 
-def run_cluster(args: argparse.Namespace, trace: Any, base: Any, sizes: list[int]) -> list[dict]:
+def run_cluster(
+    args: argparse.Namespace,
+    trace: Trace | Sequence[TraceRequest],
+    base: SimConfig,
+    sizes: list[int],
+) -> list[dict[str, Any]]:
     """Every router x block size on ``trace`` with ``args.instances`` instances.
 
     Raises:
@@ -87,7 +97,7 @@ def run_cluster(args: argparse.Namespace, trace: Any, base: Any, sizes: list[int
         raise KVPageError(f"--router: expected 'all' or a comma list of {POLICY_NAMES}, got {bad}")
     if not args.event_delay >= 0:
         raise KVPageError(f"--event-delay: expected seconds >= 0, got {args.event_delay}")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for bs in sizes:
         nb = None if args.num_blocks is None else (args.num_blocks - 1) * 16 // bs + 1
         if nb is not None and nb < 2:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvpage.apps.cli_util import miss_markdown, prepare_output, write_output
+from kvpage.apps.cli_util import Subparsers, miss_markdown, prepare_output, write_output
 from kvpage.apps.engine_args import INT64_MAX as INT64_MAX  # re-exported
 from kvpage.apps.engine_args import (
     _add_engine_args,
@@ -31,7 +31,7 @@ DEFAULT_PROMPT = "Once upon a time"
 
 
 # ---- generate -------------------------------------------------------------------------------
-def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_generate_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Register ``kvpage generate``."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "generate", help="generate text from prompts with the bundled model"
@@ -132,7 +132,7 @@ def generate_main(args: argparse.Namespace) -> int:
 
 
 # ---- replay ---------------------------------------------------------------------------------
-def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_replay_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Register ``kvpage replay``."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "replay",

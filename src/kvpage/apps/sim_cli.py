@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpage.apps.cli_util import prepare_output, trace_limit, write_output
+from kvpage.apps.cli_util import Subparsers, prepare_output, trace_limit, write_output
 from kvpage.errors import KVPageError
 from kvpage.jsonout import dumps
 from kvpage.report import render_table
@@ -31,7 +31,7 @@ def _fmt(v: Any) -> str:
 
 
 # ---- plan -----------------------------------------------------------------------------
-def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_plan_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Register ``kvpage plan``."""
     p = subparsers.add_parser("plan", help="size a KV cache for a model on a device")
     p.add_argument(
@@ -182,7 +182,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 # ---- profile --------------------------------------------------------------------------
-def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_profile_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Register ``kvpage profile``."""
     p = subparsers.add_parser("profile", help="statistics and plots of a request trace")
     p.add_argument("--trace", required=True, help="azure-conv, azure-code, mooncake-conv or a file")

@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvpage.apps.cli_util import (
+    Subparsers,
     miss_markdown,
     parse_int_list,
     prepare_output,
@@ -72,7 +73,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_simulate_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Register ``kvpage simulate``."""
     from kvpage.sim.simulator import POLICIES
 
