@@ -23,6 +23,7 @@ from kvpage.attention.canonical import (
     fp8_scale_table,
     head_dim_reasons,
     mla_reasons,
+    refuse_latent_write,
     refuse_mla,
     refuse_sinks,
     sinks_reasons,
@@ -167,6 +168,7 @@ class CupyBackend:
                 (key and value in one dtype); a cache not on a CUDA device.
         """
         checks.check_launch_write(key, value, cache, slot_mapping, same_dtype=True)
+        value = refuse_latent_write(value, self.name)  # MLA latent caches: not here
         self._require_cuda(cache.kv)
         n = key.shape[0]
         if n == 0:

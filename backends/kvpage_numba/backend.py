@@ -21,6 +21,7 @@ from kvpage.attention.canonical import (
     fp8_scale_table,
     head_dim_reasons,
     mla_reasons,
+    refuse_latent_write,
     refuse_mla,
     refuse_sinks,
     sinks_reasons,
@@ -179,6 +180,7 @@ class NumbaBackend:
                 (key and value in one dtype).
         """
         checks.check_launch_write(key, value, cache, slot_mapping, same_dtype=True)
+        value = refuse_latent_write(value, self.name)  # MLA latent caches: not here
         n = key.shape[0]
         if n == 0:
             return

@@ -18,6 +18,7 @@ import torch
 from kvpage.attention.canonical import (
     head_dim_reasons,
     mla_reasons,
+    refuse_latent_write,
     refuse_mla,
     refuse_sinks,
     sinks_reasons,
@@ -221,6 +222,7 @@ class TritonBackend:
             ShapeError, DTypeError: invalid arguments (nothing is written).
             BackendUnavailableError: the device cannot run the kernels.
         """
+        value = refuse_latent_write(value, self.name)  # MLA latent caches: not here
         check_write_kv(key, value, cache, slot_mapping)
         launch = self._kernels(cache.kv.device)
         launch.write_kv(key, value, cache, slot_mapping, cache.kv_dtype)

@@ -115,6 +115,19 @@ def refuse_mla(spec: AttentionSpec, backend: str) -> None:
         raise BackendUnavailableError(f"{backend}: MLA not implemented", {backend: [why]})
 
 
+def refuse_latent_write(value: torch.Tensor | None, backend: str) -> torch.Tensor:
+    """The ``write_kv`` guard of a backend without MLA: ``value`` itself, or
+    ``BackendUnavailableError`` naming the feature when it is None (an MLA latent cache,
+    whose latent comes as the key alone)."""
+    if value is None:
+        why = (
+            f"value: expected a V tensor ({backend} does not implement multi-head latent "
+            "attention caches), got None"
+        )
+        raise BackendUnavailableError(f"{backend}: MLA not implemented", {backend: [why]})
+    return value
+
+
 def mla_as_mqa(cache: KVCache, spec: AttentionSpec) -> tuple[KVCache, AttentionSpec]:
     """An MLA layer as the multi-query attention it is in the absorbed form (DeepSeek-V2,
     arXiv:2405.04434, appendix C): one KV head whose key is the latent
