@@ -193,3 +193,20 @@ def test_prefix_hit_at_every_block_boundary(
     d.run([a, b], NUM_NEW, chunk=chunk)
     assert a.generated == _want(hf, prompt), mt
     assert b.generated == _want(hf, other), mt
+
+
+def test_memory_and_folder_layouts_agree(family: tuple[str, Any, ModelRunnerModel]) -> None:
+    """An in-memory transformers model loads to the folder's weights, and
+    ``to_transformers`` writes them back under transformers' names with equal logits."""
+    from kvpage.models import to_transformers
+
+    mt, hf, folder_model = family
+    mem = load_model(hf)
+    a, b = mem.state_dict(), folder_model.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), (mt, k)
+    back = to_transformers(mem)
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=0, rtol=0)

@@ -319,6 +319,7 @@ FAMILIES: dict[str, Family] = {
                 ("model.embeddings.", "model.embed_tokens."),
                 ("model.norm_f.", "model.norm."),
                 (_LAYER + "norm.", _LAYER + "input_layernorm."),
+                ("model.layers.", "model.layers."),  # back to transformers: model.*
                 ("backbone.embeddings.", "model.embed_tokens."),
                 ("backbone.norm_f.", "model.norm."),
                 ("backbone.layers.{i}.norm.", _LAYER + "input_layernorm."),
@@ -335,6 +336,8 @@ FAMILIES: dict[str, Family] = {
             logits="divide",
             recurrent=True,
             renames=(
+                (_LAYER + "block_sparse_moe.router.", _LAYER + "mlp.gate."),
+                (_LAYER + "block_sparse_moe.", _LAYER + "mlp."),
                 (_LAYER + "shared_mlp.input_linear.", _LAYER + "shared_mlp.gate_up_proj."),
                 (_LAYER + "shared_mlp.output_linear.", _LAYER + "shared_mlp.down_proj."),
             ),
