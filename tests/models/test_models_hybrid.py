@@ -14,6 +14,7 @@ import torch
 from hybrid_harness import HybridDriver, hf_generate, hf_logits
 from models_harness import get_test_backend
 
+from kvpage.attention.state import StateBatch, StateCache
 from kvpage.errors import ShapeError
 from kvpage.models import ModelRunnerModel, load_model
 
@@ -210,3 +211,48 @@ def test_memory_and_folder_layouts_agree(family: tuple[str, Any, ModelRunnerMode
     ids = torch.tensor([PROMPTS[0]])
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["slot_out_of_range", "duplicate_slot", "offsets", "cache_shape", "decode_flag"],
+)
+def test_bad_state_input_is_refused_and_changes_nothing(
+    family: tuple[str, Any, ModelRunnerModel], bad: str
+) -> None:
+    _, _, model = family
+    backend = get_test_backend()
+    d = HybridDriver(model, backend)
+    a, b = d.new([5, 6, 7], 0), d.new([8, 9], 1)
+    d.step([(a, 3), (b, 2)])  # valid: fills slots 0 and 1
+    before = [(s.conv.clone(), s.ssm.clone()) for s in d.states]
+    slots, qsl, decode = [0, 1], [0, 1, 2], True
+    if bad == "slot_out_of_range":
+        slots = [0, 99]
+    elif bad == "duplicate_slot":
+        slots = [1, 1]
+    elif bad == "offsets":
+        qsl = [0, 2, 1]
+    elif bad == "decode_flag":
+        qsl, decode = [0, 1, 3], True
+    states = d.states
+    if bad == "cache_shape":
+        s0 = d.states[0]
+        states = [StateCache(s0.conv[:, :-1], s0.ssm), *d.states[1:]]
+    n = qsl[-1]
+    batch = StateBatch(torch.tensor(slots), torch.tensor([True, True]), torch.tensor(qsl), decode)
+    plans = [backend.plan(_meta(d, [a, b], [1, n - 1])) for _ in d.spec.kv_groups]
+    with pytest.raises(ShapeError):
+        model(torch.tensor([3] * n), torch.tensor([3, 2, 3][:n]), d.kv, plans, backend,
+              torch.tensor([0, n - 1]), state_caches=states, state_batch=batch)  # fmt: skip
+    for s, (conv, ssm) in zip(d.states, before):
+        assert torch.equal(s.conv.nan_to_num(), conv.nan_to_num())
+        assert torch.equal(s.ssm.nan_to_num(), ssm.nan_to_num())
+
+
+def _meta(d: HybridDriver, seqs: list[Any], qlens: list[int]) -> Any:
+    from kvpage.attention.metadata import AttentionMetadata
+
+    return AttentionMetadata.build(
+        qlens, [s.computed + q for s, q in zip(seqs, qlens)], [s.tables[0] for s in seqs], d.bs
+    )
