@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+from hybrid_harness import HybridDriver, hf_generate, hf_logits
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hybrid_harness import HybridDriver, hf_generate, hf_logits
 from models_harness import get_test_backend
 
 from kvpage.attention.state import StateBatch, StateCache
