@@ -285,3 +285,23 @@ def test_any_chunk_schedule_equals_one_pass(
     assert s.generated == whole.generated, mt
     err = float((torch.stack(s.logits) - torch.stack(whole.logits)).abs().max())
     assert err < 2e-5, (mt, err)
+
+
+def test_qwen3_next_checkpoint_mtp_weights_are_skipped(tmp_path: Path) -> None:
+    """A Qwen3-Next checkpoint's multi-token-prediction head (``mtp.*``, unused at
+    inference) loads; any other unknown key is still refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    from kvpage.errors import SpecError
+
+    hf = make_hf("qwen3_next")
+    hf.save_pretrained(tmp_path)
+    f = next(tmp_path.glob("*.safetensors"))
+    sd = load_file(str(f))
+    sd["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(sd, str(f), metadata={"format": "pt"})
+    assert load_model(tmp_path).config["model_type"] == "qwen3_next"
+    sd["model.extra.weight"] = torch.zeros(4, 4)
+    save_file(sd, str(f), metadata={"format": "pt"})
+    with pytest.raises(SpecError, match="unexpected=\\['model.extra.weight'\\]"):
+        load_model(tmp_path)

@@ -186,13 +186,16 @@ def family_weights_from_hf(
     """A checkpoint's tensors under kvpage's names: the family's ``renames`` (GPT-2
     ``transformer.h.<i>.attn.c_attn`` -> ``model.layers.<i>.self_attn.qkv_proj``,
     GLM-4's norms, StarCoder2's ``c_fc`` / ``c_proj``), its ``Conv1D`` weights
-    transposed to ``[out, in]``, GPT-2's mask buffers dropped. Other keys (kvpage's own
+    transposed to ``[out, in]``, GPT-2's mask buffers and the family's
+    ``skip_prefixes`` (Qwen3-Next's ``mtp.*``) dropped. Other keys (kvpage's own
     names, e.g. of a ``ModelRunnerModel`` loaded again) unchanged."""
     names = rename_weights(list(sd), family)
     out: dict[str, torch.Tensor] = {}
     for old, new in names.items():
         if family.model_type == "gpt2" and old.endswith(_NOT_WEIGHTS):
             continue
+        if old.startswith(family.skip_prefixes) and family.skip_prefixes:
+            continue  # e.g. Qwen3-Next's mtp.* (Qwen3NextPreTrainedModel ignores them)
         v = sd[old]
         if new != old and any(new.endswith(c) for c in family.conv1d):
             v = v.T.contiguous()  # a checkpoint name (kvpage's own names: as they are)

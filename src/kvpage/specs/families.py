@@ -92,6 +92,8 @@ class Family:
             Granite-4 hybrid's only with ``position_embedding_type: rope``).
         logit_scale_key: the config key of ``logits="multiply"`` (Falcon-H1:
             ``lm_head_multiplier``).
+        skip_prefixes: checkpoint keys the model does not use (Qwen3-Next's multi-token
+            prediction head ``mtp.*``, which transformers ignores at load too).
     """
 
     model_type: str
@@ -124,6 +126,7 @@ class Family:
     recurrent: bool = False
     rope: bool = True
     logit_scale_key: str = "logit_scale"
+    skip_prefixes: tuple[str, ...] = ()
 
     def biases(self, cfg: Mapping[str, Any]) -> tuple[bool, bool, bool]:
         """``(qkv_bias, o_bias, mlp_bias)`` of a config."""
@@ -286,6 +289,7 @@ FAMILIES: dict[str, Family] = {
             attn_output_gate=True,
             partial_rotary_default=0.25,
             recurrent=True,
+            skip_prefixes=("mtp.",),
         ),
         # Mamba2Block: x + mixer(norm(x)), no MLP; Mamba2Model's names
         Family(
