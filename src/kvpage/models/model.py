@@ -71,8 +71,9 @@ def rotary_embeddings(arch: ArchConfig) -> tuple[RotaryEmbedding | None, RotaryE
 
 
 class ModelRunnerModel(nn.Module):
-    """A causal LM of one of the families of ``kvpage.specs.families`` (dense and MoE)
-    on the paged KV cache.
+    """A causal LM of one of the families of ``kvpage.specs.families`` (dense, MoE, and
+    the recurrent / hybrid ones of ``kvpage.models.hybrid``) on the paged KV cache and,
+    for recurrent layers, state slots (``kvpage.attention.state``).
 
     Args:
         config: HF ``config.json`` fields (``model_type`` in ``SUPPORTED_MODEL_TYPES``).
