@@ -12,8 +12,11 @@ from typing import Any
 import pytest
 import torch
 from hybrid_harness import HybridDriver, hf_generate, hf_logits
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from models_harness import get_test_backend
 
+from kvpage.attention.state import StateBatch, StateCache
 from kvpage.errors import ShapeError
 from kvpage.models import ModelRunnerModel, load_model
 
@@ -193,3 +196,112 @@ def test_prefix_hit_at_every_block_boundary(
     d.run([a, b], NUM_NEW, chunk=chunk)
     assert a.generated == _want(hf, prompt), mt
     assert b.generated == _want(hf, other), mt
+
+
+def test_memory_and_folder_layouts_agree(family: tuple[str, Any, ModelRunnerModel]) -> None:
+    """An in-memory transformers model loads to the folder's weights, and
+    ``to_transformers`` writes them back under transformers' names with equal logits."""
+    from kvpage.models import to_transformers
+
+    mt, hf, folder_model = family
+    mem = load_model(hf)
+    a, b = mem.state_dict(), folder_model.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), (mt, k)
+    back = to_transformers(mem)
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["slot_out_of_range", "duplicate_slot", "offsets", "cache_shape", "decode_flag"],
+)
+def test_bad_state_input_is_refused_and_changes_nothing(
+    family: tuple[str, Any, ModelRunnerModel], bad: str
+) -> None:
+    _, _, model = family
+    backend = get_test_backend()
+    d = HybridDriver(model, backend)
+    a, b = d.new([5, 6, 7], 0), d.new([8, 9], 1)
+    d.step([(a, 3), (b, 2)])  # valid: fills slots 0 and 1
+    before = [(s.conv.clone(), s.ssm.clone()) for s in d.states]
+    slots, qsl, decode = [0, 1], [0, 1, 2], True
+    if bad == "slot_out_of_range":
+        slots = [0, 99]
+    elif bad == "duplicate_slot":
+        slots = [1, 1]
+    elif bad == "offsets":
+        qsl = [0, 2, 1]
+    elif bad == "decode_flag":
+        qsl, decode = [0, 1, 3], True
+    states = d.states
+    if bad == "cache_shape":
+        s0 = d.states[0]
+        states = [StateCache(s0.conv[:, :-1], s0.ssm), *d.states[1:]]
+    n = qsl[-1]
+    batch = StateBatch(torch.tensor(slots), torch.tensor([True, True]), torch.tensor(qsl), decode)
+    plans = [backend.plan(_meta(d, [a, b], [1, n - 1])) for _ in d.spec.kv_groups]
+    with pytest.raises(ShapeError):
+        model(torch.tensor([3] * n), torch.tensor([3, 2, 3][:n]), d.kv, plans, backend,
+              torch.tensor([0, n - 1]), state_caches=states, state_batch=batch)  # fmt: skip
+    for s, (conv, ssm) in zip(d.states, before):
+        assert torch.equal(s.conv.nan_to_num(), conv.nan_to_num())
+        assert torch.equal(s.ssm.nan_to_num(), ssm.nan_to_num())
+
+
+def _meta(d: HybridDriver, seqs: list[Any], qlens: list[int]) -> Any:
+    from kvpage.attention.metadata import AttentionMetadata
+
+    return AttentionMetadata.build(
+        qlens, [s.computed + q for s, q in zip(seqs, qlens)], [s.tables[0] for s in seqs], d.bs
+    )
+
+
+@settings(max_examples=6, deadline=None)
+@given(cuts=st.lists(st.integers(1, 20), max_size=4), num_new=st.integers(1, 4))
+def test_any_chunk_schedule_equals_one_pass(
+    family: tuple[str, Any, ModelRunnerModel], cuts: list[int], num_new: int
+) -> None:
+    """The conformance property at the model level: the prompt split at arbitrary
+    positions (each chunk one step, state carried in the slot) gives the logits and
+    tokens of one pass."""
+    mt, _, model = family
+    prompt = PROMPTS[2]
+    backend = get_test_backend()
+    d = HybridDriver(model, backend)
+    whole = d.new(prompt, 0)
+    d.run([whole], num_new)
+    d = HybridDriver(model, backend)
+    s = d.new(prompt, 3)
+    lo = 0
+    for hi in [*sorted(set(cuts)), len(prompt)]:
+        if hi > lo:
+            d.step([(s, hi - lo)])
+            lo = hi
+    d.run([s], num_new)
+    assert s.generated == whole.generated, mt
+    err = float((torch.stack(s.logits) - torch.stack(whole.logits)).abs().max())
+    assert err < 2e-5, (mt, err)
+
+
+def test_qwen3_next_checkpoint_mtp_weights_are_skipped(tmp_path: Path) -> None:
+    """A Qwen3-Next checkpoint's multi-token-prediction head (``mtp.*``, unused at
+    inference) loads; any other unknown key is still refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    from kvpage.errors import SpecError
+
+    hf = make_hf("qwen3_next")
+    hf.save_pretrained(tmp_path)
+    f = next(tmp_path.glob("*.safetensors"))
+    sd = load_file(str(f))
+    sd["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(sd, str(f), metadata={"format": "pt"})
+    assert load_model(tmp_path).config["model_type"] == "qwen3_next"
+    sd["model.extra.weight"] = torch.zeros(4, 4)
+    save_file(sd, str(f), metadata={"format": "pt"})
+    with pytest.raises(SpecError, match="unexpected=\\['model.extra.weight'\\]"):
+        load_model(tmp_path)

@@ -174,3 +174,28 @@ def test_packed_batch_equals_per_sequence(kind: str, decode: bool) -> None:
     torch.testing.assert_close(cache.conv, alone.conv, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(cache.ssm, alone.ssm, atol=1e-5, rtol=1e-5)
     assert torch.equal(cache.ssm[1], alone.ssm[1]) and torch.equal(cache.ssm[3], alone.ssm[3])
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(gated_norm=False),  # Falcon-H1 without mamba_rms_norm: y * silu(z)
+        dict(norm_before_gate=True, out_bias=True, use_conv_bias=False),
+        dict(in_multiplier=1.3, zxbcdt_multipliers=(0.9, 1.1, 0.8, 1.2, 0.7)),
+        dict(time_step_limit=(0.05, 0.5)),
+    ],
+)
+def test_mamba2_options_chunked_equals_reference(opts: dict[str, Any]) -> None:
+    m = Mamba2Mixer(HIDDEN, num_heads=4, head_dim=6, d_state=5, n_groups=2, conv_kernel=4,
+                    chunk_size=4, eps=1e-5, **opts)  # fmt: skip
+    _randomize(m, seed=8)
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(9))
+    out, cache = _run_split(m, x, [])
+    steps, c2 = _run_split(m, x, list(range(1, 9)))
+    ref, _, ssm = m.reference(
+        x, torch.zeros(cache.conv.shape[1:]), torch.zeros(cache.ssm.shape[1:])
+    )
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(steps.double(), ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(cache.ssm[1].double(), ssm, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(c2.ssm[1].double(), ssm, atol=2e-5, rtol=1e-4)

@@ -74,9 +74,8 @@ def conv_packed(
     init = torch.where(has, init, torch.zeros_like(init))  # a NaN-poisoned slot reads 0
     if batch.is_decode and n == batch.num_seqs:  # one token each: one batched update
         full = torch.cat([init.to(x.dtype), x[:, :, None]], dim=2)  # [S, C, K]
-        y = (full * weight.to(x.dtype)).sum(-1)
-        if bias is not None:
-            y = y + bias
+        w = weight[:, None, :].to(x.dtype)
+        y = F.conv1d(full, w, bias, groups=weight.shape[0])[:, :, 0]  # HF's update op
         conv_cache[idx] = full[:, :, 1:].to(conv_cache.dtype)
         return F.silu(y)
     out = torch.empty_like(x)

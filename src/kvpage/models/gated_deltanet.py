@@ -184,7 +184,8 @@ class GatedDeltaNet(nn.Module):
         r = self.nv // self.nk
         q = _l2norm(q).repeat_interleave(r, dim=1) * self.dk**-0.5
         k = _l2norm(k).repeat_interleave(r, dim=1)
-        beta = torch.sigmoid(b.to(f))
+        # sigmoid in the model dtype as transformers does (b.sigmoid()), then f
+        beta = torch.sigmoid(b).to(f) if not double else torch.sigmoid(b.to(f))
         g = -torch.exp(self.A_log.to(f)) * F.softplus(a.to(f) + self.dt_bias.to(f))
         return q, k, v, g, beta
 

@@ -118,6 +118,11 @@ def to_transformers(model: ModelRunnerModel) -> Any:
     mt = cfg["model_type"]
     config_cls = transformers.AutoConfig.for_model(mt).__class__
     keep = {k: v for k, v in cfg.items() if k not in ("model_type", "torch_dtype", "dtype")}
+    amap = getattr(config_cls, "attribute_map", {}) or {}
+    for k in list(keep):  # computed read-only properties (Mamba2Config.layer_types, ...)
+        attr = getattr(config_cls, amap.get(k, k), None)
+        if isinstance(attr, property) and attr.fset is None:
+            del keep[k]
     hf_cfg = config_cls(**keep)
     hf_cfg._attn_implementation = "eager"
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
@@ -181,13 +186,16 @@ def family_weights_from_hf(
     """A checkpoint's tensors under kvpage's names: the family's ``renames`` (GPT-2
     ``transformer.h.<i>.attn.c_attn`` -> ``model.layers.<i>.self_attn.qkv_proj``,
     GLM-4's norms, StarCoder2's ``c_fc`` / ``c_proj``), its ``Conv1D`` weights
-    transposed to ``[out, in]``, GPT-2's mask buffers dropped. Other keys (kvpage's own
+    transposed to ``[out, in]``, GPT-2's mask buffers and the family's
+    ``skip_prefixes`` (Qwen3-Next's ``mtp.*``) dropped. Other keys (kvpage's own
     names, e.g. of a ``ModelRunnerModel`` loaded again) unchanged."""
     names = rename_weights(list(sd), family)
     out: dict[str, torch.Tensor] = {}
     for old, new in names.items():
         if family.model_type == "gpt2" and old.endswith(_NOT_WEIGHTS):
             continue
+        if old.startswith(family.skip_prefixes) and family.skip_prefixes:
+            continue  # e.g. Qwen3-Next's mtp.* (Qwen3NextPreTrainedModel ignores them)
         v = sd[old]
         if new != old and any(new.endswith(c) for c in family.conv1d):
             v = v.T.contiguous()  # a checkpoint name (kvpage's own names: as they are)

@@ -16,6 +16,12 @@ expert's activation are the family's (transformers 5.23 modeling files):
   and the clamped SwiGLU ``(clamp(u, -L, L) + 1) * g * sigmoid(alpha * g)`` with
   ``g = min(g, L)`` (``swiglu_alpha``, ``swiglu_limit``); the checkpoint stores
   ``gate_up_proj`` as ``[E, hidden, 2 * I]`` with gate and up columns interleaved.
+* ``qwen3_next`` (``Qwen3NextSparseMoeBlock``, modeling_qwen3_next.py): Qwen3-MoE's
+  routing plus a shared SwiGLU expert (``shared_expert``) added last, times
+  ``sigmoid(shared_expert_gate(x))``.
+* ``granitemoehybrid`` (``GraniteMoeHybridTopKRouter``): the top-k of the logits,
+  softmax over those k (as gpt-oss, no bias), SwiGLU experts; the layer's
+  ``shared_mlp`` is a dense MLP beside it (``kvpage.models.hybrid``).
 
 kvpage's parameters: ``mlp.gate.weight`` ``[E, hidden]`` (and ``mlp.gate.bias``
 ``[E]`` for gpt_oss), ``mlp.experts.<e>.{gate_proj,up_proj,down_proj}`` as

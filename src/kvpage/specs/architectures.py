@@ -3,10 +3,11 @@
 kvpage's KV cache holds, per attention layer, the keys and values of every token (paged
 in blocks). Models whose layers keep something else cannot be served by it:
 
-* **state-space / recurrent layers** (Mamba, Mamba-2, RWKV, Griffin): a fixed-size
-  per-sequence recurrent state instead of per-token keys and values; hybrids (Jamba,
-  Zamba, Bamba, Falcon-H1, Nemotron-H, Granite-4 hybrid) interleave them with attention
-  layers and need both;
+* **state-space / recurrent layers** other than Mamba-2 and Gated DeltaNet (Mamba-1,
+  RWKV, Griffin): a fixed-size per-sequence recurrent state kvpage's models lack; the
+  hybrids built on them (Jamba, Zamba, Bamba). Mamba-2 and Gated DeltaNet run, alone
+  (``mamba2``) or beside attention (``qwen3_next``, ``nemotron_h``, ``granitemoehybrid``,
+  ``falcon_h1``: ``kvpage.models.hybrid``, state slots of ``kvpage.specs.state``);
 * **multi-head latent attention** (MLA: DeepSeek-V2/V3, Kimi-K2): one compressed latent
   vector per token (``kv_lora_rank``) plus a decoupled RoPE key, a different cache
   layout and attention kernel;

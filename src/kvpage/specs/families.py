@@ -92,6 +92,8 @@ class Family:
             Granite-4 hybrid's only with ``position_embedding_type: rope``).
         logit_scale_key: the config key of ``logits="multiply"`` (Falcon-H1:
             ``lm_head_multiplier``).
+        skip_prefixes: checkpoint keys the model does not use (Qwen3-Next's multi-token
+            prediction head ``mtp.*``, which transformers ignores at load too).
     """
 
     model_type: str
@@ -124,6 +126,7 @@ class Family:
     recurrent: bool = False
     rope: bool = True
     logit_scale_key: str = "logit_scale"
+    skip_prefixes: tuple[str, ...] = ()
 
     def biases(self, cfg: Mapping[str, Any]) -> tuple[bool, bool, bool]:
         """``(qkv_bias, o_bias, mlp_bias)`` of a config."""
@@ -286,6 +289,7 @@ FAMILIES: dict[str, Family] = {
             attn_output_gate=True,
             partial_rotary_default=0.25,
             recurrent=True,
+            skip_prefixes=("mtp.",),
         ),
         # Mamba2Block: x + mixer(norm(x)), no MLP; Mamba2Model's names
         Family(
@@ -319,6 +323,7 @@ FAMILIES: dict[str, Family] = {
                 ("model.embeddings.", "model.embed_tokens."),
                 ("model.norm_f.", "model.norm."),
                 (_LAYER + "norm.", _LAYER + "input_layernorm."),
+                ("model.layers.", "model.layers."),  # back to transformers: model.*
                 ("backbone.embeddings.", "model.embed_tokens."),
                 ("backbone.norm_f.", "model.norm."),
                 ("backbone.layers.{i}.norm.", _LAYER + "input_layernorm."),
@@ -335,6 +340,8 @@ FAMILIES: dict[str, Family] = {
             logits="divide",
             recurrent=True,
             renames=(
+                (_LAYER + "block_sparse_moe.router.", _LAYER + "mlp.gate."),
+                (_LAYER + "block_sparse_moe.", _LAYER + "mlp."),
                 (_LAYER + "shared_mlp.input_linear.", _LAYER + "shared_mlp.gate_up_proj."),
                 (_LAYER + "shared_mlp.output_linear.", _LAYER + "shared_mlp.down_proj."),
             ),
