@@ -131,6 +131,15 @@ def test_manager_requires_pool_exactly_for_state_layers() -> None:
         KVCacheManager(dense, state_pool=StatePool(1, 1, SnapshotPolicy(BS)))
     with pytest.raises(SpecError, match="block_size"):
         KVCacheManager(hybrid_spec(), state_pool=StatePool(1, 1, SnapshotPolicy(8)))
+    only_state = make_cache_spec(
+        num_layers=0,
+        block_size=BS,
+        num_blocks=8,
+        layers=[],
+        state_layers=list(hybrid_spec().state_layers),
+    )
+    with pytest.raises(SpecError, match="attention layer"):
+        KVCacheManager(only_state, state_pool=StatePool(1, 1, SnapshotPolicy(BS)))
 
 
 def _run_prefill(m: KVCacheManager, rid: str, toks: list[int], budget: int = 4096) -> list[int]:

@@ -162,3 +162,24 @@ def test_refused_by_name(q3n: tuple[Any, str]) -> None:
         )
     with pytest.raises(SpecError, match="kv_cache_memory_bytes"):
         _llm(folder, kv_cache_memory_bytes=1000)
+
+
+def test_recurrent_only_model_refused_by_name(tmp_path: Any) -> None:
+    hf = make_hf("mamba2")
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(SpecError, match="at least one attention layer"):
+        _llm(str(tmp_path))
+
+
+@pytest.mark.parametrize("model_type", ["nemotron_h", "granitemoehybrid"])
+def test_mamba2_hybrids_hit_at_the_prompt_boundary(model_type: str, tmp_path: Any) -> None:
+    hf = make_hf(model_type)
+    hf.save_pretrained(tmp_path)
+    llm = _llm(str(tmp_path), max_num_batched_tokens=24)
+    a = SYSTEM[:40] + [5, 6, 7]  # 43 tokens: prompt boundary 32
+    b = SYSTEM[:40] + [8, 9, 10, 11]
+    outs = [_gen(llm, [p], 6)[0] for p in (a, b)]
+    assert [o.num_cached_tokens for o in outs] == [0, 32]
+    for p, o in zip((a, b), outs):
+        assert list(o.outputs[0].token_ids) == hf_generate(hf, p, 6)
+    _all_free(llm)

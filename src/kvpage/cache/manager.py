@@ -87,6 +87,8 @@ class KVCacheManager:
             (``kvpage.cache.explain``; 0 = none).
         clock: seconds for retention deadlines and eviction times
             (``time.monotonic``).
+        state_pool: the recurrent state slots (``kvpage.cache.state_pool``), required
+            exactly when ``spec.state_layers`` is not empty (hybrid models).
         max_alloc_tokens: the most new tokens one ``allocate`` call asks for (the
             scheduler's token budget, ``max_num_batched_tokens``; None = no limit).
             With a unified pool it bounds what a sliding group holds, so
@@ -111,7 +113,8 @@ class KVCacheManager:
             tiers, miss-explanation records).
 
     Raises:
-        SpecError: ``spec.num_blocks < 2``.
+        SpecError: ``spec.num_blocks < 2``; no attention layer; a ``state_pool`` without
+            state layers, state layers without one, or one of another block size.
     """
 
     def __init__(
@@ -126,6 +129,11 @@ class KVCacheManager:
         max_alloc_tokens: int | None = None,
         state_pool: StatePool | None = None,
     ) -> None:
+        if not spec.layers:
+            raise SpecError(
+                "spec.layers: expected >= 1 attention layer (a model of recurrent layers only "
+                "has no KV group to page), got 0"
+            )
         if bool(spec.state_layers) != (state_pool is not None):
             raise SpecError(
                 f"state_pool: expected a StatePool exactly when the spec has state layers "

@@ -222,7 +222,9 @@ def build_components(config: EngineConfig) -> EngineComponents:
         The components, ready to run.
 
     Raises:
-        SpecError: bad sizes, a KV cache too big to allocate, or ``max_model_len`` above the model's
+        SpecError: bad sizes, a KV cache too big to allocate, a model with recurrent
+            state layers and swap preemption, speculative decoding or no attention layer
+            (``_check_state_config``), or ``max_model_len`` above the model's
             ``max_position_embeddings``; BackendUnavailableError: no backend can run
             the spec.
     """
@@ -262,6 +264,12 @@ def build_components(config: EngineConfig) -> EngineComponents:
     snap_bytes: int | None = None
     if state_bytes:
         _check_state_config(config)
+        if not probe.layers:
+            raise SpecError(
+                f"model: expected at least one attention layer (the engine pages KV blocks "
+                f"and keys recurrent-state snapshots by them), got a model of recurrent layers "
+                f"only ({model.config.get('model_type')!r}: not supported by the engine yet)"
+            )
     if state_bytes and config.num_blocks is None and config.kv_cache_memory_bytes is not None:
         kv_bytes, snap_bytes = split_state_memory(
             config.kv_cache_memory_bytes, state_bytes, config.max_num_seqs, share
