@@ -151,6 +151,8 @@ class KVCacheManager:
         self._points: dict[str, list[SnapshotPoint]] = {}
         #: the last hybrid lookup: (extra, tokens hashed, KV hit, state hit) in tokens
         self._state_lookup: tuple[bytes, list[int], int, int] | None = None
+        #: the last prompt fully hashed for the snapshot policy: (extra, tokens, hashes)
+        self._hash_memo: tuple[bytes, list[int], list[BlockHash]] | None = None
         if max_alloc_tokens is not None and max_alloc_tokens < 1:
             raise SpecError(f"max_alloc_tokens: expected None or >= 1, got {max_alloc_tokens}")
         self.max_alloc_tokens = max_alloc_tokens
@@ -390,7 +392,7 @@ class KVCacheManager:
             if h:
                 state.restore(request_id, hashes[hb - 1])
             if self.enable_prefix_caching:
-                full = self.prefix_cache.block_hashes(extra, token_ids, len(token_ids) // bs)
+                full = self._prompt_hashes(extra, token_ids)
                 state.policy.observe(full)
                 self._points[request_id] = state.policy.prompt_points(full, len(token_ids), h)
         tables: list[list[int]] = []
@@ -517,11 +519,21 @@ class KVCacheManager:
             if request_id in self._reqs:
                 return end
             extra = encode_extra_keys(cache_salt, adapter_id)
-            full = self.prefix_cache.block_hashes(
-                extra, token_ids, len(token_ids) // self.block_size
-            )
+            full = self._prompt_hashes(extra, token_ids)
             points = state.policy.prompt_points(full, len(token_ids), start, self_pass=True)
         return state.policy.chunk_end(start, end, points)
+
+    def _prompt_hashes(self, extra: bytes, token_ids: Sequence[int]) -> list[BlockHash]:
+        """The hashes of every full block of ``token_ids`` (the snapshot policy's
+        boundaries), remembered for the next call on the same tokens and keys (an
+        admission asks for them up to three times: chunk end, allocation, explanation)."""
+        memo = self._hash_memo
+        if memo is not None and memo[0] == extra and memo[1] == token_ids:
+            return memo[2]
+        nb = len(token_ids) // self.block_size
+        hashes = self.prefix_cache.block_hashes(extra, token_ids, nb)
+        self._hash_memo = (extra, list(token_ids), hashes)
+        return hashes
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         """The state slot copies ``(src, dst)`` queued since the last call, in order
@@ -671,7 +683,7 @@ class KVCacheManager:
             if remember_key:
                 self.prefix_cache.explain_miss(token_ids, look[2], extra, True)
             bs = self.block_size
-            full = self.prefix_cache.block_hashes(extra, token_ids, len(token_ids) // bs)
+            full = self._prompt_hashes(extra, token_ids)
             near = self.state.nearest(full, look[2] // bs)
             return CacheMissExplanation(
                 "no_state_snapshot",
