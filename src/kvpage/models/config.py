@@ -304,7 +304,7 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
         ls_ = _positive(cfg, "logits_scaling")
         logit_mult = None if ls_ is None else 1.0 / ls_
     elif fam.logits == "multiply":
-        logit_mult = _positive(cfg, "logit_scale")
+        logit_mult = _positive(cfg, fam.logit_scale_key)
     cap = cfg.get("final_logit_softcapping") if fam.logits == "softcap" else None
     return ArchConfig(
         model_type=mt,

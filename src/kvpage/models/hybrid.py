@@ -14,7 +14,12 @@ Block layouts (transformers 5.23 modeling files):
   Mamba-2's ``dt`` is clamped below at ``time_step_min`` (``NemotronHMamba2Mixer``);
 * ``granitemoehybrid`` (``GraniteMoeHybridDecoderLayer``): ``x += rm * mixer(n1(x))``
   (``mamba`` or ``self_attn``), ``x += rm * (moe(n2(x)) + shared_mlp(n2(x)))`` (just
-  ``shared_mlp`` without experts), ``rm`` = ``residual_multiplier``.
+  ``shared_mlp`` without experts), ``rm`` = ``residual_multiplier``;
+* ``falcon_h1`` (``FalconH1DecoderLayer``): ``h = input_layernorm(x)``, ``x += ssm_out *
+  mamba(h) + attn_out * self_attn(attn_in * h)``, ``x += mlp(post_attention_layernorm(x))``
+  with Falcon-H1's muP multipliers (``ssm_in/out_multiplier``, ``ssm_multipliers`` on
+  in_proj's sections, ``key_multiplier``, ``attention_in/out_multiplier``,
+  ``mlp_multipliers``) and its optional gated norm (``mamba_rms_norm``).
 
 The mixers' settings are read from the config here (Mamba-2 sizes through
 :mod:`kvpage.specs.state`, the one reader of them).
@@ -61,8 +66,19 @@ def mamba2_from_hf(cfg: Mapping[str, Any], hidden_size: int, eps: float) -> Mamb
     limit = cfg.get("time_step_limit") or (0.0, float("inf"))
     if cfg.get("model_type") == "nemotron_h":
         limit = (cfg.get("time_step_min", 0.001), float("inf"))
-    granite = cfg.get("model_type") == "granitemoehybrid"
+    mt = cfg.get("model_type")
+    granite = mt in ("granitemoehybrid", "falcon_h1")  # the mamba_* key names
     p = "mamba_" if granite else ""
+    falcon: dict[str, Any] = {}
+    if mt == "falcon_h1":  # FalconH1Mixer
+        mults = cfg.get("ssm_multipliers") or [1.0] * 5
+        falcon = dict(
+            out_bias=bool(cfg.get("projectors_bias", False)),
+            gated_norm=bool(cfg.get("mamba_rms_norm", False)),
+            norm_before_gate=bool(cfg.get("mamba_norm_before_gate", True)),
+            in_multiplier=_float(cfg.get("ssm_in_multiplier", 1.0), "ssm_in_multiplier"),
+            zxbcdt_multipliers=tuple(_float(m, "ssm_multipliers") for m in mults),
+        )
     return Mamba2Mixer(
         hidden_size,
         heads,
@@ -78,6 +94,7 @@ def mamba2_from_hf(cfg: Mapping[str, Any], hidden_size: int, eps: float) -> Mamb
             _float(limit[0], "time_step_limit"),
             _float(limit[1], "time_step_limit"),
         ),
+        **falcon,
     )
 
 
@@ -87,6 +104,7 @@ _MIXER_NAMES: dict[str, dict[str, str]] = {
     "mamba2": {"mamba2": "mixer"},
     "nemotron_h": {"attention": "mixer", "mamba2": "mixer", "mlp": "mixer"},
     "granitemoehybrid": {"attention": "self_attn", "mamba2": "mamba"},
+    "falcon_h1": {"attention": "self_attn", "mamba2": "mamba"},
 }
 
 
@@ -126,22 +144,39 @@ class HybridDecoderLayer(nn.Module):
         h, eps = arch.hidden_size, arch.rms_norm_eps
         self.mixers = mixers
         self.single = arch.family.block == "single"
-        if len(mixers) > 1 or (not mixers and not self.single):
+        falcon = arch.model_type == "falcon_h1"
+        if (len(mixers) > 1 and not falcon) or (not mixers and not self.single):
             raise ShapeError(f"layer {layer_id}: expected one mixer, got {mixers}")
-        self.kind = mixers[0] if mixers else "mlp"
-        self.op_name = _MIXER_NAMES[arch.model_type][self.kind]
-        op: nn.Module
-        if self.kind == "attention":
-            if attn_spec is None:
-                raise ShapeError(f"layer {layer_id}: expected an AttentionSpec, got None")
-            op = PagedAttention(arch, attn_spec)
-        elif self.kind == "gated_deltanet":
-            op = gated_deltanet_from_hf(cfg, h, eps)
-        elif self.kind == "mamba2":
-            op = mamba2_from_hf(cfg, h, eps)
-        else:  # Nemotron-H's MLP-only layer
-            op = MLP(arch)
-        self.add_module(self.op_name, op)
+        #: the layer's ops in HF's summation order (Falcon-H1: Mamba-2, then attention)
+        self.kinds: tuple[str, ...] = tuple(sorted(mixers, key=lambda k: k != "mamba2")) or ("mlp",)
+        names = _MIXER_NAMES[arch.model_type]
+        #: (input scale, output scale) per op (Falcon-H1's multipliers; else 1, 1)
+        self.scales: list[tuple[float, float]] = []
+        for kind in self.kinds:
+            op: nn.Module
+            if kind == "attention":
+                if attn_spec is None:
+                    raise ShapeError(f"layer {layer_id}: expected an AttentionSpec, got None")
+                op = PagedAttention(arch, attn_spec)
+                km = _float(cfg.get("key_multiplier", 1.0), "key_multiplier") if falcon else 1.0
+                op.key_multiplier = None if km == 1.0 else km
+            elif kind == "gated_deltanet":
+                op = gated_deltanet_from_hf(cfg, h, eps)
+            elif kind == "mamba2":
+                op = mamba2_from_hf(cfg, h, eps)
+            else:  # Nemotron-H's MLP-only layer
+                op = MLP(arch)
+            self.add_module(names[kind], op)
+            scale = (1.0, 1.0)
+            if falcon and kind == "attention":
+                scale = (
+                    _float(cfg.get("attention_in_multiplier", 1.0), "attention_in_multiplier"),
+                    _float(cfg.get("attention_out_multiplier", 1.0), "attention_out_multiplier"),
+                )
+            elif falcon:
+                scale = (1.0, _float(cfg.get("ssm_out_multiplier", 1.0), "ssm_out_multiplier"))
+            self.scales.append(scale)
+        self.op_names = [names[k] for k in self.kinds]
         self.input_layernorm = make_norm(arch, h)
         self.mlp: MLP | MoEMLP | None = None
         self.shared_mlp: MLP | None = None
@@ -154,6 +189,12 @@ class HybridDecoderLayer(nn.Module):
             if arch.model_type == "granitemoehybrid":  # GraniteMoeHybridMLP
                 inter = int(cfg.get("shared_intermediate_size") or 0)
                 self.shared_mlp = MLP(arch, inter, kind="fused_glu")
+            if falcon and isinstance(self.mlp, MLP):  # FalconH1MLP.mlp_multipliers
+                gm, dm = cfg.get("mlp_multipliers") or (1.0, 1.0)
+                self.mlp.multipliers = (
+                    _float(gm, "mlp_multipliers"),
+                    _float(dm, "mlp_multipliers"),
+                )
         self.residual_fp32 = arch.model_type == "mamba2" and bool(cfg.get("residual_in_fp32", True))
         self.residual_multiplier = arch.residual_multiplier
 
@@ -171,20 +212,27 @@ class HybridDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x ``[num_tokens, hidden_size]`` -> same (float32 with ``residual_fp32``).
 
-        Mutates ``cache`` (attention: this step's K/V) or ``state`` (recurrent: the
+        Mutates ``cache`` (attention: this step's K/V) and/or ``state`` (recurrent: the
         slots of ``batch.state_indices``).
         """
         dtype = self.input_layernorm.weight.dtype
         h = self.input_layernorm(x.to(dtype), ops)
-        op = getattr(self, self.op_name)
-        if self.kind == "attention":
-            assert cache is not None and plan is not None
-            a = op(h, cos, sin, cache, plan, backend, ops)
-        elif self.kind == "mlp":
-            a = op(h, ops)
-        else:
-            assert state is not None and batch is not None
-            a = op(h, state, batch)
+        a: torch.Tensor | None = None
+        for kind, name, (s_in, s_out) in zip(self.kinds, self.op_names, self.scales):
+            op = getattr(self, name)
+            hin = h * s_in if s_in != 1.0 else h
+            if kind == "attention":
+                assert cache is not None and plan is not None
+                o = op(hin, cos, sin, cache, plan, backend, ops)
+            elif kind == "mlp":
+                o = op(hin, ops)
+            else:
+                assert state is not None and batch is not None
+                o = op(hin, state, batch)
+            if s_out != 1.0:
+                o = o * s_out
+            a = o if a is None else a + o
+        assert a is not None
         rm = self.residual_multiplier
         if rm is not None:
             a = a * rm

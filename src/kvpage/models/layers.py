@@ -172,6 +172,9 @@ class MLP(nn.Module):
         self.activation = arch.activation
         self.intermediate_size = i
         self._down = PackedWeight()
+        #: ``(gate, down)`` scales: ``down(act(gate x * g) * up x) * d`` (Falcon-H1
+        #: ``mlp_multipliers``), None = none
+        self.multipliers: tuple[float, float] | None = None
 
     def _act(self, g: torch.Tensor) -> torch.Tensor:
         if self.activation == "silu":
@@ -189,9 +192,13 @@ class MLP(nn.Module):
         d = self.down_proj
         if self.kind == "plain":
             return self._down(self._act(gu), d.weight, d.bias)
+        i = self.intermediate_size
+        if self.multipliers is not None:
+            gm, dm = self.multipliers
+            h = self._act(gu[:, :i] * gm) * gu[:, i:]
+            return self._down(h, d.weight, d.bias) * dm
         if ops is not None and self.activation == "silu":
             return self._down(ops.silu_mul(gu), d.weight, d.bias)
-        i = self.intermediate_size
         g, u = gu[:, :i], gu[:, i:]
         return self._down(self._act(g).mul_(u), d.weight, d.bias)
 
@@ -246,6 +253,8 @@ class PagedAttention(nn.Module):
         self._plain_rope = (
             self.rope and not self.qk_norm and not self.interleaved and arch.rotary_dim == d
         )
+        #: k is scaled by this before RoPE (Falcon-H1 ``key_multiplier``), None = not
+        self.key_multiplier: float | None = None
         if spec.sinks:  # GptOssAttention.sinks: one logit per query head
             self.sinks = nn.Parameter(torch.zeros(hq))
 
@@ -310,6 +319,9 @@ class PagedAttention(nn.Module):
             gate = qg[:, :, d:].reshape(t, hq * d)
             qkv = torch.cat([qg[:, :, :d].reshape(t, hq * d), qkv[:, 2 * hq * d :]], dim=1)
         b = self._splits[0] + self._splits[1]
+        if self.key_multiplier is not None:
+            a0 = self._splits[0]
+            qkv = torch.cat([qkv[:, :a0], qkv[:, a0:b] * self.key_multiplier, qkv[:, b:]], dim=1)
         v = qkv[:, b:].view(t, self.num_kv_heads, self.head_dim)
         if not self._plain_rope or cos is None or sin is None:
             q, k = self._q_k(qkv, cos, sin)

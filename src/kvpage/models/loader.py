@@ -118,6 +118,11 @@ def to_transformers(model: ModelRunnerModel) -> Any:
     mt = cfg["model_type"]
     config_cls = transformers.AutoConfig.for_model(mt).__class__
     keep = {k: v for k, v in cfg.items() if k not in ("model_type", "torch_dtype", "dtype")}
+    amap = getattr(config_cls, "attribute_map", {}) or {}
+    for k in list(keep):  # computed read-only properties (Mamba2Config.layer_types, ...)
+        attr = getattr(config_cls, amap.get(k, k), None)
+        if isinstance(attr, property) and attr.fset is None:
+            del keep[k]
     hf_cfg = config_cls(**keep)
     hf_cfg._attn_implementation = "eager"
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)

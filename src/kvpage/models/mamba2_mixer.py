@@ -114,6 +114,14 @@ class Mamba2Mixer(nn.Module):
         eps: the gated RMSNorm's epsilon.
         use_bias, use_conv_bias: biases of in/out_proj and of the conv.
         time_step_limit: ``(lo, hi)`` clamp of ``dt``.
+        out_bias: out_proj's bias when it differs from in_proj's (Falcon-H1
+            ``projectors_bias``); None = ``use_bias``.
+        gated_norm: the output goes through the gated RMSNorm (else ``y * silu(z)``:
+            Falcon-H1 without ``mamba_rms_norm``).
+        norm_before_gate: the gated norm's order (Falcon-H1 ``mamba_norm_before_gate``).
+        in_multiplier: the input is scaled by this (Falcon-H1 ``ssm_in_multiplier``).
+        zxbcdt_multipliers: 5 scales of in_proj's z, x, B, C, dt sections (Falcon-H1
+            ``ssm_multipliers``, its ``mup_vector``), or None.
 
     Parameters (HF names): ``in_proj`` ``[2I + 2GN + H, hidden]``, ``conv1d``
     (``[I + 2GN, 1, K]``), ``dt_bias``, ``A_log``, ``D`` ``[H]``, ``norm.weight`` ``[I]``,
@@ -133,6 +141,11 @@ class Mamba2Mixer(nn.Module):
         use_bias: bool = False,
         use_conv_bias: bool = True,
         time_step_limit: tuple[float, float] = (0.0, float("inf")),
+        out_bias: bool | None = None,
+        gated_norm: bool = True,
+        norm_before_gate: bool = False,
+        in_multiplier: float = 1.0,
+        zxbcdt_multipliers: tuple[float, ...] | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.d_state = num_heads, head_dim, d_state
@@ -147,10 +160,45 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(num_heads))
         self.A_log = nn.Parameter(torch.zeros(num_heads))
         self.D = nn.Parameter(torch.ones(num_heads))
-        self.norm = GatedRMSNorm(self.inter, self.inter // n_groups, eps, norm_before_gate=False)
-        self.out_proj = nn.Linear(self.inter, hidden_size, bias=use_bias)
+        self.norm: GatedRMSNorm | None = None
+        if gated_norm:
+            self.norm = GatedRMSNorm(self.inter, self.inter // n_groups, eps, norm_before_gate)
+        self.out_proj = nn.Linear(
+            self.inter, hidden_size, bias=use_bias if out_bias is None else out_bias
+        )
+        self.in_multiplier = float(in_multiplier)
+        self.mup: torch.Tensor | None = None
+        if zxbcdt_multipliers is not None:
+            gn = n_groups * d_state
+            sizes = (self.inter, self.inter, gn, gn, num_heads)
+            self.mup = torch.cat(
+                [  # on the CPU even when the model is built on the meta device
+                    torch.full((n,), float(m), device="cpu")
+                    for n, m in zip(sizes, zxbcdt_multipliers, strict=True)
+                ]
+            )
 
     # ---- pieces shared by the model path and the reference --------------------------
+    def _project(self, hidden: torch.Tensor, double: bool = False) -> torch.Tensor:
+        """``in_proj(hidden * in_multiplier) * mup`` (``[T, in_proj rows]``)."""
+        w: torch.Tensor = self.in_proj.weight
+        b: torch.Tensor | None = self.in_proj.bias
+        if double:
+            hidden, w = hidden.double(), w.double()
+            b = None if b is None else b.double()
+        if self.in_multiplier != 1.0:
+            hidden = hidden * self.in_multiplier
+        proj = F.linear(hidden, w, b)
+        if self.mup is not None:
+            proj = proj * self.mup.to(device=proj.device, dtype=proj.dtype)
+        return proj
+
+    def _out(self, y: torch.Tensor, z: torch.Tensor, double: bool = False) -> torch.Tensor:
+        """The gated norm (or ``y * silu(z)``) of ``y [T, I]``."""
+        if self.norm is None:
+            return y * F.silu(z.double() if double else z.float())
+        return self.norm.reference(y, z) if double else self.norm(y, z)
+
     def _split(self, proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(z [T, I], xBC [T, conv_dim], dt_raw [T, H])`` of ``in_proj``'s output."""
         i, c = self.inter, self.conv_dim
@@ -181,7 +229,7 @@ class Mamba2Mixer(nn.Module):
         where ``has_initial_state[s]`` is False).
         """
         dtype = hidden.dtype
-        z, xbc, dt_raw = self._split(self.in_proj(hidden))
+        z, xbc, dt_raw = self._split(self._project(hidden))
         w = self.conv1d.weight[:, 0, :]
         xbc = conv_packed(xbc, w, self.conv1d.bias, cache.conv, batch)
         x, b, c = self._xbc(xbc)
@@ -206,7 +254,7 @@ class Mamba2Mixer(nn.Module):
                 y[lo:hi] = ys
                 cache.ssm[idx[i]] = s1.to(cache.ssm.dtype)
         y = y + x.float() * self.D.float()[:, None]
-        out = self.norm(y.reshape(n, self.inter), z)  # float32 in, as HF's scan output
+        out = self._out(y.reshape(n, self.inter), z)  # float32 in, as HF's scan output
         return self.out_proj(out.to(dtype))
 
     # ---- the float64 reference -------------------------------------------------------
@@ -219,11 +267,7 @@ class Mamba2Mixer(nn.Module):
         K - 1]``, ``ssm_state [H, P, N]`` -> ``(out [L, hidden_size], conv_state,
         ssm_state)``, all float64."""
         h64 = hidden.double()
-        proj = F.linear(
-            h64,
-            self.in_proj.weight.double(),
-            None if self.in_proj.bias is None else self.in_proj.bias.double(),
-        )
+        proj = self._project(hidden, double=True)
         z, xbc, dt_raw = self._split(proj)
         bias = self.conv1d.bias
         xbc, conv_new = reference_conv(xbc, conv_state, self.conv1d.weight[:, 0, :], bias)
@@ -237,7 +281,7 @@ class Mamba2Mixer(nn.Module):
                 s[h] = torch.exp(dt[t, h] * a[h]) * s[h] + dt[t, h] * torch.outer(x[t, h], b[t, h])
             ys.append(torch.einsum("hpn,hn->hp", s, c[t]) + self.D.double()[:, None] * x[t])
         y = torch.stack(ys).reshape(len(ys), self.inter) if ys else proj.new_zeros(0, self.inter)
-        out = self.norm.reference(y, z)
+        out = self._out(y, z, double=True)
         o_b = None if self.out_proj.bias is None else self.out_proj.bias.double()
         return F.linear(out, self.out_proj.weight.double(), o_b), conv_new, s
 

@@ -114,6 +114,7 @@ class ModelRunnerModel(nn.Module):
                 self.layer_groups[lid] = g.group_id
         self.num_kv_groups = len(spec.kv_groups)
         self.num_state_layers = len(spec.state_layers)
+        self.state_specs = spec.state_layers
         self.mixers = layer_mixers(self.config)
         n = self.arch.num_layers
         self.attn_index = list(range(n))
@@ -205,6 +206,37 @@ class ModelRunnerModel(nn.Module):
         return sd
 
     # ---- forward ------------------------------------------------------------------------
+    def _check_state(self, caches: list[StateCache], batch: StateBatch, n: int) -> None:
+        """Refuse state caches or a StateBatch that do not fit this model and step
+        (before anything is written: bad input leaves every slot unchanged)."""
+        for i, (c, s) in enumerate(zip(caches, self.state_specs)):
+            if tuple(c.conv.shape[1:]) != s.conv_state_shape or tuple(c.ssm.shape[1:]) != tuple(
+                s.ssm_shape
+            ):
+                raise ShapeError(
+                    f"state_caches[{i}]: expected conv [slots, {s.conv_state_shape}] and ssm "
+                    f"[slots, {s.ssm_shape}] (layer {s.layer_id}), got {tuple(c.conv.shape)} "
+                    f"and {tuple(c.ssm.shape)}"
+                )
+        slots = min(c.num_slots for c in caches)
+        m = batch.num_seqs
+        qsl = batch.query_start_loc.tolist()
+        idx = batch.state_indices.tolist()
+        if len(qsl) != m + 1 or qsl[0] != 0 or qsl[-1] != n or qsl != sorted(qsl):
+            raise ShapeError(
+                f"state_batch.query_start_loc: expected {m + 1} ascending offsets from 0 to "
+                f"{n} tokens, got {qsl}"
+            )
+        if batch.has_initial_state.shape[0] != m or any(not 0 <= j < slots for j in idx):
+            raise ShapeError(
+                f"state_batch: expected {m} has_initial_state flags and slots in [0, {slots}), "
+                f"got {batch.has_initial_state.shape[0]} flags and slots {idx}"
+            )
+        if len(set(idx)) != m:
+            raise ShapeError(f"state_batch.state_indices: expected distinct slots, got {idx}")
+        if batch.is_decode and n != m:
+            raise ShapeError(f"state_batch.is_decode: expected one token per sequence, got {n}")
+
     @torch.no_grad()
     def forward(
         self,
@@ -265,12 +297,7 @@ class ModelRunnerModel(nn.Module):
                 raise ShapeError(
                     f"state_caches: expected {self.num_state_layers}, got {len(state_caches)}"
                 )
-            qsl = state_batch.query_start_loc
-            if qsl.shape[0] != state_batch.num_seqs + 1 or int(qsl[-1]) != n:
-                raise ShapeError(
-                    f"state_batch.query_start_loc: expected {state_batch.num_seqs + 1} "
-                    f"offsets ending at {n} tokens, got {qsl.tolist()}"
-                )
+            self._check_state(state_caches, state_batch, n)
         if len(plans) != self.num_kv_groups:
             raise ShapeError(
                 f"plans: expected {self.num_kv_groups} (one per KV group), got {len(plans)}"

@@ -41,7 +41,7 @@ __all__ = [
 MODEL_TYPES: tuple[str, ...] = (
     "llama", "mistral", "qwen2", "gemma2", "qwen3", "gemma3_text", "phi3", "olmo2",
     "granite", "glm4", "cohere", "starcoder2", "gpt2", "mixtral", "qwen3_moe", "gpt_oss",
-    "qwen3_next", "mamba2", "nemotron_h", "granitemoehybrid",
+    "qwen3_next", "mamba2", "nemotron_h", "granitemoehybrid", "falcon_h1",
 )  # fmt: skip
 #: the MoE model types among them (``kvpage.models.moe``): their expert keys are expected
 MOE_MODEL_TYPES: tuple[str, ...] = (
@@ -72,7 +72,6 @@ UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
     "zamba": _HYBRID,
     "zamba2": _HYBRID,
     "bamba": _HYBRID,
-    "falcon_h1": "Falcon-H1's parallel attention + Mamba-2 layer and its muP multipliers",
     "lfm2": "hybrid short-convolution state beside the attention layers",
     "deepseek_v2": f"{_MLA} and {_MOE}",
     "deepseek_v3": f"{_MLA} and {_MOE}",

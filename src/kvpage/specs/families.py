@@ -90,6 +90,8 @@ class Family:
             layer (the mixer, or the MLP on a mixer-less layer: Nemotron-H).
         rope: attention layers rotate q/k (Nemotron-H's have no positional encoding;
             Granite-4 hybrid's only with ``position_embedding_type: rope``).
+        logit_scale_key: the config key of ``logits="multiply"`` (Falcon-H1:
+            ``lm_head_multiplier``).
     """
 
     model_type: str
@@ -121,6 +123,7 @@ class Family:
     attn_output_gate: bool = False
     recurrent: bool = False
     rope: bool = True
+    logit_scale_key: str = "logit_scale"
 
     def biases(self, cfg: Mapping[str, Any]) -> tuple[bool, bool, bool]:
         """``(qkv_bias, o_bias, mlp_bias)`` of a config."""
@@ -316,6 +319,7 @@ FAMILIES: dict[str, Family] = {
                 ("model.embeddings.", "model.embed_tokens."),
                 ("model.norm_f.", "model.norm."),
                 (_LAYER + "norm.", _LAYER + "input_layernorm."),
+                ("model.layers.", "model.layers."),  # back to transformers: model.*
                 ("backbone.embeddings.", "model.embed_tokens."),
                 ("backbone.norm_f.", "model.norm."),
                 ("backbone.layers.{i}.norm.", _LAYER + "input_layernorm."),
@@ -332,8 +336,25 @@ FAMILIES: dict[str, Family] = {
             logits="divide",
             recurrent=True,
             renames=(
+                (_LAYER + "block_sparse_moe.router.", _LAYER + "mlp.gate."),
+                (_LAYER + "block_sparse_moe.", _LAYER + "mlp."),
                 (_LAYER + "shared_mlp.input_linear.", _LAYER + "shared_mlp.gate_up_proj."),
                 (_LAYER + "shared_mlp.output_linear.", _LAYER + "shared_mlp.down_proj."),
+            ),
+        ),
+        # FalconH1DecoderLayer: h = n1(x); x + m_ssm * mamba(h) + m_out * attn(m_in * h),
+        # then x + mlp(n2(x)); its muP multipliers (kvpage.models.hybrid)
+        Family(
+            "falcon_h1",
+            mlp_bias_key="mlp_bias",
+            embed_scale="embedding_multiplier",
+            logits="multiply",
+            logit_scale_key="lm_head_multiplier",
+            recurrent=True,
+            renames=(
+                ("model.final_layernorm.", "model.norm."),
+                (_LAYER + "feed_forward.", _LAYER + "mlp."),
+                (_LAYER + "pre_ff_layernorm.", _LAYER + "post_attention_layernorm."),
             ),
         ),
     )
