@@ -327,3 +327,16 @@ class StateMachine(RuleBasedStateMachine):
 
 StateMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestStateMachine = StateMachine.TestCase
+
+
+def test_readmission_does_not_count_another_pass() -> None:
+    m = make_manager(threshold=2, share=0.5)
+    toks = list(range(500, 540))  # 40 tokens: blocks 0, 1
+    _run_prefill(m, "r", toks)
+    m.free("r")  # preempted: the same request comes back
+    _run_prefill(m, "r", toks)
+    pol = m.state.policy  # type: ignore[union-attr]
+    assert pol.pass_count(hash_request_blocks(toks, BS)[0]) == 1
+    m.free("r")
+    _run_prefill(m, "s", toks)  # another request: a second pass
+    assert pol.pass_count(hash_request_blocks(toks, BS)[0]) == 2

@@ -183,3 +183,17 @@ def test_mamba2_hybrids_hit_at_the_prompt_boundary(model_type: str, tmp_path: An
     for p, o in zip((a, b), outs):
         assert list(o.outputs[0].token_ids) == hf_generate(hf, p, 6)
     _all_free(llm)
+
+
+def test_snapshot_copies_run_on_an_empty_step(q3n: tuple[Any, str]) -> None:
+    _, folder = q3n
+    llm = _llm(folder)
+    _gen(llm, [list(range(3, 40))], 28)  # computed 37 + 27 = 64: the last step's snapshot
+    eng = llm.llm_engine
+    pool = eng.kv_cache_manager.state
+    assert pool is not None and pool.num_pending_copies == 1
+    (src, dst) = pool.pending_copies()[0]
+    assert eng.runner.state_caches is not None
+    live = eng.runner.state_caches[0].ssm[src].clone()
+    assert eng.step() == [] and pool.num_pending_copies == 0
+    assert eng.runner.state_caches[0].ssm[dst].equal(live)

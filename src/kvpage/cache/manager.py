@@ -46,6 +46,7 @@ scheduler where a prefill chunk must end; :meth:`commit` takes the snapshots).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -70,6 +71,11 @@ from kvpage.specs import CacheSpec
 
 if TYPE_CHECKING:
     from kvpage.cache.tiered import TieredCache
+
+
+#: request ids remembered so that a readmission after preemption does not count its
+#: prompt's boundaries as passed again (the snapshot policy's pass counts)
+_OBSERVED_CAP = 65536
 
 
 class KVCacheManager:
@@ -151,6 +157,8 @@ class KVCacheManager:
         self._points: dict[str, list[SnapshotPoint]] = {}
         #: the last hybrid lookup: (extra, tokens hashed, KV hit, state hit) in tokens
         self._state_lookup: tuple[bytes, list[int], int, int] | None = None
+        #: requests whose prompt passes the snapshot policy counted (bounded)
+        self._observed: OrderedDict[str, None] = OrderedDict()
         #: the last prompt fully hashed for the snapshot policy: (extra, tokens, hashes)
         self._hash_memo: tuple[bytes, list[int], list[BlockHash]] | None = None
         if max_alloc_tokens is not None and max_alloc_tokens < 1:
@@ -393,7 +401,11 @@ class KVCacheManager:
                 state.restore(request_id, hashes[hb - 1])
             if self.enable_prefix_caching:
                 full = self._prompt_hashes(extra, token_ids)
-                state.policy.observe(full)
+                if request_id not in self._observed:  # a readmission is not another pass
+                    state.policy.observe(full)
+                    self._observed[request_id] = None
+                    if len(self._observed) > _OBSERVED_CAP:
+                        self._observed.popitem(last=False)
                 self._points[request_id] = state.policy.prompt_points(full, len(token_ids), h)
         tables: list[list[int]] = []
         new_blocks: list[list[int]] = []
