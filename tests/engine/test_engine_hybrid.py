@@ -197,3 +197,24 @@ def test_snapshot_copies_run_on_an_empty_step(q3n: tuple[Any, str]) -> None:
     live = eng.runner.state_caches[0].ssm[src].clone()
     assert eng.step() == [] and pool.num_pending_copies == 0
     assert eng.runner.state_caches[0].ssm[dst].equal(live)
+
+
+@pytest.mark.parametrize(
+    ("qlen", "share", "cached", "ratio"),
+    [(10, 0.25, [0] + [96] * 7, 672 / 880), (30, 0.0, [0] * 8, 0.0), (30, 0.25, [0, 0] + [96] * 6, 576 / 1040)],
+)  # fmt: skip
+def test_policy_hit_numbers_of_the_docs(
+    q3n: tuple[Any, str], qlen: int, share: float, cached: list[int], ratio: float
+) -> None:
+    """The measurement quoted in docs/architecture.md ('Recurrent state'): 8 requests,
+    one 100-token system prompt, each its own question."""
+    _, folder = q3n
+    llm = _llm(folder, state_predicted_share=share)
+    got = []
+    for r in range(8):
+        p = SYSTEM + [(r * 13 + j) % 200 + 30 for j in range(qlen)]
+        got.append(_gen(llm, [p], 4)[0].num_cached_tokens)
+    m = llm.llm_engine.get_metrics()
+    assert got == cached
+    hits, queried = m["kvpage:prefix_cache_hits_total"], m["kvpage:prefix_cache_queries_total"]
+    assert hits / queried == pytest.approx(ratio)
