@@ -138,8 +138,13 @@ def test_manager_requires_pool_exactly_for_state_layers() -> None:
         layers=[],
         state_layers=list(hybrid_spec().state_layers),
     )
-    with pytest.raises(SpecError, match="attention layer"):
-        KVCacheManager(only_state, state_pool=StatePool(1, 1, SnapshotPolicy(BS)))
+    m = KVCacheManager(only_state, state_pool=StatePool(1, 2, SnapshotPolicy(BS)))
+    assert m.num_groups == 0 and m.max_request_tokens == 1 << 40 and m.usage == 0.0
+    toks = list(range(40))
+    _run_prefill(m, "r", toks)  # snapshot at 32, no KV block anywhere
+    m.free("r")
+    assert m.get_num_cached_tokens(toks + [1, 2]) == 32
+    m.check_integrity()
 
 
 def _run_prefill(m: KVCacheManager, rid: str, toks: list[int], budget: int = 4096) -> list[int]:

@@ -164,11 +164,25 @@ def test_refused_by_name(q3n: tuple[Any, str]) -> None:
         _llm(folder, kv_cache_memory_bytes=1000)
 
 
-def test_recurrent_only_model_refused_by_name(tmp_path: Any) -> None:
+def test_mamba2_recurrent_only_through_the_engine(tmp_path: Any) -> None:
+    """No attention layer: no KV blocks; the hit is the deepest snapshot along the prompt,
+    and a second turn starts from the first turn's end state."""
     hf = make_hf("mamba2")
     hf.save_pretrained(tmp_path)
-    with pytest.raises(SpecError, match="at least one attention layer"):
-        _llm(str(tmp_path))
+    llm = _llm(str(tmp_path), max_num_batched_tokens=24)
+    assert llm.llm_engine.cache_spec.layers == () and llm.llm_engine.runner.kv_caches == []
+    a = SYSTEM[:40] + [5, 6, 7]  # prompt boundary 32
+    b = SYSTEM[:40] + [8, 9, 10, 11]
+    oa, ob = (_gen(llm, [p], 20)[0] for p in (a, b))
+    turn2 = a + list(oa.outputs[0].token_ids) + [12, 13]  # a computed 43 + 19 = 62: end 48
+    (o2,) = _gen(llm, [turn2], 6)
+    assert [oa.num_cached_tokens, ob.num_cached_tokens, o2.num_cached_tokens] == [0, 32, 48]
+    for p, o, n in ((a, oa, 20), (b, ob, 20), (turn2, o2, 6)):
+        assert list(o.outputs[0].token_ids) == hf_generate(hf, p, n)
+    m = llm.llm_engine.get_metrics()
+    assert m["kvpage:prefix_cache_hits_total"] == 80.0
+    assert m["kvpage:kv_cache_usage_perc"] == 0.0
+    _all_free(llm)
 
 
 @pytest.mark.parametrize("model_type", ["nemotron_h", "granitemoehybrid"])

@@ -135,11 +135,8 @@ class KVCacheManager:
         max_alloc_tokens: int | None = None,
         state_pool: StatePool | None = None,
     ) -> None:
-        if not spec.layers:
-            raise SpecError(
-                "spec.layers: expected >= 1 attention layer (a model of recurrent layers only "
-                "has no KV group to page), got 0"
-            )
+        if not spec.layers and not spec.state_layers:
+            raise SpecError("spec.layers: expected >= 1 attention or state layer, got 0")
         if bool(spec.state_layers) != (state_pool is not None):
             raise SpecError(
                 f"state_pool: expected a StatePool exactly when the spec has state layers "
@@ -215,6 +212,8 @@ class KVCacheManager:
         """:attr:`max_request_tokens` (class docstring)."""
         bs = self.block_size
         usable = self.spec.num_blocks - 1
+        if not self._groups:  # recurrent layers only: no KV block bounds a sequence
+            return 1 << 40
         if not self.unified:
             return usable * bs
         c = self.max_alloc_tokens
@@ -789,29 +788,29 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of blocks held by requests, in [0, 1] (the shared pool's; per-group
         pools: max over groups); cached blocks nobody holds count as free."""
-        return max(p.usage for p in self.block_pools)
+        return max((p.usage for p in self.block_pools), default=0.0)
 
     @property
     def num_free_blocks(self) -> int:
         """Free blocks (cached-but-unreferenced included) of the shared pool; per-group
         pools: min over groups."""
-        return min(p.num_free for p in self.block_pools)
+        return min((p.num_free for p in self.block_pools), default=0)
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks held by requests (the shared pool: all groups; per-group pools: max
         over groups)."""
-        return max(p.num_used for p in self.block_pools)
+        return max((p.num_used for p in self.block_pools), default=0)
 
     @property
     def num_retained_blocks(self) -> int:
         """Free blocks held at a raised retention priority (max over pools)."""
-        return max(p.num_retained for p in self.block_pools)
+        return max((p.num_retained for p in self.block_pools), default=0)
 
     @property
     def max_retained_blocks(self) -> int:
         """The retention cap per pool (blocks)."""
-        return self._pools[0].max_retained_blocks
+        return self._pools[0].max_retained_blocks if self._pools else 0
 
     @property
     def stats(self) -> CacheStats:
