@@ -255,6 +255,8 @@ def kv_cache_bytes(spec: CacheSpec, num_blocks: int) -> int:
 def simple_formula_bytes(spec: CacheSpec, tokens: int) -> int:
     """``layers x 2 x kv_heads x head_dim x tokens x bytes_per_element`` (first layer's
     shape for all layers; no padding, scales, null block)."""
+    if not spec.layers:  # recurrent layers only: no KV
+        return 0
     a = spec.layers[0]
     return spec.num_layers * 2 * a.num_kv_heads * a.head_dim * tokens * spec.kv_element_bytes
 
@@ -346,7 +348,8 @@ def plan_capacity(
     blocks (``num_blocks``); ``state_seqs_that_fit`` = sequences of ``model_max_len``
     tokens whose KV blocks and live state fit the whole budget without snapshots,
     ``floor((kv_budget - fixed) / (sequence_blocks(L) x bytes_per_block +
-    state_bytes_per_sequence))``.
+    state_bytes_per_sequence))``. A model of recurrent layers only (``mamba2``) has no
+    KV blocks (``num_blocks`` 2, ``tokens_unbounded``) and no cap on its snapshots.
 
     Raises:
         SpecError: bad or unsupported model (``kvpage.specs.architectures``), ``max_model_len``
@@ -397,12 +400,13 @@ def plan_capacity(
     budget = int(dev * utilization) - -(-wb // tp) - ov
     bpb = kv_cache_bytes(spec, 1) - kv_cache_bytes(spec, 0)
     fixed = kv_cache_bytes(spec, 0)
-    if budget < fixed + 2 * bpb:
+    recurrent_only = bpb == 0  # no attention layer (mamba2): no KV blocks at all
+    if budget < fixed + 2 * bpb or (recurrent_only and budget < spec.state_bytes_per_sequence):
         raise SpecError(
             f"device_bytes: expected room for weights ({wb / tp / GIB:.2f} GiB/rank) and at least "
             f"2 KV blocks, got {budget / GIB:.2f} GiB left for KV"
         )
-    num_blocks = (budget - fixed) // bpb
+    num_blocks = 2 if recurrent_only else (budget - fixed) // bpb
     state_bytes = spec.state_bytes_per_sequence
     snap_slots = snap_bytes = seqs_fit = 0
     if state_bytes:
@@ -420,23 +424,31 @@ def plan_capacity(
         kv_bytes, snap_budget = split_state_memory(
             budget, state_bytes, max_num_seqs, state_snapshot_share
         )
-        num_blocks = (kv_bytes - fixed) // bpb
-        if num_blocks < 2:
+        num_blocks = 2 if recurrent_only else (kv_bytes - fixed) // bpb
+        if num_blocks < 2 or kv_bytes < 0:
             raise SpecError(
                 f"device_bytes: expected room for {max_num_seqs} live recurrent states "
                 f"({state_bytes:,} bytes each) and 2 KV blocks, got "
                 f"{budget / GIB:.2f} GiB left for KV and state"
             )
+        cap = (1 << 40) if recurrent_only else int(num_blocks) - 1
         snap_slots = snapshot_slots_for(
-            state_bytes, state_snapshot_share, int(num_blocks) - 1, snapshot_bytes=snap_budget
+            state_bytes, state_snapshot_share, cap, snapshot_bytes=snap_budget
         )
         snap_bytes = snap_slots * state_bytes
         mml = max_model_len or src.max_model_len
-        per_seq = int(spec.sequence_blocks(mml)) * bpb + state_bytes
+        per_seq = (0 if recurrent_only else int(spec.sequence_blocks(mml)) * bpb) + state_bytes
         seqs_fit = max(0, (budget - fixed) // per_seq)
+    if recurrent_only and workload is not None:
+        raise SpecError(
+            "workload: expected none for a model of recurrent layers only (it holds no KV "
+            "blocks to count), got a workload"
+        )
     ngroups = len(spec.kv_groups)
-    fit = max_sequence_tokens(spec, int(num_blocks) - 1)
-    if fit is None:
+    fit = None if recurrent_only else max_sequence_tokens(spec, int(num_blocks) - 1)
+    if recurrent_only:
+        fit = 0
+    elif fit is None:
         per = (int(num_blocks) - 1) // ngroups if spec.kv_pool == "unified" else num_blocks - 1
         fit = int(per) * block_size
     plan = CapacityPlan(
@@ -460,7 +472,7 @@ def plan_capacity(
         model_max_len=max_model_len or src.max_model_len,
         kv_pool=spec.kv_pool,
         num_kv_groups=ngroups,
-        tokens_unbounded=max_sequence_tokens(spec, int(num_blocks) - 1) is None,
+        tokens_unbounded=recurrent_only or max_sequence_tokens(spec, int(num_blocks) - 1) is None,
         num_state_layers=len(spec.state_layers),
         state_bytes_per_sequence=state_bytes,
         state_live_slots=max_num_seqs if state_bytes else 0,

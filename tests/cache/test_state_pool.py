@@ -131,6 +131,20 @@ def test_manager_requires_pool_exactly_for_state_layers() -> None:
         KVCacheManager(dense, state_pool=StatePool(1, 1, SnapshotPolicy(BS)))
     with pytest.raises(SpecError, match="block_size"):
         KVCacheManager(hybrid_spec(), state_pool=StatePool(1, 1, SnapshotPolicy(8)))
+    only_state = make_cache_spec(
+        num_layers=0,
+        block_size=BS,
+        num_blocks=8,
+        layers=[],
+        state_layers=list(hybrid_spec().state_layers),
+    )
+    m = KVCacheManager(only_state, state_pool=StatePool(1, 2, SnapshotPolicy(BS)))
+    assert m.num_groups == 0 and m.max_request_tokens == 1 << 40 and m.usage == 0.0
+    toks = list(range(40))
+    _run_prefill(m, "r", toks)  # snapshot at 32, no KV block anywhere
+    m.free("r")
+    assert m.get_num_cached_tokens(toks + [1, 2]) == 32
+    m.check_integrity()
 
 
 def _run_prefill(m: KVCacheManager, rid: str, toks: list[int], budget: int = 4096) -> list[int]:
@@ -318,3 +332,16 @@ class StateMachine(RuleBasedStateMachine):
 
 StateMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestStateMachine = StateMachine.TestCase
+
+
+def test_readmission_does_not_count_another_pass() -> None:
+    m = make_manager(threshold=2, share=0.5)
+    toks = list(range(500, 540))  # 40 tokens: blocks 0, 1
+    _run_prefill(m, "r", toks)
+    m.free("r")  # preempted: the same request comes back
+    _run_prefill(m, "r", toks)
+    pol = m.state.policy  # type: ignore[union-attr]
+    assert pol.pass_count(hash_request_blocks(toks, BS)[0]) == 1
+    m.free("r")
+    _run_prefill(m, "s", toks)  # another request: a second pass
+    assert pol.pass_count(hash_request_blocks(toks, BS)[0]) == 2

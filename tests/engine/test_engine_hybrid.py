@@ -162,3 +162,73 @@ def test_refused_by_name(q3n: tuple[Any, str]) -> None:
         )
     with pytest.raises(SpecError, match="kv_cache_memory_bytes"):
         _llm(folder, kv_cache_memory_bytes=1000)
+
+
+def test_mamba2_recurrent_only_through_the_engine(tmp_path: Any) -> None:
+    """No attention layer: no KV blocks; the hit is the deepest snapshot along the prompt,
+    and a second turn starts from the first turn's end state."""
+    hf = make_hf("mamba2")
+    hf.save_pretrained(tmp_path)
+    llm = _llm(str(tmp_path), max_num_batched_tokens=24)
+    assert llm.llm_engine.cache_spec.layers == () and llm.llm_engine.runner.kv_caches == []
+    a = SYSTEM[:40] + [5, 6, 7]  # prompt boundary 32
+    b = SYSTEM[:40] + [8, 9, 10, 11]
+    oa, ob = (_gen(llm, [p], 20)[0] for p in (a, b))
+    turn2 = a + list(oa.outputs[0].token_ids) + [12, 13]  # a computed 43 + 19 = 62: end 48
+    (o2,) = _gen(llm, [turn2], 6)
+    assert [oa.num_cached_tokens, ob.num_cached_tokens, o2.num_cached_tokens] == [0, 32, 48]
+    for p, o, n in ((a, oa, 20), (b, ob, 20), (turn2, o2, 6)):
+        assert list(o.outputs[0].token_ids) == hf_generate(hf, p, n)
+    m = llm.llm_engine.get_metrics()
+    assert m["kvpage:prefix_cache_hits_total"] == 80.0
+    assert m["kvpage:kv_cache_usage_perc"] == 0.0
+    _all_free(llm)
+
+
+@pytest.mark.parametrize("model_type", ["nemotron_h", "granitemoehybrid"])
+def test_mamba2_hybrids_hit_at_the_prompt_boundary(model_type: str, tmp_path: Any) -> None:
+    hf = make_hf(model_type)
+    hf.save_pretrained(tmp_path)
+    llm = _llm(str(tmp_path), max_num_batched_tokens=24)
+    a = SYSTEM[:40] + [5, 6, 7]  # 43 tokens: prompt boundary 32
+    b = SYSTEM[:40] + [8, 9, 10, 11]
+    outs = [_gen(llm, [p], 6)[0] for p in (a, b)]
+    assert [o.num_cached_tokens for o in outs] == [0, 32]
+    for p, o in zip((a, b), outs):
+        assert list(o.outputs[0].token_ids) == hf_generate(hf, p, 6)
+    _all_free(llm)
+
+
+def test_snapshot_copies_run_on_an_empty_step(q3n: tuple[Any, str]) -> None:
+    _, folder = q3n
+    llm = _llm(folder)
+    _gen(llm, [list(range(3, 40))], 28)  # computed 37 + 27 = 64: the last step's snapshot
+    eng = llm.llm_engine
+    pool = eng.kv_cache_manager.state
+    assert pool is not None and pool.num_pending_copies == 1
+    (src, dst) = pool.pending_copies()[0]
+    assert eng.runner.state_caches is not None
+    live = eng.runner.state_caches[0].ssm[src].clone()
+    assert eng.step() == [] and pool.num_pending_copies == 0
+    assert eng.runner.state_caches[0].ssm[dst].equal(live)
+
+
+@pytest.mark.parametrize(
+    ("qlen", "share", "cached", "ratio"),
+    [(10, 0.25, [0] + [96] * 7, 672 / 880), (30, 0.0, [0] * 8, 0.0), (30, 0.25, [0, 0] + [96] * 6, 576 / 1040)],
+)  # fmt: skip
+def test_policy_hit_numbers_of_the_docs(
+    q3n: tuple[Any, str], qlen: int, share: float, cached: list[int], ratio: float
+) -> None:
+    """The measurement quoted in docs/architecture.md ('Recurrent state'): 8 requests,
+    one 100-token system prompt, each its own question."""
+    _, folder = q3n
+    llm = _llm(folder, state_predicted_share=share)
+    got = []
+    for r in range(8):
+        p = SYSTEM + [(r * 13 + j) % 200 + 30 for j in range(qlen)]
+        got.append(_gen(llm, [p], 4)[0].num_cached_tokens)
+    m = llm.llm_engine.get_metrics()
+    assert got == cached
+    hits, queried = m["kvpage:prefix_cache_hits_total"], m["kvpage:prefix_cache_queries_total"]
+    assert hits / queried == pytest.approx(ratio)

@@ -122,3 +122,26 @@ def test_engine_allocates_within_the_budget(tmp_path: Any) -> None:
     kv_nbytes = sum(c.kv.nbytes for c in runner.kv_caches)
     assert kv_nbytes == spec.num_blocks * spec.bytes_per_block
     assert kv_nbytes + state_nbytes <= budget
+
+
+def test_plan_recurrent_only_model(tmp_path: Any) -> None:
+    cfg = dict(
+        model_type="mamba2", hidden_size=2560, num_hidden_layers=64, num_heads=80, head_dim=64,
+        state_size=128, n_groups=1, conv_kernel=4, expand=2, vocab_size=50288,
+        max_position_embeddings=4096, torch_dtype="bfloat16",
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    p = plan_capacity(str(tmp_path), device_bytes="8GiB", weight_bytes="1GiB", max_num_seqs=16)
+    S = 64 * _mamba2_bytes(80, 64, 128, 1, 4, 2)
+    assert p.state_bytes_per_sequence == S and p.num_kv_groups == 0 and p.bytes_per_token == 0
+    assert p.tokens_unbounded and p.num_blocks == 2
+    rest = p.kv_budget_bytes - 16 * S
+    assert p.state_snapshot_slots == int(rest * 0.1) // S  # no KV block caps them
+    assert p.state_seqs_that_fit == p.kv_budget_bytes // S
+    with pytest.raises(SpecError, match="workload"):
+        from kvpage.capacity import Workload
+
+        plan_capacity(
+            str(tmp_path), device_bytes="8GiB", weight_bytes="1GiB", max_num_seqs=16,
+            workload=Workload.from_percentiles((10, 20, 30), (10, 20, 30)),
+        )  # fmt: skip

@@ -156,7 +156,10 @@ def run_plan(args: argparse.Namespace) -> int:
         ("KV blocks (incl. null block)", f"{d['num_blocks']:,}"),
         (
             "tokens that fit (one sequence)",
-            f"{d['tokens']:,}" + (" (any length: windows only)" if d["tokens_unbounded"] else ""),
+            "any length (no KV: recurrent layers only)"
+            if d["num_kv_groups"] == 0
+            else f"{d['tokens']:,}"
+            + (" (any length: windows only)" if d["tokens_unbounded"] else ""),
         ),
     ]
     if d["num_state_layers"]:

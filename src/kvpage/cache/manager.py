@@ -46,6 +46,7 @@ scheduler where a prefill chunk must end; :meth:`commit` takes the snapshots).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -72,6 +73,11 @@ if TYPE_CHECKING:
     from kvpage.cache.tiered import TieredCache
 
 
+#: request ids remembered so that a readmission after preemption does not count its
+#: prompt's boundaries as passed again (the snapshot policy's pass counts)
+_OBSERVED_CAP = 65536
+
+
 class KVCacheManager:
     """Paged KV-cache bookkeeping for one model: prefix caching, CoW, sliding windows.
 
@@ -87,6 +93,8 @@ class KVCacheManager:
             (``kvpage.cache.explain``; 0 = none).
         clock: seconds for retention deadlines and eviction times
             (``time.monotonic``).
+        state_pool: the recurrent state slots (``kvpage.cache.state_pool``), required
+            exactly when ``spec.state_layers`` is not empty (hybrid models).
         max_alloc_tokens: the most new tokens one ``allocate`` call asks for (the
             scheduler's token budget, ``max_num_batched_tokens``; None = no limit).
             With a unified pool it bounds what a sliding group holds, so
@@ -111,7 +119,8 @@ class KVCacheManager:
             tiers, miss-explanation records).
 
     Raises:
-        SpecError: ``spec.num_blocks < 2``.
+        SpecError: ``spec.num_blocks < 2``; no attention layer; a ``state_pool`` without
+            state layers, state layers without one, or one of another block size.
     """
 
     def __init__(
@@ -126,6 +135,8 @@ class KVCacheManager:
         max_alloc_tokens: int | None = None,
         state_pool: StatePool | None = None,
     ) -> None:
+        if not spec.layers and not spec.state_layers:
+            raise SpecError("spec.layers: expected >= 1 attention or state layer, got 0")
         if bool(spec.state_layers) != (state_pool is not None):
             raise SpecError(
                 f"state_pool: expected a StatePool exactly when the spec has state layers "
@@ -143,6 +154,10 @@ class KVCacheManager:
         self._points: dict[str, list[SnapshotPoint]] = {}
         #: the last hybrid lookup: (extra, tokens hashed, KV hit, state hit) in tokens
         self._state_lookup: tuple[bytes, list[int], int, int] | None = None
+        #: requests whose prompt passes the snapshot policy counted (bounded)
+        self._observed: OrderedDict[str, None] = OrderedDict()
+        #: the last prompt fully hashed for the snapshot policy: (extra, tokens, hashes)
+        self._hash_memo: tuple[bytes, list[int], list[BlockHash]] | None = None
         if max_alloc_tokens is not None and max_alloc_tokens < 1:
             raise SpecError(f"max_alloc_tokens: expected None or >= 1, got {max_alloc_tokens}")
         self.max_alloc_tokens = max_alloc_tokens
@@ -197,6 +212,8 @@ class KVCacheManager:
         """:attr:`max_request_tokens` (class docstring)."""
         bs = self.block_size
         usable = self.spec.num_blocks - 1
+        if not self._groups:  # recurrent layers only: no KV block bounds a sequence
+            return 1 << 40
         if not self.unified:
             return usable * bs
         c = self.max_alloc_tokens
@@ -382,8 +399,12 @@ class KVCacheManager:
             if h:
                 state.restore(request_id, hashes[hb - 1])
             if self.enable_prefix_caching:
-                full = self.prefix_cache.block_hashes(extra, token_ids, len(token_ids) // bs)
-                state.policy.observe(full)
+                full = self._prompt_hashes(extra, token_ids)
+                if request_id not in self._observed:  # a readmission is not another pass
+                    state.policy.observe(full)
+                    self._observed[request_id] = None
+                    if len(self._observed) > _OBSERVED_CAP:
+                        self._observed.popitem(last=False)
                 self._points[request_id] = state.policy.prompt_points(full, len(token_ids), h)
         tables: list[list[int]] = []
         new_blocks: list[list[int]] = []
@@ -509,11 +530,21 @@ class KVCacheManager:
             if request_id in self._reqs:
                 return end
             extra = encode_extra_keys(cache_salt, adapter_id)
-            full = self.prefix_cache.block_hashes(
-                extra, token_ids, len(token_ids) // self.block_size
-            )
+            full = self._prompt_hashes(extra, token_ids)
             points = state.policy.prompt_points(full, len(token_ids), start, self_pass=True)
         return state.policy.chunk_end(start, end, points)
+
+    def _prompt_hashes(self, extra: bytes, token_ids: Sequence[int]) -> list[BlockHash]:
+        """The hashes of every full block of ``token_ids`` (the snapshot policy's
+        boundaries), remembered for the next call on the same tokens and keys (an
+        admission asks for them up to three times: chunk end, allocation, explanation)."""
+        memo = self._hash_memo
+        if memo is not None and memo[0] == extra and memo[1] == token_ids:
+            return memo[2]
+        nb = len(token_ids) // self.block_size
+        hashes = self.prefix_cache.block_hashes(extra, token_ids, nb)
+        self._hash_memo = (extra, list(token_ids), hashes)
+        return hashes
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         """The state slot copies ``(src, dst)`` queued since the last call, in order
@@ -663,7 +694,7 @@ class KVCacheManager:
             if remember_key:
                 self.prefix_cache.explain_miss(token_ids, look[2], extra, True)
             bs = self.block_size
-            full = self.prefix_cache.block_hashes(extra, token_ids, len(token_ids) // bs)
+            full = self._prompt_hashes(extra, token_ids)
             near = self.state.nearest(full, look[2] // bs)
             return CacheMissExplanation(
                 "no_state_snapshot",
@@ -757,29 +788,29 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of blocks held by requests, in [0, 1] (the shared pool's; per-group
         pools: max over groups); cached blocks nobody holds count as free."""
-        return max(p.usage for p in self.block_pools)
+        return max((p.usage for p in self.block_pools), default=0.0)
 
     @property
     def num_free_blocks(self) -> int:
         """Free blocks (cached-but-unreferenced included) of the shared pool; per-group
         pools: min over groups."""
-        return min(p.num_free for p in self.block_pools)
+        return min((p.num_free for p in self.block_pools), default=0)
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks held by requests (the shared pool: all groups; per-group pools: max
         over groups)."""
-        return max(p.num_used for p in self.block_pools)
+        return max((p.num_used for p in self.block_pools), default=0)
 
     @property
     def num_retained_blocks(self) -> int:
         """Free blocks held at a raised retention priority (max over pools)."""
-        return max(p.num_retained for p in self.block_pools)
+        return max((p.num_retained for p in self.block_pools), default=0)
 
     @property
     def max_retained_blocks(self) -> int:
         """The retention cap per pool (blocks)."""
-        return self._pools[0].max_retained_blocks
+        return self._pools[0].max_retained_blocks if self._pools else 0
 
     @property
     def stats(self) -> CacheStats:

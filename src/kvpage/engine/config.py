@@ -19,7 +19,10 @@ Sizing rules (documented defaults):
   splits ``state_snapshot_share`` : ``1 - state_snapshot_share`` between snapshots and KV
   blocks (``split_state_memory``); otherwise the KV blocks are sized as above and the
   snapshots get ``share / (1 - share)`` of their bytes; either way at most one snapshot
-  per usable KV block, and ``state_snapshot_slots`` overrides the count.
+  per usable KV block, and ``state_snapshot_slots`` overrides the count. A model of
+  recurrent layers only (``mamba2``) has no KV blocks (``num_blocks`` 2, no tensors):
+  its snapshots get ``share`` of ``kv_cache_memory_bytes`` after the live states, or
+  else ``share / (1 - share)`` of the live states' bytes.
 """
 
 from __future__ import annotations
@@ -222,7 +225,9 @@ def build_components(config: EngineConfig) -> EngineComponents:
         The components, ready to run.
 
     Raises:
-        SpecError: bad sizes, a KV cache too big to allocate, or ``max_model_len`` above the model's
+        SpecError: bad sizes, a KV cache too big to allocate, a model with recurrent
+            state layers and swap preemption or speculative decoding
+            (``_check_state_config``), or ``max_model_len`` above the model's
             ``max_position_embeddings``; BackendUnavailableError: no backend can run
             the spec.
     """
@@ -262,7 +267,14 @@ def build_components(config: EngineConfig) -> EngineComponents:
     snap_bytes: int | None = None
     if state_bytes:
         _check_state_config(config)
-    if state_bytes and config.num_blocks is None and config.kv_cache_memory_bytes is not None:
+    recurrent_only = bool(state_bytes) and not probe.layers
+    if recurrent_only:  # no KV tensors: 2 blocks keep the (empty) block bookkeeping valid
+        num_blocks = 2
+        if config.kv_cache_memory_bytes is not None:
+            _, snap_bytes = split_state_memory(
+                config.kv_cache_memory_bytes, state_bytes, config.max_num_seqs, share
+            )
+    elif state_bytes and config.num_blocks is None and config.kv_cache_memory_bytes is not None:
         kv_bytes, snap_bytes = split_state_memory(
             config.kv_cache_memory_bytes, state_bytes, config.max_num_seqs, share
         )
@@ -299,6 +311,10 @@ def build_components(config: EngineConfig) -> EngineComponents:
     if spec.state_layers:
         if config.state_snapshot_slots is not None:
             n_snap = config.state_snapshot_slots
+        elif recurrent_only:  # bounded by memory only: no KV block to end at
+            if snap_bytes is None:  # share / (1 - share) of the live states' bytes
+                snap_bytes = int(config.max_num_seqs * state_bytes * share / (1.0 - share))
+            n_snap = snapshot_slots_for(state_bytes, share, 1 << 40, snapshot_bytes=snap_bytes)
         elif snap_bytes is not None:
             n_snap = snapshot_slots_for(
                 state_bytes, share, num_blocks - 1, snapshot_bytes=snap_bytes
