@@ -16,6 +16,12 @@ expert's activation are the family's (transformers 5.23 modeling files):
   and the clamped SwiGLU ``(clamp(u, -L, L) + 1) * g * sigmoid(alpha * g)`` with
   ``g = min(g, L)`` (``swiglu_alpha``, ``swiglu_limit``); the checkpoint stores
   ``gate_up_proj`` as ``[E, hidden, 2 * I]`` with gate and up columns interleaved.
+* ``deepseek_v3`` (``DeepseekV3TopkRouter``, ``DeepseekV3MoE``,
+  modeling_deepseek_v3.py): ``noaux_tc`` routing (``kvpage.specs.moe.MoEParams``:
+  sigmoid scores in float32, selection by scores + ``e_score_correction_bias`` among
+  the best ``topk_group`` of ``n_group`` groups, weights the chosen scores optionally
+  renormalised, times ``routed_scaling_factor``) and a shared SwiGLU expert
+  (``mlp.shared_experts``) added for every token.
 
 kvpage's parameters: ``mlp.gate.weight`` ``[E, hidden]`` (and ``mlp.gate.bias``
 ``[E]`` for gpt_oss), ``mlp.experts.<e>.{gate_proj,up_proj,down_proj}`` as
@@ -71,6 +77,11 @@ class MoEMLP(nn.Module):
         super().__init__()
         self.params = params
         self.gate = nn.Linear(hidden_size, params.num_experts, bias=params.bias)
+        if params.routing == "noaux_tc":  # DeepseekV3TopkRouter.e_score_correction_bias
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(params.num_experts))
+        self.shared_experts: Expert | None = None
+        if params.shared_intermediate_size:
+            self.shared_experts = Expert(hidden_size, params.shared_intermediate_size, False)
         self.experts = nn.ModuleList(
             [
                 Expert(hidden_size, params.intermediate_size, params.bias)
@@ -83,6 +94,8 @@ class MoEMLP(nn.Module):
         (float32, or the model dtype where the family casts them), ``experts
         [num_tokens, top_k]`` int64)."""
         p = self.params
+        if p.routing == "noaux_tc":
+            return self._route_noaux_tc(x)
         logits = F.linear(x, self.gate.weight, self.gate.bias)
         if p.routing == "topk_softmax":
             top, idx = torch.topk(logits, p.top_k, dim=-1)
@@ -95,9 +108,29 @@ class MoEMLP(nn.Module):
             top = top.to(x.dtype)
         return top, idx
 
+    def _route_noaux_tc(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's router (``DeepseekV3TopkRouter.forward``): float32 weights."""
+        p = self.params
+        t, e = x.shape[0], p.num_experts
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
+        bias = self.gate.get_buffer("e_score_correction_bias").float()
+        choice = scores + bias
+        if p.n_group > 1:
+            grouped = choice.view(t, p.n_group, e // p.n_group)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [t, n_group]
+            best = torch.topk(group_scores, k=p.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            keep = keep.unsqueeze(-1).expand(t, p.n_group, e // p.n_group).reshape(t, e)
+            choice = choice.masked_fill(~keep, float("-inf"))
+        idx = torch.topk(choice, k=p.top_k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, idx)
+        if p.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * p.routed_scaling_factor, idx
+
     def _act(self, gu: torch.Tensor, ops: LayerOps | None) -> torch.Tensor:
         p = self.params
-        i = p.intermediate_size
+        i = gu.shape[1] // 2  # the expert's width (the shared expert's may differ)
         if p.activation == "silu":
             if ops is not None:
                 return ops.silu_mul(gu)
@@ -133,6 +166,9 @@ class MoEMLP(nn.Module):
             y = y * w[start : start + n, None]
             out.index_add_(0, rows, y.to(out.dtype))
             start += n
+        if self.shared_experts is not None:  # DeepseekV3MoE: routed + shared(x)
+            se = self.shared_experts
+            out = out + F.linear(self._act(se._gate_up(x), ops), se.down_proj.weight)
         return out
 
 

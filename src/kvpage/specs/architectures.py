@@ -42,15 +42,14 @@ __all__ = [
 MODEL_TYPES: tuple[str, ...] = (
     "llama", "mistral", "qwen2", "gemma2", "qwen3", "gemma3_text", "phi3", "olmo2",
     "granite", "glm4", "cohere", "starcoder2", "gpt2", "mixtral", "qwen3_moe", "gpt_oss",
+    "deepseek_v3",
 )  # fmt: skip
 #: the MoE model types among them (``kvpage.models.moe``): their expert keys are expected
-MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "gpt_oss")
+MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
 #: model types ``kvpage plan`` can size a cache for: every one kvpage runs, and the
 #: recurrent/hybrid ones whose layers ``kvpage.specs.state`` lowers
-PLAN_MODEL_TYPES: tuple[str, ...] = (
-    MODEL_TYPES
-    + tuple(t for t in RECURRENT_MODEL_TYPES if t not in MODEL_TYPES)
-    + tuple(t for t in ("deepseek_v3",) if t not in MODEL_TYPES)
+PLAN_MODEL_TYPES: tuple[str, ...] = MODEL_TYPES + tuple(
+    t for t in RECURRENT_MODEL_TYPES if t not in MODEL_TYPES
 )
 #: model types with MLA attention (``kv_lora_rank`` is their own key)
 MLA_ARCH_TYPES: tuple[str, ...] = ("deepseek_v3",)
