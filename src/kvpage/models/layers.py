@@ -333,7 +333,7 @@ class DecoderLayer(nn.Module):
         self.block = arch.family.block
         self.self_attn: PagedAttention | MLAAttention
         if spec.is_mla:  # DeepSeek-V3: the latent cache (kvpage.models.mla)
-            self.self_attn = MLAAttention(arch, spec)
+            self.self_attn = MLAAttention(arch, spec, RMSNorm)
         else:
             self.self_attn = PagedAttention(arch, spec)
         self.mlp: MLP | MoEMLP

@@ -27,6 +27,8 @@ Decode and prefill both run in this absorbed form.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -50,15 +52,17 @@ class MLAAttention(nn.Module):
         arch: the model architecture (``arch.mla`` set).
         spec: this layer's AttentionSpec (``kv_lora_rank`` set; scale from
             ``kvpage.specs.hf.mla_softmax_scale``).
+        rms_norm: the RMSNorm module class, ``rms_norm(dim, eps)``
+            (``kvpage.models.layers.RMSNorm``, passed in: layers imports this module).
 
     Raises:
         SpecError: ``arch.mla`` missing or disagreeing with ``spec``.
     """
 
-    def __init__(self, arch: ArchConfig, spec: AttentionSpec) -> None:
+    def __init__(
+        self, arch: ArchConfig, spec: AttentionSpec, rms_norm: Callable[[int, float], nn.Module]
+    ) -> None:
         super().__init__()
-        from kvpage.models.layers import RMSNorm  # layers imports this module
-
         m = arch.mla
         if m is None or spec.kv_lora_rank != m.kv_lora_rank:
             raise SpecError(
@@ -75,16 +79,16 @@ class MLAAttention(nn.Module):
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         self.q_proj: nn.Linear | None = None
         self.q_a_proj: nn.Linear | None = None
-        self.q_a_layernorm: RMSNorm | None = None
+        self.q_a_layernorm: nn.Module | None = None
         self.q_b_proj: nn.Linear | None = None
         if m.q_lora_rank is None:
             self.q_proj = nn.Linear(h, hq * qk, bias=False)
         else:
             self.q_a_proj = nn.Linear(h, m.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
+            self.q_a_layernorm = rms_norm(m.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(m.q_lora_rank, hq * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, m.kv_lora_rank + m.qk_rope_head_dim, bias=bias)
-        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_a_layernorm = rms_norm(m.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(
             m.kv_lora_rank, hq * (m.qk_nope_head_dim + m.v_head_dim), bias=False
         )
