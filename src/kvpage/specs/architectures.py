@@ -7,12 +7,12 @@ in blocks). Models whose layers keep something else cannot be served by it:
   per-sequence recurrent state instead of per-token keys and values; hybrids (Jamba,
   Zamba, Bamba, Falcon-H1, Nemotron-H, Granite-4 hybrid) interleave them with attention
   layers and need both;
-* **multi-head latent attention** (MLA: DeepSeek-V2/V3, Kimi-K2): one compressed latent
-  vector per token (``kv_lora_rank``) plus a decoupled RoPE key, a different cache
-  layout and attention kernel;
-* **mixture-of-experts MLPs** beyond the three families kvpage runs (Mixtral, Qwen3-MoE,
-  gpt-oss: ``kvpage.models.moe``): Qwen2-MoE's shared expert, DeepSeek's grouped
-  routing (with MLA) and the hybrids are refused.
+* **multi-head latent attention** (MLA) beyond DeepSeek-V3 (``deepseek_v3`` runs: its
+  latent cache is ``AttentionSpec.kv_lora_rank``, ``kvpage.models.mla``): DeepSeek-V2's
+  routing and RoPE, Kimi-K2's ``model_type``;
+* **mixture-of-experts MLPs** beyond the four families kvpage runs (Mixtral, Qwen3-MoE,
+  gpt-oss, DeepSeek-V3: ``kvpage.models.moe``): Qwen2-MoE's shared expert with its gate
+  and the hybrids are refused.
 
 :func:`check_architecture` names the architecture and what is missing, so ``kvpage
 plan``, ``generate`` and ``serve`` refuse such a ``config.json`` in one line before
