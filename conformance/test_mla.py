@@ -197,3 +197,23 @@ def test_backends_without_mla_refuse_it_by_name(name: str) -> None:
         assert why, name
         if caps is not None:
             assert any("kv_lora_rank" in w and "multi-head latent attention" in w for w in why)
+
+
+def test_mla_forward_is_thread_count_invariant(ctx) -> None:  # type: ignore[no-untyped-def]
+    """The same outputs, bit for bit, planned for 1 and for 3 threads (the CPU
+    kernels split a step into parts per thread)."""
+    _mla_backend(ctx)
+    spec = mla_spec(block_size=4)
+    a = spec.layers[0]
+    latent, slots, q, meta, _ = _step(spec, LAYOUTS[3], 11, ctx.device)
+    cache = _poisoned(spec, ctx.device)
+    ctx.backend.write_kv(latent, None, cache, slots)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            outs.append(ctx.backend.forward(q, cache, ctx.backend.plan(meta), a))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from family_harness import SMALL, check_family, make_hf, transformers
+from family_harness import PROMPTS, SMALL, check_family, make_hf, transformers
 
 from kvpage.models.mla import MLAAttention
 from kvpage.models.moe import MoEMLP
@@ -105,7 +105,7 @@ def test_pool_bytes_per_token_equal_the_formula(tmp_path: Path) -> None:
     """The engine's allocated cache: layers x (kv_lora_rank + qk_rope_head_dim) x 4
     bytes per token slot (float32), no V plane; int8 adds one float32 scale."""
     from kvpage.attention.metadata import kv_caches_nbytes
-    from kvpage.engine import LLM
+    from kvpage.engine import LLM, SamplingParams
     from kvpage.models import load_model
 
     hf = make_hf("deepseek_v3", {**BASE, **CASES["q_lora"]})
@@ -119,6 +119,14 @@ def test_pool_bytes_per_token_equal_the_formula(tmp_path: Path) -> None:
         caches = llm.llm_engine.runner.kv_caches
         assert [tuple(c.kv.shape) for c in caches] == [(1, 30, 4, 1, d)] * layers
         assert kv_caches_nbytes(caches) == 30 * 4 * layers * per == spec.total_bytes
+    # every kv dtype runs end to end on the latent cache, every block free at the end
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for kv_dtype in ("int8", "fp8_e4m3"):
+        llm = LLM(model, block_size=4, num_blocks=40, kv_cache_dtype=kv_dtype, backend="torch")
+        outs = llm.generate(PROMPTS, params)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [4] * len(PROMPTS)
+        mgr = llm.llm_engine.kv_cache_manager
+        mgr.check_integrity()
 
 
 def test_router_equals_transformers() -> None:
