@@ -47,12 +47,13 @@ MODEL_TYPES: tuple[str, ...] = (
 #: the MoE model types among them (``kvpage.models.moe``): their expert keys are expected
 MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
 #: model types ``kvpage plan`` can size a cache for: every one kvpage runs, and the
-#: recurrent/hybrid ones whose layers ``kvpage.specs.state`` lowers
-PLAN_MODEL_TYPES: tuple[str, ...] = MODEL_TYPES + tuple(
-    t for t in RECURRENT_MODEL_TYPES if t not in MODEL_TYPES
+#: recurrent/hybrid ones whose layers ``kvpage.specs.state`` lowers, and DeepSeek-V2
+#: (its MLA cache layout is DeepSeek-V3's; its routing and RoPE do not run)
+PLAN_MODEL_TYPES: tuple[str, ...] = (
+    MODEL_TYPES + tuple(t for t in RECURRENT_MODEL_TYPES if t not in MODEL_TYPES) + ("deepseek_v2",)
 )
-#: model types with MLA attention (``kv_lora_rank`` is their own key)
-MLA_ARCH_TYPES: tuple[str, ...] = ("deepseek_v3",)
+#: model types with MLA attention (``kv_lora_rank`` and expert counts are their own keys)
+MLA_ARCH_TYPES: tuple[str, ...] = ("deepseek_v3", "deepseek_v2")
 
 _SSM = "SSM state (a per-sequence recurrent state instead of a KV cache)"
 _HYBRID = "hybrid SSM state (Mamba layers beside the attention layers)"
@@ -78,7 +79,10 @@ UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
     "nemotron_h": _HYBRID,
     "granitemoehybrid": f"{_HYBRID} and {_MOE}",
     "lfm2": "hybrid short-convolution state beside the attention layers",
-    "deepseek_v2": f"{_MLA} and {_MOE}",
+    "deepseek_v2": (
+        "DeepSeek-V2's MoE routing (softmax, group_limited_greedy) and RoPE layout (its "
+        "MLA cache is planned by kvpage plan; deepseek_v3 runs)"
+    ),
     "kimi_k2": f"{_MLA} and {_MOE}",
     "qwen2_moe": f"{_MOE} with a shared expert",
     "olmoe": _MOE,
