@@ -179,3 +179,14 @@ def test_parameter_count_and_plan() -> None:
     assert estimate_num_parameters(pr.hf_config) == pr.num_parameters
     m = 0.1 * math.log(40) + 1
     assert pr.cache_spec().layers[0].scale == pytest.approx(192**-0.5 * m * m)
+
+
+def test_in_memory_and_folder_layouts_agree(tmp_path: Path) -> None:
+    """transformers' in-memory model (fused expert tensors, the router's selection
+    bias buffer, shared experts) and its saved folder load to the same kvpage weights,
+    and ``to_transformers`` writes them back (logits equal)."""
+    from family_harness import check_layouts_agree
+
+    a = check_layouts_agree("deepseek_v3", {**BASE, **CASES["q_lora"]}, tmp_path)
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in a.state_dict()
+    assert "model.layers.1.mlp.shared_experts.down_proj.weight" in a.state_dict()
