@@ -190,3 +190,19 @@ def test_in_memory_and_folder_layouts_agree(tmp_path: Path) -> None:
     a = check_layouts_agree("deepseek_v3", {**BASE, **CASES["q_lora"]}, tmp_path)
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in a.state_dict()
     assert "model.layers.1.mlp.shared_experts.down_proj.weight" in a.state_dict()
+
+
+def test_bfloat16_keeps_the_selection_bias_in_float32(tmp_path: Path) -> None:
+    """A bf16 model keeps ``e_score_correction_bias`` in float32 (transformers'
+    ``_keep_in_fp32_modules_strict``) and runs on the latent cache."""
+    from kvpage.engine import LLM, SamplingParams
+    from kvpage.models import load_model
+
+    make_hf("deepseek_v3", {**BASE, **CASES["q_lora"]}).save_pretrained(tmp_path)
+    m = load_model(tmp_path, dtype="bfloat16")
+    gate = m.model.layers[1].mlp.gate
+    assert gate.get_buffer("e_score_correction_bias").dtype == torch.float32
+    assert gate.weight.dtype == torch.bfloat16
+    llm = LLM(m, block_size=4, num_blocks=60, backend="torch")
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -53,6 +53,11 @@ from kvpage.errors import SpecError
 from kvpage.models.linears import FusedLinear
 from kvpage.specs.moe import MOE_MODEL_TYPES, MoEParams, moe_params_from_hf
 
+#: weights kept in float32 whatever the model dtype (transformers'
+#: ``DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict``): the selection bias of
+#: ``noaux_tc`` routing, added to float32 scores
+FLOAT32_WEIGHTS = ("e_score_correction_bias",)
+
 
 class Expert(nn.Module):
     """One GLU expert: ``down(act(gate(x), up(x)))``; gate and up as one fused matmul."""
@@ -277,6 +282,7 @@ def moe_weights_to_hf(sd: Mapping[str, torch.Tensor], params: MoEParams) -> dict
 
 
 __all__ = [
+    "FLOAT32_WEIGHTS",
     "MOE_MODEL_TYPES",
     "Expert",
     "MoEMLP",
