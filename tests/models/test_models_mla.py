@@ -206,3 +206,24 @@ def test_bfloat16_keeps_the_selection_bias_in_float32(tmp_path: Path) -> None:
     llm = LLM(m, block_size=4, num_blocks=60, backend="torch")
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_preemption_on_a_small_latent_pool(tmp_path: Path) -> None:
+    """A pool of 9 usable blocks of 4 for three prompts (up to 29 tokens each):
+    preemption and recompute over the latent cache, tokens still transformers', every
+    block free at the end."""
+    from family_harness import hf_greedy
+
+    from kvpage.engine import LLM, SamplingParams
+    from kvpage.models import load_model
+
+    hf = make_hf("deepseek_v3", {**BASE, **CASES["q_lora"]})
+    hf.save_pretrained(tmp_path)
+    want = [hf_greedy(hf, p, 8)[0] for p in PROMPTS]
+    llm = LLM(load_model(tmp_path), block_size=4, num_blocks=10, max_num_batched_tokens=7)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.get_metrics()["kvpage:num_preemptions_total"] >= 1
+    mgr = llm.llm_engine.kv_cache_manager
+    mgr.check_integrity()
+    assert mgr.num_free_blocks == 9
