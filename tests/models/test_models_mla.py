@@ -90,7 +90,9 @@ def check_deepseek(features: dict[str, Any], tmp_path: Path, backend: str = "aut
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("backend", ["torch", "native-cpu"])
+@pytest.mark.parametrize(
+    "backend", ["torch", "native-cpu", pytest.param("numba-cpu", marks=pytest.mark.slow)]
+)
 def test_deepseek_v3_greedy_equals_transformers(case: str, backend: str, tmp_path: Path) -> None:
     check_deepseek(CASES[case], tmp_path, backend)
 
