@@ -16,6 +16,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvpage.attention.metadata import AttentionMetadata, KVCache, allocate_layer_cache
 from kvpage.attention.reference import reference_attention, reference_write_kv
@@ -70,6 +72,36 @@ def _poisoned(spec: CacheSpec, device: torch.device) -> KVCache:
     return c
 
 
+def _check_case(ctx, spec: CacheSpec, layout, seed: int) -> None:  # type: ignore[no-untyped-def]
+    """write_kv bits and forward (and out=) against the reference for one step."""
+    a = spec.layers[0]
+    latent, slots, q, meta, lat = _step(spec, layout, seed, ctx.device)
+    cache, want = _poisoned(spec, ctx.device), _poisoned(spec, torch.device("cpu"))
+    ctx.backend.write_kv(latent, None, cache, slots)
+    reference_write_kv(latent.cpu(), None, want, slots.cpu())
+    assert_cache_bits_equal(cache, want, what="MLA write_kv")
+    plan = ctx.backend.plan(meta)
+    before = clone_cache(cache)
+    out = ctx.backend.forward(q, cache, plan, a)
+    assert tuple(out.shape) == (meta.num_tokens, HEADS, RANK) and out.dtype == q.dtype
+    assert_cache_bits_equal(cache, before, what="MLA forward reads only")
+    cpu_meta = AttentionMetadata.build(
+        meta.query_lens_cpu, meta.seq_lens_cpu, meta.block_tables.tolist(), spec.block_size
+    )
+    ref = reference_attention(q.cpu(), want, cpu_meta, a)
+    # E = max|values| * max(1, kappa / 8), kappa = scale * max sum_d |q_d k_d|
+    deq = torch.cat(lat).double()
+    vmax = float(deq[..., :RANK].abs().max())
+    kappa = a.scale * float((q.cpu().double().abs() @ deq.abs().view(-1, RANK + ROPE).T).max())
+    e = vmax * max(1.0, kappa / 8)
+    assert_close(out, ref, tolerance_for(q.dtype), what="MLA forward", scale=e)
+    buf = torch.full_like(out, float("nan"))
+    assert ctx.backend.forward(q, cache, plan, a, buf) is buf
+    assert_close(buf, ref, tolerance_for(q.dtype), what="MLA forward out=", scale=e)
+    if spec.kv_dtype != "auto":
+        _check_quant_error(spec, lat, q, meta, ref)
+
+
 def _step(spec: CacheSpec, layout, seed: int, device: torch.device):  # type: ignore[no-untyped-def]
     """Latents of every position, absorbed queries of the new tokens, shuffled tables."""
     qlens, slens = layout
@@ -102,33 +134,37 @@ def test_mla_write_and_forward_match_reference(ctx, kv_dtype, dtype, layout) -> 
     _mla_backend(ctx)
     spec = mla_spec(kv_dtype, dtype, block_size=4 if layout % 2 else 16)
     ctx.supports(ctx.backend.unsupported_reasons(spec, ctx.device))
-    a = spec.layers[0]
-    latent, slots, q, meta, lat = _step(spec, LAYOUTS[layout], 7 + layout, ctx.device)
-    cache, want = _poisoned(spec, ctx.device), _poisoned(spec, torch.device("cpu"))
-    ctx.backend.write_kv(latent, None, cache, slots)
-    reference_write_kv(latent.cpu(), None, want, slots.cpu())
-    assert_cache_bits_equal(cache, want, what="MLA write_kv")
-    plan = ctx.backend.plan(meta)
-    before = clone_cache(cache)
-    out = ctx.backend.forward(q, cache, plan, a)
-    assert tuple(out.shape) == (meta.num_tokens, HEADS, RANK) and out.dtype == q.dtype
-    assert_cache_bits_equal(cache, before, what="MLA forward reads only")
-    cpu_meta = AttentionMetadata.build(
-        meta.query_lens_cpu, meta.seq_lens_cpu, meta.block_tables.tolist(), spec.block_size
-    )
-    ref = reference_attention(q.cpu(), want, cpu_meta, a)
-    # E = max|values| * max(1, kappa / 8), kappa = scale * max sum_d |q_d k_d|
-    deq = torch.cat(lat).double()
-    vmax = float(deq[..., :RANK].abs().max())
-    kappa = a.scale * float((q.cpu().double().abs() @ deq.abs().view(-1, RANK + ROPE).T).max())
-    assert_close(
-        out, ref, tolerance_for(q.dtype), what="MLA forward", scale=vmax * max(1.0, kappa / 8)
-    )
-    buf = torch.full_like(out, float("nan"))
-    assert ctx.backend.forward(q, cache, plan, a, buf) is buf
-    assert_close(buf, ref, tolerance_for(q.dtype), what="MLA forward out=", scale=vmax * max(1.0, kappa / 8))  # fmt: skip
-    if kv_dtype != "auto":
-        _check_quant_error(spec, lat, q, meta, ref)
+    _check_case(ctx, spec, LAYOUTS[layout], 7 + layout)
+
+
+@st.composite
+def _mla_steps(draw: st.DrawFn):  # type: ignore[no-untyped-def]
+    """A random step: 1-3 sequences, each a decode, a prefill or a chunk over cached
+    context (lengths up to 40), block size 1-16, any kv dtype and query dtype."""
+    n = draw(st.integers(1, 3))
+    slens = [draw(st.integers(1, 40)) for _ in range(n)]
+    qlens = [draw(st.integers(1, s)) for s in slens]
+    kv_dtype = draw(st.sampled_from(KV_DTYPES))
+    dtype = draw(st.sampled_from(sorted(DTYPES)))
+    bs = draw(st.sampled_from([1, 3, 4, 16]))
+    return (tuple(qlens), tuple(slens)), kv_dtype, dtype, bs, draw(st.integers(0, 2**16))
+
+
+def test_mla_random_steps_match_reference(ctx) -> None:  # type: ignore[no-untyped-def]
+    _mla_backend(ctx)
+
+    @ctx.settings()
+    @given(_mla_steps())
+    def run(step) -> None:  # type: ignore[no-untyped-def]
+        layout, kv_dtype, dtype, bs, seed = step
+        spec = mla_spec(kv_dtype, dtype, block_size=bs)
+        if -(-40 // bs) * 3 >= spec.num_blocks:  # the pool must hold three 40-token tables
+            spec = spec.with_blocks(3 * 40 + 2)
+        if ctx.backend.unsupported_reasons(spec, ctx.device):
+            return
+        _check_case(ctx, spec, layout, seed)
+
+    run()
 
 
 def _check_quant_error(spec, lat, q, meta, ref_deq) -> None:  # type: ignore[no-untyped-def]
@@ -197,3 +233,23 @@ def test_backends_without_mla_refuse_it_by_name(name: str) -> None:
         assert why, name
         if caps is not None:
             assert any("kv_lora_rank" in w and "multi-head latent attention" in w for w in why)
+
+
+def test_mla_forward_is_thread_count_invariant(ctx) -> None:  # type: ignore[no-untyped-def]
+    """The same outputs, bit for bit, planned for 1 and for 3 threads (the CPU
+    kernels split a step into parts per thread)."""
+    _mla_backend(ctx)
+    spec = mla_spec(block_size=4)
+    a = spec.layers[0]
+    latent, slots, q, meta, _ = _step(spec, LAYOUTS[3], 11, ctx.device)
+    cache = _poisoned(spec, ctx.device)
+    ctx.backend.write_kv(latent, None, cache, slots)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            outs.append(ctx.backend.forward(q, cache, ctx.backend.plan(meta), a))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])

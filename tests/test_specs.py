@@ -446,3 +446,22 @@ def test_mla_scale_with_yarn_mscale() -> None:
     m = 0.1 * math.log(40) + 1.0
     assert a.scale == pytest.approx(192**-0.5 * m * m)
     assert (a.num_q_heads, a.num_kv_heads, a.head_dim, a.kv_lora_rank) == (128, 1, 576, 512)
+
+
+def test_mla_deepseek_v2_is_planned_and_sliding_mla_refused() -> None:
+    """DeepSeek-V2 has DeepSeek-V3's MLA keys and scale (DeepseekV2Attention): planned;
+    running it is refused by name; a sliding window on an MLA layer is refused."""
+    from kvpage.specs.architectures import MODEL_TYPES, check_architecture
+
+    cfg = {
+        "model_type": "deepseek_v2", "num_hidden_layers": 2, "num_attention_heads": 4,
+        "hidden_size": 64, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+        "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    }  # fmt: skip
+    s = CacheSpec.from_hf_config(cfg, dtype="bfloat16")
+    assert s.bytes_per_token == 2 * 40 * 2 and s.layers[0].kv_lora_rank == 32
+    with pytest.raises(SpecError, match="deepseek_v2.*group_limited_greedy"):
+        check_architecture(cfg, MODEL_TYPES)
+    with pytest.raises(SpecError, match="sliding_window: expected None on an MLA layer"):
+        make_attention_spec(num_q_heads=4, num_kv_heads=1, head_dim=40, kv_lora_rank=32,
+                            qk_rope_head_dim=8, sliding_window=16)  # fmt: skip

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from kvpage.attention.canonical import mla_reasons, refuse_mla
+from kvpage.attention.canonical import mla_as_mqa
 from kvpage.attention.checks import check_launch_forward
 from kvpage.attention.cpu_plan import CpuPlan, forward_operands, torch_threads
 from kvpage.attention.metadata import AttentionMetadata, KVCache
@@ -68,7 +68,10 @@ class NumbaCpuBackend:
         priority={"cpu": -10},
         query_dtypes=frozenset({"float32", "bfloat16"}),
         sinks=True,
+        mla=True,
         notes=(
+            "MLA: the latent read as both K and V of one KV head (the kernel takes the V "
+            "plane of a [1, ...] cache to be its K plane)",
             "compiled on first use per KV storage dtype (cached on disk by numba)",
             "float16 refused: numba has no CPU float16 arithmetic",
             "more than one thread starts numba's OpenMP pool (GNU OpenMP: not fork-safe)",
@@ -89,7 +92,7 @@ class NumbaCpuBackend:
             why.append("numba is not installed (pip install kvpage[numba])")
         if spec.dtype not in self.capabilities.query_dtypes:
             why.append(f"dtype: expected float32|bfloat16, got {spec.dtype}")
-        return why + mla_reasons(spec, self.name)
+        return why
 
     def test_budget(self, device: torch.device) -> Mapping[str, object] | None:
         """The suite's full default budget (``{}``: no field changed; ``None`` would
@@ -133,7 +136,9 @@ class NumbaCpuBackend:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of one layer over the step (``AttentionBackend.forward``) by the
-        compiled kernel; writes ``out`` (or a new tensor) and nothing else.
+        compiled kernel; writes ``out`` (or a new tensor) and nothing else. An MLA layer
+        (``spec.kv_lora_rank``): one-KV-head attention whose key and value are the
+        latent, result ``[..., :kv_lora_rank]``.
 
         Raises:
             ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_forward``.
@@ -143,7 +148,27 @@ class NumbaCpuBackend:
             if plan.layers_checked
             else check_launch_forward(query, cache, plan, spec, out, sinks)
         )
-        refuse_mla(spec, self.name)  # MLA latent caches: not in this kernel
+        if spec.is_mla:  # one KV head whose K and V are the latent (mla_as_mqa)
+            full = self._run(query, cache, plan, mla_as_mqa(cache, spec)[1], kind, None, None)
+            res_mla = full[..., : spec.value_dim]
+            if out is None:
+                return res_mla.contiguous()
+            out.copy_(res_mla)
+            return out
+        return self._run(query, cache, plan, spec, kind, out, sinks)
+
+    def _run(
+        self,
+        query: torch.Tensor,
+        cache: KVCache,
+        plan: CpuPlan,
+        spec: AttentionSpec,
+        kind: str,
+        out: torch.Tensor | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``forward`` after its checks: the kernel call (an MLA latent cache with the
+        MQA spec of ``mla_as_mqa``: the kernel reads its one plane as K and V)."""
         from kvpage_numba_cpu import kernels
 
         out, ops = forward_operands(query, plan, spec, out)

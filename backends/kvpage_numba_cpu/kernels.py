@@ -64,13 +64,16 @@ def _dot(a, ao, b, bo, d):
 def _convert(kv, kind, tsc, fsc, lut, blk, j0, j1, h, tile, tile_bits):
     """K (tile rows ``0 .. bs-1``) and V (rows ``bs .. 2bs-1``) of keys ``j0 .. j1-1`` of
     block ``blk``, KV head ``h``, as float32 rows of ``head_dim`` in ``tile``
-    (``tile_bits`` is its uint32 view)."""
+    (``tile_bits`` is its uint32 view). An MLA latent cache (``kv`` ``[1, ...]``): both
+    from the latent plane (fp8: ``fsc`` row 1 is the latent's ``k_scale`` again)."""
     bs = U(kv.shape[2])
     hd = U(kv.shape[3] * kv.shape[4])
     d = U(kv.shape[4])
     flat = kv.reshape(-1)
+    latent = kv.shape[0] == 1  # an MLA latent cache: the latent is K and V
     for c in range(U(0), U(2)):
-        plane = (c * U(kv.shape[1]) + blk) * bs
+        cp = U(0) if latent else c
+        plane = (cp * U(kv.shape[1]) + blk) * bs
         for j in range(j0, j1):
             src = (plane + j) * hd + h * d
             dst = (c * bs + j) * d
@@ -78,7 +81,7 @@ def _convert(kv, kind, tsc, fsc, lut, blk, j0, j1, h, tile, tile_bits):
                 for x in range(U(0), d):
                     tile_bits[dst + x] = np.uint32(np.uint16(flat[src + x])) << np.uint32(16)
             elif kind == KIND_INT8:
-                sc = tsc[c, blk, j, h]
+                sc = tsc[cp, blk, j, h]
                 for x in range(U(0), d):
                     tile[dst + x] = np.float32(flat[src + x]) * sc
             else:
@@ -111,7 +114,8 @@ def run_part(
     """Part ``t`` of ``paged_attention`` (one thread's units, in order)."""
     nq = U(q.shape[1])
     d = U(q.shape[2])
-    nb = U(kv.shape[1])
+    # V plane offset in blocks; 0 for an MLA latent cache [1, ...] (V = K = the latent)
+    nb = U(kv.shape[1]) if kv.shape[0] == 2 else U(0)
     bs = U(kv.shape[2])
     hkv = U(kv.shape[3])
     group = nq // hkv

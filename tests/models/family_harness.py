@@ -117,11 +117,16 @@ def check_family(
     num_blocks: int = 160,
     max_num_seqs: int = 3,
     check_model: Callable[[Any], bool] | None = None,
+    prepare: Callable[[Any], None] | None = None,
 ) -> float:
     """Greedy equality with transformers (folder load, chunked prefill; ``rounds=2``:
     the rerun hits the prefix cache); returns the largest log-probability error.
-    ``check_model`` asserts something of the loaded kvpage model (e.g. its MLP kind)."""
+    ``check_model`` asserts something of the loaded kvpage model (e.g. its MLP kind);
+    ``prepare`` changes the transformers model before it is saved (e.g. its buffers)."""
     hf = make_hf(model_type, features)
+    if prepare is not None:
+        with torch.no_grad():
+            prepare(hf)
     hf.save_pretrained(tmp_path)  # the family's checkpoint names
     dynamic = "dynamic" in str(features.get("rope_parameters"))
     oracle = hf_cached_greedy if dynamic else hf_greedy

@@ -245,8 +245,8 @@ def test_family_configs_refused_by_name() -> None:
 
     with pytest.raises(SpecError, match="gemma3.*multimodal.*gemma3_text"):
         CacheSpec.from_hf_config({"model_type": "gemma3"})
-    with pytest.raises(SpecError, match="deepseek_v2.*MLA"):
-        CacheSpec.from_hf_config({"model_type": "deepseek_v2", "kv_lora_rank": 512})
+    with pytest.raises(SpecError, match="kimi_k2.*MLA"):
+        CacheSpec.from_hf_config({"model_type": "kimi_k2", "kv_lora_rank": 512})
     with pytest.raises(SpecError, match="use_bidirectional_attention"):
         load_cfg({**SMALL, "model_type": "gemma3_text", "use_bidirectional_attention": True})
     with pytest.raises(SpecError, match="rope_type"):

@@ -122,7 +122,7 @@ ARCH_CONFIGS = {
         "hybrid SSM state",
     ),
     "mamba": ({"architectures": ["MambaForCausalLM"], "hidden_size": 768}, "SSM state"),
-    "deepseek_v2": ({"kv_lora_rank": 512, "n_routed_experts": 160}, "MLA"),
+    "kimi_k2": ({"kv_lora_rank": 512, "n_routed_experts": 384}, "MLA"),
     "my_new_arch": ({"kv_lora_rank": 64}, "MLA"),  # unknown type: found from its keys
 }
 

@@ -88,7 +88,7 @@ def check_write_kv(
     want = (cache.num_kv_heads, cache.head_dim)
     if (value is None) != cache.is_latent:
         raise ShapeError(
-            "value: expected None for an MLA latent cache (the latent is the key)"
+            "value: expected None for an MLA latent cache (the latent is the key), got a tensor"
             if cache.is_latent
             else "value: expected a tensor (a K/V cache), got None"
         )

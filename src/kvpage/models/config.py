@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpage.errors import SpecError
 from kvpage.models.rope import ROPE_TYPES
 from kvpage.specs.architectures import MODEL_TYPES, check_architecture
 from kvpage.specs.families import FAMILIES, Family
-from kvpage.specs.hf import HFAttentionShape, hf_attention_shape
+from kvpage.specs.hf import MLA_MODEL_TYPES, HFAttentionShape, hf_attention_shape
 from kvpage.specs.moe import MoEParams, moe_params_from_hf
 from kvpage.specs.state import attention_layer_ids, layer_mixers
 
@@ -33,6 +33,55 @@ ACTIVATIONS = {
     "gelu_python": "gelu",
     "relu2": "relu2",
 }
+
+
+@dataclass(frozen=True)
+class MLAParams:
+    """The sizes of an MLA attention layer (HF ``DeepseekV3Attention``; DeepSeek-V2,
+    arXiv:2405.04434, section 2.1).
+
+    Attributes:
+        q_lora_rank: the query's low-rank width (``q_a_proj``/``q_b_proj``), None =
+            one ``q_proj``.
+        kv_lora_rank: the cached latent's width (``kv_a_proj_with_mqa`` output minus
+            the RoPE key).
+        qk_nope_head_dim, qk_rope_head_dim: per head, the query/key parts without and
+            with RoPE (the key's RoPE part is shared by all heads).
+        v_head_dim: per head, the value width.
+        rope_interleave: the RoPE part is rotated in interleaved pairs and laid out
+            de-interleaved (``apply_rotary_pos_emb_interleave``), else rotate-half.
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+
+
+def mla_params_from_hf(cfg: Mapping[str, Any]) -> MLAParams | None:
+    """The MLA sizes of a ``deepseek_v3`` config, None for other model types.
+
+    Raises:
+        SpecError: a size missing or not a positive integer.
+    """
+    if cfg.get("model_type") not in MLA_MODEL_TYPES:
+        return None
+    sizes = {}
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        v = _req(cfg, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise SpecError(f"config.{key}: expected a positive integer, got {v!r}")
+        sizes[key] = v
+    q = cfg.get("q_lora_rank")
+    if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 1):
+        raise SpecError(f"config.q_lora_rank: expected a positive integer or null, got {q!r}")
+    return MLAParams(
+        q_lora_rank=q,
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+        **sizes,
+    )
 
 
 @dataclass(frozen=True)
@@ -73,6 +122,9 @@ class ArchConfig:
             (gpt-oss ``self_attn.sinks``).
         use_rope: the attention layers rotate q/k (``family.rope``; Granite-4 hybrid:
             ``position_embedding_type == "rope"``).
+        mla: the MLA sizes (DeepSeek-V3: ``kvpage.models.mla``), None for K/V
+            attention; then ``head_dim`` and ``rotary_dim`` are ``qk_rope_head_dim``
+            (the RoPE tables' width, HF ``DeepseekV3Config.head_dim``).
     """
 
     model_type: str
@@ -103,6 +155,7 @@ class ArchConfig:
     qk_norm: bool = False
     sinks: bool = False
     use_rope: bool = True
+    mla: MLAParams | None = None
 
     @property
     def max_context_len(self) -> int:
@@ -260,6 +313,9 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
         shape = HFAttentionShape(mt, len(mixers), int(_req(cfg, "hidden_size")), 0, 0, 0)
     else:
         shape = hf_attention_shape(cfg)  # the one reader of layer and head sizes
+    mla = mla_params_from_hf(cfg)
+    if mla is not None:  # RoPE runs on the qk_rope_head_dim part (DeepseekV3Config.head_dim)
+        shape = replace(shape, head_dim=mla.qk_rope_head_dim, num_kv_heads=1)
     hidden = shape.hidden_size
     act_name = fam.activation(cfg)
     if act_name not in ACTIVATIONS:
@@ -339,6 +395,7 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> ArchConfig:
         use_rope=not attention_free
         and fam.rope
         and (mt != "granitemoehybrid" or cfg.get("position_embedding_type") == "rope"),
+        mla=mla,
     )
 
 
@@ -346,6 +403,8 @@ __all__ = [
     "ROPE_TYPES",
     "SUPPORTED_MODEL_TYPES",
     "ArchConfig",
+    "MLAParams",
+    "mla_params_from_hf",
     "arch_from_hf",
     "rope_of",
     "rope_params",

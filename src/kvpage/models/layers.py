@@ -27,6 +27,7 @@ from kvpage.models.linears import (
     PackedWeight,
     pack_min_rows,
 )
+from kvpage.models.mla import MLAAttention
 from kvpage.models.moe import MoEMLP
 from kvpage.models.rope import (
     RotaryEmbedding,
@@ -360,7 +361,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         h = arch.hidden_size
         self.block = arch.family.block
-        self.self_attn = PagedAttention(arch, spec)
+        self.self_attn: PagedAttention | MLAAttention
+        if spec.is_mla:  # DeepSeek-V3: the latent cache (kvpage.models.mla)
+            self.self_attn = MLAAttention(arch, spec, RMSNorm)
+        else:
+            self.self_attn = PagedAttention(arch, spec)
         self.mlp: MLP | MoEMLP
         if arch.moe is not None and layer_id in arch.moe.sparse_layers:
             self.mlp = MoEMLP(h, arch.moe)

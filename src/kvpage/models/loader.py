@@ -14,7 +14,7 @@ from kvpage.errors import SpecError
 from kvpage.models.config import arch_from_hf
 from kvpage.models.llama2c import BUNDLED_MODEL, bundled_model_path, read_llama2c
 from kvpage.models.model import ModelRunnerModel, rotary_embeddings
-from kvpage.models.moe import moe_weights_from_hf, moe_weights_to_hf
+from kvpage.models.moe import FLOAT32_WEIGHTS, moe_weights_from_hf, moe_weights_to_hf
 from kvpage.models.tokenizer import (
     HFTokenizer,
     Llama2cTokenizer,
@@ -168,7 +168,12 @@ def _build(
                 f"weights[{k}]: expected shape {tuple(own[k].shape)}, got {tuple(v.shape)}"
             )
     target = MODEL_DTYPES[dtype]
-    copies = {k: v.detach().to(device=device, dtype=target, copy=True) for k, v in weights.items()}
+    copies = {
+        k: v.detach().to(
+            device=device, dtype=torch.float32 if k.endswith(FLOAT32_WEIGHTS) else target, copy=True
+        )
+        for k, v in weights.items()
+    }
     model.load_state_dict(copies, strict=True, assign=True)
     full, local = rotary_embeddings(model.arch)
     model.rotary = None if full is None else full.to(device)

@@ -189,13 +189,21 @@ class ModelRunnerModel(nn.Module):
 
     def dense_macs_per_token(self) -> tuple[int, int]:
         """Multiply-adds per token of the largest linear of a decoder layer as it runs
-        (q/k/v fused, gate/up fused, o, down) and of the lm_head."""
+        (q/k/v fused, gate/up fused, o, down; MLA: q_proj or q_b_proj,
+        kv_a_proj_with_mqa, o_proj) and of the lm_head."""
         a = self.arch
         h, d = a.hidden_size, a.head_dim
         qkv = h * (a.num_q_heads + 2 * a.num_kv_heads) * d
+        o = a.num_q_heads * d * h
+        if a.mla is not None:  # kvpage.models.mla: the query projection(s), o_proj
+            m, hq = a.mla, a.num_q_heads
+            qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+            qkv = max(h * hq * qk if m.q_lora_rank is None else m.q_lora_rank * hq * qk,
+                      h * (m.kv_lora_rank + m.qk_rope_head_dim))  # fmt: skip
+            o = hq * m.v_head_dim * h
         inter = a.intermediate_size if a.moe is None else a.moe.intermediate_size
         up = 1 if a.family.mlp == "plain" else 2  # plain MLP: no gate
-        layer = max(qkv, a.num_q_heads * d * h, up * h * inter)
+        layer = max(qkv, o, up * h * inter)
         return layer, h * a.vocab_size
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

@@ -22,6 +22,12 @@ expert's activation are the family's (transformers 5.23 modeling files):
 * ``granitemoehybrid`` (``GraniteMoeHybridTopKRouter``): the top-k of the logits,
   softmax over those k (as gpt-oss, no bias), SwiGLU experts; the layer's
   ``shared_mlp`` is a dense MLP beside it (``kvpage.models.hybrid``).
+* ``deepseek_v3`` (``DeepseekV3TopkRouter``, ``DeepseekV3MoE``,
+  modeling_deepseek_v3.py): ``noaux_tc`` routing (``kvpage.specs.moe.MoEParams``:
+  sigmoid scores in float32, selection by scores + ``e_score_correction_bias`` among
+  the best ``topk_group`` of ``n_group`` groups, weights the chosen scores optionally
+  renormalised, times ``routed_scaling_factor``) and a shared SwiGLU expert
+  (``mlp.shared_experts``) added for every token.
 
 kvpage's parameters: ``mlp.gate.weight`` ``[E, hidden]`` (and ``mlp.gate.bias``
 ``[E]`` for gpt_oss), ``mlp.experts.<e>.{gate_proj,up_proj,down_proj}`` as
@@ -53,6 +59,11 @@ from kvpage.errors import SpecError
 from kvpage.models.linears import FusedLinear
 from kvpage.specs.moe import MOE_MODEL_TYPES, MoEParams, moe_params_from_hf
 
+#: weights kept in float32 whatever the model dtype (transformers'
+#: ``DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict``): the selection bias of
+#: ``noaux_tc`` routing, added to float32 scores
+FLOAT32_WEIGHTS = ("e_score_correction_bias",)
+
 
 class Expert(nn.Module):
     """One GLU expert: ``down(act(gate(x), up(x)))``; gate and up as one fused matmul."""
@@ -77,22 +88,32 @@ class MoEMLP(nn.Module):
         super().__init__()
         self.params = params
         self.gate = nn.Linear(hidden_size, params.num_experts, bias=params.bias)
+        if params.routing == "noaux_tc":  # DeepseekV3TopkRouter.e_score_correction_bias
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(params.num_experts))
+        # the shared expert under its checkpoint name: DeepSeek's ``shared_experts``
+        # (ungated), Qwen3-Next's ``shared_expert`` with ``shared_expert_gate``
+        self.shared_experts: Expert | None = None
+        self.shared_expert: Expert | None = None
+        si = params.shared_intermediate_size
+        if si and params.shared_expert_gate:
+            self.shared_expert = Expert(hidden_size, si, False)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        elif si:
+            self.shared_experts = Expert(hidden_size, si, False)
         self.experts = nn.ModuleList(
             [
                 Expert(hidden_size, params.intermediate_size, params.bias)
                 for _ in range(params.num_experts)
             ]
         )
-        self.shared_expert: Expert | None = None
-        if params.shared_expert_intermediate_size:  # Qwen3NextSparseMoeBlock
-            self.shared_expert = Expert(hidden_size, params.shared_expert_intermediate_size, False)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router of ``x`` ``[num_tokens, hidden]``: ``(weights [num_tokens, top_k]``
         (float32, or the model dtype where the family casts them), ``experts
         [num_tokens, top_k]`` int64)."""
         p = self.params
+        if p.routing == "noaux_tc":
+            return self._route_noaux_tc(x)
         logits = F.linear(x, self.gate.weight, self.gate.bias)
         if p.routing == "topk_softmax":
             top, idx = torch.topk(logits, p.top_k, dim=-1)
@@ -105,9 +126,29 @@ class MoEMLP(nn.Module):
             top = top.to(x.dtype)
         return top, idx
 
+    def _route_noaux_tc(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's router (``DeepseekV3TopkRouter.forward``): float32 weights."""
+        p = self.params
+        t, e = x.shape[0], p.num_experts
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
+        bias = self.gate.get_buffer("e_score_correction_bias").float()
+        choice = scores + bias
+        if p.n_group > 1:
+            grouped = choice.view(t, p.n_group, e // p.n_group)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [t, n_group]
+            best = torch.topk(group_scores, k=p.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            keep = keep.unsqueeze(-1).expand(t, p.n_group, e // p.n_group).reshape(t, e)
+            choice = choice.masked_fill(~keep, float("-inf"))
+        idx = torch.topk(choice, k=p.top_k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, idx)
+        if p.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * p.routed_scaling_factor, idx
+
     def _act(self, gu: torch.Tensor, ops: LayerOps | None) -> torch.Tensor:
         p = self.params
-        i = p.intermediate_size
+        i = gu.shape[1] // 2  # the expert's width (the shared expert's may differ)
         if p.activation == "silu":
             if ops is not None:
                 return ops.silu_mul(gu)
@@ -116,6 +157,10 @@ class MoEMLP(nn.Module):
         g = gu[:, :i].clamp(max=lim)
         u = gu[:, i:].clamp(min=-lim, max=lim)
         return (u + 1) * (g * torch.sigmoid(g * p.swiglu_alpha))
+
+    def _shared(self, se: Expert, x: torch.Tensor, ops: LayerOps | None) -> torch.Tensor:
+        """The shared SwiGLU expert on every token of ``x`` ``[num_tokens, hidden]``."""
+        return F.linear(self._act(se._gate_up(x), ops), se.down_proj.weight)
 
     def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
         """x ``[num_tokens, hidden]`` -> same shape and dtype. ``ops``: a backend's
@@ -144,12 +189,11 @@ class MoEMLP(nn.Module):
             y = y * w[start : start + n, None]
             out.index_add_(0, rows, y.to(out.dtype))
             start += n
-        if self.shared_expert is not None:  # + sigmoid(gate x) * shared(x), added last
-            se = self.shared_expert
-            gu = se._gate_up(x)
-            i = se.gate_proj.out_features
-            s = F.linear(F.silu(gu[:, :i]) * gu[:, i:], se.down_proj.weight)
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * s
+        if self.shared_expert is not None:  # Qwen3NextSparseMoeBlock: gated, added last
+            gate = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))
+            out = out + gate * self._shared(self.shared_expert, x, ops)
+        if self.shared_experts is not None:  # DeepseekV3MoE: routed + shared(x)
+            out = out + self._shared(self.shared_experts, x, ops)
         return out
 
 
@@ -264,6 +308,7 @@ def moe_weights_to_hf(sd: Mapping[str, torch.Tensor], params: MoEParams) -> dict
 
 
 __all__ = [
+    "FLOAT32_WEIGHTS",
     "MOE_MODEL_TYPES",
     "Expert",
     "MoEMLP",

@@ -16,6 +16,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from kvpage.specs.hf import yarn_mscale
+
 #: RoPE variants implemented (HF ``rope_type`` names)
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 #: the variants whose frequencies depend on the position (see :class:`RotaryEmbedding`)
@@ -34,7 +36,7 @@ def rope_inv_freq(
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+    return yarn_mscale(scale, mscale)  # kvpage.specs.hf: the one formula
 
 
 def rope_frequencies(

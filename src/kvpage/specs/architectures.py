@@ -8,12 +8,12 @@ in blocks). Models whose layers keep something else cannot be served by it:
   hybrids built on them (Jamba, Zamba, Bamba). Mamba-2 and Gated DeltaNet run, alone
   (``mamba2``) or beside attention (``qwen3_next``, ``nemotron_h``, ``granitemoehybrid``,
   ``falcon_h1``: ``kvpage.models.hybrid``, state slots of ``kvpage.specs.state``);
-* **multi-head latent attention** (MLA: DeepSeek-V2/V3, Kimi-K2): one compressed latent
-  vector per token (``kv_lora_rank``) plus a decoupled RoPE key, a different cache
-  layout and attention kernel;
-* **mixture-of-experts MLPs** beyond the three families kvpage runs (Mixtral, Qwen3-MoE,
-  gpt-oss: ``kvpage.models.moe``): Qwen2-MoE's shared expert, DeepSeek's grouped
-  routing (with MLA) and the hybrids are refused.
+* **multi-head latent attention** (MLA) beyond DeepSeek-V3 (``deepseek_v3`` runs: its
+  latent cache is ``AttentionSpec.kv_lora_rank``, ``kvpage.models.mla``): DeepSeek-V2's
+  routing and RoPE, Kimi-K2's ``model_type``;
+* **mixture-of-experts MLPs** beyond the families kvpage runs (Mixtral, Qwen3-MoE,
+  gpt-oss, DeepSeek-V3, Qwen3-Next, Granite-4 hybrid: ``kvpage.models.moe``): Qwen2-MoE's
+  shared expert with its gate and Nemotron-H's MoE layers are refused.
 
 :func:`check_architecture` names the architecture and what is missing, so ``kvpage
 plan``, ``generate`` and ``serve`` refuse such a ``config.json`` in one line before
@@ -43,21 +43,20 @@ __all__ = [
 MODEL_TYPES: tuple[str, ...] = (
     "llama", "mistral", "qwen2", "gemma2", "qwen3", "gemma3_text", "phi3", "olmo2",
     "granite", "glm4", "cohere", "starcoder2", "gpt2", "mixtral", "qwen3_moe", "gpt_oss",
-    "qwen3_next", "mamba2", "nemotron_h", "granitemoehybrid", "falcon_h1",
+    "qwen3_next", "mamba2", "nemotron_h", "granitemoehybrid", "falcon_h1", "deepseek_v3",
 )  # fmt: skip
 #: the MoE model types among them (``kvpage.models.moe``): their expert keys are expected
 MOE_MODEL_TYPES: tuple[str, ...] = (
-    "mixtral", "qwen3_moe", "gpt_oss", "qwen3_next", "granitemoehybrid",
+    "mixtral", "qwen3_moe", "gpt_oss", "qwen3_next", "granitemoehybrid", "deepseek_v3",
 )  # fmt: skip
 #: model types ``kvpage plan`` can size a cache for: every one kvpage runs, and the
-#: recurrent/hybrid ones whose layers ``kvpage.specs.state`` lowers
+#: recurrent/hybrid ones whose layers ``kvpage.specs.state`` lowers, and DeepSeek-V2
+#: (its MLA cache layout is DeepSeek-V3's; its routing and RoPE do not run)
 PLAN_MODEL_TYPES: tuple[str, ...] = (
-    MODEL_TYPES
-    + tuple(t for t in RECURRENT_MODEL_TYPES if t not in MODEL_TYPES)
-    + tuple(t for t in ("deepseek_v3",) if t not in MODEL_TYPES)
+    MODEL_TYPES + tuple(t for t in RECURRENT_MODEL_TYPES if t not in MODEL_TYPES) + ("deepseek_v2",)
 )
-#: model types with MLA attention (``kv_lora_rank`` is their own key)
-MLA_ARCH_TYPES: tuple[str, ...] = ("deepseek_v3",)
+#: model types with MLA attention (``kv_lora_rank`` and expert counts are their own keys)
+MLA_ARCH_TYPES: tuple[str, ...] = ("deepseek_v3", "deepseek_v2")
 
 _SSM = "SSM state (a per-sequence recurrent state instead of a KV cache)"
 _HYBRID = "hybrid SSM state (Mamba layers beside the attention layers)"
@@ -79,7 +78,10 @@ UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
     "zamba2": _HYBRID,
     "bamba": _HYBRID,
     "lfm2": "hybrid short-convolution state beside the attention layers",
-    "deepseek_v2": f"{_MLA} and {_MOE}",
+    "deepseek_v2": (
+        "DeepSeek-V2's MoE routing (softmax, group_limited_greedy) and RoPE layout (its "
+        "MLA cache is planned by kvpage plan; deepseek_v3 runs)"
+    ),
     "kimi_k2": f"{_MLA} and {_MOE}",
     "qwen2_moe": f"{_MOE} with a shared expert",
     "olmoe": _MOE,

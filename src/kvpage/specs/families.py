@@ -94,6 +94,8 @@ class Family:
             ``lm_head_multiplier``).
         skip_prefixes: checkpoint keys the model does not use (Qwen3-Next's multi-token
             prediction head ``mtp.*``, which transformers ignores at load too).
+        attn: ``mha`` (q/k/v projections, K/V cache; GQA/MQA included) | ``mla``
+            (multi-head latent attention, ``kvpage.models.mla``: a latent cache).
     """
 
     model_type: str
@@ -127,6 +129,7 @@ class Family:
     rope: bool = True
     logit_scale_key: str = "logit_scale"
     skip_prefixes: tuple[str, ...] = ()
+    attn: str = "mha"
 
     def biases(self, cfg: Mapping[str, Any]) -> tuple[bool, bool, bool]:
         """``(qkv_bias, o_bias, mlp_bias)`` of a config."""
@@ -361,6 +364,10 @@ FAMILIES: dict[str, Family] = {
                 (_LAYER + "pre_ff_layernorm.", _LAYER + "post_attention_layernorm."),
             ),
         ),
+        # DeepseekV3DecoderLayer: pre-norm, MLA attention (kvpage.models.mla; its
+        # q_a/kv_a projections and o_proj switch their biases by attention_bias), a
+        # dense SwiGLU MLP on the first first_k_dense_replace layers, then the MoE
+        Family("deepseek_v3", mlp="moe", attn="mla"),
     )
 }
 
@@ -398,6 +405,19 @@ def rename_weights(names: list[str], family: Family, to_kvpage: bool = True) -> 
     return out
 
 
+def _mla_parameters(cfg: Mapping[str, Any], h: int, hq: int, bias: bool) -> int:
+    """One ``DeepseekV3Attention``'s parameters: ``q_proj`` (or ``q_a_proj``,
+    ``q_a_layernorm``, ``q_b_proj``), ``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
+    ``kv_b_proj``, ``o_proj`` (the a-projections and ``o_proj`` with biases when
+    ``attention_bias``)."""
+    nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    r, v, q = int(cfg["kv_lora_rank"]), int(cfg["v_head_dim"]), cfg.get("q_lora_rank")
+    qk = nope + rope
+    n = h * q + (q if bias else 0) + q + q * hq * qk if q else h * hq * qk
+    n += h * (r + rope) + (r + rope if bias else 0) + r + r * hq * (nope + v)
+    return n + hq * v * h + (h if bias else 0)
+
+
 def count_parameters(
     cfg: Mapping[str, Any],
     *,
@@ -426,6 +446,8 @@ def count_parameters(
     qkv_b, o_b, mlp_b = fam.biases(cfg)
     attn = 2 * h * hq * d + 2 * h * hk * d
     attn += (hq * d + 2 * hk * d if qkv_b else 0) + (h if o_b else 0)
+    if fam.attn == "mla":
+        attn = _mla_parameters(cfg, h, hq, qkv_b)
     if fam.has_qk_norm(cfg):
         attn += 2 * d if fam.qk_norm == "head" else (hq + hk) * d
     if fam.sinks:

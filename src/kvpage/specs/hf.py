@@ -256,8 +256,10 @@ def attention_layers_from_hf(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-#: model types whose attention is MLA (multi-head latent attention)
-MLA_MODEL_TYPES = ("deepseek_v3",)
+#: model types whose attention is MLA (multi-head latent attention): the same config
+#: keys and softmax scale in transformers' DeepseekV2Attention and DeepseekV3Attention
+#: (deepseek_v2 is planned only: kvpage does not run its routing and RoPE)
+MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 
 
 def rope_parameters_of(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -291,7 +293,8 @@ def mla_softmax_scale(cfg: Mapping[str, Any]) -> float:
 
 
 def mla_layers_from_hf(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """AttentionSpec fields of every layer of an MLA config (``deepseek_v3``): one KV
+    """AttentionSpec fields of every layer of an MLA config (``deepseek_v3``,
+    ``deepseek_v2``): one KV
     head of ``head_dim = kv_lora_rank + qk_rope_head_dim`` (the cached latent), the
     config's query heads, :func:`mla_softmax_scale`. (HF's ``head_dim`` attribute of
     these configs is ``qk_rope_head_dim`` and is not read.)

@@ -5,7 +5,11 @@ The one reader of these keys: ``kvpage.models.moe`` builds the MoE MLP from them
 ``kvpage.capacity`` counts the parameters with them. Sources per family (transformers
 5.23): ``MixtralTopKRouter`` / ``MixtralExperts`` (models/mixtral/modeling_mixtral.py),
 ``Qwen3MoeTopKRouter`` / ``Qwen3MoeDecoderLayer`` (models/qwen3_moe/modeling_qwen3_moe.py),
-``GptOssTopKRouter`` / ``GptOssExperts`` (models/gpt_oss/modeling_gpt_oss.py).
+``GptOssTopKRouter`` / ``GptOssExperts`` (models/gpt_oss/modeling_gpt_oss.py),
+``DeepseekV3TopkRouter`` / ``DeepseekV3MoE`` / ``DeepseekV3DecoderLayer``
+(models/deepseek_v3/modeling_deepseek_v3.py; DeepSeek-V3 report arXiv:2412.19437,
+section 2.1.2: sigmoid affinities, the auxiliary-loss-free bias used for selection
+only, node/group-limited routing).
 """
 
 from __future__ import annotations
@@ -23,13 +27,19 @@ class MoEParams:
     """The MoE settings of one model.
 
     Attributes:
-        family: ``mixtral`` | ``qwen3_moe`` | ``gpt_oss`` (checkpoint layout and rules).
+        family: ``mixtral`` | ``qwen3_moe`` | ``gpt_oss`` | ``deepseek_v3`` (checkpoint
+            layout and rules).
         num_experts: experts per MoE layer (``num_local_experts`` / ``num_experts``).
         top_k: experts per token (``num_experts_per_tok``), ``1 <= top_k <= num_experts``.
         intermediate_size: each expert's hidden width (``moe_intermediate_size`` for
             Qwen3-MoE, ``intermediate_size`` otherwise).
-        routing: ``softmax_topk`` (softmax over all experts, then the top-k) or
-            ``topk_softmax`` (top-k of the logits, softmax over them: gpt-oss).
+        routing: ``softmax_topk`` (softmax over all experts, then the top-k),
+            ``topk_softmax`` (top-k of the logits, softmax over them: gpt-oss) or
+            ``noaux_tc`` (DeepSeek-V3: ``s = sigmoid(logits)`` in float32; experts
+            chosen by ``s + e_score_correction_bias`` within the ``topk_group`` best of
+            ``n_group`` groups (a group's score: the sum of its two best); weights
+            ``s`` of the chosen, divided by their sum + 1e-20 when ``norm_topk_prob``,
+            times ``routed_scaling_factor``).
         norm_topk_prob: renormalise the top-k probabilities to sum 1 (``softmax_topk``).
         weights_in_model_dtype: cast the routing weights to the model dtype (Qwen3-MoE)
             rather than keeping them float32 (Mixtral).
@@ -37,9 +47,15 @@ class MoEParams:
         activation: ``silu`` (SwiGLU) or ``clamped_swiglu`` (gpt-oss).
         swiglu_alpha, swiglu_limit: gpt-oss's ``alpha`` and clamp ``L``.
         sparse_layers: the layers whose MLP is the MoE (others: a dense MLP).
-        shared_expert_intermediate_size: width of the always-on shared expert, added
-            to the routed output times ``sigmoid(shared_expert_gate(x))`` (Qwen3-Next
-            ``Qwen3NextSparseMoeBlock``); 0 = none.
+        shared_intermediate_size: width of the shared expert every token also runs
+            (Qwen3-Next ``shared_expert_intermediate_size``; DeepSeek
+            ``moe_intermediate_size * n_shared_experts``; 0 = none).
+        shared_expert_gate: the shared expert's output is multiplied by
+            ``sigmoid(shared_expert_gate(x))`` (Qwen3-Next ``Qwen3NextSparseMoeBlock``;
+            DeepSeek's is added ungated).
+        n_group, topk_group: ``noaux_tc`` group limiting (experts in ``n_group``
+            equal groups, only the ``topk_group`` best groups eligible).
+        routed_scaling_factor: ``noaux_tc`` weight multiplier.
     """
 
     family: str
@@ -54,7 +70,11 @@ class MoEParams:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     sparse_layers: tuple[int, ...] = ()
-    shared_expert_intermediate_size: int = 0
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
 
 def _int(cfg: Mapping[str, Any], *keys: str) -> int:
@@ -77,6 +97,8 @@ def moe_params_from_hf(cfg: Mapping[str, Any], num_layers: int) -> MoEParams | N
     mt = cfg.get("model_type")
     if mt not in MOE_MODEL_TYPES:
         return None
+    if mt == "deepseek_v3":
+        return _deepseek_params(cfg, num_layers)
     if mt == "qwen3_next" and not cfg.get("num_experts"):
         return None  # Qwen3NextDecoderLayer: num_experts 0 = dense MLPs only
     if mt == "granitemoehybrid":  # GraniteMoeHybridTopKRouter: softmax of the top-k logits
@@ -144,21 +166,87 @@ def moe_params_from_hf(cfg: Mapping[str, Any], num_layers: int) -> MoEParams | N
         bias=False,
         activation="silu",
         sparse_layers=layers,
-        shared_expert_intermediate_size=(
+        shared_intermediate_size=(
             _int(cfg, "shared_expert_intermediate_size") if mt == "qwen3_next" else 0
         ),
+        shared_expert_gate=mt == "qwen3_next",
+    )
+
+
+def _deepseek_params(cfg: Mapping[str, Any], num_layers: int) -> MoEParams:
+    """``DeepseekV3MoE`` settings: ``n_routed_experts`` of ``moe_intermediate_size``,
+    ``n_shared_experts`` shared ones fused into one of ``n_shared_experts`` times that
+    width, ``noaux_tc`` routing; the first ``first_k_dense_replace`` layers dense
+    (``DeepseekV3DecoderLayer``).
+
+    Raises:
+        SpecError: missing or invalid counts, ``n_group`` not dividing the experts,
+            ``topk_group`` above ``n_group``, too few eligible experts for the top-k, a
+            ``topk_method`` or ``scoring_func`` other than ``noaux_tc`` / ``sigmoid``.
+    """
+    n = _int(cfg, "n_routed_experts", "num_local_experts")
+    inter = _int(cfg, "moe_intermediate_size")
+    k = _int(cfg, "num_experts_per_tok")
+    groups = _int(cfg, "n_group") if cfg.get("n_group") is not None else 1
+    top_groups = _int(cfg, "topk_group") if cfg.get("topk_group") is not None else 1
+    for key, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+        v = cfg.get(key)
+        if v is not None and v != want:
+            raise SpecError(f"config.{key}: expected {want!r} (DeepSeek-V3 routing), got {v!r}")
+    if n % groups:
+        raise SpecError(f"config.n_group: expected a divisor of n_routed_experts={n}, got {groups}")
+    if top_groups > groups:
+        raise SpecError(f"config.topk_group: expected <= n_group={groups}, got {top_groups}")
+    per_group = n // groups
+    if per_group < 2:  # each group's score is the sum of its two best experts
+        raise SpecError(
+            f"config.n_group: expected >= 2 experts per group, got {per_group} ({n} / {groups})"
+        )
+    if k > top_groups * per_group:
+        raise SpecError(
+            f"config.num_experts_per_tok: expected <= {top_groups * per_group} experts "
+            f"(topk_group x experts per group), got {k}"
+        )
+    shared = cfg.get("n_shared_experts")
+    shared_n = 0 if shared in (None, 0) else _int(cfg, "n_shared_experts")
+    dense = cfg.get("first_k_dense_replace") or 0
+    if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
+        raise SpecError(f"config.first_k_dense_replace: expected an integer >= 0, got {dense!r}")
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise SpecError(f"config.hidden_act: expected silu for deepseek_v3, got {act!r}")
+    rsf = float(cfg.get("routed_scaling_factor", 1.0))
+    if not rsf > 0:
+        raise SpecError(f"config.routed_scaling_factor: expected > 0, got {rsf}")
+    return MoEParams(
+        family="deepseek_v3",
+        num_experts=n,
+        top_k=k,
+        intermediate_size=inter,
+        routing="noaux_tc",
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        weights_in_model_dtype=False,
+        bias=False,
+        activation="silu",
+        sparse_layers=tuple(range(dense, num_layers)),
+        shared_intermediate_size=inter * shared_n,
+        n_group=groups,
+        topk_group=top_groups,
+        routed_scaling_factor=rsf,
     )
 
 
 def moe_parameter_count(params: MoEParams, hidden_size: int) -> int:
-    """Parameters of one MoE layer's MLP: the router (``E * hidden``, plus ``E`` bias)
-    and ``E`` experts of three ``hidden x I`` matrices (plus ``2I + hidden`` biases),
-    plus a shared expert and its ``[1, hidden]`` gate where the family has one."""
+    """Parameters of one MoE layer's MLP: the router (``E * hidden``, plus ``E`` bias;
+    ``noaux_tc``: plus the ``E`` selection biases ``e_score_correction_bias``), ``E``
+    experts of three ``hidden x I`` matrices (plus ``2I + hidden`` biases), the shared
+    expert (three ``hidden x shared_intermediate_size``) and its ``[1, hidden]`` gate
+    where the family has one."""
     e, i, h = params.num_experts, params.intermediate_size, hidden_size
     per = 3 * h * i + (2 * i + h if params.bias else 0)
-    si = params.shared_expert_intermediate_size
-    shared = 3 * h * si + h if si else 0  # shared expert and its gate
-    return e * h + (e if params.bias else 0) + e * per + shared
+    router = e * h + (e if params.bias or params.routing == "noaux_tc" else 0)
+    shared = 3 * h * params.shared_intermediate_size + (h if params.shared_expert_gate else 0)
+    return router + e * per + shared
 
 
 __all__ = ["MOE_MODEL_TYPES", "MoEParams", "moe_parameter_count", "moe_params_from_hf"]
