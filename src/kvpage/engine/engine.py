@@ -111,6 +111,14 @@ class LLMEngine:
         self.step_stats = StepStats()
         self.spec_config = parse_speculative_config(config.speculative_config)
         self.spec_stats = SpecDecodeStats() if self.spec_config is not None else None
+        #: the adaptive draft policy's step cost clock: process CPU seconds on a CPU
+        #: device (the step's own work, not other jobs on a shared machine), wall
+        #: seconds elsewhere (an accelerator's time is not the host's CPU time)
+        self._policy_cpu_clock = (
+            self.scheduler.draft_policy is not None
+            and self.scheduler.draft_policy.adaptive
+            and torch.device(config.device).type == "cpu"
+        )
         self._unique_salts = 0
         #: ids of user requests dropped by failed steps (oldest first)
         self.failed_request_ids: deque[str] = deque(maxlen=1024)
@@ -363,6 +371,7 @@ class LLMEngine:
                 so the engine stays usable.
         """
         timer = StepTimer()
+        cpu0 = time.process_time() if self._policy_cpu_clock else 0.0
         self._admit_compiled()
         out = self._schedule()
         if out is None:
@@ -389,7 +398,8 @@ class LLMEngine:
                     self.outputs.record_sequence_logprobs(seq, toks, ents)
             timer.lap()  # update
             if self.scheduler.draft_policy is not None:
-                self._observe_policy(out, sampled, sum(timer.laps))
+                cost = time.process_time() - cpu0 if self._policy_cpu_clock else sum(timer.laps)
+                self._observe_policy(out, sampled, cost)
             results = self.outputs.emit(progressed, time.monotonic(), finished_only)
             timer.lap()  # output
         except BaseException:
@@ -506,8 +516,8 @@ class LLMEngine:
     def _observe_policy(
         self, out: SchedulerOutput, sampled: dict[str, list[int]], seconds: float
     ) -> None:
-        """Feed the draft policy this step's wall ``seconds`` (schedule to update) and
-        emitted tokens; a step is pure decode when every scheduled sequence computed
+        """Feed the draft policy this step's ``seconds`` (schedule to update; process CPU
+        seconds on a CPU device, else wall) and emitted tokens; a step is pure decode when every scheduled sequence computed
         one token (or its last token and drafts) and sampled."""
         policy = self.scheduler.draft_policy
         assert policy is not None

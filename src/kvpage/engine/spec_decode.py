@@ -124,16 +124,17 @@ def make_draft_policy(config: SpeculativeConfig) -> DraftPolicy:
 @dataclass
 class _Arm:
     """Measured cost of one mode at one batch-size bucket: a winsorised exponential
-    moving average of step seconds per emitted token over pure decode steps (each
-    observation capped at :data:`_CAP` times the current estimate, so one step stalled
-    by another process on a shared machine moves it by at most ``weight * (_CAP - 1)``
-    of itself), and how many such steps it has seen."""
+    moving average of step seconds per emitted token over pure decode steps, seeded by
+    the second (the first runs new shapes: kernel set-up, first-touch memory). Each
+    later observation is capped at :data:`_CAP` times the current estimate, so one step
+    stalled by another process on a shared machine moves it by at most
+    ``weight * (_CAP - 1)`` of itself. ``steps``: how many steps it has seen."""
 
     cost: float = 0.0
     steps: int = 0
 
     def observe(self, sec_per_token: float, weight: float) -> None:
-        if self.steps == 0:
+        if self.steps <= 1:  # the first step of a mode is not counted (first-run shapes)
             self.cost = sec_per_token
         else:
             x = min(sec_per_token, _CAP * self.cost)
@@ -173,7 +174,8 @@ class DraftPolicy:
        (none). The policy keeps per mode an exponential moving average (weight
        :attr:`EMA_WEIGHT`; each observation capped at 1.5 times the estimate, so a
        step stalled by another process barely moves it) of the step's wall seconds per
-       emitted token over steps that only decode (a prefill chunk in the step makes it incomparable, so it is not
+       emitted token (process CPU seconds on a CPU device, ``LLMEngine._observe_policy``;
+       the first step of each mode is not counted) over steps that only decode (a prefill chunk in the step makes it incomparable, so it is not
        recorded). Each mode is first run for :attr:`WARMUP_STEPS` steps (in
        :data:`MODES` order); then the step takes the mode of least cost, except that
        every :attr:`PROBE_EVERY`-th decision of a bucket takes one of the other two
