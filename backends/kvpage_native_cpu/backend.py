@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kvpage.attention.canonical import mla_as_mqa
-from kvpage.attention.checks import check_launch_forward, check_write_kv
+from kvpage.attention.checks import CHECKED_SLOT_MAPPINGS, check_launch_forward, check_write_kv
 from kvpage.attention.cpu_plan import CpuPlan, forward_operands, torch_threads
 from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
@@ -169,7 +169,9 @@ class NativeCpuBackend:
         ``value=None``).
 
         Raises:
-            ShapeError, DTypeError: see ``kvpage.attention.checks.check_write_kv``.
+            ShapeError, DTypeError: see ``kvpage.attention.checks.check_write_kv`` (not
+                run for a slot mapping the engine validated at plan time:
+                ``checks.CHECKED_SLOT_MAPPINGS``).
         """
         kv = cache.kv
         lib = self._library()[0]
@@ -185,7 +187,8 @@ class NativeCpuBackend:
         ):
             self._torch.write_kv(key, value, cache, slot_mapping)
             return
-        check_write_kv(key, value, cache, slot_mapping)
+        if CHECKED_SLOT_MAPPINGS.get(id(slot_mapping)) is not slot_mapping:
+            check_write_kv(key, value, cache, slot_mapping)
         es = kv.element_size()
         lib.kvp_write_kv(
             key.data_ptr(), key.stride(0) * es, value.data_ptr(), value.stride(0) * es,

@@ -99,3 +99,63 @@ def test_engine_runner_checks_its_caches_at_construction() -> None:
     while eng.has_unfinished_requests():
         eng.step()
     assert seen and all(p.layers_checked for p in seen)
+
+
+def test_check_step_layers_checks_and_records_the_slot_mapping() -> None:
+    meta = _meta()  # 1 sequence of 3 tokens, block size 2, blocks [1, 2]: slot 4
+    meta.slot_mapping = torch.tensor([6])  # block 3: inside a 4-block pool only
+    plan = TorchBackend().plan(meta)
+    slots = meta.slot_mapping
+    with pytest.raises(
+        ShapeError, match=r"^slot_mapping: expected values in \[-1, 5\], got \[6, 6\]"
+    ):
+        checks.check_step_layers(plan, [(2, 4), (2, 3)], torch.device("cpu"))  # 2nd pool: 6 slots
+    assert not plan.layers_checked and id(slots) not in checks.CHECKED_SLOT_MAPPINGS
+    checks.check_step_layers(plan, [(2, 4), (2, 4)], torch.device("cpu"))
+    assert plan.layers_checked and checks.CHECKED_SLOT_MAPPINGS[id(slots)] is slots
+
+
+def test_debug_option_records_no_slot_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checks, "CHECK_EVERY_LAYER", True)
+    meta = _meta()
+    checks.check_step_layers(TorchBackend().plan(meta), [(2, 4)], torch.device("cpu"))
+    assert id(meta.slot_mapping) not in checks.CHECKED_SLOT_MAPPINGS
+
+
+def test_checked_slot_mappings_keep_the_newest_entries() -> None:
+    metas = [_meta() for _ in range(checks.MAX_CHECKED_SLOT_MAPPINGS + 2)]
+    for m in metas:
+        checks.check_step_layers(TorchBackend().plan(m), [(2, 4)], torch.device("cpu"))
+    assert len(checks.CHECKED_SLOT_MAPPINGS) == checks.MAX_CHECKED_SLOT_MAPPINGS
+    assert id(metas[0].slot_mapping) not in checks.CHECKED_SLOT_MAPPINGS
+    assert checks.CHECKED_SLOT_MAPPINGS[id(metas[-1].slot_mapping)] is metas[-1].slot_mapping
+
+
+@pytest.mark.parametrize("name", ["torch", "native-cpu"])
+def test_write_kv_skips_its_check_only_for_the_recorded_slot_mapping(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvpage.backends.torch_backend.backend as tb
+    from kvpage.backends import get_backend
+
+    backend = get_backend(name)
+    calls: list[int] = []
+    real = checks.check_write_kv
+
+    def spy(*a, **k):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(tb, "check_write_kv", spy)
+    monkeypatch.setattr(type(backend).__module__ + ".check_write_kv", spy)
+    meta = _meta()
+    checks.check_step_layers(backend.plan(meta), [(2, 4)], torch.device("cpu"))
+    k = torch.randn(1, 2, 8)  # the step's one query token
+    skipped, checked = _cache(), _cache()
+    backend.write_kv(k, k, skipped, meta.slot_mapping)  # the engine's path: no check
+    assert calls == []
+    backend.write_kv(k, k, checked, meta.slot_mapping.clone())  # same values, another tensor
+    assert calls == [1]
+    torch.testing.assert_close(skipped.kv, checked.kv, rtol=0, atol=0)
+    with pytest.raises(ShapeError, match=r"^key: expected \[num_tokens, 2, 8\]"):  # direct: caught
+        backend.write_kv(torch.randn(1, 1, 8), k, _cache(), meta.slot_mapping.clone())

@@ -9,9 +9,13 @@ runs (the step itself is validated once, when the plan is built:
 ``check_forward`` runs at plan time instead: :func:`check_layers` once for the
 runner's caches and specs (they never change), :func:`check_step_layers` once per step
 and KV group; it marks the plan (``StepPlan.layers_checked``) and the CPU backends'
-``forward`` then runs no per-layer check. ``KVPAGE_CHECK_EVERY_LAYER=1`` in the
-environment (:data:`CHECK_EVERY_LAYER`) leaves the plan unmarked, so every layer checks
-its arguments again (debugging a backend or a model). The ``check_launch_*`` functions run them first
+``forward`` then runs no per-layer check. It also checks the step's slot mapping
+against the group's pools and records it (:data:`CHECKED_SLOT_MAPPINGS`): ``write_kv``
+called with that very tensor (the model passes each layer ``plan.meta.slot_mapping``)
+skips ``check_write_kv``; any other slot mapping — a direct call — is checked.
+``KVPAGE_CHECK_EVERY_LAYER=1`` in the environment (:data:`CHECK_EVERY_LAYER`) leaves the
+plan unmarked and records nothing, so every layer checks its arguments again (debugging
+a backend or a model). The ``check_launch_*`` functions run them first
 and add what kernels that take raw memory need (storage and scale dtypes, index dtypes,
 devices of every tensor, independent block copies); the triton, cupy and numba plugins
 use them.
@@ -35,6 +39,15 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: ``KVPAGE_CHECK_EVERY_LAYER=1``: every layer's ``forward`` checks its arguments even
 #: when the step's layers were validated at plan time (read at import)
 CHECK_EVERY_LAYER = os.environ.get("KVPAGE_CHECK_EVERY_LAYER", "") not in ("", "0")
+#: slot mappings validated by :func:`check_step_layers`: ``id(tensor) -> tensor`` (held,
+#: so an id cannot be reused while recorded). A backend's ``write_kv`` skips
+#: ``check_write_kv`` when ``CHECKED_SLOT_MAPPINGS.get(id(slot_mapping)) is
+#: slot_mapping``. Written only by ``check_step_layers``; at most
+#: :data:`MAX_CHECKED_SLOT_MAPPINGS` entries, the oldest dropped first (a dropped one is
+#: checked again, never skipped).
+CHECKED_SLOT_MAPPINGS: dict[int, torch.Tensor] = {}
+#: entries kept in :data:`CHECKED_SLOT_MAPPINGS` (a step records one per KV group)
+MAX_CHECKED_SLOT_MAPPINGS = 16
 
 
 def check_cache(cache: KVCache, name: str = "cache") -> None:
@@ -270,17 +283,35 @@ def check_step_layers(
     block tables fit every ``(block_size, num_blocks)`` pool of the group
     (``check_tables``). Marks ``plan.layers_checked`` (unless :data:`CHECK_EVERY_LAYER`),
     so the layers' ``forward`` skips its checks; the query, ``out`` and ``sinks`` are
-    then the model's own tensors, shaped by the same specs.
+    then the model's own tensors, shaped by the same specs. Likewise the step's slot
+    mapping (its shape and dtype checked by ``check_step``): its slots are checked
+    against every pool (CPU slot mappings, as in ``check_write_kv``) and it is recorded
+    in :data:`CHECKED_SLOT_MAPPINGS`, so ``write_kv`` with it skips ``check_write_kv``
+    (key and value are the model's own, shaped by the same specs).
 
     Raises:
-        ShapeError: a plan on another device, or block tables that do not fit a pool.
+        ShapeError: a plan on another device, block tables that do not fit a pool, or
+            a slot outside ``[-1, num_blocks * block_size)`` of a pool.
     """
     if plan.device != device:
         raise ShapeError(f"meta.device: expected {device} (the cache's), got {plan.device}")
+    pools = list(pools)
     for block_size, num_blocks in pools:
         check_tables(plan, block_size, num_blocks)
-    if not CHECK_EVERY_LAYER:
-        object.__setattr__(plan, "layers_checked", True)
+    if CHECK_EVERY_LAYER:
+        return
+    slots = plan.meta.slot_mapping
+    if pools and slots.device.type == "cpu" and slots.numel():
+        lo, hi = int(slots.min()), int(slots.max())
+        n = min(block_size * num_blocks for block_size, num_blocks in pools)
+        if lo < -1 or hi >= n:
+            raise ShapeError(f"slot_mapping: expected values in [-1, {n - 1}], got [{lo}, {hi}]")
+    object.__setattr__(plan, "layers_checked", True)
+    if not pools:  # no pool to have checked the slots against: write_kv checks them
+        return
+    CHECKED_SLOT_MAPPINGS[id(slots)] = slots
+    while len(CHECKED_SLOT_MAPPINGS) > MAX_CHECKED_SLOT_MAPPINGS:
+        del CHECKED_SLOT_MAPPINGS[next(iter(CHECKED_SLOT_MAPPINGS))]
 
 
 def check_block_pairs(pairs: torch.Tensor, num_blocks: int) -> None:

@@ -11,7 +11,12 @@ from collections.abc import Callable, Mapping
 import torch
 
 from kvpage.attention.canonical import mla_as_mqa
-from kvpage.attention.checks import check_block_pairs, check_forward, check_write_kv
+from kvpage.attention.checks import (
+    CHECKED_SLOT_MAPPINGS,
+    check_block_pairs,
+    check_forward,
+    check_write_kv,
+)
 from kvpage.attention.metadata import AttentionMetadata, KVCache
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.attention.quant import quantize_fp8, quantize_int8
@@ -104,9 +109,12 @@ class TorchBackend:
         only; every other slot stays bit-identical. Slots must be distinct.
 
         Raises:
-            ShapeError, DTypeError: see ``kvpage.attention.checks.check_write_kv``.
+            ShapeError, DTypeError: see ``kvpage.attention.checks.check_write_kv`` (not
+                run for a slot mapping the engine validated at plan time:
+                ``checks.CHECKED_SLOT_MAPPINGS``).
         """
-        check_write_kv(key, value, cache, slot_mapping)
+        if CHECKED_SLOT_MAPPINGS.get(id(slot_mapping)) is not slot_mapping:
+            check_write_kv(key, value, cache, slot_mapping)
         slots = slot_mapping.to(torch.int64)
         rows = [key] if value is None else [key, value]
         if slots.numel() and bool((slots < 0).any()):
