@@ -10,7 +10,8 @@ state per sequence comes from ``kvpage.specs.state`` (conv ``8192 x 3`` + SSM
 card) at 4 bits (an int4 checkpoint, 40 GB: bf16's 160 GB does not fit one 80 GB
 device); 3e9 active parameters (model card) for the FLOPs. One H100-80GB, 90 %
 utilization, ``max_num_seqs`` 64, the Mooncake conversation trace (first
-:data:`MOONCAKE_N` requests at their own arrival times), policy ``paged-prefix``.
+:data:`MOONCAKE_N` requests, ``--limit``, at their own arrival times x ``--time-scale``),
+policy ``paged-prefix``.
 
 Rows (the real scheduler, ``KVCacheManager`` and ``kvpage.cache.state_pool.StatePool``
 with ``kvpage.cache.snapshot_policy.SnapshotPolicy``, as the engine):
@@ -150,6 +151,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--limit", type=int, default=MOONCAKE_N, help="first N trace requests")
     ap.add_argument("--share", type=float, default=0.1, help="state_snapshot_share")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="> 1 stretches arrivals")
     args = ap.parse_args()
     trace = load_trace("mooncake-conv", limit=args.limit)
     with tempfile.TemporaryDirectory() as d:
@@ -168,10 +170,15 @@ def main() -> None:
             ("attention-only bound", 16, "free"),
         ):
             t0 = time.perf_counter()
-            r = simulate(trace, config(model, bs, mode, state_snapshot_share=args.share))
+            cfg = config(model, bs, mode, state_snapshot_share=args.share)
+            cfg.time_scale = args.time_scale
+            r = simulate(trace, cfg)
             print(f"# {name}: {time.perf_counter() - t0:.1f} s {r.extra}", file=sys.stderr)
             rows.append(row(name, bs, r))
-    print(f"python {platform.python_version()}, {platform.machine()}; {args.limit} requests")
+    print(
+        f"python {platform.python_version()}, {platform.machine()}; {args.limit} requests, "
+        f"time scale {args.time_scale}, snapshot share {args.share}"
+    )
     print("| policy | block size | finished | prefix hit % | TTFT p50 s | TTFT p90 s | output tok/s | snapshot slots | snapshots taken | snapshot hits | snapshot memory % |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for x in rows:

@@ -99,3 +99,33 @@ def test_hits_need_a_snapshot_and_the_bound_hits_at_least_as_much(
     assert res["kvpage"].prefix_hit_pct == pytest.approx(100 * 2 * 1024 / (4 * 1324))
     # vLLM-aligned (544): the deepest aligned boundary inside the shared prefix is 544
     assert res["vllm"].prefix_hit_pct == pytest.approx(100 * 2 * 544 / (4 * 1324))
+
+
+def test_cluster_oracle_sees_snapshots_only(bench: tuple[ModuleType, str]) -> None:
+    """On a hybrid, the oracle router's lookup counts cached KV blocks only up to the
+    deepest state snapshot among them (a hit needs one at its end); a whole cluster
+    run on the hybrid finishes and hits as one instance does."""
+    from kvpage.routing.base import route_request
+    from kvpage.sim.cluster import _Cluster, simulate_cluster
+    from kvpage.workload.traces import TokenMapper
+
+    b, model = bench
+    cfg = b.config(model, 16, "snapshots")
+    first = TraceRequest(0, 0.0, 1024 + 300, 4, (0, 1, 100))
+    cl = _Cluster([first], cfg, TokenMapper(seed=0, hash_block_tokens=512), 2, "oracle", 0, None, 0.0)  # fmt: skip
+    inst = cl.insts[0]
+    prompt = inst.mapper.prompt(first)
+    inst.submit(first, 0.0, prompt)
+    while inst.has_unfinished():
+        inst.step()
+    hashes = route_request(prompt, block_size=16, hash_seed=0).block_hashes[:82]  # full
+    assert len(hashes) == 82 and inst.kv.prefix_pools[0].is_cached(hashes[81])
+    # KV of all 82 full blocks is cached, the one snapshot is the prompt boundary's
+    assert cl.exact_lookup(hashes) == {"i0": 82, "i1": 0}
+    assert cl.exact_lookup(hashes[:81]) == {"i0": 0, "i1": 0}  # KV there, no state
+
+    reqs = [TraceRequest(i, 10.0 * i, 1024 + 300, 4, (0, 1, 100 + i)) for i in range(4)]
+    r = simulate_cluster(reqs, cfg, instances=2, router="oracle")
+    assert r.finished == 4
+    # hit blocks / full prompt blocks: 2 requests x 64 of 4 x 82
+    assert r.prefix_hit_pct == pytest.approx(100 * 2 * 64 / (4 * 82))

@@ -101,6 +101,11 @@ def add_simulate_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         help="one block pool for every KV group (default) or one per group (comparison)",
     )
     p.add_argument("--utilization", type=float, default=0.9, help="GPU memory fraction")
+    p.add_argument(
+        "--weight-bytes",
+        default=None,
+        help="weights on the device, e.g. 65GB (default: parameters x dtype bytes)",
+    )
     p.add_argument("--flops-efficiency", type=float, default=0.6, help="achieved/peak FLOP/s")
     p.add_argument("--bandwidth-efficiency", type=float, default=0.8, help="achieved/peak B/s")
     p.add_argument("--step-overhead", type=float, default=0.002, help="seconds per step")
@@ -142,6 +147,7 @@ def add_simulate_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
 
 def run_simulate(args: argparse.Namespace) -> int:
     """Handler of ``kvpage simulate``: every policy x block size on the same trace."""
+    from kvpage.capacity import parse_bytes
     from kvpage.sim.simulator import POLICIES, SimConfig, simulate
     from kvpage.workload.traces import load_trace
 
@@ -178,6 +184,9 @@ def run_simulate(args: argparse.Namespace) -> int:
             kv_dtype=args.kv_dtype,
             kv_pool=args.kv_pool,
             utilization=args.utilization,
+            weight_bytes=None
+            if args.weight_bytes is None
+            else parse_bytes(args.weight_bytes, "--weight-bytes"),
             flops_efficiency=args.flops_efficiency,
             bandwidth_efficiency=args.bandwidth_efficiency,
             step_overhead_s=args.step_overhead,

@@ -126,7 +126,9 @@ class _Cluster:
         self._order = 0
 
     def exact_lookup(self, hashes: Sequence[bytes]) -> dict[str, int]:
-        """Leading blocks of ``hashes`` each instance's pool holds now (the oracle)."""
+        """Leading blocks of ``hashes`` each instance's pool holds now (the oracle); on
+        a hybrid model only up to its deepest state snapshot within them (a hit needs
+        one at its end: ``kvpage.cache.state_pool.StatePool.deepest``)."""
         out = {}
         for rid, inst in zip(self.ids, self.insts):
             assert isinstance(inst.kv, KVCacheManager)
@@ -136,7 +138,8 @@ class _Cluster:
                 if not pool.is_cached(h):
                     break
                 m += 1
-            out[rid] = m
+            state = inst.kv.state
+            out[rid] = m if state is None else state.deepest(hashes, m)
         return out
 
     def loads(self) -> list[ReplicaLoad]:
