@@ -254,11 +254,14 @@ def kv_cache_bytes(spec: CacheSpec, num_blocks: int) -> int:
 
 def simple_formula_bytes(spec: CacheSpec, tokens: int) -> int:
     """``layers x 2 x kv_heads x head_dim x tokens x bytes_per_element`` (first layer's
-    shape for all layers; no padding, scales, null block)."""
+    shape for all layers; no padding, scales, null block). For MLA layers the factor 2
+    is 1: one latent of ``kv_lora_rank + qk_rope_head_dim`` elements per token and
+    layer, no separate V (DeepSeek-V2, arXiv:2405.04434, Table 1)."""
     if not spec.layers:  # recurrent layers only: no KV
         return 0
     a = spec.layers[0]
-    return spec.num_layers * 2 * a.num_kv_heads * a.head_dim * tokens * spec.kv_element_bytes
+    planes = 1 if a.kv_lora_rank is not None else 2
+    return spec.num_layers * planes * a.num_kv_heads * a.head_dim * tokens * spec.kv_element_bytes
 
 
 @dataclass

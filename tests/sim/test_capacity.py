@@ -117,6 +117,9 @@ def test_simple_formula_and_what_it_leaves_out():
     q = load_preset("llama-3-8b").cache_spec(block_size=16, kv_dtype="int8")
     assert simple_formula_bytes(q, 16) == 32 * 2 * 8 * 128 * 16
     assert kv_cache_bytes(q, 1) == simple_formula_bytes(q, 16) + 32 * 2 * 8 * 4 * 16
+    # MLA: one latent plane, no V (DeepSeek-V3 bf16: 61 layers x 576 x 2 B)
+    mla = load_preset("deepseek-v3").cache_spec(block_size=16)
+    assert simple_formula_bytes(mla, 1) == 61 * 576 * 2 == mla.bytes_per_token
 
 
 def test_plan_llama3_8b_on_80gib():

@@ -135,9 +135,7 @@ def moe_params_from_hf(cfg: Mapping[str, Any], num_layers: int) -> MoEParams | N
         step = int(cfg.get("decoder_sparse_step") or 1)
         layers = tuple(i for i in layers if i not in only and (i + 1) % step == 0)
     if mt == "gpt_oss":
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise SpecError(f"config.hidden_act: expected silu for gpt_oss, got {act!r}")
+        _check_silu(cfg, mt)
         limit = float(cfg.get("swiglu_limit", 7.0))
         if not limit > 0:
             raise SpecError(f"config.swiglu_limit: expected > 0, got {limit}")
@@ -171,6 +169,13 @@ def moe_params_from_hf(cfg: Mapping[str, Any], num_layers: int) -> MoEParams | N
         ),
         shared_expert_gate=mt == "qwen3_next",
     )
+
+
+def _check_silu(cfg: Mapping[str, Any], family: str) -> None:
+    """Raise SpecError unless ``hidden_act`` is SiLU (the experts' SwiGLU gate)."""
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise SpecError(f"config.hidden_act: expected silu for {family}, got {act!r}")
 
 
 def _deepseek_params(cfg: Mapping[str, Any], num_layers: int) -> MoEParams:
@@ -212,9 +217,7 @@ def _deepseek_params(cfg: Mapping[str, Any], num_layers: int) -> MoEParams:
     dense = cfg.get("first_k_dense_replace") or 0
     if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
         raise SpecError(f"config.first_k_dense_replace: expected an integer >= 0, got {dense!r}")
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise SpecError(f"config.hidden_act: expected silu for deepseek_v3, got {act!r}")
+    _check_silu(cfg, "deepseek_v3")
     rsf = float(cfg.get("routed_scaling_factor", 1.0))
     if not rsf > 0:
         raise SpecError(f"config.routed_scaling_factor: expected > 0, got {rsf}")
