@@ -129,3 +129,40 @@ def test_cluster_oracle_sees_snapshots_only(bench: tuple[ModuleType, str]) -> No
     assert r.finished == 4
     # hit blocks / full prompt blocks: 2 requests x 64 of 4 x 82
     assert r.prefix_hit_pct == pytest.approx(100 * 2 * 64 / (4 * 82))
+
+
+def test_cluster_kv_precise_sees_snapshots_as_the_oracle(
+    bench: tuple[ModuleType, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kv_precise's PrefixIndex on hybrid instances (state snapshots arrive as events of
+    medium "state") counts, at every routing decision, what the oracle's exact lookup
+    counts; its KV-only run alone would have over-counted some of them."""
+    import kvpage.sim.cluster as cluster
+
+    b, model = bench
+    cfg = b.config(model, 16, "snapshots")
+    seen: list[tuple[dict[str, int], dict[str, int], dict[str, int]]] = []
+    last: dict[str, object] = {}
+    route, loads = cluster.route_request, cluster._Cluster.loads
+
+    def spy_route(*a: object, **kw: object) -> object:
+        last["req"] = r = route(*a, **kw)  # type: ignore[arg-type]
+        return r
+
+    def spy_loads(self: cluster._Cluster) -> object:  # called right before choose
+        h = last["req"].block_hashes  # type: ignore[attr-defined]
+        seen.append((self.index.matched_blocks(h), self.exact_lookup(h), self.index._matched_kv(h)))
+        return loads(self)
+
+    monkeypatch.setattr(cluster, "route_request", spy_route)
+    monkeypatch.setattr(cluster._Cluster, "loads", spy_loads)
+    # shared 1024-token prefix (2 hash ids), then 300 tokens of each request's own;
+    # request 4 repeats request 0's prompt
+    reqs = [TraceRequest(i, 10.0 * i, 1024 + 300, 4, (0, 1, 100 + i % 4)) for i in range(5)]
+    r = cluster.simulate_cluster(reqs, cfg, instances=2, router="kv_precise")
+    assert r.finished == 5 and len(seen) == 5
+    for index_view, exact, _ in seen:
+        assert index_view == exact
+    # without the state cut the index would count cached KV past the snapshots
+    assert any(kv[i] > exact[i] for _, exact, kv in seen for i in exact)
+    assert any(v for _, exact, _ in seen for v in exact.values())  # and some hits

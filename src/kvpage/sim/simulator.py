@@ -171,7 +171,7 @@ def _check_state_config(cfg: SimConfig) -> None:
     if cfg.preemption_mode == "swap":
         raise SpecError(
             "preemption_mode: expected 'recompute' for a model with recurrent state layers "
-            "(swap moves KV blocks only, not the recurrent state slots), got 'swap'"
+            "(the simulator does not model swapping the recurrent state slots), got 'swap'"
         )
 
 
