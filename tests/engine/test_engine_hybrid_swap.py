@@ -179,3 +179,62 @@ def test_abort_while_swapped_out_frees_the_state_bytes(model: tuple[Any, str]) -
     while eng.has_unfinished_requests():
         eng.step()
     _all_free(eng)
+
+
+def test_n2_forks_under_swap(model: tuple[Any, str]) -> None:
+    """Forked samples (the fork's live -> live copy queued) preempted by swap: every
+    sample equals transformers' greedy output."""
+    hf, folder = model
+    llm = _llm(folder)
+    sp = SamplingParams(max_tokens=N_OUT, temperature=0.0, ignore_eos=True, n=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], sp, use_tqdm=False)
+    assert llm.get_metrics()["kvpage:swap_outs_total"] > 0
+    for p, o in zip(PROMPTS, outs):
+        want = hf_generate(hf, p, N_OUT)
+        assert [list(c.token_ids) for c in o.outputs] == [want, want]
+    _all_free(llm.llm_engine)
+
+
+def test_recurrent_only_swap_is_refused(tmp_path: Any) -> None:
+    make_hf("mamba2").save_pretrained(tmp_path)
+    with pytest.raises(SpecError, match="recurrent layers only"):
+        _llm(str(tmp_path))
+
+
+def test_swap_in_runs_the_queued_state_copies_first(model: tuple[Any, str]) -> None:
+    """A finished sequence's last step queued its end-state snapshot out of live slot 0;
+    a swapped-in sequence takes slot 0 in the next schedule: the snapshot copy runs
+    before the swapped state is written there, so the snapshot holds the finished
+    sequence's state, and both outputs equal transformers'."""
+    hf, folder = model
+    eng = _llm(folder, max_num_seqs=1, num_blocks=32).llm_engine
+    sched, pool = eng.scheduler, eng.kv_cache_manager.state
+    assert pool is not None and eng.runner.state_caches is not None and pool.num_live_slots == 1
+    sp = SamplingParams(max_tokens=N_OUT, temperature=0.0, ignore_eos=True)
+    pb = PROMPTS[1]
+    eng.add_request("b", pb, sp)
+    eng.step()  # b's first chunk
+    b = sched.running.pop()
+    sched.preemptor.preempt(b)  # swapped out; live slot 0 free
+    assert b.swapped_tokens > 0 and sched.waiting.popleft() is b
+    pa = list(range(3, 40))  # 37 tokens + 27 computed outputs = 64: the last step's snapshot
+    eng.add_request("a", pa, SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True))
+    outs: dict[str, list[int]] = {}
+    while "a" not in outs:
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+    assert pool.num_pending_copies == 1
+    src, dst = pool.pending_copies()[0]
+    assert src == 0
+    a_state = [(c.conv[0].clone(), c.ssm[0].clone()) for c in eng.runner.state_caches]
+    sched.waiting.appendleft(b)
+    eng.step()  # b readmitted into slot 0 and swapped in
+    for c, (conv, ssm) in zip(eng.runner.state_caches, a_state):
+        assert c.conv[dst].equal(conv) and c.ssm[dst].equal(ssm)
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+    assert outs["a"] == hf_generate(hf, pa, 28) and outs["b"] == hf_generate(hf, pb, N_OUT)
+    _all_free(eng)

@@ -199,6 +199,11 @@ def build_swapper(
     """
     if config.preemption_mode != "swap":
         return None
+    if not kvm.windows:
+        raise SpecError(
+            "preemption_mode: expected 'recompute' for a model of recurrent layers only "
+            "(swap serves one full-attention KV group and its state), got 'swap'"
+        )
     if kvm.windows != [None]:
         raise SpecError(
             f"preemption_mode: expected 'recompute' for a model with KV groups "
