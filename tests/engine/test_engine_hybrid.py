@@ -153,8 +153,6 @@ def test_no_state_snapshot_is_explained(q3n: tuple[Any, str]) -> None:
 
 def test_refused_by_name(q3n: tuple[Any, str]) -> None:
     _, folder = q3n
-    with pytest.raises(SpecError, match="preemption_mode"):
-        _llm(folder, preemption_mode="swap")
     with pytest.raises(SpecError, match="speculative_config"):
         _llm(
             folder,

@@ -80,3 +80,14 @@ def test_abort_while_swapped_out_frees_host_memory() -> None:
         eng.step()
     assert sw.used_bytes == 0
     eng.kv_cache_manager.check_integrity()
+
+
+def test_swap_in_longer_than_the_step_budget() -> None:
+    """A swapped sequence longer than ``max_num_batched_tokens`` comes back in one
+    allocation (its swapped tokens are not computed): the budget bounds one call only
+    on a unified pool (``KVCacheManager.max_alloc_tokens``)."""
+    base, _ = outputs(num_blocks=64)
+    swp, llm = outputs(num_blocks=12, preemption_mode="swap", max_num_batched_tokens=32)
+    m = llm.get_metrics()
+    assert m["kvpage:swap_ins_total"] > 0 and m["kvpage:swap_space_usage_bytes"] == 0
+    assert swp == base

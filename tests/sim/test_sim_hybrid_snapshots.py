@@ -66,7 +66,6 @@ def test_refusals(bench: tuple[ModuleType, str]) -> None:
     for kw, match in (
         (dict(recurrent_state="maybe"), "recurrent_state"),
         (dict(state_snapshot_share=1.0), "state_snapshot_share"),
-        (dict(preemption_mode="swap"), "preemption_mode"),
     ):
         with pytest.raises(SpecError, match=match):
             build_setup(b.config(model, 16, kw.pop("recurrent_state", "snapshots"), **kw))
@@ -129,3 +128,60 @@ def test_cluster_oracle_sees_snapshots_only(bench: tuple[ModuleType, str]) -> No
     assert r.finished == 4
     # hit blocks / full prompt blocks: 2 requests x 64 of 4 x 82
     assert r.prefix_hit_pct == pytest.approx(100 * 2 * 64 / (4 * 82))
+
+
+def test_cluster_kv_precise_sees_snapshots_as_the_oracle(
+    bench: tuple[ModuleType, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kv_precise's PrefixIndex on hybrid instances (state snapshots arrive as events of
+    medium "state") counts, at every routing decision, what the oracle's exact lookup
+    counts; its KV-only run alone would have over-counted some of them."""
+    import kvpage.sim.cluster as cluster
+
+    b, model = bench
+    cfg = b.config(model, 16, "snapshots")
+    seen: list[tuple[dict[str, int], dict[str, int], dict[str, int]]] = []
+    last: dict[str, object] = {}
+    route, loads = cluster.route_request, cluster._Cluster.loads
+
+    def spy_route(*a: object, **kw: object) -> object:
+        last["req"] = r = route(*a, **kw)  # type: ignore[arg-type]
+        return r
+
+    def spy_loads(self: cluster._Cluster) -> object:  # called right before choose
+        h = last["req"].block_hashes  # type: ignore[attr-defined]
+        seen.append((self.index.matched_blocks(h), self.exact_lookup(h), self.index._matched_kv(h)))
+        return loads(self)
+
+    monkeypatch.setattr(cluster, "route_request", spy_route)
+    monkeypatch.setattr(cluster._Cluster, "loads", spy_loads)
+    # shared 1024-token prefix (2 hash ids), then 300 tokens of each request's own;
+    # request 4 repeats request 0's prompt
+    reqs = [TraceRequest(i, 10.0 * i, 1024 + 300, 4, (0, 1, 100 + i % 4)) for i in range(5)]
+    r = cluster.simulate_cluster(reqs, cfg, instances=2, router="kv_precise")
+    assert r.finished == 5 and len(seen) == 5
+    for index_view, exact, _ in seen:
+        assert index_view == exact
+    # without the state cut the index would count cached KV past the snapshots
+    assert any(kv[i] > exact[i] for _, exact, kv in seen for i in exact)
+    assert any(v for _, exact, _ in seen for v in exact.values())  # and some hits
+
+
+def test_swap_preemption_moves_the_state_too(bench: tuple[ModuleType, str]) -> None:
+    """Swap on a simulated hybrid: every swapped victim moves its blocks and one
+    recurrent state (39.5 MB here) out and back; the same tokens finish as with
+    recompute."""
+    from kvpage.sim.simulator import build_setup as setup
+
+    b, model = bench
+    reqs = [TraceRequest(i, 0.0, 1500, 200, (10 * i, 10 * i + 1, 10 * i + 2)) for i in range(8)]
+    kw = dict(num_blocks=400, swap_space_bytes=64 << 30)  # 399 x 16 tokens: preempts
+    rec = simulate(reqs, b.config(model, 16, "snapshots", **kw))
+    swp = simulate(reqs, b.config(model, 16, "snapshots", preemption_mode="swap", **kw))
+    spec = setup(b.config(model, 16, "snapshots", **kw))[0]
+    assert rec.preemptions > 0 and swp.finished == rec.finished == 8
+    sw = swp.extra["swap"]
+    assert sw["swap_outs"] > 0 and sw["swap_ins"] == sw["swap_outs"]
+    state_b = spec.state_bytes_per_sequence
+    moved = sw["bytes_out"] + sw["bytes_in"] - 2 * sw["swap_outs"] * state_b
+    assert moved > 0 and moved % spec.bytes_per_block == 0

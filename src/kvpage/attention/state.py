@@ -79,6 +79,20 @@ class StateCache:
         self.ssm[dst] = self.ssm[src]
 
 
+def run_slot_copies(caches: list[StateCache], pairs: list[tuple[int, int]]) -> None:
+    """Run slot copies ``(src, dst)`` one after another on every cache of ``caches``, so
+    a later pair reads what an earlier one wrote (the state pool's ordered copy queue:
+    ``kvpage.cache.state_pool``). Mutates the caches.
+
+    Raises:
+        ShapeError: a slot out of range (the pairs before it were copied).
+    """
+    for a, b in pairs:
+        t = torch.tensor([[a, b]], dtype=torch.int64)
+        for sc in caches:
+            sc.copy_slots(t)
+
+
 @dataclass(frozen=True)
 class StateBatch:
     """Which state slot each sequence of a step reads and updates.
@@ -104,4 +118,4 @@ class StateBatch:
         return int(self.state_indices.shape[0])
 
 
-__all__ = ["StateBatch", "StateCache"]
+__all__ = ["StateBatch", "StateCache", "run_slot_copies"]

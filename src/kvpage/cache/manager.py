@@ -98,7 +98,9 @@ class KVCacheManager:
         max_alloc_tokens: the most new tokens one ``allocate`` call asks for (the
             scheduler's token budget, ``max_num_batched_tokens``; None = no limit).
             With a unified pool it bounds what a sliding group holds, so
-            :attr:`max_request_tokens` counts only its window (+ one call's tokens).
+            :attr:`max_request_tokens` counts only its window (+ one call's tokens);
+            only there is a larger call refused (a swap-in allocates a swapped
+            sequence's tokens and its next chunk in one call).
 
     Attributes:
         block_size: tokens per block.
@@ -275,10 +277,13 @@ class KVCacheManager:
             nothing changed except ``stats.allocation_failures`` (+1).
 
         Raises:
-            AllocationError: negative counts, or a ``num_cached_tokens`` that is not a
+            AllocationError: negative counts, more than ``max_alloc_tokens`` on a unified
+                pool, or a ``num_cached_tokens`` that is not a
                 currently cached, block-aligned prefix leaving >= 1 token to compute.
         """
-        if self.max_alloc_tokens is not None and num_new_tokens > self.max_alloc_tokens:
+        # the bound matters to a unified pool's sliding groups only (max_request_tokens);
+        # elsewhere a swap-in allocates a swapped sequence's tokens in one call
+        if self.unified and self.max_alloc_tokens is not None and num_new_tokens > self.max_alloc_tokens:  # fmt: skip
             raise AllocationError(
                 f"num_new_tokens: expected <= max_alloc_tokens={self.max_alloc_tokens}, "
                 f"got {num_new_tokens}"

@@ -24,6 +24,12 @@ live) and the engine runs, all of them and in queue order, before the next forwa
 (:meth:`take_copies`). Because every queued copy runs before any forward writes a slot,
 a slot may be reused (evicted, freed) while a copy from it is queued: the copy still
 reads the content it was queued for.
+
+Listeners (:class:`StateListener`, :attr:`StatePool.listeners`) hear every snapshot
+entry stored and removed (evicted, a rolling one replaced, ``reset``) by its key, the
+block hash of its boundary: the KV-event publisher (``kvpage.routing``) turns them into
+events of medium ``"state"`` so a router's prefix index can cut a hybrid replica's KV
+match at its deepest snapshot.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvpage.cache.free_queue import NUM_PRIORITY_LEVELS, PRIORITY_DEFAULT
 from kvpage.cache.hashing import BlockHash
@@ -59,6 +66,19 @@ class Snapshot:
     priority: int = PRIORITY_DEFAULT
     deadline: float | None = None
     owner: str | None = None
+
+
+class StateListener(Protocol):
+    """Hears a :class:`StatePool`'s snapshot entries come and go (module docstring).
+    Called synchronously inside the pool's operation; must not call back into it."""
+
+    def on_snapshot_stored(self, block_hash: BlockHash) -> None:
+        """A snapshot keyed ``block_hash`` was stored (its copy is queued)."""
+        ...
+
+    def on_snapshot_removed(self, block_hash: BlockHash) -> None:
+        """The snapshot keyed ``block_hash`` is gone (evicted, dropped, reset)."""
+        ...
 
 
 @dataclass
@@ -96,6 +116,8 @@ class StatePool:
     Attributes:
         num_slots: rows every ``StateCache`` needs: live + snapshot slots.
         stats: the counters (:class:`StatePoolStats`).
+        listeners: :class:`StateListener` objects told of every snapshot stored and
+            removed (append to attach).
 
     Raises:
         SpecError: a count out of range.
@@ -129,6 +151,7 @@ class StatePool:
         #: request -> hash of its rolling decode snapshot
         self._rolling: dict[str, BlockHash] = {}
         self._copies: list[tuple[int, int]] = []
+        self.listeners: list[StateListener] = []
 
     # ---- live slots -----------------------------------------------------------------
     def allocate_live(self, request_id: str) -> int | None:
@@ -295,6 +318,8 @@ class StatePool:
         if kind == "predicted":
             self._num_predicted += 1
         self._copies.append((src, slot))
+        for lis in self.listeners:
+            lis.on_snapshot_stored(block_hash)
         st = self.stats
         st.snapshots_taken += 1
         st.snapshots_taken_by_kind[kind] = st.snapshots_taken_by_kind.get(kind, 0) + 1
@@ -339,6 +364,8 @@ class StatePool:
         if e.owner is not None and self._rolling.get(e.owner) == block_hash:
             del self._rolling[e.owner]
         self._free_snap.append(e.slot)
+        for lis in self.listeners:
+            lis.on_snapshot_removed(block_hash)
 
     @property
     def num_snapshots(self) -> int:
@@ -481,6 +508,7 @@ def snapshot_slots_for(
 
 __all__ = [
     "Snapshot",
+    "StateListener",
     "StatePool",
     "StatePoolStats",
     "snapshot_slots_for",

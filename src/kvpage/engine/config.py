@@ -204,13 +204,8 @@ def _check_state_config(config: EngineConfig) -> None:
     """Refuse, by name, what a model with recurrent state layers does not support.
 
     Raises:
-        SpecError: ``preemption_mode="swap"`` or a ``speculative_config``.
+        SpecError: a ``speculative_config``.
     """
-    if config.preemption_mode == "swap":
-        raise SpecError(
-            "preemption_mode: expected 'recompute' for a model with recurrent state layers "
-            "(swap moves KV blocks only, not the recurrent state slots), got 'swap'"
-        )
     if config.speculative_config is not None:
         raise SpecError(
             "speculative_config: expected None for a model with recurrent state layers "
@@ -226,8 +221,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
 
     Raises:
         SpecError: bad sizes, a KV cache too big to allocate, a model with recurrent
-            state layers and swap preemption or speculative decoding
-            (``_check_state_config``), or ``max_model_len`` above the model's
+            state layers and speculative decoding (``_check_state_config``), or ``max_model_len`` above the model's
             ``max_position_embeddings``; BackendUnavailableError: no backend can run
             the spec.
     """
@@ -356,7 +350,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
         proposer=None if spec_cfg is None else make_proposer(spec_cfg),
         draft_policy=None if spec_cfg is None else make_draft_policy(spec_cfg),
     )
-    scheduler.swapper = build_swapper(config, kv_caches, kvm)
+    scheduler.swapper = build_swapper(config, kv_caches, kvm, state_caches)
     runner = ModelRunner(model, backend, kv_caches, spec, device, state_caches=state_caches)
     return EngineComponents(
         model, spec, backend, kv_caches, kvm, scheduler, runner, mml, tiers, state_caches

@@ -172,7 +172,8 @@ def collect_metrics(
     cache-miss reason (:data:`CACHE_MISS_METRIC`, one key per reason); plus, per
     configured KV tier, :data:`TIER_METRIC_TEMPLATES` (bytes, blocks, tokens,
     seconds), and with swap preemption ``kvpage:swap_*`` (space in use, swap-outs,
-    swap-ins, victims recomputed instead, bytes moved, transfer seconds), and with
+    swap-ins, victims recomputed instead, bytes moved: KV blocks and, on a hybrid model,
+    live recurrent states; transfer seconds), and with
     speculative decoding (``spec``) :data:`SPEC_DECODE_METRIC_NAMES` (sequence-steps
     that drafted, draft tokens verified, draft tokens accepted), and for a hybrid model
     (recurrent state layers) :data:`STATE_METRIC_NAMES` (state slots used / total, live

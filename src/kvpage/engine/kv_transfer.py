@@ -15,6 +15,11 @@ overwrites the block). ``TieredCache.flush`` calls :meth:`TorchBlockMover.read_b
 once per step with all the blocks evicted while scheduling (one gather, one copy);
 overlapping that copy with the step's forward is not done. The CUDA path is
 short and untested here (no GPU on the development machine).
+
+:class:`TorchStateMover` is the engine's ``kvpage.engine.swap.StateMover``: one state
+slot's payload is, for every state layer in order, the raw bytes of ``conv[slot]``
+(``[conv_dim, conv_kernel - 1]``) then ``ssm[slot]`` (``StateSpec.ssm_shape``), so a
+slot written back is bit-identical.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from kvpage.errors import SpecError
 
 if TYPE_CHECKING:
     from kvpage.attention.metadata import KVCache
+    from kvpage.attention.state import StateCache
     from kvpage.cache import KVCacheManager
     from kvpage.specs import CacheSpec
     from kvpage.specs.engine_config import EngineConfig
@@ -122,28 +128,98 @@ class TorchBlockMover:
             off += size
 
 
-def build_swapper(
-    config: EngineConfig, kv_caches: Sequence[KVCache], kvm: KVCacheManager
-) -> Swapper | None:
-    """The swapper of ``preemption_mode="swap"`` (None for ``recompute``), with the
-    host-bandwidth preset of the cache's device (``kvpage.engine.swap.HOST_BANDWIDTH``).
+class TorchStateMover:
+    """Whole-slot copies over a hybrid model's state caches (module docstring).
+
+    Args:
+        state_caches: one ``StateCache`` per state layer, in order (mutated by
+            :meth:`write_slot` and :meth:`copy_slots`).
+
+    Attributes:
+        slot_nbytes: payload bytes of one slot.
 
     Raises:
-        SpecError: swap with more than one KV group or a sliding window.
+        SpecError: no state cache.
+    """
+
+    def __init__(self, state_caches: Sequence[StateCache]) -> None:
+        if not state_caches:
+            raise SpecError("state_caches: expected >= 1 state cache, got none")
+        self.caches = list(state_caches)
+        self._parts = [t for c in self.caches for t in (c.conv, c.ssm)]
+        self._sizes = [t[0].numel() * t.element_size() for t in self._parts]
+        self.slot_nbytes = sum(self._sizes)
+
+    @torch.inference_mode()
+    def read_slot(self, slot: int) -> Payload:
+        """A host copy (1-D uint8 numpy array) of slot ``slot`` of every state cache."""
+        flat = torch.cat([_bits(t[slot]).reshape(-1) for t in self._parts])
+        return flat.cpu().numpy()  # torch.cat made a new tensor: not a view of the cache
+
+    @torch.inference_mode()
+    def write_slot(self, slot: int, payload: Payload) -> None:
+        """Overwrite slot ``slot`` of every state cache with ``payload``.
+
+        Raises:
+            ValueError: a payload of another size than ``slot_nbytes`` (nothing written).
+        """
+        if memoryview(payload).nbytes != self.slot_nbytes:
+            raise ValueError(
+                f"payload: expected {self.slot_nbytes} bytes, got {memoryview(payload).nbytes}"
+            )
+        src = torch.from_numpy(np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8))
+        off = 0
+        for t, size in zip(self._parts, self._sizes):
+            row = src[off : off + size].view(t.dtype).reshape(t.shape[1:])
+            t[slot].copy_(row)
+            off += size
+
+    def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Run slot copies ``(src, dst)`` in order on every state cache
+        (``kvpage.attention.state.run_slot_copies``)."""
+        from kvpage.attention.state import run_slot_copies
+
+        run_slot_copies(self.caches, list(pairs))
+
+
+def build_swapper(
+    config: EngineConfig,
+    kv_caches: Sequence[KVCache],
+    kvm: KVCacheManager,
+    state_caches: Sequence[StateCache] | None = None,
+) -> Swapper | None:
+    """The swapper of ``preemption_mode="swap"`` (None for ``recompute``), with the
+    host-bandwidth preset of the cache's device (``kvpage.engine.swap.HOST_BANDWIDTH``);
+    on a hybrid model (``state_caches`` given) it also swaps the live state slot.
+
+    Raises:
+        SpecError: swap with more than one KV group or a sliding window, or without an
+            attention layer (a model of recurrent layers only); ``swap_space_bytes``
+            below one block's K/V (plus one sequence's recurrent state on a hybrid).
     """
     if config.preemption_mode != "swap":
         return None
+    if not kvm.windows:
+        raise SpecError(
+            "preemption_mode: expected 'recompute' for a model of recurrent layers only "
+            "(swap serves one full-attention KV group and its state), got 'swap'"
+        )
     if kvm.windows != [None]:
         raise SpecError(
             f"preemption_mode: expected 'recompute' for a model with KV groups "
             f"{kvm.windows} (swap serves one full-attention group), got 'swap'"
         )
     mover = TorchBlockMover(kv_caches)
-    _check_holds_a_block(
-        "swap_space_bytes", config.swap_space_bytes, mover.block_nbytes, "(with swap) "
-    )
+    state = TorchStateMover(state_caches) if state_caches else None
+    need = mover.block_nbytes + (0 if state is None else state.slot_nbytes)
+    if config.swap_space_bytes < need:
+        what = "one block's K/V" if state is None else "one block's K/V and one recurrent state"
+        raise SpecError(
+            f"swap_space_bytes: expected (with swap) at least {what} ({need:,} bytes for "
+            f"this model and block size), got {config.swap_space_bytes:,}"
+        )
     bw = HOST_BANDWIDTH["cuda" if mover.device.type == "cuda" else "cpu"]
-    return Swapper(mover, kvm.block_size, config.swap_space_bytes, SwapCostModel(bw))
+    return Swapper(mover, kvm.block_size, config.swap_space_bytes, SwapCostModel(bw), state=state)
 
 
 def _check_holds_a_block(name: str, capacity: int, block_nbytes: int, off: str = "") -> None:
@@ -208,4 +284,4 @@ def build_tiers(
     return tiers
 
 
-__all__ = ["TorchBlockMover", "build_swapper", "build_tiers"]
+__all__ = ["TorchBlockMover", "TorchStateMover", "build_swapper", "build_tiers"]

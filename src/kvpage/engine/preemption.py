@@ -2,14 +2,24 @@
 goes back to the front of the waiting queue, its progress either dropped (recompute) or
 its K/V copied to host memory and back on readmission (swap, through
 ``kvpage.engine.swap``). The scheduler decides *who* is preempted; this object carries
-it out and owns the swapper and the preemption count."""
+it out and owns the swapper and the preemption count.
+
+On a hybrid model (an allocator whose ``state`` is a ``StatePool``) a swap also moves
+the sequence's live state slot. Before the swapper reads or writes a live slot, the
+state slot copies queued so far (``take_state_copies``: snapshots of the last step,
+restores, forks) are run, in order, through the swapper's state mover: the ordered
+copy queue of docs/architecture.md ("Recurrent state") then holds as if the swap were
+one more entry in it — the slot read holds the state after the victim's computed
+tokens, and a queued copy out of a slot taken by a swapped-in sequence still reads what
+it was queued for."""
 
 from __future__ import annotations
 
-from kvpage.cache.protocol import KVAllocator
+from kvpage.cache.protocol import KVAllocator, StateAllocator
 from kvpage.engine.queue_policy import FCFSQueue, PriorityQueue
 from kvpage.engine.request import Request, RequestStatus
 from kvpage.engine.swap import Swapper
+from kvpage.errors import SpecError
 
 __all__ = ["Preemptor"]
 
@@ -30,17 +40,53 @@ class Preemptor:
     def __init__(self, kv: KVAllocator, waiting: FCFSQueue | PriorityQueue) -> None:
         self.kv = kv
         self.waiting = waiting
-        self.swapper: Swapper | None = None
+        self._swapper: Swapper | None = None
         self.num_preemptions = 0
+        self._stateful = kv if isinstance(kv, StateAllocator) and kv.state is not None else None
+
+    @property
+    def swapper(self) -> Swapper | None:
+        """Swap preemption; None = always recompute."""
+        return self._swapper
+
+    @swapper.setter
+    def swapper(self, swapper: Swapper | None) -> None:
+        """Set the swapper.
+
+        Raises:
+            SpecError: a swapper without a state mover for an allocator with recurrent
+                state, or one with a state mover for an allocator without (unchanged).
+        """
+        if swapper is not None and (swapper.state is None) != (self._stateful is None):
+            raise SpecError(
+                f"swapper.state: expected {'a state mover' if self._stateful else 'none'} "
+                f"(the allocator {'holds' if self._stateful else 'holds no'} recurrent "
+                f"state), got {'none' if swapper.state is None else 'one'}"
+            )
+        self._swapper = swapper
+
+    def _state_slot_after_copies(self, request_id: str) -> int | None:
+        """``request_id``'s live state slot after running every queued state slot copy
+        (module docstring); None without state layers."""
+        st = self._stateful
+        if st is None:
+            return None
+        sw = self._swapper
+        assert sw is not None and sw.state is not None  # checked by the setter
+        sw.state.copy_slots(st.take_state_copies())
+        return st.state_slot(request_id)
 
     def preempt(self, req: Request) -> None:
-        """Free ``req``'s blocks and requeue it at the front: its K/V are swapped out to
-        host memory when :attr:`swapper` takes them, else recomputed later."""
+        """Free ``req``'s blocks (and live state slot) and requeue it at the front: its
+        K/V (and recurrent state) are swapped out to host memory when :attr:`swapper`
+        takes them, else recomputed later."""
         sw = self.swapper
         if sw is not None and req.num_computed_tokens:
-            table = self.kv.block_table(req.request_id, 0)
-            if sw.swap_out(req.request_id, table, req.num_computed_tokens):
-                req.swapped_tokens = req.num_computed_tokens
+            rid, n = req.request_id, req.num_computed_tokens
+            table = self.kv.block_table(rid, 0)
+            # running the queued state copies early is harmless when the swapper declines
+            if sw.swap_out(rid, table, n, state_slot=self._state_slot_after_copies(rid)):
+                req.swapped_tokens = n
         self.kv.free(req.request_id)
         req.has_blocks = False
         req.num_computed_tokens = 0
@@ -50,14 +96,17 @@ class Preemptor:
         self.waiting.appendleft(req)
 
     def swap_in(self, req: Request) -> None:
-        """Copy a readmitted request's swapped K/V into its new blocks (before the step
-        that continues it runs)."""
+        """Copy a readmitted request's swapped K/V into its new blocks (and its swapped
+        recurrent state into its new live slot) before the step that continues it
+        runs."""
         assert self.swapper is not None
+        rid = req.request_id
         nb = -(-req.swapped_tokens // self.kv.block_size)
         tiers = getattr(self.kv, "tiers", None)
         if tiers is not None:
             tiers.flush()  # the new blocks may be pending demotions: copy them out first
-        self.swapper.swap_in(req.request_id, self.kv.block_table(req.request_id, 0)[:nb])
+        slot = self._state_slot_after_copies(rid)
+        self.swapper.swap_in(rid, self.kv.block_table(rid, 0)[:nb], state_slot=slot)
         req.swapped_tokens = 0
 
     def discard_swap(self, req: Request) -> None:

@@ -56,8 +56,9 @@ class Request:
             before admission or with an allocator that cannot tell).
         num_cached_tokens_by_tier: ``num_cached_tokens`` split by where the blocks were
             found (``Allocation.cached_tokens_by_tier``); None before admission.
-        swapped_tokens: tokens whose K/V are swapped out to host memory (swap
-            preemption, ``kvpage.engine.swap``); 0 when not swapped out.
+        swapped_tokens: tokens whose K/V (and, on a hybrid model, the recurrent state
+            after them) are swapped out to host memory (swap preemption,
+            ``kvpage.engine.swap``); 0 when not swapped out.
         num_new_tokens: tokens appended by the latest step that progressed it (1, or
             up to k + 1 with speculative decoding).
     """

@@ -16,7 +16,7 @@ import torch
 from kvpage.attention.checks import check_layers, check_step_layers
 from kvpage.attention.metadata import AttentionMetadata, KVCache, slot_of
 from kvpage.attention.plan import StepPlan
-from kvpage.attention.state import StateBatch, StateCache
+from kvpage.attention.state import StateBatch, StateCache, run_slot_copies
 from kvpage.cache import batch_block_tables
 from kvpage.engine.scheduler import SchedulerOutput
 from kvpage.errors import SpecError
@@ -181,12 +181,8 @@ class ModelRunner:
         (snapshots, prefix-hit restores, forks; ``SchedulerOutput.state_copies``).
         Copies are applied one after another, so a later pair reads what an earlier one
         wrote."""
-        if not pairs or self.state_caches is None:
-            return
-        for a, b in pairs:  # in order: a pair may read a slot an earlier pair wrote
-            t = torch.tensor([[a, b]], dtype=torch.int64)
-            for sc in self.state_caches:
-                sc.copy_slots(t)
+        if pairs and self.state_caches is not None:
+            run_slot_copies(self.state_caches, pairs)
 
     def build_state_batch(self, out: SchedulerOutput, inp: StepInputs) -> StateBatch:
         """The step's :class:`~kvpage.attention.state.StateBatch`: each sequence's live

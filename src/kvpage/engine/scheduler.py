@@ -344,11 +344,11 @@ class Scheduler:
                         # explained before the allocation, which may evict blocks itself
                         why = self._explain(req, self._retaining, cached)
                 n = min(req.num_tokens - cached - swapped, budget)
-                if self._stateful is not None and n > 1 and not swapped:
+                if self._stateful is not None and n > 1:
+                    s0 = cached + swapped  # one is 0: a swapped-in chunk starts at swapped
                     n = self._stateful.state_chunk_end(
-                        req.request_id, req.token_ids, cached, cached + n,
-                        cache_salt=req.cache_salt,
-                    ) - cached  # fmt: skip
+                        req.request_id, req.token_ids, s0, s0 + n, cache_salt=req.cache_salt
+                    ) - s0  # fmt: skip
                 alloc = self.kv.allocate(
                     req.request_id,
                     req.token_ids,

@@ -18,6 +18,14 @@ per-step overhead); until a step is seen, :data:`DEFAULT_PREFILL_TOKENS_PER_S`.
 copy, conservatively 5 GB/s; CUDA: PCIe 4.0 x16 at ~25 GB/s effective, the figure vLLM
 and LMCache use for pinned-memory copies). Recompute here ignores prefix-cache hits the
 victim may get back (a bias towards swap when its blocks would survive in the pool).
+
+Hybrid models (recurrent state layers, ``kvpage.cache.state_pool``): a victim's live
+state slot (every state layer's conv and ssm rows, :class:`StateMover`) goes to host
+memory beside its blocks and counts in ``B`` and against ``swap_space_bytes``; on
+readmission it is written into the new live slot. The caller (``Preemptor``) runs the
+queued state slot copies first (``KVCacheManager.take_state_copies``, in order), so the
+slot read holds the state after the victim's computed tokens and a slot written holds
+nothing a queued copy still has to read (docs/architecture.md, "Recurrent state").
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvpage.cache.tier_store import Payload, payload_nbytes
 from kvpage.cache.tiered import BlockMover
@@ -36,6 +45,29 @@ MIN_PREFILL_TOKENS = 32
 #: prefill rate assumed before a step was measured (tokens/s): the bundled model's
 #: order of magnitude on one CPU thread
 DEFAULT_PREFILL_TOKENS_PER_S = 5000.0
+
+
+class StateMover(Protocol):
+    """Copies of whole recurrent state slots between the state caches and host memory
+    (the engine's: ``kvpage.engine.kv_transfer.TorchStateMover``).
+
+    Attributes:
+        slot_nbytes: payload bytes of one slot (every state layer's conv and ssm row).
+    """
+
+    slot_nbytes: int
+
+    def read_slot(self, slot: int) -> Payload:
+        """A host copy of slot ``slot`` of every state cache (``slot_nbytes`` bytes)."""
+        ...
+
+    def write_slot(self, slot: int, payload: Payload) -> None:
+        """Overwrite slot ``slot`` of every state cache with ``payload``."""
+        ...
+
+    def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Run slot copies ``(src, dst)`` in order (the state pool's queued copies)."""
+        ...
 
 
 @dataclass
@@ -94,8 +126,10 @@ class Swapper:
     Args:
         mover: copies blocks of the (single, full-attention) KV group.
         block_size: tokens per block.
-        swap_space_bytes: most bytes held at once.
+        swap_space_bytes: most bytes held at once (blocks and state slots together).
         cost: the decision rule.
+        state: copies the live state slot of a hybrid model's sequences (None = no
+            state layers).
 
     Attributes:
         used_bytes: bytes held now.
@@ -103,22 +137,50 @@ class Swapper:
     """
 
     def __init__(
-        self, mover: BlockMover, block_size: int, swap_space_bytes: int, cost: SwapCostModel
+        self,
+        mover: BlockMover,
+        block_size: int,
+        swap_space_bytes: int,
+        cost: SwapCostModel,
+        *,
+        state: StateMover | None = None,
     ) -> None:
         self.mover = mover
+        self.state = state
         self.block_size = block_size
         self.capacity_bytes = swap_space_bytes
         self.cost = cost
         self.used_bytes = 0
         self.stats = SwapStats()
         self._store: dict[str, list[Payload]] = {}
+        #: request id -> its swapped live state slot (hybrid models)
+        self._state_store: dict[str, Payload] = {}
 
-    def swap_out(self, request_id: str, block_table: Sequence[int], num_tokens: int) -> bool:
-        """Copy the blocks holding the first ``num_tokens`` tokens of ``request_id`` to
-        host memory if that is cheaper and fits; True when done (the caller keeps the
-        progress and frees the blocks), False for recompute."""
+    def swap_out(
+        self,
+        request_id: str,
+        block_table: Sequence[int],
+        num_tokens: int,
+        *,
+        state_slot: int | None = None,
+    ) -> bool:
+        """Copy the blocks holding the first ``num_tokens`` tokens of ``request_id`` (and,
+        on a hybrid model, its live state slot ``state_slot``, holding the state after
+        those tokens) to host memory if that is cheaper and fits; True when done (the
+        caller keeps the progress and frees the blocks and the slot), False for
+        recompute (nothing copied).
+
+        Raises:
+            ValueError: ``state_slot`` given without a state mover or missing with one
+                (nothing changed).
+        """
+        if (state_slot is None) != (self.state is None):
+            raise ValueError(
+                f"state_slot: expected {'none' if self.state is None else 'a live slot'} "
+                f"for {request_id!r}, got {state_slot!r}"
+            )
         nb = -(-num_tokens // self.block_size)
-        nbytes = nb * self.mover.block_nbytes
+        nbytes = nb * self.mover.block_nbytes + self.state_nbytes
         if (
             nb == 0
             or self.used_bytes + nbytes > self.capacity_bytes
@@ -128,21 +190,36 @@ class Swapper:
             return False
         t0 = time.perf_counter()
         payloads = self.mover.read_blocks(list(block_table[:nb]))
-        self.stats.transfer_s += time.perf_counter() - t0
         self._store[request_id] = payloads
         n = sum(payload_nbytes(p) for p in payloads)
+        if self.state is not None:
+            assert state_slot is not None
+            st = self.state.read_slot(state_slot)
+            self._state_store[request_id] = st
+            n += payload_nbytes(st)
+        self.stats.transfer_s += time.perf_counter() - t0
         self.used_bytes += n
         self.stats.bytes_out += n
         self.stats.swap_outs += 1
         return True
 
-    def swap_in(self, request_id: str, block_ids: Sequence[int]) -> None:
+    @property
+    def state_nbytes(self) -> int:
+        """Host bytes of one swapped live state slot (0 without state layers)."""
+        return 0 if self.state is None else self.state.slot_nbytes
+
+    def swap_in(
+        self, request_id: str, block_ids: Sequence[int], *, state_slot: int | None = None
+    ) -> None:
         """Copy ``request_id``'s swapped blocks into ``block_ids`` (its new table's
-        first blocks) and forget them.
+        first blocks) and, on a hybrid model, its swapped state into its new live slot
+        ``state_slot``; forget them.
 
         Raises:
             KeyError: nothing swapped out for ``request_id``.
-            ValueError: ``block_ids`` of another length than the swapped blocks.
+            ValueError: ``block_ids`` of another length than the swapped blocks, or
+                ``state_slot`` missing on a hybrid model / given without one (nothing
+                changed).
         """
         payloads = self._store[request_id]
         if len(block_ids) != len(payloads):
@@ -150,11 +227,21 @@ class Swapper:
                 f"block_ids: expected {len(payloads)} blocks for {request_id!r}, "
                 f"got {len(block_ids)}"
             )
+        if (state_slot is None) != (self.state is None):
+            raise ValueError(
+                f"state_slot: expected {'none' if self.state is None else 'a live slot'} "
+                f"for {request_id!r}, got {state_slot!r}"
+            )
         t0 = time.perf_counter()
         self.mover.write_blocks(list(block_ids), payloads)
+        n = sum(payload_nbytes(p) for p in payloads)
+        if self.state is not None:
+            assert state_slot is not None
+            st = self._state_store.pop(request_id)
+            self.state.write_slot(state_slot, st)
+            n += payload_nbytes(st)
         self.stats.transfer_s += time.perf_counter() - t0
         del self._store[request_id]
-        n = sum(payload_nbytes(p) for p in payloads)
         self.used_bytes -= n
         self.stats.bytes_in += n
         self.stats.swap_ins += 1
@@ -164,6 +251,9 @@ class Swapper:
         payloads = self._store.pop(request_id, None)
         if payloads is not None:
             self.used_bytes -= sum(payload_nbytes(p) for p in payloads)
+        st = self._state_store.pop(request_id, None)
+        if st is not None:
+            self.used_bytes -= payload_nbytes(st)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._store
@@ -173,6 +263,7 @@ __all__ = [
     "DEFAULT_PREFILL_TOKENS_PER_S",
     "HOST_BANDWIDTH",
     "MIN_PREFILL_TOKENS",
+    "StateMover",
     "SwapCostModel",
     "SwapStats",
     "Swapper",

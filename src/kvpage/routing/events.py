@@ -15,6 +15,18 @@ pool (the default, and the only medium of a replica without KV tiers), ``"host"`
 hash set per medium; a hash may be in several (the disk tier keeps its file after a
 promotion), except that host and device are exclusive.
 
+Hybrid models (recurrent state layers, ``kvpage.cache.state_pool``): a prefix hit needs
+the KV blocks *and* a recurrent-state snapshot at the hit's end. Snapshots are keyed by
+the hash of the block ending at their boundary, so they travel as stored/removed events
+of the extra medium :data:`STATE_MEDIUM` (``"state"``): ``BlockStored(hashes,
+medium="state")`` = snapshots of the state after these blocks were taken,
+``BlockRemoved(..., medium="state")`` = they were evicted or dropped. A state hash is a
+marker on a boundary, not a block: it is never a KV medium (:data:`MEDIA`) and the KV
+media's rules above do not apply to it. :class:`KVSnapshot` carries the replica's
+``state`` kind (``"none"``, ``"hybrid"``, ``"recurrent_only"``: :data:`STATE_KINDS`)
+and its ``state_hashes``; the index cuts a stateful replica's match at its deepest
+state hash (``kvpage.routing.index``).
+
 Events are *set operations* on the replica's hash set, grouped into numbered
 :class:`KVEventBatch` objects: ``seq`` starts at 1 and grows by exactly 1 per batch, so
 a receiver detects a lost batch as a gap. ``epoch`` is a random id drawn when the
@@ -53,16 +65,23 @@ class RoutingError(KVPageError, ValueError):
 MEDIA = ("device", "host", "disk")
 #: the media below the pool
 TIER_MEDIA = MEDIA[1:]
+#: the medium of recurrent-state snapshot events (module docstring)
+STATE_MEDIUM = "state"
+#: every medium an event may name
+EVENT_MEDIA = (*MEDIA, STATE_MEDIUM)
+#: what a replica's model keeps beside KV: nothing, attention and recurrent layers, or
+#: recurrent layers only (no KV block: a hit is the deepest snapshot along the prompt)
+STATE_KINDS = ("none", "hybrid", "recurrent_only")
 
 
 def check_medium(medium: object, what: str = "medium") -> str:
-    """``medium`` if it is one of :data:`MEDIA`.
+    """``medium`` if it is one of :data:`EVENT_MEDIA` (the KV media and ``"state"``).
 
     Raises:
         RoutingError: anything else.
     """
-    if medium not in MEDIA:
-        raise RoutingError(f"{what}: expected one of {list(MEDIA)}, got {medium!r}")
+    if medium not in EVENT_MEDIA:
+        raise RoutingError(f"{what}: expected one of {list(EVENT_MEDIA)}, got {medium!r}")
     return str(medium)
 
 
@@ -78,7 +97,8 @@ class BlockStored:
             publisher sends None; the index does not need it because a chained hash
             already fixes the whole prefix.
         medium: where the blocks now are (:data:`MEDIA`; ``"host"``/``"disk"``: demoted
-            into that KV tier). Absent in the JSON form = ``"device"``.
+            into that KV tier), or ``"state"``: recurrent-state snapshots at the end of
+            these blocks were stored. Absent in the JSON form = ``"device"``.
     """
 
     block_hashes: tuple[bytes, ...]
@@ -94,8 +114,8 @@ class BlockRemoved:
 
     Attributes:
         block_hashes: the removed hashes.
-        medium: the medium they left (:data:`MEDIA`; absent in the JSON form =
-            ``"device"``).
+        medium: the medium they left (:data:`MEDIA`, or ``"state"``: the snapshots
+            keyed by these hashes are gone; absent in the JSON form = ``"device"``).
     """
 
     block_hashes: tuple[bytes, ...]
@@ -230,6 +250,14 @@ class KVSnapshot:
         epoch: the publisher instance's random id.
         tier_hashes: per KV tier medium (``"host"``, ``"disk"``), the hashes it holds;
             empty without tiers (absent in the JSON form = empty).
+        state: the replica's kind of recurrent state (:data:`STATE_KINDS`; absent in
+            the JSON form = ``"none"``).
+        state_hashes: the keys of its recurrent-state snapshots (medium ``"state"``;
+            absent in the JSON form = empty).
+
+    Raises:
+        RoutingError: ``state`` not one of :data:`STATE_KINDS`, or state hashes with
+            ``state="none"``.
     """
 
     replica_id: str
@@ -237,6 +265,19 @@ class KVSnapshot:
     block_hashes: frozenset[bytes]
     epoch: str = ""
     tier_hashes: Mapping[str, frozenset[bytes]] = field(default_factory=dict)
+    state: str = "none"
+    state_hashes: frozenset[bytes] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.state not in STATE_KINDS:
+            raise RoutingError(
+                f"snapshot.state: expected one of {list(STATE_KINDS)}, got {self.state!r}"
+            )
+        if self.state == "none" and self.state_hashes:
+            raise RoutingError(
+                f"snapshot.state_hashes: expected none for state='none', got "
+                f"{len(self.state_hashes)}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (hashes as hex, sorted)."""
@@ -246,6 +287,8 @@ class KVSnapshot:
             "epoch": self.epoch,
             "block_hashes": sorted(_hex(self.block_hashes)),
             "tier_hashes": {m: sorted(_hex(hs)) for m, hs in self.tier_hashes.items()},
+            "state": self.state,
+            "state_hashes": sorted(_hex(self.state_hashes)),
         }
 
     @classmethod
@@ -273,6 +316,8 @@ class KVSnapshot:
             block_hashes=frozenset(_unhex(d.get("block_hashes"), "snapshot.block_hashes")),
             epoch=str(d.get("epoch", "")),
             tier_hashes=th,
+            state=str(d.get("state", "none")),
+            state_hashes=frozenset(_unhex(d.get("state_hashes", []), "snapshot.state_hashes")),
         )
 
 
@@ -284,7 +329,10 @@ __all__ = [
     "KVEventBatch",
     "KVSnapshot",
     "MEDIA",
+    "EVENT_MEDIA",
     "RoutingError",
+    "STATE_KINDS",
+    "STATE_MEDIUM",
     "TIER_MEDIA",
     "check_medium",
     "event_from_dict",

@@ -24,6 +24,14 @@ KV tiers ``"host"``, ``"disk"``; events carry it, see :mod:`kvpage.routing.event
 by default, as before tiers; :meth:`PrefixIndex.matched_media` counts a leading run of
 blocks each held in *some* medium, per medium, for a cost that weighs tier hits
 (``kvpage.routing.policies.CostWeights``).
+
+Hybrid replicas (recurrent state layers; the snapshot's ``state`` kind): a prefix hit
+needs a recurrent-state snapshot at its end, and snapshots arrive as events of medium
+``"state"`` keyed by the hash of the block ending at their boundary. For such a replica
+:meth:`PrefixIndex.matched_blocks` and :meth:`PrefixIndex.matched_media` cut the KV
+match at the deepest block whose hash has a snapshot (the engine's rule:
+``KVCacheManager.get_num_cached_tokens``); a ``recurrent_only`` replica (no KV blocks)
+matches up to the deepest snapshot along the whole request.
 """
 
 from __future__ import annotations
@@ -34,7 +42,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvpage.routing.events import (
+    EVENT_MEDIA,
     MEDIA,
+    STATE_MEDIUM,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -77,14 +87,25 @@ class IndexStats:
 
 
 class _Replica:
-    __slots__ = ("epoch", "seq", "hashes", "tiers", "stale")
+    __slots__ = ("epoch", "seq", "hashes", "tiers", "stale", "state")
 
-    def __init__(self, epoch: str, seq: int) -> None:
+    def __init__(self, epoch: str, seq: int, state: str = "none") -> None:
         self.epoch = epoch
         self.seq = seq
         self.hashes: set[bytes] = set()  # medium "device"
-        self.tiers: dict[str, set[bytes]] = {}  # "host" / "disk"
+        self.tiers: dict[str, set[bytes]] = {}  # "host" / "disk", and "state" (snapshots)
         self.stale = False
+        self.state = state  # kvpage.routing.events.STATE_KINDS
+
+    def deepest_state(self, block_hashes: Sequence[bytes], n: int) -> int:
+        """The largest ``k <= n`` whose block ``k - 1`` has a state snapshot (0 = none)."""
+        snaps = self.tiers.get(STATE_MEDIUM)
+        if not snaps:
+            return 0
+        for k in range(min(n, len(block_hashes)), 0, -1):
+            if block_hashes[k - 1] in snaps:
+                return k
+        return 0
 
     def media(self, medium: str) -> set[bytes]:
         if medium == "device":
@@ -107,7 +128,7 @@ class PrefixIndex:
         self._clock = clock
         self._replicas: dict[str, _Replica] = {}
         # per medium, hash -> replicas holding it there
-        self._wheres: dict[str, dict[bytes, set[str]]] = {m: {} for m in MEDIA}
+        self._wheres: dict[str, dict[bytes, set[str]]] = {m: {} for m in EVENT_MEDIA}
         self._where = self._wheres["device"]
         self.stats = IndexStats()
 
@@ -142,7 +163,8 @@ class PrefixIndex:
         unknown).
 
         Raises:
-            RoutingError: ``medium`` not one of ``kvpage.routing.events.MEDIA``.
+            RoutingError: ``medium`` not one of ``kvpage.routing.events.EVENT_MEDIA``
+                (``"state"``: the keys of its recurrent-state snapshots).
         """
         check_medium(medium)
         r = self._replicas.get(replica_id)
@@ -153,6 +175,12 @@ class PrefixIndex:
     def num_blocks(self, replica_id: str, medium: str = "device") -> int:
         """How many hashes the view of ``replica_id`` holds in ``medium`` (0 if unknown)."""
         return len(self.view(replica_id, medium))
+
+    def state_kind(self, replica_id: str) -> str | None:
+        """The replica's kind of recurrent state (``kvpage.routing.events.STATE_KINDS``,
+        from its last snapshot); None if unknown."""
+        r = self._replicas.get(replica_id)
+        return None if r is None else r.state
 
     @property
     def has_tiers(self) -> bool:
@@ -166,12 +194,17 @@ class PrefixIndex:
         The run ends at the first block the replica holds nowhere (a lookup promotes
         tier blocks, so a tier block between device blocks does not end it).
 
+        A stateful replica's run is cut at its deepest state snapshot (module
+        docstring); a ``recurrent_only`` one counts its snapshot's blocks as device.
+
         Returns:
             ``{replica_id: {medium: n}}`` for every known replica (media with n > 0
             only); a stale replica gets ``{}``.
         """
         out: dict[str, dict[str, int]] = {rid: {} for rid in self._replicas}
         alive = {rid for rid, r in self._replicas.items() if not r.stale}
+        stateful = {rid for rid in alive if self._replicas[rid].state != "none"}
+        runs: dict[str, list[str]] = {rid: [] for rid in stateful}
         wheres = [(m, self._wheres[m]) for m in MEDIA]
         for h in block_hashes:
             if not alive:
@@ -184,8 +217,20 @@ class PrefixIndex:
                         c = out[rid]
                         c[m] = c.get(m, 0) + 1
                         nxt.add(rid)
+                        if rid in runs:
+                            runs[rid].append(m)
                         break
             alive = nxt
+        for rid, run in runs.items():
+            r = self._replicas[rid]
+            if r.state == "recurrent_only":
+                k = r.deepest_state(block_hashes, len(block_hashes))
+                out[rid] = {"device": k} if k else {}
+                continue
+            counts: dict[str, int] = {}
+            for m in run[: r.deepest_state(block_hashes, len(run))]:
+                counts[m] = counts.get(m, 0) + 1
+            out[rid] = counts
         return out
 
     def matched_blocks(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
@@ -197,8 +242,19 @@ class PrefixIndex:
 
         Returns:
             ``{replica_id: n}`` for every known replica, ``0 <= n <= len(block_hashes)``;
-            a stale replica (awaiting resync) always gets 0.
+            a stale replica (awaiting resync) always gets 0; a stateful replica's ``n``
+            is cut at its deepest state snapshot (module docstring).
         """
+        out = self._matched_kv(block_hashes)
+        for rid, r in self._replicas.items():
+            if r.state != "none" and not r.stale:
+                n = len(block_hashes) if r.state == "recurrent_only" else out[rid]
+                out[rid] = r.deepest_state(block_hashes, n)
+        return out
+
+    def _matched_kv(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+        """Per known replica, its leading run of ``block_hashes`` on the device (stale:
+        0), without the state cut."""
         out = {rid: 0 for rid in self._replicas}
         alive = {rid for rid, r in self._replicas.items() if not r.stale}
         where = self._where
@@ -269,11 +325,12 @@ class PrefixIndex:
         old = self._replicas.get(rid)
         if old is not None:
             self._discard_all(rid, old)
-        r = _Replica(snapshot.epoch, snapshot.seq)
+        r = _Replica(snapshot.epoch, snapshot.seq, snapshot.state)
         self._replicas[rid] = r
         self._add(rid, r, snapshot.block_hashes)
         for m, hs in snapshot.tier_hashes.items():
             self._add(rid, r, hs, check_medium(m))
+        self._add(rid, r, snapshot.state_hashes, STATE_MEDIUM)
         if old is None:
             self.stats.joins += 1
         else:

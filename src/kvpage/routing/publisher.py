@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvpage.errors import SpecError
 from kvpage.routing.events import (
+    STATE_MEDIUM,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -23,6 +24,7 @@ from kvpage.routing.events import (
 
 if TYPE_CHECKING:
     from kvpage.cache import BlockPool, GroupPool, KVCacheManager
+    from kvpage.cache.state_pool import StatePool
     from kvpage.cache.tier_store import DiskTier, HostTier
 
 
@@ -72,6 +74,22 @@ class _TierTap:
         self.pub._tier_removed(tier, block_hash)
 
 
+class _StateTap:
+    """The :class:`~kvpage.cache.state_pool.StateListener` attached to a hybrid model's
+    state pool."""
+
+    __slots__ = ("pub",)
+
+    def __init__(self, pub: KVEventPublisher) -> None:
+        self.pub = pub
+
+    def on_snapshot_stored(self, block_hash: bytes) -> None:
+        self.pub._tier_stored(STATE_MEDIUM, block_hash)
+
+    def on_snapshot_removed(self, block_hash: bytes) -> None:
+        self.pub._tier_removed(STATE_MEDIUM, block_hash)
+
+
 class KVEventPublisher:
     """Turns a replica's pool and tier changes into numbered :class:`KVEventBatch` objects.
 
@@ -90,6 +108,13 @@ class KVEventPublisher:
     a :class:`BlockRemoved` with that ``medium`` (a disk promotion keeps the file, so
     it changes nothing). A device eviction that the tiers catch is therefore a
     ``BlockRemoved(medium="device")`` plus a ``BlockStored(medium="host")``.
+
+    On a hybrid model (``manager.state``, a ``StatePool``) it also listens to the state
+    pool (``StateListener``): a snapshot stored is a :class:`BlockStored` with medium
+    ``"state"`` and the hash of the block ending at its boundary, one evicted, dropped
+    or reset a :class:`BlockRemoved` with that medium; the snapshot it serves carries
+    ``state`` (``"hybrid"``, or ``"recurrent_only"`` without a KV pool) and the held
+    ``state_hashes``.
 
     Consecutive stores (or removals) of one medium are merged into one event; a clear
     of the pool (``reset_prefix_cache``, which clears the tiers too) drops the events
@@ -119,18 +144,20 @@ class KVEventPublisher:
         self._tiers: list[HostTier | DiskTier] = []
         self._per_pool: list[set[bytes]] = []
         self._held: set[bytes] = set()
-        self._tier_held: dict[str, set[bytes]] = {}
+        self._tier_held: dict[str, set[bytes]] = {}  # KV tiers, and "state"
+        self._state_kind = "none"
+        self._state_pool: StatePool | None = None
 
     # ---- wiring -------------------------------------------------------------------
     def attach(self, manager: KVCacheManager) -> None:
-        """Listen to ``manager.prefix_pools`` and, when attached, ``manager.tiers``;
-        hashes already held there are announced in the first batch (one
-        :class:`BlockStored` per medium).
+        """Listen to ``manager.prefix_pools``, ``manager.tiers`` when attached and
+        ``manager.state`` on a hybrid model; hashes already held there are announced in
+        the first batch (one :class:`BlockStored` per medium).
 
         Raises:
             SpecError: already attached.
         """
-        if self._pools:
+        if self._pools or self._state_pool is not None:
             raise SpecError(f"publisher {self.replica_id!r}: expected one attach, got a second")
         pools = manager.prefix_pools
         for i, pool in enumerate(pools):
@@ -148,6 +175,14 @@ class KVEventPublisher:
             t.listeners.append(_TierTap(self))
             if hs:
                 self._pending.append(("stored", t.name, list(hs)))
+        state = getattr(manager, "state", None)
+        if state is not None:
+            self._state_pool = state
+            self._state_kind = "hybrid" if pools else "recurrent_only"
+            hs = self._tier_held[STATE_MEDIUM] = set(state.snapshot_hashes())
+            state.listeners.append(_StateTap(self))
+            if hs:
+                self._pending.append(("stored", STATE_MEDIUM, list(hs)))
 
     def detach(self) -> None:
         """Stop listening (the publisher keeps its state; a later attach is refused)."""
@@ -158,6 +193,11 @@ class KVEventPublisher:
         for t in self._tiers:
             t.listeners[:] = [
                 x for x in t.listeners if not (isinstance(x, _TierTap) and x.pub is self)
+            ]
+        sp = self._state_pool
+        if sp is not None:
+            sp.listeners[:] = [
+                x for x in sp.listeners if not (isinstance(x, _StateTap) and x.pub is self)
             ]
 
     # ---- listener callbacks -------------------------------------------------------
@@ -207,7 +247,8 @@ class KVEventPublisher:
 
     # ---- output -------------------------------------------------------------------
     def held(self, medium: str = "device") -> frozenset[bytes]:
-        """The hashes held now in ``medium`` (what a snapshot would carry)."""
+        """The hashes held now in ``medium`` (what a snapshot would carry; ``"state"``:
+        the keys of the recurrent-state snapshots)."""
         if medium == "device":
             return frozenset(self._held)
         return frozenset(self._tier_held.get(medium, ()))
@@ -236,8 +277,16 @@ class KVEventPublisher:
         """The current hash sets with the seq of the last drained batch (events still
         pending are already in the sets; replaying them later is harmless, see the
         :mod:`kvpage.routing.events` docstring)."""
-        tiers = {m: frozenset(hs) for m, hs in self._tier_held.items() if hs}
-        return KVSnapshot(self.replica_id, self.seq, frozenset(self._held), self.epoch, tiers)
+        tiers = {m: frozenset(hs) for m, hs in self._tier_held.items() if hs and m != STATE_MEDIUM}
+        return KVSnapshot(
+            self.replica_id,
+            self.seq,
+            frozenset(self._held),
+            self.epoch,
+            tiers,
+            state=self._state_kind,
+            state_hashes=frozenset(self._tier_held.get(STATE_MEDIUM, ())),
+        )
 
 
 __all__ = ["KVEventPublisher"]

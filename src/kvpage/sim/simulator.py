@@ -168,11 +168,6 @@ def _check_state_config(cfg: SimConfig) -> None:
             f"policy: expected a paged policy for a model with recurrent state layers "
             f"(the contiguous allocators hold no state slots), got {cfg.policy!r}"
         )
-    if cfg.preemption_mode == "swap":
-        raise SpecError(
-            "preemption_mode: expected 'recompute' for a model with recurrent state layers "
-            "(swap moves KV blocks only, not the recurrent state slots), got 'swap'"
-        )
 
 
 def _hybrid_num_blocks(cfg: SimConfig, spec: CacheSpec, budget: int) -> int:

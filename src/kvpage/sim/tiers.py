@@ -122,6 +122,25 @@ class NullMover:
         return None
 
 
+class NullStateMover:
+    """A ``kvpage.engine.swap.StateMover`` without data: a hybrid model's swapped live
+    state slot is a zero-copy read-only view of ``slot_nbytes`` bytes
+    (``CacheSpec.state_bytes_per_sequence``), so swap counts its bytes exactly."""
+
+    def __init__(self, slot_nbytes: int) -> None:
+        self.slot_nbytes = slot_nbytes
+        self._payload = np.broadcast_to(np.zeros(1, np.uint8), (slot_nbytes,))
+
+    def read_slot(self, slot: int) -> Payload:
+        return self._payload
+
+    def write_slot(self, slot: int, payload: Payload) -> None:
+        return None
+
+    def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
+        return None
+
+
 class SimDiskTier(_InMemoryTier, DiskTier):
     """The disk tier's LRU and capacity rules in memory (no files): ``put`` stores,
     ``get`` returns the payload and keeps it (inclusive), never corrupt; ``discard`` is
@@ -312,6 +331,7 @@ def simulate_tiered_eviction(
 __all__ = [
     "TRANSFER_PRESETS",
     "NullMover",
+    "NullStateMover",
     "SimDiskTier",
     "TieredEvictionResult",
     "TransferMeter",
@@ -328,11 +348,13 @@ def attach_sim_tiers(
     ``spec.bytes_per_block`` bytes) under a simulation's cache manager and scheduler, as
     ``cfg`` (a ``SimConfig``) asks; returns the meter of their transfers, or None when
     ``cfg`` asks for neither. Swap's prefill rate is the cost model's for one
-    ``max_num_batched_tokens`` chunk.
+    ``max_num_batched_tokens`` chunk; on a hybrid model swap also moves each victim's
+    live state (:class:`NullStateMover` of ``spec.state_bytes_per_sequence`` bytes),
+    counted in the swap bytes and their transfer time.
 
     Raises:
-        SpecError: tiers or swap with a contiguous policy (no block pool), an unknown
-            transfer preset (the tier fields' own rules are checked by ``build_setup``).
+        SpecError: tiers or swap with a contiguous policy (no block pool), swap on a
+            model without attention layers, an unknown transfer preset (the tier fields' own rules are checked by ``build_setup``).
     """
     from kvpage.cache import KVCacheManager
     from kvpage.cache.tier_store import HostTier
@@ -360,13 +382,20 @@ def attach_sim_tiers(
         kv.attach_tiers(tiers)
         meter.sources.extend(tiers.tiers)
     if swap:
+        if not spec.layers:
+            raise SpecError(
+                "preemption_mode: expected 'recompute' for a model of recurrent layers only "
+                "(swap serves one full-attention KV group and its state), got 'swap'"
+            )
         chunk = cfg.max_num_batched_tokens
         rate = chunk / cost.step_time([chunk], [0])
+        state_b = spec.state_bytes_per_sequence
         sw = Swapper(
             mover,
             spec.block_size,
             cfg.swap_space_bytes,
             SwapCostModel(meter.preset.host_bandwidth, rate),
+            state=NullStateMover(state_b) if state_b else None,
         )
         sched.swapper = sw
         meter.sources.append(sw)
