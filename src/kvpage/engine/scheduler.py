@@ -19,6 +19,17 @@ One step (:meth:`Scheduler.schedule`):
    why the hit ended (``Request.cache_miss``, counted in ``miss_reasons``) and every
    allocation from scratch hands the request's ``kv_retention`` policy to the cache.
 
+With an allocator whose prefill chunks hold transient blocks (``FitAllocator`` with
+``has_transient_blocks``: a unified pool with a sliding-window group) both steps are
+budgeted: a sequence without blocks is admitted only when its settled footprint
+(``admission_demand``) fits beside the running sequences' reserve (``growth_demand`` of
+each: the rest of its known tokens and one block), every prefill chunk (the first one
+too) is cut to what fits while the older sequences' next blocks stay free
+(``fit_new_tokens``), and a non-oldest prefill that cannot take one token is stalled for
+the step (its window release only) instead of preempting. Per-group pools and
+one-group models are scheduled as above, unchanged (docs/architecture.md, "One pool
+for every kind of layer").
+
 After the model ran, :meth:`Scheduler.update` advances every scheduled sequence,
 commits its full blocks to the prefix cache, appends sampled tokens, forks parallel
 samples (``n > 1``) once the prompt is computed, and frees finished sequences.
