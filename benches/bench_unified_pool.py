@@ -2,7 +2,9 @@
 peak concurrent sequences on one 80 GB device, driven through the real allocator.
 
 Per model, the KV budget is ``80e9 x 0.9 - weight bytes`` (weights below, with their
-source). For each pool design the budget is turned into blocks
+source); DeepSeek-V3 (671e9 parameters) does not fit one device: it is one rank of
+:data:`DSV3_TP` under tensor parallelism, its weight bytes the rank's share and its
+cache the whole MLA latent (one KV group, so per-group and unified pools are the same). For each pool design the budget is turned into blocks
 (``budget // CacheSpec.bytes_per_block``) and:
 
 * **tokens that fit**: the longest single sequence
@@ -22,7 +24,8 @@ Simulator section (``--sim``): output tok/s, peak concurrent sequences (peak bat
 preemptions and TTFT from ``kvpage.sim.simulate`` (the real scheduler and
 ``KVCacheManager``, step times from the roofline cost model with window-limited KV
 reads and MoE active parameters) on an H100-80GB for the same models and budgets
-(``SimConfig.weight_bytes``), per-group vs unified pool: ``long`` = :data:`LONG_N`
+(``SimConfig.weight_bytes``; DeepSeek-V3: ``SimConfig.tp`` = :data:`DSV3_TP`, one rank
+simulated, all-reduces not modelled), per-group vs unified pool: ``long`` = :data:`LONG_N`
 requests of 32,768 prompt + 256 output tokens (distinct prompts, all at t = 0, policy
 ``paged``) at two step budgets (``max_num_batched_tokens`` 8,192 and 2,048);
 ``mooncake`` = the first :data:`MOONCAKE_N` requests of the Mooncake conversation
@@ -77,6 +80,25 @@ def gpt_oss_120b() -> tuple[CacheSpec, int]:
     MXFP4 checkpoint, ~65 GB (model card: fits one 80 GB GPU)."""
     p = load_preset("gpt-oss-120b")
     return p.cache_spec(block_size=BS, dtype="bfloat16"), 65_000_000_000
+
+
+#: DeepSeek-V3's assumed deployment: tensor parallelism over 16 x H100-80GB (two 8-GPU
+#: nodes), FP8 weights (the checkpoint's format: 1 byte per parameter; its block scales,
+#: the bf16 norms and the multi-token-prediction layer are not counted). Every rank holds
+#: 1/16 of the weights and the whole MLA latent cache (kvpage.capacity.shard_cache_spec).
+DSV3_TP = 16
+DSV3_WEIGHTS = 671_000_000_000
+
+
+def deepseek_v3() -> tuple[CacheSpec, int]:
+    """The deepseek-v3 preset (specs/deepseek-v3.yaml: 61 MLA layers, latent 512 + rope
+    64 = 576 elements per token and layer), bf16 latent, one rank of :data:`DSV3_TP`:
+    its spec (all of the latent: 70,272 bytes per token) and its weight share."""
+    from kvpage.capacity import shard_cache_spec
+
+    p = load_preset("deepseek-v3")
+    spec = shard_cache_spec(p.cache_spec(block_size=BS, dtype="bfloat16"), DSV3_TP)
+    return spec, -(-DSV3_WEIGHTS // DSV3_TP)
 
 
 def llama3_8b() -> tuple[CacheSpec, int]:
@@ -134,11 +156,13 @@ def fill_bound(spec: CacheSpec, budget: int, lengths: list[int]) -> int:
     return len(lengths)
 
 
-#: preset, weight bytes (None = parameters x 2): the budgets of the capacity table
-SIM_MODELS: list[tuple[str, str, int | None]] = [
-    ("Gemma-3-27B", "gemma-3-27b", int(27.4e9 * 2)),
-    ("gpt-oss-120b", "gpt-oss-120b", 65_000_000_000),
-    ("Llama-3-8B", "llama-3-8b", None),
+#: name, preset, weight bytes of the whole model (None = parameters x 2), tensor-parallel
+#: degree: the budgets of the capacity table (one rank simulated)
+SIM_MODELS: list[tuple[str, str, int | None, int]] = [
+    ("Gemma-3-27B", "gemma-3-27b", int(27.4e9 * 2), 1),
+    ("gpt-oss-120b", "gpt-oss-120b", 65_000_000_000, 1),
+    ("DeepSeek-V3", "deepseek-v3", DSV3_WEIGHTS, DSV3_TP),
+    ("Llama-3-8B", "llama-3-8b", None, 1),
 ]
 LONG_N = 24
 LONG_PROMPT = 32768
@@ -151,12 +175,19 @@ def long_requests(n: int = LONG_N) -> list[TraceRequest]:
     return [TraceRequest(i, 0.0, LONG_PROMPT, LONG_OUT) for i in range(n)]
 
 
-def sim_config(preset: str, weights: int | None, pool: str, **kw: Any) -> SimConfig:
+def sim_config(preset: str, weights: int | None, pool: str, tp: int = 1, **kw: Any) -> SimConfig:
     """The simulator config of one bench row (H100-80GB, bf16, block 16, 128k context
-    except Llama-3-8B's 8k, which the long workload's 32k prompts exceed)."""
+    except Llama-3-8B's 8k, which the long workload's 32k prompts exceed; ``tp`` ranks,
+    one simulated)."""
     mml = None if preset == "llama-3-8b" else 131072
     return SimConfig(
-        model=preset, gpu="H100-80GB", kv_pool=pool, weight_bytes=weights, max_model_len=mml, **kw
+        model=preset,
+        gpu="H100-80GB",
+        kv_pool=pool,
+        weight_bytes=weights,
+        tp=tp,
+        max_model_len=mml,
+        **kw,
     )
 
 
@@ -164,7 +195,7 @@ def sim_rows() -> list[list[Any]]:
     """Rows of the simulator table (module docstring)."""
     trace = load_trace("mooncake-conv", limit=MOONCAKE_N)
     rows: list[list[Any]] = []
-    for name, preset, weights in SIM_MODELS:
+    for name, preset, weights, tp in SIM_MODELS:
         runs: list[tuple[str, Any, dict[str, Any]]] = [
             ("mooncake", trace, dict(policy="paged-prefix")),
         ]
@@ -180,7 +211,7 @@ def sim_rows() -> list[list[Any]]:
         for wl, reqs, kw in runs:
             for pool in ("per_group", "unified"):
                 t0 = time.perf_counter()
-                r: SimResult = simulate(reqs, sim_config(preset, weights, pool, **kw))
+                r: SimResult = simulate(reqs, sim_config(preset, weights, pool, tp, **kw))
                 print(f"# {name} {wl} {pool}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
                 rows.append(
                     [
@@ -205,7 +236,7 @@ def main() -> None:
     trace = load_trace("src/kvpage/data/traces/mooncake_conversation_trace.jsonl", limit=2000)
     mooncake = [r.prompt_tokens + max(r.output_tokens, 1) for r in trace.requests]
     rows: list[list[Any]] = []
-    for name, make in (("Gemma-3-27B", gemma3_27b), ("gpt-oss-120b", gpt_oss_120b), ("Llama-3-8B", llama3_8b)):  # fmt: skip
+    for name, make in (("Gemma-3-27B", gemma3_27b), ("gpt-oss-120b", gpt_oss_120b), ("DeepSeek-V3", deepseek_v3), ("Llama-3-8B", llama3_8b)):  # fmt: skip
         base, weights = make()
         budget = int(DEVICE * UTIL) - weights
         specs = {k: base.model_copy(update={"kv_pool": k}) for k in ("per_group", "unified")}

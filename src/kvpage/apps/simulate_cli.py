@@ -104,7 +104,14 @@ def add_simulate_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--weight-bytes",
         default=None,
-        help="weights on the device, e.g. 65GB (default: parameters x dtype bytes)",
+        help="the model's weights (all --tp ranks), e.g. 65GB (default: parameters x dtype bytes)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree: simulate one rank (1/tp of the weights, KV heads "
+        "sharded, an MLA latent whole; all-reduces not modelled)",
     )
     p.add_argument("--flops-efficiency", type=float, default=0.6, help="achieved/peak FLOP/s")
     p.add_argument("--bandwidth-efficiency", type=float, default=0.8, help="achieved/peak B/s")
@@ -187,6 +194,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             weight_bytes=None
             if args.weight_bytes is None
             else parse_bytes(args.weight_bytes, "--weight-bytes"),
+            tp=args.tp,
             flops_efficiency=args.flops_efficiency,
             bandwidth_efficiency=args.bandwidth_efficiency,
             step_overhead_s=args.step_overhead,

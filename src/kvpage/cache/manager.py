@@ -432,6 +432,150 @@ class KVCacheManager:
         st.blocks_allocated += n_new * self.num_groups
         return Allocation(h, new_blocks, [[] for _ in range(self.num_groups)], by_tier)
 
+    # ---- fit queries (read-only: the scheduler's budget on a unified pool) ------------
+    @property
+    def has_transient_blocks(self) -> bool:
+        """Whether a request can hold more blocks than it needs once settled: a unified
+        pool with a sliding-window group. A call for ``[s, s + n)`` leaves a sliding group
+        holding blocks ``(s - W + 1) // bs .. ceil((s + n) / bs) - 1`` until the request's
+        next allocation releases those below the window, so a long prefill chunk holds up
+        to ``n / bs`` blocks per sliding group that its next step gives back (per-group
+        pools: a sliding group never holds more than the full group, in a pool of the
+        same size). The scheduler budgets admission and prefill chunks with
+        :meth:`admission_demand`, :meth:`growth_demand` and :meth:`fit_new_tokens` only
+        then (``kvpage.engine.scheduler``)."""
+        return self.unified and any(w is not None for w in self.windows)
+
+    def _settled_blocks(self, num_tokens: int) -> int:
+        """Blocks (all groups) a request of ``num_tokens`` computed tokens holds once its
+        window is released up to the next query: per group ``ceil(T / bs) -
+        first_needed_block(T)`` (full groups: ``ceil(T / bs)``)."""
+        nb = -(-num_tokens // self.block_size)
+        return sum(nb - gm.first_needed_block(num_tokens) for gm in self._groups)
+
+    def growth_demand(self, request_id: str, num_tokens: int) -> int:
+        """Net free-queue blocks ``request_id`` needs to hold ``num_tokens`` (>= its
+        allocated positions) settled: per group the blocks appended up to ``ceil(T /
+        bs)``, less the blocks below ``first_needed_block(T)`` that it alone holds (its
+        window release frees them; a prefill chunk's transient blocks among them); 0
+        when that is negative. Changes nothing.
+
+        Raises:
+            AllocationError: unknown request.
+        """
+        req = self._get(request_id)
+        nb = -(-num_tokens // self.block_size)
+        total = 0
+        for gm, table, freed in zip(self._groups, req.tables, req.freed):
+            total += max(0, nb - len(table))
+            target = gm.first_needed_block(num_tokens)
+            if target > freed:
+                total -= gm.pool.count_exclusive(table[freed:target])
+        return max(0, total)
+
+    def admission_demand(
+        self,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        *,
+        num_cached_tokens: int = 0,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+    ) -> int:
+        """Free-queue blocks a new request takes to hold ``num_tokens`` settled
+        (:meth:`_settled_blocks`) with the prefix hit ``num_cached_tokens`` (from
+        :meth:`get_num_cached_tokens`): the settled blocks minus the hit blocks other
+        requests hold (they are shared, not taken; cached free ones are revived from the
+        free queue and count). Changes no block, table or stat.
+
+        Raises:
+            AllocationError: a ``num_cached_tokens`` that is not cached now.
+        """
+        need = self._settled_blocks(num_tokens)
+        h = num_cached_tokens
+        if not h:
+            return need
+        bs = self.block_size
+        hashes = self.prefix_cache.block_hashes(
+            encode_extra_keys(cache_salt, adapter_id), token_ids, h // bs
+        )
+        for gm, ids in zip(self._groups, self.prefix_cache.hit_tables(hashes, h)):
+            kept = ids[gm.first_needed_block(num_tokens) :]
+            need -= sum(1 for i in kept if i) - gm.pool.count_free(kept)
+        return need
+
+    def fit_new_tokens(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        *,
+        keep_free: int = 0,
+        num_cached_tokens: int = 0,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+    ) -> int:
+        """The most tokens ``m <= num_new_tokens`` that ``allocate(request_id, token_ids,
+        m, ...)`` (same arguments) would make room for while leaving at least
+        ``keep_free`` blocks free (per-group pools: in every group's pool); 0 when not
+        even one fits (a first call) or when none fit. A group's demand grows with
+        ``m`` (``ceil((s + m) / bs)`` blocks; the window release and a CoW copy do not
+        depend on it), so the answer is a binary search over ``m``. Changes nothing.
+
+        Raises:
+            AllocationError: negative counts, or a ``num_cached_tokens`` that is not
+                cached now (first call).
+        """
+        if num_new_tokens < 0 or keep_free < 0:
+            raise AllocationError(
+                f"num_new_tokens, keep_free: expected >= 0, got {num_new_tokens}, {keep_free}"
+            )
+        bs = self.block_size
+        req = self._reqs.get(request_id)
+        if req is None:  # a first call: per group the hit's free blocks + new blocks
+            if num_new_tokens == 0 or (
+                self.state is not None and self.state.num_live_used >= self.state.num_live_slots
+            ):
+                return 0
+            h = num_cached_tokens
+            hit: list[list[int]] = [[] for _ in self._groups]
+            if h:
+                extra = encode_extra_keys(cache_salt, adapter_id)
+                hit = self.prefix_cache.hit_tables(
+                    self.prefix_cache.block_hashes(extra, token_ids, h // bs), h
+                )
+            start, lens = h, [h // bs] * self.num_groups
+            fixed = [gm.start_demand(ids, 0) for gm, ids in zip(self._groups, hit)]
+        else:
+            start = req.num_tokens
+            need = -(-(start + num_new_tokens) // bs)
+            lens = [len(t) for t in req.tables]
+            fixed = []  # per group: CoW copy - window blocks its release frees
+            for g, gm in enumerate(self._groups):
+                p = gm.plan_growth(
+                    req.tables[g], req.freed[g], start, num_new_tokens, need, check_fit=False
+                )
+                assert p is not None
+                fixed.append(p.demand - p.num_new)
+        pools = self.block_pools
+        free = [p.num_free for p in pools]
+
+        def fits(m: int) -> bool:
+            nb = -(-(start + m) // bs)
+            demand = [max(0, nb - n) + f for n, f in zip(lens, fixed)]
+            if self._shared is not None:
+                return sum(demand) <= free[0] - keep_free
+            return all(d <= fr - keep_free for d, fr in zip(demand, free))
+
+        lo = 1 if req is None else 0
+        if not fits(lo):
+            return 0
+        hi = num_new_tokens
+        while lo < hi:  # the most m with fits(m)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Register blocks fully inside ``[0, num_computed_tokens)`` as prefix-cache
         entries (call after the step that wrote their K/V ran; C04).

@@ -157,4 +157,46 @@ class StateAllocator(Protocol):
     def take_state_copies(self) -> list[tuple[int, int]]: ...
 
 
-__all__ = ["AllocatorStats", "KVAllocator", "RetentionAllocator", "StateAllocator"]
+@runtime_checkable
+class FitAllocator(Protocol):
+    """What an allocator whose requests can hold transient blocks adds
+    (``KVCacheManager`` with a unified pool and a sliding-window group:
+    ``has_transient_blocks``): read-only fit queries, in blocks of the pool. The
+    scheduler budgets admission and prefill chunks with them when present and
+    ``has_transient_blocks`` is True."""
+
+    @property
+    def has_transient_blocks(self) -> bool: ...
+
+    def growth_demand(self, request_id: str, num_tokens: int) -> int: ...
+
+    def admission_demand(
+        self,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        *,
+        num_cached_tokens: int = 0,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+    ) -> int: ...
+
+    def fit_new_tokens(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        *,
+        keep_free: int = 0,
+        num_cached_tokens: int = 0,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+    ) -> int: ...
+
+
+__all__ = [
+    "AllocatorStats",
+    "FitAllocator",
+    "KVAllocator",
+    "RetentionAllocator",
+    "StateAllocator",
+]

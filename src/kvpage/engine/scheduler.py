@@ -19,6 +19,17 @@ One step (:meth:`Scheduler.schedule`):
    why the hit ended (``Request.cache_miss``, counted in ``miss_reasons``) and every
    allocation from scratch hands the request's ``kv_retention`` policy to the cache.
 
+With an allocator whose prefill chunks hold transient blocks (``FitAllocator`` with
+``has_transient_blocks``: a unified pool with a sliding-window group) both steps are
+budgeted: a sequence without blocks is admitted only when its settled footprint
+(``admission_demand``) fits beside the running sequences' reserve (``growth_demand`` of
+each: the rest of its known tokens and one block), every prefill chunk (the first one
+too) is cut to what fits while the older sequences' next blocks stay free
+(``fit_new_tokens``), and a non-oldest prefill that cannot take one token is stalled for
+the step (its window release only) instead of preempting. Per-group pools and
+one-group models are scheduled as above, unchanged (docs/architecture.md, "One pool
+for every kind of layer").
+
 After the model ran, :meth:`Scheduler.update` advances every scheduled sequence,
 commits its full blocks to the prefix cache, appends sampled tokens, forks parallel
 samples (``n > 1``) once the prompt is computed, and frees finished sequences.
@@ -44,7 +55,7 @@ from dataclasses import dataclass, field
 
 from kvpage.cache.allocation import Allocation
 from kvpage.cache.explain import CacheMissExplanation
-from kvpage.cache.protocol import KVAllocator, RetentionAllocator, StateAllocator
+from kvpage.cache.protocol import FitAllocator, KVAllocator, RetentionAllocator, StateAllocator
 from kvpage.engine.preemption import Preemptor
 from kvpage.engine.queue_policy import SchedulingPolicy, make_queue
 from kvpage.engine.request import Request, RequestStatus, sample_id
@@ -157,6 +168,13 @@ class Scheduler:
         self._stateful = (
             kv_cache_manager
             if isinstance(kv_cache_manager, StateAllocator) and kv_cache_manager.state is not None
+            else None
+        )
+        #: an allocator whose prefill chunks hold transient blocks (a unified pool with
+        #: a sliding group): admission and chunks are budgeted (module docstring)
+        self._fitting = (
+            kv_cache_manager
+            if isinstance(kv_cache_manager, FitAllocator) and kv_cache_manager.has_transient_blocks
             else None
         )
         if self._stateful is not None and proposer is not None:
@@ -297,6 +315,8 @@ class Scheduler:
         i = 0
         running, allocate = self.running, self.kv.allocate
         drafts = self._propose() if self.proposer is not None else None
+        fit, bs = self._fitting, self.kv.block_size
+        reserve = 0  # fit: the next blocks of the sequences before ``req``
         while i < len(running) and budget > 0:
             req = running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -317,6 +337,14 @@ class Scheduler:
                     i += 1
                     continue
                 # no room for the drafts: decode plainly (preempting as usual)
+            if fit is not None and n > 1:
+                m = self._fit_chunk(fit, req, req.num_computed_tokens, n, reserve)
+                if m == 0 and i > 0:  # stalled: the older sequences keep their next blocks
+                    allocate(req.request_id, req.token_ids, 0)  # its window release only
+                    reserve += fit.growth_demand(req.request_id, req.num_tokens + bs)
+                    i += 1
+                    continue
+                n = m or n  # the oldest: as usual (preempting the newest until it fits)
             alloc = allocate(req.request_id, req.token_ids, n)
             while alloc is None:
                 victim = running.pop()
@@ -330,52 +358,11 @@ class Scheduler:
             self._emit(out, req, n, alloc)
             budget -= n
             i += 1
+            if fit is not None:
+                end = req.num_computed_tokens + n
+                reserve += fit.growth_demand(req.request_id, end + bs)
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
-                if len(self.running) + 1 + req.num_pending_samples > self.max_num_seqs:
-                    break
-                cached = 0
-                swapped = req.swapped_tokens  # K/V waiting in host memory (swap)
-                why: CacheMissExplanation | None = None
-                if not req.has_blocks and not swapped:
-                    cached = self.kv.get_num_cached_tokens(req.token_ids, cache_salt=req.cache_salt)
-                    if req.num_cached_tokens < 0 and self._retaining is not None:
-                        # explained before the allocation, which may evict blocks itself
-                        why = self._explain(req, self._retaining, cached)
-                n = min(req.num_tokens - cached - swapped, budget)
-                if self._stateful is not None and n > 1:
-                    s0 = cached + swapped  # one is 0: a swapped-in chunk starts at swapped
-                    n = self._stateful.state_chunk_end(
-                        req.request_id, req.token_ids, s0, s0 + n, cache_salt=req.cache_salt
-                    ) - s0  # fmt: skip
-                alloc = self.kv.allocate(
-                    req.request_id,
-                    req.token_ids,
-                    n + swapped,
-                    num_cached_tokens=cached,
-                    cache_salt=req.cache_salt,
-                )
-                if alloc is None:
-                    break
-                self.waiting.popleft()
-                policy = req.params.kv_retention
-                if not req.has_blocks and policy is not None and self._retaining is not None:
-                    self._retaining.set_retention(req.request_id, policy, req.num_prompt_tokens)
-                if why is not None:
-                    req.cache_miss = why
-                    self.miss_reasons[why.reason] = self.miss_reasons.get(why.reason, 0) + 1
-                req.has_blocks = True
-                if swapped:
-                    self.preemptor.swap_in(req)
-                req.num_computed_tokens = alloc.num_cached_tokens + swapped
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = alloc.num_cached_tokens
-                    req.num_cached_tokens_by_tier = alloc.cached_tokens_by_tier
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                self._emit(out, req, n, alloc)
-                budget -= n
+            budget = self._admit(out, budget)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         if self._stateful is not None:
             stateful = self._stateful
@@ -383,6 +370,99 @@ class Scheduler:
             out.state_slots = [stateful.state_slot(s.request.request_id) for s in out.scheduled]
         self.num_steps += 1
         return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting sequences in order while the budget, ``max_num_seqs`` and the
+        pool allow (module docstring, step 2); returns the budget left. With transient
+        blocks (:attr:`_fitting`) a sequence without blocks is admitted only when its
+        settled footprint (``admission_demand`` of all its known tokens) fits beside
+        the running sequences' reserve (``growth_demand`` of each: the rest of its known
+        tokens and one block more), and its first chunk is cut to what fits beside that
+        reserve."""
+        fit, bs = self._fitting, self.kv.block_size
+        reserve = -1  # fit: blocks the running sequences still need (computed on demand)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if len(self.running) + 1 + req.num_pending_samples > self.max_num_seqs:
+                break
+            cached = 0
+            swapped = req.swapped_tokens  # K/V waiting in host memory (swap)
+            why: CacheMissExplanation | None = None
+            if not req.has_blocks and not swapped:
+                cached = self.kv.get_num_cached_tokens(req.token_ids, cache_salt=req.cache_salt)
+                if req.num_cached_tokens < 0 and self._retaining is not None:
+                    # explained before the allocation, which may evict blocks itself
+                    why = self._explain(req, self._retaining, cached)
+            n = min(req.num_tokens - cached - swapped, budget)
+            if fit is not None and not req.has_blocks:
+                if reserve < 0:
+                    reserve = sum(
+                        fit.growth_demand(r.request_id, r.num_tokens + bs)
+                        for r in self.running
+                        if r.has_blocks
+                    )
+                need = fit.admission_demand(
+                    req.token_ids, req.num_tokens, num_cached_tokens=cached,
+                    cache_salt=req.cache_salt,
+                )  # fmt: skip
+                if need + reserve > self.kv.num_free_blocks:
+                    break
+                m = fit.fit_new_tokens(
+                    req.request_id, req.token_ids, n + swapped, keep_free=reserve,
+                    num_cached_tokens=cached, cache_salt=req.cache_salt,
+                ) - swapped  # fmt: skip
+                if m < 1:
+                    break
+                n = m
+            if self._stateful is not None and n > 1:
+                s0 = cached + swapped  # one is 0: a swapped-in chunk starts at swapped
+                n = self._stateful.state_chunk_end(
+                    req.request_id, req.token_ids, s0, s0 + n, cache_salt=req.cache_salt
+                ) - s0  # fmt: skip
+            alloc = self.kv.allocate(
+                req.request_id,
+                req.token_ids,
+                n + swapped,
+                num_cached_tokens=cached,
+                cache_salt=req.cache_salt,
+            )
+            if alloc is None:
+                break
+            self.waiting.popleft()
+            policy = req.params.kv_retention
+            if not req.has_blocks and policy is not None and self._retaining is not None:
+                self._retaining.set_retention(req.request_id, policy, req.num_prompt_tokens)
+            if why is not None:
+                req.cache_miss = why
+                self.miss_reasons[why.reason] = self.miss_reasons.get(why.reason, 0) + 1
+            req.has_blocks = True
+            if swapped:
+                self.preemptor.swap_in(req)
+            req.num_computed_tokens = alloc.num_cached_tokens + swapped
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = alloc.num_cached_tokens
+                req.num_cached_tokens_by_tier = alloc.cached_tokens_by_tier
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._emit(out, req, n, alloc)
+            budget -= n
+            if fit is not None and reserve >= 0:
+                reserve += fit.growth_demand(req.request_id, req.num_tokens + bs)
+        return budget
+
+    def _fit_chunk(
+        self, fit: FitAllocator, req: Request, start: int, n: int, keep_free: int
+    ) -> int:
+        """A running prefill's chunk cut to what the pool holds while ``keep_free``
+        blocks stay free for the older sequences' next blocks (``fit_new_tokens``; 0 =
+        not even one token), ending at a snapshot boundary if the cut moved one inside
+        (recurrent state, ``state_chunk_end``)."""
+        m = fit.fit_new_tokens(req.request_id, req.token_ids, n, keep_free=keep_free)
+        if 1 < m < n and self._stateful is not None:
+            m = self._stateful.state_chunk_end(
+                req.request_id, req.token_ids, start, start + m, cache_salt=req.cache_salt
+            ) - start  # fmt: skip
+        return m
 
     def _propose(self) -> dict[str, list[int]]:
         """Draft tokens of the running sequences about to decode one token (their

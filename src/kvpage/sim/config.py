@@ -80,11 +80,19 @@ class SimConfig:
             ``swap_space`` default; :data:`GPU_DEFAULTS`).
         kv_pool: ``unified`` (one block pool for every KV group) or ``per_group``
             (``kvpage.specs.CacheSpec.kv_pool``).
-        weight_bytes: bytes of the weights on the device (they size the KV budget and
-            are read once per step by the cost model); None = ``num_parameters x`` the
-            model dtype's bytes (``kvpage.capacity.plan_capacity``). Give it for
-            quantized checkpoints (gpt-oss-120b's MXFP4 experts: ~65 GB).
-        active_parameters: parameters one token passes, for the cost model's FLOPs; None
+        weight_bytes: bytes of the model's weights, all ranks together (each rank holds
+            ``weight_bytes / tp``: they size its KV budget and are read once per step by
+            the cost model); None = ``num_parameters x`` the model dtype's bytes
+            (``kvpage.capacity.plan_capacity``). Give it for quantized checkpoints
+            (gpt-oss-120b's MXFP4 experts: ~65 GB; DeepSeek-V3 in FP8: 671e9).
+        tp: tensor-parallel degree (>= 1). One rank is simulated: its KV cache is
+            ``kvpage.capacity.shard_cache_spec``'s (KV heads split over the ranks; an
+            MLA latent is not split: every rank holds all of it), its memory holds
+            ``weight_bytes / tp``, and the cost model charges ``1 / tp`` of the
+            parameters, active parameters, weight bytes and query heads. The ranks'
+            all-reduces are not modelled (step times are a lower bound for ``tp > 1``).
+        active_parameters: parameters one token passes (all ranks), for the cost
+            model's FLOPs; None
             = ``kvpage.sim.simulator.active_parameters`` of the config (all of them for
             a family without MoE fields the spec compiler reads, e.g. ``qwen3_next``).
         recurrent_state: hybrid models (``CacheSpec.state_layers``) only:
@@ -123,6 +131,7 @@ class SimConfig:
     swap_space_bytes: int = GPU_DEFAULTS["swap_space_bytes"]
     kv_pool: str = _engine_default("kv_pool")
     weight_bytes: int | None = None
+    tp: int = 1
     active_parameters: int | None = None
     recurrent_state: str = "snapshots"
     state_snapshot_share: float = _engine_default("state_snapshot_share")

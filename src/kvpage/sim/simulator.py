@@ -44,7 +44,7 @@ from typing import Any
 
 from kvpage.cache.explain import aggregate_misses
 from kvpage.cache.state_pool import split_state_memory
-from kvpage.capacity import plan_capacity, resolve_model
+from kvpage.capacity import plan_capacity, resolve_model, shard_cache_spec
 from kvpage.errors import SpecError
 from kvpage.sim.config import POLICIES, RECURRENT_STATE_MODES, SimConfig
 from kvpage.sim.costmodel import StepCostModel, get_gpu
@@ -105,12 +105,17 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
     gpu = get_gpu(cfg.gpu)
     if cfg.kv_pool not in ("unified", "per_group"):
         raise SpecError(f"kv_pool: expected 'unified' or 'per_group', got {cfg.kv_pool!r}")
+    tp = cfg.tp
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise SpecError(f"tp: expected an int >= 1, got {tp!r}")
     spec = CacheSpec.from_hf_config(
         src.hf_config,
         block_size=cfg.block_size,
         kv_dtype=cfg.kv_dtype,  # type: ignore[arg-type]
         kv_pool=cfg.kv_pool,  # type: ignore[arg-type]
     )
+    if tp > 1:  # one rank's layers (an MLA latent: the whole of it)
+        spec = shard_cache_spec(spec, tp)
     plan = plan_capacity(
         cfg.model,
         device_bytes=gpu.memory_bytes,
@@ -119,6 +124,7 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
         block_size=cfg.block_size,
         kv_pool=cfg.kv_pool,
         weight_bytes=cfg.weight_bytes,
+        tp=tp,
     )
     if src.num_parameters is None:  # plan_capacity refuses this without weight bytes
         raise SpecError(f"model: expected a countable parameter count, got {src.param_error}")
@@ -132,9 +138,10 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
     if state_bytes and cfg.recurrent_state == "free":  # the attention-only bound
         spec = spec.model_copy(update={"state_layers": ()})
     a = spec.layers[0]
-    cost = StepCostModel(
-        num_parameters=src.num_parameters,
-        weight_bytes=plan.weight_bytes,
+    active = cfg.active_parameters or active_parameters(src.hf_config, src.num_parameters)
+    cost = StepCostModel(  # one rank: 1/tp of the weights, parameters and query heads
+        num_parameters=-(-src.num_parameters // tp),
+        weight_bytes=-(-plan.weight_bytes // tp),
         num_layers=spec.num_layers,
         num_q_heads=a.num_q_heads,
         head_dim=a.head_dim,
@@ -143,8 +150,7 @@ def build_setup(cfg: SimConfig) -> tuple[CacheSpec, StepCostModel, int, int]:
         flops_efficiency=cfg.flops_efficiency,
         bandwidth_efficiency=cfg.bandwidth_efficiency,
         step_overhead_s=cfg.step_overhead_s,
-        active_parameters=cfg.active_parameters
-        or active_parameters(src.hf_config, src.num_parameters),
+        active_parameters=-(-active // tp),
         state_bytes_per_sequence=state_bytes,
         layer_windows=tuple(
             (spec.layer_bytes_per_token(i), x.sliding_window) for i, x in enumerate(spec.layers)
@@ -193,9 +199,11 @@ def _hybrid_num_blocks(cfg: SimConfig, spec: CacheSpec, budget: int) -> int:
 
 def active_parameters(hf_config: dict[str, Any], num_parameters: int) -> int:
     """Parameters one token passes: all of them for a dense model; a MoE model
-    (``kvpage.specs.moe``) less, per sparse layer, the ``num_experts - top_k`` experts
-    the token is not routed to (each ``moe_parameter_count`` of one expert less its
-    router row). The router itself is counted (every token computes all its logits).
+    (``kvpage.specs.moe``) less, per sparse layer, the ``num_experts - top_k`` routed
+    experts the token is not routed to (each ``moe_parameter_count`` of one expert less
+    its router row). The router and a shared expert are counted (every token computes
+    all the logits and runs the shared expert). DeepSeek-V3: 37.55e9 of 671.03e9 (the
+    model card: 37B activated).
 
     Raises:
         SpecError: invalid MoE fields (``moe_params_from_hf``).
@@ -205,7 +213,11 @@ def active_parameters(hf_config: dict[str, Any], num_parameters: int) -> int:
     if moe is None:
         return num_parameters
     h = shape.hidden_size
-    one = moe_parameter_count(replace(moe, num_experts=1), h) - h - (1 if moe.bias else 0)
+    # one routed expert: the count of a 1-expert layer without the shared expert (which
+    # every token runs: DeepSeek-V3, Qwen3-Next) less its router row (h, + 1 bias)
+    alone = replace(moe, num_experts=1, shared_intermediate_size=0, shared_expert_gate=False)
+    row = h + (1 if moe.bias or moe.routing == "noaux_tc" else 0)
+    one = moe_parameter_count(alone, h) - row
     idle = len(moe.sparse_layers) * (moe.num_experts - moe.top_k) * one
     return max(1, num_parameters - idle)
 
