@@ -14,6 +14,12 @@ at the start: bandwidth bound = (weight bytes + KV bytes) / read bandwidth, comp
 bound = step FLOP / matmul peak of the dtype; fraction = max(bandwidth, compute bound) /
 median step (1.0 = at the limit).
 
+``--inproc``: instead, one process, one engine per dtype at batch ``B`` (``--batches``),
+the linears' dispatch settings toggled every round between the old rule (oneDNN
+from ``PACK_MIN_MACS`` multiply-adds for both dtypes, no float32 row floor) and the
+current one (``PACK_MIN_MACS_BF16``, ``PACK_MIN_ROWS_FP32``): process CPU ms per
+decode step, median of ``--rounds``, and the ratio new / old per round.
+
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python benches/bench_dtype_step.py --trees
 base=/tmp/base/src,new=src [--dtypes float32,bfloat16] [--batches 1,64] [--threads 1,2]
 [--rounds 3] [--steps 16] [--out out/dtype_step.json]``.
@@ -80,6 +86,57 @@ def child(dtype: str, batch: int, threads: int, steps: int) -> dict[str, Any]:
     }
 
 
+def inproc(dtypes: list[str], batches: list[int], rounds: int, steps: int) -> None:
+    """The ``--inproc`` mode (module docstring): prints one JSON line per dtype/batch."""
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    from roofline import _model_folder
+
+    from kvpage.engine import LLM, SamplingParams
+    from kvpage.models import linears as L
+
+    new = (L.PACK_MIN_MACS_BF16, L.PACK_MIN_ROWS_FP32)
+    old = (L.PACK_MIN_MACS, 0)
+    for dtype in dtypes:
+        llm = LLM(model=_model_folder("llama125m"), dtype=dtype, enable_prefix_caching=False)
+        torch.set_num_threads(1)
+        eng = llm.llm_engine
+        for batch in batches:
+            res: dict[str, list[float]] = {"old": [], "new": []}
+            for rnd in range(rounds):
+                for name in ("old", "new") if rnd % 2 == 0 else ("new", "old"):
+                    L.PACK_MIN_MACS_BF16, L.PACK_MIN_ROWS_FP32 = old if name == "old" else new
+                    p = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+                    for i in range(batch):
+                        eng.add_request(f"{name}{rnd}-{i}", [1, 5 + i % 50, 6, 7, 8], p)
+                    eng.step()
+                    eng.step()
+                    c0 = time.process_time()
+                    for _ in range(steps):
+                        eng.step()
+                    res[name].append(1e3 * (time.process_time() - c0) / steps)
+                    while eng.has_unfinished_requests():
+                        eng.step()
+            ratios = [n / o for n, o in zip(res["new"], res["old"])]
+            print(
+                json.dumps(
+                    {
+                        "dtype": dtype,
+                        "batch": batch,
+                        "old_cpu_ms": round(statistics.median(res["old"]), 2),
+                        "new_cpu_ms": round(statistics.median(res["new"]), 2),
+                        "ratio_new_old": [round(r, 3) for r in ratios],
+                        "ratio_median": round(statistics.median(ratios), 3),
+                        "load": round(os.getloadavg()[0], 1),
+                    }
+                ),
+                flush=True,
+            )
+        L.PACK_MIN_MACS_BF16, L.PACK_MIN_ROWS_FP32 = new
+        del llm
+
+
 def run_child(src: str, dtype: str, batch: int, threads: int, steps: int) -> dict[str, Any]:
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{Path(src).resolve()}:{ROOT / 'backends'}"
@@ -99,7 +156,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--out", default="out/dtype_step.json")
+    ap.add_argument("--inproc", action="store_true")
     a = ap.parse_args()
+    if a.inproc:
+        batches = [int(b) for b in a.batches.split(",")]
+        inproc(a.dtypes.split(","), batches, a.rounds, a.steps)
+        return
     if a.child:
         d, b, t, s = a.child.split(",")
         print(json.dumps(child(d, int(b), int(t), int(s))))
