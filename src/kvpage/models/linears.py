@@ -33,13 +33,13 @@ PACK_MIN_WEIGHT = 1 << 16
 #: bfloat16's :data:`PACK_MIN_MACS`: oneDNN's bf16 kernel (AVX-512-BF16 / AMX) beat
 #: ``F.linear`` (which reaches torch's own bf16 gemm) at every weight of at least
 #: :data:`PACK_MIN_WEIGHT` elements and every row count measured, 1.4-2.1x at one row
-#: and 1.4-2.9x at 64 rows on the ~125M Llama's shapes (2-core Xeon with AMX, one
+#: and 1.4-3.0x at 64 rows on the ~125M Llama's shapes (2-core Xeon with AMX, one
 #: thread; docs/benchmarks.md, issue 28), so bf16 packs from the first row
 PACK_MIN_MACS_BF16 = 0
 #: float32 takes the oneDNN path only from this many rows on: at 1-2 rows
 #: ``F.linear`` runs MKL's matrix-vector kernel, which read the weights 1.05-2.5x
 #: faster than oneDNN's packed kernel on the ~125M Llama's shapes (same Xeon, one
-#: thread; docs/benchmarks.md, issue 28); from 4 rows on oneDNN wins (1.4-2.6x)
+#: thread; docs/benchmarks.md, issue 28); from 4 rows on oneDNN wins (1.04-2.1x at 4, 1.2-2.5x at 8)
 PACK_MIN_ROWS_FP32 = 3
 
 
