@@ -17,17 +17,20 @@ def _greedy() -> SamplingParams:
 
 def test_greedy_fast_path_agrees_with_general_path() -> None:
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, 50, generator=g)
+    logits = torch.randn(8, 50, generator=g)
     logits[2, [3, 7]] = 100.0  # a tie: both paths take the lowest index
     logits[5] = 0.0  # all tied
-    params = [_greedy() for _ in range(6)]
-    fast = SamplingRows(params, [None] * 6)
-    general = SamplingRows(params, [None] * 6, all_greedy=False)
+    logits[6, [4, 9]] = float("nan")  # torch.argmax: the first NaN
+    logits[7] = float("-inf")
+    params = [_greedy() for _ in range(8)]
+    fast = SamplingRows(params, [None] * 8)
+    general = SamplingRows(params, [None] * 8, all_greedy=False)
     sampler = Sampler()
     a = sampler.sample(logits, fast)
     b = sampler.sample(logits, general)
     assert a.token_ids == b.token_ids == torch.argmax(logits, dim=-1).tolist()
     assert a.token_ids[2] == 3 and a.token_ids[5] == 0
+    assert a.token_ids[6] == 4 and a.token_ids[7] == 0
     assert a.logprobs is None and b.logprobs is None
 
 

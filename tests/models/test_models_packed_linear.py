@@ -15,8 +15,9 @@ from kvpage.models import rope as R
 @pytest.fixture(autouse=True)
 def _pack_small_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests use tiny weights: let them take the oneDNN path when the MACs rule
-    says so (the weight-size floor has its own test)."""
+    says so (the weight-size floor and the per-dtype rules have their own tests)."""
     monkeypatch.setattr(L, "PACK_MIN_WEIGHT", 0)
+    monkeypatch.setattr(L, "PACK_MIN_ROWS_FP32", 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -145,6 +146,30 @@ def test_pack_min_rows_is_the_smallest_row_count(
     assert L.pack_min_rows(torch.zeros(shape, dtype=torch.float16)) == L.NEVER_PACK
     monkeypatch.setattr(L, "PACK_LINEARS", False)
     assert L.pack_min_rows(torch.zeros(shape)) == L.NEVER_PACK
+
+
+@pytest.mark.parametrize("rows_fp32", [0, 3])
+def test_pack_min_rows_per_dtype(rows_fp32: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 follows ``PACK_MIN_MACS_BF16`` (packed from the first row by default),
+    float32 ``PACK_MIN_MACS`` and never fewer than ``PACK_MIN_ROWS_FP32`` rows."""
+    if not (L.onednn_packs(torch.float32) and L.onednn_packs(torch.bfloat16)):
+        pytest.skip("this CPU's oneDNN cannot pack both float32 and bfloat16 weights")
+    monkeypatch.setattr(L, "PACK_MIN_WEIGHT", 1 << 16)
+    monkeypatch.setattr(L, "PACK_MIN_MACS", 1 << 20)
+    monkeypatch.setattr(L, "PACK_MIN_ROWS_FP32", rows_fp32)
+    big = torch.zeros(4096, 768)  # 3.1M multiply-adds per row
+    assert L.pack_min_rows(big) == max(rows_fp32, 1)
+    assert L.pack_min_rows(torch.zeros(768, 768)) == max(rows_fp32, 2)  # 590k per row
+    assert L.pack_min_rows(torch.zeros(768, 768, dtype=torch.bfloat16)) == 0
+    monkeypatch.setattr(L, "PACK_MIN_MACS_BF16", 1 << 20)
+    assert L.pack_min_rows(torch.zeros(768, 768, dtype=torch.bfloat16)) == 2
+    assert L.pack_min_rows(torch.zeros(64, 64, dtype=torch.bfloat16)) == L.NEVER_PACK
+    x = torch.randn(1, 768, dtype=torch.bfloat16)
+    w = torch.randn(768, 768, dtype=torch.bfloat16)
+    pw = L.PackedWeight()
+    monkeypatch.setattr(L, "PACK_MIN_MACS_BF16", 0)
+    torch.testing.assert_close(pw(x, w, None), F.linear(x, w), rtol=2e-2, atol=2e-2)
+    assert pw.key is not None  # one bf16 row: the oneDNN path
 
 
 def test_fused_linear_follows_settings_after_first_call(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -67,7 +67,9 @@ class RMSNorm(nn.Module):
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # LlamaRMSNorm: normalise in float32, round to the input dtype, then scale; one
+        # fused F.rms_norm instead of pow/mean/add/rsqrt/mul (the same formula)
+        normed = F.rms_norm(xf, (xf.shape[-1],), None, self.eps)
         return self.weight * normed.to(x.dtype)
 
     def add_forward(

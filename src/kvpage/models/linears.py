@@ -30,6 +30,17 @@ PACK_MIN_MACS = 1 << 20
 #: Llama's weights (>= 590k elements) keep the oneDNN path that made them 1.9-2.0x
 #: faster.
 PACK_MIN_WEIGHT = 1 << 16
+#: bfloat16's :data:`PACK_MIN_MACS`: oneDNN's bf16 kernel (AVX-512-BF16 / AMX) beat
+#: ``F.linear`` (which reaches torch's own bf16 gemm) at every weight of at least
+#: :data:`PACK_MIN_WEIGHT` elements and every row count measured, 1.4-2.1x at one row
+#: and 1.4-3.0x at 64 rows on the ~125M Llama's shapes (2-core Xeon with AMX, one
+#: thread; docs/benchmarks.md, issue 28), so bf16 packs from the first row
+PACK_MIN_MACS_BF16 = 0
+#: float32 takes the oneDNN path only from this many rows on: at 1-2 rows
+#: ``F.linear`` runs MKL's matrix-vector kernel, which read the weights 1.05-2.5x
+#: faster than oneDNN's packed kernel on the ~125M Llama's shapes (same Xeon, one
+#: thread; docs/benchmarks.md, issue 28); from 4 rows on oneDNN wins (1.04-2.1x at 4, 1.2-2.5x at 8)
+PACK_MIN_ROWS_FP32 = 3
 
 
 def _version(t: torch.Tensor) -> int:
@@ -59,12 +70,13 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 def pack_min_rows(w: torch.Tensor) -> int:
     """The fewest input rows for which ``x @ w.T`` takes the oneDNN path: the smallest
-    ``rows`` with ``rows * out * in >= PACK_MIN_MACS``, or :data:`NEVER_PACK` unless
+    ``rows`` with ``rows * out * in >= PACK_MIN_MACS`` and ``rows >= PACK_MIN_ROWS_FP32``
+    for float32, with ``rows * out * in >= PACK_MIN_MACS_BF16`` for bfloat16, or :data:`NEVER_PACK` unless
     :data:`PACK_LINEARS` is on and ``w`` is a 2-D float32/bfloat16 CPU tensor whose
     dtype this CPU's oneDNN can pack (:func:`onednn_packs`) and ``w`` has at least :data:`PACK_MIN_WEIGHT` elements. Depends
-    only on ``w``'s shape, dtype and device and the three module settings, so callers
-    compute it once per weight and keep it while ``(w.shape, w.dtype, w.device,
-    PACK_LINEARS, PACK_MIN_MACS, PACK_MIN_WEIGHT)`` stays the same
+    only on ``w``'s shape, dtype and device and the module settings, so callers
+    compute it once per weight and keep it while :func:`pack_rule` of ``w`` stays the
+    same
     (see ``PackedWeight.__call__``); the input's dtype must also equal ``w.dtype``.
     """
     if not (
@@ -78,9 +90,27 @@ def pack_min_rows(w: torch.Tensor) -> int:
     per_row = w.shape[0] * w.shape[1]
     if per_row < PACK_MIN_WEIGHT:
         return NEVER_PACK
+    bf16 = w.dtype == torch.bfloat16
+    macs = PACK_MIN_MACS_BF16 if bf16 else PACK_MIN_MACS
+    floor = 0 if bf16 else PACK_MIN_ROWS_FP32
     if per_row == 0:
-        return 0 if PACK_MIN_MACS <= 0 else NEVER_PACK
-    return max(0, -(-PACK_MIN_MACS // per_row))
+        return floor if macs <= 0 else NEVER_PACK
+    return max(floor, -(-macs // per_row))
+
+
+def pack_rule(w: torch.Tensor) -> tuple[Any, ...]:
+    """What :func:`pack_min_rows` of ``w`` depends on: ``w``'s shape, dtype, device and
+    the module settings."""
+    return (
+        w.shape,
+        w.dtype,
+        w.device,
+        PACK_LINEARS,
+        PACK_MIN_MACS,
+        PACK_MIN_WEIGHT,
+        PACK_MIN_MACS_BF16,
+        PACK_MIN_ROWS_FP32,
+    )
 
 
 class PackedWeight:
@@ -97,8 +127,7 @@ class PackedWeight:
     def __init__(self) -> None:
         self.key: tuple[int, Any] | None = None
         self.packed: torch.Tensor | None = None
-        #: what ``min_rows`` was computed from: ``(shape, dtype, device, PACK_LINEARS,
-        #: PACK_MIN_MACS, PACK_MIN_WEIGHT)`` of the last weight seen
+        #: what ``min_rows`` was computed from: :func:`pack_rule` of the last weight seen
         self.rule: tuple[Any, ...] = ()
         #: ``pack_min_rows`` of that weight
         self.min_rows = NEVER_PACK
@@ -115,7 +144,7 @@ class PackedWeight:
         Whether ``w`` can be packed is decided once per weight (``pack_min_rows``, kept
         while the weight's shape, dtype and device and the module settings stay the
         same); per call only the input's rows and dtype are compared."""
-        rule = (w.shape, w.dtype, w.device, PACK_LINEARS, PACK_MIN_MACS, PACK_MIN_WEIGHT)
+        rule = pack_rule(w)
         if rule != self.rule:
             self.rule, self.min_rows = rule, pack_min_rows(w)
         if x.dim() != 2 or x.shape[0] < self.min_rows or x.dtype != w.dtype:
@@ -218,7 +247,7 @@ class FusedLinear:
             w = self.weights()[0]
         assert w is not None
         pw = self._packed
-        rule = (w.shape, w.dtype, w.device, PACK_LINEARS, PACK_MIN_MACS, PACK_MIN_WEIGHT)
+        rule = pack_rule(w)
         if rule != pw.rule:
             pw.rule, pw.min_rows = rule, pack_min_rows(w)
         if x.dim() != 2 or x.shape[0] < pw.min_rows or x.dtype != w.dtype:
@@ -230,8 +259,11 @@ __all__ = [
     "NEVER_PACK",
     "PACK_LINEARS",
     "PACK_MIN_MACS",
+    "PACK_MIN_MACS_BF16",
+    "PACK_MIN_ROWS_FP32",
     "PACK_MIN_WEIGHT",
     "FusedLinear",
     "PackedWeight",
     "pack_min_rows",
+    "pack_rule",
 ]
