@@ -125,6 +125,13 @@ def create_app(
     install_security(app, state)
     install_openapi(app, config.model_name)
     _install_error_handlers(app)
+    _register_routes(app, state)
+    return app
+
+
+def _register_routes(app: FastAPI, state: ServingState) -> None:
+    """Every route of the API: generation, models, utilities, the effective config and
+    (unless a metrics port serves it) ``/metrics``."""
     _register_generation_routes(app, state)
     _register_model_routes(app, state)
     register_utility_routes(app, state, _validation_message)
@@ -135,8 +142,6 @@ def create_app(
         @app.get("/metrics")
         async def metrics() -> Response:
             return metrics_response(state)  # type: ignore[no-any-return]
-
-    return app
 
 
 def _serving_state(

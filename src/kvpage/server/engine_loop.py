@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvpage.engine.params import SamplingParams
-from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput
+from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput, StepEngine
 
 __all__ = ["AsyncEngine", "EngineFailure", "StepStats", "is_out_of_memory"]
 
@@ -101,7 +101,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine: Any,
+        engine: StepEngine,
         *,
         on_step: Callable[[StepStats], None] | None = None,
         idle_wait_s: float = 0.05,
