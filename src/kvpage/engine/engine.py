@@ -368,8 +368,8 @@ class LLMEngine:
                 building outputs of running requests; for offline batch use).
 
         Returns:
-            One RequestOutput per user request that progressed this step (got a token
-            or finished), ``finished=True`` on the step it completes.
+            One RequestOutput per user request that progressed (got a token or
+            finished: ``finished=True``) this step.
 
         Raises:
             Exception: whatever the model, sampler or scheduler raised. The requests of
@@ -378,7 +378,8 @@ class LLMEngine:
         """
         timer = StepTimer()
         cpu0 = time.process_time() if self._policy_cpu_clock else 0.0
-        self._admit_compiled()
+        if self._compiling:  # grammars compiling: admit those that are done
+            self._admit_compiled()
         out = self._schedule()
         if out is None:
             return []
