@@ -147,7 +147,7 @@ def _register_routes(app: FastAPI, state: ServingState) -> None:
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            return metrics_response(state)  # type: ignore[no-any-return]
+            return metrics_response(state)
 
 
 def _serving_state(
