@@ -134,7 +134,18 @@ def _run_mutant(modname: str, mutated: str, args: list[str], timeout: float) -> 
             os._exit(0 if code == 0 else 1)
         except BaseException:
             os._exit(2)
-    _, status = os.waitpid(pid, 0)
+    # the child's alarm is only a backstop: pytest-timeout (configured in pyproject)
+    # installs its own SIGALRM handler, so the parent enforces the timeout as well
+    deadline = time.monotonic() + timeout + 5.0
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "timeout"
+        time.sleep(0.05)
     if os.WIFSIGNALED(status):
         return "timeout" if os.WTERMSIG(status) == signal.SIGALRM else "killed"
     return "survived" if os.WEXITSTATUS(status) == 0 else "killed"

@@ -1,12 +1,14 @@
 """KVCacheManager at the edges of its rules: constructor refusals, the one-request
 limit (``max_request_tokens``) against its documented formula, exact fits of a unified
-pool, and the boundaries of ``allocate``/``commit``/``truncate``. Written for the
-survivors of the mutation run of ``cache/manager.py`` (docs/mutation-testing.md)."""
+pool, the boundaries of ``allocate``/``commit``/``truncate``, the state methods of a
+manager without state layers and the hybrid refusals and reset. Written for the survivors
+of the mutation runs of ``cache/manager.py`` (docs/mutation-testing.md)."""
 
 from __future__ import annotations
 
 import pytest
 from cache_helpers import make_spec
+from test_state_pool import _run_prefill, make_manager
 
 from kvpage.cache import KVCacheManager
 from kvpage.errors import AllocationError, SpecError
@@ -117,3 +119,49 @@ def test_truncate_accepts_both_ends_of_its_range() -> None:
     assert m.num_allocated_tokens("a") == 4 and len(m.block_table("a")) == 1
     with pytest.raises(AllocationError, match=r"^num_tokens: expected in \[4, 4\]"):
         m.truncate("a", 3)
+
+
+def test_state_methods_of_a_manager_without_state_layers() -> None:
+    dense = KVCacheManager(make_spec(9, 4))
+    with pytest.raises(
+        AllocationError, match=r"^state_slot: expected a model with state layers, got none$"
+    ):
+        dense.state_slot("a")
+    # no state layers: a chunk may end anywhere (the request need not be allocated)
+    assert dense.state_chunk_end("a", [1] * 12, 0, 12) == 12
+    assert dense.state_chunk_end("a", [1] * 12, 3, 4) == 4
+
+
+def test_hybrid_reset_prefix_cache_waits_for_the_last_request() -> None:
+    m = make_manager()
+    a = list(range(200, 270))
+    _run_prefill(m, "a", a)
+    assert m.reset_prefix_cache() is False  # "a" holds blocks and a live state slot
+    m.free("a")
+    assert m.get_num_cached_tokens(a) > 0
+    assert m.reset_prefix_cache() is True
+    assert m.get_num_cached_tokens(a) == 0
+    m.check_integrity()
+
+
+def test_hybrid_allocate_refuses_a_kv_hit_without_its_state_snapshot() -> None:
+    m = make_manager(threshold=5)
+    a = list(range(200, 270))  # 70 tokens: a snapshot at 64 only
+    _run_prefill(m, "a", a)
+    m.free("a")
+    b = a[:50] + [9] * 30  # 48 tokens of KV in the cache, no snapshot at 48
+    with pytest.raises(
+        AllocationError,
+        match=r"^num_cached_tokens: expected a state snapshot at position 48, got none ",
+    ):
+        m.allocate("b", b, len(b) - 48, num_cached_tokens=48)
+    assert not m.has_request("b")  # the refusal left nothing behind
+    m.check_integrity()
+
+
+def test_allocations_are_counted_one_per_request() -> None:
+    m = KVCacheManager(make_spec(9, 4))
+    assert m.allocate("a", [1] * 8, 8) is not None
+    assert m.stats.allocations == 1
+    assert m.allocate("b", [2] * 4, 4) is not None
+    assert m.stats.allocations == 2 and m.stats.blocks_allocated == 3

@@ -486,10 +486,6 @@ class GroupPool:
         """This group's cached blocks reused for other content so far."""
         return self.shared.group_evictions[self.group]
 
-    def get_cached(self, block_hash: bytes) -> KVBlock | None:
-        """This group's block holding ``block_hash``'s content, or None."""
-        return self.cached.get(block_hash)
-
     def is_cached(self, block_hash: bytes) -> bool:
         """Whether a block of this group holds ``block_hash``'s content."""
         return block_hash in self.cached

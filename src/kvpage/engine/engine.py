@@ -319,21 +319,29 @@ class LLMEngine:
             if not fut.done():
                 keep.append((fut, req))
                 continue
-            pid = req.parent_id
-            try:
-                grammar = fut.result()
-                self.scheduler.add_request(req)
-            except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
-                self.outputs.forget(pid)
-                self.failed_request_ids.append(pid)
-                errors.append(f"{pid}: {e}")
-                continue
-            preq = self.outputs.parent(pid)
-            preq.grammar = grammar
-            preq.arrival_order = req.arrival_order  # the scheduler numbers arrivals
+            error = self._admit_one(fut, req)
+            if error is not None:
+                errors.append(error)
         self._compiling = keep
         if errors:
             raise RuntimeError(f"structured_outputs: grammar not admitted ({'; '.join(errors)})")
+
+    def _admit_one(self, fut: concurrent.futures.Future[Any], req: Request) -> str | None:
+        """Add ``req``, whose grammar ``fut`` finished compiling, to the scheduler and
+        hand the grammar to its user request; on failure forget the request, list it
+        in ``failed_request_ids`` and return ``"<id>: <error>"``."""
+        pid = req.parent_id
+        try:
+            grammar = fut.result()
+            self.scheduler.add_request(req)
+        except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
+            self.outputs.forget(pid)
+            self.failed_request_ids.append(pid)
+            return f"{pid}: {e}"
+        preq = self.outputs.parent(pid)
+        preq.grammar = grammar
+        preq.arrival_order = req.arrival_order  # the scheduler numbers arrivals
+        return None
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request: every sample stops and its blocks are freed at once.
@@ -360,54 +368,54 @@ class LLMEngine:
                 building outputs of running requests; for offline batch use).
 
         Returns:
-            One RequestOutput per user request that progressed this step (got a token
-            or finished), ``finished=True`` on the step it completes.
+            One RequestOutput per user request that progressed (got a token or
+            finished: ``finished=True``) this step.
 
         Raises:
-            Exception: whatever the model, sampler or scheduler raised. The requests
-                scheduled in the failed step (every running one if scheduling itself
-                failed) are aborted, their blocks freed and their ids forgotten (and
-                appended to ``failed_request_ids``); every other request is untouched,
-                so the engine stays usable.
+            Exception: whatever the model, sampler or scheduler raised. The requests of
+                the failed step (every running one if scheduling failed) are aborted and
+                listed in ``failed_request_ids``; the others are untouched.
         """
         timer = StepTimer()
         cpu0 = time.process_time() if self._policy_cpu_clock else 0.0
-        self._admit_compiled()
+        if self._compiling:  # grammars compiling: admit those that are done
+            self._admit_compiled()
         out = self._schedule()
         if out is None:
             return []
         try:
-            if self.tiers is not None:
-                # one batched copy-out of the blocks evicted while scheduling, before
-                # the forward (and its copy-on-write copies) writes into them
-                self.tiers.flush()
-            started = time.monotonic()
-            timer.lap()  # schedule
-            logits, verify = self._execute(out, timer)  # laps model
-            defer: frozenset[str] = frozenset()
-            if verify is not None:  # the speculating sequences' logprobs wait for _verify
-                defer = frozenset(s.request.request_id for s in out.scheduled if s.draft_token_ids)
-            sampled, held = self._sample(out, logits, started, defer)
-            spec_lp = None
-            if verify is not None:
-                spec_lp = self._verify(out, verify, sampled, held)
-            timer.lap()  # sample
-            progressed, _ = self.scheduler.update(out, sampled)
-            if spec_lp:
-                for seq, toks, ents in spec_lp:
-                    self.outputs.record_sequence_logprobs(seq, toks, ents)
-            timer.lap()  # update
-            if self.scheduler.draft_policy is not None:
-                cost = time.process_time() - cpu0 if self._policy_cpu_clock else sum(timer.laps)
-                self._observe_policy(out, sampled, cost)
-            results = self.outputs.emit(progressed, time.monotonic(), finished_only)
-            timer.lap()  # output
+            results = self._run_scheduled(out, timer, cpu0, finished_only)
         except BaseException:
             # a model, sampler or bookkeeping failure: the requests of this step are
             # dropped (blocks freed, ids forgotten) so the engine stays usable
             self._fail_requests({s.request.parent_id for s in out.scheduled})
             raise
         self.step_stats.record(out, timer.laps)
+        return results
+
+    def _run_scheduled(
+        self, out: SchedulerOutput, timer: StepTimer, cpu0: float, finished_only: bool
+    ) -> list[RequestOutput]:
+        """Execute → sample → update → emit plan ``out``, one timer lap per stage
+        (``cpu0``: the process CPU clock at the step's start, for the draft policy)."""
+        if self.tiers is not None:
+            # one batched copy-out of the blocks evicted while scheduling, before
+            # the forward (and its copy-on-write copies) writes into them
+            self.tiers.flush()
+        started = time.monotonic()
+        timer.lap()  # schedule
+        logits, verify = self._execute(out, timer)  # laps model
+        sampled, spec_lp = self._sample(out, logits, verify, started)
+        timer.lap()  # sample
+        progressed, _ = self.scheduler.update(out, sampled)
+        for seq, toks, ents in spec_lp:
+            self.outputs.record_sequence_logprobs(seq, toks, ents)
+        timer.lap()  # update
+        if self.scheduler.draft_policy is not None:
+            cost = time.process_time() - cpu0 if self._policy_cpu_clock else sum(timer.laps)
+            self._observe_policy(out, sampled, cost)
+        results = self.outputs.emit(progressed, time.monotonic(), finished_only)
+        timer.lap()  # output
         return results
 
     def _schedule(self) -> SchedulerOutput | None:
@@ -464,54 +472,67 @@ class LLMEngine:
         held: dict[str, LogprobEntry],
     ) -> list[tuple[Request, list[int], list[LogprobEntry]]]:
         """Replace each drafting sequence's sampled token (its bonus, after every draft)
-        in ``sampled`` (mutated) by the tokens its verification emits (greedy:
-        :func:`~kvpage.engine.spec_decode.accept_greedy` on the argmax of its
-        ``verify`` rows; sampled: :func:`~kvpage.engine.spec_decode.accept_sampled` on
-        their target probabilities), count drafts and acceptances in ``spec_stats`` and
-        feed the draft policy.
-
-        Returns:
-            For each drafting sequence that asked for logprobs: ``(sequence, emitted
-            ids, one logprob entry per emitted id)``; an emitted id at draft position
-            ``j`` is scored on verification row ``j`` (the raw logits the plain decode
-            step of that position computes), the bonus by its sampled row (``held``,
-            from :meth:`OutputProcessor.record_logprobs`).
-        """
-        assert self.spec_stats is not None
+        in ``sampled`` (mutated) by the tokens its verification emits
+        (:meth:`_verify_one` on its ``verify`` rows, ``[num_drafts, vocab]`` in batch
+        order) and count them (:meth:`_count_verified`). Returns, for each drafting
+        sequence that asked for logprobs, ``(sequence, emitted ids, their entries)``."""
         targets: list[int] = torch.argmax(verify, dim=-1).tolist()
-        st = self.spec_stats
-        policy = self.scheduler.draft_policy
         lps: list[tuple[Request, list[int], list[LogprobEntry]]] = []
         r = 0
         for s in out.scheduled:
             d = s.draft_token_ids
             if not d:
                 continue
-            req = s.request
-            rid = req.request_id
-            p = req.params
-            if p.greedy:
-                emitted = accept_greedy(d, targets[r : r + len(d)], sampled[rid][0])
-            else:
-                rows = verify[r : r + len(d)].float().cpu()
-                probs = self.sampler.target_probs(rows, [p] * len(d))
-                gen = self.outputs.generator(req.parent_id, req.sample_index)
-                assert gen is not None  # a sampled row has one
-                emitted = accept_sampled(d, probs, sampled[rid][0], gen)
-            if p.logprobs is not None:
-                m = min(len(emitted), len(d))
-                ents = compute_logprobs(verify[r : r + m], emitted[:m], [p.logprobs] * m)
-                if len(emitted) > len(d):
-                    ents.append(held[rid])
-                lps.append((req, emitted, ents))
+            rid = s.request.request_id
+            span = slice(r, r + len(d))
+            emitted, ents = self._verify_one(
+                s.request, d, verify[span], targets[span], sampled[rid][0], held
+            )
+            if ents is not None:
+                lps.append((s.request, emitted, ents))
             r += len(d)
             sampled[rid] = emitted
-            if policy is not None:
-                policy.observe_verified(rid, len(d), len(emitted) - 1)
-            st.num_drafts += 1
-            st.num_draft_tokens += len(d)
-            st.num_accepted_tokens += len(emitted) - 1
+            self._count_verified(rid, len(d), len(emitted) - 1)
         return lps
+
+    def _count_verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """Add one verified draft run to ``spec_stats`` and the draft policy."""
+        assert self.spec_stats is not None
+        if self.scheduler.draft_policy is not None:
+            self.scheduler.draft_policy.observe_verified(request_id, num_drafts, num_accepted)
+        self.spec_stats.num_drafts += 1
+        self.spec_stats.num_draft_tokens += num_drafts
+        self.spec_stats.num_accepted_tokens += num_accepted
+
+    def _verify_one(
+        self,
+        req: Request,
+        drafts: list[int],
+        rows: torch.Tensor,
+        targets: list[int],
+        bonus: int,
+        held: dict[str, LogprobEntry],
+    ) -> tuple[list[int], list[LogprobEntry] | None]:
+        """The tokens one drafting sequence emits (greedy: ``accept_greedy`` on
+        ``targets``, the argmax of its verification ``rows`` ``[len(drafts), vocab]``;
+        sampled: ``accept_sampled`` on their target probabilities) and, when it asked
+        for logprobs, one entry per emitted id (else None): draft position ``j`` scored
+        on row ``j``, the ``bonus`` by its sampled row (``held``)."""
+        p = req.params
+        if p.greedy:
+            emitted = accept_greedy(drafts, targets, bonus)
+        else:
+            probs = self.sampler.target_probs(rows.float().cpu(), [p] * len(drafts))
+            gen = self.outputs.generator(req.parent_id, req.sample_index)
+            assert gen is not None  # a sampled row has one
+            emitted = accept_sampled(drafts, probs, bonus, gen)
+        if p.logprobs is None:
+            return emitted, None
+        m = min(len(emitted), len(drafts))
+        ents = compute_logprobs(rows[:m], emitted[:m], [p.logprobs] * m)
+        if len(emitted) > len(drafts):
+            ents.append(held[req.request_id])
+        return emitted, ents
 
     def _observe_policy(
         self, out: SchedulerOutput, sampled: dict[str, list[int]], seconds: float
@@ -529,16 +550,23 @@ class LLMEngine:
         self,
         out: SchedulerOutput,
         logits: torch.Tensor,
+        verify: torch.Tensor | None,
         started: float,
-        defer: frozenset[str] = frozenset(),
-    ) -> tuple[dict[str, list[int]], dict[str, LogprobEntry]]:
-        """Sample plan ``out``'s rows from ``logits``; records the logprobs asked for
-        (those of the sequence ids in ``defer`` are returned instead). Returns
-        ``({sequence id: its sampled ids}, {deferred id: its logprob entry})``."""
+    ) -> tuple[dict[str, list[int]], list[tuple[Request, list[int], list[LogprobEntry]]]]:
+        """Sample plan ``out``'s rows from ``logits`` and record the logprobs asked for;
+        with draft ``verify`` rows, verify the drafts (:meth:`_verify`; the drafting
+        sequences' logprobs wait for it). Returns ``({sequence id: its emitted ids},
+        the drafting sequences' (sequence, emitted ids, logprob entries))``."""
+        defer: frozenset[str] = frozenset()
+        if verify is not None:
+            defer = frozenset(s.request.request_id for s in out.scheduled if s.draft_token_ids)
         rows = self.outputs.sampling_rows(out, started)
         res = self.sampler.sample(logits, rows)
         held = self.outputs.record_logprobs(rows, res, defer)
-        return rows.by_request(res.token_ids), held
+        sampled = rows.by_request(res.token_ids)
+        if verify is None:
+            return sampled, []
+        return sampled, self._verify(out, verify, sampled, held)
 
     def _fail_requests(self, parent_ids: set[str]) -> None:
         """Abort and forget the user requests ``parent_ids`` after a failed step."""

@@ -177,12 +177,8 @@ class OutputProcessor:
         if processing:
             rows.contexts = [row_context(q) for q in rows.requests]
         if states:
-            width = bitmask_words(states[0].vocab_size)
-            bitmask = torch.full((len(states), width), -1, dtype=torch.int32)
-            for i, st in enumerate(states):
-                st.fill_bitmask(bitmask, i)
             rows.grammar_rows = grammar_rows
-            rows.bitmask = bitmask
+            rows.bitmask = _grammar_bitmask(states)
         return rows
 
     def _grammar_state(self, preq: ParentRequest, index: int) -> GrammarState:
@@ -391,3 +387,13 @@ class OutputProcessor:
             prompt_logprobs=None if preq.prompt_logprobs is None else list(preq.prompt_logprobs),
             num_cached_tokens_by_tier=by_tier,
         )
+
+
+def _grammar_bitmask(states: list[GrammarState]) -> torch.Tensor:
+    """The allowed-token bitmask of the constrained rows, ``[len(states),
+    bitmask_words(vocab_size)]`` int32 (row ``i`` filled by ``states[i]``)."""
+    width = bitmask_words(states[0].vocab_size)
+    bitmask = torch.full((len(states), width), -1, dtype=torch.int32)
+    for i, st in enumerate(states):
+        st.fill_bitmask(bitmask, i)
+    return bitmask

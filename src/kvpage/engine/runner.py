@@ -32,11 +32,10 @@ if TYPE_CHECKING:
 #: weight elements), when the backend runs attention on threads of its own
 #: (``BackendCapabilities.own_cpu_threads``); below it, on one. 4M multiply-adds are
 #: ~120 us of one core on the AVX-512 EPYC of docs/benchmarks.md, against tens of
-#: microseconds to wake and join a second OpenMP thread per op. Measured
-#: (docs/benchmarks.md, "Threads"): stories260K-hd32, 64 requests, 2 threads,
-#: native-cpu, alternating rounds in one process: 4,222-5,041 tok/s with the dense ops
-#: of its decode steps on one thread vs 3,261-4,171 on two. The ~125M Llama's smallest
-#: decode step (one row, gate/up 4.7M) stays on every thread, where the second pays.
+#: microseconds to wake and join a second OpenMP thread per op (measured in
+#: docs/benchmarks.md, "Threads"): a tiny model's decode ops run faster on one thread,
+#: while the ~125M Llama's smallest decode step (one row, gate/up 4.7M) stays on every
+#: thread, where the second pays.
 DENSE_THREADS_MIN_MACS = 1 << 22
 #: apply the rule above; False = every op of every step on all of torch's threads (an
 #: A/B switch for benchmarks)

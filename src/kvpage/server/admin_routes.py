@@ -16,18 +16,21 @@ it runs on (``kvpage.server.resolved.machine_facts``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvpage.server import protocol as P
-from kvpage.server.auth import bearer_token
+from kvpage.server.auth import Authenticator, bearer_token
+
+if TYPE_CHECKING:
+    from kvpage.server.service import ServingState
 
 __all__ = ["operator_refusal", "register_config_route"]
 
 
-def operator_refusal(auth: Any, request: Request) -> JSONResponse | None:
+def operator_refusal(auth: Authenticator, request: Request) -> JSONResponse | None:
     """The error response for a caller that may not use an operator route, or None.
 
     Args:
@@ -59,7 +62,7 @@ def operator_refusal(auth: Any, request: Request) -> JSONResponse | None:
     return None
 
 
-def register_config_route(app: FastAPI, state: Any) -> None:
+def register_config_route(app: FastAPI, state: ServingState) -> None:
     """Add ``GET /admin/config`` (see module doc) answering ``state.effective_config()``."""
 
     @app.get("/admin/config")

@@ -320,8 +320,16 @@ class KVBudget:
                 f"long-context queue: expected fewer than {cfg.max_queued} waiting, "
                 f"got {self.num_queued}",
             )
+        return await self._wait_in_queue(key, blocks, refusal)
+
+    async def _wait_in_queue(
+        self, key: tuple[int, int], blocks: int, refusal: Decision
+    ) -> Decision:
+        """Wait in the queue under ``key`` until ``blocks`` fit at a wake-up (reserve
+        them, wake the next waiter) or ``queue_timeout_s`` passes (``refusal``); a
+        cancelled waiter that was woken passes the wake-up on."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + cfg.queue_timeout_s
+        deadline = loop.time() + self.config.queue_timeout_s
         while True:
             fut: asyncio.Future[None] = loop.create_future()
             self._waiters[fut] = key  # the same key again after a wake: the same place

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -39,12 +39,18 @@ from kvpage.server.security import (
 from kvpage.server.service import APIError, ServingState, chat_template_name, rejection_error
 from kvpage.server.utility_routes import register_utility_routes
 
+if TYPE_CHECKING:
+    from kvpage.engine import LLMEngine, SamplingParams
+    from kvpage.server.engine_process import EngineProcess
+
 __all__ = ["build_engine", "create_app"]
 
 logger = logging.getLogger("kvpage.server")
 
 
-def build_engine(config: ServerConfig) -> tuple[Any, Callable[..., Any]]:
+def build_engine(
+    config: ServerConfig,
+) -> tuple[LLMEngine | EngineProcess, type[SamplingParams]]:
     """Build the real engine from ``config.engine``; return ``(engine, SamplingParams)``.
 
     With ``config.engine_process`` the engine is built in a child process and the
@@ -125,6 +131,13 @@ def create_app(
     install_security(app, state)
     install_openapi(app, config.model_name)
     _install_error_handlers(app)
+    _register_routes(app, state)
+    return app
+
+
+def _register_routes(app: FastAPI, state: ServingState) -> None:
+    """Every route of the API: generation, models, utilities, the effective config and
+    (unless a metrics port serves it) ``/metrics``."""
     _register_generation_routes(app, state)
     _register_model_routes(app, state)
     register_utility_routes(app, state, _validation_message)
@@ -134,9 +147,7 @@ def create_app(
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            return metrics_response(state)  # type: ignore[no-any-return]
-
-    return app
+            return metrics_response(state)
 
 
 def _serving_state(

@@ -213,14 +213,39 @@ def config_from_args(args: argparse.Namespace, base: ServerConfig | None = None)
     else:
         cfg = base if base is not None else ServerConfig()
     data = cfg.model_dump()
+    _take_positional_model(args)
+    _apply_serving_flags(args, data)
+    _apply_security_flags(args, cfg, data["security"])
+    try:
+        return ServerConfig.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(f"options: {format_validation_error(exc)}") from exc
+
+
+def _take_positional_model(args: argparse.Namespace) -> None:
+    """Set ``args.model`` from the positional ``MODEL``, if given.
+
+    Raises:
+        SpecError: ``MODEL`` and ``--model`` name different models.
+    """
     pos = getattr(args, "model_positional", None)
-    if pos is not None:
-        if getattr(args, "model", None) not in (None, pos):
-            raise SpecError(
-                f"MODEL: expected the same model as --model ({args.model!r}) or only one of "
-                f"them, got {pos!r}"
-            )
-        args.model = pos
+    if pos is None:
+        return
+    if getattr(args, "model", None) not in (None, pos):
+        raise SpecError(
+            f"MODEL: expected the same model as --model ({args.model!r}) or only one of "
+            f"them, got {pos!r}"
+        )
+    args.model = pos
+
+
+def _apply_serving_flags(args: argparse.Namespace, data: dict[str, Any]) -> None:
+    """Write the explicit server, engine and admission flags into ``data`` (a
+    ``ServerConfig.model_dump()``).
+
+    Raises:
+        SpecError: only one of ``--tenant-rate``/``--tenant-burst``.
+    """
     if getattr(args, "allow_unknown_fields", None):
         data["allow_unknown_fields"] = True
     if getattr(args, "enable_auto_tool_choice", None):
@@ -241,7 +266,11 @@ def config_from_args(args: argparse.Namespace, base: ServerConfig | None = None)
         )
     if rate is not None:
         data["admission"]["default_limit"] = {"rate": rate, "burst": burst}
-    sec = data["security"]
+
+
+def _apply_security_flags(args: argparse.Namespace, cfg: ServerConfig, sec: dict[str, Any]) -> None:
+    """Write the security flags into ``sec`` (the dump's ``security`` section): keys
+    from the file, the flags and ``$KVPAGE_API_KEY`` are added up."""
     # keys are excluded from dumps, so take them from the loaded config directly
     sec["api_keys"] = list(cfg.security.api_keys) + list(getattr(args, "api_keys", None) or [])
     env_key = os.environ.get(API_KEY_ENV)
@@ -254,10 +283,6 @@ def config_from_args(args: argparse.Namespace, base: ServerConfig | None = None)
         sec["allow_unauthenticated"] = True
     if getattr(args, "allowed_origins", None):
         sec["allowed_origins"] = list(args.allowed_origins)
-    try:
-        return ServerConfig.model_validate(data)
-    except ValidationError as exc:
-        raise SpecError(f"options: {format_validation_error(exc)}") from exc
 
 
 def check_engine_config(cfg: ServerConfig) -> None:

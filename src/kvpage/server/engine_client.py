@@ -23,7 +23,14 @@ from typing import Any, NotRequired, Protocol, TypeAlias, TypedDict, TypeVar, ru
 
 from kvpage.engine.params import RequestOutput, SamplingParams
 
-__all__ = ["EngineClient", "EngineFailure", "EngineOutput", "PromptInput", "TokensPrompt"]
+__all__ = [
+    "EngineClient",
+    "EngineFailure",
+    "EngineOutput",
+    "PromptInput",
+    "StepEngine",
+    "TokensPrompt",
+]
 
 _T = TypeVar("_T")
 
@@ -58,6 +65,30 @@ class EngineFailure(RuntimeError):
 PromptInput: TypeAlias = list[int] | TokensPrompt
 #: one item of a request's output queue
 EngineOutput: TypeAlias = RequestOutput | EngineFailure
+
+
+class StepEngine(Protocol):
+    """The synchronous engine an engine loop drives on its thread: ``LLMEngine`` (its
+    signatures), or a test double with the same methods. The loop reads the optional
+    ``failed_request_ids`` (ids of the requests a failed step dropped) with ``getattr``.
+    """
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict[str, Any],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def get_metrics(self) -> Mapping[str, float]: ...
 
 
 @runtime_checkable

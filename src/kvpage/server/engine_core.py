@@ -16,15 +16,20 @@ import functools
 import gc
 import logging
 import os
+import socket
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpage.models.tokenizer_base import Tokenizer
 from kvpage.server.engine_client import EngineOutput
 from kvpage.server.engine_loop import AsyncEngine, StepStats, _Command
 from kvpage.server.framing import FrameError, FrameReader, recv_frame, send_frame
 from kvpage.server.output_codec import OutputEncoder
+from kvpage.specs import CacheSpec
+
+if TYPE_CHECKING:
+    from kvpage.engine import LLMEngine
 
 __all__ = ["EngineInfo", "child_main", "engine_report"]
 
@@ -36,7 +41,7 @@ class EngineInfo:
     """What the HTTP process needs to know about the engine (sent once, at start)."""
 
     tokenizer: Tokenizer | None  # the engine's (None: an engine built without one)
-    cache_spec: Any
+    cache_spec: CacheSpec
     backend_name: str
     max_model_len: int
     policy: str
@@ -47,7 +52,7 @@ class EngineInfo:
     generation_config_path: str | None = None
 
 
-def engine_report(engine: Any) -> dict[str, Any]:
+def engine_report(engine: LLMEngine) -> dict[str, Any]:
     """The engine's end state: free/usable blocks, running/waiting counts, the result of
     ``kv_cache_manager.check_integrity()`` ("ok" or the error) and its metrics."""
     kv = engine.kv_cache_manager
@@ -80,8 +85,9 @@ def _picklable(exc: BaseException) -> BaseException:
 class _EngineCore(AsyncEngine):
     """The child's engine loop: ``AsyncEngine`` whose deliveries go down ``sock``."""
 
-    def __init__(self, engine: Any, sock: Any) -> None:
+    def __init__(self, engine: LLMEngine, sock: socket.socket) -> None:
         super().__init__(engine, on_step=self._stats)
+        self._llm = engine  # the same engine, as its own type (for the final report)
         self._sock = sock
         self._send_lock = threading.Lock()
         self._outbox: list[tuple[str, Any]] = []
@@ -156,11 +162,13 @@ class _EngineCore(AsyncEngine):
             if self._thread is not None:
                 self._thread.join(30)
             with contextlib.suppress(OSError, ValueError):
-                self._send(("final", engine_report(self.engine)))
+                self._send(("final", engine_report(self._llm)))
             self._sock.close()
 
 
-def child_main(sock: Any, engine_kwargs: dict[str, Any], log_level: str, niceness: int = 0) -> None:
+def child_main(
+    sock: socket.socket, engine_kwargs: dict[str, Any], log_level: str, niceness: int = 0
+) -> None:
     """Entry point of the engine process: build the engine, report, serve ``sock``
     (a connected stream socket)."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvpage.engine.params import SamplingParams
-from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput
+from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput, StepEngine
 
 __all__ = ["AsyncEngine", "EngineFailure", "StepStats", "is_out_of_memory"]
 
@@ -101,7 +101,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine: Any,
+        engine: StepEngine,
         *,
         on_step: Callable[[StepStats], None] | None = None,
         idle_wait_s: float = 0.05,
@@ -341,7 +341,7 @@ class AsyncEngine:
             self.metrics_snapshot = dict(self.engine.get_metrics())
             self._on_exit()
 
-    def _fail_step(self, exc: BaseException, oom: bool, mark: Any) -> None:
+    def _fail_step(self, exc: BaseException, oom: bool, mark: str | None) -> None:
         """Fail the requests of a step that raised; the others keep running.
 
         An engine that reports ``failed_request_ids`` (``LLMEngine`` drops exactly the
@@ -361,11 +361,11 @@ class AsyncEngine:
         if oom:
             _empty_device_cache()
 
-    def _failed_mark(self) -> Any:
+    def _failed_mark(self) -> str | None:
         ids = getattr(self.engine, "failed_request_ids", None)
         return ids[-1] if ids else None
 
-    def _step_failed_ids(self, mark: Any) -> list[str]:
+    def _step_failed_ids(self, mark: str | None) -> list[str]:
         """Live ids the engine recorded as failed after ``mark`` ([] if none/unknown)."""
         ids = getattr(self.engine, "failed_request_ids", None)
         if not ids:

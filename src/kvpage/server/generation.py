@@ -14,7 +14,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpage.engine.params import CompletionOutput, RequestOutput, SamplingParams
+from kvpage.engine.params import (
+    CompletionOutput,
+    PositionLogprobs,
+    RequestOutput,
+    SamplingParams,
+)
 from kvpage.errors import RequestRejected
 from kvpage.models.tokenizer_base import Tokenizer
 from kvpage.server.config import ServerConfig
@@ -83,7 +88,7 @@ class Delta:
     text: str
     finish_reason: str | None
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Any] | None = None
+    logprobs: list[PositionLogprobs] | None = None
     stop_reason: int | str | None = None
 
 
@@ -102,7 +107,7 @@ class Usage:
 
     completion_tokens: int = 0
     cached_tokens: int = 0
-    prompt_logprobs: list[Any] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     cache_info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -115,6 +120,15 @@ class _Choice:
     finish: str | None = None
     stop_reason: int | str | None = None
     stop_floor: int | None = None  # stop strings may not end before this text offset
+
+
+@dataclass
+class _Run:
+    """One request's progress in :meth:`RequestGeneration.generate`."""
+
+    choices: list[_Choice]
+    hold: int  # characters a streamed choice holds back (longest stop string - 1)
+    first_token_at: float | None = None  # clock() at the request's first token
 
 
 def _note_cache_usage(usage: Usage, out: RequestOutput) -> None:
@@ -189,9 +203,10 @@ class RequestGeneration:
         """
         arrival = req.arrival_s
         q, series = await self._start(req)
-        choices = [_Choice() for _ in range(req.n)]
-        hold = max((len(s) for s in req.stop), default=1) - 1
-        first_token_at: float | None = None
+        run = _Run(
+            [_Choice() for _ in range(req.n)], max((len(s) for s in req.stop), default=1) - 1
+        )
+        choices = run.choices
         done = False
         last: EngineOutput | None = None
         try:
@@ -205,21 +220,8 @@ class RequestGeneration:
                 if done:
                     self._note_running_cap(req)
                 _note_cache_usage(usage, out)
-                for comp in out.outputs:
-                    c = choices[comp.index]
-                    if c.finish is not None:
-                        continue
-                    usage.completion_tokens += len(comp.token_ids) - c.num_tokens
-                    c.num_tokens = len(comp.token_ids)
-                    if first_token_at is None and c.num_tokens > 0:
-                        first_token_at = self.clock()
-                        series.ttft.observe(first_token_at - arrival)
-                        self.degradation.record_ttft(first_token_at - arrival, first_token_at)
-                    if comp.finish_reason is None and not req.stream:
-                        continue  # not streamed: only the final text matters
-                    delta = self._choice_delta(req, out, comp, c, hold)
-                    if delta is not None:
-                        yield delta
+                for delta in self._output_deltas(req, out, run, usage, series):
+                    yield delta
                 if not done and all(c.finish is not None for c in choices):
                     await self.loop.abort(req.request_id)  # every choice hit a stop string
                     done = True
@@ -231,11 +233,39 @@ class RequestGeneration:
                 series.cancellation(cause)
             else:
                 self.cancel_causes.pop(req.request_id, None)
-                self._finished(series, arrival, first_token_at, choices, last)
+                self._finished(series, arrival, run.first_token_at, choices, last)
         for c in choices:  # choices the engine ended without a final output (defensive)
             if c.finish is None:
                 c.finish = "length"
                 yield Delta(choices.index(c), c.text[c.sent :], "length")
+
+    def _output_deltas(
+        self,
+        req: GenerationRequest,
+        out: RequestOutput,
+        run: _Run,
+        usage: Usage,
+        series: RequestSeries,
+    ) -> Iterator[Delta]:
+        """The deltas of one engine output, choice by choice (lazily: a closed consumer
+        stops the walk where it stood). Counts the new tokens into ``usage``, records
+        the request's TTFT at its first token; a finished choice is skipped, and a
+        non-streamed request yields only its choices' final deltas."""
+        for comp in out.outputs:
+            c = run.choices[comp.index]
+            if c.finish is not None:
+                continue
+            usage.completion_tokens += len(comp.token_ids) - c.num_tokens
+            c.num_tokens = len(comp.token_ids)
+            if run.first_token_at is None and c.num_tokens > 0:
+                run.first_token_at = now = self.clock()
+                series.ttft.observe(now - req.arrival_s)
+                self.degradation.record_ttft(now - req.arrival_s, now)
+            if comp.finish_reason is None and not req.stream:
+                continue  # not streamed: only the final text matters
+            delta = self._choice_delta(req, out, comp, c, run.hold)
+            if delta is not None:
+                yield delta
 
     async def _start(
         self, req: GenerationRequest
@@ -382,7 +412,7 @@ class RequestGeneration:
         arrival: float,
         first: float | None,
         choices: list[_Choice],
-        out: Any,
+        out: EngineOutput | None,
     ) -> None:
         now = self.clock()
         m.e2e.observe(now - arrival)

@@ -21,15 +21,19 @@ Token texts are ``tokenizer.decode([id])`` (the engine's ``decoded_token``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from kvpage.engine.params import PositionLogprobs
 
 __all__ = ["chat_logprobs", "completion_logprobs", "prompt_logprobs_json"]
 
 
-def _text(entry: Any, token_id: int, decode: Callable[[int], str] | None = None) -> str:
+def _text(
+    entry: PositionLogprobs | None, token_id: int, decode: Callable[[int], str] | None = None
+) -> str:
     lp = entry.get(token_id) if entry else None
-    t = getattr(lp, "decoded_token", None)
+    t = lp.decoded_token if lp is not None else None
     if t is not None:
         return str(t)
     return decode(token_id) if decode is not None else str(token_id)
@@ -37,9 +41,9 @@ def _text(entry: Any, token_id: int, decode: Callable[[int], str] | None = None)
 
 def completion_logprobs(
     token_ids: list[int],
-    entries: list[Any],
+    entries: Sequence[PositionLogprobs | None],
     *,
-    prompt: tuple[list[int], list[Any]] | None = None,
+    prompt: tuple[list[int], Sequence[PositionLogprobs | None]] | None = None,
     offset: int = 0,
     decode: Callable[[int], str] | None = None,
     prompt_text: str | None = None,
@@ -67,7 +71,7 @@ def completion_logprobs(
     token_lps: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     offsets: list[int] = []
-    pairs: list[tuple[int, Any]] = []
+    pairs: list[tuple[int, PositionLogprobs | None]] = []
     if prompt is not None:
         pairs.extend(zip(prompt[0], prompt[1]))
     num_prompt = len(pairs)
@@ -86,18 +90,8 @@ def completion_logprobs(
         tokens.append(s)
         offsets.append(pos)
         pos += len(s)
-        if ent is None:
-            token_lps.append(None)
-            tops.append(None)
-            continue
-        token_lps.append(float(ent[tid].logprob))
-        # the same spelling as ``tokens[i]`` (``top_logprobs[i][tokens[i]]`` holds), and
-        # the alternatives at this position without the dummy-prefix space as well
-        top: dict[str, float] = {}
-        for t, v in ent.items():
-            alt = _text(ent, t)
-            top[alt[1:] if strip and alt.startswith(" ") else alt] = float(v.logprob)
-        tops.append(top)
+        token_lps.append(None if ent is None else float(ent[tid].logprob))
+        tops.append(None if ent is None else _top_by_text(ent, strip))
     return {
         "tokens": tokens,
         "token_logprobs": token_lps,
@@ -106,7 +100,20 @@ def completion_logprobs(
     }
 
 
-def chat_logprobs(token_ids: list[int], entries: list[Any], num_top: int) -> dict[str, Any]:
+def _top_by_text(ent: PositionLogprobs, strip: bool) -> dict[str, float]:
+    """One position's ``top_logprobs``: token text -> logprob, spelled as that position's
+    ``tokens[i]`` (so ``top_logprobs[i][tokens[i]]`` holds): with ``strip`` the
+    alternatives lose the dummy-prefix space as well."""
+    top: dict[str, float] = {}
+    for t, v in ent.items():
+        alt = _text(ent, t)
+        top[alt[1:] if strip and alt.startswith(" ") else alt] = float(v.logprob)
+    return top
+
+
+def chat_logprobs(
+    token_ids: list[int], entries: Sequence[PositionLogprobs], num_top: int
+) -> dict[str, Any]:
     """The chat ``logprobs`` object (``{"content": [...]}``)."""
     content = []
     for tid, ent in zip(token_ids, entries):
@@ -130,7 +137,9 @@ def chat_logprobs(token_ids: list[int], entries: list[Any], num_top: int) -> dic
     return {"content": content}
 
 
-def prompt_logprobs_json(plp: list[Any] | None) -> list[Any] | None:
+def prompt_logprobs_json(
+    plp: Sequence[PositionLogprobs | None] | None,
+) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's ``prompt_logprobs`` field (token ids as string keys, as JSON requires)."""
     if plp is None:
         return None

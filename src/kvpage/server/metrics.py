@@ -2,7 +2,7 @@
 
 Each server owns its own ``CollectorRegistry`` (no process-global state), holding:
 
-* the engine's ``kvpage:*`` metrics (issue 4 names), read from the latest snapshot of
+* the engine's ``kvpage:*`` metrics (named as in docs/user-guide.md), read from the latest snapshot of
   ``LLMEngine.get_metrics()``; names ending in ``_total`` are exported as counters, the
   rest as gauges; each carries a ``model_name`` label (the served model, as vLLM's);
 * per-request phase histograms with ``model_name``: queue time (arrival -> first

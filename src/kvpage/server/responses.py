@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpage.engine.params import PositionLogprobs
 from kvpage.models.tokenizer_base import Tokenizer
 from kvpage.server import protocol as P
 from kvpage.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
@@ -46,7 +47,7 @@ class ChoiceState:
     finish: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Any] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
 
     def add(self, d: Delta) -> None:
         self.text += d.text
@@ -78,9 +79,9 @@ def prompt_text(req: P.GenerationRequest, prompt: Any, tokenizer: Tokenizer) -> 
 def _logprobs(
     req: P.GenerationRequest,
     ids: list[int],
-    entries: list[Any],
+    entries: list[PositionLogprobs],
     *,
-    echo: tuple[list[int], list[Any]] | None,
+    echo: tuple[list[int], list[PositionLogprobs | None]] | None,
     offset: int,
     tokenizer: Tokenizer | None = None,
     echo_text: str = "",

@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 
-def unread_bytes(transport: Any) -> int:
+def unread_bytes(transport: asyncio.BaseTransport) -> int:
     """Bytes the kernel holds for ``transport``'s socket that the event loop has not
     read yet (``FIONREAD``); 0 when unknown (no socket, or a platform without it)."""
     sock = transport.get_extra_info("socket")
@@ -245,27 +245,10 @@ def run_server(config: ServerConfig, app: Any | None = None) -> None:
     Authenticator(config.security)
     check_bind(config, config.security.auth_enabled)  # before the engine is built
     warn_if_elsewhere(config)
-    listener = bind_listener(config.host, config.port)
-    side_listener = None
-    if config.security.metrics_port is not None:
-        try:
-            side_listener = bind_listener(
-                config.security.metrics_host, config.security.metrics_port, "metrics_port"
-            )
-        except BaseException:
-            listener.close()
-            raise
+    listener, side_listener = _bind_listeners(config)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     if app is None:
-        from kvpage.server.app import create_app
-
-        try:
-            app = create_app(config)
-        except BaseException:
-            listener.close()
-            if side_listener is not None:
-                side_listener.close()
-            raise
+        app = _build_app_or_close(config, listener, side_listener)
     prepare_serving_process(app)
     limits = uvicorn_limits(config.security)
     main = uvicorn.Server(
@@ -285,6 +268,51 @@ def run_server(config: ServerConfig, app: Any | None = None) -> None:
         with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises SIGINT after shutdown
             main.run(sockets=[listener])
         return
+    _serve_with_metrics(config, main, listener, metrics_app, side_listener, limits)
+
+
+def _bind_listeners(config: ServerConfig) -> tuple[socket.socket, socket.socket | None]:
+    """The API socket and, with ``security.metrics_port``, the metrics socket (None
+    without); a failure to bind the second closes the first."""
+    listener = bind_listener(config.host, config.port)
+    if config.security.metrics_port is None:
+        return listener, None
+    try:
+        side = bind_listener(
+            config.security.metrics_host, config.security.metrics_port, "metrics_port"
+        )
+    except BaseException:
+        listener.close()
+        raise
+    return listener, side
+
+
+def _build_app_or_close(
+    config: ServerConfig, listener: socket.socket, side_listener: socket.socket | None
+) -> Any:
+    """:func:`kvpage.server.app.create_app` of ``config``; the bound sockets are closed
+    when it raises."""
+    from kvpage.server.app import create_app
+
+    try:
+        return create_app(config)
+    except BaseException:
+        listener.close()
+        if side_listener is not None:
+            side_listener.close()
+        raise
+
+
+def _serve_with_metrics(
+    config: ServerConfig,
+    main: uvicorn.Server,
+    listener: socket.socket,
+    metrics_app: Any,
+    side_listener: socket.socket,
+    limits: dict[str, Any],
+) -> None:
+    """Run ``main`` on ``listener`` and ``metrics_app`` on ``side_listener`` in one
+    event loop until ``main`` exits (the metrics server is then told to exit too)."""
     side = uvicorn.Server(
         uvicorn.Config(
             metrics_app,

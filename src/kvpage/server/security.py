@@ -13,12 +13,20 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpage.errors import SpecError
 from kvpage.server.auth import Tenant, bearer_token, is_loopback_host, unauthenticated_tenant
 from kvpage.server.config import ServerConfig
 from kvpage.server.http_limits import HTTPGuard
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    from kvpage.server.service import ServingState
 
 __all__ = [
     "check_bind",
@@ -32,7 +40,7 @@ __all__ = [
 logger = logging.getLogger("kvpage.server")
 
 
-def install_security(app: Any, state: Any) -> None:
+def install_security(app: FastAPI, state: ServingState) -> None:
     """Add the HTTP guard (and CORS when configured) to ``app`` (a FastAPI app).
 
     Args:
@@ -60,7 +68,7 @@ def install_security(app: Any, state: Any) -> None:
         )
 
 
-def metrics_response(state: Any) -> Any:
+def metrics_response(state: ServingState) -> Response:
     """The ``GET /metrics`` response: gauges refreshed, the registry in Prometheus text."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from starlette.responses import Response
@@ -69,26 +77,24 @@ def metrics_response(state: Any) -> Any:
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def create_metrics_app(state: Any) -> Any:
+def create_metrics_app(state: ServingState) -> Starlette:
     """A minimal ASGI app serving only ``GET /metrics`` from ``state``'s registry.
 
     Runs without lifespan (the main app owns the engine loop); meant for a listener
     bound to an operator-only address (``security.metrics_host``, default 127.0.0.1).
     """
     from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import Response
     from starlette.routing import Route
 
     async def metrics(request: Request) -> Response:
-        return metrics_response(state)  # type: ignore[no-any-return]
+        return metrics_response(state)
 
     app = Starlette(routes=[Route("/metrics", metrics, methods=["GET"])])
     app.router.redirect_slashes = False  # "/metrics/" is a 404, not a redirect
     return app
 
 
-def request_tenant(request: Any, user: str | None) -> Tenant:
+def request_tenant(request: Request, user: str | None) -> Tenant:
     """The tenant of ``request``: set by the guard when keys are configured, else the
     Bearer token / ``user`` / ``"anonymous"`` label of an unauthenticated server."""
     tenant = getattr(request.state, "kvpage_tenant", None)
@@ -97,7 +103,7 @@ def request_tenant(request: Any, user: str | None) -> Tenant:
     return unauthenticated_tenant(bearer_token(request.headers), user)
 
 
-def may_see_topology(state: Any, request: Any) -> bool:
+def may_see_topology(state: ServingState, request: Request) -> bool:
     """Whether ``request``'s caller may be told which replica group and replica served
     it (the ``X-KVPage-Group`` / ``X-KVPage-Replica`` headers): the rule of
     ``/metrics``, which exports the same facts -- an operator key, or any valid key when

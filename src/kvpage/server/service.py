@@ -45,6 +45,7 @@ from kvpage.server.generation import Delta, RequestGeneration, Usage, rejection_
 from kvpage.server.metrics import ServerMetrics
 from kvpage.server.protocol import APIError, GenerationRequest
 from kvpage.server.validation import max_token_bytes
+from kvpage.specs import CacheSpec
 
 _log = logging.getLogger("kvpage.server")
 
@@ -218,7 +219,9 @@ class ServingState(RequestGeneration):
             config.admission.max_inflight_sequences_per_tenant, config.admission.retry_after_s
         )
 
-    def _init_admission(self, config: ServerConfig, spec: Any, clock: Callable[[], float]) -> None:
+    def _init_admission(
+        self, config: ServerConfig, spec: CacheSpec, clock: Callable[[], float]
+    ) -> None:
         """The KV budget, degraded mode and the counters of admitted requests."""
         #: engine steps that ran out of device or host memory
         self.num_oom = 0

@@ -111,7 +111,30 @@ def structured_outputs_of(extra: dict[str, Any]) -> dict[str, Any] | None:
             constraint, a malformed field, or a constraint xgrammar refuses (its message
             quoted).
     """
-    found: list[tuple[str, str, dict[str, Any]]] = []  # (field, blamed, kwargs)
+    found = _constraints_asked(extra)
+    _check_guided_options(extra)
+    if not found:
+        return None
+    if len(found) > 1:
+        names = [f[0] for f in found]
+        raise _err(
+            names[1],
+            f"{names[1]}: expected one structured-output constraint per request, got "
+            f"{', '.join(names)}",
+        )
+    field, blamed, kwargs = found[0]
+    _check_constraint(field, blamed, kwargs)
+    return kwargs
+
+
+def _constraints_asked(extra: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(field, field blamed for a bad constraint, StructuredOutputsParams kwargs)`` of
+    each field of :data:`STRUCTURED_FIELDS` that asks for a constraint, in that order.
+
+    Raises:
+        APIError: 400 a malformed ``response_format`` or ``structured_outputs``.
+    """
+    found: list[tuple[str, str, dict[str, Any]]] = []
     rf = extra.get("response_format")
     if rf is not None:
         got = _response_format(rf)
@@ -129,6 +152,16 @@ def structured_outputs_of(extra: dict[str, Any]) -> dict[str, Any] | None:
         v = extra.get(name)
         if v is not None:
             found.append((name, name, {kind: v}))
+    return found
+
+
+def _check_guided_options(extra: dict[str, Any]) -> None:
+    """Refuse vLLM's ``guided_decoding_backend`` other than xgrammar/auto and any
+    ``guided_whitespace_pattern`` (not implemented).
+
+    Raises:
+        APIError: 400 naming the field.
+    """
     backend = extra.get("guided_decoding_backend")
     if backend is not None and backend not in _BACKENDS:
         raise _err(
@@ -143,16 +176,15 @@ def structured_outputs_of(extra: dict[str, Any]) -> dict[str, Any] | None:
             f"guided_whitespace_pattern: expected null (not implemented by kvpage), got "
             f"{got_repr(ws)}",
         )
-    if not found:
-        return None
-    if len(found) > 1:
-        names = [f[0] for f in found]
-        raise _err(
-            names[1],
-            f"{names[1]}: expected one structured-output constraint per request, got "
-            f"{', '.join(names)}",
-        )
-    field, blamed, kwargs = found[0]
+
+
+def _check_constraint(field: str, blamed: str, kwargs: dict[str, Any]) -> None:
+    """Build ``StructuredOutputsParams(**kwargs)`` and compile it with xgrammar.
+
+    Raises:
+        APIError: 400, ``param`` the field at fault (``blamed``, else ``field`` or the
+            engine's field renamed to ``field``), xgrammar's message quoted.
+    """
     try:
         params = StructuredOutputsParams(**kwargs)
     except TypeError as e:
@@ -164,7 +196,6 @@ def structured_outputs_of(extra: dict[str, Any]) -> dict[str, Any] | None:
         check_constraint(params, blamed or None)
     except RequestRejected as e:
         raise _err(blamed or f"{field}.{params.kind}", _rename(str(e), field)) from None
-    return kwargs
 
 
 def _rename(message: str, field: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvpage.cache.retention import KVRetention
 from kvpage.engine.chat import message_text, text_part_problem
@@ -121,7 +121,7 @@ def check_text_fits(text: str, bound: int | None, max_model_len: int, param: str
 def prepare_request(
     kind: str,
     body: CompletionRequest | ChatCompletionRequest,
-    api_key: str | None,
+    tenant: str | None,
     *,
     model_name: str,
     tokenizer: Tokenizer,
@@ -138,7 +138,7 @@ def prepare_request(
     Args:
         kind: ``"completion"`` or ``"chat"``.
         body: the parsed request.
-        api_key: the tenant's name (the server passes the authenticated tenant, see
+        tenant: the tenant's name (the server passes the authenticated tenant, see
             :func:`kvpage.server.security.request_tenant`); when None, ``user``, else
             ``"anonymous"``.
         model_name: the served model id.
@@ -167,36 +167,65 @@ def prepare_request(
         APIError: 404 unknown model, 400 anything else invalid. No state is touched.
     """
     stops = _check_body(kind, body, model_name, tokenizer, allow_unknown_fields)
-    if isinstance(body, ChatCompletionRequest):
-        template_source, ids, max_name, max_tokens = _chat_prompt(
-            body, tokenizer, chat_template, max_bytes_per_token, max_model_len
-        )
-    else:
-        template_source = None
-        ids = _prompt_ids(body.prompt, tokenizer, max_bytes_per_token, max_model_len)
-        max_name = "max_tokens"
-        max_tokens = body.max_tokens
+    prompt = _prompt_of(body, tokenizer, chat_template, max_bytes_per_token, max_model_len)
     defaults = sampling_defaults or {}
     max_tokens = _resolve_max_tokens(
-        kind, body, len(ids), max_name, max_tokens, defaults, max_model_len
+        kind, body, len(prompt.ids), prompt.max_name, prompt.max_tokens, defaults, max_model_len
     )
+    options = _request_options(body, retention_limits, tool_call_parser)
+    who = tenant or body.user or "anonymous"
+    return _generation_request(
+        kind, body, who, model_name, prompt, max_tokens, stops, defaults, options
+    )
+
+
+class _Prompt(NamedTuple):
+    """A request's tokenized prompt and its requested output length."""
+
+    template_source: str | None  # the chat template that rendered it (chat), else None
+    ids: list[int]
+    max_name: str  # the field that sets the output length (errors name it)
+    max_tokens: int | None  # its value, None when unset
+
+
+class _Options(NamedTuple):
+    """A request's checked retention policy and structured-output constraint."""
+
+    retention: dict[str, Any] | None
+    structured: dict[str, Any] | None  # StructuredOutputsParams kwargs
+    tool_choice: Any  # the request's tool_choice (JSON: a string or an object)
+
+
+def _prompt_of(
+    body: CompletionRequest | ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    chat_template: str | None,
+    max_bytes_per_token: int | None,
+    max_model_len: int,
+) -> _Prompt:
+    """Render (chat) and tokenize the prompt: see :func:`_chat_prompt`, :func:`_prompt_ids`."""
+    if isinstance(body, ChatCompletionRequest):
+        return _Prompt(
+            *_chat_prompt(body, tokenizer, chat_template, max_bytes_per_token, max_model_len)
+        )
+    ids = _prompt_ids(body.prompt, tokenizer, max_bytes_per_token, max_model_len)
+    return _Prompt(None, ids, "max_tokens", body.max_tokens)
+
+
+def _request_options(
+    body: CompletionRequest | ChatCompletionRequest,
+    retention_limits: tuple[int, float],
+    tool_call_parser: str | None,
+) -> _Options:
+    """Check the seed, the ``kv_retention`` policy and the structured-output fields, in
+    that order.
+
+    Raises:
+        APIError: 400 the first that is invalid.
+    """
     _check_seed(body)
     retention = check_retention(body.kv_retention, retention_limits)
-    structured, tool_choice = _structured_outputs(body, tool_call_parser)
-    return _generation_request(
-        kind,
-        body,
-        api_key or body.user or "anonymous",
-        model_name,
-        ids,
-        max_tokens,
-        stops,
-        defaults,
-        retention,
-        template_source,
-        structured,
-        tool_choice,
-    )
+    return _Options(retention, *_structured_outputs(body, tool_call_parser))
 
 
 def _check_body(
@@ -416,14 +445,11 @@ def _generation_request(
     body: CompletionRequest | ChatCompletionRequest,
     tenant: str,
     model_name: str,
-    ids: list[int],
+    prompt: _Prompt,
     max_tokens: int,
     stops: list[str],
     defaults: dict[str, Any],
-    retention: dict[str, Any] | None,
-    template_source: str | None,
-    structured: dict[str, Any] | None,
-    tool_choice: Any,
+    options: _Options,
 ) -> GenerationRequest:
     """The validated request (a new request id; sampling fields resolved by
     :func:`_field`)."""
@@ -431,7 +457,7 @@ def _generation_request(
         kind=kind,
         request_id=new_request_id(kind),
         model=model_name,
-        prompt_token_ids=ids,
+        prompt_token_ids=prompt.ids,
         max_tokens=max_tokens,
         n=body.n,
         temperature=_field(body, "temperature", defaults),
@@ -453,10 +479,10 @@ def _generation_request(
         stream=body.stream,
         include_usage=body.include_usage(),
         tenant=tenant,
-        kv_retention=retention,
-        chat_template=template_source,
-        structured_outputs=structured,
-        tool_choice=tool_choice,
+        kv_retention=options.retention,
+        chat_template=prompt.template_source,
+        structured_outputs=options.structured,
+        tool_choice=options.tool_choice,
     )
 
 
