@@ -53,6 +53,6 @@ def test_running_stream_is_capped_visibly_and_new_streams_carry_the_header(serve
     assert sum(len(e["choices"]) for e in evs) == CAP
     assert evs[-1]["kvpage_max_tokens_capped"] == {"requested": 50, "cap": CAP}
     deadline = time.monotonic() + 10
-    while state.capped_running:  # nothing left behind
+    while state.generation.capped_running:  # nothing left behind
         assert time.monotonic() < deadline
         time.sleep(0.05)

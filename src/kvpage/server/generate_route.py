@@ -296,7 +296,7 @@ async def _run_one(
     async with state.admitted(r, charge):
         if charge is not None:
             charge.started = True
-        gen = state.generate(r, res.usage)
+        gen = state.generation.generate(r, res.usage)
         async with contextlib.aclosing(gen):
             async for d in _until_disconnect(gen, request):
                 res.choices[d.index].add(d)
@@ -325,12 +325,12 @@ async def _run_all(
         except BaseException as exc:  # one prompt failed: abort the others
             if isinstance(exc, APIError):
                 for r in reqs:
-                    state.cancel_causes[r.request_id] = "sibling_failed"
+                    state.generation.cancel_causes[r.request_id] = "sibling_failed"
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             for r in reqs:
-                state.cancel_causes.pop(r.request_id, None)
+                state.generation.cancel_causes.pop(r.request_id, None)
             raise
 
 
@@ -346,7 +346,7 @@ async def _stream_one(
     usage = Usage()
     admission = state.admitted(req)
     await admission.__aenter__()
-    gen = state.generate(req, usage)
+    gen = state.generation.generate(req, usage)
     try:
         first: Delta | None = await gen.__anext__()
     except StopAsyncIteration:

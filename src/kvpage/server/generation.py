@@ -1,8 +1,9 @@
 """Generation for :class:`~kvpage.server.service.ServingState`: running one admitted
 request on the engine and turning its outputs into per-choice text deltas (stop strings,
 streamed hold-back, the finished request's metrics), and the API error of an engine
-refusal. A base class split from service.py to keep modules small; the state it uses
-is set up by ``ServingState.__init__``.
+refusal. :class:`RequestGenerator` is the object that does it; ``ServingState`` holds
+one (``state.generation``) and hands it the engine loop, metrics and degraded-mode
+controller it shares.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kvpage.server.protocol import APIError, GenerationRequest
 
 __all__ = [
     "Delta",
-    "RequestGeneration",
+    "RequestGenerator",
     "Usage",
     "current_placements",
     "merged_placement",
@@ -94,7 +95,7 @@ class Delta:
 
 @dataclass
 class Usage:
-    """Token counts of one request, filled in by :meth:`ServingState.generate`.
+    """Token counts of one request, filled in by :meth:`RequestGenerator.generate`.
 
     Attributes:
         completion_tokens: generated tokens, summed over choices.
@@ -124,7 +125,7 @@ class _Choice:
 
 @dataclass
 class _Run:
-    """One request's progress in :meth:`RequestGeneration.generate`."""
+    """One request's progress in :meth:`RequestGenerator.generate`."""
 
     choices: list[_Choice]
     hold: int  # characters a streamed choice holds back (longest stop string - 1)
@@ -154,22 +155,46 @@ def _engine_prompt(req: GenerationRequest) -> PromptInput:
     return {"prompt_token_ids": list(req.prompt_token_ids), "cache_salt": req.cache_salt}
 
 
-class RequestGeneration:
-    """``generate`` of :class:`~kvpage.server.service.ServingState` (see there)."""
+class RequestGenerator:
+    """Runs admitted requests on the engine loop and turns their outputs into text
+    deltas (:meth:`generate`).
 
-    # state owned by ServingState.__init__
-    config: ServerConfig
-    tokenizer: Tokenizer
-    params_cls: Callable[..., SamplingParams]
-    clock: Callable[[], float]
-    loop: EngineClient
-    metrics: ServerMetrics
-    degradation: DegradationController
-    #: request id -> max_tokens lowered by degraded mode while it ran (ServingState)
-    capped_running: dict[str, int]
-    #: request id -> why it is being aborted, when not its client leaving (e.g.
-    #: ``"sibling_failed"``: another prompt of the same request failed); read once
-    cancel_causes: dict[str, str]
+    Args:
+        config: the server configuration (stop-string and streaming settings).
+        tokenizer: decodes the engine's token ids.
+        params_cls: the engine's ``SamplingParams`` class.
+        clock: monotonic clock in seconds (the request's latency metrics).
+        loop: the engine loop requests are added to and aborted on.
+        metrics: the server's metrics (request series, finished-request metrics).
+        degradation: degraded mode, told of each finished request.
+
+    Owns :attr:`capped_running` (written by ``ServingState.cap_admitted``, read once
+    when the request finishes) and :attr:`cancel_causes` (written by the routes that
+    abort a sibling prompt, read once by the aborted request).
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        tokenizer: Tokenizer,
+        params_cls: Callable[..., SamplingParams],
+        clock: Callable[[], float],
+        loop: EngineClient,
+        metrics: ServerMetrics,
+        degradation: DegradationController,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.params_cls = params_cls
+        self.clock = clock
+        self.loop = loop
+        self.metrics = metrics
+        self.degradation = degradation
+        #: request id -> max_tokens lowered by degraded mode while it ran
+        self.capped_running: dict[str, int] = {}
+        #: request id -> why it is being aborted, when not its client leaving (e.g.
+        #: ``"sibling_failed"``: another prompt of the same request failed); read once
+        self.cancel_causes: dict[str, str] = {}
 
     # ------------------------------------------------------------ placement
     def placement_of(self, request_id: str) -> dict[str, str]:

@@ -78,7 +78,7 @@ class _MultiStream:
                 self.admissions.append(adm)
             charge.started = True
             for r, u in zip(reqs, self.usages):
-                self.gens.append(state.generate(r, u))
+                self.gens.append(state.generation.generate(r, u))
                 try:
                     self.firsts.append(await self.gens[-1].__anext__())
                 except StopAsyncIteration:
@@ -86,11 +86,11 @@ class _MultiStream:
         except BaseException as exc:
             if isinstance(exc, APIError):  # the ones already started did not fail
                 for r in reqs:
-                    state.cancel_causes[r.request_id] = "sibling_failed"
+                    state.generation.cancel_causes[r.request_id] = "sibling_failed"
             for g in self.gens:
                 await g.aclose()
             for r in reqs:
-                state.cancel_causes.pop(r.request_id, None)
+                state.generation.cancel_causes.pop(r.request_id, None)
             for held in reversed(self.admissions):
                 await held.__aexit__(type(exc), exc, exc.__traceback__)
             await self.charging.__aexit__(type(exc), exc, exc.__traceback__)

@@ -6,13 +6,14 @@ handed; ``kvpage.server.app`` wires it to HTTP routes. All methods run on the ev
 Request life: :meth:`ServingState.prepare` validates and tokenizes (400/404 on bad input,
 no state touched) -> :meth:`ServingState.admitted` charges the tenant bucket, reserves
 KV budget and, when degraded, takes a long-context slot (429 + Retry-After when refused;
-everything taken is given back on the way out) -> :meth:`ServingState.generate` adds the
-request to the engine and yields per-choice text deltas, applying stop strings; if the
+everything taken is given back on the way out) -> ``state.generation.generate``
+(:class:`~kvpage.server.generation.RequestGenerator`) adds the request to the engine and yields per-choice text deltas, applying stop strings; if the
 consumer goes away (client disconnect) the request is aborted at once.
 
-Generation (``generate``, the :class:`Delta` / :class:`Usage` records, stop strings and
-:func:`rejection_error`) is in :mod:`kvpage.server.generation`, a base class of
-:class:`ServingState`; the names are re-exported here.
+Generation (``RequestGenerator.generate``, the :class:`Delta` / :class:`Usage` records,
+stop strings and :func:`rejection_error`) is in :mod:`kvpage.server.generation`;
+:class:`ServingState` holds one ``RequestGenerator`` (``generation``); the names are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from kvpage.server.config import ServerConfig
 from kvpage.server.degradation import DegradationController
 from kvpage.server.engine_client import EngineClient
 from kvpage.server.engine_loop import AsyncEngine, StepStats
-from kvpage.server.generation import Delta, RequestGeneration, Usage, rejection_error
+from kvpage.server.generation import Delta, RequestGenerator, Usage, rejection_error
 from kvpage.server.metrics import ServerMetrics
 from kvpage.server.protocol import APIError, GenerationRequest
 from kvpage.server.validation import max_token_bytes
@@ -127,7 +128,7 @@ def _served_model_len(sched: Any, configured_default: int | None) -> int:
     return served
 
 
-class ServingState(RequestGeneration):
+class ServingState:
     """Everything one server instance holds.
 
     Args:
@@ -194,6 +195,12 @@ class ServingState(RequestGeneration):
         )
         self._init_tenancy(config)
         self._init_admission(config, spec, clock)
+        #: runs admitted requests on the loop (:meth:`generate`); owns the per-request
+        #: degraded-mode caps and cancel causes
+        self.generation = RequestGenerator(
+            config, self.tokenizer, self.params_cls, clock, self.loop, self.metrics,
+            self.degradation,
+        )  # fmt: skip
 
     def _engine_client(self, engine: Any) -> EngineClient:
         """The engine process's own client when it makes one, else the engine thread."""
@@ -236,11 +243,7 @@ class ServingState(RequestGeneration):
         )
         self.num_long_waiting = 0
         self.num_active = 0
-        #: request id -> the ``max_tokens`` degraded mode lowered it to while it ran
-        #: (:meth:`cap_admitted`); read by the generation when the request finishes
-        self.capped_running: dict[str, int] = {}
         self._capping: asyncio.Task[dict[str, int]] | None = None
-        self.cancel_causes = {}
         self._prev_snapshot: dict[str, float] = dict(self.loop.metrics_snapshot)
 
     def export_cache_config(self) -> None:
@@ -324,7 +327,7 @@ class ServingState(RequestGeneration):
         already in the engine at ``cap`` (``Scheduler.cap_max_tokens``, run on the engine
         thread between steps); their responses say so when they finish
         (``kvpage_max_tokens_capped`` on the final chunk/body, ``finish_reason:
-        "length"``; :attr:`capped_running`). An engine loop without a local engine (the
+        "length"``;  ``generation.capped_running``). An engine loop without a local engine (the
         scaled-out ingress) caps nothing: only requests admitted while degraded are
         capped there. Returns request id -> new ``max_tokens``."""
         try:
@@ -334,7 +337,7 @@ class ServingState(RequestGeneration):
         finally:
             self._capping = None
         for rid, n in dict(got or {}).items():
-            self.capped_running[rid] = int(n)
+            self.generation.capped_running[rid] = int(n)
         return dict(got or {})
 
     def tick_gauges(self) -> None:
