@@ -205,7 +205,7 @@ class HybridDecoderLayer(nn.Module):
         sin: torch.Tensor | None,
         cache: KVCache | None,
         plan: StepPlan | None,
-        backend: AttentionBackend,
+        backend: AttentionBackend[Any],
         ops: LayerOps | None,
         state: StateCache | None,
         batch: StateBatch | None,
@@ -245,7 +245,8 @@ class HybridDecoderLayer(nn.Module):
             s = self.shared_mlp(h, ops)
             m = s if m is None else m + s
         assert m is not None
-        return x + (m * rm if rm is not None else m)
+        out: torch.Tensor = x + (m * rm if rm is not None else m)
+        return out
 
 
 __all__ = ["HybridDecoderLayer", "gated_deltanet_from_hf", "mamba2_from_hf"]

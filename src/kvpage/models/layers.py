@@ -10,6 +10,8 @@ variant ``Gemma2RMSNorm``); SwiGLU / GeGLU MLP (Shazeer, 2020).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -295,7 +297,7 @@ class PagedAttention(nn.Module):
         sin: torch.Tensor | None,
         cache: KVCache,
         plan: StepPlan,
-        backend: AttentionBackend,
+        backend: AttentionBackend[Any],
         ops: LayerOps | None = None,
     ) -> torch.Tensor:
         """Project, rotate, write this step's K/V into ``cache`` and attend.
@@ -390,7 +392,7 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor | None,
         cache: KVCache,
         plan: StepPlan,
-        backend: AttentionBackend,
+        backend: AttentionBackend[Any],
         ops: LayerOps | None = None,
     ) -> torch.Tensor:
         """x: ``[num_tokens, hidden_size]`` -> same; mutates ``cache`` (see PagedAttention).
@@ -398,21 +400,24 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn
         if self.block == "post":
             x = x + self.post_attention_layernorm(attn(x, cos, sin, cache, plan, backend, ops))
-            return x + self.post_feedforward_layernorm(self.mlp(x, ops))
+            y: torch.Tensor = x + self.post_feedforward_layernorm(self.mlp(x, ops))
+            return y
         h = self.input_layernorm(x, ops)
         a = attn(h, cos, sin, cache, plan, backend, ops)
         if self.block == "parallel":
-            return x + a + self.mlp(h, ops)
+            par: torch.Tensor = x + a + self.mlp(h, ops)
+            return par
         if self.block == "sandwich":
             x = x + self.post_attention_layernorm(a, ops)
             m = self.mlp(self.pre_feedforward_layernorm(x, ops), ops)
-            return x + self.post_feedforward_layernorm(m, ops)
+            sandwich: torch.Tensor = x + self.post_feedforward_layernorm(m, ops)
+            return sandwich
         rm = self.residual_multiplier
         if rm is not None:
             a = a * rm
         x, h = self.post_attention_layernorm.add_forward(a, x, ops)
-        m = self.mlp(h, ops)
-        return x + (m * rm if rm is not None else m)
+        mo: torch.Tensor = self.mlp(h, ops)
+        return x + (mo * rm if rm is not None else mo)
 
 
 __all__ = [

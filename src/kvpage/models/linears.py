@@ -59,7 +59,7 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (``RuntimeError: mkldnn_reorder_linear_weight:
     bf16 path needs the cpu support ...``, e.g. on AVX2-only EPYC hosts), where
     ``F.linear`` is the only path."""
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
@@ -164,9 +164,10 @@ class PackedWeight:
         if key != self.key or self.packed is None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
             self.key = key
-        return torch.ops.mkldnn._linear_pointwise(
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), self.packed, b, "none", [None], ""
         )
+        return y
 
 
 class FusedLinear:

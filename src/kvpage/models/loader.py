@@ -125,7 +125,7 @@ def to_transformers(model: ModelRunnerModel) -> Any:
             del keep[k]
     hf_cfg = config_cls(**keep)
     hf_cfg._attn_implementation = "eager"
-    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)  # type: ignore[no-untyped-call]
     sd = model.hf_state_dict()
     if model.arch.moe is not None:  # transformers' in-memory fused expert tensors
         sd = moe_weights_to_hf(sd, model.arch.moe)
@@ -223,7 +223,8 @@ def family_weights_to_hf(sd: Mapping[str, torch.Tensor], family: Family) -> dict
 
 def _as_tokenizer(tok: Any) -> Tokenizer | None:
     if tok is None or hasattr(tok, "incremental_decoder"):
-        return tok
+        ours: Tokenizer | None = tok  # already kvpage's Tokenizer
+        return ours
     if hasattr(tok, "encode") and hasattr(tok, "decode"):
         return HFTokenizer(tok)
     raise SpecError(f"tokenizer: expected a tokenizer, got {type(tok).__name__}")

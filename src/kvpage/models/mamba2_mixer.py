@@ -255,7 +255,8 @@ class Mamba2Mixer(nn.Module):
                 cache.ssm[idx[i]] = s1.to(cache.ssm.dtype)
         y = y + x.float() * self.D.float()[:, None]
         out = self._out(y.reshape(n, self.inter), z)  # float32 in, as HF's scan output
-        return self.out_proj(out.to(dtype))
+        res: torch.Tensor = self.out_proj(out.to(dtype))
+        return res
 
     # ---- the float64 reference -------------------------------------------------------
     @torch.no_grad()

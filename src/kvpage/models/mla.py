@@ -28,6 +28,7 @@ Decode and prefill both run in this absorbed form.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -102,7 +103,8 @@ class MLAAttention(nn.Module):
             assert self.q_a_proj is not None and self.q_a_layernorm is not None
             assert self.q_b_proj is not None
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(x.shape[0], self.num_q_heads, -1)
+        q3: torch.Tensor = q.view(x.shape[0], self.num_q_heads, -1)
+        return q3
 
     def forward(
         self,
@@ -111,7 +113,7 @@ class MLAAttention(nn.Module):
         sin: torch.Tensor | None,
         cache: KVCache,
         plan: StepPlan,
-        backend: AttentionBackend,
+        backend: AttentionBackend[Any],
         ops: LayerOps | None = None,
     ) -> torch.Tensor:
         """Project, rotate, write this step's latents into ``cache`` and attend in the
@@ -155,7 +157,8 @@ class MLAAttention(nn.Module):
         query = torch.cat([q_abs, q_pe], dim=-1)  # [t, H, r + p]
         o = backend.forward(query, cache, plan, self.spec)  # [t, H, r]
         o = torch.einsum("thr,hvr->thv", o, w_uv).reshape(t, hq * m.v_head_dim)
-        return self.o_proj(o)
+        y: torch.Tensor = self.o_proj(o)
+        return y
 
 
 __all__ = ["LATENT_NORM_EPS", "MLAAttention"]

@@ -253,7 +253,7 @@ class ModelRunnerModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         plans: list[StepPlan],
-        backend: AttentionBackend,
+        backend: AttentionBackend[Any],
         logits_indices: torch.Tensor,
         *,
         state_caches: list[StateCache] | None = None,

@@ -93,7 +93,7 @@ class HFTokenizer:
             # a bare tokenizer.json (no tokenizer_config.json): load it as it is
             from transformers import PreTrainedTokenizerFast
 
-            tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_json))
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_json))  # type: ignore[no-untyped-call]
         extra = generation_eos_ids(read_generation_config(path))
         return cls(tok, eos_id=eos_id, extra_eos_ids=extra)
 
