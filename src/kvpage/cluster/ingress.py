@@ -30,6 +30,7 @@ from kvpage.cluster.core import CORES, RouterCore
 from kvpage.cluster.metrics import ClusterMetrics
 from kvpage.cluster.remote import GroupSelector, RemoteEngineLoop, ReplicaGroup
 from kvpage.server.config import EngineConfig, ServerConfig
+from kvpage.server.engine_client import EngineClient
 from kvpage.server.service import ServingState
 
 __all__ = ["ClusterState", "Ingress", "KVEventPump", "core_key"]
@@ -92,8 +93,13 @@ class ClusterState(ServingState):
         self.group_replicas = dict(replicas or {})
         #: the deployment this ingress runs (``/admin/config``)
         self.cluster = cluster
+        self._remote_loop = loop  # ServingState.__init__ takes it (_engine_client)
         super().__init__(config, facade, SamplingParams)
-        self.loop = loop
+
+    def _engine_client(self, engine: Any) -> EngineClient:
+        """The replicas' :class:`RemoteEngineLoop` (``engine`` is the facade): the loop
+        the serving state and its ``RequestGenerator`` share."""
+        return self._remote_loop
 
     def effective_config(self) -> dict[str, Any]:
         """``GET /admin/config``: the running deployment as a deployment file (the
