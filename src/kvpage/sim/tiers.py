@@ -390,8 +390,13 @@ def attach_sim_tiers(
         chunk = cfg.max_num_batched_tokens
         rate = chunk / cost.step_time([chunk], [0])
         state_b = spec.state_bytes_per_sequence
+        # per KV group its layers' bytes per block (a unified pool: bytes_per_block)
+        movers = [
+            NullMover(spec.block_size * sum(spec.layer_bytes_per_token(i) for i in g.layer_ids))
+            for g in spec.kv_groups
+        ]
         sw = Swapper(
-            mover,
+            movers,
             spec.block_size,
             cfg.swap_space_bytes,
             SwapCostModel(meter.preset.host_bandwidth, rate),
