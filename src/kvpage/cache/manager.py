@@ -99,8 +99,8 @@ class KVCacheManager:
             scheduler's token budget, ``max_num_batched_tokens``; None = no limit).
             With a unified pool it bounds what a sliding group holds, so
             :attr:`max_request_tokens` counts only its window (+ one call's tokens);
-            only there is a larger call refused (a swap-in allocates a swapped
-            sequence's tokens and its next chunk in one call).
+            only there is a larger call refused (a swap-in's swapped tokens do not
+            count: :meth:`allocate_swapped` gives a sliding group only their window).
 
     Attributes:
         block_size: tokens per block.
@@ -281,8 +281,7 @@ class KVCacheManager:
                 pool, or a ``num_cached_tokens`` that is not a
                 currently cached, block-aligned prefix leaving >= 1 token to compute.
         """
-        # the bound matters to a unified pool's sliding groups only (max_request_tokens);
-        # elsewhere a swap-in allocates a swapped sequence's tokens in one call
+        # the bound matters to a unified pool's sliding groups only (max_request_tokens)
         if self.unified and self.max_alloc_tokens is not None and num_new_tokens > self.max_alloc_tokens:  # fmt: skip
             raise AllocationError(
                 f"num_new_tokens: expected <= max_alloc_tokens={self.max_alloc_tokens}, "

@@ -385,7 +385,7 @@ def attach_sim_tiers(
         if not spec.layers:
             raise SpecError(
                 "preemption_mode: expected 'recompute' for a model of recurrent layers only "
-                "(swap serves one full-attention KV group and its state), got 'swap'"
+                "(swap serves KV groups and their state), got 'swap'"
             )
         chunk = cfg.max_num_batched_tokens
         rate = chunk / cost.step_time([chunk], [0])
