@@ -81,7 +81,7 @@ def test_swap_equal_to_transformers(model: tuple[Any, str], prefix_caching: bool
     assert m["kvpage:swap_ins_total"] == m["kvpage:swap_outs_total"]
     assert m["kvpage:swap_space_usage_bytes"] == 0
     # the state travelled with the blocks: each swap moved one state out and back in
-    blk = sw.mover.block_nbytes
+    blk = sw.movers[0].block_nbytes
     moved = sw.stats.bytes_out + sw.stats.bytes_in
     assert (moved - 2 * sw.stats.swap_outs * state_b) % blk == 0
     assert sw.stats.bytes_out > sw.stats.swap_outs * state_b
@@ -143,7 +143,7 @@ def test_swap_space_too_small_for_blocks_and_state_is_refused(model: tuple[Any, 
     llm = _llm(folder)
     sw = llm.llm_engine.scheduler.swapper
     assert sw is not None
-    need = sw.mover.block_nbytes + sw.state_nbytes
+    need = sw.movers[0].block_nbytes + sw.state_nbytes
     with pytest.raises(
         SpecError,
         match=r"swap_space_bytes: expected \(with swap\) at least one block's K/V and one recurrent state",

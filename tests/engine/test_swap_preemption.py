@@ -72,7 +72,7 @@ def test_abort_while_swapped_out_frees_host_memory() -> None:
     for r in swapped:
         eng.abort_request(r.parent_id)
     assert sw.used_bytes == sum(
-        len(sw._store[r.request_id]) * sw.mover.block_nbytes
+        len(sw._store[r.request_id][0]) * sw.movers[0].block_nbytes
         for r in eng.scheduler.waiting
         if r.swapped_tokens
     )

@@ -52,7 +52,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvpage.cache.allocation import Allocation, CacheStats, RequestBlocks
-from kvpage.cache.block_pool import BlockPool, GroupPool
+from kvpage.cache.block_pool import NULL_BLOCK_ID, BlockPool, GroupPool
 from kvpage.cache.explain import (
     DEFAULT_EVICTION_RECORD_CAP,
     CacheMissExplanation,
@@ -99,8 +99,8 @@ class KVCacheManager:
             scheduler's token budget, ``max_num_batched_tokens``; None = no limit).
             With a unified pool it bounds what a sliding group holds, so
             :attr:`max_request_tokens` counts only its window (+ one call's tokens);
-            only there is a larger call refused (a swap-in allocates a swapped
-            sequence's tokens and its next chunk in one call).
+            only there is a larger call refused (a swap-in's swapped tokens do not
+            count: :meth:`allocate_swapped` gives a sliding group only their window).
 
     Attributes:
         block_size: tokens per block.
@@ -281,8 +281,7 @@ class KVCacheManager:
                 pool, or a ``num_cached_tokens`` that is not a
                 currently cached, block-aligned prefix leaving >= 1 token to compute.
         """
-        # the bound matters to a unified pool's sliding groups only (max_request_tokens);
-        # elsewhere a swap-in allocates a swapped sequence's tokens in one call
+        # the bound matters to a unified pool's sliding groups only (max_request_tokens)
         if self.unified and self.max_alloc_tokens is not None and num_new_tokens > self.max_alloc_tokens:  # fmt: skip
             raise AllocationError(
                 f"num_new_tokens: expected <= max_alloc_tokens={self.max_alloc_tokens}, "
@@ -361,13 +360,18 @@ class KVCacheManager:
         num_cached_tokens: int,
         cache_salt: str | None,
         adapter_id: str | None,
+        num_swapped_tokens: int = 0,
     ) -> Allocation | None:
+        """The first allocation of a request: a prefix hit of ``num_cached_tokens``, or
+        (a swap-in, :meth:`allocate_swapped`) ``num_swapped_tokens`` restored by the
+        caller; one of them is 0."""
         bs = self.block_size
         if num_new_tokens < 1:
             raise AllocationError(
                 f"num_new_tokens: expected >= 1 on the first call, got {num_new_tokens}"
             )
         h = num_cached_tokens
+        s = num_swapped_tokens
         extra = encode_extra_keys(cache_salt, adapter_id)
         hb = h // bs
         hit: list[list[int]] = [[] for _ in range(self.num_groups)]
@@ -381,12 +385,15 @@ class KVCacheManager:
                 )
             hashes = self.prefix_cache.block_hashes(extra, token_ids, hb)
             hit = self.prefix_cache.hit_tables(hashes, h)
-        n_new = -(-(h + num_new_tokens) // bs) - hb
+        elif s:  # null below the window of position s, as a hit of s tokens leaves it
+            hit = [[NULL_BLOCK_ID] * gm.first_needed_block(s) for gm in self._groups]
+        nb_end = -(-(h + s + num_new_tokens) // bs)
+        n_new = [nb_end - len(ids) for ids in hit]
         if self._shared is not None:
-            need = sum(gm.start_demand(ids, n_new) for gm, ids in zip(self._groups, hit))
+            need = sum(gm.start_demand(ids, k) for gm, ids, k in zip(self._groups, hit, n_new))
             fits = need <= self._shared.num_free
         else:
-            fits = all(gm.can_start(ids, n_new) for gm, ids in zip(self._groups, hit))
+            fits = all(gm.can_start(ids, k) for gm, ids, k in zip(self._groups, hit, n_new))
         state = self.state
         if state is not None:
             if h and not state.has_snapshot(hashes[hb - 1]):
@@ -417,11 +424,12 @@ class KVCacheManager:
         for gm, ids in zip(self._groups, hit):  # every hit held before any new block
             gm.take_hit(ids)
         for g, gm in enumerate(self._groups):
-            ids = gm.allocate_new(n_new)
+            ids = gm.allocate_new(n_new[g])
             tables.append(hit[g] + ids)
             new_blocks.append(ids)
-            freed.append(gm.first_needed_block(h))
-        self._reqs[request_id] = RequestBlocks(tables, h + num_new_tokens, extra, hashes, hb, freed)
+            freed.append(gm.first_needed_block(h + s))
+        n_tok = h + s + num_new_tokens
+        self._reqs[request_id] = RequestBlocks(tables, n_tok, extra, hashes, hb, freed)
         st = self._stats
         by_tier = self.prefix_cache.hit_by_tier(hashes, h)
         st.prefix_queries += 1
@@ -429,8 +437,89 @@ class KVCacheManager:
         st.prefix_hits_tokens += h
         st.prefix_hits += 1 if h else 0
         st.allocations += 1
-        st.blocks_allocated += n_new * self.num_groups
+        st.blocks_allocated += sum(n_new)
         return Allocation(h, new_blocks, [[] for _ in range(self.num_groups)], by_tier)
+
+    # ---- swap preemption ----------------------------------------------------------------
+    def swap_blocks(self, request_id: str, num_tokens: int) -> list[list[int]]:
+        """Per group, the block ids whose content a continuation at position
+        ``num_tokens`` needs of the first ``num_tokens`` tokens: table entries
+        ``first_needed_block(num_tokens) .. ceil(num_tokens / block_size) - 1`` (a full
+        group: all its blocks; a sliding group: those inside the window of the query
+        at ``num_tokens``). What swap preemption copies out (``kvpage.engine.swap``),
+        and, after :meth:`allocate_swapped`, the blocks it copies back into. Changes
+        nothing.
+
+        Raises:
+            AllocationError: unknown request, ``num_tokens`` outside ``[0, allocated
+                tokens]``, or a needed entry already window-released (null).
+        """
+        req = self._get(request_id)
+        if not 0 <= num_tokens <= req.num_tokens:
+            raise AllocationError(
+                f"num_tokens: expected in [0, {req.num_tokens}] (allocated positions), "
+                f"got {num_tokens}"
+            )
+        nb = -(-num_tokens // self.block_size)
+        out = []
+        for g, (gm, table) in enumerate(zip(self._groups, req.tables)):
+            ids = table[gm.first_needed_block(num_tokens) : nb]
+            if NULL_BLOCK_ID in ids:
+                raise AllocationError(
+                    f"request {request_id!r} group {g}: expected the blocks of the window "
+                    f"at position {num_tokens} held, got a released one in {ids}"
+                )
+            out.append(ids)
+        return out
+
+    def allocate_swapped(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_swapped_tokens: int,
+        num_new_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+    ) -> Allocation | None:
+        """First allocation of a swapped-out request readmitted (swap preemption):
+        room for positions ``[0, num_swapped_tokens + num_new_tokens)`` where the K/V of
+        the first ``num_swapped_tokens`` are copied back by the caller before the next
+        forward (into :meth:`swap_blocks` ``(request_id, num_swapped_tokens)``). Each
+        group's table holds the null block below ``first_needed_block(num_swapped_tokens)``
+        (exactly what a prefix hit of that many tokens leaves: a sliding group never
+        holds, nor later registers as cached, blocks whose content was not kept) and new
+        blocks from there on. No block is taken from the prefix cache; the blocks are
+        hashed and registered by :meth:`commit` after the step, as for a computed
+        prefill. ``num_new_tokens`` (>= 1) is bounded by ``max_alloc_tokens`` on a
+        unified pool, the swapped tokens are not (a sliding group holds only their
+        window). With state layers a live state slot is taken (the caller writes the
+        swapped state into it).
+
+        Returns:
+            The :class:`Allocation` (``num_cached_tokens`` 0), or None when it does not
+            fit: nothing changed except ``stats.allocation_failures`` (+1).
+
+        Raises:
+            AllocationError: a request that holds blocks already, ``num_swapped_tokens``
+                < 1, ``num_new_tokens`` < 1 or above ``max_alloc_tokens`` (unified), or
+                more tokens than ``len(token_ids)`` (nothing changed).
+        """
+        if request_id in self._reqs:
+            raise AllocationError(
+                f"request_id: expected a request holding no blocks, got {request_id!r}"
+            )
+        s, n = num_swapped_tokens, num_new_tokens
+        if s < 1 or s + n > len(token_ids):
+            raise AllocationError(
+                f"num_swapped_tokens: expected in [1, len(token_ids) - num_new_tokens = "
+                f"{len(token_ids) - n}], got {s}"
+            )
+        if self.unified and self.max_alloc_tokens is not None and n > self.max_alloc_tokens:
+            raise AllocationError(
+                f"num_new_tokens: expected <= max_alloc_tokens={self.max_alloc_tokens}, got {n}"
+            )
+        return self._allocate_first(request_id, token_ids, n, 0, cache_salt, adapter_id, s)
 
     # ---- fit queries (read-only: the scheduler's budget on a unified pool) ------------
     @property
@@ -512,26 +601,35 @@ class KVCacheManager:
         *,
         keep_free: int = 0,
         num_cached_tokens: int = 0,
+        num_swapped_tokens: int = 0,
         cache_salt: str | None = None,
         adapter_id: str | None = None,
     ) -> int:
         """The most tokens ``m <= num_new_tokens`` that ``allocate(request_id, token_ids,
-        m, ...)`` (same arguments) would make room for while leaving at least
-        ``keep_free`` blocks free (per-group pools: in every group's pool); 0 when not
-        even one fits (a first call) or when none fit. A group's demand grows with
+        m, ...)`` (same arguments; with ``num_swapped_tokens`` ``s > 0``, a first call
+        only: ``allocate_swapped(request_id, token_ids, s, m, ...)``) would make room for
+        while leaving at least ``keep_free`` blocks free (per-group pools: in every
+        group's pool); 0 when not even one fits (a first call) or when none fit. A group's demand grows with
         ``m`` (``ceil((s + m) / bs)`` blocks; the window release and a CoW copy do not
         depend on it), so the answer is a binary search over ``m``. Changes nothing.
 
         Raises:
-            AllocationError: negative counts, or a ``num_cached_tokens`` that is not
-                cached now (first call).
+            AllocationError: negative counts, a ``num_cached_tokens`` that is not
+                cached now (first call), or ``num_swapped_tokens`` with a prefix hit or
+                on a later call.
         """
-        if num_new_tokens < 0 or keep_free < 0:
+        s = num_swapped_tokens
+        if num_new_tokens < 0 or keep_free < 0 or s < 0:
             raise AllocationError(
-                f"num_new_tokens, keep_free: expected >= 0, got {num_new_tokens}, {keep_free}"
+                f"num_new_tokens, keep_free, num_swapped_tokens: expected >= 0, got "
+                f"{num_new_tokens}, {keep_free}, {s}"
             )
         bs = self.block_size
         req = self._reqs.get(request_id)
+        if s and (num_cached_tokens or req is not None):
+            raise AllocationError(
+                f"num_swapped_tokens: expected 0 with a prefix hit or on a later call, got {s}"
+            )
         if req is None:  # a first call: per group the hit's free blocks + new blocks
             if num_new_tokens == 0 or (
                 self.state is not None and self.state.num_live_used >= self.state.num_live_slots
@@ -544,7 +642,10 @@ class KVCacheManager:
                 hit = self.prefix_cache.hit_tables(
                     self.prefix_cache.block_hashes(extra, token_ids, h // bs), h
                 )
-            start, lens = h, [h // bs] * self.num_groups
+            if s:  # a swap-in: null entries below the window of s, no hit block
+                start, lens = s, [gm.first_needed_block(s) for gm in self._groups]
+            else:
+                start, lens = h, [h // bs] * self.num_groups
             fixed = [gm.start_demand(ids, 0) for gm, ids in zip(self._groups, hit)]
         else:
             start = req.num_tokens

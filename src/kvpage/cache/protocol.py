@@ -188,9 +188,30 @@ class FitAllocator(Protocol):
         *,
         keep_free: int = 0,
         num_cached_tokens: int = 0,
+        num_swapped_tokens: int = 0,
         cache_salt: str | None = None,
         adapter_id: str | None = None,
     ) -> int: ...
+
+
+@runtime_checkable
+class SwapAllocator(Protocol):
+    """What swap preemption needs of an allocator (``KVCacheManager``): per KV group
+    the blocks a sequence's continuation needs, and a readmission whose first tokens
+    the caller copies back (sliding groups: null entries below the window)."""
+
+    def swap_blocks(self, request_id: str, num_tokens: int) -> list[list[int]]: ...
+
+    def allocate_swapped(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_swapped_tokens: int,
+        num_new_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+    ) -> Allocation | None: ...
 
 
 __all__ = [
@@ -199,4 +220,5 @@ __all__ = [
     "KVAllocator",
     "RetentionAllocator",
     "StateAllocator",
+    "SwapAllocator",
 ]

@@ -189,37 +189,42 @@ def build_swapper(
     state_caches: Sequence[StateCache] | None = None,
 ) -> Swapper | None:
     """The swapper of ``preemption_mode="swap"`` (None for ``recompute``), with the
-    host-bandwidth preset of the cache's device (``kvpage.engine.swap.HOST_BANDWIDTH``);
-    on a hybrid model (``state_caches`` given) it also swaps the live state slot.
+    host-bandwidth preset of the cache's device (``kvpage.engine.swap.HOST_BANDWIDTH``):
+    one :class:`TorchBlockMover` per KV group over that group's layers' caches (a
+    unified pool: each group's views of the shared layer-slot tensors); on a hybrid
+    model (``state_caches`` given) it also swaps the live state slot.
 
     Raises:
-        SpecError: swap with more than one KV group or a sliding window, or without an
-            attention layer (a model of recurrent layers only); ``swap_space_bytes``
-            below one block's K/V (plus one sequence's recurrent state on a hybrid).
+        SpecError: swap with several KV groups or a sliding window outside a unified
+            pool (``kv_pool="per_group"``, or a lone sliding-window group: not built),
+            or without an attention layer (a model of recurrent layers only);
+            ``swap_space_bytes`` below one block's K/V (plus one sequence's recurrent
+            state on a hybrid).
     """
     if config.preemption_mode != "swap":
         return None
     if not kvm.windows:
         raise SpecError(
             "preemption_mode: expected 'recompute' for a model of recurrent layers only "
-            "(swap serves one full-attention KV group and its state), got 'swap'"
+            "(swap serves KV groups and their state), got 'swap'"
         )
-    if kvm.windows != [None]:
+    if not kvm.unified and kvm.windows != [None]:
         raise SpecError(
-            f"preemption_mode: expected 'recompute' for a model with KV groups "
-            f"{kvm.windows} (swap serves one full-attention group), got 'swap'"
+            f"preemption_mode: expected 'recompute' for KV groups {kvm.windows} outside a "
+            f"unified pool (kv_pool={kvm.spec.kv_pool!r}; swap serves one full-attention "
+            f"group or the groups of a unified pool), got 'swap'"
         )
-    mover = TorchBlockMover(kv_caches)
+    movers = [TorchBlockMover([kv_caches[i] for i in g.layer_ids]) for g in kvm.spec.kv_groups]
     state = TorchStateMover(state_caches) if state_caches else None
-    need = mover.block_nbytes + (0 if state is None else state.slot_nbytes)
+    need = max(m.block_nbytes for m in movers) + (0 if state is None else state.slot_nbytes)
     if config.swap_space_bytes < need:
         what = "one block's K/V" if state is None else "one block's K/V and one recurrent state"
         raise SpecError(
             f"swap_space_bytes: expected (with swap) at least {what} ({need:,} bytes for "
             f"this model and block size), got {config.swap_space_bytes:,}"
         )
-    bw = HOST_BANDWIDTH["cuda" if mover.device.type == "cuda" else "cpu"]
-    return Swapper(mover, kvm.block_size, config.swap_space_bytes, SwapCostModel(bw), state=state)
+    bw = HOST_BANDWIDTH["cuda" if movers[0].device.type == "cuda" else "cpu"]
+    return Swapper(movers, kvm.block_size, config.swap_space_bytes, SwapCostModel(bw), state=state)
 
 
 def _check_holds_a_block(name: str, capacity: int, block_nbytes: int, off: str = "") -> None:

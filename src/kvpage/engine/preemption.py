@@ -15,7 +15,8 @@ it was queued for."""
 
 from __future__ import annotations
 
-from kvpage.cache.protocol import KVAllocator, StateAllocator
+from kvpage.cache.allocation import Allocation
+from kvpage.cache.protocol import KVAllocator, StateAllocator, SwapAllocator
 from kvpage.engine.queue_policy import FCFSQueue, PriorityQueue
 from kvpage.engine.request import Request, RequestStatus
 from kvpage.engine.swap import Swapper
@@ -54,9 +55,16 @@ class Preemptor:
         """Set the swapper.
 
         Raises:
-            SpecError: a swapper without a state mover for an allocator with recurrent
-                state, or one with a state mover for an allocator without (unchanged).
+            SpecError: a swapper for an allocator without swap support (no
+                ``SwapAllocator``), one without a state mover for an allocator with
+                recurrent state, or one with a state mover for an allocator without
+                (unchanged).
         """
+        if swapper is not None and not isinstance(self.kv, SwapAllocator):
+            raise SpecError(
+                f"swapper: expected an allocator with swap support (SwapAllocator), got "
+                f"{type(self.kv).__name__}"
+            )
         if swapper is not None and (swapper.state is None) != (self._stateful is None):
             raise SpecError(
                 f"swapper.state: expected {'a state mover' if self._stateful else 'none'} "
@@ -83,9 +91,9 @@ class Preemptor:
         sw = self.swapper
         if sw is not None and req.num_computed_tokens:
             rid, n = req.request_id, req.num_computed_tokens
-            table = self.kv.block_table(rid, 0)
+            blocks = self._swap_kv.swap_blocks(rid, n)
             # running the queued state copies early is harmless when the swapper declines
-            if sw.swap_out(rid, table, n, state_slot=self._state_slot_after_copies(rid)):
+            if sw.swap_out(rid, blocks, n, state_slot=self._state_slot_after_copies(rid)):
                 req.swapped_tokens = n
         self.kv.free(req.request_id)
         req.has_blocks = False
@@ -95,18 +103,38 @@ class Preemptor:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    @property
+    def _swap_kv(self) -> SwapAllocator:
+        """The allocator as a ``SwapAllocator`` (checked by the :attr:`swapper` setter)."""
+        kv = self.kv
+        assert isinstance(kv, SwapAllocator)
+        return kv
+
+    def allocate_swapped(self, req: Request, num_new_tokens: int) -> Allocation | None:
+        """The readmission of swapped-out ``req``: room for its ``swapped_tokens`` (the
+        blocks a continuation needs, per KV group, ``SwapAllocator.allocate_swapped``)
+        and ``num_new_tokens`` more; None when that does not fit (nothing changed).
+        Call :meth:`swap_in` after it, before the step runs."""
+        return self._swap_kv.allocate_swapped(
+            req.request_id,
+            req.token_ids,
+            req.swapped_tokens,
+            num_new_tokens,
+            cache_salt=req.cache_salt,
+        )
+
     def swap_in(self, req: Request) -> None:
-        """Copy a readmitted request's swapped K/V into its new blocks (and its swapped
-        recurrent state into its new live slot) before the step that continues it
-        runs."""
+        """Copy a readmitted request's swapped K/V into its new blocks (per KV group,
+        those at the positions swapped out) and its swapped recurrent state into its
+        new live slot, before the step that continues it runs."""
         assert self.swapper is not None
         rid = req.request_id
-        nb = -(-req.swapped_tokens // self.kv.block_size)
         tiers = getattr(self.kv, "tiers", None)
         if tiers is not None:
             tiers.flush()  # the new blocks may be pending demotions: copy them out first
         slot = self._state_slot_after_copies(rid)
-        self.swapper.swap_in(rid, self.kv.block_table(rid, 0)[:nb], state_slot=slot)
+        blocks = self._swap_kv.swap_blocks(rid, req.swapped_tokens)
+        self.swapper.swap_in(rid, blocks, state_slot=slot)
         req.swapped_tokens = 0
 
     def discard_swap(self, req: Request) -> None:

@@ -408,9 +408,10 @@ class Scheduler:
                 if need + reserve > self.kv.num_free_blocks:
                     break
                 m = fit.fit_new_tokens(
-                    req.request_id, req.token_ids, n + swapped, keep_free=reserve,
-                    num_cached_tokens=cached, cache_salt=req.cache_salt,
-                ) - swapped  # fmt: skip
+                    req.request_id, req.token_ids, n, keep_free=reserve,
+                    num_cached_tokens=cached, num_swapped_tokens=swapped,
+                    cache_salt=req.cache_salt,
+                )  # fmt: skip
                 if m < 1:
                     break
                 n = m
@@ -419,13 +420,13 @@ class Scheduler:
                 n = self._stateful.state_chunk_end(
                     req.request_id, req.token_ids, s0, s0 + n, cache_salt=req.cache_salt
                 ) - s0  # fmt: skip
-            alloc = self.kv.allocate(
-                req.request_id,
-                req.token_ids,
-                n + swapped,
-                num_cached_tokens=cached,
-                cache_salt=req.cache_salt,
-            )
+            if swapped:  # per KV group only the blocks a continuation needs
+                alloc = self.preemptor.allocate_swapped(req, n)
+            else:
+                alloc = self.kv.allocate(
+                    req.request_id, req.token_ids, n, num_cached_tokens=cached,
+                    cache_salt=req.cache_salt,
+                )  # fmt: skip
             if alloc is None:
                 break
             self.waiting.popleft()

@@ -19,6 +19,15 @@ copy, conservatively 5 GB/s; CUDA: PCIe 4.0 x16 at ~25 GB/s effective, the figur
 and LMCache use for pinned-memory copies). Recompute here ignores prefix-cache hits the
 victim may get back (a bias towards swap when its blocks would survive in the pool).
 
+KV groups (sliding-window hybrids on a unified pool, docs/architecture.md "One pool for
+every kind of layer"): a victim's blocks are copied per group, only those a
+continuation needs (``KVCacheManager.swap_blocks``: a full group all its blocks, a
+sliding group those inside the window of its next position), each group through its own
+mover (its layers' caches); ``B`` is their sum. On readmission
+(``KVCacheManager.allocate_swapped``) each group gets new blocks for exactly those
+positions (a sliding group null entries below the window, as a prefix hit leaves them),
+and the payloads are written back into them before the step runs.
+
 Hybrid models (recurrent state layers, ``kvpage.cache.state_pool``): a victim's live
 state slot (every state layer's conv and ssm rows, :class:`StateMover`) goes to host
 memory beside its blocks and counts in ``B`` and against ``swap_space_bytes``; on
@@ -124,7 +133,8 @@ class Swapper:
     """Host-memory store of swapped-out sequences (see the module docstring).
 
     Args:
-        mover: copies blocks of the (single, full-attention) KV group.
+        movers: per KV group, the mover copying that group's blocks (its layers'
+            caches), in group order (a one-group model: one).
         block_size: tokens per block.
         swap_space_bytes: most bytes held at once (blocks and state slots together).
         cost: the decision rule.
@@ -134,53 +144,67 @@ class Swapper:
     Attributes:
         used_bytes: bytes held now.
         stats: :class:`SwapStats`.
+
+    Raises:
+        ValueError: no mover.
     """
 
     def __init__(
         self,
-        mover: BlockMover,
+        movers: Sequence[BlockMover],
         block_size: int,
         swap_space_bytes: int,
         cost: SwapCostModel,
         *,
         state: StateMover | None = None,
     ) -> None:
-        self.mover = mover
+        if not movers:
+            raise ValueError("movers: expected one block mover per KV group, got none")
+        self.movers = list(movers)
         self.state = state
         self.block_size = block_size
         self.capacity_bytes = swap_space_bytes
         self.cost = cost
         self.used_bytes = 0
         self.stats = SwapStats()
-        self._store: dict[str, list[Payload]] = {}
+        #: request id -> per group, its swapped blocks' payloads
+        self._store: dict[str, list[list[Payload]]] = {}
         #: request id -> its swapped live state slot (hybrid models)
         self._state_store: dict[str, Payload] = {}
 
     def swap_out(
         self,
         request_id: str,
-        block_table: Sequence[int],
+        blocks: Sequence[Sequence[int]],
         num_tokens: int,
         *,
         state_slot: int | None = None,
     ) -> bool:
-        """Copy the blocks holding the first ``num_tokens`` tokens of ``request_id`` (and,
-        on a hybrid model, its live state slot ``state_slot``, holding the state after
-        those tokens) to host memory if that is cheaper and fits; True when done (the
-        caller keeps the progress and frees the blocks and the slot), False for
-        recompute (nothing copied).
+        """Copy ``blocks`` (per KV group, the blocks of ``request_id`` that a
+        continuation after its first ``num_tokens`` tokens needs:
+        ``KVCacheManager.swap_blocks``) and, on a hybrid model, its live state slot
+        ``state_slot`` (the state after those tokens) to host memory if that is cheaper
+        and fits; True when done (the caller keeps the progress and frees the blocks and
+        the slot), False for recompute (nothing copied).
 
         Raises:
-            ValueError: ``state_slot`` given without a state mover or missing with one
-                (nothing changed).
+            ValueError: ``blocks`` for another number of groups than the movers, or
+                ``state_slot`` given without a state mover or missing with one (nothing
+                changed).
         """
+        if len(blocks) != len(self.movers):
+            raise ValueError(
+                f"blocks: expected {len(self.movers)} groups' block lists for "
+                f"{request_id!r}, got {len(blocks)}"
+            )
         if (state_slot is None) != (self.state is None):
             raise ValueError(
                 f"state_slot: expected {'none' if self.state is None else 'a live slot'} "
                 f"for {request_id!r}, got {state_slot!r}"
             )
-        nb = -(-num_tokens // self.block_size)
-        nbytes = nb * self.mover.block_nbytes + self.state_nbytes
+        nb = sum(len(b) for b in blocks)
+        nbytes = sum(len(b) * m.block_nbytes for b, m in zip(blocks, self.movers))
+        nbytes += self.state_nbytes
         if (
             nb == 0
             or self.used_bytes + nbytes > self.capacity_bytes
@@ -189,9 +213,9 @@ class Swapper:
             self.stats.recomputed += 1
             return False
         t0 = time.perf_counter()
-        payloads = self.mover.read_blocks(list(block_table[:nb]))
+        payloads = [m.read_blocks(list(b)) for b, m in zip(blocks, self.movers)]
         self._store[request_id] = payloads
-        n = sum(payload_nbytes(p) for p in payloads)
+        n = sum(payload_nbytes(p) for group in payloads for p in group)
         if self.state is not None:
             assert state_slot is not None
             st = self.state.read_slot(state_slot)
@@ -209,23 +233,29 @@ class Swapper:
         return 0 if self.state is None else self.state.slot_nbytes
 
     def swap_in(
-        self, request_id: str, block_ids: Sequence[int], *, state_slot: int | None = None
+        self,
+        request_id: str,
+        blocks: Sequence[Sequence[int]],
+        *,
+        state_slot: int | None = None,
     ) -> None:
-        """Copy ``request_id``'s swapped blocks into ``block_ids`` (its new table's
-        first blocks) and, on a hybrid model, its swapped state into its new live slot
-        ``state_slot``; forget them.
+        """Copy ``request_id``'s swapped blocks into ``blocks`` (per KV group, its new
+        blocks at the positions swapped out: ``KVCacheManager.swap_blocks`` after
+        ``allocate_swapped``) and, on a hybrid model, its swapped state into its new
+        live slot ``state_slot``; forget them.
 
         Raises:
             KeyError: nothing swapped out for ``request_id``.
-            ValueError: ``block_ids`` of another length than the swapped blocks, or
-                ``state_slot`` missing on a hybrid model / given without one (nothing
-                changed).
+            ValueError: ``blocks`` of another shape (groups, blocks per group) than the
+                swapped blocks, or ``state_slot`` missing on a hybrid model / given
+                without one (nothing changed).
         """
         payloads = self._store[request_id]
-        if len(block_ids) != len(payloads):
+        got = [len(b) for b in blocks]
+        want = [len(p) for p in payloads]
+        if got != want:
             raise ValueError(
-                f"block_ids: expected {len(payloads)} blocks for {request_id!r}, "
-                f"got {len(block_ids)}"
+                f"blocks: expected {want} blocks per group for {request_id!r}, got {got}"
             )
         if (state_slot is None) != (self.state is None):
             raise ValueError(
@@ -233,8 +263,9 @@ class Swapper:
                 f"for {request_id!r}, got {state_slot!r}"
             )
         t0 = time.perf_counter()
-        self.mover.write_blocks(list(block_ids), payloads)
-        n = sum(payload_nbytes(p) for p in payloads)
+        for b, p, m in zip(blocks, payloads, self.movers):
+            m.write_blocks(list(b), p)
+        n = sum(payload_nbytes(p) for group in payloads for p in group)
         if self.state is not None:
             assert state_slot is not None
             st = self._state_store.pop(request_id)
@@ -250,7 +281,7 @@ class Swapper:
         """Forget a swapped-out sequence that finished or was aborted (no-op if none)."""
         payloads = self._store.pop(request_id, None)
         if payloads is not None:
-            self.used_bytes -= sum(payload_nbytes(p) for p in payloads)
+            self.used_bytes -= sum(payload_nbytes(p) for group in payloads for p in group)
         st = self._state_store.pop(request_id, None)
         if st is not None:
             self.used_bytes -= payload_nbytes(st)

@@ -385,13 +385,18 @@ def attach_sim_tiers(
         if not spec.layers:
             raise SpecError(
                 "preemption_mode: expected 'recompute' for a model of recurrent layers only "
-                "(swap serves one full-attention KV group and its state), got 'swap'"
+                "(swap serves KV groups and their state), got 'swap'"
             )
         chunk = cfg.max_num_batched_tokens
         rate = chunk / cost.step_time([chunk], [0])
         state_b = spec.state_bytes_per_sequence
+        # per KV group its layers' bytes per block (a unified pool: bytes_per_block)
+        movers = [
+            NullMover(spec.block_size * sum(spec.layer_bytes_per_token(i) for i in g.layer_ids))
+            for g in spec.kv_groups
+        ]
         sw = Swapper(
-            mover,
+            movers,
             spec.block_size,
             cfg.swap_space_bytes,
             SwapCostModel(meter.preset.host_bandwidth, rate),
