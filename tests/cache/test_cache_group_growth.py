@@ -31,28 +31,28 @@ def test_try_append_defers_only_a_due_copy_on_write() -> None:
     assert gm.try_append(table, 6, 1, 4) == [4]  # at a block boundary: no CoW
 
 
-def test_plan_growth_boundaries() -> None:
+def test_prepare_growth_boundaries() -> None:
     pool = BlockPool(4)
     gm = FullAttentionManager(pool, block_size=2)
     table = pool.allocate_ids(1)
-    plan = gm.plan_growth(table, 0, 2, 4, 3)  # 2 new blocks, 2 free: fits exactly
+    plan = gm.prepare_growth(table, 0, 2, 4, 3)  # 2 new blocks, 2 free: fits exactly
     assert plan is not None and plan.num_new == 2 and not plan.cow
-    assert gm.plan_growth(table, 0, 2, 6, 4) is None  # 3 new, 2 free
+    assert gm.prepare_growth(table, 0, 2, 6, 4) is None  # 3 new, 2 free
     pool.touch_ids(table)  # last block shared
-    plan = gm.plan_growth(table, 0, 2, 2, 2)  # starts at a block boundary: no CoW
+    plan = gm.prepare_growth(table, 0, 2, 2, 2)  # starts at a block boundary: no CoW
     assert plan is not None and not plan.cow and plan.num_new == 1
-    plan = gm.plan_growth(table, 0, 1, 1, 1)  # inside the shared block: CoW, 1 free used
+    plan = gm.prepare_growth(table, 0, 1, 1, 1)  # inside the shared block: CoW, 1 free used
     assert plan is not None and plan.cow and plan.num_new == 0
 
 
-def test_plan_growth_counts_blocks_the_window_releases() -> None:
+def test_prepare_growth_counts_blocks_the_window_releases() -> None:
     """A full pool still grows a sliding-window table when the blocks leaving the
     window are held by this table alone."""
     pool = BlockPool(4)  # 3 usable
     gm = SlidingWindowManager(pool, block_size=2, window=2)
     table = pool.allocate_ids(3)  # positions 0..5, pool now full
     assert pool.num_free == 0
-    plan = gm.plan_growth(table, 0, 6, 1, 4)  # query 6 sees keys 5, 6: blocks 0, 1 leave
+    plan = gm.prepare_growth(table, 0, 6, 1, 4)  # query 6 sees keys 5, 6: blocks 0, 1 leave
     assert plan is not None and plan.release == table[:2] and plan.num_new == 1
     pool.touch_ids(table[:2])  # shared elsewhere: releasing them frees nothing
-    assert gm.plan_growth(table, 0, 6, 1, 4) is None
+    assert gm.prepare_growth(table, 0, 6, 1, 4) is None

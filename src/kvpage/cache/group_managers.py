@@ -26,7 +26,7 @@ GroupBlocks = BlockPool | GroupPool
 
 
 @dataclass(slots=True)
-class GrowthPlan:
+class PendingGrowth:
     """What growing one group's table will do (computed before anything changes).
 
     Attributes:
@@ -34,7 +34,7 @@ class GrowthPlan:
         target: the window-released prefix length after the growth, in blocks.
         cow: whether the shared partial last block is copied first.
         num_new: blocks appended to the table.
-        demand: net blocks the plan takes from the free queue:
+        demand: net blocks the growth takes from the free queue:
             ``num_new + cow - (released blocks that become free)`` (may be < 0).
     """
 
@@ -66,7 +66,7 @@ class GroupManager:
     Args:
         pool: the group's block pool, or its :class:`GroupPool` view of the pool every
             group shares (then the layer above checks that all groups' demands fit
-            together: :attr:`GrowthPlan.demand`, :meth:`start_demand`).
+            together: :attr:`PendingGrowth.demand`, :meth:`start_demand`).
         block_size: tokens per block.
 
     Attributes:
@@ -85,7 +85,7 @@ class GroupManager:
         raise NotImplementedError
 
     # ---- growth (later allocations) -------------------------------------------------
-    def plan_growth(
+    def prepare_growth(
         self,
         table: list[int],
         freed: int,
@@ -94,10 +94,10 @@ class GroupManager:
         need_blocks: int,
         *,
         check_fit: bool = True,
-    ) -> GrowthPlan | None:
+    ) -> PendingGrowth | None:
         """Plan room for positions ``[start, start + num_new_tokens)`` (all earlier ones
         computed) in a table of ``need_blocks`` blocks; None when the pool lacks blocks
-        (``check_fit``; without it the caller checks :attr:`GrowthPlan.demand`).
+        (``check_fit``; without it the caller checks :attr:`PendingGrowth.demand`).
         No state changes."""
         pool = self.pool
         target = self.first_needed_block(start)
@@ -108,7 +108,7 @@ class GroupManager:
         demand = n_new + cow - gain
         if check_fit and demand > pool.num_free:
             return None
-        return GrowthPlan(release, max(target, freed), cow, n_new, demand)
+        return PendingGrowth(release, max(target, freed), cow, n_new, demand)
 
     def try_append(
         self, table: list[int], start: int, num_new_tokens: int, need_blocks: int
@@ -116,7 +116,7 @@ class GroupManager:
         """The common case of growth in one step: no window release and no CoW due, and
         room for the blocks to append. Appends them to ``table`` and returns their ids
         (often none); returns None, changing nothing, when the case does not apply (then
-        use :meth:`plan_growth`). Only for full attention (a sliding group may release)."""
+        use :meth:`prepare_growth`). Only for full attention (a sliding group may release)."""
         pool = self.pool
         if start % self.block_size and num_new_tokens and pool.is_shared(table[-1]):
             return None
@@ -129,36 +129,36 @@ class GroupManager:
         table.extend(ids)
         return ids
 
-    def grow(self, table: list[int], freed: int, plan: GrowthPlan) -> Growth:
-        """Carry out ``plan`` on ``table`` (mutated): release window blocks (last first)
+    def grow(self, table: list[int], freed: int, pending: PendingGrowth) -> Growth:
+        """Carry out ``pending`` on ``table`` (mutated): release window blocks (last first)
         and null their entries, copy a shared last block, append new blocks
         (:meth:`release_window` then :meth:`extend`; groups sharing a pool run every
         group's release before any extend, so the blocks one frees serve another)."""
-        self.release_window(table, freed, plan)
-        return self.extend(table, plan)
+        self.release_window(table, freed, pending)
+        return self.extend(table, pending)
 
-    def release_window(self, table: list[int], freed: int, plan: GrowthPlan) -> None:
+    def release_window(self, table: list[int], freed: int, pending: PendingGrowth) -> None:
         """The release half of :meth:`grow`: window blocks back to the free queue (last
         first), their entries nulled."""
-        if plan.release:
-            self.pool.release(reversed(plan.release))
-        for i in range(freed, plan.target):
+        if pending.release:
+            self.pool.release(reversed(pending.release))
+        for i in range(freed, pending.target):
             table[i] = NULL_BLOCK_ID
 
-    def extend(self, table: list[int], plan: GrowthPlan) -> Growth:
+    def extend(self, table: list[int], pending: PendingGrowth) -> Growth:
         """The allocation half of :meth:`grow`: copy a shared last block (CoW) and
         append the new blocks."""
         pool = self.pool
         copies: list[tuple[int, int]] = []
-        if plan.cow:
+        if pending.cow:
             src = table[-1]
             dst = pool.allocate_ids(1)[0]
             pool.release((src,))  # it was shared: stays used by the other holders
             table[-1] = dst
             copies.append((src, dst))
-        ids = pool.allocate_ids(plan.num_new)
+        ids = pool.allocate_ids(pending.num_new)
         table.extend(ids)
-        return Growth(ids, copies, len(plan.release))
+        return Growth(ids, copies, len(pending.release))
 
     # ---- first allocation -----------------------------------------------------------
     def hit_block_ids(
@@ -257,7 +257,7 @@ __all__ = [
     "GroupBlocks",
     "GroupManager",
     "Growth",
-    "GrowthPlan",
+    "PendingGrowth",
     "SlidingWindowManager",
     "make_group_manager",
 ]

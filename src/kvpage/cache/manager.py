@@ -59,7 +59,7 @@ from kvpage.cache.explain import (
     EvictionRecord,
 )
 from kvpage.cache.free_queue import PRIORITY_DEFAULT
-from kvpage.cache.group_managers import GroupManager, GrowthPlan, make_group_manager
+from kvpage.cache.group_managers import GroupManager, PendingGrowth, make_group_manager
 from kvpage.cache.hashing import BlockHash, chain_hash, encode_extra_keys, iter_block_hashes
 from kvpage.cache.integrity import check_manager_integrity
 from kvpage.cache.prefix_cache import PrefixCache
@@ -305,45 +305,45 @@ class KVCacheManager:
                 st.allocations += 1
                 st.blocks_allocated += len(ids)
                 return Allocation(0, [ids], [[]])
-        plans = self._plan_growth(req, start, num_new_tokens, need_blocks)
-        if plans is None:
+        pending = self._prepare_growth(req, start, num_new_tokens, need_blocks)
+        if pending is None:
             self._stats.allocation_failures += 1
             return None
-        return self._grow(req, plans, end)
+        return self._grow(req, pending, end)
 
-    def _plan_growth(
+    def _prepare_growth(
         self, req: RequestBlocks, start: int, num_new_tokens: int, need_blocks: int
-    ) -> list[GrowthPlan] | None:
-        """Every group's plan, or None if one group (a unified pool: all groups
+    ) -> list[PendingGrowth] | None:
+        """Every group's growth, or None if one group (a unified pool: all groups
         together) lacks blocks (nothing changed)."""
-        plans = []
+        pending = []
         check = not self.unified
         for g, gm in enumerate(self._groups):
-            plan = gm.plan_growth(
+            growth = gm.prepare_growth(
                 req.tables[g], req.freed[g], start, num_new_tokens, need_blocks, check_fit=check
             )
-            if plan is None:
+            if growth is None:
                 return None
-            plans.append(plan)
-        if self._shared is not None and sum(p.demand for p in plans) > self._shared.num_free:
+            pending.append(growth)
+        if self._shared is not None and sum(p.demand for p in pending) > self._shared.num_free:
             return None
-        return plans
+        return pending
 
-    def _grow(self, req: RequestBlocks, plans: list[GrowthPlan], end: int) -> Allocation:
-        """Carry out every group's plan and count it in the stats."""
+    def _grow(self, req: RequestBlocks, pending: list[PendingGrowth], end: int) -> Allocation:
+        """Carry out every group's growth and count it in the stats."""
         new_blocks: list[list[int]] = []
         copies: list[list[tuple[int, int]]] = []
         st = self._stats
         # every group's window release first: in a unified pool what one group frees
         # serves another's new blocks in the same call
-        for g, (gm, plan) in enumerate(zip(self._groups, plans)):
-            if plan.release and req.retention is not None:
-                self._retain(req, g, req.freed[g], plan.target)
-            gm.release_window(req.tables[g], req.freed[g], plan)
-            req.freed[g] = plan.target
-        for g, (gm, plan) in enumerate(zip(self._groups, plans)):
-            done = gm.extend(req.tables[g], plan)
-            st.window_blocks_freed += len(plan.release)
+        for g, (gm, growth) in enumerate(zip(self._groups, pending)):
+            if growth.release and req.retention is not None:
+                self._retain(req, g, req.freed[g], growth.target)
+            gm.release_window(req.tables[g], req.freed[g], growth)
+            req.freed[g] = growth.target
+        for g, (gm, growth) in enumerate(zip(self._groups, pending)):
+            done = gm.extend(req.tables[g], growth)
+            st.window_blocks_freed += len(growth.release)
             st.cow_copies += len(done.copies)
             st.blocks_allocated += len(done.new_blocks) + len(done.copies)
             new_blocks.append(done.new_blocks)
@@ -653,7 +653,7 @@ class KVCacheManager:
             lens = [len(t) for t in req.tables]
             fixed = []  # per group: CoW copy - window blocks its release frees
             for g, gm in enumerate(self._groups):
-                p = gm.plan_growth(
+                p = gm.prepare_growth(
                     req.tables[g], req.freed[g], start, num_new_tokens, need, check_fit=False
                 )
                 assert p is not None
@@ -770,7 +770,7 @@ class KVCacheManager:
         snapshot boundary the policy wants lies at the end of some step: the first wanted
         boundary inside ``(start, end)``, else ``end`` (always ``end`` without state
         layers or prefix caching). For a request not allocated yet (its first admission,
-        ``start`` = its hit) the boundaries are those its :meth:`allocate` will plan.
+        ``start`` = its hit) the boundaries are those its :meth:`allocate` will prepare.
         Changes nothing."""
         state = self.state
         if state is None or not self.enable_prefix_caching or end - start <= 1:
