@@ -7,8 +7,9 @@ Request life: :meth:`ServingState.prepare` validates and tokenizes (400/404 on b
 no state touched) -> :meth:`ServingState.admitted` charges the tenant bucket, reserves
 KV budget and, when degraded, takes a long-context slot (429 + Retry-After when refused;
 everything taken is given back on the way out) -> ``state.generation.generate``
-(:class:`~kvpage.server.generation.RequestGenerator`) adds the request to the engine and yields per-choice text deltas, applying stop strings; if the
-consumer goes away (client disconnect) the request is aborted at once.
+(:class:`~kvpage.server.generation.RequestGenerator`) adds the request to the engine
+and yields per-choice text deltas, applying stop strings; if the consumer goes away
+(client disconnect) the request is aborted at once.
 
 Generation (``RequestGenerator.generate``, the :class:`Delta` / :class:`Usage` records,
 stop strings and :func:`rejection_error`) is in :mod:`kvpage.server.generation`;
@@ -327,7 +328,7 @@ class ServingState:
         already in the engine at ``cap`` (``Scheduler.cap_max_tokens``, run on the engine
         thread between steps); their responses say so when they finish
         (``kvpage_max_tokens_capped`` on the final chunk/body, ``finish_reason:
-        "length"``;  ``generation.capped_running``). An engine loop without a local engine (the
+        "length"``; ``generation.capped_running``). An engine loop without a local engine (the
         scaled-out ingress) caps nothing: only requests admitted while degraded are
         capped there. Returns request id -> new ``max_tokens``."""
         try:
