@@ -439,7 +439,9 @@ class TieredCache:
             }
             held_free = [b for b in held if b is not None and self.pools[0].ref_count(b) == 0]
             n_tier = sum(place[g][i] != "device" for g in groups for i in need[g])
-            if n_tier and n_tier + len(held_free) <= free:
+            if n_tier == 0:
+                return 0  # the pool serves the longest hit alone
+            if n_tier + len(held_free) <= free:
                 return self._copy_in(hashes, need, place, held_free)
         return 0
 
