@@ -1,7 +1,10 @@
 """TieredCache: demote evicted prefix blocks to host memory and disk, promote them back.
 
 It attaches to the one :class:`~kvpage.cache.block_pool.BlockPool` of a single
-full-attention KV group as a :class:`~kvpage.cache.block_pool.PoolListener` (the seam
+full-attention KV group, or to every group's view of a unified pool (each group's
+blocks keyed by :func:`tier_key`, promoted by the cross-group hit rule: see
+:meth:`TieredCache.promote_prefix` and docs/architecture.md, "Tiers on the unified
+pool"), as a :class:`~kvpage.cache.block_pool.PoolListener` (the seam
 of docs/architecture.md) and to its :class:`~kvpage.cache.manager.KVCacheManager` as
 ``manager.tiers``:
 
