@@ -1,7 +1,6 @@
 """Swap preemption per KV group on the unified pool of a sliding-window hybrid (a tiny
 random Gemma-2-style model: 1 full + 2 sliding groups, window 8 shorter than the
-prompts), and the layouts still refused by name: KV tiers on a multi-group pool, swap
-on per-group pools.
+prompts), and the layouts still refused by name: KV tiers and swap on per-group pools.
 
 Swap copies per group only the blocks a continuation needs
 (``KVCacheManager.swap_blocks``: the full group all, a sliding group its window's) and
@@ -130,12 +129,13 @@ def test_swap_per_group_on_a_unified_pool_with_sliding_windows() -> None:
 @pytest.mark.parametrize(
     ("kw", "name"),
     [
-        (dict(kv_host_tier_bytes=1 << 20), "tiers"),
+        (dict(kv_host_tier_bytes=1 << 20, kv_pool="per_group"), "kv tiers"),
         (dict(preemption_mode="swap", kv_pool="per_group"), "preemption_mode"),
     ],
 )
 def test_layouts_not_built_are_refused(kw: dict, name: str) -> None:
-    """KV tiers serve one full-attention group; swap on per-group pools is not built."""
+    """KV tiers and swap on per-group pools are not built (tests/engine/
+    test_engine_unified_tiers.py runs tiers on the unified pool)."""
     hf = make_hf_model("gemma2")
     with pytest.raises(SpecError, match=name):
         LLM(hf, block_size=BS, num_blocks=64, **kw)

@@ -958,13 +958,16 @@ class KVCacheManager:
 
     def attach_tiers(self, tiers: TieredCache) -> None:
         """Put KV tiers below the pool: prefix lookups then promote blocks found in a
-        tier (``kvpage.cache.tiered``). ``tiers`` must be built over ``pools[0]``.
-        The tiers' drops are recorded for miss explanations
+        tier (``kvpage.cache.tiered``). ``tiers`` must be built over :attr:`pools`
+        (one full-attention group: ``pools[0]``; a unified pool: every group's view, in
+        group order, each group keyed by ``tiered.tier_key``); each group's
+        ``first_needed_block`` is bound to ``tiers.first_needed``. The tiers' drops are
+        recorded for miss explanations
         (:class:`~kvpage.cache.prefix_cache.TierEvictionRecorder`).
 
         Raises:
-            SpecError: more than one KV group or a sliding window (tiers serve one
-                full-attention group), prefix caching off, or another pool.
+            SpecError: several KV groups outside a unified pool or a lone sliding-window
+                group, prefix caching off, or other pools.
         """
         self.prefix_cache.attach_tiers(tiers)
 

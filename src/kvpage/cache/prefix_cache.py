@@ -210,21 +210,29 @@ class PrefixCache:
         return got
 
     def attach_tiers(self, tiers: TieredCache) -> None:
-        """Put KV tiers below the pool (see ``KVCacheManager.attach_tiers``).
+        """Put KV tiers below the pool (see ``KVCacheManager.attach_tiers``) and bind
+        each group's ``first_needed_block`` to ``tiers.first_needed``.
 
         Raises:
-            SpecError: more than one KV group or a sliding window, prefix caching off,
-                or tiers over another pool.
+            SpecError: several KV groups outside a unified pool, or a lone
+                sliding-window group; prefix caching off; tiers over other pools.
         """
         windows = [gm.window for gm in self._groups]
-        if windows != [None]:
+        pools = [gm.pool for gm in self._groups]
+        unified = len(pools) > 1 and all(
+            isinstance(p, GroupPool) and p.shared is getattr(pools[0], "shared", None)
+            for p in pools
+        )
+        if windows != [None] and not unified:
             raise SpecError(
-                f"kv tiers: expected one full-attention KV group, got windows {windows}"
+                f"kv tiers: expected one full-attention KV group or the KV groups of a "
+                f"unified pool (kv_pool='unified'), got windows {windows} on separate pools"
             )
         if not self.enabled:
             raise SpecError("kv tiers: expected enable_prefix_caching=True, got False")
-        if tiers.pool is not self._groups[0].pool:
-            raise SpecError("tiers: expected a TieredCache over this manager's pool")
+        if len(tiers.pools) != len(pools) or any(a is not b for a, b in zip(tiers.pools, pools)):
+            raise SpecError("tiers: expected a TieredCache over this manager's pools")
+        tiers.first_needed = [gm.first_needed_block for gm in self._groups]
         self.tiers = tiers
         if self.eviction_record.cap > 0:
             rec = TierEvictionRecorder(self.eviction_record, self.clock)

@@ -249,7 +249,10 @@ def build_tiers(
     """The engine's KV tiers from ``config`` (an ``EngineConfig``; None when both
     capacities are 0), attached to ``kvm``. The disk tier's fingerprint covers the model
     (its name or path and its config), the KV dtype, block size, hash seed and the cache
-    geometry.
+    geometry; with several KV groups (a unified pool) also the groups (window, layer
+    ids) and ``format`` 2 (files keyed by ``kvpage.cache.tiered.tier_key``), so a disk
+    tier written by a one-group layout is never listed by a multi-group one, nor the
+    reverse. One :class:`TorchBlockMover` per KV group over its layers' caches.
 
     Raises:
         SpecError: a layout tiers cannot serve (see ``KVCacheManager.attach_tiers``), or
@@ -259,7 +262,15 @@ def build_tiers(
     disk_b = config.kv_disk_tier_bytes
     if not host_b and not disk_b:
         return None
-    mover = TorchBlockMover(kv_caches)
+    groups = spec.kv_groups
+    multi = len(kvm.pools) > 1 and kvm.unified  # else attach_tiers refuses by name
+    # several groups (a unified pool): one mover per group over its layers' caches
+    movers = (
+        [TorchBlockMover([kv_caches[i] for i in g.layer_ids]) for g in groups]
+        if multi
+        else [TorchBlockMover(kv_caches)]
+    )
+    mover = movers[0]
     for name, cap in (("kv_host_tier_bytes", host_b), ("kv_disk_tier_bytes", disk_b)):
         if cap:
             _check_holds_a_block(name, cap, mover.block_nbytes, "0 (off) or ")
@@ -278,13 +289,16 @@ def build_tiers(
             "kv_scale_granularity": spec.kv_scale_granularity,
             "format": 1,
         }
+        if multi:  # group-keyed files (tiered.tier_key): never listed by a 1-group layout
+            fields["kv_groups"] = [[g.sliding_window, list(g.layer_ids)] for g in groups]
+            fields["format"] = 2
         disk = DiskTier(config.kv_disk_tier_path, disk_b, tier_fingerprint(fields))
-    tiers = TieredCache(kvm.pools[0], mover, host=host, disk=disk)
+    tiers = TieredCache(list(kvm.pools) if multi else kvm.pools[0], movers, host=host, disk=disk)
     tiers.admission_chunk_tokens = config.max_num_batched_tokens
     try:
         kvm.attach_tiers(tiers)
     except Exception:
-        kvm.pools[0].listeners.remove(tiers)
+        tiers.detach()
         raise
     return tiers
 
