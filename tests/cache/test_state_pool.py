@@ -345,3 +345,37 @@ def test_readmission_does_not_count_another_pass() -> None:
     m.free("r")
     _run_prefill(m, "s", toks)  # another request: a second pass
     assert pol.pass_count(hash_request_blocks(toks, BS)[0]) == 2
+
+
+def test_host_snapshots_copy_order_promotion_and_lru() -> None:
+    """An evicted snapshot's slot is copied to a host row (slot num_slots + row) right
+    at eviction, before the copy that reuses the slot; a restore of a host entry
+    promotes it (host -> slot after the eviction it causes, its row kept out of that
+    eviction), then slot -> live; host rows are least recently used; reset clears."""
+    pool = StatePool(2, 1, SnapshotPolicy(BS), num_host_snapshots=1)
+    n = pool.num_slots  # 3: live 0, 1; snapshot slot 2; host row 0 is "slot 3"
+    pool.allocate_live("a")
+    pool.allocate_live("b")
+    assert pool.take("a", b"A", "prompt") == 2
+    assert pool.take("b", b"B", "prompt") == 2  # evicts A to the host first
+    assert pool.take_copies() == [(0, 2), (2, n), (1, 2)]
+    assert pool.has_host_snapshot(b"A") and not pool.has_snapshot(b"A")
+    assert pool.deepest([b"A"], 1) == 1 and pool.nearest([b"A"], 1) == 1
+    pool.free_live("a")
+    pool.allocate_live("a")
+    pool.restore("a", b"A")  # B goes to the host: the only row is A's, so B is lost
+    assert pool.take_copies() == [(n, 2), (2, 0)]
+    assert pool.has_snapshot(b"A") and not pool.has_host_snapshot(b"B")
+    assert pool.stats.host_snapshot_hits == 1 and pool.stats.host_snapshots_stored == 1
+    pool.check_integrity(["a", "b"])
+    assert pool.take("b", b"C", "prompt") == 2  # A to the host again (row free now)
+    assert pool.take_copies() == [(2, n), (1, 2)] and pool.num_host_used == 1
+    pool.take("a", b"D", "prompt")  # C to the host: LRU host row A dropped
+    assert pool.has_host_snapshot(b"C") and not pool.has_host_snapshot(b"A")
+    assert pool.stats.host_snapshot_evictions == 1
+    with pytest.raises(SpecError):
+        StatePool(1, 1, SnapshotPolicy(BS), num_host_snapshots=-1)
+    pool.free_live("a")
+    pool.free_live("b")
+    assert pool.reset() and pool.num_host_used == 0
+    pool.check_integrity([])

@@ -230,3 +230,43 @@ def test_policy_hit_numbers_of_the_docs(
     assert got == cached
     hits, queried = m["kvpage:prefix_cache_hits_total"], m["kvpage:prefix_cache_queries_total"]
     assert hits / queried == pytest.approx(ratio)
+
+
+@pytest.mark.parametrize("num_blocks", [None, 10])
+def test_evicted_snapshot_hits_from_the_host_tier(
+    q3n: tuple[Any, str], num_blocks: int | None
+) -> None:
+    """One snapshot slot and a host KV tier: A's prompt snapshot is evicted by C's (to a
+    host row); A again hits its 96-token boundary from the host snapshot (promoted,
+    then restored), greedy-equal to transformers; without host snapshots it misses.
+    With 10 blocks C also evicts A's KV blocks to the host tier (a tier hit of KV)."""
+    hf, folder = q3n
+    a = SYSTEM + [11, 12, 13, 14, 15]  # prompt boundary 96
+    c = [(5 * i + 1) % 250 + 3 for i in range(100)] + [9, 9, 9]  # another prompt
+    hits = {}
+    for host in (0, 1 << 24):
+        llm = _llm(
+            folder,
+            max_num_batched_tokens=2048,
+            state_snapshot_slots=1,
+            kv_host_tier_bytes=host,
+            num_blocks=num_blocks,
+        )
+        pool = llm.llm_engine.kv_cache_manager.state
+        assert pool is not None and (pool.num_host_snapshots > 0) == bool(host)
+        (oa,) = _gen(llm, [a], 4)
+        (oc,) = _gen(llm, [c], 4)
+        (oa2,) = _gen(llm, [a], 4)
+        assert oc.num_cached_tokens == 0
+        want = hf_generate(hf, a, 4)
+        assert list(oa.outputs[0].token_ids) == want
+        assert list(oa2.outputs[0].token_ids) == want
+        assert list(oc.outputs[0].token_ids) == hf_generate(hf, c, 4)
+        hits[host] = oa2.num_cached_tokens
+        if host and num_blocks:
+            assert oa2.num_cached_tokens_by_tier.get("host", 0) > 0
+        m = llm.llm_engine.get_metrics()
+        assert m["kvpage:state_host_snapshot_hits_total"] == (1.0 if host else 0.0)
+        pool.check_integrity()
+        _all_free(llm)
+    assert hits == {0: 0, 1 << 24: 96}

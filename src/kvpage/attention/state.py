@@ -79,18 +79,34 @@ class StateCache:
         self.ssm[dst] = self.ssm[src]
 
 
-def run_slot_copies(caches: list[StateCache], pairs: list[tuple[int, int]]) -> None:
+def run_slot_copies(
+    caches: list[StateCache],
+    pairs: list[tuple[int, int]],
+    host: list[StateCache] | None = None,
+) -> None:
     """Run slot copies ``(src, dst)`` one after another on every cache of ``caches``, so
     a later pair reads what an earlier one wrote (the state pool's ordered copy queue:
-    ``kvpage.cache.state_pool``). Mutates the caches.
+    ``kvpage.cache.state_pool``). With ``host`` (one host-memory ``StateCache`` per
+    cache, the pool's host snapshot rows), a slot ``>= caches[i].num_slots`` means host
+    row ``slot - num_slots`` of ``host[i]`` (device <-> host copies). Mutates the caches.
 
     Raises:
         ShapeError: a slot out of range (the pairs before it were copied).
     """
     for a, b in pairs:
-        t = torch.tensor([[a, b]], dtype=torch.int64)
-        for sc in caches:
-            sc.copy_slots(t)
+        n = caches[0].num_slots if caches else 0
+        if host is None or (a < n and b < n):
+            t = torch.tensor([[a, b]], dtype=torch.int64)
+            for sc in caches:
+                sc.copy_slots(t)
+            continue
+        for sc, hc in zip(caches, host, strict=True):
+            src, i = (sc, a) if a < n else (hc, a - n)
+            dst, j = (sc, b) if b < n else (hc, b - n)
+            if not (0 <= i < src.num_slots and 0 <= j < dst.num_slots):
+                raise ShapeError(f"pairs: slot out of range: ({a}, {b})")
+            dst.conv[j].copy_(src.conv[i])
+            dst.ssm[j].copy_(src.ssm[i])
 
 
 @dataclass(frozen=True)

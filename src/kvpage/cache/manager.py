@@ -396,7 +396,7 @@ class KVCacheManager:
             fits = all(gm.can_start(ids, k) for gm, ids, k in zip(self._groups, hit, n_new))
         state = self.state
         if state is not None:
-            if h and not state.has_snapshot(hashes[hb - 1]):
+            if h and not (state.has_snapshot(hashes[hb - 1]) or state.has_host_snapshot(hashes[hb - 1])):  # fmt: skip
                 raise AllocationError(
                     f"num_cached_tokens: expected a state snapshot at position {h}, got none "
                     "(call get_num_cached_tokens right before allocate)"

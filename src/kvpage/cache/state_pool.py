@@ -25,6 +25,15 @@ live) and the engine runs, all of them and in queue order, before the next forwa
 a slot may be reused (evicted, freed) while a copy from it is queued: the copy still
 reads the content it was queued for.
 
+**Host snapshots** (``num_host_snapshots > 0``, the host KV tier's companion): a
+snapshot evicted for room is not lost but moved to one of ``num_host_snapshots`` host
+rows, addressed in the copy queue as slot ``num_slots + row`` (the copy device -> host
+is queued at eviction time, so it reads the slot's content before any later queued copy
+overwrites it); host rows are evicted least recently used. A lookup counts a host
+snapshot like a device one (:meth:`deepest`); :meth:`restore` of a host entry first
+promotes it: takes a snapshot slot (evicting, possibly to the host), queues host ->
+slot, frees the host row, then the normal slot -> live copy.
+
 Listeners (:class:`StateListener`, :attr:`StatePool.listeners`) hear every snapshot
 entry stored and removed (evicted, a rolling one replaced, ``reset``) by its key, the
 block hash of its boundary: the KV-event publisher (``kvpage.routing``) turns them into
@@ -93,6 +102,9 @@ class StatePoolStats:
         snapshots_dropped: rolling decode snapshots replaced by their owner's newer one.
         snapshots_skipped: wanted snapshots not taken (no snapshot slots, or a zero
             predicted cap).
+        host_snapshots_stored: evicted snapshots moved to a host row.
+        host_snapshot_hits: restores served by promoting a host snapshot.
+        host_snapshot_evictions: host rows dropped for room (least recently used).
     """
 
     snapshots_taken: int = 0
@@ -101,6 +113,9 @@ class StatePoolStats:
     snapshot_evictions: int = 0
     snapshots_dropped: int = 0
     snapshots_skipped: int = 0
+    host_snapshots_stored: int = 0
+    host_snapshot_hits: int = 0
+    host_snapshot_evictions: int = 0
 
 
 class StatePool:
@@ -112,6 +127,8 @@ class StatePool:
         num_snapshot_slots: slots for prefix-cache snapshots (>= 0).
         policy: the snapshot policy (its ``predicted_cap`` bounds predicted snapshots).
         clock: seconds, for retention deadlines (``time.monotonic``).
+        num_host_snapshots: host rows for evicted snapshots (>= 0; module docstring),
+            addressed in copies as ``num_slots + row``.
 
     Attributes:
         num_slots: rows every ``StateCache`` needs: live + snapshot slots.
@@ -130,11 +147,18 @@ class StatePool:
         policy: SnapshotPolicy,
         *,
         clock: Callable[[], float] = time.monotonic,
+        num_host_snapshots: int = 0,
     ) -> None:
         if isinstance(num_live_slots, bool) or not isinstance(num_live_slots, int) or num_live_slots < 1:  # fmt: skip
             raise SpecError(f"num_live_slots: expected an int >= 1, got {num_live_slots!r}")
         if isinstance(num_snapshot_slots, bool) or not isinstance(num_snapshot_slots, int) or num_snapshot_slots < 0:  # fmt: skip
             raise SpecError(f"num_snapshot_slots: expected an int >= 0, got {num_snapshot_slots!r}")
+        if isinstance(num_host_snapshots, bool) or not isinstance(num_host_snapshots, int) or num_host_snapshots < 0:  # fmt: skip
+            raise SpecError(f"num_host_snapshots: expected an int >= 0, got {num_host_snapshots!r}")
+        self.num_host_snapshots = num_host_snapshots
+        #: host snapshots: hash -> (host row, kind), least recently used first
+        self._host: OrderedDict[BlockHash, tuple[int, SnapshotKind]] = OrderedDict()
+        self._free_host: list[int] = list(range(num_host_snapshots - 1, -1, -1))
         self.num_live_slots = num_live_slots
         self.num_snapshot_slots = num_snapshot_slots
         self.num_slots = num_live_slots + num_snapshot_slots
@@ -237,9 +261,9 @@ class StatePool:
     def deepest(self, hashes: Sequence[BlockHash], max_blocks: int) -> int:
         """The largest ``k <= min(max_blocks, len(hashes))`` with a snapshot keyed
         ``hashes[k - 1]``, searching right to left (0 = none). Changes nothing."""
-        snaps = self._snaps
+        snaps, host = self._snaps, self._host
         for k in range(min(max_blocks, len(hashes)), 0, -1):
-            if hashes[k - 1] in snaps:
+            if hashes[k - 1] in snaps or hashes[k - 1] in host:
                 return k
         return 0
 
@@ -248,7 +272,7 @@ class StatePool:
         ``position_blocks`` (either side; ties go left), None when there is none."""
         best: int | None = None
         for k in range(1, len(hashes) + 1):
-            if hashes[k - 1] in self._snaps and (
+            if (hashes[k - 1] in self._snaps or hashes[k - 1] in self._host) and (
                 best is None or abs(k - position_blocks) < abs(best - position_blocks)
             ):
                 best = k
@@ -261,16 +285,68 @@ class StatePool:
         Raises:
             AllocationError: no such snapshot, or no live slot for ``request_id``.
         """
+        dst = self.live_slot(request_id)
         e = self._snaps.get(block_hash)
+        if e is None and block_hash in self._host:
+            e = self._promote(block_hash)
         if e is None:
             raise AllocationError(
                 "num_cached_tokens: expected a state snapshot at the hit's boundary, got none "
                 "(call get_num_cached_tokens right before allocate)"
             )
-        dst = self.live_slot(request_id)
         self._snaps.move_to_end(block_hash)
         self._copies.append((e.slot, dst))
         self.stats.snapshot_hits += 1
+
+    def has_host_snapshot(self, block_hash: BlockHash) -> bool:
+        """Whether a host snapshot keyed ``block_hash`` exists."""
+        return block_hash in self._host
+
+    @property
+    def num_host_used(self) -> int:
+        """Host rows holding a snapshot."""
+        return len(self._host)
+
+    def _promote(self, block_hash: BlockHash) -> Snapshot | None:
+        """Move the host snapshot ``block_hash`` into a snapshot slot (copy host -> slot
+        queued after any eviction copy it causes; its host row is kept out of that
+        eviction). None when there are no snapshot slots (the entry stays on the host)."""
+        if self.num_snapshot_slots == 0:
+            return None
+        row, kind = self._host[block_hash]
+        self._host.move_to_end(block_hash)
+        if kind == "predicted" and self._num_predicted >= self.predicted_cap:
+            kind = "prompt"  # wanted now: no longer a prediction
+        if not self._free_snap:
+            self._evict(predicted_only=False, keep_host=block_hash)
+        del self._host[block_hash]
+        slot = self._free_snap.pop()
+        self._copies.append((self.num_slots + row, slot))
+        self._free_host.append(row)
+        e = Snapshot(slot, block_hash, kind)
+        self._snaps[block_hash] = e
+        if kind == "predicted":
+            self._num_predicted += 1
+        self.stats.host_snapshot_hits += 1
+        for lis in self.listeners:
+            lis.on_snapshot_stored(block_hash)
+        return e
+
+    def _to_host(self, e: Snapshot, keep: BlockHash | None) -> None:
+        """Queue the copy of ``e``'s slot to a host row (evicting the least recently
+        used host row other than ``keep``); nothing when no row can be had."""
+        if self.num_host_snapshots == 0 or e.block_hash in self._host:
+            return
+        if not self._free_host:
+            victim = next((h for h in self._host if h != keep), None)
+            if victim is None:
+                return
+            self._free_host.append(self._host.pop(victim)[0])
+            self.stats.host_snapshot_evictions += 1
+        row = self._free_host.pop()
+        self._host[e.block_hash] = (row, e.kind)
+        self._copies.append((e.slot, self.num_slots + row))
+        self.stats.host_snapshots_stored += 1
 
     def take(
         self,
@@ -297,6 +373,9 @@ class StatePool:
             raise SpecError(f"priority: expected 0 .. {NUM_PRIORITY_LEVELS - 1}, got {priority!r}")
         deadline = None if ttl_s is None else self.clock() + ttl_s
         e = self._snaps.get(block_hash)
+        if e is None and block_hash in self._host and self.num_snapshot_slots:
+            # same tokens, same state: the host copy is now redundant
+            self._free_host.append(self._host.pop(block_hash)[0])
         if e is not None:
             self._snaps.move_to_end(block_hash)
             if priority > e.priority:
@@ -339,9 +418,10 @@ class StatePool:
             return PRIORITY_DEFAULT
         return e.priority
 
-    def _evict(self, *, predicted_only: bool) -> None:
+    def _evict(self, *, predicted_only: bool, keep_host: BlockHash | None = None) -> None:
         """Drop the least recently used snapshot of the lowest retention level (among
-        predicted ones only, when asked). O(snapshots)."""
+        predicted ones only, when asked), moving it to a host row when there are any
+        (never evicting host row ``keep_host`` for it). O(snapshots)."""
         now = self.clock()
         victim: Snapshot | None = None
         best = NUM_PRIORITY_LEVELS
@@ -354,6 +434,7 @@ class StatePool:
                 if lv == 0:
                     break
         assert victim is not None, "evict: no snapshot to evict"
+        self._to_host(victim, keep_host)
         self._drop(victim.block_hash)
         self.stats.snapshot_evictions += 1
 
@@ -408,6 +489,8 @@ class StatePool:
             return False
         for h in list(self._snaps):
             self._drop(h)
+        self._host.clear()
+        self._free_host = list(range(self.num_host_snapshots - 1, -1, -1))
         return True
 
     def check_integrity(self, live_requests: Sequence[str] | None = None) -> None:
@@ -452,8 +535,17 @@ class StatePool:
                 raise IntegrityError(
                     f"state rolling snapshot of {rid!r}: expected a live request owning it"
                 )
-        if any(not (0 <= a < S and 0 <= b < S) for a, b in self._copies):
-            raise IntegrityError(f"state copies: expected slots in [0, {S}), got {self._copies}")
+        H = self.num_host_snapshots
+        rows = [r for r, _ in self._host.values()]
+        if len(set(rows) | set(self._free_host)) != H or len(rows) + len(self._free_host) != H:
+            raise IntegrityError(
+                f"state host snapshots: expected {H} rows each free or held once, got "
+                f"{len(rows)} held + {len(self._free_host)} free"
+            )
+        if any(not (0 <= a < S + H and 0 <= b < S + H) for a, b in self._copies):
+            raise IntegrityError(
+                f"state copies: expected slots in [0, {S + H}), got {self._copies}"
+            )
         if live_requests is not None and set(live_requests) != set(self._live):
             raise IntegrityError(
                 f"state live slots: expected the requests {sorted(live_requests)}, got "

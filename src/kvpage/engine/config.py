@@ -302,6 +302,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
     )
     state_pool = None
     state_caches = None
+    state_host: list[StateCache] | None = None
     if spec.state_layers:
         if config.state_snapshot_slots is not None:
             n_snap = config.state_snapshot_slots
@@ -321,11 +322,20 @@ def build_components(config: EngineConfig) -> EngineComponents:
             share_threshold=config.state_share_threshold,
             predicted_share=config.state_predicted_share,
         )
-        state_pool = StatePool(config.max_num_seqs, n_snap, policy)
+        # host snapshots: a state_snapshot_share of the host KV tier's bytes, in addition
+        # to it (docs/architecture.md "Recurrent state"); none without a host tier
+        n_host = 0
+        if config.kv_host_tier_bytes and config.enable_prefix_caching and n_snap:
+            n_host = int(config.kv_host_tier_bytes * share) // state_bytes
+        state_pool = StatePool(config.max_num_seqs, n_snap, policy, num_host_snapshots=n_host)
         try:
             state_caches = [
                 StateCache.allocate(s, state_pool.num_slots, device) for s in spec.state_layers
             ]
+            if n_host:
+                state_host = [
+                    StateCache.allocate(s, n_host, torch.device("cpu")) for s in spec.state_layers
+                ]
         except (RuntimeError, MemoryError) as e:
             raise SpecError(
                 f"state_snapshot_slots: expected recurrent state slots that fit in "
@@ -350,8 +360,16 @@ def build_components(config: EngineConfig) -> EngineComponents:
         proposer=None if spec_cfg is None else make_proposer(spec_cfg),
         draft_policy=None if spec_cfg is None else make_draft_policy(spec_cfg),
     )
-    scheduler.swapper = build_swapper(config, kv_caches, kvm, state_caches)
-    runner = ModelRunner(model, backend, kv_caches, spec, device, state_caches=state_caches)
+    scheduler.swapper = build_swapper(config, kv_caches, kvm, state_caches, state_host)
+    runner = ModelRunner(
+        model,
+        backend,
+        kv_caches,
+        spec,
+        device,
+        state_caches=state_caches,
+        state_host_caches=state_host,
+    )
     return EngineComponents(
         model, spec, backend, kv_caches, kvm, scheduler, runner, mml, tiers, state_caches
     )

@@ -44,6 +44,8 @@ STATE_METRIC_NAMES = (
     "kvpage:state_snapshots_taken_total",
     "kvpage:state_snapshot_hits_total",
     "kvpage:state_snapshot_evictions_total",
+    "kvpage:state_host_snapshots",
+    "kvpage:state_host_snapshot_hits_total",
 )
 #: the labelled counter of first admissions by cache-miss reason: ``get_metrics`` keys
 #: are ``f'{CACHE_MISS_METRIC}{{reason="{r}"}}'`` for every r in ``kvpage.cache.MISS_REASONS``
@@ -207,6 +209,8 @@ def collect_metrics(
         out["kvpage:state_snapshots_taken_total"] = float(ps.snapshots_taken)
         out["kvpage:state_snapshot_hits_total"] = float(ps.snapshot_hits)
         out["kvpage:state_snapshot_evictions_total"] = float(ps.snapshot_evictions)
+        out["kvpage:state_host_snapshots"] = float(pool.num_host_used)
+        out["kvpage:state_host_snapshot_hits_total"] = float(ps.host_snapshot_hits)
     if spec is not None:
         out["kvpage:spec_decode_num_drafts_total"] = float(spec.num_drafts)
         out["kvpage:spec_decode_num_draft_tokens_total"] = float(spec.num_draft_tokens)

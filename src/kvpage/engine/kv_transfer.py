@@ -134,6 +134,8 @@ class TorchStateMover:
     Args:
         state_caches: one ``StateCache`` per state layer, in order (mutated by
             :meth:`write_slot` and :meth:`copy_slots`).
+        host_caches: the state pool's host snapshot rows (one host ``StateCache`` per
+            state cache; copies address them as slots ``>= num_slots``), or None.
 
     Attributes:
         slot_nbytes: payload bytes of one slot.
@@ -142,10 +144,16 @@ class TorchStateMover:
         SpecError: no state cache.
     """
 
-    def __init__(self, state_caches: Sequence[StateCache]) -> None:
+    def __init__(
+        self,
+        state_caches: Sequence[StateCache],
+        host_caches: Sequence[StateCache] | None = None,
+    ) -> None:
         if not state_caches:
             raise SpecError("state_caches: expected >= 1 state cache, got none")
         self.caches = list(state_caches)
+        #: the state pool's host snapshot rows (slots >= num_slots in copies), or None
+        self.host_caches = None if host_caches is None else list(host_caches)
         self._parts = [t for c in self.caches for t in (c.conv, c.ssm)]
         self._sizes = [t[0].numel() * t.element_size() for t in self._parts]
         self.slot_nbytes = sum(self._sizes)
@@ -179,7 +187,7 @@ class TorchStateMover:
         (``kvpage.attention.state.run_slot_copies``)."""
         from kvpage.attention.state import run_slot_copies
 
-        run_slot_copies(self.caches, list(pairs))
+        run_slot_copies(self.caches, list(pairs), self.host_caches)
 
 
 def build_swapper(
@@ -187,12 +195,14 @@ def build_swapper(
     kv_caches: Sequence[KVCache],
     kvm: KVCacheManager,
     state_caches: Sequence[StateCache] | None = None,
+    state_host_caches: Sequence[StateCache] | None = None,
 ) -> Swapper | None:
     """The swapper of ``preemption_mode="swap"`` (None for ``recompute``), with the
     host-bandwidth preset of the cache's device (``kvpage.engine.swap.HOST_BANDWIDTH``):
     one :class:`TorchBlockMover` per KV group over that group's layers' caches (a
     unified pool: each group's views of the shared layer-slot tensors); on a hybrid
-    model (``state_caches`` given) it also swaps the live state slot.
+    model (``state_caches`` given) it also swaps the live state slot, and runs the
+    queued state copies with ``state_host_caches`` (host snapshot rows, or None).
 
     Raises:
         SpecError: swap with several KV groups or a sliding window outside a unified
@@ -215,7 +225,7 @@ def build_swapper(
             f"group or the groups of a unified pool), got 'swap'"
         )
     movers = [TorchBlockMover([kv_caches[i] for i in g.layer_ids]) for g in kvm.spec.kv_groups]
-    state = TorchStateMover(state_caches) if state_caches else None
+    state = TorchStateMover(state_caches, state_host_caches) if state_caches else None
     need = max(m.block_nbytes for m in movers) + (0 if state is None else state.slot_nbytes)
     if config.swap_space_bytes < need:
         what = "one block's K/V" if state is None else "one block's K/V and one recurrent state"

@@ -125,6 +125,8 @@ class ModelRunner:
         state_caches: hybrid models: one ``StateCache`` per ``cache_spec.state_layers``
             entry (mutated by the recurrent mixers and by :meth:`copy_state_slots`);
             None = no state layers.
+        state_host_caches: host-memory rows of the state pool's host snapshots, one
+            ``StateCache`` per state cache (``kvpage.cache.state_pool``); None = none.
 
     Raises:
         SpecError: ``state_caches`` do not match ``cache_spec.state_layers``.
@@ -139,6 +141,7 @@ class ModelRunner:
         device: torch.device,
         *,
         state_caches: list[StateCache] | None = None,
+        state_host_caches: list[StateCache] | None = None,
     ) -> None:
         n_state = len(cache_spec.state_layers)
         if n_state != len(state_caches or ()):
@@ -147,6 +150,7 @@ class ModelRunner:
                 f"got {len(state_caches or ())}"
             )
         self.state_caches = state_caches if n_state else None
+        self.state_host_caches = state_host_caches
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -181,7 +185,7 @@ class ModelRunner:
         Copies are applied one after another, so a later pair reads what an earlier one
         wrote."""
         if pairs and self.state_caches is not None:
-            run_slot_copies(self.state_caches, pairs)
+            run_slot_copies(self.state_caches, pairs, self.state_host_caches)
 
     def build_state_batch(self, out: SchedulerOutput, inp: StepInputs) -> StateBatch:
         """The step's :class:`~kvpage.attention.state.StateBatch`: each sequence's live
