@@ -133,5 +133,15 @@ class StateBatch:
     def num_seqs(self) -> int:
         return int(self.state_indices.shape[0])
 
+    def initial_rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(idx, rows)``: each sequence's slot index ``[num_seqs]`` on ``slots``'
+        device and its row of ``slots`` (``StateCache.conv`` or ``.ssm``, ``[num_slots,
+        ...]``), zeros where ``has_initial_state`` is False (a NaN-poisoned slot reads
+        0). Reads only; the caller writes the new state back at ``idx``."""
+        idx = self.state_indices.to(slots.device)
+        rows = slots[idx]
+        has = self.has_initial_state.to(rows.device).view(-1, *([1] * (rows.dim() - 1)))
+        return idx, torch.where(has, rows, torch.zeros_like(rows))
+
 
 __all__ = ["StateBatch", "StateCache", "run_slot_copies"]

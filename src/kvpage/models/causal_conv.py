@@ -68,10 +68,7 @@ def conv_packed(
             f"StateBatch.query_start_loc: expected {batch.num_seqs + 1} offsets from 0 to "
             f"{n}, got {qsl}"
         )
-    idx = batch.state_indices.to(conv_cache.device)
-    init = conv_cache[idx]
-    has = batch.has_initial_state.to(init.device)[:, None, None]
-    init = torch.where(has, init, torch.zeros_like(init))  # a NaN-poisoned slot reads 0
+    idx, init = batch.initial_rows(conv_cache)
     if batch.is_decode and n == batch.num_seqs:  # one token each: one batched update
         full = torch.cat([init.to(x.dtype), x[:, :, None]], dim=2)  # [S, C, K]
         w = weight[:, None, :].to(x.dtype)

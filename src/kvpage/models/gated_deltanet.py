@@ -203,10 +203,8 @@ class GatedDeltaNet(nn.Module):
         w = self.conv1d.weight[:, 0, :]
         qkv = conv_packed(qkv, w, None, cache.conv, batch)
         q, k, v, g, beta = self._qkv_heads(qkv, b, a)
-        idx = batch.state_indices.to(cache.ssm.device)
-        init = cache.ssm[idx].float()
-        has = batch.has_initial_state.to(init.device)[:, None, None, None]
-        init = torch.where(has, init, torch.zeros_like(init))
+        idx, init = batch.initial_rows(cache.ssm)
+        init = init.float()
         if batch.is_decode and n == batch.num_seqs:
             o, s = delta_rule_step(q, k, v, g, beta, init)
             cache.ssm[idx] = s.to(cache.ssm.dtype)

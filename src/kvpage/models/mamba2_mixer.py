@@ -235,10 +235,8 @@ class Mamba2Mixer(nn.Module):
         x, b, c = self._xbc(xbc)
         dt = self._dt(dt_raw)
         a = -torch.exp(self.A_log.float())
-        idx = batch.state_indices.to(cache.ssm.device)
-        init = cache.ssm[idx].float()
-        has = batch.has_initial_state.to(init.device)[:, None, None, None]
-        init = torch.where(has, init, torch.zeros_like(init))
+        idx, init = batch.initial_rows(cache.ssm)
+        init = init.float()
         n = hidden.shape[0]
         if batch.is_decode and n == batch.num_seqs:
             y, s = ssd_step(x, dt, a, b, c, init)
