@@ -7,6 +7,7 @@ report it; every block and state slot free at the end; what is refused by name."
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -270,3 +271,90 @@ def test_evicted_snapshot_hits_from_the_host_tier(
         pool.check_integrity()
         _all_free(llm)
     assert hits == {0: 0, 1 << 24: 96}
+
+
+def test_evicted_snapshot_hits_from_disk_after_a_restart(
+    q3n: tuple[Any, str], tmp_path: Path
+) -> None:
+    """A disk tier on the hybrid: A's prompt snapshot goes slot -> host row (C's
+    snapshot takes the slot) -> disk file (D's takes the slot, C's the host row); A's
+    KV blocks go to disk too. A new engine on the same directory (a restart) serves A
+    at its 96-token boundary from disk, KV and state (cached_tokens 96, by tier "disk"),
+    greedy-equal to transformers; a truncated snapshot file is a miss that names the
+    refusal; without the disk tier A misses."""
+    hf, folder = q3n
+    a = SYSTEM + [11, 12, 13, 14, 15]
+    c = [(5 * i + 1) % 250 + 3 for i in range(100)] + [9, 9, 9]
+    d = [(11 * i + 5) % 250 + 3 for i in range(100)] + [8, 8]
+    # share 0.5 of a 3-block host tier (12288 bytes): one host snapshot row
+    kw: dict[str, Any] = dict(
+        max_num_batched_tokens=2048,
+        state_snapshot_slots=1,
+        num_blocks=10,
+        kv_host_tier_bytes=12288,
+        state_snapshot_share=0.5,
+        kv_disk_tier_bytes=1 << 22,
+        kv_disk_tier_path=str(tmp_path / "disk"),
+    )
+    llm = _llm(folder, **kw)
+    pool = llm.llm_engine.kv_cache_manager.state
+    assert pool is not None and pool.num_host_snapshots == 1 and pool.disk is not None
+    assert pool.disk.state_capacity_bytes == (1 << 22) // 2
+    (oa,) = _gen(llm, [a], 4)
+    (oc,) = _gen(llm, [c], 4)
+    assert pool.num_host_used == 1 and pool.num_disk_used == 0
+    (od,) = _gen(llm, [d], 4)
+    assert pool.num_disk_used == 1 and pool.stats.disk_snapshots_stored == 1
+    m = llm.llm_engine.get_metrics()
+    assert m["kvpage:state_disk_snapshots"] == 1.0
+    _all_free(llm)
+    want = hf_generate(hf, a, 4)
+    assert list(oa.outputs[0].token_ids) == want
+    del llm, pool
+
+    llm = _llm(folder, **kw)  # a restart on the same directory
+    kvm = llm.llm_engine.kv_cache_manager
+    pool = kvm.state
+    assert pool is not None and pool.num_disk_used == 1 and pool.num_snapshots == 0
+    (oa2,) = _gen(llm, [a], 4)
+    assert oa2.num_cached_tokens == 96
+    assert oa2.num_cached_tokens_by_tier.get("disk", 0) > 0
+    assert list(oa2.outputs[0].token_ids) == want
+    m = llm.llm_engine.get_metrics()
+    assert m["kvpage:state_disk_snapshot_hits_total"] == 1.0
+    assert m["kvpage:state_snapshot_hits_total"] == 1.0
+    pool.check_integrity()
+    _all_free(llm)
+
+    del llm, pool
+
+    # the same directory with A's snapshot file damaged (one payload bit: refused on
+    # read; truncated: removed at start): KV from disk, no state at 96 (the refusal
+    # named in the miss), computed again, greedy-equal
+    for damage in ("flip", "truncate"):
+        bad = tmp_path / damage
+        shutil.copytree(tmp_path / "disk", bad)
+        (f,) = list(bad.rglob("7374*.kvb"))  # b"st": the state key prefix, in hex
+        raw = f.read_bytes()
+        f.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]) if damage == "flip" else raw[:-7])
+        llm = _llm(folder, **{**kw, "kv_disk_tier_path": str(bad)})
+        pool = llm.llm_engine.kv_cache_manager.state
+        assert pool is not None and pool.num_disk_used == (1 if damage == "flip" else 0)
+        (oa3,) = _gen(llm, [a], 4)
+        why = oa3.cache_miss
+        assert oa3.num_cached_tokens == 0 and why is not None
+        assert why.message == (
+            "no state snapshot at position 96 (nearest none; disk snapshot corrupt)"
+        )
+        assert list(oa3.outputs[0].token_ids) == want
+        m = llm.llm_engine.get_metrics()
+        assert m["kvpage:state_disk_snapshot_refusals_total"] == 1.0 and not f.exists()
+        _all_free(llm)
+        del llm, pool
+
+    # without the disk tier the restart keeps nothing: A misses
+    kw0 = {k: v for k, v in kw.items() if not k.startswith("kv_disk")}
+    llm = _llm(folder, **kw0)
+    (oa4,) = _gen(llm, [a], 4)
+    assert oa4.num_cached_tokens == 0
+    _all_free(llm)

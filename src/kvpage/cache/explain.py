@@ -102,6 +102,9 @@ class CacheMissExplanation:
         evicted_at: ``evicted``: ``time.monotonic()`` seconds of the eviction.
         state_position: ``no_state_snapshot``: tokens the attention KV covered.
         state_nearest: ``no_state_snapshot``: the nearest snapshot boundary (tokens).
+        state_refused: ``no_state_snapshot``: why the disk tier's snapshot at
+            ``state_position`` was refused on read (``"corrupt"``, ``"size"``:
+            ``kvpage.cache.state_pool.StatePool.refusal``), None when there was none.
     """
 
     reason: str
@@ -113,6 +116,7 @@ class CacheMissExplanation:
     evicted_at: float | None = None
     state_position: int | None = None
     state_nearest: int | None = None
+    state_refused: str | None = None
 
     @property
     def message(self) -> str:
@@ -120,7 +124,8 @@ class CacheMissExplanation:
         ("no state snapshot at position p (nearest q)")."""
         if self.reason == "no_state_snapshot":
             near = "none" if self.state_nearest is None else str(self.state_nearest)
-            return f"no state snapshot at position {self.state_position} (nearest {near})"
+            why = "" if self.state_refused is None else f"; disk snapshot {self.state_refused}"
+            return f"no state snapshot at position {self.state_position} (nearest {near}{why})"
         return self.reason.replace("_", " ")
 
     @property
@@ -153,6 +158,8 @@ class CacheMissExplanation:
         if self.reason == "no_state_snapshot":
             d["state_position"] = self.state_position
             d["state_nearest"] = self.state_nearest
+            if self.state_refused is not None:
+                d["state_refused"] = self.state_refused
             d["message"] = self.message
         return d
 

@@ -913,7 +913,7 @@ class KVCacheManager:
             return kv
         bs = self.block_size
         hashes = self.prefix_cache.block_hashes(extra, token_ids, kv // bs) if kv else []
-        hit = self.state.deepest(hashes, kv // bs) * bs
+        hit = self.state.lookup(hashes, kv // bs) * bs  # a disk snapshot is promoted
         self._state_lookup = (extra, list(token_ids[:kv]), kv, hit)
         return hit
 
@@ -953,6 +953,7 @@ class KVCacheManager:
                 num_cached_tokens // bs,
                 state_position=look[2],
                 state_nearest=None if near is None else near * bs,
+                state_refused=self.state.refusal(full[look[2] // bs - 1]),
             )
         return self.prefix_cache.explain_miss(token_ids, num_cached_tokens, extra, remember_key)
 

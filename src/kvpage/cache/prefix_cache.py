@@ -22,6 +22,7 @@ from kvpage.cache.explain import (
 from kvpage.cache.group_managers import GroupManager
 from kvpage.cache.hashing import BlockHash, iter_block_hashes, root_hash
 from kvpage.cache.prefix import longest_hit
+from kvpage.cache.tier_store import is_state_key
 from kvpage.errors import AllocationError, SpecError
 
 if TYPE_CHECKING:
@@ -61,6 +62,8 @@ class TierEvictionRecorder:
         self.record.forget(block_hash)
 
     def on_dropped(self, block_hash: bytes, tier: str, reason: str) -> None:
+        if is_state_key(block_hash):
+            return  # a recurrent-state snapshot file (kvpage.cache.state_pool), not a block
         if reason == "stored_in_pool":
             self.record.forget(block_hash)
             return

@@ -34,11 +34,30 @@ snapshot like a device one (:meth:`deepest`); :meth:`restore` of a host entry fi
 promotes it: takes a snapshot slot (evicting, possibly to the host), queues host ->
 slot, frees the host row, then the normal slot -> live copy.
 
+**Disk snapshots** (:meth:`StatePool.attach_disk`, the disk KV tier's companion): a
+snapshot evicted from the host rows (or, with no host rows, from its slot) is written
+as an entry of the disk KV tier (``kvpage.cache.tier_store.DiskTier``) keyed by
+``tier_store.state_key(block hash)``: a file beside the KV block files, verified on
+read, counted in the tier's byte budget (``state_capacity_bytes``), indexed again by a
+new tier over the same directory, so the snapshots survive an engine restart. The disk
+tier is inclusive: a disk hit keeps its file. Disk I/O needs the rows' current content,
+so before reading or writing a row for the disk the pool runs its queued copies through
+its :class:`SnapshotMover` (in queue order: the same result as running them later, since
+nothing else writes a slot before the next forward). :meth:`lookup` (the manager's
+prefix lookup) promotes a disk-only snapshot at the deepest boundary into a snapshot
+slot (file read and verified first); a refused file (checksum, length, size) is a miss
+there, recorded with its reason (:meth:`refusal`), and the lookup tries the next
+boundary down. A promoted disk snapshot is of kind ``"prompt"`` (the kind is not
+stored).
+
 Listeners (:class:`StateListener`, :attr:`StatePool.listeners`) hear every snapshot
 entry stored and removed (evicted, a rolling one replaced, ``reset``) by its key, the
-block hash of its boundary: the KV-event publisher (``kvpage.routing``) turns them into
-events of medium ``"state"`` so a router's prefix index can cut a hybrid replica's KV
-match at its deepest snapshot.
+block hash of its boundary, and where: ``"device"`` (a snapshot slot), ``"host"`` (a
+host row) or ``"disk"`` (a disk tier file, heard from the disk tier's listeners, so a
+file the tier drops for a KV block is heard too): the KV-event publisher
+(``kvpage.routing``) turns them into events of media ``"state"``, ``"state_host"``,
+``"state_disk"`` so a router's prefix index can cut a hybrid replica's KV match at its
+deepest snapshot wherever it lives.
 """
 
 from __future__ import annotations
@@ -52,6 +71,14 @@ from typing import Protocol
 from kvpage.cache.free_queue import NUM_PRIORITY_LEVELS, PRIORITY_DEFAULT
 from kvpage.cache.hashing import BlockHash
 from kvpage.cache.snapshot_policy import SnapshotKind, SnapshotPolicy
+from kvpage.cache.tier_store import (
+    DiskTier,
+    Payload,
+    is_state_key,
+    payload_nbytes,
+    state_key,
+    state_key_hash,
+)
 from kvpage.errors import AllocationError, IntegrityError, SpecError
 
 
@@ -77,16 +104,49 @@ class Snapshot:
     owner: str | None = None
 
 
+#: where a snapshot lives: a snapshot slot, a host row, a disk tier file
+SNAPSHOT_PLACES = ("device", "host", "disk")
+#: most disk refusals remembered for miss explanations (:meth:`StatePool.refusal`)
+_REFUSED_CAP = 1024
+
+
 class StateListener(Protocol):
     """Hears a :class:`StatePool`'s snapshot entries come and go (module docstring).
-    Called synchronously inside the pool's operation; must not call back into it."""
+    Called synchronously inside the pool's operation; must not call back into it.
+    ``where`` is one of :data:`SNAPSHOT_PLACES`."""
 
-    def on_snapshot_stored(self, block_hash: BlockHash) -> None:
-        """A snapshot keyed ``block_hash`` was stored (its copy is queued)."""
+    def on_snapshot_stored(self, block_hash: BlockHash, where: str) -> None:
+        """A snapshot keyed ``block_hash`` was stored in ``where`` (its copy is queued,
+        or its file written)."""
         ...
 
-    def on_snapshot_removed(self, block_hash: BlockHash) -> None:
-        """The snapshot keyed ``block_hash`` is gone (evicted, dropped, reset)."""
+    def on_snapshot_removed(self, block_hash: BlockHash, where: str) -> None:
+        """The snapshot keyed ``block_hash`` left ``where`` (evicted, dropped, promoted
+        out of a host row, reset)."""
+        ...
+
+
+class SnapshotMover(Protocol):
+    """Runs the pool's slot copies and reads/writes one row for the disk tier (the
+    engine's ``kvpage.engine.kv_transfer.TorchStateMover``). A slot ``>= num_slots``
+    is host row ``slot - num_slots``.
+
+    Attributes:
+        slot_nbytes: bytes of one row's payload (every state layer's conv and SSM state).
+    """
+
+    slot_nbytes: int
+
+    def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Run the copies ``(src, dst)`` in order (finished on return)."""
+        ...
+
+    def read_slot(self, slot: int) -> Payload:
+        """A copy of row ``slot``'s content (``slot_nbytes`` bytes)."""
+        ...
+
+    def write_slot(self, slot: int, payload: Payload) -> None:
+        """Overwrite row ``slot`` with ``payload`` (finished on return)."""
         ...
 
 
@@ -105,6 +165,11 @@ class StatePoolStats:
         host_snapshots_stored: evicted snapshots moved to a host row.
         host_snapshot_hits: restores served by promoting a host snapshot.
         host_snapshot_evictions: host rows dropped for room (least recently used).
+        disk_snapshots_stored: snapshots written to the disk tier.
+        disk_snapshot_hits: lookups served by promoting a disk snapshot.
+        disk_snapshot_refusals: disk snapshots refused on read (corrupt, truncated,
+            another size) or removed by the tier at start: a miss there
+            (:meth:`StatePool.refusal`).
     """
 
     snapshots_taken: int = 0
@@ -116,6 +181,9 @@ class StatePoolStats:
     host_snapshots_stored: int = 0
     host_snapshot_hits: int = 0
     host_snapshot_evictions: int = 0
+    disk_snapshots_stored: int = 0
+    disk_snapshot_hits: int = 0
+    disk_snapshot_refusals: int = 0
 
 
 class StatePool:
@@ -176,6 +244,148 @@ class StatePool:
         self._rolling: dict[str, BlockHash] = {}
         self._copies: list[tuple[int, int]] = []
         self.listeners: list[StateListener] = []
+        self._disk: DiskTier | None = None
+        self._mover: SnapshotMover | None = None
+        #: block hash -> why its disk snapshot was refused (bounded, oldest first)
+        self._refused: OrderedDict[BlockHash, str] = OrderedDict()
+
+    # ---- disk -----------------------------------------------------------------------
+    def attach_disk(self, disk: DiskTier, mover: SnapshotMover) -> None:
+        """Keep evicted snapshots in ``disk`` (module docstring) and hear its snapshot
+        files come and go (a listener on ``disk.listeners``). ``mover`` runs the queued
+        copies and reads/writes rows for the disk (it must cover every slot and host
+        row of this pool). Snapshot files already in ``disk`` (an earlier run on the
+        same directory) are found by lookups at once.
+
+        Raises:
+            SpecError: already attached, or no snapshot slots (a disk snapshot is
+                restored through one).
+        """
+        if self._disk is not None:
+            raise SpecError("attach_disk: expected one disk tier, got a second")
+        if self.num_snapshot_slots == 0:
+            raise SpecError(
+                "attach_disk: expected state snapshot slots (a disk snapshot is restored "
+                "through one), got num_snapshot_slots=0"
+            )
+        self._disk = disk
+        self._mover = mover
+        disk.listeners.append(_DiskTap(self))
+        for k in disk.removed_at_start:  # files the tier refused at start: explained too
+            if is_state_key(k):
+                self._refuse(state_key_hash(k), "corrupt")
+
+    @property
+    def disk(self) -> DiskTier | None:
+        """The disk tier holding evicted snapshots (None = none)."""
+        return self._disk
+
+    def has_disk_snapshot(self, block_hash: BlockHash) -> bool:
+        """Whether the disk tier holds a snapshot file keyed ``block_hash``."""
+        d = self._disk
+        return d is not None and len(block_hash) == 32 and state_key(block_hash) in d
+
+    def disk_snapshot_hashes(self) -> list[BlockHash]:
+        """The block hashes of the disk tier's snapshot files, least recently used first."""
+        d = self._disk
+        return [] if d is None else [state_key_hash(k) for k in d.state_keys()]
+
+    @property
+    def num_disk_used(self) -> int:
+        """Snapshot files in the disk tier."""
+        d = self._disk
+        return 0 if d is None else d.num_state_entries
+
+    def refusal(self, block_hash: BlockHash) -> str | None:
+        """Why the disk snapshot keyed ``block_hash`` was refused (``"corrupt"``: on
+        read, checksum, header or length, or removed by the tier at start as not a
+        valid file; ``"size"``: another payload size), None if it was not (remembered
+        for the last 1024 refusals)."""
+        return self._refused.get(block_hash)
+
+    def _refuse(self, block_hash: BlockHash, reason: str) -> None:
+        """Record a refused disk snapshot (bounded; :meth:`refusal`)."""
+        self._refused[block_hash] = reason
+        self._refused.move_to_end(block_hash)
+        if len(self._refused) > _REFUSED_CAP:
+            self._refused.popitem(last=False)
+        self.stats.disk_snapshot_refusals += 1
+
+    def _run_copies(self) -> None:
+        """Run the queued copies now, in order (before a row is read or written for the
+        disk; module docstring)."""
+        if self._copies:
+            assert self._mover is not None
+            self._mover.copy_slots(self._copies)
+            self._copies = []
+
+    def _to_disk(self, addr: int, block_hash: BlockHash) -> None:
+        """Write row ``addr`` (a slot, or ``num_slots + host row``), the snapshot keyed
+        ``block_hash``, to the disk tier; nothing without one (or once it stopped after
+        a write error: ``DiskTier.writable``)."""
+        disk, mover = self._disk, self._mover
+        if disk is None or mover is None:
+            return
+        key = state_key(block_hash)
+        if disk.touch(key) or not disk.writable:
+            return  # same tokens, same state: the file is already there
+        self._run_copies()
+        if disk.put(key, mover.read_slot(addr)):
+            self.stats.disk_snapshots_stored += 1
+
+    def _promote_disk(self, block_hash: BlockHash) -> bool:
+        """Read and verify the disk snapshot ``block_hash`` into a snapshot slot (the
+        file stays); False (a recorded refusal) when the tier refuses the file or its
+        payload has another size."""
+        disk, mover = self._disk, self._mover
+        assert disk is not None and mover is not None
+        key = state_key(block_hash)
+        payload = disk.get(key)  # verified; a refused file is removed and counted there
+        reason = None
+        if payload is None:
+            reason = "corrupt"
+        elif payload_nbytes(payload) != mover.slot_nbytes:
+            reason = "size"
+            disk.stats.corrupt += 1
+            disk.discard(key, "corrupt")
+        if reason is not None:
+            self._refuse(block_hash, reason)
+            return False
+        self._refused.pop(block_hash, None)
+        if not self._free_snap:
+            self._evict(predicted_only=False)
+        slot = self._free_snap.pop()
+        self._run_copies()  # a queued copy out of this slot (its eviction) reads it first
+        mover.write_slot(slot, payload)
+        self._snaps[block_hash] = Snapshot(slot, block_hash, "prompt")
+        self.stats.disk_snapshot_hits += 1
+        self._emit_stored(block_hash, "device")
+        return True
+
+    def lookup(self, hashes: Sequence[BlockHash], max_blocks: int) -> int:
+        """:meth:`deepest`, made servable: when the deepest snapshot is only on disk it
+        is promoted into a snapshot slot (read, verified); a refused file is a miss
+        there and the search goes on below it. Returns the boundary in blocks (0 =
+        none); :meth:`restore` of ``hashes[k - 1]`` then succeeds. Changes the pool only
+        by that promotion (and the eviction it causes)."""
+        while True:
+            k = self.deepest(hashes, max_blocks)
+            if k == 0:
+                return 0
+            h = hashes[k - 1]
+            if h in self._snaps or h in self._host:
+                return k
+            if self.num_snapshot_slots and self._promote_disk(h):
+                return k
+            max_blocks = k - 1
+
+    def _emit_stored(self, block_hash: BlockHash, where: str) -> None:
+        for lis in self.listeners:
+            lis.on_snapshot_stored(block_hash, where)
+
+    def _emit_removed(self, block_hash: BlockHash, where: str) -> None:
+        for lis in self.listeners:
+            lis.on_snapshot_removed(block_hash, where)
 
     # ---- live slots -----------------------------------------------------------------
     def allocate_live(self, request_id: str) -> int | None:
@@ -260,10 +470,12 @@ class StatePool:
 
     def deepest(self, hashes: Sequence[BlockHash], max_blocks: int) -> int:
         """The largest ``k <= min(max_blocks, len(hashes))`` with a snapshot keyed
-        ``hashes[k - 1]``, searching right to left (0 = none). Changes nothing."""
+        ``hashes[k - 1]`` in a slot, a host row or the disk tier, searching right to left
+        (0 = none). Changes nothing (a disk file is not read: :meth:`lookup` is)."""
         snaps, host = self._snaps, self._host
         for k in range(min(max_blocks, len(hashes)), 0, -1):
-            if hashes[k - 1] in snaps or hashes[k - 1] in host:
+            h = hashes[k - 1]
+            if h in snaps or h in host or self.has_disk_snapshot(h):
                 return k
         return 0
 
@@ -272,7 +484,8 @@ class StatePool:
         ``position_blocks`` (either side; ties go left), None when there is none."""
         best: int | None = None
         for k in range(1, len(hashes) + 1):
-            if (hashes[k - 1] in self._snaps or hashes[k - 1] in self._host) and (
+            h = hashes[k - 1]
+            if (h in self._snaps or h in self._host or self.has_disk_snapshot(h)) and (
                 best is None or abs(k - position_blocks) < abs(best - position_blocks)
             ):
                 best = k
@@ -302,6 +515,10 @@ class StatePool:
         """Whether a host snapshot keyed ``block_hash`` exists."""
         return block_hash in self._host
 
+    def host_snapshot_hashes(self) -> list[BlockHash]:
+        """The keys of the host snapshots, least recently used first."""
+        return list(self._host)
+
     @property
     def num_host_used(self) -> int:
         """Host rows holding a snapshot."""
@@ -328,25 +545,35 @@ class StatePool:
         if kind == "predicted":
             self._num_predicted += 1
         self.stats.host_snapshot_hits += 1
-        for lis in self.listeners:
-            lis.on_snapshot_stored(block_hash)
+        self._emit_removed(block_hash, "host")
+        self._emit_stored(block_hash, "device")
         return e
 
     def _to_host(self, e: Snapshot, keep: BlockHash | None) -> None:
         """Queue the copy of ``e``'s slot to a host row (evicting the least recently
-        used host row other than ``keep``); nothing when no row can be had."""
-        if self.num_host_snapshots == 0 or e.block_hash in self._host:
+        used host row other than ``keep``, which goes to the disk tier when there is
+        one); with no host row to be had, write the slot to the disk tier instead."""
+        if e.block_hash in self._host:
+            return
+        if self.num_host_snapshots == 0:
+            self._to_disk(e.slot, e.block_hash)
             return
         if not self._free_host:
             victim = next((h for h in self._host if h != keep), None)
             if victim is None:
+                self._to_disk(e.slot, e.block_hash)
                 return
-            self._free_host.append(self._host.pop(victim)[0])
+            vrow = self._host[victim][0]
+            self._to_disk(self.num_slots + vrow, victim)  # reads the row before reuse
+            del self._host[victim]
+            self._free_host.append(vrow)
             self.stats.host_snapshot_evictions += 1
+            self._emit_removed(victim, "host")
         row = self._free_host.pop()
         self._host[e.block_hash] = (row, e.kind)
         self._copies.append((e.slot, self.num_slots + row))
         self.stats.host_snapshots_stored += 1
+        self._emit_stored(e.block_hash, "host")
 
     def take(
         self,
@@ -376,6 +603,7 @@ class StatePool:
         if e is None and block_hash in self._host and self.num_snapshot_slots:
             # same tokens, same state: the host copy is now redundant
             self._free_host.append(self._host.pop(block_hash)[0])
+            self._emit_removed(block_hash, "host")
         if e is not None:
             self._snaps.move_to_end(block_hash)
             if priority > e.priority:
@@ -397,8 +625,7 @@ class StatePool:
         if kind == "predicted":
             self._num_predicted += 1
         self._copies.append((src, slot))
-        for lis in self.listeners:
-            lis.on_snapshot_stored(block_hash)
+        self._emit_stored(block_hash, "device")
         st = self.stats
         st.snapshots_taken += 1
         st.snapshots_taken_by_kind[kind] = st.snapshots_taken_by_kind.get(kind, 0) + 1
@@ -445,8 +672,7 @@ class StatePool:
         if e.owner is not None and self._rolling.get(e.owner) == block_hash:
             del self._rolling[e.owner]
         self._free_snap.append(e.slot)
-        for lis in self.listeners:
-            lis.on_snapshot_removed(block_hash)
+        self._emit_removed(block_hash, "device")
 
     @property
     def num_snapshots(self) -> int:
@@ -484,13 +710,20 @@ class StatePool:
         return list(self._copies)
 
     def reset(self) -> bool:
-        """Drop every snapshot if no live slot is held; False (no change) otherwise."""
+        """Drop every snapshot (slots, host rows, disk files) if no live slot is held;
+        False (no change) otherwise."""
         if self._live:
             return False
         for h in list(self._snaps):
             self._drop(h)
-        self._host.clear()
+        for h in list(self._host):
+            del self._host[h]
+            self._emit_removed(h, "host")
         self._free_host = list(range(self.num_host_snapshots - 1, -1, -1))
+        if self._disk is not None:
+            for k in self._disk.state_keys():
+                self._disk.discard(k, "cleared")
+        self._refused.clear()
         return True
 
     def check_integrity(self, live_requests: Sequence[str] | None = None) -> None:
@@ -553,6 +786,27 @@ class StatePool:
             )
 
 
+class _DiskTap:
+    """The ``TierListener`` a :class:`StatePool` puts on its disk tier: the tier's
+    snapshot files coming and going, told to the pool's listeners as ``"disk"``."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, pool: StatePool) -> None:
+        self.pool = pool
+
+    def on_demoted(self, block_hash: bytes, tier: str) -> None:
+        if is_state_key(block_hash):
+            self.pool._emit_stored(state_key_hash(block_hash), "disk")
+
+    def on_promoted(self, block_hash: bytes, tier: str) -> None:
+        """Nothing: a disk hit keeps its file."""
+
+    def on_dropped(self, block_hash: bytes, tier: str, reason: str) -> None:
+        if is_state_key(block_hash):
+            self.pool._emit_removed(state_key_hash(block_hash), "disk")
+
+
 def split_state_memory(
     memory_bytes: int, state_bytes: int, num_live_slots: int, snapshot_share: float
 ) -> tuple[int, int]:
@@ -599,7 +853,9 @@ def snapshot_slots_for(
 
 
 __all__ = [
+    "SNAPSHOT_PLACES",
     "Snapshot",
+    "SnapshotMover",
     "StateListener",
     "StatePool",
     "StatePoolStats",

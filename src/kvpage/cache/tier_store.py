@@ -25,6 +25,15 @@ so tenants stay isolated in every tier exactly as in the pool.
   fingerprint or the size, unreadable) are removed then, counted in ``stats.corrupt``
   and ``stats.removed_at_start``, and logged once.
 
+Recurrent-state snapshots (hybrid models, ``kvpage.cache.state_pool``) share the disk
+tier: a snapshot file is keyed by :func:`state_key` of the block hash ending at its
+boundary (34 bytes, so it never equals a KV key of any group, ``tiered.tier_key``: 32
+or 33 bytes), written, verified, indexed at start and evicted exactly like a block
+file, in the same least-recently-used order. With ``state_capacity_bytes`` the state
+files together hold at most that many bytes (a state put first evicts the oldest
+state files beyond it); all files together stay within ``capacity_bytes``, so a KV
+file may evict a state file and the reverse.
+
 Observing tier changes (for eviction records and KV events): every tier calls each of
 its ``listeners`` (:class:`TierListener`) synchronously with ``on_demoted(block_hash,
 tier)`` when a block enters the tier, ``on_promoted(block_hash, tier)`` when a lookup
@@ -62,6 +71,9 @@ _MAGIC = b"KVPGBLK1"
 _HEAD = struct.Struct("<8s16sB")
 _TAIL = struct.Struct("<Q16s")
 _SUFFIX = ".kvb"
+#: the first bytes of a recurrent-state snapshot's tier key (:func:`state_key`)
+STATE_KEY_PREFIX = b"st"
+_STATE_KEY_LEN = len(STATE_KEY_PREFIX) + 32
 
 logger = logging.getLogger("kvpage.cache")
 
@@ -116,6 +128,30 @@ class TierStats:
 def payload_nbytes(payload: Payload) -> int:
     """Size of a payload in bytes."""
     return memoryview(payload).nbytes
+
+
+def state_key(block_hash: BlockHash) -> bytes:
+    """The tiers' key of the recurrent-state snapshot at the end of block ``block_hash``
+    (a 32-byte chained hash, ``kvpage.cache.hashing``): :data:`STATE_KEY_PREFIX` then the
+    hash, 34 bytes, never equal to a KV key (``kvpage.cache.tiered.tier_key``: 32 or 33
+    bytes); salts, adapters and tenant scope are in the hash, as for the KV blocks.
+
+    Raises:
+        SpecError: a hash of another length.
+    """
+    if len(block_hash) != 32:
+        raise SpecError(f"block_hash: expected 32 bytes, got {len(block_hash)}")
+    return STATE_KEY_PREFIX + block_hash
+
+
+def is_state_key(key: bytes) -> bool:
+    """Whether ``key`` is a :func:`state_key` (a snapshot entry, not a KV block)."""
+    return len(key) == _STATE_KEY_LEN and key.startswith(STATE_KEY_PREFIX)
+
+
+def state_key_hash(key: bytes) -> BlockHash:
+    """The block hash of a :func:`state_key` (its inverse)."""
+    return key[len(STATE_KEY_PREFIX) :]
 
 
 def tier_fingerprint(fields: Mapping[str, Any]) -> bytes:
@@ -249,6 +285,12 @@ class DiskTier(_Tier):
         capacity_bytes: most payload bytes held (>= 0); files beyond it found at start
             are deleted, oldest first.
         fingerprint: :func:`tier_fingerprint` of the engine's model and layout.
+        state_capacity_bytes: most bytes of recurrent-state snapshot files
+            (:func:`state_key` entries) within ``capacity_bytes`` (0 = none taken;
+            module docstring).
+
+    Attributes:
+        state_used_bytes: payload bytes of the snapshot files held.
 
     Raises:
         SpecError: bad capacity, fingerprint, or a path that cannot be used as a
@@ -257,10 +299,30 @@ class DiskTier(_Tier):
 
     name = "disk"
 
-    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, fingerprint: bytes):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        fingerprint: bytes,
+        *,
+        state_capacity_bytes: int = 0,
+    ):
         super().__init__(capacity_bytes)
         if not isinstance(fingerprint, bytes) or len(fingerprint) != 16:
             raise SpecError(f"fingerprint: expected 16 bytes, got {fingerprint!r}")
+        if (
+            isinstance(state_capacity_bytes, bool)
+            or not isinstance(state_capacity_bytes, int)
+            or not 0 <= state_capacity_bytes <= capacity_bytes
+        ):
+            raise SpecError(
+                f"state_capacity_bytes: expected an int in [0, {capacity_bytes}], got "
+                f"{state_capacity_bytes!r}"
+            )
+        self.state_capacity_bytes = state_capacity_bytes
+        self.state_used_bytes = 0
+        #: the snapshot entries: state key -> payload bytes, least recently used first
+        self._state: OrderedDict[bytes, int] = OrderedDict()
         self.fingerprint = fingerprint
         self.root = Path(path)
         self.dir = self.root / fingerprint.hex()
@@ -273,6 +335,8 @@ class DiskTier(_Tier):
         self.writable = True
         #: the error of the write that stopped the tier ("" while writable)
         self.last_write_error = ""
+        #: keys of the files removed at start (cannot be a block), in scan order
+        self.removed_at_start: list[bytes] = []
         self._scan()
 
     def _file(self, h: BlockHash) -> Path:
@@ -299,6 +363,7 @@ class DiskTier(_Tier):
                 with contextlib.suppress(OSError):
                     p.unlink(missing_ok=True)
                 bad += 1
+                self.removed_at_start.append(h)
             else:
                 found.append(entry)
         if bad:
@@ -311,8 +376,8 @@ class DiskTier(_Tier):
                 bad,
             )
         for _, h, size in sorted(found):
-            self._sizes[h] = size
-            self.used_bytes += size
+            self._add(h, size)
+        self._shrink_state(0)
         self._shrink(0)
 
     def _index_entry(self, p: Path, h: BlockHash) -> tuple[int, BlockHash, int] | None:
@@ -338,24 +403,71 @@ class DiskTier(_Tier):
             return None
         return st.st_mtime_ns, h, size
 
+    def _add(self, h: bytes, size: int) -> None:
+        self._sizes[h] = size
+        self.used_bytes += size
+        if is_state_key(h):
+            self._state[h] = size
+            self.state_used_bytes += size
+
+    def _remove(self, h: bytes) -> int | None:
+        """Forget entry ``h`` (not its file); its size, None if absent."""
+        sz = self._sizes.pop(h, None)
+        if sz is None:
+            return None
+        self.used_bytes -= sz
+        if self._state.pop(h, None) is not None:
+            self.state_used_bytes -= sz
+        return sz
+
     def _shrink(self, need: int) -> None:
         while self._sizes and self.used_bytes + need > self.capacity_bytes:
-            h, sz = self._sizes.popitem(last=False)
-            self.used_bytes -= sz
+            h = next(iter(self._sizes))
+            self._remove(h)
             self._file(h).unlink(missing_ok=True)
             self._emit_dropped(h, "capacity")
+
+    def _shrink_state(self, need: int) -> None:
+        """Evict the oldest snapshot files until ``need`` more bytes fit the state cap."""
+        while self._state and self.state_used_bytes + need > self.state_capacity_bytes:
+            h = next(iter(self._state))
+            self._remove(h)
+            self._file(h).unlink(missing_ok=True)
+            self._emit_dropped(h, "capacity")
+
+    def touch(self, key: bytes) -> bool:
+        """Mark entry ``key`` most recently used; False if absent."""
+        if key not in self._sizes:
+            return False
+        self._sizes.move_to_end(key)
+        if key in self._state:
+            self._state.move_to_end(key)
+        return True
+
+    @property
+    def num_state_entries(self) -> int:
+        """Snapshot files held (:func:`state_key` entries)."""
+        return len(self._state)
+
+    def state_keys(self) -> list[bytes]:
+        """The :func:`state_key` entries held, least recently used first."""
+        return list(self._state)
 
     def put(self, block_hash: BlockHash, payload: Payload) -> bool:
         """Write the block (atomic), evicting the oldest files to fit. Returns False when
         not stored: too large, the tier stopped after a write error, or this write
-        failed (then ``writable`` becomes False and ``stats.write_errors`` +1)."""
-        if block_hash in self._sizes:
-            self._sizes.move_to_end(block_hash)
+        failed (then ``writable`` becomes False and ``stats.write_errors`` +1). A
+        :func:`state_key` entry must also fit ``state_capacity_bytes`` (older snapshot
+        files are evicted first)."""
+        if self.touch(block_hash):
             return True
         n = payload_nbytes(payload)
-        if not self.writable or n > self.capacity_bytes:
+        state = is_state_key(block_hash)
+        if not self.writable or n > (self.state_capacity_bytes if state else self.capacity_bytes):
             return False
         t0 = time.perf_counter()
+        if state:
+            self._shrink_state(n)
         self._shrink(n)
         digest = hashlib.blake2b(payload, digest_size=16).digest()
         head = _HEAD.pack(_MAGIC, self.fingerprint, len(block_hash)) + block_hash
@@ -376,8 +488,7 @@ class DiskTier(_Tier):
                 self.last_write_error,
             )
             return False
-        self._sizes[block_hash] = n
-        self.used_bytes += n
+        self._add(block_hash, n)
         self.stats.bytes_in += n
         self.stats.transfer_s += time.perf_counter() - t0
         self._emit_demoted(block_hash)
@@ -401,12 +512,11 @@ class DiskTier(_Tier):
         data = self._read_verified(block_hash, sz)
         if data is None:
             self.stats.corrupt += 1
-            self._sizes.pop(block_hash)
-            self.used_bytes -= sz
+            self._remove(block_hash)
             self._file(block_hash).unlink(missing_ok=True)
             self._emit_dropped(block_hash, "corrupt")
             return None
-        self._sizes.move_to_end(block_hash)
+        self.touch(block_hash)
         self.stats.bytes_out += sz
         self.stats.transfer_s += time.perf_counter() - t0
         self._emit_promoted(block_hash)
@@ -433,10 +543,8 @@ class DiskTier(_Tier):
 
     def discard(self, block_hash: BlockHash, reason: str) -> bool:
         """Delete a block's file for ``reason``; False if absent."""
-        sz = self._sizes.pop(block_hash, None)
-        if sz is None:
+        if self._remove(block_hash) is None:
             return False
-        self.used_bytes -= sz
         self._file(block_hash).unlink(missing_ok=True)
         self._emit_dropped(block_hash, reason)
         return True
@@ -448,11 +556,15 @@ class DiskTier(_Tier):
 
 
 __all__ = [
+    "STATE_KEY_PREFIX",
     "DiskTier",
     "HostTier",
     "Payload",
     "TierListener",
     "TierStats",
+    "is_state_key",
     "payload_nbytes",
+    "state_key",
+    "state_key_hash",
     "tier_fingerprint",
 ]

@@ -46,6 +46,9 @@ STATE_METRIC_NAMES = (
     "kvpage:state_snapshot_evictions_total",
     "kvpage:state_host_snapshots",
     "kvpage:state_host_snapshot_hits_total",
+    "kvpage:state_disk_snapshots",
+    "kvpage:state_disk_snapshot_hits_total",
+    "kvpage:state_disk_snapshot_refusals_total",
 )
 #: the labelled counter of first admissions by cache-miss reason: ``get_metrics`` keys
 #: are ``f'{CACHE_MISS_METRIC}{{reason="{r}"}}'`` for every r in ``kvpage.cache.MISS_REASONS``
@@ -180,7 +183,8 @@ def collect_metrics(
     that drafted, draft tokens verified, draft tokens accepted), and for a hybrid model
     (recurrent state layers) :data:`STATE_METRIC_NAMES` (state slots used / total, live
     slots used, snapshots held, snapshots taken, prefix hits served from a snapshot,
-    snapshots evicted)."""
+    snapshots evicted; host rows and disk files holding snapshots, hits promoted from
+    them, disk snapshot files refused on read)."""
     st = kv.stats
     reasons = scheduler.miss_reasons
     misses = {k: float(reasons.get(r, 0)) for k, r in zip(CACHE_MISS_KEYS, MISS_REASONS)}
@@ -211,6 +215,9 @@ def collect_metrics(
         out["kvpage:state_snapshot_evictions_total"] = float(ps.snapshot_evictions)
         out["kvpage:state_host_snapshots"] = float(pool.num_host_used)
         out["kvpage:state_host_snapshot_hits_total"] = float(ps.host_snapshot_hits)
+        out["kvpage:state_disk_snapshots"] = float(pool.num_disk_used)
+        out["kvpage:state_disk_snapshot_hits_total"] = float(ps.disk_snapshot_hits)
+        out["kvpage:state_disk_snapshot_refusals_total"] = float(ps.disk_snapshot_refusals)
     if spec is not None:
         out["kvpage:spec_decode_num_drafts_total"] = float(spec.num_drafts)
         out["kvpage:spec_decode_num_draft_tokens_total"] = float(spec.num_draft_tokens)

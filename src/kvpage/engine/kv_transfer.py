@@ -158,28 +158,56 @@ class TorchStateMover:
         self._sizes = [t[0].numel() * t.element_size() for t in self._parts]
         self.slot_nbytes = sum(self._sizes)
 
+    def _row(self, slot: int) -> tuple[list[torch.Tensor], int]:
+        """The tensors (conv, ssm of every layer) and row index of ``slot``: a slot of
+        the state caches, or ``>= num_slots`` host row ``slot - num_slots``.
+
+        Raises:
+            ValueError: a slot outside the caches and host rows.
+        """
+        n = self.caches[0].num_slots
+        if 0 <= slot < n:
+            return self._parts, slot
+        host = self.host_caches
+        if host is not None and 0 <= slot - n < host[0].num_slots:
+            return [t for c in host for t in (c.conv, c.ssm)], slot - n
+        nh = 0 if host is None else host[0].num_slots
+        raise ValueError(f"slot: expected 0 <= slot < {n + nh}, got {slot}")
+
     @torch.inference_mode()
     def read_slot(self, slot: int) -> Payload:
-        """A host copy (1-D uint8 numpy array) of slot ``slot`` of every state cache."""
-        flat = torch.cat([_bits(t[slot]).reshape(-1) for t in self._parts])
+        """A host copy (1-D uint8 numpy array) of slot ``slot`` of every state cache (a
+        slot ``>= num_slots``: that host row).
+
+        Raises:
+            ValueError: a slot out of range.
+        """
+        parts, i = self._row(slot)
+        flat = torch.cat([_bits(t[i]).reshape(-1) for t in parts])
         return flat.cpu().numpy()  # torch.cat made a new tensor: not a view of the cache
 
     @torch.inference_mode()
     def write_slot(self, slot: int, payload: Payload) -> None:
-        """Overwrite slot ``slot`` of every state cache with ``payload``.
+        """Overwrite slot ``slot`` of every state cache (a slot ``>= num_slots``: that
+        host row) with ``payload``.
 
         Raises:
-            ValueError: a payload of another size than ``slot_nbytes`` (nothing written).
+            ValueError: a payload of another size than ``slot_nbytes``, or a slot out of
+                range (nothing written).
         """
         if memoryview(payload).nbytes != self.slot_nbytes:
             raise ValueError(
                 f"payload: expected {self.slot_nbytes} bytes, got {memoryview(payload).nbytes}"
             )
-        src = torch.from_numpy(np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8))
+        parts, i = self._row(slot)
+        raw = np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8)
+        if not raw.flags.writeable:  # bytes (a disk tier read): torch wants a writable array
+            raw = raw.copy()
+        src = torch.from_numpy(raw)
         off = 0
-        for t, size in zip(self._parts, self._sizes):
+        for t, size in zip(parts, self._sizes):
             row = src[off : off + size].view(t.dtype).reshape(t.shape[1:])
-            t[slot].copy_(row)
+            t[i].copy_(row)
             off += size
 
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -253,6 +281,22 @@ def _check_holds_a_block(name: str, capacity: int, block_nbytes: int, off: str =
         )
 
 
+#: the disk tier's layout versions (the fingerprint's ``format``): 1 = one KV group,
+#: files keyed by block hash; 2 = several KV groups, files keyed by ``tier_key``; 3 = a
+#: hybrid model's tier, KV files (either key form) and recurrent-state snapshot files
+#: keyed by ``tier_store.state_key``. A directory of another format (or model, layout)
+#: has another fingerprint, so its files are never listed.
+DISK_FORMAT_ONE_GROUP, DISK_FORMAT_GROUPS, DISK_FORMAT_STATE = 1, 2, 3
+
+
+def state_disk_bytes(config: EngineConfig) -> int:
+    """Bytes of the disk tier that recurrent-state snapshot files may hold:
+    ``floor(kv_disk_tier_bytes * state_snapshot_share)``, inside ``kv_disk_tier_bytes``
+    (the host rule's share, ``engine.config.build_components``, but counted in the disk
+    tier's own budget: the directory never holds more than ``kv_disk_tier_bytes``)."""
+    return int(config.kv_disk_tier_bytes * config.state_snapshot_share)
+
+
 def build_tiers(
     config: EngineConfig, spec: CacheSpec, kv_caches: Sequence[KVCache], kvm: KVCacheManager
 ) -> TieredCache | None:
@@ -262,7 +306,10 @@ def build_tiers(
     geometry; with several KV groups (a unified pool) also the groups (window, layer
     ids) and ``format`` 2 (files keyed by ``kvpage.cache.tiered.tier_key``), so a disk
     tier written by a one-group layout is never listed by a multi-group one, nor the
-    reverse. One :class:`TorchBlockMover` per KV group over its layers' caches.
+    reverse. A hybrid model (``spec.state_layers``) adds the state layers' layout and
+    ``format`` 3: its directory also holds snapshot files (``state_snapshot_share`` of
+    the bytes at most, :func:`state_disk_bytes`). One :class:`TorchBlockMover` per KV
+    group over its layers' caches.
 
     Raises:
         SpecError: a layout tiers cannot serve (see ``KVCacheManager.attach_tiers``), or
@@ -297,12 +344,33 @@ def build_tiers(
             "hash_seed": kvm.hash_seed,
             "layers": [[a.num_kv_heads, a.head_dim] for a in spec.layers],
             "kv_scale_granularity": spec.kv_scale_granularity,
-            "format": 1,
+            "format": DISK_FORMAT_ONE_GROUP,
         }
         if multi:  # group-keyed files (tiered.tier_key): never listed by a 1-group layout
             fields["kv_groups"] = [[g.sliding_window, list(g.layer_ids)] for g in groups]
-            fields["format"] = 2
-        disk = DiskTier(config.kv_disk_tier_path, disk_b, tier_fingerprint(fields))
+            fields["format"] = DISK_FORMAT_GROUPS
+        state_b = 0
+        if spec.state_layers:  # snapshot files beside the KV files (tier_store.state_key)
+            fields["state_layers"] = [
+                [
+                    s.kind,
+                    s.layer_id,
+                    s.conv_dim,
+                    s.conv_kernel,
+                    list(s.ssm_shape),
+                    s.dtype,
+                    s.ssm_dtype,
+                ]  # fmt: skip
+                for s in spec.state_layers
+            ]
+            fields["format"] = DISK_FORMAT_STATE
+            state_b = state_disk_bytes(config)
+        disk = DiskTier(
+            config.kv_disk_tier_path,
+            disk_b,
+            tier_fingerprint(fields),
+            state_capacity_bytes=state_b,
+        )
     tiers = TieredCache(list(kvm.pools) if multi else kvm.pools[0], movers, host=host, disk=disk)
     tiers.admission_chunk_tokens = config.max_num_batched_tokens
     try:
@@ -313,4 +381,13 @@ def build_tiers(
     return tiers
 
 
-__all__ = ["TorchBlockMover", "TorchStateMover", "build_swapper", "build_tiers"]
+__all__ = [
+    "DISK_FORMAT_GROUPS",
+    "DISK_FORMAT_ONE_GROUP",
+    "DISK_FORMAT_STATE",
+    "TorchBlockMover",
+    "TorchStateMover",
+    "build_swapper",
+    "build_tiers",
+    "state_disk_bytes",
+]

@@ -20,12 +20,17 @@ the KV blocks *and* a recurrent-state snapshot at the hit's end. Snapshots are k
 the hash of the block ending at their boundary, so they travel as stored/removed events
 of the extra medium :data:`STATE_MEDIUM` (``"state"``): ``BlockStored(hashes,
 medium="state")`` = snapshots of the state after these blocks were taken,
-``BlockRemoved(..., medium="state")`` = they were evicted or dropped. A state hash is a
-marker on a boundary, not a block: it is never a KV medium (:data:`MEDIA`) and the KV
-media's rules above do not apply to it. :class:`KVSnapshot` carries the replica's
-``state`` kind (``"none"``, ``"hybrid"``, ``"recurrent_only"``: :data:`STATE_KINDS`)
-and its ``state_hashes``; the index cuts a stateful replica's match at its deepest
-state hash (``kvpage.routing.index``).
+``BlockRemoved(..., medium="state")`` = they were evicted or dropped. Like KV blocks,
+snapshots move down to host rows and disk files (``kvpage.cache.state_pool``): those
+are the media ``"state_host"`` and ``"state_disk"`` (:data:`STATE_MEDIA`), so an
+eviction the host rows catch is a ``BlockRemoved(medium="state")`` plus a
+``BlockStored(medium="state_host")``, and a host hit the reverse; a disk hit keeps its
+file (no event for the disk). A state hash is a marker on a boundary, not a block: it
+is never a KV medium (:data:`MEDIA`) and the KV media's rules above do not apply to it.
+:class:`KVSnapshot` carries the replica's ``state`` kind (``"none"``, ``"hybrid"``,
+``"recurrent_only"``: :data:`STATE_KINDS`), its ``state_hashes`` (slots) and
+``state_tier_hashes`` (host rows, disk files); the index cuts a stateful replica's
+match at its deepest state hash in any state medium (``kvpage.routing.index``).
 
 Events are *set operations* on the replica's hash set, grouped into numbered
 :class:`KVEventBatch` objects: ``seq`` starts at 1 and grows by exactly 1 per batch, so
@@ -65,17 +70,22 @@ class RoutingError(KVPageError, ValueError):
 MEDIA = ("device", "host", "disk")
 #: the media below the pool
 TIER_MEDIA = MEDIA[1:]
-#: the medium of recurrent-state snapshot events (module docstring)
+#: the medium of recurrent-state snapshot events: snapshots in state slots (module
+#: docstring)
 STATE_MEDIUM = "state"
+#: where a replica holds a snapshot: its state slots, host rows, disk tier files
+STATE_MEDIA = (STATE_MEDIUM, "state_host", "state_disk")
+#: the state media below the slots (keys of ``KVSnapshot.state_tier_hashes``)
+STATE_TIER_MEDIA = STATE_MEDIA[1:]
 #: every medium an event may name
-EVENT_MEDIA = (*MEDIA, STATE_MEDIUM)
+EVENT_MEDIA = (*MEDIA, *STATE_MEDIA)
 #: what a replica's model keeps beside KV: nothing, attention and recurrent layers, or
 #: recurrent layers only (no KV block: a hit is the deepest snapshot along the prompt)
 STATE_KINDS = ("none", "hybrid", "recurrent_only")
 
 
 def check_medium(medium: object, what: str = "medium") -> str:
-    """``medium`` if it is one of :data:`EVENT_MEDIA` (the KV media and ``"state"``).
+    """``medium`` if it is one of :data:`EVENT_MEDIA` (the KV and state media).
 
     Raises:
         RoutingError: anything else.
@@ -97,8 +107,9 @@ class BlockStored:
             publisher sends None; the index does not need it because a chained hash
             already fixes the whole prefix.
         medium: where the blocks now are (:data:`MEDIA`; ``"host"``/``"disk"``: demoted
-            into that KV tier), or ``"state"``: recurrent-state snapshots at the end of
-            these blocks were stored. Absent in the JSON form = ``"device"``.
+            into that KV tier), or a state medium (:data:`STATE_MEDIA`): recurrent-state
+            snapshots at the end of these blocks were stored in state slots, host rows
+            or disk files. Absent in the JSON form = ``"device"``.
     """
 
     block_hashes: tuple[bytes, ...]
@@ -114,8 +125,8 @@ class BlockRemoved:
 
     Attributes:
         block_hashes: the removed hashes.
-        medium: the medium they left (:data:`MEDIA`, or ``"state"``: the snapshots
-            keyed by these hashes are gone; absent in the JSON form = ``"device"``).
+        medium: the medium they left (:data:`MEDIA`, or a state medium: the snapshots
+            keyed by these hashes left it; absent in the JSON form = ``"device"``).
     """
 
     block_hashes: tuple[bytes, ...]
@@ -252,12 +263,16 @@ class KVSnapshot:
             empty without tiers (absent in the JSON form = empty).
         state: the replica's kind of recurrent state (:data:`STATE_KINDS`; absent in
             the JSON form = ``"none"``).
-        state_hashes: the keys of its recurrent-state snapshots (medium ``"state"``;
-            absent in the JSON form = empty).
+        state_hashes: the keys of its recurrent-state snapshots in state slots (medium
+            ``"state"``; absent in the JSON form = empty).
+        state_tier_hashes: per state medium below the slots (``"state_host"``,
+            ``"state_disk"``), the keys of the snapshots it holds there (absent in the
+            JSON form = empty).
 
     Raises:
-        RoutingError: ``state`` not one of :data:`STATE_KINDS`, or state hashes with
-            ``state="none"``.
+        RoutingError: ``state`` not one of :data:`STATE_KINDS`, state hashes with
+            ``state="none"``, or a ``state_tier_hashes`` key outside
+            :data:`STATE_TIER_MEDIA`.
     """
 
     replica_id: str
@@ -267,21 +282,30 @@ class KVSnapshot:
     tier_hashes: Mapping[str, frozenset[bytes]] = field(default_factory=dict)
     state: str = "none"
     state_hashes: frozenset[bytes] = frozenset()
+    state_tier_hashes: Mapping[str, frozenset[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.state not in STATE_KINDS:
             raise RoutingError(
                 f"snapshot.state: expected one of {list(STATE_KINDS)}, got {self.state!r}"
             )
-        if self.state == "none" and self.state_hashes:
+        n_tier = sum(len(hs) for hs in self.state_tier_hashes.values())
+        if self.state == "none" and (self.state_hashes or n_tier):
             raise RoutingError(
                 f"snapshot.state_hashes: expected none for state='none', got "
-                f"{len(self.state_hashes)}"
+                f"{len(self.state_hashes) + n_tier}"
             )
+        for m in self.state_tier_hashes:
+            if m not in STATE_TIER_MEDIA:
+                raise RoutingError(
+                    f"snapshot.state_tier_hashes: expected keys in {list(STATE_TIER_MEDIA)}, "
+                    f"got {m!r}"
+                )
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form (hashes as hex, sorted)."""
-        return {
+        """JSON-able form (hashes as hex, sorted; ``state_tier_hashes`` only when some
+        snapshot is below the slots)."""
+        d: dict[str, Any] = {
             "replica_id": self.replica_id,
             "seq": self.seq,
             "epoch": self.epoch,
@@ -290,6 +314,11 @@ class KVSnapshot:
             "state": self.state,
             "state_hashes": sorted(_hex(self.state_hashes)),
         }
+        if self.state_tier_hashes:
+            d["state_tier_hashes"] = {
+                m: sorted(_hex(hs)) for m, hs in self.state_tier_hashes.items()
+            }
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> KVSnapshot:
@@ -310,6 +339,13 @@ class KVSnapshot:
                     f"snapshot.tier_hashes: expected keys in {list(TIER_MEDIA)}, got {m!r}"
                 )
             th[m] = frozenset(_unhex(hs, f"snapshot.tier_hashes.{m}"))
+        stiers = d.get("state_tier_hashes", {})
+        if not isinstance(stiers, Mapping):
+            raise RoutingError(f"snapshot.state_tier_hashes: expected an object, got {stiers!r}")
+        sth = {
+            str(m): frozenset(_unhex(hs, f"snapshot.state_tier_hashes.{m}"))
+            for m, hs in stiers.items()
+        }
         return cls(
             replica_id=_field(d, "replica_id", str, "snapshot"),
             seq=_field(d, "seq", int, "snapshot"),
@@ -318,6 +354,7 @@ class KVSnapshot:
             tier_hashes=th,
             state=str(d.get("state", "none")),
             state_hashes=frozenset(_unhex(d.get("state_hashes", []), "snapshot.state_hashes")),
+            state_tier_hashes=sth,
         )
 
 
@@ -332,7 +369,9 @@ __all__ = [
     "EVENT_MEDIA",
     "RoutingError",
     "STATE_KINDS",
+    "STATE_MEDIA",
     "STATE_MEDIUM",
+    "STATE_TIER_MEDIA",
     "TIER_MEDIA",
     "check_medium",
     "event_from_dict",

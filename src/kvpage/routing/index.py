@@ -27,9 +27,11 @@ blocks each held in *some* medium, per medium, for a cost that weighs tier hits
 
 Hybrid replicas (recurrent state layers; the snapshot's ``state`` kind): a prefix hit
 needs a recurrent-state snapshot at its end, and snapshots arrive as events of medium
-``"state"`` keyed by the hash of the block ending at their boundary. For such a replica
+``"state"`` keyed by the hash of the block ending at their boundary (and, moved below
+the state slots, ``"state_host"`` / ``"state_disk"``). For such a replica
 :meth:`PrefixIndex.matched_blocks` and :meth:`PrefixIndex.matched_media` cut the KV
-match at the deepest block whose hash has a snapshot (the engine's rule:
+match at the deepest block whose hash has a snapshot in any of those media (the
+engine's rule, which promotes a host or disk snapshot on a hit:
 ``KVCacheManager.get_num_cached_tokens``); a ``recurrent_only`` replica (no KV blocks)
 matches up to the deepest snapshot along the whole request.
 """
@@ -44,6 +46,7 @@ from typing import Any
 from kvpage.routing.events import (
     EVENT_MEDIA,
     MEDIA,
+    STATE_MEDIA,
     STATE_MEDIUM,
     AllBlocksCleared,
     BlockRemoved,
@@ -93,17 +96,19 @@ class _Replica:
         self.epoch = epoch
         self.seq = seq
         self.hashes: set[bytes] = set()  # medium "device"
-        self.tiers: dict[str, set[bytes]] = {}  # "host" / "disk", and "state" (snapshots)
+        self.tiers: dict[str, set[bytes]] = {}  # "host" / "disk", and the state media
         self.stale = False
         self.state = state  # kvpage.routing.events.STATE_KINDS
 
     def deepest_state(self, block_hashes: Sequence[bytes], n: int) -> int:
-        """The largest ``k <= n`` whose block ``k - 1`` has a state snapshot (0 = none)."""
-        snaps = self.tiers.get(STATE_MEDIUM)
-        if not snaps:
+        """The largest ``k <= n`` whose block ``k - 1`` has a state snapshot in some
+        state medium (slots, host rows, disk files; 0 = none)."""
+        media = [hs for m in STATE_MEDIA if (hs := self.tiers.get(m))]
+        if not media:
             return 0
         for k in range(min(n, len(block_hashes)), 0, -1):
-            if block_hashes[k - 1] in snaps:
+            h = block_hashes[k - 1]
+            if any(h in hs for hs in media):
                 return k
         return 0
 
@@ -331,6 +336,8 @@ class PrefixIndex:
         for m, hs in snapshot.tier_hashes.items():
             self._add(rid, r, hs, check_medium(m))
         self._add(rid, r, snapshot.state_hashes, STATE_MEDIUM)
+        for m, hs in snapshot.state_tier_hashes.items():
+            self._add(rid, r, hs, check_medium(m))
         if old is None:
             self.stats.joins += 1
         else:

@@ -11,8 +11,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvpage.cache.tier_store import is_state_key
 from kvpage.errors import SpecError
 from kvpage.routing.events import (
+    STATE_MEDIA,
     STATE_MEDIUM,
     AllBlocksCleared,
     BlockRemoved,
@@ -63,15 +65,23 @@ class _TierTap:
     def __init__(self, pub: KVEventPublisher) -> None:
         self.pub = pub
 
+    # a state snapshot's file in the disk tier (tier_store.state_key) is not a block:
+    # the state pool reports it (_StateTap, "disk")
     def on_demoted(self, block_hash: bytes, tier: str) -> None:
-        self.pub._tier_stored(tier, block_hash)
+        if not is_state_key(block_hash):
+            self.pub._tier_stored(tier, block_hash)
 
     def on_promoted(self, block_hash: bytes, tier: str) -> None:
         if tier == "host":  # taken out of the host tier; a disk file stays
             self.pub._tier_removed(tier, block_hash)
 
     def on_dropped(self, block_hash: bytes, tier: str, reason: str) -> None:
-        self.pub._tier_removed(tier, block_hash)
+        if not is_state_key(block_hash):
+            self.pub._tier_removed(tier, block_hash)
+
+
+#: where a snapshot lives (``StateListener``) -> its event medium
+_STATE_PLACE_MEDIUM = dict(zip(("device", "host", "disk"), STATE_MEDIA))
 
 
 class _StateTap:
@@ -83,11 +93,11 @@ class _StateTap:
     def __init__(self, pub: KVEventPublisher) -> None:
         self.pub = pub
 
-    def on_snapshot_stored(self, block_hash: bytes) -> None:
-        self.pub._tier_stored(STATE_MEDIUM, block_hash)
+    def on_snapshot_stored(self, block_hash: bytes, where: str) -> None:
+        self.pub._tier_stored(_STATE_PLACE_MEDIUM[where], block_hash)
 
-    def on_snapshot_removed(self, block_hash: bytes) -> None:
-        self.pub._tier_removed(STATE_MEDIUM, block_hash)
+    def on_snapshot_removed(self, block_hash: bytes, where: str) -> None:
+        self.pub._tier_removed(_STATE_PLACE_MEDIUM[where], block_hash)
 
 
 class KVEventPublisher:
@@ -111,10 +121,13 @@ class KVEventPublisher:
 
     On a hybrid model (``manager.state``, a ``StatePool``) it also listens to the state
     pool (``StateListener``): a snapshot stored is a :class:`BlockStored` with medium
-    ``"state"`` and the hash of the block ending at its boundary, one evicted, dropped
-    or reset a :class:`BlockRemoved` with that medium; the snapshot it serves carries
-    ``state`` (``"hybrid"``, or ``"recurrent_only"`` without a KV pool) and the held
-    ``state_hashes``.
+    ``"state"`` (a state slot), ``"state_host"`` (a host row) or ``"state_disk"`` (a
+    disk tier file) and the hash of the block ending at its boundary, one that leaves
+    that place (evicted, dropped, promoted out of a host row, reset) a
+    :class:`BlockRemoved` with that medium (snapshot files of the disk tier are not KV
+    disk blocks); the snapshot it serves carries ``state`` (``"hybrid"``, or
+    ``"recurrent_only"`` without a KV pool), the held ``state_hashes`` (slots) and
+    ``state_tier_hashes`` (host rows, disk files).
 
     Consecutive stores (or removals) of one medium are merged into one event; a clear
     of the pool (``reset_prefix_cache``, which clears the tiers too) drops the events
@@ -171,7 +184,7 @@ class KVEventPublisher:
         tiers = getattr(manager, "tiers", None)
         for t in [] if tiers is None else tiers.tiers:
             self._tiers.append(t)
-            hs = self._tier_held[t.name] = set(t.hashes())
+            hs = self._tier_held[t.name] = {h for h in t.hashes() if not is_state_key(h)}
             t.listeners.append(_TierTap(self))
             if hs:
                 self._pending.append(("stored", t.name, list(hs)))
@@ -179,10 +192,18 @@ class KVEventPublisher:
         if state is not None:
             self._state_pool = state
             self._state_kind = "hybrid" if pools else "recurrent_only"
-            hs = self._tier_held[STATE_MEDIUM] = set(state.snapshot_hashes())
+            for m, got in zip(
+                STATE_MEDIA,
+                (
+                    state.snapshot_hashes(),
+                    state.host_snapshot_hashes(),
+                    state.disk_snapshot_hashes(),
+                ),  # fmt: skip
+            ):
+                hs = self._tier_held[m] = set(got)
+                if hs:
+                    self._pending.append(("stored", m, list(hs)))
             state.listeners.append(_StateTap(self))
-            if hs:
-                self._pending.append(("stored", STATE_MEDIUM, list(hs)))
 
     def detach(self) -> None:
         """Stop listening (the publisher keeps its state; a later attach is refused)."""
@@ -277,7 +298,8 @@ class KVEventPublisher:
         """The current hash sets with the seq of the last drained batch (events still
         pending are already in the sets; replaying them later is harmless, see the
         :mod:`kvpage.routing.events` docstring)."""
-        tiers = {m: frozenset(hs) for m, hs in self._tier_held.items() if hs and m != STATE_MEDIUM}
+        held = self._tier_held
+        tiers = {m: frozenset(hs) for m, hs in held.items() if hs and m not in STATE_MEDIA}
         return KVSnapshot(
             self.replica_id,
             self.seq,
@@ -285,7 +307,8 @@ class KVEventPublisher:
             self.epoch,
             tiers,
             state=self._state_kind,
-            state_hashes=frozenset(self._tier_held.get(STATE_MEDIUM, ())),
+            state_hashes=frozenset(held.get(STATE_MEDIUM, ())),
+            state_tier_hashes={m: frozenset(held[m]) for m in STATE_MEDIA[1:] if held.get(m)},
         )
 
 
