@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kvpage.cache import hash_request_blocks
 from kvpage.engine import LLM
 from kvpage.engine.params import RequestOutput, SamplingParams
 from kvpage.errors import SpecError
@@ -357,4 +358,77 @@ def test_evicted_snapshot_hits_from_disk_after_a_restart(
     llm = _llm(folder, **kw0)
     (oa4,) = _gen(llm, [a], 4)
     assert oa4.num_cached_tokens == 0
+    _all_free(llm)
+
+
+def test_mamba2_recurrent_only_snapshots_on_disk_survive_a_restart(tmp_path: Any) -> None:
+    """A model of recurrent layers only has no KV block to tier: its disk tier holds
+    snapshot files alone (the share of kv_disk_tier_bytes). A's prompt snapshot evicted
+    by C's (one slot, no host rows) is a file; a new engine on the directory hits A at
+    32 from it, greedy-equal to transformers."""
+    hf = make_hf("mamba2")
+    hf.save_pretrained(tmp_path / "m")
+    kw: dict[str, Any] = dict(
+        max_num_batched_tokens=24,
+        state_snapshot_slots=1,
+        kv_disk_tier_bytes=1 << 20,
+        kv_disk_tier_path=str(tmp_path / "disk"),
+    )
+    a = SYSTEM[:40] + [5, 6, 7]  # prompt boundary 32
+    c = SYSTEM[50:90] + [8, 9]
+    llm = _llm(str(tmp_path / "m"), **kw)
+    assert llm.llm_engine.kv_cache_manager.tiers is None
+    (oa,) = _gen(llm, [a], 6)
+    _gen(llm, [c], 6)
+    pool = llm.llm_engine.kv_cache_manager.state
+    # a's prompt (32) and rolling decode (48) snapshots went to disk, c's (32) is held
+    ha = hash_request_blocks(a + list(oa.outputs[0].token_ids), BS)
+    assert pool is not None and set(pool.disk_snapshot_hashes()) == {ha[1], ha[2]}
+    _all_free(llm)
+    del llm, pool
+    llm = _llm(str(tmp_path / "m"), **kw)
+    (oa2,) = _gen(llm, [a], 6)
+    assert oa.num_cached_tokens == 0 and oa2.num_cached_tokens == 32
+    assert list(oa2.outputs[0].token_ids) == list(oa.outputs[0].token_ids) == hf_generate(hf, a, 6)
+    assert llm.llm_engine.get_metrics()["kvpage:state_disk_snapshot_hits_total"] == 1.0
+    _all_free(llm)
+
+
+def test_disk_snapshots_stay_within_their_share_of_the_disk_budget(
+    q3n: tuple[Any, str], tmp_path: Path
+) -> None:
+    """kv_disk_tier_bytes=60000 at the default share 0.1: snapshot files may take 6000
+    bytes, one snapshot (5376 bytes here); A's file goes when C's is written, the
+    directory never holds more than 60000 bytes; a restart with a share too small for
+    one snapshot removes the file it finds (KV files stay)."""
+    _, folder = q3n
+    a = SYSTEM + [11, 12, 13, 14, 15]
+    c = [(5 * i + 1) % 250 + 3 for i in range(100)] + [9, 9, 9]
+    d = [(11 * i + 5) % 250 + 3 for i in range(100)] + [8, 8]
+    kw: dict[str, Any] = dict(
+        max_num_batched_tokens=2048,
+        state_snapshot_slots=1,
+        num_blocks=10,
+        kv_disk_tier_bytes=60000,
+        kv_disk_tier_path=str(tmp_path),
+    )
+    llm = _llm(folder, **kw)
+    pool = llm.llm_engine.kv_cache_manager.state
+    assert pool is not None and pool.disk is not None
+    disk = pool.disk
+    assert disk.state_capacity_bytes == 6000
+    outs = [_gen(llm, [p], 4)[0] for p in (a, c, d)]
+    hc = hash_request_blocks(c, BS)[5]
+    assert pool.disk_snapshot_hashes() == [hc] and pool.stats.disk_snapshots_stored == 2
+    assert disk.state_used_bytes == 5376 and disk.used_bytes <= 60000
+    assert sum(f.stat().st_size for f in disk.dir.iterdir()) < 60000 + 200 * len(disk)
+    assert all(o.num_cached_tokens == 0 for o in outs)
+    _all_free(llm)
+    n_kv = len(disk) - 1
+    del llm, pool, disk
+    llm = _llm(folder, **{**kw, "state_snapshot_share": 0.05})  # 3000 bytes: no snapshot
+    pool = llm.llm_engine.kv_cache_manager.state
+    tiers = llm.llm_engine.kv_cache_manager.tiers
+    assert pool is not None and pool.disk is None and tiers is not None and tiers.disk
+    assert tiers.disk.num_state_entries == 0 and len(tiers.disk) == n_kv
     _all_free(llm)

@@ -231,7 +231,12 @@ def build_components(config: EngineConfig) -> EngineComponents:
     from kvpage.cache import KVCacheManager, max_retained_blocks
     from kvpage.cache.snapshot_policy import SnapshotPolicy
     from kvpage.cache.state_pool import StatePool, snapshot_slots_for, split_state_memory
-    from kvpage.engine.kv_transfer import TorchStateMover, build_swapper, build_tiers
+    from kvpage.engine.kv_transfer import (
+        TorchStateMover,
+        build_state_disk,
+        build_swapper,
+        build_tiers,
+    )
     from kvpage.engine.runner import ModelRunner
     from kvpage.engine.scheduler import Scheduler
     from kvpage.engine.spec_decode import make_draft_policy, make_proposer
@@ -350,15 +355,14 @@ def build_components(config: EngineConfig) -> EngineComponents:
         state_pool=state_pool,
     )
     tiers = build_tiers(config, spec, kv_caches, kvm)
-    if (
-        state_pool is not None
-        and state_caches is not None
-        and state_pool.num_snapshot_slots
-        and tiers is not None
-        and tiers.disk is not None
-        and tiers.disk.state_capacity_bytes >= state_bytes
-    ):  # disk snapshots: in the disk tier's budget (kv_transfer.state_disk_bytes)
-        state_pool.attach_disk(tiers.disk, TorchStateMover(state_caches, state_host))
+    if state_pool is not None and state_caches is not None and state_pool.num_snapshot_slots:
+        # disk snapshots: in the disk tier's budget (kv_transfer.state_disk_bytes); a
+        # model of recurrent layers only has a disk tier of snapshots alone
+        disk = tiers.disk if tiers is not None else None
+        if recurrent_only and config.enable_prefix_caching:
+            disk = build_state_disk(config, spec, kvm)
+        if disk is not None and disk.state_capacity_bytes >= state_bytes:
+            state_pool.attach_disk(disk, TorchStateMover(state_caches, state_host))
     spec_cfg = parse_speculative_config(config.speculative_config)
     scheduler = Scheduler(
         kvm,

@@ -297,6 +297,63 @@ def state_disk_bytes(config: EngineConfig) -> int:
     return int(config.kv_disk_tier_bytes * config.state_snapshot_share)
 
 
+def _disk_tier(config: EngineConfig, spec: CacheSpec, kvm: KVCacheManager, multi: bool) -> DiskTier:
+    """The disk tier of ``config`` with the fingerprint of :func:`build_tiers` (``multi``:
+    several KV groups of a unified pool)."""
+    groups = spec.kv_groups
+    assert config.kv_disk_tier_path is not None  # checked by EngineConfig
+    model_id = config.model if isinstance(config.model, str) else type(config.model).__name__
+    fields: dict[str, object] = {
+        "model": model_id,
+        "kv_cache_dtype": spec.kv_dtype,
+        "dtype": spec.dtype,
+        "block_size": spec.block_size,
+        "hash_seed": kvm.hash_seed,
+        "layers": [[a.num_kv_heads, a.head_dim] for a in spec.layers],
+        "kv_scale_granularity": spec.kv_scale_granularity,
+        "format": DISK_FORMAT_ONE_GROUP,
+    }
+    if multi:  # group-keyed files (tiered.tier_key): never listed by a 1-group layout
+        fields["kv_groups"] = [[g.sliding_window, list(g.layer_ids)] for g in groups]
+        fields["format"] = DISK_FORMAT_GROUPS
+    state_b = 0
+    if spec.state_layers:  # snapshot files beside the KV files (tier_store.state_key)
+        fields["state_layers"] = [
+            [
+                s.kind,
+                s.layer_id,
+                s.conv_dim,
+                s.conv_kernel,
+                list(s.ssm_shape),
+                s.dtype,
+                s.ssm_dtype,
+            ]  # fmt: skip
+            for s in spec.state_layers
+        ]
+        fields["format"] = DISK_FORMAT_STATE
+        state_b = state_disk_bytes(config)
+    return DiskTier(
+        config.kv_disk_tier_path,
+        config.kv_disk_tier_bytes,
+        tier_fingerprint(fields),
+        state_capacity_bytes=state_b,
+    )
+
+
+def build_state_disk(config: EngineConfig, spec: CacheSpec, kvm: KVCacheManager) -> DiskTier | None:
+    """The disk tier of a model of recurrent layers only (no KV block to tier, so no
+    :class:`TieredCache`): snapshot files only, ``state_snapshot_share`` of
+    ``kv_disk_tier_bytes`` (:func:`state_disk_bytes`), the fingerprint of
+    :func:`build_tiers` (``format`` 3). None without ``kv_disk_tier_bytes``.
+
+    Raises:
+        SpecError: an unusable disk path.
+    """
+    if not config.kv_disk_tier_bytes:
+        return None
+    return _disk_tier(config, spec, kvm, False)
+
+
 def build_tiers(
     config: EngineConfig, spec: CacheSpec, kv_caches: Sequence[KVCache], kvm: KVCacheManager
 ) -> TieredCache | None:
@@ -309,7 +366,9 @@ def build_tiers(
     reverse. A hybrid model (``spec.state_layers``) adds the state layers' layout and
     ``format`` 3: its directory also holds snapshot files (``state_snapshot_share`` of
     the bytes at most, :func:`state_disk_bytes`). One :class:`TorchBlockMover` per KV
-    group over its layers' caches.
+    group over its layers' caches. None too for a model of recurrent layers only (no KV
+    block: its snapshots' disk tier is :func:`build_state_disk`; its host rows are the
+    state pool's).
 
     Raises:
         SpecError: a layout tiers cannot serve (see ``KVCacheManager.attach_tiers``), or
@@ -317,7 +376,7 @@ def build_tiers(
     """
     host_b = config.kv_host_tier_bytes
     disk_b = config.kv_disk_tier_bytes
-    if not host_b and not disk_b:
+    if (not host_b and not disk_b) or not spec.layers:
         return None
     groups = spec.kv_groups
     multi = len(kvm.pools) > 1 and kvm.unified  # else attach_tiers refuses by name
@@ -332,45 +391,7 @@ def build_tiers(
         if cap:
             _check_holds_a_block(name, cap, mover.block_nbytes, "0 (off) or ")
     host = HostTier(host_b) if host_b else None
-    disk = None
-    if disk_b:
-        assert config.kv_disk_tier_path is not None  # checked by EngineConfig
-        model_id = config.model if isinstance(config.model, str) else type(config.model).__name__
-        fields = {
-            "model": model_id,
-            "kv_cache_dtype": spec.kv_dtype,
-            "dtype": spec.dtype,
-            "block_size": spec.block_size,
-            "hash_seed": kvm.hash_seed,
-            "layers": [[a.num_kv_heads, a.head_dim] for a in spec.layers],
-            "kv_scale_granularity": spec.kv_scale_granularity,
-            "format": DISK_FORMAT_ONE_GROUP,
-        }
-        if multi:  # group-keyed files (tiered.tier_key): never listed by a 1-group layout
-            fields["kv_groups"] = [[g.sliding_window, list(g.layer_ids)] for g in groups]
-            fields["format"] = DISK_FORMAT_GROUPS
-        state_b = 0
-        if spec.state_layers:  # snapshot files beside the KV files (tier_store.state_key)
-            fields["state_layers"] = [
-                [
-                    s.kind,
-                    s.layer_id,
-                    s.conv_dim,
-                    s.conv_kernel,
-                    list(s.ssm_shape),
-                    s.dtype,
-                    s.ssm_dtype,
-                ]  # fmt: skip
-                for s in spec.state_layers
-            ]
-            fields["format"] = DISK_FORMAT_STATE
-            state_b = state_disk_bytes(config)
-        disk = DiskTier(
-            config.kv_disk_tier_path,
-            disk_b,
-            tier_fingerprint(fields),
-            state_capacity_bytes=state_b,
-        )
+    disk = _disk_tier(config, spec, kvm, multi) if disk_b else None
     tiers = TieredCache(list(kvm.pools) if multi else kvm.pools[0], movers, host=host, disk=disk)
     tiers.admission_chunk_tokens = config.max_num_batched_tokens
     try:
@@ -387,6 +408,7 @@ __all__ = [
     "DISK_FORMAT_STATE",
     "TorchBlockMover",
     "TorchStateMover",
+    "build_state_disk",
     "build_swapper",
     "build_tiers",
     "state_disk_bytes",
