@@ -8,6 +8,7 @@ events of every place a snapshot lives."""
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -266,3 +267,30 @@ def test_manager_hit_from_disk_and_refused_file_explained(tmp_path: Path) -> Non
     assert why.reason == "no_state_snapshot" and why.state_refused == "corrupt"
     assert "disk snapshot corrupt" in why.message and why.to_dict()["state_refused"] == "corrupt"
     kv.check_integrity()
+
+
+def test_disk_full_stops_snapshot_files_and_keeps_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed write (disk full) stops the tier taking files: the next evicted
+    snapshot is lost (not stored, nothing raised), the files already there still
+    restore."""
+    pool, mover = _pool(tmp_path, host=0)
+    _take(pool, mover, (H(1), 1))
+    _take(pool, mover, (H(2), 2))  # H(1) to disk
+    disk = pool.disk
+    assert disk is not None
+
+    def full(path: Path, chunks: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DiskTier, "_write_file", staticmethod(full))
+    _take(pool, mover, (H(3), 3))  # H(2) evicted: the write fails
+    assert not disk.writable and disk.stats.write_errors == 1
+    assert not pool.has_disk_snapshot(H(2)) and pool.stats.disk_snapshots_stored == 1
+    _take(pool, mover, (H(4), 4))  # H(3): the stopped tier is not even tried
+    assert disk.stats.write_errors == 1 and not pool.has_disk_snapshot(H(3))
+    assert pool.lookup([H(1)], 1) == 1
+    slot = pool.snapshot_slot(H(1))
+    assert slot is not None and mover.rows[slot] == bytes([1]) * N
+    pool.check_integrity([])
