@@ -392,6 +392,14 @@ def test_mamba2_recurrent_only_snapshots_on_disk_survive_a_restart(tmp_path: Any
     assert list(oa2.outputs[0].token_ids) == list(oa.outputs[0].token_ids) == hf_generate(hf, a, 6)
     assert llm.llm_engine.get_metrics()["kvpage:state_disk_snapshot_hits_total"] == 1.0
     _all_free(llm)
+    # tiers that could hold nothing here are refused by name
+    for bad, what in (
+        (dict(kv_disk_tier_bytes=4000), "room for one state snapshot"),
+        (dict(kv_host_tier_bytes=4000), "room for one state snapshot"),
+        (dict(state_snapshot_slots=0), "state_snapshot_slots=0"),
+    ):
+        with pytest.raises(SpecError, match=what):
+            _llm(str(tmp_path / "m"), **{**kw, **bad})
 
 
 def test_disk_snapshots_stay_within_their_share_of_the_disk_budget(

@@ -27,6 +27,7 @@ Sizing rules (documented defaults):
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,6 +214,36 @@ def _check_state_config(config: EngineConfig) -> None:
         )
 
 
+def _check_recurrent_only_tiers(config: EngineConfig, state_bytes: int) -> None:
+    """Refuse, by name, tiers that could hold nothing on a model of recurrent layers
+    only (no KV block: its tiers hold state snapshots alone, ``state_snapshot_share`` of
+    each tier's bytes, ``kvpage.cache.state_pool``).
+
+    Raises:
+        SpecError: a tier with ``state_snapshot_slots=0``, or a tier whose share
+            cannot hold one snapshot of ``state_bytes``.
+    """
+    share = config.state_snapshot_share
+    for name, cap in (
+        ("kv_host_tier_bytes", config.kv_host_tier_bytes),
+        ("kv_disk_tier_bytes", config.kv_disk_tier_bytes),
+    ):
+        if not cap:
+            continue
+        if config.state_snapshot_slots == 0:  # (prefix caching off: EngineConfig refuses)
+            raise SpecError(
+                f"{name}: expected 0 on a model of recurrent layers only with "
+                f"state_snapshot_slots=0 (its tiers hold state snapshots alone), got {cap:,}"
+            )
+        if int(cap * share) < state_bytes:
+            need = f"at least {math.ceil(state_bytes / share):,} bytes" if share > 0 else "a share > 0"  # fmt: skip
+            raise SpecError(
+                f"{name}: expected 0 (off) or room for one state snapshot "
+                f"({state_bytes:,} bytes) in its state_snapshot_share={share}: {need}, "
+                f"got {cap:,}"
+            )
+
+
 def build_components(config: EngineConfig) -> EngineComponents:
     """Load the model, size and allocate the cache, pick the backend.
 
@@ -221,7 +252,9 @@ def build_components(config: EngineConfig) -> EngineComponents:
 
     Raises:
         SpecError: bad sizes, a KV cache too big to allocate, a model with recurrent
-            state layers and speculative decoding (``_check_state_config``), or ``max_model_len`` above the model's
+            state layers and speculative decoding (``_check_state_config``), tiers that
+            hold nothing on a model of recurrent layers only
+            (``_check_recurrent_only_tiers``), or ``max_model_len`` above the model's
             ``max_position_embeddings``; BackendUnavailableError: no backend can run
             the spec.
     """
@@ -267,6 +300,8 @@ def build_components(config: EngineConfig) -> EngineComponents:
     if state_bytes:
         _check_state_config(config)
     recurrent_only = bool(state_bytes) and not probe.layers
+    if recurrent_only:
+        _check_recurrent_only_tiers(config, state_bytes)
     if recurrent_only:  # no KV tensors: 2 blocks keep the (empty) block bookkeeping valid
         num_blocks = 2
         if config.kv_cache_memory_bytes is not None:
