@@ -403,12 +403,12 @@ def test_mamba2_recurrent_only_snapshots_on_disk_survive_a_restart(tmp_path: Any
 
 
 def test_disk_snapshots_stay_within_their_share_of_the_disk_budget(
-    q3n: tuple[Any, str], tmp_path: Path
+    q3n: tuple[Any, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """kv_disk_tier_bytes=60000 at the default share 0.1: snapshot files may take 6000
     bytes, one snapshot (5376 bytes here); A's file goes when C's is written, the
     directory never holds more than 60000 bytes; a restart with a share too small for
-    one snapshot removes the file it finds (KV files stay)."""
+    one snapshot removes the file it finds (KV files stay) and says so."""
     _, folder = q3n
     a = SYSTEM + [11, 12, 13, 14, 15]
     c = [(5 * i + 1) % 250 + 3 for i in range(100)] + [9, 9, 9]
@@ -434,7 +434,9 @@ def test_disk_snapshots_stay_within_their_share_of_the_disk_budget(
     _all_free(llm)
     n_kv = len(disk) - 1
     del llm, pool, disk
-    llm = _llm(folder, **{**kw, "state_snapshot_share": 0.05})  # 3000 bytes: no snapshot
+    with caplog.at_level("WARNING", logger="kvpage.cache"):
+        llm = _llm(folder, **{**kw, "state_snapshot_share": 0.05})  # 3000 bytes: none
+    assert "kv_disk_tier_bytes=60000: its state_snapshot_share=0.05 holds no" in caplog.text
     pool = llm.llm_engine.kv_cache_manager.state
     tiers = llm.llm_engine.kv_cache_manager.tiers
     assert pool is not None and pool.disk is None and tiers is not None and tiers.disk

@@ -27,6 +27,7 @@ Sizing rules (documented defaults):
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -398,6 +399,19 @@ def build_components(config: EngineConfig) -> EngineComponents:
             disk = build_state_disk(config, spec, kvm)
         if disk is not None and disk.state_capacity_bytes >= state_bytes:
             state_pool.attach_disk(disk, TorchStateMover(state_caches, state_host))
+        for name, cap, held in (
+            ("kv_host_tier_bytes", config.kv_host_tier_bytes, state_pool.num_host_snapshots),
+            ("kv_disk_tier_bytes", config.kv_disk_tier_bytes, state_pool.disk is not None),
+        ):
+            if cap and not held:  # KV tiers still work: said, not refused
+                logging.getLogger("kvpage.cache").warning(
+                    "kvpage: %s=%d: its state_snapshot_share=%s holds no recurrent-state "
+                    "snapshot (%d bytes each): evicted snapshots are not kept there",
+                    name,
+                    cap,
+                    share,
+                    state_bytes,
+                )
     spec_cfg = parse_speculative_config(config.speculative_config)
     scheduler = Scheduler(
         kvm,
