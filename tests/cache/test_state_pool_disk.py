@@ -194,6 +194,8 @@ def test_corrupt_or_truncated_file_is_a_miss_with_its_reason(tmp_path: Path, dam
     assert all(mover.rows.get(k) == v for k, v in before.items() if k != slot)
     mover.copy_slots(pool.take_copies())
     pool.check_integrity([])
+    _take(pool, mover, (H(2), 2))  # computed and snapshotted again: the refusal is moot
+    assert pool.refusal(H(2)) is None
 
 
 def test_state_share_of_the_disk_budget_and_keys(tmp_path: Path) -> None:

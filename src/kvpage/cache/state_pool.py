@@ -380,6 +380,8 @@ class StatePool:
             max_blocks = k - 1
 
     def _emit_stored(self, block_hash: BlockHash, where: str) -> None:
+        if self._refused:
+            self._refused.pop(block_hash, None)  # stored again: an old refusal is moot
         for lis in self.listeners:
             lis.on_snapshot_stored(block_hash, where)
 
