@@ -27,10 +27,10 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvpage.cluster.core import RouterCore
-from kvpage.engine.params import SamplingParams
+from kvpage.engine.params import RequestOutput, SamplingParams
 from kvpage.errors import RequestRejected
 from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput
 from kvpage.server.protocol import APIError
@@ -38,6 +38,8 @@ from kvpage.server.protocol import APIError
 __all__ = ["GroupSelector", "RemoteEngineLoop", "ReplicaGroup"]
 
 logger = logging.getLogger("kvpage.cluster")
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -116,22 +118,24 @@ class GroupSelector:
         return ("default" if drawn == "canary" else drawn), drawn
 
 
-def _prompt_parts(prompt: Any) -> tuple[list[int], str | None]:
+def _prompt_parts(prompt: PromptInput) -> tuple[list[int], str | None]:
     if isinstance(prompt, dict):
         return list(prompt["prompt_token_ids"]), prompt.get("cache_salt")
     return list(prompt), None
 
 
-def _shift_times(out: Any, arrival: float | None) -> Any:
+def _shift_times(out: RequestOutput, arrival: float | None) -> RequestOutput:
     """Put the replica's (monotonic) timestamps on the ingress's clock: the replica's
     arrival becomes the ingress's arrival (clocks of two hosts are not comparable)."""
-    if arrival is None or getattr(out, "arrival_time", None) is None:
+    if arrival is None:
         return out
     delta = arrival - out.arrival_time
-    for name in ("first_scheduled_time", "first_token_time", "finish_time"):
-        v = getattr(out, name, None)
-        if v is not None:
-            setattr(out, name, v + delta)
+    if out.first_scheduled_time is not None:
+        out.first_scheduled_time += delta
+    if out.first_token_time is not None:
+        out.first_token_time += delta
+    if out.finish_time is not None:
+        out.finish_time += delta
     out.arrival_time = arrival
     return out
 
@@ -266,7 +270,7 @@ class RemoteEngineLoop:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def call(self, fn: Callable[[Any], _T]) -> _T:
         """Not available: there is no local engine.
 
         Raises:
@@ -279,11 +283,11 @@ class RemoteEngineLoop:
         self,
         group: ReplicaGroup,
         request_id: str,
-        prompt: Any,
-        params: Any,
+        prompt: PromptInput,
+        params: SamplingParams,
         arrival: float | None,
         priority: int,
-        q: asyncio.Queue[Any],
+        q: asyncio.Queue[EngineOutput],
         ack: asyncio.Future[None],
         replayable: bool = False,
     ) -> None:
@@ -364,7 +368,9 @@ class RemoteEngineLoop:
             group.core.finished(request_id)
 
     @staticmethod
-    def _fail(q: asyncio.Queue[Any], ack: asyncio.Future[None], failure: EngineFailure) -> None:
+    def _fail(
+        q: asyncio.Queue[EngineOutput], ack: asyncio.Future[None], failure: EngineFailure
+    ) -> None:
         if ack.done():
             q.put_nowait(failure)
             return
@@ -379,7 +385,7 @@ class RemoteEngineLoop:
             )
         )
 
-    def _record_hits(self, group: ReplicaGroup, request_id: str, out: Any) -> None:
+    def _record_hits(self, group: ReplicaGroup, request_id: str, out: RequestOutput) -> None:
         d = group.core.decisions.get(request_id)
         if d is None:
             return

@@ -170,21 +170,20 @@ class EngineReplica:
         self._ensure_started()
         e = self.engine
         spec = e.cache_spec
-        total = getattr(spec, "total_bytes", 0)
         return {
             "replica_id": self.replica_id,
             "group": self.group,
             "tokenizer": e.tokenizer,
             # generation_config.json request defaults (the ingress validates requests)
-            "default_sampling_params": dict(getattr(e, "default_sampling_params", {})),
-            "generation_config_path": getattr(e, "generation_config_path", None),
+            "default_sampling_params": dict(e.default_sampling_params),
+            "generation_config_path": e.generation_config_path,
             "block_size": int(spec.block_size),
             "num_blocks": int(spec.num_blocks),
-            "kv_dtype": str(getattr(spec, "kv_dtype", "auto")),
-            "total_bytes": float(total() if callable(total) else total),
+            "kv_dtype": str(spec.kv_dtype),
+            "total_bytes": int(spec.total_bytes),
             "max_model_len": int(e.scheduler.max_model_len),
             "max_num_seqs": int(e.scheduler.max_num_seqs),
-            "backend_name": str(getattr(e, "backend_name", "unknown")),
+            "backend_name": str(e.backend_name),
             "hash_seed": int(e.kv_cache_manager.hash_seed),
             "engine_config": resolve_engine(
                 EngineConfig.model_validate(self.engine_kwargs), e

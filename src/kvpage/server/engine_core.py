@@ -11,6 +11,7 @@ garbage collector, whose full collections otherwise stall steps for hundreds of 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import gc
@@ -25,7 +26,7 @@ from kvpage.models.tokenizer_base import Tokenizer
 from kvpage.server.engine_client import EngineOutput
 from kvpage.server.engine_loop import AsyncEngine, StepStats, _Command
 from kvpage.server.framing import FrameError, FrameReader, recv_frame, send_frame
-from kvpage.server.output_codec import OutputEncoder
+from kvpage.server.output_codec import OutputEncoder, WireOutput
 from kvpage.specs import CacheSpec
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ class EngineInfo:
     cache_spec: CacheSpec
     backend_name: str
     max_model_len: int
+    #: ``Scheduler.max_servable_len`` (``max_model_len`` or less when the pool is smaller)
+    max_servable_len: int
     policy: str
     metrics: dict[str, float]
     #: request defaults from generation_config.json (``LLMEngine.default_sampling_params``)
@@ -90,12 +93,12 @@ class _EngineCore(AsyncEngine):
         self._llm = engine  # the same engine, as its own type (for the final report)
         self._sock = sock
         self._send_lock = threading.Lock()
-        self._outbox: list[tuple[str, Any]] = []
+        self._outbox: list[tuple[str, WireOutput]] = []
         self._last: StepStats | None = None
         self._idle_sent: dict[str, float] | None = None
         self._codec = OutputEncoder()
 
-    def _send(self, msg: Any) -> None:
+    def _send(self, msg: tuple[object, ...]) -> None:
         with self._send_lock:
             send_frame(self._sock, msg)
 
@@ -122,7 +125,7 @@ class _EngineCore(AsyncEngine):
     def _on_exit(self) -> None:
         self._flush()  # the parent fails whatever still waits when it sees "final"
 
-    def _reply(self, cid: int, fut: Any) -> None:
+    def _reply(self, cid: int, fut: concurrent.futures.Future[object]) -> None:
         exc = fut.exception()
         if exc is None:
             self._send(("res", cid, True, fut.result()))
@@ -131,8 +134,6 @@ class _EngineCore(AsyncEngine):
 
     def serve(self) -> None:
         """Run the engine thread; read commands here until "stop" or the parent goes."""
-        import concurrent.futures
-
         self._start_thread()
         reader = FrameReader()
         backlog: list[bytes] = []
@@ -145,12 +146,12 @@ class _EngineCore(AsyncEngine):
                 kind = msg[0]
                 if kind == "stop":
                     break
-                fut: concurrent.futures.Future[Any] | None = None
+                fut: concurrent.futures.Future[object] | None = None
                 if msg[1] is not None:
                     fut = concurrent.futures.Future()
                     fut.add_done_callback(functools.partial(self._reply, msg[1]))
                 if kind == "add":
-                    cmd = _Command("add", msg[2], msg[3], msg[4], future=fut, final_only=msg[5])
+                    cmd = _Command("add", msg[2], msg[3], future=fut)
                 elif kind == "abort":
                     cmd = _Command("abort", msg[2], future=fut)
                 else:
@@ -183,8 +184,9 @@ def child_main(
             engine.tokenizer,
             engine.cache_spec,
             engine.backend_name,
+            int(sched.max_model_len),
             int(sched.max_servable_len),
-            str(getattr(sched, "policy", "fcfs")),
+            str(sched.policy),
             dict(engine.get_metrics()),
             dict(engine.default_sampling_params),
             engine.generation_config_path,
