@@ -20,7 +20,7 @@ import os
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from kvpage.models.tokenizer_base import Tokenizer
 from kvpage.server.engine_client import EngineOutput
@@ -32,7 +32,7 @@ from kvpage.specs import CacheSpec
 if TYPE_CHECKING:
     from kvpage.engine import LLMEngine
 
-__all__ = ["EngineInfo", "child_main", "engine_report"]
+__all__ = ["EngineInfo", "EngineReport", "child_main", "engine_report"]
 
 logger = logging.getLogger("kvpage.server.engine")
 
@@ -55,7 +55,20 @@ class EngineInfo:
     generation_config_path: str | None = None
 
 
-def engine_report(engine: LLMEngine) -> dict[str, Any]:
+class EngineReport(TypedDict):
+    """:func:`engine_report`: the engine's end state (blocks, requests, the integrity
+    check's ``"ok"`` or error, its metrics)."""
+
+    free_blocks: int
+    usable_blocks: int
+    running: int
+    waiting: int
+    unfinished: bool
+    integrity: str
+    metrics: dict[str, float]
+
+
+def engine_report(engine: LLMEngine) -> EngineReport:
     """The engine's end state: free/usable blocks, running/waiting counts, the result of
     ``kv_cache_manager.check_integrity()`` ("ok" or the error) and its metrics."""
     kv = engine.kv_cache_manager

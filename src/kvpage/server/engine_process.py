@@ -48,7 +48,7 @@ from typing import Any, TypeVar, cast
 
 from kvpage.engine.params import SamplingParams
 from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput
-from kvpage.server.engine_core import EngineInfo, engine_report
+from kvpage.server.engine_core import EngineInfo, EngineReport, engine_report
 from kvpage.server.engine_loop import AddRequest, StepStats
 from kvpage.server.engine_spawn import SpawnedEngine
 from kvpage.server.framing import FrameError, encode_frame, recv_frame
@@ -100,7 +100,7 @@ class ProcessAsyncEngine:
         self._decoder = OutputDecoder()
         self._gone = threading.Event()  # the child closed its end (after "final" or dying)
         self.metrics_snapshot: dict[str, float] = proc.get_metrics()
-        self.final_report: dict[str, Any] | None = None
+        self.final_report: EngineReport | None = None
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -306,7 +306,7 @@ class ProcessAsyncEngine:
             with contextlib.suppress(RuntimeError):  # loop closed: the child is stopping
                 loop.call_soon_threadsafe(self._write, frame)
 
-    def _take_final(self, report: dict[str, Any]) -> None:
+    def _take_final(self, report: EngineReport) -> None:
         self.final_report = report
         self.metrics_snapshot = dict(report["metrics"])
 
