@@ -27,7 +27,7 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kvpage.cluster.core import RouterCore
 from kvpage.engine.params import RequestOutput, SamplingParams
@@ -35,7 +35,7 @@ from kvpage.errors import RequestRejected
 from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput
 from kvpage.server.protocol import APIError
 
-__all__ = ["GroupSelector", "RemoteEngineLoop", "ReplicaGroup"]
+__all__ = ["GroupSelector", "IngressObserver", "RemoteEngineLoop", "ReplicaGroup"]
 
 logger = logging.getLogger("kvpage.cluster")
 
@@ -140,14 +140,48 @@ def _shift_times(out: RequestOutput, arrival: float | None) -> RequestOutput:
     return out
 
 
+class IngressObserver(Protocol):
+    """What a :class:`RemoteEngineLoop` reports (the ingress's ``ClusterMetrics``)."""
+
+    def request(self, group: str) -> None: ...
+
+    def fallback(self, drawn: str, group: str) -> None: ...
+
+    def retry(self, group: str) -> None: ...
+
+    def failure(self, group: str) -> None: ...
+
+    def hits(self, group: str, predicted: int, actual: int) -> None: ...
+
+
+class _Unobserved:
+    """No observer (yet): the reports go nowhere."""
+
+    def request(self, group: str) -> None:
+        pass
+
+    def fallback(self, drawn: str, group: str) -> None:
+        pass
+
+    def retry(self, group: str) -> None:
+        pass
+
+    def failure(self, group: str) -> None:
+        pass
+
+    def hits(self, group: str, predicted: int, actual: int) -> None:
+        pass
+
+
 class RemoteEngineLoop:
     """An ``AsyncEngine`` stand-in whose engine is a set of replica groups.
 
     Args:
         groups: name -> :class:`ReplicaGroup`.
         selector: the group choice.
-        observer: ``retry(group)``, ``failure(group)``, ``request(group)``,
-            ``fallback(drawn, group)`` and ``hits(group, predicted, actual)`` callbacks (the ingress metrics).
+        observer: receives ``request``, ``fallback``, ``retry``, ``failure`` and
+            ``hits`` reports (:class:`IngressObserver`: the ingress metrics; None:
+            nobody, until ``observer`` is set).
         on_first_output: called with ``(group, replica_id)`` when a request's first
             output arrives (the ingress pulls that replica's KV events then).
 
@@ -160,12 +194,12 @@ class RemoteEngineLoop:
         self,
         groups: dict[str, ReplicaGroup],
         selector: GroupSelector,
-        observer: Any,
+        observer: IngressObserver | None,
         on_first_output: Callable[[str, str], None] | None = None,
     ) -> None:
         self.groups = groups
         self.selector = selector
-        self.observer = observer
+        self.observer: IngressObserver = _Unobserved() if observer is None else observer
         self._on_first = on_first_output
         self._tasks: dict[str, asyncio.Task[None]] = {}
         #: request id -> {"group", "replica"} until the server takes it (metrics labels)

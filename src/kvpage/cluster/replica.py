@@ -35,7 +35,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvpage.engine.params import RequestOutput, SamplingParams
 from kvpage.errors import RequestRejected
+from kvpage.server.engine_client import PromptInput
 from kvpage.server.engine_loop import AsyncEngine, EngineFailure, StepStats
 
 __all__ = ["EngineReplica", "replica_load"]
@@ -106,8 +108,13 @@ class EngineReplica:
 
     # ------------------------------------------------------------ calls
     async def generate(
-        self, request_id: str, prompt: Any, params: Any, route: Any = None, priority: int = 0
-    ) -> AsyncIterator[Any]:
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        route: Any = None,  # the router's hint (a JSON dict), unused here
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput | dict[str, Any]]:
         """Run one request; yield its ``RequestOutput`` objects (see module doc);
         ``priority`` is the scheduling priority the ingress resolved for its tenant."""
         self._ensure_started()
