@@ -40,7 +40,7 @@ class _StubAttention:
     def plan(self, meta: AttentionMetadata) -> StepPlan:
         return plan_step(meta)
 
-    def write_kv(self, *args: Any) -> None:
+    def write_kv(self, *args: Any, **kwargs: Any) -> None:  # kwargs: plan=
         return None
 
     def forward(self, query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

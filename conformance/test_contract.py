@@ -314,6 +314,33 @@ def test_write_kv_rejects_bad_input_and_changes_nothing(ctx, kv_dtype) -> None: 
     ctx.backend.write_kv(k.to(cache.kv.dtype) if kv_dtype == "auto" else k, k, cache, edge)
 
 
+def test_write_kv_with_the_step_plan(ctx) -> None:  # type: ignore[no-untyped-def]
+    """``write_kv(..., plan=plan)`` as the model's layers call it: bit-identical to the
+    call without; the plan never waives the check of an unchecked plan, of another slot
+    mapping or of bad input (a backend may skip only for ``plan.checked_slot_mapping``)."""
+    from kvpage.attention.checks import check_step_layers
+
+    spec = _spec()
+    ctx.supports(ctx.backend.unsupported_reasons(spec, ctx.device))
+    dev = ctx.device
+    meta = _step(ctx, [3], [3], [[1, 2]])  # 3 new tokens at slots 4, 5, 6 (block size 4)
+    plan = ctx.backend.plan(meta)
+    plain, planned = (allocate_layer_cache(spec, 0, dev) for _ in range(2))
+    k = torch.randn(3, 2, 8, device=dev).to(plain.kv.dtype)
+    bad = torch.randn(3, 2, 7, device=dev).to(plain.kv.dtype)
+    ctx.backend.write_kv(k, k, plain, meta.slot_mapping)
+    ctx.backend.write_kv(k, k, planned, meta.slot_mapping, plan=plan)
+    assert_cache_bits_equal(planned, plain, what="write_kv with plan=")
+    with pytest.raises(ShapeError, match=r"key: expected \[num_tokens, 2, 8\]"):
+        ctx.backend.write_kv(bad, k, planned, meta.slot_mapping, plan=plan)  # unchecked plan
+    check_step_layers(plan, [(spec.block_size, spec.num_blocks)], torch.device(dev))
+    assert plan.checked_slot_mapping is meta.slot_mapping
+    with pytest.raises(ShapeError, match=r"key: expected \[num_tokens, 2, 8\]"):
+        ctx.backend.write_kv(bad, k, planned, meta.slot_mapping.clone(), plan=plan)
+    ctx.backend.write_kv(k, k, planned, meta.slot_mapping, plan=plan)  # the engine's path
+    assert_cache_bits_equal(planned, plain, what="write_kv with a checked plan")
+
+
 def test_copy_blocks_bit_exact(ctx) -> None:  # type: ignore[no-untyped-def]
     """copy_blocks copies whole blocks (scales too) bit-exactly in every layer and
     leaves other blocks bit-identical; a bad pair raises and copies nothing."""

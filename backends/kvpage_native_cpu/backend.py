@@ -22,9 +22,10 @@ import numpy as np
 import torch
 
 from kvpage.attention.canonical import mla_as_mqa
-from kvpage.attention.checks import CHECKED_SLOT_MAPPINGS, check_launch_forward, check_write_kv
+from kvpage.attention.checks import check_launch_forward, check_write_kv
 from kvpage.attention.cpu_plan import CpuPlan, forward_operands, torch_threads
 from kvpage.attention.metadata import AttentionMetadata, KVCache
+from kvpage.attention.plan import StepPlan
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.backends.torch_backend import TorchBackend
 from kvpage.errors import BackendUnavailableError
@@ -161,6 +162,8 @@ class NativeCpuBackend:
         value: torch.Tensor | None,
         cache: KVCache,
         slot_mapping: torch.Tensor,
+        *,
+        plan: StepPlan | None = None,
     ) -> None:
         """Store K/V at ``slot_mapping`` (see ``AttentionBackend.write_kv``): one C
         call of row copies when nothing needs converting (auto KV in the model dtype,
@@ -170,8 +173,8 @@ class NativeCpuBackend:
 
         Raises:
             ShapeError, DTypeError: see ``kvpage.attention.checks.check_write_kv`` (not
-                run for a slot mapping the engine validated at plan time:
-                ``checks.CHECKED_SLOT_MAPPINGS``).
+                run for the slot mapping ``plan`` says the engine validated at plan
+                time: ``plan.checked_slot_mapping is slot_mapping``).
         """
         kv = cache.kv
         lib = self._library()[0]
@@ -185,9 +188,9 @@ class NativeCpuBackend:
             or not slot_mapping.is_contiguous()
             or not (_rows_contiguous(key) and _rows_contiguous(value))
         ):
-            self._torch.write_kv(key, value, cache, slot_mapping)
+            self._torch.write_kv(key, value, cache, slot_mapping, plan=plan)
             return
-        if CHECKED_SLOT_MAPPINGS.get(id(slot_mapping)) is not slot_mapping:
+        if plan is None or plan.checked_slot_mapping is not slot_mapping:
             check_write_kv(key, value, cache, slot_mapping)
         es = kv.element_size()
         lib.kvp_write_kv(

@@ -27,6 +27,7 @@ from kvpage.attention.canonical import (
     sinks_reasons,
 )
 from kvpage.attention.metadata import FP8_MAX, AttentionMetadata, KVCache
+from kvpage.attention.plan import StepPlan
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.errors import ShapeError
 from kvpage.specs import AttentionSpec, CacheSpec
@@ -168,12 +169,17 @@ class NumbaBackend:
         value: torch.Tensor | None,
         cache: KVCache,
         slot_mapping: torch.Tensor,
+        *,
+        plan: StepPlan | None = None,
     ) -> None:
         """Store K/V at their slots (see ``AttentionBackend.write_kv``; formulas in
         ``kvpage.attention.quant``). Mutates ``cache.kv`` (and ``token_scales``).
 
         The slot range is checked for a CPU slot mapping only: on CUDA the caller
         guarantees ``-1 <= slot < num_blocks * block_size`` (the kernel skips -1).
+
+        ``plan`` (the step's, from the model's layers) is not used: the launch checks
+        run on every call (they also guard what the kernel reads raw).
 
         Raises:
             ShapeError, DTypeError: see ``kvpage.attention.checks.check_launch_write``

@@ -23,6 +23,7 @@ from kvpage.attention.canonical import mla_as_mqa
 from kvpage.attention.checks import check_launch_forward
 from kvpage.attention.cpu_plan import CpuPlan, forward_operands, torch_threads
 from kvpage.attention.metadata import AttentionMetadata, KVCache
+from kvpage.attention.plan import StepPlan
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.backends.torch_backend import TorchBackend
 from kvpage.specs import AttentionSpec, CacheSpec
@@ -117,9 +118,15 @@ class NumbaCpuBackend:
         value: torch.Tensor | None,
         cache: KVCache,
         slot_mapping: torch.Tensor,
+        *,
+        plan: StepPlan | None = None,
     ) -> None:
-        """The torch backend's ``write_kv`` (see ``AttentionBackend.write_kv``)."""
-        self._torch.write_kv(key, value, cache, slot_mapping)
+        """The torch backend's ``write_kv`` (see ``AttentionBackend.write_kv``).
+
+        ``plan`` goes to the torch backend, which skips its check for the slot mapping
+        the engine validated at plan time (``plan.checked_slot_mapping``).
+        """
+        self._torch.write_kv(key, value, cache, slot_mapping, plan=plan)
 
     def copy_blocks(self, caches: list[KVCache], pairs: torch.Tensor) -> None:
         """The torch backend's ``copy_blocks`` (see ``AttentionBackend.copy_blocks``)."""

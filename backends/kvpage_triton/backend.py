@@ -25,6 +25,7 @@ from kvpage.attention.canonical import (
 )
 from kvpage.attention.checks import check_block_pairs
 from kvpage.attention.metadata import AttentionMetadata, KVCache
+from kvpage.attention.plan import StepPlan
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.errors import BackendUnavailableError, DTypeError, ShapeError
 from kvpage.specs import AttentionSpec, CacheSpec
@@ -212,11 +213,16 @@ class TritonBackend:
         value: torch.Tensor | None,
         cache: KVCache,
         slot_mapping: torch.Tensor,
+        *,
+        plan: StepPlan | None = None,
     ) -> None:
         """Store K/V ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping``
         (int64, -1 = skip), quantizing per ``kvpage.attention.quant`` for int8/fp8.
 
         Mutates ``cache.kv`` (and ``cache.token_scales`` for int8) at those slots only.
+
+        ``plan`` (the step's, from the model's layers) is not used: ``check_write_kv``
+        runs on every call.
 
         Raises:
             ShapeError, DTypeError: invalid arguments (nothing is written).

@@ -76,7 +76,13 @@ class LoopBackend:
         return LoopPlan(**step_fields(meta), query_starts=tuple(starts))
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: KVCache,
+        slot_mapping: torch.Tensor,
+        *,
+        plan: LoopPlan | None = None,  # the step's plan; unused: it checks every call
     ) -> None:
         check_write_kv(key, value, cache, slot_mapping)
         keep = slot_mapping >= 0

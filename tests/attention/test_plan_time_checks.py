@@ -5,6 +5,9 @@ layer's ``forward``; a plan used directly still has ``forward`` check every call
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -110,25 +113,43 @@ def test_check_step_layers_checks_and_records_the_slot_mapping() -> None:
         ShapeError, match=r"^slot_mapping: expected values in \[-1, 5\], got \[6, 6\]"
     ):
         checks.check_step_layers(plan, [(2, 4), (2, 3)], torch.device("cpu"))  # 2nd pool: 6 slots
-    assert not plan.layers_checked and id(slots) not in checks.CHECKED_SLOT_MAPPINGS
+    assert not plan.layers_checked and plan.checked_slot_mapping is None
     checks.check_step_layers(plan, [(2, 4), (2, 4)], torch.device("cpu"))
-    assert plan.layers_checked and checks.CHECKED_SLOT_MAPPINGS[id(slots)] is slots
+    assert plan.layers_checked and plan.checked_slot_mapping is slots
+    other = TorchBackend().plan(_meta())  # each step's plan owns its own record
+    assert other.checked_slot_mapping is None
 
 
-def test_debug_option_records_no_slot_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_pool_or_the_debug_option_records_no_slot_mapping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plan = TorchBackend().plan(_meta())
+    checks.check_step_layers(plan, [], torch.device("cpu"))  # no pool checked the slots
+    assert plan.layers_checked and plan.checked_slot_mapping is None
     monkeypatch.setattr(checks, "CHECK_EVERY_LAYER", True)
-    meta = _meta()
-    checks.check_step_layers(TorchBackend().plan(meta), [(2, 4)], torch.device("cpu"))
-    assert id(meta.slot_mapping) not in checks.CHECKED_SLOT_MAPPINGS
+    plan = TorchBackend().plan(_meta())
+    checks.check_step_layers(plan, [(2, 4)], torch.device("cpu"))
+    assert not plan.layers_checked and plan.checked_slot_mapping is None
 
 
-def test_checked_slot_mappings_keep_the_newest_entries() -> None:
-    metas = [_meta() for _ in range(checks.MAX_CHECKED_SLOT_MAPPINGS + 2)]
-    for m in metas:
-        checks.check_step_layers(TorchBackend().plan(m), [(2, 4)], torch.device("cpu"))
-    assert len(checks.CHECKED_SLOT_MAPPINGS) == checks.MAX_CHECKED_SLOT_MAPPINGS
-    assert id(metas[0].slot_mapping) not in checks.CHECKED_SLOT_MAPPINGS
-    assert checks.CHECKED_SLOT_MAPPINGS[id(metas[-1].slot_mapping)] is metas[-1].slot_mapping
+def test_the_checks_keep_no_module_state() -> None:
+    """No module-level container in checks.py (the old id -> slot mapping registry was
+    one): what a step checked lives on its plan only."""
+    tree = ast.parse(Path(checks.__file__).read_text())
+    mutable = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+    found = [
+        ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target)
+        for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        and (
+            isinstance(node.value, mutable)
+            or (
+                isinstance(node.value, ast.Call)
+                and ast.unparse(node.value.func) in {"dict", "list", "set"}
+            )
+        )
+    ]
+    assert found == []
 
 
 @pytest.mark.parametrize("name", ["torch", "native-cpu"])
@@ -149,13 +170,20 @@ def test_write_kv_skips_its_check_only_for_the_recorded_slot_mapping(
     monkeypatch.setattr(tb, "check_write_kv", spy)
     monkeypatch.setattr(type(backend).__module__ + ".check_write_kv", spy)
     meta = _meta()
-    checks.check_step_layers(backend.plan(meta), [(2, 4)], torch.device("cpu"))
+    plan = backend.plan(meta)
+    checks.check_step_layers(plan, [(2, 4)], torch.device("cpu"))
     k = torch.randn(1, 2, 8)  # the step's one query token
-    skipped, checked = _cache(), _cache()
-    backend.write_kv(k, k, skipped, meta.slot_mapping)  # the engine's path: no check
+    skipped, checked, unplanned = _cache(), _cache(), _cache()
+    backend.write_kv(k, k, skipped, meta.slot_mapping, plan=plan)  # the engine's path: no check
     assert calls == []
-    backend.write_kv(k, k, checked, meta.slot_mapping.clone())  # same values, another tensor
+    backend.write_kv(k, k, checked, meta.slot_mapping.clone(), plan=plan)  # another tensor
     assert calls == [1]
+    backend.write_kv(k, k, unplanned, meta.slot_mapping)  # no plan: a direct call
+    assert calls == [1, 1]
+    unchecked_plan = backend.plan(_meta())  # a plan check_step_layers never saw
+    backend.write_kv(k, k, _cache(), unchecked_plan.meta.slot_mapping, plan=unchecked_plan)
+    assert calls == [1, 1, 1]
     torch.testing.assert_close(skipped.kv, checked.kv, rtol=0, atol=0)
+    torch.testing.assert_close(skipped.kv, unplanned.kv, rtol=0, atol=0)
     with pytest.raises(ShapeError, match=r"^key: expected \[num_tokens, 2, 8\]"):  # direct: caught
-        backend.write_kv(torch.randn(1, 1, 8), k, _cache(), meta.slot_mapping.clone())
+        backend.write_kv(torch.randn(1, 1, 8), k, _cache(), meta.slot_mapping.clone(), plan=plan)

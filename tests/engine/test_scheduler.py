@@ -9,7 +9,7 @@ import pytest
 
 from kvpage.cache import KVCacheManager
 from kvpage.engine import Request, SamplingParams, Scheduler, SchedulerOutput
-from kvpage.errors import RequestRejected
+from kvpage.errors import RequestRejected, SpecError
 from kvpage.specs import load_preset
 
 FAKE = 7  # the token every fake step "samples"
@@ -220,3 +220,24 @@ def test_random_workloads_never_deadlock_or_idle() -> None:
             t += 1
             assert t < 20_000
         assert s.kv.usage == 0.0
+
+
+def test_update_refuses_a_wrong_number_of_samples_and_appends_nothing() -> None:
+    s = make()
+    s.add_request(req("a", 5, n=2))  # sample 0 and one pending sample: 2 tokens a step
+    out = s.schedule()
+    a = out.scheduled[0].request
+    with pytest.raises(SpecError, match=r"^sampled\['a'\]: expected 2 tokens, got 1$"):
+        s.update(out, {"a": [FAKE]})
+    assert len(a.token_ids) == 5 and a.num_pending_samples == 1  # no token, no fork
+    progressed, finished = s.update(out, {"a": [FAKE, 11]})
+    assert [r.token_ids[-1] for r in progressed] == [FAKE, 11] and not finished
+
+
+def test_update_finishes_a_dead_end_sample_without_a_token() -> None:
+    s = make()
+    s.add_request(req("a", 5))
+    out = s.schedule()
+    progressed, finished = s.update(out, {"a": [-1]})  # DEAD_END_TOKEN
+    assert progressed == finished == [out.scheduled[0].request]
+    assert progressed[0].num_new_tokens == 0 and len(progressed[0].token_ids) == 5

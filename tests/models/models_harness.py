@@ -25,7 +25,13 @@ class ReferenceAdapter:
         return plan_step(meta)
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: KVCache,
+        slot_mapping: torch.Tensor,
+        *,
+        plan: StepPlan | None = None,  # the step's plan (the reference checks nothing)
     ) -> None:
         reference_write_kv(key, value, cache, slot_mapping)
 

@@ -14,6 +14,8 @@ from kvpage.server.engine_process import ProcessAsyncEngine
 
 
 class _Engine:
+    failed_request_ids: tuple[str, ...] = ()
+
     def get_metrics(self) -> dict[str, float]:
         return {"num_requests_running": 0.0}
 

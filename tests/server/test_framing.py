@@ -272,7 +272,7 @@ def test_a_command_larger_than_the_socket_buffer_is_written_without_blocking():
 
     try:
         asyncio.run(main())
-        assert child.commands[0][0] == "add" and child.commands[0][3][0] == prompt
+        assert child.commands[0][0] == "add" and child.commands[0][3].prompt == prompt
     finally:
         eng._stopped = True
         theirs.close()

@@ -10,9 +10,11 @@ runs (the step itself is validated once, when the plan is built:
 runner's caches and specs (they never change), :func:`check_step_layers` once per step
 and KV group; it marks the plan (``StepPlan.layers_checked``) and the CPU backends'
 ``forward`` then runs no per-layer check. It also checks the step's slot mapping
-against the group's pools and records it (:data:`CHECKED_SLOT_MAPPINGS`): ``write_kv``
-called with that very tensor (the model passes each layer ``plan.meta.slot_mapping``)
-skips ``check_write_kv``; any other slot mapping — a direct call — is checked.
+against the group's pools and records it on the plan it belongs to
+(``StepPlan.checked_slot_mapping``): ``write_kv(..., slot_mapping, plan=plan)`` with that
+very tensor (the model passes each layer ``plan.meta.slot_mapping`` and its plan) skips
+``check_write_kv``; any other slot mapping, or a call without the plan, is checked. No
+module state: what was checked lives and dies with the step's plan.
 ``KVPAGE_CHECK_EVERY_LAYER=1`` in the environment (:data:`CHECK_EVERY_LAYER`) leaves the
 plan unmarked and records nothing, so every layer checks its arguments again (debugging
 a backend or a model). The ``check_launch_*`` functions run them first
@@ -39,15 +41,6 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: ``KVPAGE_CHECK_EVERY_LAYER=1``: every layer's ``forward`` checks its arguments even
 #: when the step's layers were validated at plan time (read at import)
 CHECK_EVERY_LAYER = os.environ.get("KVPAGE_CHECK_EVERY_LAYER", "") not in ("", "0")
-#: slot mappings validated by :func:`check_step_layers`: ``id(tensor) -> tensor`` (held,
-#: so an id cannot be reused while recorded). A backend's ``write_kv`` skips
-#: ``check_write_kv`` when ``CHECKED_SLOT_MAPPINGS.get(id(slot_mapping)) is
-#: slot_mapping``. Written only by ``check_step_layers``; at most
-#: :data:`MAX_CHECKED_SLOT_MAPPINGS` entries, the oldest dropped first (a dropped one is
-#: checked again, never skipped).
-CHECKED_SLOT_MAPPINGS: dict[int, torch.Tensor] = {}
-#: entries kept in :data:`CHECKED_SLOT_MAPPINGS` (a step records one per KV group)
-MAX_CHECKED_SLOT_MAPPINGS = 16
 
 
 def check_cache(cache: KVCache, name: str = "cache") -> None:
@@ -286,8 +279,8 @@ def check_step_layers(
     then the model's own tensors, shaped by the same specs. Likewise the step's slot
     mapping (its shape and dtype checked by ``check_step``): its slots are checked
     against every pool (CPU slot mappings, as in ``check_write_kv``) and it is recorded
-    in :data:`CHECKED_SLOT_MAPPINGS`, so ``write_kv`` with it skips ``check_write_kv``
-    (key and value are the model's own, shaped by the same specs).
+    as ``plan.checked_slot_mapping``, so ``write_kv`` with it and the plan skips
+    ``check_write_kv`` (key and value are the model's own, shaped by the same specs).
 
     Raises:
         ShapeError: a plan on another device, block tables that do not fit a pool, or
@@ -295,23 +288,20 @@ def check_step_layers(
     """
     if plan.device != device:
         raise ShapeError(f"meta.device: expected {device} (the cache's), got {plan.device}")
-    pools = list(pools)
+    n = -1  # slots of the smallest pool (-1: no pool)
     for block_size, num_blocks in pools:
         check_tables(plan, block_size, num_blocks)
+        n = block_size * num_blocks if n < 0 else min(n, block_size * num_blocks)
     if CHECK_EVERY_LAYER:
         return
     slots = plan.meta.slot_mapping
-    if pools and slots.device.type == "cpu" and slots.numel():
+    if n >= 0 and slots.device.type == "cpu" and slots.numel():
         lo, hi = int(slots.min()), int(slots.max())
-        n = min(block_size * num_blocks for block_size, num_blocks in pools)
         if lo < -1 or hi >= n:
             raise ShapeError(f"slot_mapping: expected values in [-1, {n - 1}], got [{lo}, {hi}]")
     object.__setattr__(plan, "layers_checked", True)
-    if not pools:  # no pool to have checked the slots against: write_kv checks them
-        return
-    CHECKED_SLOT_MAPPINGS[id(slots)] = slots
-    while len(CHECKED_SLOT_MAPPINGS) > MAX_CHECKED_SLOT_MAPPINGS:
-        del CHECKED_SLOT_MAPPINGS[next(iter(CHECKED_SLOT_MAPPINGS))]
+    if n >= 0:  # else no pool checked the slots: write_kv checks them
+        object.__setattr__(plan, "checked_slot_mapping", slots)
 
 
 def check_block_pairs(pairs: torch.Tensor, num_blocks: int) -> None:

@@ -148,5 +148,8 @@ def forward_operands(
         return out, None
     res = out if direct and out.is_contiguous() else torch.empty(query.shape, dtype=torch.float32)  # fmt: skip
     q = query if direct and query.is_contiguous() else query.float().contiguous()
-    units, bounds = plan.units_for(spec.num_kv_heads, spec.num_q_heads // spec.num_kv_heads)
+    hkv = spec.num_kv_heads
+    key = (hkv, spec.num_q_heads // hkv)
+    work = plan.work.get(key)  # units_for's memo, read here: no call per layer
+    units, bounds = work if work is not None else plan.units_for(*key)
     return out, (res, q, units, bounds)

@@ -50,6 +50,11 @@ class StepPlan:
             before any layer ran (``kvpage.attention.checks.check_step_layers``, the
             engine's runner): ``forward`` then skips its per-layer argument checks
             (``check_forward``). False (a plan used directly) = ``forward`` checks.
+        checked_slot_mapping: ``meta.slot_mapping`` once ``check_step_layers`` checked its
+            slots against every pool of the group (None before, and with
+            ``KVPAGE_CHECK_EVERY_LAYER``): ``write_kv(..., slot_mapping, plan=plan)`` with
+            this very tensor skips ``check_write_kv``; any other slot mapping, or no
+            plan, is checked.
     """
 
     meta: AttentionMetadata
@@ -60,6 +65,7 @@ class StepPlan:
     device: torch.device
     tables_checked: set[tuple[int, int]] = field(default_factory=set, repr=False, compare=False)
     layers_checked: bool = field(default=False, repr=False, compare=False)
+    checked_slot_mapping: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
 
 def check_step(meta: AttentionMetadata) -> None:

@@ -129,6 +129,8 @@ class AttentionBackend(Protocol[PlanT]):
         value: torch.Tensor | None,
         cache: KVCache,
         slot_mapping: torch.Tensor,
+        *,
+        plan: StepPlan | None = None,
     ) -> None:
         """Store new K/V into their slots, quantizing for int8/fp8 caches.
 
@@ -140,6 +142,12 @@ class AttentionBackend(Protocol[PlanT]):
             cache: mutated in place: ``kv`` (and ``token_scales`` for int8) at the
                 slots in ``slot_mapping``; every other slot stays bit-identical.
             slot_mapping: ``[num_tokens]`` int64; -1 = skip this token.
+            plan: the step's plan when ``slot_mapping`` is its ``meta.slot_mapping``
+                (the model's layers pass it). A backend may skip ``check_write_kv``
+                when ``plan.checked_slot_mapping is slot_mapping`` (the engine checked
+                the slots against every pool at plan time,
+                ``kvpage.attention.checks.check_step_layers``); it must check otherwise
+                (None: a direct call). A backend whose checks must run anyway ignores it.
 
         int8: scale = absmax over head_dim / 127 per token and head (0 -> codes 0,
         scale 0); codes = clamp(round_half_even(x / scale), -127, 127).
@@ -147,8 +155,8 @@ class AttentionBackend(Protocol[PlanT]):
         k_scale / v_scale (per tensor or per KV head).
 
         Raises:
-            ShapeError, DTypeError: ``kvpage.attention.checks.check_write_kv``;
-                nothing is written.
+            ShapeError, DTypeError: ``kvpage.attention.checks.check_write_kv`` (unless
+                skipped for a checked ``plan``, above); nothing is written.
         """
         ...
 

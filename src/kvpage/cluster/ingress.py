@@ -22,18 +22,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import types
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from kvpage.cluster.config import ClusterConfig
 from kvpage.cluster.core import CORES, RouterCore
 from kvpage.cluster.metrics import ClusterMetrics
 from kvpage.cluster.remote import GroupSelector, RemoteEngineLoop, ReplicaGroup
+from kvpage.models.tokenizer_base import Tokenizer
 from kvpage.server.config import EngineConfig, ServerConfig
-from kvpage.server.engine_client import EngineClient
+from kvpage.server.engine_client import EngineClient, ServedEngine
 from kvpage.server.service import ServingState
 
-__all__ = ["ClusterState", "Ingress", "KVEventPump", "core_key"]
+__all__ = ["ClusterState", "EngineFacade", "Ingress", "KVEventPump", "core_key"]
 
 logger = logging.getLogger("kvpage.cluster")
 
@@ -43,24 +45,61 @@ def core_key(app_name: str, group: str) -> str:
     return f"{app_name}/{group}"
 
 
-class _EngineFacade:
-    """What :class:`ServingState` reads of an engine, from a replica's ``info()``."""
+@dataclass(frozen=True)
+class _FacadeCacheSpec:
+    """The replicas' cache facts (``ServedCacheSpec``): ``num_blocks`` of all of them."""
 
-    def __init__(self, info: dict[str, Any], num_blocks: int, max_model_len: int) -> None:
-        self.tokenizer = info["tokenizer"]
-        self.default_sampling_params = dict(info.get("default_sampling_params") or {})
-        self.generation_config_path = info.get("generation_config_path")
-        self.backend_name = info["backend_name"]
-        self.cache_spec = types.SimpleNamespace(
-            block_size=info["block_size"],
-            num_blocks=num_blocks,
-            kv_dtype=info["kv_dtype"],
-            total_bytes=info["total_bytes"],
+    block_size: int
+    num_blocks: int
+    kv_dtype: str
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class _FacadeScheduler:
+    """The ingress's limits (``ServedScheduler``): the largest group's ``max_model_len``
+    (every request that fits it is routed to a group it fits); the policy configured."""
+
+    max_model_len: int
+    max_servable_len: int
+    policy: str
+
+
+class EngineFacade:
+    """What :class:`ServingState` reads of an engine
+    (:class:`~kvpage.server.engine_client.ServedEngine`), from a replica's ``info()``.
+
+    Args:
+        info: the default group's replica ``info()`` (``kvpage.cluster.replica``).
+        num_blocks: the blocks of every replica of every group.
+        max_model_len: the largest group's ``max_model_len``.
+        policy: the configured scheduling policy.
+    """
+
+    def __init__(
+        self, info: Mapping[str, Any], num_blocks: int, max_model_len: int, policy: str
+    ) -> None:
+        self.tokenizer: Tokenizer | None = info["tokenizer"]
+        self.default_sampling_params: dict[str, Any] = dict(
+            info.get("default_sampling_params") or {}
         )
-        self.scheduler = types.SimpleNamespace(max_model_len=max_model_len)
+        gen_path = info.get("generation_config_path")
+        self.generation_config_path = None if gen_path is None else str(gen_path)
+        self.backend_name = str(info["backend_name"])
+        self.cache_spec = _FacadeCacheSpec(
+            int(info["block_size"]), num_blocks, str(info["kv_dtype"]), int(info["total_bytes"])
+        )
+        self.scheduler = _FacadeScheduler(max_model_len, max_model_len, policy)
 
     def get_metrics(self) -> dict[str, float]:
+        """Nothing: each replica's metrics are exported, labelled (``ClusterMetrics``)."""
         return {}
+
+
+if TYPE_CHECKING:  # mypy proves the facade is a ServedEngine
+
+    def _facade_is_served(facade: EngineFacade) -> ServedEngine:
+        return facade
 
 
 class ClusterState(ServingState):
@@ -80,7 +119,7 @@ class ClusterState(ServingState):
     def __init__(
         self,
         config: ServerConfig,
-        facade: Any,
+        facade: EngineFacade,
         loop: RemoteEngineLoop,
         infos: dict[str, dict[str, Any]] | None = None,
         replicas: dict[str, int] | None = None,
@@ -96,7 +135,7 @@ class ClusterState(ServingState):
         self._remote_loop = loop  # ServingState.__init__ takes it (_engine_client)
         super().__init__(config, facade, SamplingParams)
 
-    def _engine_client(self, engine: Any) -> EngineClient:
+    def _engine_client(self, engine: ServedEngine) -> EngineClient:
         """The replicas' :class:`RemoteEngineLoop` (``engine`` is the facade): the loop
         the serving state and its ``RequestGenerator`` share."""
         return self._remote_loop
@@ -322,7 +361,8 @@ class Ingress:
             for n, i in infos.items()
         }
         max_len = max(int(i["max_model_len"]) for i in infos.values())
-        facade = _EngineFacade(infos["default"], total_blocks, max_len)
+        policy = cfg.groups["default"].engine.scheduling_policy
+        facade = EngineFacade(infos["default"], total_blocks, max_len, policy)
         pump_ref: list[KVEventPump] = []
         loop = RemoteEngineLoop(
             groups,

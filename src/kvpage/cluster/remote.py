@@ -27,17 +27,19 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from kvpage.cluster.core import RouterCore
-from kvpage.engine.params import SamplingParams
+from kvpage.engine.params import RequestOutput, SamplingParams
 from kvpage.errors import RequestRejected
 from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput
 from kvpage.server.protocol import APIError
 
-__all__ = ["GroupSelector", "RemoteEngineLoop", "ReplicaGroup"]
+__all__ = ["GroupSelector", "IngressObserver", "RemoteEngineLoop", "ReplicaGroup"]
 
 logger = logging.getLogger("kvpage.cluster")
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -116,24 +118,59 @@ class GroupSelector:
         return ("default" if drawn == "canary" else drawn), drawn
 
 
-def _prompt_parts(prompt: Any) -> tuple[list[int], str | None]:
+def _prompt_parts(prompt: PromptInput) -> tuple[list[int], str | None]:
     if isinstance(prompt, dict):
         return list(prompt["prompt_token_ids"]), prompt.get("cache_salt")
     return list(prompt), None
 
 
-def _shift_times(out: Any, arrival: float | None) -> Any:
+def _shift_times(out: RequestOutput, arrival: float | None) -> RequestOutput:
     """Put the replica's (monotonic) timestamps on the ingress's clock: the replica's
     arrival becomes the ingress's arrival (clocks of two hosts are not comparable)."""
-    if arrival is None or getattr(out, "arrival_time", None) is None:
+    if arrival is None:
         return out
     delta = arrival - out.arrival_time
-    for name in ("first_scheduled_time", "first_token_time", "finish_time"):
-        v = getattr(out, name, None)
-        if v is not None:
-            setattr(out, name, v + delta)
+    if out.first_scheduled_time is not None:
+        out.first_scheduled_time += delta
+    if out.first_token_time is not None:
+        out.first_token_time += delta
+    if out.finish_time is not None:
+        out.finish_time += delta
     out.arrival_time = arrival
     return out
+
+
+class IngressObserver(Protocol):
+    """What a :class:`RemoteEngineLoop` reports (the ingress's ``ClusterMetrics``)."""
+
+    def request(self, group: str) -> None: ...
+
+    def fallback(self, drawn: str, group: str) -> None: ...
+
+    def retry(self, group: str) -> None: ...
+
+    def failure(self, group: str) -> None: ...
+
+    def hits(self, group: str, predicted: int, actual: int) -> None: ...
+
+
+class _Unobserved:
+    """No observer (yet): the reports go nowhere."""
+
+    def request(self, group: str) -> None:
+        pass
+
+    def fallback(self, drawn: str, group: str) -> None:
+        pass
+
+    def retry(self, group: str) -> None:
+        pass
+
+    def failure(self, group: str) -> None:
+        pass
+
+    def hits(self, group: str, predicted: int, actual: int) -> None:
+        pass
 
 
 class RemoteEngineLoop:
@@ -142,8 +179,9 @@ class RemoteEngineLoop:
     Args:
         groups: name -> :class:`ReplicaGroup`.
         selector: the group choice.
-        observer: ``retry(group)``, ``failure(group)``, ``request(group)``,
-            ``fallback(drawn, group)`` and ``hits(group, predicted, actual)`` callbacks (the ingress metrics).
+        observer: receives ``request``, ``fallback``, ``retry``, ``failure`` and
+            ``hits`` reports (:class:`IngressObserver`: the ingress metrics; None:
+            nobody, until ``observer`` is set).
         on_first_output: called with ``(group, replica_id)`` when a request's first
             output arrives (the ingress pulls that replica's KV events then).
 
@@ -156,12 +194,12 @@ class RemoteEngineLoop:
         self,
         groups: dict[str, ReplicaGroup],
         selector: GroupSelector,
-        observer: Any,
+        observer: IngressObserver | None,
         on_first_output: Callable[[str, str], None] | None = None,
     ) -> None:
         self.groups = groups
         self.selector = selector
-        self.observer = observer
+        self.observer: IngressObserver = _Unobserved() if observer is None else observer
         self._on_first = on_first_output
         self._tasks: dict[str, asyncio.Task[None]] = {}
         #: request id -> {"group", "replica"} until the server takes it (metrics labels)
@@ -266,7 +304,7 @@ class RemoteEngineLoop:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def call(self, fn: Callable[[Any], _T]) -> _T:
         """Not available: there is no local engine.
 
         Raises:
@@ -279,11 +317,11 @@ class RemoteEngineLoop:
         self,
         group: ReplicaGroup,
         request_id: str,
-        prompt: Any,
-        params: Any,
+        prompt: PromptInput,
+        params: SamplingParams,
         arrival: float | None,
         priority: int,
-        q: asyncio.Queue[Any],
+        q: asyncio.Queue[EngineOutput],
         ack: asyncio.Future[None],
         replayable: bool = False,
     ) -> None:
@@ -364,7 +402,9 @@ class RemoteEngineLoop:
             group.core.finished(request_id)
 
     @staticmethod
-    def _fail(q: asyncio.Queue[Any], ack: asyncio.Future[None], failure: EngineFailure) -> None:
+    def _fail(
+        q: asyncio.Queue[EngineOutput], ack: asyncio.Future[None], failure: EngineFailure
+    ) -> None:
         if ack.done():
             q.put_nowait(failure)
             return
@@ -379,7 +419,7 @@ class RemoteEngineLoop:
             )
         )
 
-    def _record_hits(self, group: ReplicaGroup, request_id: str, out: Any) -> None:
+    def _record_hits(self, group: ReplicaGroup, request_id: str, out: RequestOutput) -> None:
         d = group.core.decisions.get(request_id)
         if d is None:
             return

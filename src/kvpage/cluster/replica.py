@@ -35,7 +35,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvpage.engine.params import RequestOutput, SamplingParams
 from kvpage.errors import RequestRejected
+from kvpage.server.engine_client import PromptInput
 from kvpage.server.engine_loop import AsyncEngine, EngineFailure, StepStats
 
 __all__ = ["EngineReplica", "replica_load"]
@@ -106,8 +108,13 @@ class EngineReplica:
 
     # ------------------------------------------------------------ calls
     async def generate(
-        self, request_id: str, prompt: Any, params: Any, route: Any = None, priority: int = 0
-    ) -> AsyncIterator[Any]:
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        route: Any = None,  # the router's hint (a JSON dict), unused here
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput | dict[str, Any]]:
         """Run one request; yield its ``RequestOutput`` objects (see module doc);
         ``priority`` is the scheduling priority the ingress resolved for its tenant."""
         self._ensure_started()
@@ -170,21 +177,20 @@ class EngineReplica:
         self._ensure_started()
         e = self.engine
         spec = e.cache_spec
-        total = getattr(spec, "total_bytes", 0)
         return {
             "replica_id": self.replica_id,
             "group": self.group,
             "tokenizer": e.tokenizer,
             # generation_config.json request defaults (the ingress validates requests)
-            "default_sampling_params": dict(getattr(e, "default_sampling_params", {})),
-            "generation_config_path": getattr(e, "generation_config_path", None),
+            "default_sampling_params": dict(e.default_sampling_params),
+            "generation_config_path": e.generation_config_path,
             "block_size": int(spec.block_size),
             "num_blocks": int(spec.num_blocks),
-            "kv_dtype": str(getattr(spec, "kv_dtype", "auto")),
-            "total_bytes": float(total() if callable(total) else total),
+            "kv_dtype": str(spec.kv_dtype),
+            "total_bytes": int(spec.total_bytes),
             "max_model_len": int(e.scheduler.max_model_len),
             "max_num_seqs": int(e.scheduler.max_num_seqs),
-            "backend_name": str(getattr(e, "backend_name", "unknown")),
+            "backend_name": str(e.backend_name),
             "hash_seed": int(e.kv_cache_manager.hash_seed),
             "engine_config": resolve_engine(
                 EngineConfig.model_validate(self.engine_kwargs), e

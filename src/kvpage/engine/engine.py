@@ -11,6 +11,7 @@ import concurrent.futures
 import math
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ from kvpage.engine.spec_decode import (
 from kvpage.engine.structured import GrammarCompilerPool
 from kvpage.errors import RequestRejected, got_repr
 from kvpage.models.generation_config import sampling_defaults
+from kvpage.models.tokenizer_base import Tokenizer
 from kvpage.specs.speculative import parse_speculative_config
 
 
@@ -80,7 +82,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, components: EngineComponents) -> None:
         self.config = config
         self.model = components.model
-        self.tokenizer = getattr(self.model, "tokenizer", None)
+        self.tokenizer: Tokenizer | None = getattr(self.model, "tokenizer", None)
         self.cache_spec = components.cache_spec
         self.backend = components.backend
         self.backend_name: str = str(getattr(self.backend, "name", type(self.backend).__name__))
@@ -180,7 +182,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int] | dict[str, Any],
+        prompt: str | list[int] | Mapping[str, Any],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,

@@ -229,53 +229,75 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, extra_spans: list[tuple[int, int, int]] | None = None
     ) -> torch.Tensor:
-        """Run one step.
-
-        Args:
-            out: the scheduler's plan.
-            extra_spans: ``(scheduled index, first token in its chunk, count)`` of more
-                token positions whose logits are wanted (prompt logprobs).
+        """Run the step ``out`` plans: its block and state-slot copies, its inputs
+        (:meth:`step_inputs`; ``extra_spans``: ``(scheduled index, first token in its
+        chunk, count)`` of more positions whose logits are wanted, prompt logprobs) and
+        plans (:meth:`build_metadata`), the model (:meth:`run_model`) with the dense
+        ops' CPU threads (:meth:`dense_threads_for`).
 
         Returns:
             ``[num_sampling_seqs + num_extra, vocab_size]`` logits (float, on
             ``device``): one row per scheduled sequence with ``samples`` set, in batch
             order, then the ``extra_spans`` rows in order.
         """
-        self.copy_blocks(out.copies)
-        self.copy_state_slots(out.state_copies)
+        if any(out.copies):
+            self.copy_blocks(out.copies)
+        if out.state_copies:
+            self.copy_state_slots(out.state_copies)
+        inp = self.step_inputs(out, extra_spans)
+        metas = self.build_metadata(inp)  # the backend's plan sees every thread
+        threads = want = torch.get_num_threads()
+        if threads > 1 and self.own_cpu_threads and DENSE_THREADS_RULE:
+            want = self.dense_threads_for(inp, threads)
+        if want == threads:
+            return self.run_model(out, inp, metas)
+        torch.set_num_threads(want)
+        try:
+            return self.run_model(out, inp, metas)
+        finally:
+            torch.set_num_threads(threads)
+
+    def step_inputs(
+        self, out: SchedulerOutput, extra_spans: list[tuple[int, int, int]] | None
+    ) -> StepInputs:
+        """The step's packed inputs (:class:`StepInputs`), with the ``extra_spans``
+        positions (see :meth:`execute`) appended to its logits indices."""
         inp = StepInputs(out, self.cache_spec.block_size, len(self.groups))
         if extra_spans:
             qsl = inp.query_start_loc
             extra = [np.arange(qsl[i] + a, qsl[i] + a + n) for i, a, n in extra_spans]
             inp.logits_indices = np.concatenate([inp.logits_indices, *extra]).astype(np.int64)
-        metas = self.build_metadata(inp)  # the backend's plan sees every thread
+        return inp
+
+    def dense_threads_for(self, inp: StepInputs, threads: int) -> int:
+        """CPU threads for the step's dense ops (:func:`dense_threads` of the larger of
+        its projections' and its LM head's multiply-accumulates)."""
+        per_row, lm = self.dense_macs
+        macs = max(len(inp.input_ids) * per_row, len(inp.logits_indices) * lm)
+        return dense_threads(macs, threads)
+
+    def run_model(
+        self, out: SchedulerOutput, inp: StepInputs, metas: list[StepPlan]
+    ) -> torch.Tensor:
+        """The model's forward pass over ``inp`` with the step's plans ``metas`` (and,
+        for a hybrid model, its state caches and :meth:`build_state_batch`); the
+        logits (see :meth:`execute`)."""
         dev = self.device
-        threads = want = torch.get_num_threads()
-        if threads > 1 and self.own_cpu_threads and DENSE_THREADS_RULE:
-            per_row, lm = self.dense_macs
-            macs = max(len(inp.input_ids) * per_row, len(inp.logits_indices) * lm)
-            want = dense_threads(macs, threads)
-        if want != threads:
-            torch.set_num_threads(want)
         state_kw: dict[str, Any] = {}
         if self.state_caches is not None:
             state_kw = {
                 "state_caches": self.state_caches,
                 "state_batch": self.build_state_batch(out, inp),
             }
-        try:
-            logits: torch.Tensor = self.model(
-                torch.from_numpy(inp.input_ids).to(dev),
-                torch.from_numpy(inp.positions).to(dev),
-                self.kv_caches,
-                metas,
-                self.backend,
-                torch.from_numpy(inp.logits_indices).to(dev),
-                **state_kw,
-            )
-        finally:
-            if want != threads:
-                torch.set_num_threads(threads)
+        logits: torch.Tensor = self.model(
+            torch.from_numpy(inp.input_ids).to(dev),
+            torch.from_numpy(inp.positions).to(dev),
+            self.kv_caches,
+            metas,
+            self.backend,
+            torch.from_numpy(inp.logits_indices).to(dev),
+            **state_kw,
+        )
         return logits
 
 

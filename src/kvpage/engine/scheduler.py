@@ -531,16 +531,11 @@ class Scheduler:
     def update(
         self, out: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
     ) -> tuple[list[Request], list[Request]]:
-        """Apply a step's results.
-
-        Args:
-            out: the plan that ran.
-            sampled: for each scheduled sequence with ``samples`` set, its
-                ``num_samples`` sampled token ids (sample 0's first, then one per forked
-                sample, by index); for one with draft tokens, the 1 .. d + 1 tokens its
-                verification emits (``kvpage.engine.spec_decode.accept_greedy``), which
-                are appended up to the first that stops it; its KV is rolled back to the
-                accepted length and only accepted tokens are committed.
+        """Apply the results of the step ``out`` planned: commit each scheduled
+        sequence's computed tokens, then append its ``sampled`` tokens (the
+        ``num_samples`` ids of one with ``samples`` set, sample 0's first:
+        :meth:`_append_sampled`); one with drafts gets the 1 .. d + 1 tokens its
+        verification emits instead (:meth:`_update_verified`).
 
         Returns:
             ``(progressed, finished)``: sequences that got a token this step (forked
@@ -559,30 +554,46 @@ class Scheduler:
                 continue
             req.num_computed_tokens = n_done = s.start + s.num_tokens
             commit(req.request_id, req.token_ids, n_done)
-            if not s.samples:
-                continue
-            toks = sampled[req.request_id]
-            if len(toks) != 1 + req.num_pending_samples:
-                raise SpecError(
-                    f"sampled[{req.request_id!r}]: expected {s.num_samples} tokens, got {len(toks)}"
-                )
-            seqs = (req, *self._fork(req)) if req.num_pending_samples else (req,)
-            for seq, tok in zip(seqs, toks):
-                tok = int(tok)
-                if tok < 0:  # DEAD_END_TOKEN: its grammar allows no token
-                    seq.num_new_tokens = 0
-                    progressed.append(seq)
-                    self.finish(seq, DEAD_END_FINISH_REASON)
-                    finished.append(seq)
-                    continue
-                seq.token_ids.append(tok)
-                seq.num_new_tokens = 1
-                progressed.append(seq)
-                reason = seq.check_stop(tok)
-                if reason is not None:
-                    self.finish(seq, reason)
-                    finished.append(seq)
+            if s.samples:
+                self._append_sampled(s, sampled[req.request_id], progressed, finished)
         return progressed, finished
+
+    def _append_sampled(
+        self,
+        s: ScheduledRequest,
+        toks: Sequence[int],
+        progressed: list[Request],
+        finished: list[Request],
+    ) -> None:
+        """Append ``toks`` (one per sample, by index) to ``s.request`` and the samples
+        forked from it now (:meth:`_fork`); each goes to ``progressed``, and to
+        ``finished`` when it stops (``Request.check_stop``). A negative token
+        (``DEAD_END_TOKEN``: its grammar allows none) finishes its sample without one.
+
+        Raises:
+            SpecError: not one token per sample (nothing appended).
+        """
+        req = s.request
+        if len(toks) != 1 + req.num_pending_samples:
+            raise SpecError(
+                f"sampled[{req.request_id!r}]: expected {s.num_samples} tokens, got {len(toks)}"
+            )
+        seqs = (req, *self._fork(req)) if req.num_pending_samples else (req,)
+        for seq, tok in zip(seqs, toks):
+            tok = int(tok)
+            if tok < 0:  # DEAD_END_TOKEN: its grammar allows no token
+                seq.num_new_tokens = 0
+                progressed.append(seq)
+                self.finish(seq, DEAD_END_FINISH_REASON)
+                finished.append(seq)
+                continue
+            seq.token_ids.append(tok)
+            seq.num_new_tokens = 1
+            progressed.append(seq)
+            reason = seq.check_stop(tok)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
 
     def _update_verified(
         self,

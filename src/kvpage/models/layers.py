@@ -334,7 +334,7 @@ class PagedAttention(nn.Module):
             q, k = ops.rope_qk(qkv, self.num_q_heads, self.num_kv_heads, cos, sin)
         else:
             q, k = apply_rope_qkv(qkv, self.num_q_heads, self.num_kv_heads, cos, sin)
-        backend.write_kv(k, v, cache, plan.meta.slot_mapping)
+        backend.write_kv(k, v, cache, plan.meta.slot_mapping, plan=plan)
         if self.spec.sinks:  # float32 for the kernels (a copy only for other dtypes)
             o = backend.forward(q, cache, plan, self.spec, sinks=self.sinks.float())
         else:

@@ -150,7 +150,7 @@ class MLAAttention(nn.Module):
         q_pe = apply_rope_partial(q_pe, cos, sin, m.rope_interleave)
         k_pe = apply_rope_partial(k_pe, cos, sin, m.rope_interleave)
         latent = torch.cat([c.view(t, 1, r), k_pe], dim=-1)  # [t, 1, r + p]
-        backend.write_kv(latent, None, cache, plan.meta.slot_mapping)
+        backend.write_kv(latent, None, cache, plan.meta.slot_mapping, plan=plan)
         w = self.kv_b_proj.weight.view(hq, n + m.v_head_dim, r)
         w_uk, w_uv = w[:, :n], w[:, n:]  # [H, n, r], [H, v, r]
         q_abs = torch.einsum("thn,hnr->thr", q_nope, w_uk)

@@ -16,7 +16,7 @@ it runs on (``kvpage.server.resolved.machine_facts``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -66,6 +66,6 @@ def register_config_route(app: FastAPI, state: ServingState) -> None:
     """Add ``GET /admin/config`` (see module doc) answering ``state.effective_config()``."""
 
     @app.get("/admin/config")
-    async def admin_config(request: Request) -> Any:
+    async def admin_config(request: Request) -> JSONResponse:
         bad = operator_refusal(state.auth, request)
         return bad if bad is not None else JSONResponse(state.effective_config())

@@ -41,6 +41,7 @@ from kvpage.server.utility_routes import register_utility_routes
 
 if TYPE_CHECKING:
     from kvpage.engine import LLMEngine, SamplingParams
+    from kvpage.server.engine_client import ServedEngine
     from kvpage.server.engine_process import EngineProcess
 
 __all__ = ["build_engine", "create_app"]
@@ -84,8 +85,8 @@ def _error(e: APIError) -> JSONResponse:
 
 def create_app(
     config: ServerConfig,
-    engine: Any | None = None,
-    sampling_params_cls: Callable[..., Any] | None = None,
+    engine: ServedEngine | None = None,
+    sampling_params_cls: Callable[..., SamplingParams] | None = None,
     *,
     state: ServingState | None = None,
 ) -> FastAPI:
@@ -94,8 +95,9 @@ def create_app(
     Args:
         config: server configuration (``config.engine`` is used only when ``engine`` is
             None).
-        engine: an engine honouring the Engine contract; built with :func:`build_engine`
-            when None.
+        engine: the engine to serve (an ``LLMEngine`` or an :class:`EngineProcess`;
+            :class:`~kvpage.server.engine_client.ServedEngine`); built with
+            :func:`build_engine` when None.
         sampling_params_cls: the engine's ``SamplingParams``; required with ``engine``.
         state: a ready serving state to serve (then ``engine`` and
             ``sampling_params_cls`` are ignored): the scaled-out ingress passes its
@@ -151,10 +153,12 @@ def _register_routes(app: FastAPI, state: ServingState) -> None:
 
 
 def _serving_state(
-    config: ServerConfig, engine: Any | None, sampling_params_cls: Callable[..., Any] | None
+    config: ServerConfig,
+    engine: ServedEngine | None,
+    sampling_params_cls: Callable[..., SamplingParams] | None,
 ) -> ServingState:
     """The serving state over ``engine`` (built from ``config`` when None); an engine
-    that has a ``close`` (an engine process) is closed when the state cannot be built.
+    process is closed when the state cannot be built (it does not outlive us).
 
     Raises:
         TypeError: ``engine`` given without ``sampling_params_cls``.
@@ -166,9 +170,10 @@ def _serving_state(
     try:
         return ServingState(config, engine, sampling_params_cls)
     except BaseException:
-        close = getattr(engine, "close", None)  # an engine process does not outlive us
-        if callable(close):
-            close()
+        from kvpage.server.engine_spawn import SpawnedEngine
+
+        if isinstance(engine, SpawnedEngine):
+            engine.close()
         raise
 
 
@@ -188,7 +193,7 @@ def _lifespan(
             config.model_name,
             engine.cache_spec.num_blocks,
             engine.cache_spec.block_size,
-            getattr(engine, "backend_name", "?"),
+            engine.backend_name,
         )
         try:
             yield

@@ -41,7 +41,7 @@ import stat
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, Protocol
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -245,7 +245,14 @@ class Authenticator:
         return {t.name: t.limit for t in self.tenants.values() if t.limit is not None}
 
 
-def bearer_token(headers: Any) -> str | None:
+class HeaderLookup(Protocol):
+    """Request headers by lower-case name (Starlette's ``Headers``, the HTTP guard's
+    view of an ASGI scope)."""
+
+    def get(self, key: str, default: str, /) -> str: ...
+
+
+def bearer_token(headers: HeaderLookup) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header (case-insensitive
     scheme), or None when absent, empty or another scheme."""
     auth = headers.get("authorization", "")

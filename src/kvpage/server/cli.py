@@ -14,7 +14,7 @@ import sys
 import typing
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kvpage.engine.cli_flags import add_engine_flags, engine_kwargs
 from kvpage.errors import KVPageError, SpecError
@@ -25,7 +25,7 @@ __all__ = ["add_serve_parser", "check_engine_config", "config_from_args", "serve
 # flag -> (section, field, type) of the non-engine flags; section None = top level of
 # ServerConfig. The engine section's flags are generated from EngineConfig's fields
 # (kvpage.engine.cli_flags: one per field, dest = the field name).
-_FLAGS: dict[str, tuple[str | None, str, Any]] = {
+_FLAGS: dict[str, tuple[str | None, str, type[str] | type[int] | type[float]]] = {
     "host": (None, "host", str),
     "port": (None, "port", int),
     "served_model_name": (None, "served_model_name", str),
@@ -60,7 +60,9 @@ def _flag_help(section: str | None, field: str) -> str:
     """``--help`` text of a config flag, from its ServerConfig field: where it lives in a
     ``--config`` file, its default and, for a fixed set, the choices (the field's
     validation, not argparse's, still decides what is accepted)."""
-    model: Any = ServerConfig if section is None else ServerConfig.model_fields[section].annotation
+    model = ServerConfig if section is None else ServerConfig.model_fields[section].annotation
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise TypeError(f"ServerConfig.{section}: expected a config section model, got {model}")
     info = model.model_fields[field]
     where = field if section is None else f"{section}.{field}"
     text = f"config {where}; default {info.default!r}"

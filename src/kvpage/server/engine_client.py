@@ -13,21 +13,35 @@ Outputs of a request arrive on an ``asyncio.Queue`` returned by :meth:`EngineCli
 each item is a cumulative :class:`~kvpage.engine.params.RequestOutput` (the last one has
 ``finished=True``) or an :class:`EngineFailure` (then no more
 items follow).
+
+:class:`ServedEngine` is what the serving layer reads of the engine it serves (the
+tokenizer, the cache facts, the scheduler's limits, the generation defaults); three
+implement it too: ``kvpage.engine.LLMEngine``, the engine process's handle
+(:class:`kvpage.server.engine_spawn.SpawnedEngine`) and the ingress's facade over a
+replica's ``info()`` (``kvpage.cluster.ingress``). Which :class:`EngineClient` serves an
+engine is decided by its type (:func:`kvpage.server.service.engine_client_for`): an
+engine that runs in this process is a :class:`LocalEngine` (driven by the thread loop),
+the engine process makes its own client.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NotRequired, Protocol, TypeAlias, TypedDict, TypeVar, runtime_checkable
 
 from kvpage.engine.params import RequestOutput, SamplingParams
+from kvpage.models.tokenizer_base import Tokenizer
 
 __all__ = [
     "EngineClient",
     "EngineFailure",
     "EngineOutput",
+    "LocalEngine",
     "PromptInput",
+    "ServedCacheSpec",
+    "ServedEngine",
+    "ServedScheduler",
     "StepEngine",
     "TokensPrompt",
 ]
@@ -67,16 +81,23 @@ PromptInput: TypeAlias = list[int] | TokensPrompt
 EngineOutput: TypeAlias = RequestOutput | EngineFailure
 
 
+@runtime_checkable
 class StepEngine(Protocol):
     """The synchronous engine an engine loop drives on its thread: ``LLMEngine`` (its
-    signatures), or a test double with the same methods. The loop reads the optional
-    ``failed_request_ids`` (ids of the requests a failed step dropped) with ``getattr``.
+    signatures), or a test double with the same methods.
+
+    Attributes:
+        failed_request_ids: ids of the user requests failed steps dropped, oldest first
+            (the loop fails their streams; ``LLMEngine.failed_request_ids``).
     """
+
+    @property
+    def failed_request_ids(self) -> Sequence[str]: ...
 
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int] | dict[str, Any],
+        prompt: PromptInput,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -167,3 +188,82 @@ class EngineClient(Protocol):
             RuntimeError: there is no single engine to run it on (the ingress).
         """
         ...
+
+
+class ServedCacheSpec(Protocol):
+    """The KV cache facts the serving layer reads (``kvpage.specs.CacheSpec`` has them):
+    ``block_size`` tokens per block; ``num_blocks`` blocks (the reserved null block
+    included); ``kv_dtype`` the storage dtype's name; ``total_bytes`` bytes of the pool."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def kv_dtype(self) -> str: ...
+
+    @property
+    def total_bytes(self) -> int: ...
+
+
+class ServedScheduler(Protocol):
+    """The scheduler limits the serving layer reads (``kvpage.engine.scheduler.Scheduler``
+    has them): ``max_model_len`` tokens configured; ``max_servable_len`` tokens one
+    sequence can really reach (``max_model_len``, or less when the KV pool cannot hold
+    one sequence that long); ``policy`` ``"fcfs"`` or ``"priority"``."""
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def max_servable_len(self) -> int: ...
+
+    @property
+    def policy(self) -> str: ...
+
+
+@runtime_checkable
+class ServedEngine(Protocol):
+    """The engine a :class:`~kvpage.server.service.ServingState` serves (see the module
+    doc for its three implementations).
+
+    Attributes:
+        tokenizer: the model's tokenizer (None: a model without one; the server refuses
+            to serve it).
+        cache_spec: the KV cache facts.
+        backend_name: the attention backend's name.
+        scheduler: the scheduler's limits.
+        default_sampling_params: request defaults read from generation_config.json
+            (sampling field -> JSON value; empty: kvpage's own defaults).
+        generation_config_path: the folder those came from (None: none).
+    """
+
+    @property
+    def tokenizer(self) -> Tokenizer | None: ...
+
+    @property
+    def cache_spec(self) -> ServedCacheSpec: ...
+
+    @property
+    def backend_name(self) -> str: ...
+
+    @property
+    def scheduler(self) -> ServedScheduler: ...
+
+    @property
+    def default_sampling_params(self) -> Mapping[str, Any]: ...
+
+    @property
+    def generation_config_path(self) -> str | None: ...
+
+    def get_metrics(self) -> Mapping[str, float]:
+        """The engine's counters and gauges (name -> value) as of now."""
+        ...
+
+
+@runtime_checkable
+class LocalEngine(ServedEngine, StepEngine, Protocol):
+    """An engine that runs in this process (``LLMEngine``): served through the thread
+    loop (:class:`kvpage.server.engine_loop.AsyncEngine`)."""

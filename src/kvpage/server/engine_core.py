@@ -11,6 +11,7 @@ garbage collector, whose full collections otherwise stall steps for hundreds of 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import gc
@@ -19,19 +20,19 @@ import os
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from kvpage.models.tokenizer_base import Tokenizer
 from kvpage.server.engine_client import EngineOutput
 from kvpage.server.engine_loop import AsyncEngine, StepStats, _Command
 from kvpage.server.framing import FrameError, FrameReader, recv_frame, send_frame
-from kvpage.server.output_codec import OutputEncoder
+from kvpage.server.output_codec import OutputEncoder, WireOutput
 from kvpage.specs import CacheSpec
 
 if TYPE_CHECKING:
     from kvpage.engine import LLMEngine
 
-__all__ = ["EngineInfo", "child_main", "engine_report"]
+__all__ = ["EngineInfo", "EngineReport", "child_main", "engine_report"]
 
 logger = logging.getLogger("kvpage.server.engine")
 
@@ -44,6 +45,8 @@ class EngineInfo:
     cache_spec: CacheSpec
     backend_name: str
     max_model_len: int
+    #: ``Scheduler.max_servable_len`` (``max_model_len`` or less when the pool is smaller)
+    max_servable_len: int
     policy: str
     metrics: dict[str, float]
     #: request defaults from generation_config.json (``LLMEngine.default_sampling_params``)
@@ -52,7 +55,20 @@ class EngineInfo:
     generation_config_path: str | None = None
 
 
-def engine_report(engine: LLMEngine) -> dict[str, Any]:
+class EngineReport(TypedDict):
+    """:func:`engine_report`: the engine's end state (blocks, requests, the integrity
+    check's ``"ok"`` or error, its metrics)."""
+
+    free_blocks: int
+    usable_blocks: int
+    running: int
+    waiting: int
+    unfinished: bool
+    integrity: str
+    metrics: dict[str, float]
+
+
+def engine_report(engine: LLMEngine) -> EngineReport:
     """The engine's end state: free/usable blocks, running/waiting counts, the result of
     ``kv_cache_manager.check_integrity()`` ("ok" or the error) and its metrics."""
     kv = engine.kv_cache_manager
@@ -90,12 +106,12 @@ class _EngineCore(AsyncEngine):
         self._llm = engine  # the same engine, as its own type (for the final report)
         self._sock = sock
         self._send_lock = threading.Lock()
-        self._outbox: list[tuple[str, Any]] = []
+        self._outbox: list[tuple[str, WireOutput]] = []
         self._last: StepStats | None = None
         self._idle_sent: dict[str, float] | None = None
         self._codec = OutputEncoder()
 
-    def _send(self, msg: Any) -> None:
+    def _send(self, msg: tuple[object, ...]) -> None:
         with self._send_lock:
             send_frame(self._sock, msg)
 
@@ -122,7 +138,7 @@ class _EngineCore(AsyncEngine):
     def _on_exit(self) -> None:
         self._flush()  # the parent fails whatever still waits when it sees "final"
 
-    def _reply(self, cid: int, fut: Any) -> None:
+    def _reply(self, cid: int, fut: concurrent.futures.Future[object]) -> None:
         exc = fut.exception()
         if exc is None:
             self._send(("res", cid, True, fut.result()))
@@ -131,8 +147,6 @@ class _EngineCore(AsyncEngine):
 
     def serve(self) -> None:
         """Run the engine thread; read commands here until "stop" or the parent goes."""
-        import concurrent.futures
-
         self._start_thread()
         reader = FrameReader()
         backlog: list[bytes] = []
@@ -145,12 +159,12 @@ class _EngineCore(AsyncEngine):
                 kind = msg[0]
                 if kind == "stop":
                     break
-                fut: concurrent.futures.Future[Any] | None = None
+                fut: concurrent.futures.Future[object] | None = None
                 if msg[1] is not None:
                     fut = concurrent.futures.Future()
                     fut.add_done_callback(functools.partial(self._reply, msg[1]))
                 if kind == "add":
-                    cmd = _Command("add", msg[2], msg[3], msg[4], future=fut, final_only=msg[5])
+                    cmd = _Command("add", msg[2], msg[3], future=fut)
                 elif kind == "abort":
                     cmd = _Command("abort", msg[2], future=fut)
                 else:
@@ -183,8 +197,9 @@ def child_main(
             engine.tokenizer,
             engine.cache_spec,
             engine.backend_name,
+            int(sched.max_model_len),
             int(sched.max_servable_len),
-            str(getattr(sched, "policy", "fcfs")),
+            str(sched.policy),
             dict(engine.get_metrics()),
             dict(engine.default_sampling_params),
             engine.generation_config_path,

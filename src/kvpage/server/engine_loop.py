@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from kvpage.engine.params import SamplingParams
 from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput, StepEngine
@@ -72,15 +72,29 @@ class StepStats:
 
 
 @dataclass
+class AddRequest:
+    """``engine.add_request``'s arguments (see :meth:`AsyncEngine.add`); the engine
+    process sends it down its socket as it is (it pickles)."""
+
+    prompt: PromptInput
+    params: SamplingParams
+    arrival_time: float | None
+    priority: int
+    #: deliver only the outputs a non-streamed handler reads (see AsyncEngine.add)
+    final_only: bool
+
+
+@dataclass
 class _Command:
-    kind: str  # "add" | "abort" | "call"
+    """One command for the engine thread: ``add`` (with ``add``), ``abort``, ``call``
+    (``fn(engine)``) or ``wake`` (nothing: ends the idle wait); ``future`` gets its
+    result (None but for call) or exception."""
+
+    kind: Literal["add", "abort", "call", "wake"]
     request_id: str = ""
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    fn: Callable[[Any], Any] | None = None
-    future: concurrent.futures.Future[Any] | None = field(default=None)
-    #: "add": deliver only the outputs a non-streamed handler reads (see AsyncEngine.add)
-    final_only: bool = False
+    add: AddRequest | None = None
+    fn: Callable[[Any], object] | None = None  # the engine as EngineClient.call takes it
+    future: concurrent.futures.Future[object] | None = field(default=None)
 
 
 class AsyncEngine:
@@ -184,18 +198,9 @@ class AsyncEngine:
             raise RuntimeError("engine loop: expected a running loop, got a stopped one")
         q: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self._streams[request_id] = q
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        kw = {"priority": priority} if priority else {}
-        self._commands.put(
-            _Command(
-                "add",
-                request_id,
-                (prompt, params, arrival_time),
-                kw,
-                future=fut,
-                final_only=replayable,
-            )
-        )
+        fut: concurrent.futures.Future[object] = concurrent.futures.Future()
+        add = AddRequest(prompt, params, arrival_time, priority, replayable)
+        self._commands.put(_Command("add", request_id, add, future=fut))
         try:
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -219,14 +224,15 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         """Abort ``request_id`` and wait until the engine thread has freed its blocks."""
         self._streams.pop(request_id, None)
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        fut: concurrent.futures.Future[object] = concurrent.futures.Future()
         self._commands.put(_Command("abort", request_id, future=fut))
         await asyncio.wrap_future(fut)
 
     async def call(self, fn: Callable[[Any], _T]) -> _T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.put(_Command("call", fn=fn, future=fut))
+        fut: concurrent.futures.Future[_T] = concurrent.futures.Future()
+        untyped = cast("concurrent.futures.Future[object]", fut)  # the thread sets fn's result
+        self._commands.put(_Command("call", fn=fn, future=untyped))
         return await asyncio.wrap_future(fut)
 
     # ---------------------------------------------------------------- engine thread
@@ -234,22 +240,23 @@ class AsyncEngine:
         if cmd.future is not None and not cmd.future.set_running_or_notify_cancel():
             return  # the caller gave up before the command ran: skip it
         try:
+            result: object = None
             if cmd.kind == "add":
-                self.engine.add_request(cmd.request_id, *cmd.args, **cmd.kwargs)
+                assert cmd.add is not None
+                a = cmd.add
+                self.engine.add_request(
+                    cmd.request_id, a.prompt, a.params, a.arrival_time, priority=a.priority
+                )
                 self._live.add(cmd.request_id)
-                if cmd.final_only:
+                if a.final_only:
                     self._final_only[cmd.request_id] = (False, -1)
-                result: Any = None
             elif cmd.kind == "abort":
                 if cmd.request_id in self._live:
                     self._live.discard(cmd.request_id)
                     self.engine.abort_request(cmd.request_id)
-                result = None
             elif cmd.kind == "call":
                 assert cmd.fn is not None
                 result = cmd.fn(self.engine)
-            else:
-                result = None
         except BaseException as exc:  # delivered to the waiting handler
             if cmd.future is not None:
                 cmd.future.set_exception(exc)
@@ -281,7 +288,7 @@ class AsyncEngine:
         q = self._streams.get(request_id)
         if q is not None:
             q.put_nowait(item)
-            if isinstance(item, EngineFailure) or getattr(item, "finished", False):
+            if isinstance(item, EngineFailure) or item.finished:
                 self._streams.pop(request_id, None)
 
     # Delivery hooks (the engine process, kvpage.server.engine_process, overrides them to
@@ -344,10 +351,10 @@ class AsyncEngine:
     def _fail_step(self, exc: BaseException, oom: bool, mark: str | None) -> None:
         """Fail the requests of a step that raised; the others keep running.
 
-        An engine that reports ``failed_request_ids`` (``LLMEngine`` drops exactly the
-        requests of the failed step and lists them there) has only those failed; when it
-        listed none (the failure happened outside its step bookkeeping) or has no such
-        record, every live request is failed and aborted. ``mark`` is the record's last
+        The engine's ``failed_request_ids`` (``LLMEngine`` drops exactly the requests of
+        the failed step and lists them there) names the requests failed; when it listed
+        none (the failure happened outside its step bookkeeping), every live request is
+        failed and aborted. ``mark`` is the record's last
         entry before the step. After an out-of-memory error the device allocator's cache
         is emptied so the next step starts from a clean slate.
         """
@@ -362,12 +369,12 @@ class AsyncEngine:
             _empty_device_cache()
 
     def _failed_mark(self) -> str | None:
-        ids = getattr(self.engine, "failed_request_ids", None)
+        ids = self.engine.failed_request_ids
         return ids[-1] if ids else None
 
     def _step_failed_ids(self, mark: str | None) -> list[str]:
         """Live ids the engine recorded as failed after ``mark`` ([] if none/unknown)."""
-        ids = getattr(self.engine, "failed_request_ids", None)
+        ids = self.engine.failed_request_ids
         if not ids:
             return []
         recent = list(ids)

@@ -23,8 +23,8 @@ does not take at once waits for ``loop.add_writer``).
 
 Messages (one pickled frame each, over a ``socket.socketpair``):
 
-* parent -> child: ``("add", cid, request_id, (prompt, params, arrival_time), kwargs,
-  final_only)`` (``final_only``: the request is not streamed, see ``AsyncEngine.add``),
+* parent -> child: ``("add", cid, request_id, AddRequest)`` (prompt, params, arrival
+  time, priority and whether it is streamed: ``kvpage.server.engine_loop.AddRequest``),
   ``("abort", cid | None, request_id)``, ``("call", cid, fn)`` (``fn`` must pickle: a
   module-level function), ``("stop",)``.
 * child -> parent: ``("ready", EngineInfo)`` or ``("error", exc)`` at start;
@@ -44,12 +44,12 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from kvpage.engine.params import SamplingParams
 from kvpage.server.engine_client import EngineFailure, EngineOutput, PromptInput
-from kvpage.server.engine_core import EngineInfo, engine_report
-from kvpage.server.engine_loop import StepStats
+from kvpage.server.engine_core import EngineInfo, EngineReport, engine_report
+from kvpage.server.engine_loop import AddRequest, StepStats
 from kvpage.server.engine_spawn import SpawnedEngine
 from kvpage.server.framing import FrameError, encode_frame, recv_frame
 from kvpage.server.output_codec import OutputDecoder
@@ -91,7 +91,7 @@ class ProcessAsyncEngine:
         self._backlog = proc.backlog
         self._on_step = on_step
         self._streams: dict[str, asyncio.Queue[EngineOutput]] = {}
-        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._pending: dict[int, asyncio.Future[object]] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._attached = False
@@ -100,7 +100,7 @@ class ProcessAsyncEngine:
         self._decoder = OutputDecoder()
         self._gone = threading.Event()  # the child closed its end (after "final" or dying)
         self.metrics_snapshot: dict[str, float] = proc.get_metrics()
-        self.final_report: dict[str, Any] | None = None
+        self.final_report: EngineReport | None = None
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -293,7 +293,7 @@ class ProcessAsyncEngine:
         if not self._wbuf:
             self._loop.remove_writer(self._fd)
 
-    def _send(self, msg: Any) -> None:
+    def _send(self, msg: tuple[object, ...]) -> None:
         if not self.running and msg[0] != "abort":
             raise RuntimeError("engine loop: expected a running engine process, got none")
         loop = self._loop
@@ -306,7 +306,7 @@ class ProcessAsyncEngine:
             with contextlib.suppress(RuntimeError):  # loop closed: the child is stopping
                 loop.call_soon_threadsafe(self._write, frame)
 
-    def _take_final(self, report: dict[str, Any]) -> None:
+    def _take_final(self, report: EngineReport) -> None:
         self.final_report = report
         self.metrics_snapshot = dict(report["metrics"])
 
@@ -338,17 +338,19 @@ class ProcessAsyncEngine:
         elif kind == "final":
             self._take_final(msg[1])
 
-    def _deliver(self, request_id: str, item: Any) -> None:
+    def _deliver(self, request_id: str, item: EngineOutput) -> None:
         q = self._streams.get(request_id)
         if q is not None:
             q.put_nowait(item)
-            if isinstance(item, EngineFailure) or getattr(item, "finished", False):
+            if isinstance(item, EngineFailure) or item.finished:
                 self._streams.pop(request_id, None)
 
-    async def _request(self, msg_head: tuple[Any, ...], *rest: Any) -> Any:
+    async def _request(self, msg_head: tuple[str, ...], *rest: object) -> object:
+        """Send ``(kind, cid, *head[1:], *rest)``; the child's ``("res", cid, ...)``
+        value (unpickled), or its exception raised."""
         loop = asyncio.get_running_loop()
         cid = next(self._ids)
-        fut: asyncio.Future[Any] = loop.create_future()
+        fut: asyncio.Future[object] = loop.create_future()
         self._pending[cid] = fut
         try:
             self._send((msg_head[0], cid, *msg_head[1:], *rest))
@@ -372,11 +374,9 @@ class ProcessAsyncEngine:
             raise RuntimeError("engine loop: expected a running loop, got a stopped one")
         q: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self._streams[request_id] = q
-        kw = {"priority": priority} if priority else {}
+        add = AddRequest(prompt, params, arrival_time, priority, replayable)
         try:
-            await self._request(
-                ("add",), request_id, (prompt, params, arrival_time), kw, replayable
-            )
+            await self._request(("add",), request_id, add)
         except asyncio.CancelledError:
             self.abort_nowait(request_id)  # queued behind the add: a no-op if it was skipped
             raise
@@ -401,8 +401,8 @@ class ProcessAsyncEngine:
     async def call(self, fn: Callable[[Any], _T]) -> _T:
         """Run ``fn(engine)`` in the child between steps (``fn`` must pickle: a
         module-level function) and return its (picklable) result."""
-        result: _T = await self._request(("call",), fn)  # unpickled in this process
-        return result
+        # fn's result, unpickled in this process (the child ran fn: the type is fn's)
+        return cast(_T, await self._request(("call",), fn))
 
 
 class EngineProcess(SpawnedEngine):

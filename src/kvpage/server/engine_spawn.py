@@ -11,6 +11,7 @@ import multiprocessing as mp
 import socket
 import weakref
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from kvpage.server.engine_core import EngineInfo, child_main
@@ -21,11 +22,14 @@ __all__ = ["SpawnedEngine"]
 
 @dataclass(frozen=True)
 class _SchedulerView:
+    """The child's scheduler limits (``ServedScheduler``)."""
+
     max_model_len: int
+    max_servable_len: int
     policy: str
 
 
-def _terminate(process: Any) -> None:
+def _terminate(process: BaseProcess) -> None:
     if process.is_alive():
         process.terminate()
         process.join(5)
@@ -36,9 +40,11 @@ def _terminate(process: Any) -> None:
 class SpawnedEngine:
     """An ``LLMEngine`` built and run in a child process (``spawn``).
 
-    Stands in for the engine where the server reads it: ``tokenizer``, ``cache_spec``,
-    ``backend_name``, ``scheduler.max_model_len`` / ``scheduler.policy`` and
-    :meth:`get_metrics` (the latest snapshot). Requests go through
+    Stands in for the engine where the server reads it
+    (:class:`~kvpage.server.engine_client.ServedEngine`): ``tokenizer``, ``cache_spec``,
+    ``backend_name``, ``scheduler`` (``max_model_len``, ``max_servable_len``,
+    ``policy``), the generation defaults and :meth:`get_metrics` (the snapshot at
+    start). Requests go through
     :class:`kvpage.server.engine_process.EngineProcess`, this class with
     ``make_async_engine``.
 
@@ -107,7 +113,7 @@ class SpawnedEngine:
         self.tokenizer = info.tokenizer
         self.cache_spec = info.cache_spec
         self.backend_name = info.backend_name
-        self.scheduler = _SchedulerView(info.max_model_len, info.policy)
+        self.scheduler = _SchedulerView(info.max_model_len, info.max_servable_len, info.policy)
         self._metrics = info.metrics
         self.default_sampling_params = dict(info.default_sampling_params)
         self.generation_config_path = info.generation_config_path

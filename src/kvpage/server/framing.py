@@ -38,7 +38,7 @@ class FrameError(RuntimeError):
     inside a frame)."""
 
 
-def encode_frame(obj: Any) -> bytes:
+def encode_frame(obj: object) -> bytes:
     """``obj`` pickled (protocol 5) behind its 8-byte length."""
     payload = pickle.dumps(obj, protocol=5)
     return _HEADER.pack(len(payload)) + payload
@@ -103,7 +103,7 @@ class FrameReader:
             raise FrameError(f"stream end: expected a complete frame ({want} bytes), got {got}")
 
 
-def send_frame(sock: socket.socket, obj: Any) -> None:
+def send_frame(sock: socket.socket, obj: object) -> None:
     """Send ``obj`` as one frame on a blocking socket (``sendall``)."""
     sock.sendall(encode_frame(obj))
 

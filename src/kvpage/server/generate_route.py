@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -26,6 +26,7 @@ from kvpage.server.auth import request_priority, scoped_cache_salt
 from kvpage.server.config import JSON_MAX_DEPTH
 from kvpage.server.generation import Delta, current_placements, merged_placement
 from kvpage.server.multi_stream import stream_many
+from kvpage.server.request_models import CompletionPrompt
 from kvpage.server.responses import (
     CAPPED_HEADER,
     CHAT_TEMPLATE_HEADER,
@@ -56,7 +57,7 @@ _ACCEPTS = {
 _Body = P.CompletionRequest | P.ChatCompletionRequest
 
 
-def _clean_loc(loc: Any) -> list[str]:
+def _clean_loc(loc: tuple[int | str, ...]) -> list[str]:
     # drop pydantic's union-branch tags ("str", "list[int]", "function-after[...]")
     out = []
     for x in loc:
@@ -139,17 +140,19 @@ def _parse(
     return body
 
 
-def _split_prompts(body: _Body) -> list[Any]:
+def _split_prompts(body: _Body) -> list[CompletionPrompt | None]:
     """The prompts of a body: the entries of a list of strings / of token-id lists, else
     the one prompt (chat: ``[None]``, the messages are the prompt)."""
     if isinstance(body, P.CompletionRequest):
         p = body.prompt
-        several = isinstance(p, list) and len(p) > 1 and isinstance(p[0], (str, list))
-        return list(p) if several else [p]
+        if isinstance(p, list) and len(p) > 1 and isinstance(p[0], (str, list)):
+            # pydantic validated one of the union's list types: all strings or all lists
+            return list(cast("list[str] | list[list[int]]", p))
+        return [p]
     return [None]
 
 
-def check_request_size(state: ServingState, prompts: list[Any], n: int) -> None:
+def check_request_size(state: ServingState, prompts: list[CompletionPrompt | None], n: int) -> None:
     """400 when a body asks for more prompts or sequences (``n x prompts``) than
     ``admission.max_prompts_per_request`` / ``max_sequences_per_request`` allow.
 
@@ -180,7 +183,11 @@ def check_request_size(state: ServingState, prompts: list[Any], n: int) -> None:
 
 
 def _prepare_all(
-    state: ServingState, kind: str, body: _Body, prompts: list[Any], tenant: str
+    state: ServingState,
+    kind: str,
+    body: _Body,
+    prompts: list[CompletionPrompt | None],
+    tenant: str,
 ) -> tuple[list[P.GenerationRequest], list[str]]:
     """One ``GenerationRequest`` per prompt and the texts ``echo`` prepends (on the
     tokenize pool: the work grows with the body). The first refused prompt raises."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi import FastAPI
+
 from kvpage.server.protocol import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["install_openapi"]
@@ -34,7 +36,7 @@ _ERROR = {
 }
 
 
-def install_openapi(app: Any, model_name: str) -> None:
+def install_openapi(app: FastAPI, model_name: str) -> None:
     """Make ``app.openapi()`` describe the POST bodies (``model`` limited to the served
     ``model_name``), bearer auth and the error responses."""
     base = app.openapi
@@ -73,4 +75,4 @@ def install_openapi(app: Any, model_name: str) -> None:
         app.openapi_schema = doc
         return dict(doc)
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented override

@@ -17,9 +17,10 @@ import dataclasses
 from collections.abc import Collection
 from typing import Any
 
-from kvpage.engine.params import CompletionOutput, RequestOutput
+from kvpage.engine.params import CompletionOutput, PositionLogprobs, RequestOutput
+from kvpage.server.engine_client import EngineFailure, EngineOutput
 
-__all__ = ["OutputDecoder", "OutputEncoder"]
+__all__ = ["OutputDecoder", "OutputEncoder", "WireOutput"]
 
 
 #: field order of the wire tuples (the dataclasses' own order, all init fields)
@@ -32,10 +33,15 @@ _CO_INDEX = _CO.index("index")
 
 @dataclasses.dataclass(frozen=True)
 class _Delta:
-    #: RequestOutput's field values in order; prompt_token_ids empty after the first,
-    #: outputs as tuples of CompletionOutput's field values holding only new items
+    #: RequestOutput's field values in order (of several types: a dataclass's fields by
+    #: position); prompt_token_ids empty after the first, outputs as tuples of
+    #: CompletionOutput's field values holding only new items
     values: tuple[Any, ...]
     first: bool
+
+
+#: what travels for one output: a delta, or the failure that ends the request
+WireOutput = _Delta | EngineFailure
 
 
 class OutputEncoder:
@@ -45,8 +51,8 @@ class OutputEncoder:
         #: request id -> {sample index: (token ids sent, logprobs sent)}
         self._sent: dict[str, dict[int, tuple[int, int]]] = {}
 
-    def encode(self, item: Any) -> Any:
-        """The wire form of ``item`` (a RequestOutput; anything else is returned as is)."""
+    def encode(self, item: EngineOutput) -> WireOutput:
+        """The wire form of ``item`` (a RequestOutput; a failure is returned as is)."""
         if not isinstance(item, RequestOutput):
             return item
         rid = item.request_id
@@ -82,10 +88,12 @@ class OutputDecoder:
 
     def __init__(self) -> None:
         #: request id -> (prompt token ids, {sample index: (token ids, logprobs | None)})
-        self._acc: dict[str, tuple[list[int], dict[int, tuple[list[int], list[Any] | None]]]] = {}
+        self._acc: dict[
+            str, tuple[list[int], dict[int, tuple[list[int], list[PositionLogprobs] | None]]]
+        ] = {}
 
-    def decode(self, request_id: str, item: Any) -> Any:
-        """The engine's ``RequestOutput`` (or ``item`` itself when it is not a delta).
+    def decode(self, request_id: str, item: WireOutput) -> EngineOutput:
+        """The engine's ``RequestOutput`` (or ``item`` itself when it is a failure).
 
         Raises:
             KeyError: a non-first delta of a request this decoder has no state for

@@ -36,6 +36,7 @@ __all__ = [
     "MAX_LOGPROBS",
     "ChatCompletionRequest",
     "ChatMessage",
+    "CompletionPrompt",
     "CompletionRequest",
     "StreamOptions",
     "render_chat",
@@ -127,12 +128,16 @@ class _Request(BaseModel):
         return None
 
 
+#: ``prompt`` of a completion body: a string, token ids, or several of either
+CompletionPrompt = str | list[int] | list[str] | list[list[int]]
+
+
 class CompletionRequest(_Request):
     """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a list of
     several of those (each runs as its own request, see ``kvpage.server.responses``).
     ``max_tokens`` defaults to 16 (OpenAI's default)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: CompletionPrompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 

@@ -22,9 +22,9 @@ import logging
 import os
 import platform
 from collections.abc import Mapping
-from typing import Any
 
 from kvpage.server.config import EngineConfig, ServerConfig
+from kvpage.server.engine_client import ServedEngine
 
 __all__ = [
     "differences",
@@ -53,7 +53,7 @@ def resolved_num_threads(num_threads: int | None) -> int:
     return int(num_threads)
 
 
-def resolve_engine(config: EngineConfig, engine: Any) -> EngineConfig:
+def resolve_engine(config: EngineConfig, engine: ServedEngine) -> EngineConfig:
     """``config`` with the values ``engine`` (built from it) decided at start-up:
 
     * ``num_blocks``: the pool's blocks per KV group (``engine.cache_spec.num_blocks``,
@@ -68,8 +68,8 @@ def resolve_engine(config: EngineConfig, engine: Any) -> EngineConfig:
 
     Args:
         config: the engine section the engine was built from.
-        engine: an ``LLMEngine`` (or the engine process's stand-in: ``cache_spec``,
-            ``backend_name``, ``scheduler.max_model_len``).
+        engine: the engine built from it (an ``LLMEngine``, the engine process's
+            handle or the ingress's facade).
     """
     return config.model_copy(
         update={
@@ -106,7 +106,7 @@ def machine_facts() -> dict[str, str]:
     }
 
 
-def resolve_server(config: ServerConfig, engine: Any) -> ServerConfig:
+def resolve_server(config: ServerConfig, engine: ServedEngine) -> ServerConfig:
     """``config`` with its engine resolved (:func:`resolve_engine`) and ``resolved_on``
     set to this machine's :func:`machine_facts`."""
     return config.model_copy(

@@ -16,6 +16,7 @@ from kvpage.engine.params import PositionLogprobs
 from kvpage.models.tokenizer_base import Tokenizer
 from kvpage.server import protocol as P
 from kvpage.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
+from kvpage.server.request_models import CompletionPrompt
 from kvpage.server.service import Delta, Usage
 
 __all__ = [
@@ -69,7 +70,9 @@ class RequestResult:
     echo_text: str = ""
 
 
-def prompt_text(req: P.GenerationRequest, prompt: Any, tokenizer: Tokenizer) -> str:
+def prompt_text(
+    req: P.GenerationRequest, prompt: CompletionPrompt | None, tokenizer: Tokenizer
+) -> str:
     """The text ``echo`` prepends: the prompt string, or its token ids decoded."""
     if isinstance(prompt, str):
         return prompt
@@ -157,7 +160,7 @@ def stream_chunk(
     *,
     first: bool,
     echo_text: str,
-    echo_entries: tuple[list[int], list[Any]] | None,
+    echo_entries: tuple[list[int], list[PositionLogprobs | None]] | None,
     offset: int,
     tokenizer: Tokenizer | None = None,
 ) -> dict[str, Any]:

@@ -14,11 +14,13 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import h11
 import uvicorn
+from starlette.applications import Starlette
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
+from uvicorn.server import ServerState
 
 from kvpage.errors import got_repr
 from kvpage.server.config import SecurityConfig, ServerConfig
@@ -72,13 +74,19 @@ class IdleOnlyH11Protocol(H11Protocol):
     docs/serving.md "Keep-alive").
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],  # uvicorn's own (the lifespan state)
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
         #: the parser's last refusal of the client's bytes (its reason, for the 4xx)
         self.framing_error: h11.RemoteProtocolError | None = None
         next_event = self.conn.next_event
 
-        def recorded() -> Any:
+        def recorded() -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
             try:
                 return next_event()
             except h11.RemoteProtocolError as e:
@@ -130,14 +138,24 @@ class IdleOnlyH11Protocol(H11Protocol):
         super().timeout_keep_alive_handler()
 
 
-def uvicorn_limits(security: SecurityConfig) -> dict[str, Any]:
+class UvicornLimits(TypedDict):
+    """``uvicorn.Config`` keyword arguments of the HTTP limits (:func:`uvicorn_limits`)."""
+
+    http: type[H11Protocol]
+    h11_max_incomplete_event_size: int
+    timeout_keep_alive: int  # seconds (a float: see uvicorn_limits)
+    server_header: bool
+
+
+def uvicorn_limits(security: SecurityConfig) -> UvicornLimits:
     """uvicorn settings of the HTTP limits: the h11 parser (its incomplete-event limit
     bounds the request line plus headers to ``max_header_bytes``; the protocol is
     :class:`IdleOnlyH11Protocol`) and the keep-alive timeout of idle connections."""
     return {
         "http": IdleOnlyH11Protocol,
         "h11_max_incomplete_event_size": security.max_header_bytes,
-        "timeout_keep_alive": security.keep_alive_timeout_s,
+        # uvicorn annotates int but only passes it to loop.call_later: seconds, a float
+        "timeout_keep_alive": security.keep_alive_timeout_s,  # type: ignore[typeddict-item]
         "server_header": False,
     }
 
@@ -155,7 +173,7 @@ SWITCH_INTERVAL_S = 0.001
 PREIMPORT = ("anyio._backends._asyncio", "numpy.ma")
 
 
-def prepare_serving_process(app: Any = None) -> None:
+def prepare_serving_process(app: Starlette | None = None) -> None:
     """Make the first requests as cheap as the later ones, and full garbage collections
     short. Called by :func:`run_server` once the app (and in thread mode the engine) is
     built, before serving; the load benchmark calls it too.
@@ -228,7 +246,7 @@ def bind_listener(host: str, port: int, what: str = "port") -> socket.socket:
     return sock
 
 
-def run_server(config: ServerConfig, app: Any | None = None) -> None:
+def run_server(config: ServerConfig, app: Starlette | None = None) -> None:
     """Serve ``app`` (built from ``config`` when None) on ``config.host:config.port``
     and, with ``security.metrics_port``, ``/metrics`` on ``metrics_host:metrics_port``;
     blocks.
@@ -289,7 +307,7 @@ def _bind_listeners(config: ServerConfig) -> tuple[socket.socket, socket.socket 
 
 def _build_app_or_close(
     config: ServerConfig, listener: socket.socket, side_listener: socket.socket | None
-) -> Any:
+) -> Starlette:
     """:func:`kvpage.server.app.create_app` of ``config``; the bound sockets are closed
     when it raises."""
     from kvpage.server.app import create_app
@@ -307,9 +325,9 @@ def _serve_with_metrics(
     config: ServerConfig,
     main: uvicorn.Server,
     listener: socket.socket,
-    metrics_app: Any,
+    metrics_app: Starlette,
     side_listener: socket.socket,
-    limits: dict[str, Any],
+    limits: UvicornLimits,
 ) -> None:
     """Run ``main`` on ``listener`` and ``metrics_app`` on ``side_listener`` in one
     event loop until ``main`` exits (the metrics server is then told to exit too)."""
@@ -347,7 +365,7 @@ class BackgroundServer:
 
     def __init__(
         self,
-        app: Any,
+        app: Starlette,
         host: str = "127.0.0.1",
         port: int = 0,
         start_timeout_s: float = 60.0,
@@ -362,10 +380,18 @@ class BackgroundServer:
         self._sock.bind((host, port))
         self.host, self.port = self._sock.getsockname()[:2]
         serving = getattr(getattr(app, "state", None), "serving", None)
-        limits = uvicorn_limits(serving.config.security) if serving is not None else {}
-        cfg = uvicorn.Config(
-            app, log_level="warning", lifespan=lifespan, timeout_graceful_shutdown=5, **limits
-        )
+        if serving is not None:  # the app's own HTTP limits
+            cfg = uvicorn.Config(
+                app,
+                log_level="warning",
+                lifespan=lifespan,
+                timeout_graceful_shutdown=5,
+                **uvicorn_limits(serving.config.security),
+            )
+        else:
+            cfg = uvicorn.Config(
+                app, log_level="warning", lifespan=lifespan, timeout_graceful_shutdown=5
+            )
         self.server = uvicorn.Server(cfg)
         self._thread = threading.Thread(
             target=self.server.run,

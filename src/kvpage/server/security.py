@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpage.errors import SpecError
 from kvpage.server.auth import Tenant, bearer_token, is_loopback_host, unauthenticated_tenant
@@ -117,7 +117,7 @@ def may_see_topology(state: ServingState, request: Request) -> bool:
     return isinstance(tenant, Tenant) and (tenant.operator or not auth.has_operator_keys)
 
 
-def _silent(*_args: Any) -> None:
+def _silent(*_args: object) -> None:
     pass
 
 

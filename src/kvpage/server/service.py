@@ -27,10 +27,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpage.engine.chat import load_chat_template, model_chat_template
 from kvpage.engine.params import SamplingParams
+from kvpage.errors import SpecError
+from kvpage.models.tokenizer_base import Tokenizer
 from kvpage.server.admission import (
     Decision,
     KVBudget,
@@ -41,13 +43,28 @@ from kvpage.server.admission import (
 from kvpage.server.auth import Authenticator
 from kvpage.server.config import ServerConfig
 from kvpage.server.degradation import DegradationController
-from kvpage.server.engine_client import EngineClient
+from kvpage.server.engine_client import (
+    EngineClient,
+    LocalEngine,
+    ServedCacheSpec,
+    ServedEngine,
+    ServedScheduler,
+)
 from kvpage.server.engine_loop import AsyncEngine, StepStats
 from kvpage.server.generation import Delta, RequestGenerator, Usage, rejection_error
 from kvpage.server.metrics import ServerMetrics
 from kvpage.server.protocol import APIError, GenerationRequest
 from kvpage.server.validation import max_token_bytes
-from kvpage.specs import CacheSpec
+
+if TYPE_CHECKING:
+    from kvpage.engine import LLMEngine
+    from kvpage.server.engine_process import EngineProcess
+
+    def _served(engine: LLMEngine, proc: EngineProcess) -> tuple[LocalEngine, ServedEngine]:
+        """mypy proves ``LLMEngine`` a LocalEngine and the engine process a ServedEngine
+        (the ingress's facade: ``kvpage.cluster.ingress``)."""
+        return engine, proc
+
 
 _log = logging.getLogger("kvpage.server")
 
@@ -79,7 +96,15 @@ def log_template_choice(state: ServingState, generation_config_path: str | None)
         _log.info("generation config: none (kvpage's request defaults)")
 
 
-__all__ = ["APIError", "Charge", "Delta", "ServingState", "Usage", "rejection_error"]
+__all__ = [
+    "APIError",
+    "Charge",
+    "Delta",
+    "ServingState",
+    "Usage",
+    "engine_client_for",
+    "rejection_error",
+]
 
 
 @dataclass
@@ -94,7 +119,7 @@ class Charge:
     started: bool = False
 
 
-def _cap_engine(engine: Any, cap: int) -> dict[str, int]:
+def _cap_engine(engine: LLMEngine, cap: int) -> dict[str, int]:
     """On the engine thread (module level: the engine process pickles it)."""
     return dict(engine.scheduler.cap_max_tokens(cap))
 
@@ -106,18 +131,12 @@ def _rate_limited(d: Decision) -> APIError:
     )
 
 
-def _served_model_len(sched: Any, configured_default: int | None) -> int:
+def _served_model_len(sched: ServedScheduler) -> int:
     """The longest prompt + max_tokens served: the scheduler's ``max_servable_len`` (its
     ``max_model_len``, or less when one sequence of that length cannot fit the KV pool;
-    logged), else the configured ``max_model_len``, else 2**30."""
-    served = int(
-        getattr(sched, "max_servable_len", None)
-        or getattr(sched, "max_model_len", None)
-        or configured_default
-        or 1 << 30
-    )
-    configured = getattr(sched, "max_model_len", None)
-    if configured is not None and served < configured:
+    logged)."""
+    served, configured = int(sched.max_servable_len), int(sched.max_model_len)
+    if served < configured:
         logging.getLogger("kvpage.server").warning(
             "max_model_len %d is served as %d: the KV cache pool holds at most %d tokens "
             "for one sequence (raise --num-blocks / the KV memory, or lower "
@@ -129,16 +148,42 @@ def _served_model_len(sched: Any, configured_default: int | None) -> int:
     return served
 
 
+def engine_client_for(
+    engine: ServedEngine, on_step: Callable[[StepStats], None] | None = None
+) -> EngineClient:
+    """The :class:`EngineClient` that serves ``engine``: the engine process's own
+    (:meth:`EngineProcess.make_async_engine <kvpage.server.engine_process.EngineProcess.
+    make_async_engine>`), else the thread loop over an engine in this process.
+
+    Raises:
+        TypeError: ``engine`` is neither (a facade over remote engines brings its own
+            client: ``kvpage.cluster.ingress.ClusterState``).
+    """
+    from kvpage.server.engine_process import EngineProcess
+
+    if isinstance(engine, EngineProcess):
+        return engine.make_async_engine(on_step=on_step)
+    if isinstance(engine, LocalEngine):
+        return AsyncEngine(engine, on_step=on_step)
+    raise TypeError(
+        "engine: expected an LLMEngine or an EngineProcess (an engine with step(), "
+        f"add_request(), ...), got {type(engine).__name__}"
+    )
+
+
 class ServingState:
     """Everything one server instance holds.
 
     Args:
         config: the server configuration.
-        engine: an engine with the Engine contract (``tokenizer``, ``cache_spec``,
-            ``backend_name`` and the request methods).
+        engine: the served engine (:class:`~kvpage.server.engine_client.ServedEngine`);
+            its client is :func:`engine_client_for`'s (a subclass may bring another).
         sampling_params_cls: ``SamplingParams`` class of that engine.
         clock: monotonic clock in seconds; must agree with ``time.monotonic`` (request
             arrival times are taken with it).
+
+    Raises:
+        SpecError: the engine's model has no tokenizer.
     """
 
     #: export the engine loop's metric snapshot as the ``kvpage:*`` engine metrics of
@@ -152,13 +197,18 @@ class ServingState:
     def __init__(
         self,
         config: ServerConfig,
-        engine: Any,
+        engine: ServedEngine,
         sampling_params_cls: Callable[..., SamplingParams],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if engine.tokenizer is None:
+            raise SpecError(
+                "engine.model: expected a model with a tokenizer (the server tokenizes "
+                "prompts and detokenizes outputs), got one without"
+            )
         self.config = config
         self.engine = engine
-        self.tokenizer = engine.tokenizer
+        self.tokenizer: Tokenizer = engine.tokenizer
         #: bytes of text one token covers at most (None: unknown), for the pre-encode check
         self.max_bytes_per_token = max_token_bytes(self.tokenizer)
         #: validation + tokenization run here, off the event loop (encode can be slow)
@@ -170,30 +220,24 @@ class ServingState:
         #: the ``--chat-template`` default (None: the model's, else kvpage's plain one)
         self.chat_template = load_chat_template(config.chat_template)
         #: generation_config.json defaults for the sampling fields a request leaves unset
-        self.sampling_defaults: dict[str, Any] = dict(
-            getattr(engine, "default_sampling_params", None) or {}
-        )
-        log_template_choice(self, getattr(engine, "generation_config_path", None))
+        self.sampling_defaults: dict[str, Any] = dict(engine.default_sampling_params)
+        log_template_choice(self, engine.generation_config_path)
         spec = engine.cache_spec
-        sched = getattr(engine, "scheduler", None)
         #: the longest prompt + max_tokens served: the engine's max_model_len, or less
         #: when one sequence of that length cannot fit the KV pool (then requests are
         #: validated against the pool's limit, and the default max_tokens fits it)
-        self.max_model_len = _served_model_len(sched, config.engine.max_model_len)
+        self.max_model_len = _served_model_len(engine.scheduler)
         #: the engine loop: a thread here, or the pipe to an engine process
         self.loop: EngineClient = self._engine_client(engine)
-        total = getattr(spec, "total_bytes", 0)
         self.metrics = ServerMetrics(
             lambda: self.loop.metrics_snapshot if self.export_engine_snapshot else {},
-            float(total() if callable(total) else total),
+            float(spec.total_bytes),
             model_name=config.model_name,
             placement_labels=self.placement_labels,
         )
         self.export_cache_config()
         #: the engine's scheduling policy (``fcfs`` | ``priority``)
-        self.scheduling_policy = str(
-            getattr(sched, "policy", None) or config.engine.scheduling_policy
-        )
+        self.scheduling_policy = str(engine.scheduler.policy)
         self._init_tenancy(config)
         self._init_admission(config, spec, clock)
         #: runs admitted requests on the loop (:meth:`generate`); owns the per-request
@@ -203,13 +247,9 @@ class ServingState:
             self.degradation,
         )  # fmt: skip
 
-    def _engine_client(self, engine: Any) -> EngineClient:
-        """The engine process's own client when it makes one, else the engine thread."""
-        make_loop = getattr(engine, "make_async_engine", None)
-        if make_loop is not None:
-            client: EngineClient = make_loop(on_step=self._on_step)
-            return client
-        return AsyncEngine(engine, on_step=self._on_step)
+    def _engine_client(self, engine: ServedEngine) -> EngineClient:
+        """The client serving ``engine`` (:func:`engine_client_for`)."""
+        return engine_client_for(engine, self._on_step)
 
     def _init_tenancy(self, config: ServerConfig) -> None:
         """API keys, per-tenant rate limits and in-flight sequence budgets."""
@@ -228,7 +268,7 @@ class ServingState:
         )
 
     def _init_admission(
-        self, config: ServerConfig, spec: CacheSpec, clock: Callable[[], float]
+        self, config: ServerConfig, spec: ServedCacheSpec, clock: Callable[[], float]
     ) -> None:
         """The KV budget, degraded mode and the counters of admitted requests."""
         #: engine steps that ran out of device or host memory
@@ -254,8 +294,8 @@ class ServingState:
             {
                 "block_size": str(spec.block_size),
                 "num_blocks": str(spec.num_blocks),
-                "kv_dtype": str(getattr(spec, "kv_dtype", "auto")),
-                "backend": str(getattr(self.engine, "backend_name", "unknown")),
+                "kv_dtype": str(spec.kv_dtype),
+                "backend": str(self.engine.backend_name),
                 "model": self.config.model_name,
             }
         )

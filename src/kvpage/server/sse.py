@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+_T = TypeVar("_T")
 
 __all__ = ["sse_event"]
 
@@ -26,12 +29,15 @@ class _Stream(StreamingResponse):
     ends (completed, client disconnected before or during the stream, server stopping)."""
 
     def __init__(
-        self, content: AsyncIterator[str], cleanup: Callable[[], Any], headers: dict[str, str]
+        self,
+        content: AsyncIterator[str],
+        cleanup: Callable[[], Awaitable[object]],
+        headers: dict[str, str],
     ) -> None:
         super().__init__(content, media_type="text/event-stream", headers=headers)
         self._cleanup = cleanup
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
@@ -39,8 +45,8 @@ class _Stream(StreamingResponse):
 
 
 async def _until_disconnect(
-    gen: AsyncIterator[Any], request: Request, every_s: float = 0.25
-) -> AsyncIterator[Any]:
+    gen: AsyncIterator[_T], request: Request, every_s: float = 0.25
+) -> AsyncIterator[_T]:
     """Iterate ``gen``; stop (closing it, which aborts the request) if the client leaves.
 
     The connection is checked at least every ``every_s`` seconds, whether or not ``gen``
@@ -49,7 +55,7 @@ async def _until_disconnect(
     loop = asyncio.get_running_loop()
     it = gen.__aiter__()
     next_check = loop.time() + every_s
-    nxt: asyncio.Future[Any] | None = None
+    nxt: asyncio.Future[_T] | None = None
     try:
         while True:
             nxt = asyncio.ensure_future(it.__anext__())

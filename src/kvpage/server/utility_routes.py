@@ -68,9 +68,26 @@ _Body = TypeVar("_Body", bound=_UtilityRequest)
 _Formatter = Callable[[ValidationError], tuple[str, str | None]]
 
 
-def _render_ids(messages: Any, tokenizer: Tokenizer, **kwargs: Any) -> list[int]:
+def _render_ids(
+    messages: list[ChatMessage],
+    tokenizer: Tokenizer,
+    *,
+    default_chat_template: str | None,
+    chat_template: str | None,
+    chat_template_kwargs: dict[str, Any] | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+) -> list[int]:
     """Prompt ids of a conversation, as /v1/chat/completions renders it."""
-    return render_chat(messages, tokenizer, **kwargs).prompt_token_ids
+    return render_chat(
+        messages,
+        tokenizer,
+        default_chat_template=default_chat_template,
+        chat_template=chat_template,
+        chat_template_kwargs=chat_template_kwargs,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    ).prompt_token_ids
 
 
 async def _parse(

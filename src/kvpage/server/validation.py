@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from kvpage.cache.retention import KVRetention
 from kvpage.engine.chat import message_text, text_part_problem
@@ -25,6 +25,7 @@ from kvpage.server.protocol import (
     new_request_id,
     render_chat,
 )
+from kvpage.server.request_models import CompletionPrompt
 from kvpage.server.structured_fields import STRUCTURED_FIELDS, structured_outputs_of
 
 __all__ = ["check_retention", "max_token_bytes", "min_prompt_tokens", "prepare_request"]
@@ -615,16 +616,18 @@ def _check_text_parts(body: ChatCompletionRequest) -> None:
 
 
 def _prompt_ids(
-    prompt: Any, tokenizer: Tokenizer, bound: int | None, max_model_len: int
+    prompt: CompletionPrompt, tokenizer: Tokenizer, bound: int | None, max_model_len: int
 ) -> list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(
-                400,
-                f"prompt: expected one prompt, got a batch of {len(prompt)}",
-                param="prompt",
-            )
-        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if not isinstance(first, int):  # a batch (of strings or of token-id lists)
+            if len(prompt) != 1:
+                raise APIError(
+                    400,
+                    f"prompt: expected one prompt, got a batch of {len(prompt)}",
+                    param="prompt",
+                )
+            prompt = first
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(
@@ -636,6 +639,9 @@ def _prompt_ids(
         check_text_fits(prompt, bound, max_model_len, "prompt")
         return list(tokenizer.encode(prompt, bos=True))
     vocab = int(tokenizer.vocab_size)
+    # a str returned above and a batch was unwrapped: pydantic validated one of the
+    # union's list types, whose first item is an int
+    prompt = cast("list[int]", prompt)
     if not prompt:
         raise APIError(
             400,

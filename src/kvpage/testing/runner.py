@@ -260,7 +260,8 @@ def run_plugin_case(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The shared plugin harness (what tests/backends run for every plugin): the case's
     context is written by the reference writer, its new tokens by ``backend.write_kv``
-    over NaN-poisoned slots — required bit-identical to the reference writer — then
+    (with the step's plan, ``plan=``, as the model's layers call it) over NaN-poisoned
+    slots — required bit-identical to the reference writer — then
     ``backend.plan`` and ``backend.forward`` into a NaN-poisoned strided ``out``
     (``run_attention``); the cache must be unchanged by ``forward``.
 
@@ -280,9 +281,10 @@ def run_plugin_case(
         mine.kv[:, s // bs, s % bs] = float("nan") if mine.kv.is_floating_point() else 0
         if mine.token_scales is not None:
             mine.token_scales[:, s // bs, s % bs] = float("nan")
-    backend.write_kv(m.new_keys, m.new_values, mine, m.slot_mapping)
+    plan = backend.plan(m.meta)  # the step's plan, as the model's layers pass it (unchecked)
+    backend.write_kv(m.new_keys, m.new_values, mine, m.slot_mapping, plan=plan)
     assert_cache_bits_equal(mine, expected, what=f"write_kv [{case.describe()}]")
-    out = run_attention(backend, m.query, mine, backend.plan(m.meta), case.spec, sinks=m.sinks)
+    out = run_attention(backend, m.query, mine, plan, case.spec, sinks=m.sinks)
     assert_cache_bits_equal(mine, expected, what=f"cache after forward [{case.describe()}]")
     ref = reference_attention(
         m.query.cpu(), clone_cache(expected), m.meta, case.spec, case.sinks_tensor()

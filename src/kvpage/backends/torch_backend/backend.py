@@ -12,12 +12,12 @@ import torch
 
 from kvpage.attention.canonical import mla_as_mqa
 from kvpage.attention.checks import (
-    CHECKED_SLOT_MAPPINGS,
     check_block_pairs,
     check_forward,
     check_write_kv,
 )
 from kvpage.attention.metadata import AttentionMetadata, KVCache
+from kvpage.attention.plan import StepPlan
 from kvpage.attention.protocol import BackendCapabilities
 from kvpage.attention.quant import quantize_fp8, quantize_int8
 from kvpage.backends.torch_backend.compute import pick_attend
@@ -99,6 +99,8 @@ class TorchBackend:
         value: torch.Tensor | None,
         cache: KVCache,
         slot_mapping: torch.Tensor,
+        *,
+        plan: StepPlan | None = None,
     ) -> None:
         """Store K/V ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping``
         (``[num_tokens]`` int64, -1 = skip), quantizing per ``kvpage.attention.quant``.
@@ -110,10 +112,10 @@ class TorchBackend:
 
         Raises:
             ShapeError, DTypeError: see ``kvpage.attention.checks.check_write_kv`` (not
-                run for a slot mapping the engine validated at plan time:
-                ``checks.CHECKED_SLOT_MAPPINGS``).
+                run for the slot mapping ``plan`` says the engine validated at plan
+                time: ``plan.checked_slot_mapping is slot_mapping``).
         """
-        if CHECKED_SLOT_MAPPINGS.get(id(slot_mapping)) is not slot_mapping:
+        if plan is None or plan.checked_slot_mapping is not slot_mapping:
             check_write_kv(key, value, cache, slot_mapping)
         slots = slot_mapping.to(torch.int64)
         rows = [key] if value is None else [key, value]
@@ -165,7 +167,7 @@ class TorchBackend:
         """
         if not plan.layers_checked:  # else validated at plan time (checks.check_step_layers)
             check_forward(query, cache, plan, spec, out, sinks)
-        if spec.is_mla:
+        if spec.kv_lora_rank is not None:  # spec.is_mla, without a property call per layer
             alias, mqa = mla_as_mqa(cache, spec)
             full = self._attend(query, alias, plan, mqa, None, None)
             res = full[..., : spec.value_dim]
