@@ -60,8 +60,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
         """x: ``[num_tokens, dim]``; returns the same shape and dtype. ``ops``: a
-        backend's ``LayerOps``, used for the Llama form (None = torch ops)."""
-        if ops is not None and not self.gemma:
+        backend's ``LayerOps``, used for the Llama form when ``x`` has the weight's
+        dtype (None = torch ops)."""
+        if ops is not None and not self.gemma and x.dtype == self.weight.dtype:
             return ops.rms_norm(x, self.weight, self.eps)[1]
         xf = x.float()
         if self.gemma:
@@ -78,8 +79,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor, ops: LayerOps | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add before the norm: ``(s, norm(s))`` with ``s = residual + x``
-        (both ``[num_tokens, dim]``); one ``ops.rms_norm`` call for the Llama form."""
-        if ops is not None and not self.gemma:
+        (both ``[num_tokens, dim]``); one ``ops.rms_norm`` call for the Llama form
+        when both have the weight's dtype."""
+        if ops is not None and not self.gemma and x.dtype == residual.dtype == self.weight.dtype:
             return ops.rms_norm(x, self.weight, self.eps, residual=residual)
         s = residual + x
         return s, self(s)

@@ -258,6 +258,7 @@ class ModelRunnerModel(nn.Module):
         *,
         state_caches: list[StateCache] | None = None,
         state_batch: StateBatch | None = None,
+        float_logits: bool = True,
     ) -> torch.Tensor:
         """One step over a packed batch of new tokens.
 
@@ -279,10 +280,15 @@ class ModelRunnerModel(nn.Module):
                 new token (read as zeros where ``has_initial_state`` is False).
             state_batch: the step's state slots (the sequences in the packed order of
                 the attention metadata).
+            float_logits: return float32 logits; False = the lm_head's output in the
+                model's dtype when nothing follows it (no logit multiplier, no final
+                soft cap): a bfloat16 model's ``[num_seqs, vocab_size]`` logits are then
+                not copied to float32, a cast that is exact and so adds no information
+                (the engine's sampler casts the rows that need float32 math).
 
         Returns:
             ``[num_seqs, vocab_size]`` logits in float32 (the Gemma-2 final soft cap
-            applied).
+            applied), or in the model's dtype (``float_logits=False``, see there).
 
         Raises:
             ShapeError: list lengths or token counts disagree; state_caches/state_batch
@@ -349,10 +355,13 @@ class ModelRunnerModel(nn.Module):
             x = x.to(self.dtype)  # Mamba-2's float32 residual stream
         x = self.model.norm(x[logits_indices], ops)
         w = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        logits = self._lm(x, w, None).float()
+        logits = self._lm(x, w, None)
+        cap = self.arch.final_logit_softcap
+        if not float_logits and self.arch.logit_multiplier is None and cap is None:
+            return logits
+        logits = logits.float()
         if self.arch.logit_multiplier is not None:  # Cohere logit_scale, Granite 1/scaling
             logits = logits * self.arch.logit_multiplier
-        cap = self.arch.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
