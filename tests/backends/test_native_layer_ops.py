@@ -329,3 +329,32 @@ def test_sampler_with_the_native_argmax_is_the_torch_one() -> None:
         # logits of another dtype than the kernel's: the torch path
         assert Sampler(fast).sample(x.double(), rows).token_ids == want
     assert greedy_ops(object(), BF, "cpu") is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deferred_residual_adds_give_the_same_logits(
+    monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
+    """``DecoderLayer.forward_deferred`` (each layer's last residual add done by the next
+    norm's fused add) against ``forward``: every step's logits bit for bit."""
+    from kvpage.engine import LLM, SamplingParams
+    from kvpage.models.model import ModelRunnerModel
+
+    llm = LLM(backend="native-cpu", num_threads=1, dtype=dtype, enable_prefix_caching=False)
+    model = llm.llm_engine.model
+    assert model._defer_residual  # stories260K: Llama blocks
+    forward = ModelRunnerModel.forward
+    got: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+
+    def watch(self: ModelRunnerModel, *a: object, **kw: object) -> torch.Tensor:
+        out = forward(self, *a, **kw)  # type: ignore[arg-type]
+        got[self._defer_residual].append(out)
+        return out
+
+    monkeypatch.setattr(ModelRunnerModel, "forward", watch)
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for flag in (True, False):
+        model._defer_residual = flag
+        llm.generate(["Once upon a time", "The little dog ran"], sp, use_tqdm=False)
+    assert len(got[True]) == len(got[False]) > 5
+    assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))

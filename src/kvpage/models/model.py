@@ -8,7 +8,7 @@ mapped by the loader: ``kvpage.models.loader``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from kvpage.attention.state import StateBatch, StateCache
 from kvpage.errors import ShapeError, SpecError
 from kvpage.models.config import ArchConfig, arch_from_hf
 from kvpage.models.hybrid import HybridDecoderLayer
-from kvpage.models.layers import DecoderLayer, PackedWeight, make_norm
+from kvpage.models.layers import DecoderLayer, PackedWeight, RMSNorm, make_norm
 from kvpage.models.rope import RotaryEmbedding
 from kvpage.models.tokenizer import ByteTokenizer, Tokenizer
 from kvpage.specs import CacheSpec, KVCacheDType, ModelDType, ScaleGranularity
@@ -145,6 +145,14 @@ class ModelRunnerModel(nn.Module):
             self.config.get("eos_token_id"),
         )
         self._lm = PackedWeight()
+        #: every layer can leave its last residual add to the next norm
+        #: (``DecoderLayer.forward_deferred``), the final norm included
+        self._defer_residual = (
+            self.mixers is None
+            and all(isinstance(m, DecoderLayer) and m.defers_residual for m in self.model.layers)
+            and isinstance(self.model.norm, RMSNorm)
+            and not self.model.norm.gemma
+        )
         self.requires_grad_(False)
 
     # ---- specs --------------------------------------------------------------------------
@@ -340,7 +348,21 @@ class ModelRunnerModel(nn.Module):
         get_ops = getattr(backend, "layer_ops", None)
         ops = get_ops(x.dtype, x.device) if get_ops is not None else None
         local = self.layer_local_rope
-        if self.mixers is None:
+        defer = ops is not None and self._defer_residual
+        if defer:
+            # with the backend's fused add + norm: each layer's last residual add is
+            # done by the next norm (the same sums, one op fewer per layer)
+            pending: torch.Tensor | None = None
+            for lid, layer in enumerate(self.model.layers):
+                c, s_ = (cos_l, sin_l) if local[lid] else (cos, sin)
+                g = plans[self.layer_groups[lid]]
+                dl = cast(DecoderLayer, layer)  # _defer_residual: every layer is one
+                x, pending = dl.forward_deferred(x, pending, c, s_, kv_caches[lid], g, backend, ops)
+            if pending is None:
+                x = self.model.norm(x[logits_indices], ops)
+            else:
+                x = self.model.norm.add_forward(pending[logits_indices], x[logits_indices], ops)[1]
+        elif self.mixers is None:
             for lid, layer in enumerate(self.model.layers):
                 c, s_ = (cos_l, sin_l) if local[lid] else (cos, sin)
                 x = layer(x, c, s_, kv_caches[lid], plans[self.layer_groups[lid]], backend, ops)
@@ -353,7 +375,8 @@ class ModelRunnerModel(nn.Module):
                 st = state_caches[si] if si >= 0 and state_caches is not None else None
                 x = layer(x, c, s_, kv, plan, backend, ops, st, state_batch)
             x = x.to(self.dtype)  # Mamba-2's float32 residual stream
-        x = self.model.norm(x[logits_indices], ops)
+        if not defer:
+            x = self.model.norm(x[logits_indices], ops)
         w = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         logits = self._lm(x, w, None)
         cap = self.arch.final_logit_softcap
