@@ -13,7 +13,8 @@ a part's time excludes the parts called inside it, so the parts sum to the step)
 * ``rope``: ``apply_rope_qkv`` or the backend's ``rope_qk``, and the cos/sin tables;
 * ``act``: ``MLP.forward`` outside its linears (SiLU·mul); ``attn glue``:
   ``PagedAttention.forward`` outside its parts (views, reshapes);
-* ``adds``: ``DecoderLayer.forward`` outside its parts (the residual adds left there);
+* ``adds``: ``DecoderLayer.forward`` (or ``forward_deferred``) outside its parts (the
+  residual adds left there);
 * ``model other``: ``ModelRunnerModel.forward`` outside its layers (embedding lookup,
   the logits row gather and float32 cast);
 * ``sampler``: ``Sampler.sample``; ``runner prep``: ``ModelRunner.execute`` outside the
@@ -126,6 +127,8 @@ def main() -> None:
     LY.MLP.forward = P.wrap("act", LY.MLP.forward)  # type: ignore[method-assign]
     LY.PagedAttention.forward = P.wrap("attn glue", LY.PagedAttention.forward)  # type: ignore[method-assign]
     LY.DecoderLayer.forward = P.wrap("adds", LY.DecoderLayer.forward)  # type: ignore[method-assign]
+    if hasattr(LY.DecoderLayer, "forward_deferred"):  # the adds left to the next norm
+        LY.DecoderLayer.forward_deferred = P.wrap("adds", LY.DecoderLayer.forward_deferred)
     MD.ModelRunnerModel.forward = P.wrap("model other", MD.ModelRunnerModel.forward)  # type: ignore[method-assign]
     Sampler.sample = P.wrap("sampler", Sampler.sample)  # type: ignore[method-assign]
     be = eng.runner.backend if hasattr(eng.runner, "backend") else None
