@@ -14,15 +14,31 @@ at the start: bandwidth bound = (weight bytes + KV bytes) / read bandwidth, comp
 bound = step FLOP / matmul peak of the dtype; fraction = max(bandwidth, compute bound) /
 median step (1.0 = at the limit).
 
-``--inproc``: instead, one process, one engine per dtype at batch ``B`` (``--batches``),
-the linears' dispatch settings toggled every round between the old rule (oneDNN
-from ``PACK_MIN_MACS`` multiply-adds for both dtypes, no float32 row floor) and the
-current one (``PACK_MIN_MACS_BF16``, ``PACK_MIN_ROWS_FP32``): process CPU ms per
-decode step, median of ``--rounds``, and the ratio new / old per round.
+Each tree's ``backends`` folder beside its ``src`` is used when it has one (a ``git
+archive`` of a commit does), else this repo's.
+
+``--inproc``: instead, one process, one engine per dtype and thread count at batch ``B``
+(``--batches``), a setting toggled every round between its old and current form
+(``--toggle``):
+
+* ``linears``: the linears' dispatch: the old rule (oneDNN from ``PACK_MIN_MACS``
+  multiply-adds for both dtypes, no float32 row floor) vs the current one
+  (``PACK_MIN_MACS_BF16``, ``PACK_MIN_ROWS_FP32``);
+* ``layer_ops``: the bf16 layer ops and the logits path: old = the backend's C layer
+  ops for float32 only (bf16 on the model's torch ops), no deferred residual adds
+  (``DecoderLayer.forward_deferred``), float32 logits from the model and the sampler's
+  torch argmax; new = the C ops in both dtypes, deferred adds, the runner's logits
+  uncast and the backend's argmax (``GreedyOps``).
+
+Per round: process CPU ms and median wall ms per decode step; printed: medians of
+``--rounds``, the ratio new / old per round (CPU and wall), and the bound of the step
+(as above, limits measured once per thread count at the start) with the fraction of
+it by wall and by CPU time (bound / CPU ms per step).
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python benches/bench_dtype_step.py --trees
 base=/tmp/base/src,new=src [--dtypes float32,bfloat16] [--batches 1,64] [--threads 1,2]
-[--rounds 3] [--steps 16] [--out out/dtype_step.json]``.
+[--rounds 3] [--steps 16] [--out out/dtype_step.json]``; ``--inproc --toggle layer_ops``
+with the same options.
 """
 
 from __future__ import annotations
@@ -86,60 +102,140 @@ def child(dtype: str, batch: int, threads: int, steps: int) -> dict[str, Any]:
     }
 
 
-def inproc(dtypes: list[str], batches: list[int], rounds: int, steps: int) -> None:
-    """The ``--inproc`` mode (module docstring): prints one JSON line per dtype/batch."""
+def _toggle(eng: Any, which: str, name: str, keep: dict[str, Any]) -> None:
+    """Put engine ``eng`` in the ``old`` or ``new`` form of setting ``which`` (the
+    module docstring); ``keep`` holds the current forms, filled on the first call."""
+    import torch
+
+    from kvpage.models import linears as L
+
+    if which == "linears":
+        keep.setdefault("lin", (L.PACK_MIN_MACS_BF16, L.PACK_MIN_ROWS_FP32))
+        old = (L.PACK_MIN_MACS, 0)
+        L.PACK_MIN_MACS_BF16, L.PACK_MIN_ROWS_FP32 = old if name == "old" else keep["lin"]
+        return
+    model, be = eng.model, eng.backend
+    keep.setdefault("defer", model._defer_residual)
+    keep.setdefault("greedy", eng.sampler._greedy)
+    for attr in ("layer_ops", "forward"):  # instance overrides of the old form
+        for obj in (be, model):
+            if attr in vars(obj):
+                delattr(obj, attr)
+    model._defer_residual, eng.sampler._greedy = keep["defer"], keep["greedy"]
+    if name == "old":
+        ops, fwd = be.layer_ops, model.forward
+
+        def f32_ops(dtype: torch.dtype, device: torch.device) -> Any:
+            return ops(dtype, device) if dtype == torch.float32 else None
+
+        def float_forward(*a: Any, **kw: Any) -> Any:
+            kw["float_logits"] = True
+            return fwd(*a, **kw)
+
+        be.layer_ops, model.forward = f32_ops, float_forward
+        model._defer_residual, eng.sampler._greedy = False, None
+
+
+def inproc(
+    dtypes: list[str], batches: list[int], threads: list[int], rounds: int, steps: int, which: str
+) -> list[dict[str, Any]]:
+    """The ``--inproc`` mode (module docstring): one JSON line per configuration."""
     import torch
 
     sys.path.insert(0, str(HERE))
-    from roofline import _model_folder
+    from roofline import _model_folder, machine_limits, model_bytes_flops
 
     from kvpage.engine import LLM, SamplingParams
-    from kvpage.models import linears as L
 
-    new = (L.PACK_MIN_MACS_BF16, L.PACK_MIN_ROWS_FP32)
-    old = (L.PACK_MIN_MACS, 0)
-    for dtype in dtypes:
-        llm = LLM(model=_model_folder("llama125m"), dtype=dtype, enable_prefix_caching=False)
-        torch.set_num_threads(1)
-        eng = llm.llm_engine
-        for batch in batches:
-            res: dict[str, list[float]] = {"old": [], "new": []}
-            for rnd in range(rounds):
-                for name in ("old", "new") if rnd % 2 == 0 else ("new", "old"):
-                    L.PACK_MIN_MACS_BF16, L.PACK_MIN_ROWS_FP32 = old if name == "old" else new
-                    p = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
-                    for i in range(batch):
-                        eng.add_request(f"{name}{rnd}-{i}", [1, 5 + i % 50, 6, 7, 8], p)
-                    eng.step()
-                    eng.step()
-                    c0 = time.process_time()
-                    for _ in range(steps):
-                        eng.step()
-                    res[name].append(1e3 * (time.process_time() - c0) / steps)
-                    while eng.has_unfinished_requests():
-                        eng.step()
-            ratios = [n / o for n, o in zip(res["new"], res["old"])]
-            print(
-                json.dumps(
-                    {
-                        "dtype": dtype,
-                        "batch": batch,
-                        "old_cpu_ms": round(statistics.median(res["old"]), 2),
-                        "new_cpu_ms": round(statistics.median(res["new"]), 2),
-                        "ratio_new_old": [round(r, 3) for r in ratios],
-                        "ratio_median": round(statistics.median(ratios), 3),
-                        "load": round(os.getloadavg()[0], 1),
-                    }
-                ),
-                flush=True,
+    rows_out: list[dict[str, Any]] = []
+    for th in threads:
+        torch.set_num_threads(th)
+        lim = machine_limits(256, 2048, 3)
+        print(json.dumps({"threads": th, **{k: round(v, 1) for k, v in lim.items()}}), flush=True)
+        for dtype in dtypes:
+            llm = LLM(
+                model=_model_folder("llama125m"),
+                dtype=dtype,
+                enable_prefix_caching=False,
+                num_threads=th,
             )
-        L.PACK_MIN_MACS_BF16, L.PACK_MIN_ROWS_FP32 = new
-        del llm
+            torch.set_num_threads(th)
+            eng = llm.llm_engine
+            wbytes, linear = model_bytes_flops(eng.model)
+            arch = eng.model.arch
+            peak = lim["matmul_bf16_gflop_s" if dtype == "bfloat16" else "matmul_fp32_gflop_s"]
+            keep: dict[str, Any] = {}
+            for batch in batches:
+                cpu: dict[str, list[float]] = {"old": [], "new": []}
+                wall: dict[str, list[float]] = {"old": [], "new": []}
+                ctx: list[float] = []
+                loads = []
+                for rnd in range(rounds):
+                    for name in ("old", "new") if rnd % 2 == 0 else ("new", "old"):
+                        _toggle(eng, which, name, keep)
+                        p = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+                        for i in range(batch):
+                            eng.add_request(f"{name}{rnd}-{i}", [1, 5 + i % 50, 6, 7, 8], p)
+                        eng.step()
+                        eng.step()
+                        times = []
+                        c0 = time.process_time()
+                        for _ in range(steps):
+                            ctx.append(
+                                sum(r.num_computed_tokens + 1 for r in eng.scheduler.running)
+                            )
+                            t0 = time.perf_counter()
+                            eng.step()
+                            times.append(time.perf_counter() - t0)
+                        cpu[name].append(1e3 * (time.process_time() - c0) / steps)
+                        wall[name].append(1e3 * statistics.median(times))
+                        loads.append(os.getloadavg()[0])
+                        while eng.has_unfinished_requests():
+                            eng.step()
+                _toggle(eng, which, "new", keep)
+                c = statistics.mean(ctx)
+                bw_ms = (
+                    1e3 * (wbytes + c * eng.cache_spec.bytes_per_token) / (lim["read_gb_s"] * 1e9)
+                )
+                flop = (
+                    2 * linear * batch + 4 * c * arch.num_q_heads * arch.head_dim * arch.num_layers
+                )
+                fl_ms = 1e3 * flop / (peak * 1e9)
+                bound = max(bw_ms, fl_ms)
+                med = {k: statistics.median(v) for k, v in (*cpu.items(), *(("w" + k, v) for k, v in wall.items()))}  # fmt: skip
+                row = {
+                    "toggle": which,
+                    "threads": th,
+                    "dtype": dtype,
+                    "batch": batch,
+                    "old_cpu_ms": round(med["old"], 2),
+                    "new_cpu_ms": round(med["new"], 2),
+                    "old_wall_ms": round(med["wold"], 2),
+                    "new_wall_ms": round(med["wnew"], 2),
+                    "ratio_cpu": [round(n / o, 3) for n, o in zip(cpu["new"], cpu["old"])],
+                    "ratio_wall": [round(n / o, 3) for n, o in zip(wall["new"], wall["old"])],
+                    "bandwidth_bound_ms": round(bw_ms, 2),
+                    "compute_bound_ms": round(fl_ms, 2),
+                    "frac_wall_old_new": [
+                        round(bound / med["wold"], 3),
+                        round(bound / med["wnew"], 3),
+                    ],
+                    "frac_cpu_old_new": [
+                        round(bound / med["old"], 3),
+                        round(bound / med["new"], 3),
+                    ],
+                    "load": [round(min(loads), 1), round(max(loads), 1)],
+                }
+                rows_out.append(row)
+                print(json.dumps(row), flush=True)
+            del llm, eng
+    return rows_out
 
 
 def run_child(src: str, dtype: str, batch: int, threads: int, steps: int) -> dict[str, Any]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = f"{Path(src).resolve()}:{ROOT / 'backends'}"
+    own = Path(src).resolve().parent / "backends"
+    env["PYTHONPATH"] = f"{Path(src).resolve()}:{own if own.is_dir() else ROOT / 'backends'}"
     env["OMP_NUM_THREADS"] = str(threads)
     cmd = [sys.executable, __file__, "--child", f"{dtype},{batch},{threads},{steps}"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
@@ -157,10 +253,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--out", default="out/dtype_step.json")
     ap.add_argument("--inproc", action="store_true")
+    ap.add_argument("--toggle", default="linears", choices=("linears", "layer_ops"))
     a = ap.parse_args()
     if a.inproc:
         batches = [int(b) for b in a.batches.split(",")]
-        inproc(a.dtypes.split(","), batches, a.rounds, a.steps)
+        threads = [int(t) for t in a.threads.split(",")]
+        rows = inproc(a.dtypes.split(","), batches, threads, a.rounds, a.steps, a.toggle)
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(
+            json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}, indent=1)
+        )
         return
     if a.child:
         d, b, t, s = a.child.split(",")

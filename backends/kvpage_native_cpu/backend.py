@@ -31,6 +31,7 @@ from kvpage.backends.torch_backend import TorchBackend
 from kvpage.errors import BackendUnavailableError
 from kvpage.specs import AttentionSpec, CacheSpec
 from kvpage_native_cpu import build
+from kvpage_native_cpu.layer_ops import DTYPES as LAYER_OPS_DTYPES
 from kvpage_native_cpu.layer_ops import NativeLayerOps
 
 KIND_FLOAT, KIND_BF16, KIND_INT8, KIND_FP8 = 0, 1, 2, 3
@@ -92,7 +93,7 @@ class NativeCpuBackend:
         #: compiler and cache path, ~16 us, and would otherwise run on every
         #: ``forward``/``write_kv`` call: 2 per layer per step)
         self._lib: ctypes.CDLL | None = None
-        self._ops: NativeLayerOps | None = None
+        self._ops: dict[torch.dtype, NativeLayerOps] = {}
         #: prepared kernel arguments per plan and layer shape (see ``forward``):
         #: ``(id(plan), spec, num_blocks, block_size, dtype) -> (plan, parts, n)``; the
         #: entry keeps its plan alive, so the id is not reused while it is here;
@@ -134,17 +135,18 @@ class NativeCpuBackend:
         return {}
 
     def layer_ops(self, dtype: torch.dtype, device: torch.device) -> NativeLayerOps | None:
-        """The C ``LayerOps`` (``kvpage.attention.protocol``) for float32 on the CPU
-        while :data:`LAYER_OPS` is on and the library loads, else None (the model keeps
-        its torch ops)."""
-        if not LAYER_OPS or dtype != torch.float32 or device.type != "cpu":
+        """The C ``LayerOps`` (``kvpage.attention.protocol``, with ``GreedyOps``) for
+        float32 or bfloat16 on the CPU while :data:`LAYER_OPS` is on and the library
+        loads, else None (the model keeps its torch ops)."""
+        if not LAYER_OPS or dtype not in LAYER_OPS_DTYPES or device.type != "cpu":
             return None
-        if self._ops is None:
+        ops = self._ops.get(dtype)
+        if ops is None:
             lib = self._library()[0]
             if lib is None:
                 return None
-            self._ops = NativeLayerOps(lib)
-        return self._ops
+            ops = self._ops[dtype] = NativeLayerOps(lib, dtype)
+        return ops
 
     # ---- per step --------------------------------------------------------------------
     def plan(self, meta: AttentionMetadata) -> CpuPlan:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernel.c")
 #: must match KVP_ABI in kernel.c
-ABI = 6
+ABI = 7
 BASE_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=gnu11")
 
 _lock = threading.Lock()
@@ -84,6 +84,10 @@ SYMBOLS: dict[str, tuple[list[type], type | None]] = {
     "kvp_rms_norm": ([_P, _P, _P, _F32, _I64, _I64, _P, _P], None),
     "kvp_rope_qk": ([_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _P], None),
     "kvp_silu_mul": ([_P, _I64, _I64, _P], None),
+    "kvp_rms_norm_bf16": ([_P, _P, _P, _F32, _I64, _I64, _P, _P], None),
+    "kvp_rope_qk_bf16": ([_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _P], None),
+    "kvp_silu_mul_bf16": ([_P, _I64, _I64, _P], None),
+    "kvp_argmax_rows": ([_P, _I64, _I64, _I64, _I64, _P], None),
 }
 
 

@@ -38,7 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KVP_ABI 6
+#define KVP_ABI 7
 
 enum { KIND_FLOAT = 0, KIND_BF16 = 1, KIND_INT8 = 2, KIND_FP8 = 3 };
 
@@ -536,6 +536,238 @@ void kvp_silu_mul(const float *gu, int64_t rows, int64_t i, float *out) {
             st16(ot, silu_mul16(ld16(gt), ld16(ut)));
             memcpy(o + j, ot, sizeof(float) * (size_t)(i - j));
         }
+    }
+}
+
+/* ---- layer ops in bfloat16: bf16 in and out, float32 inside ----------------------
+ * The same ops on bfloat16 tensors (raw uint16 bits), each element widened to float32
+ * (exact: bits << 16), computed in float32 and rounded back to bfloat16 wherever the
+ * torch ops they replace round (every bf16 tensor op rounds its float32 result: the
+ * LlamaRMSNorm of kvpage.models.layers / transformers rounds the normalised row before
+ * the weight multiply, SiLU·mul rounds silu(g) before the product, RoPE rounds each
+ * product and the sum), so no whole tensor is upcast in memory. Rounding is to nearest
+ * even by integer arithmetic (c10::BFloat16's round_to_nearest_even; NaN -> 0x7FC0),
+ * in 16-lane vectors: where the compiler targets AVX512-BF16 (-march=native on such a
+ * CPU) by its vcvtneps2bf16, else by integer arithmetic in 32-bit lanes
+ * (c10::BFloat16's round_to_nearest_even: add 0x7FFF + the lowest kept bit, truncate;
+ * NaN -> 0x7FC0) that the compiler maps to AVX-512, AVX2, SSE or NEON. The two agree
+ * except on float32 subnormals (|x| < 2^-126), which vcvtneps2bf16 treats as zero: a
+ * result that small comes out as a signed zero instead of a bf16 subnormal (tested
+ * with that tolerance). A product of two bf16 values is exact in float32, so the
+ * weight multiply and RoPE's products round once, as torch's. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+typedef uint32_t vu32 __attribute__((vector_size(64)));
+
+static inline float bf2f(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline uint16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7FC0;
+#if defined(__AVX512BF16__)
+    if ((u & 0x7F800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u); /* as the vector form */
+#endif
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+static inline vf16 ldbf16(const uint16_t *p) {
+    vf16 f;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+    memcpy(&f, &u, sizeof f);
+#else
+    vu16 h;
+    memcpy(&h, p, sizeof h);
+    const vu32 u = __builtin_convertvector(h, vu32) << 16;
+    memcpy(&f, &u, sizeof f);
+#endif
+    return f;
+}
+#if !defined(__AVX512BF16__)
+static inline vu32 rbits(vf16 f) { /* f rounded to bf16, in the high half of each lane */
+    vu32 u;
+    memcpy(&u, &f, sizeof u);
+    const vu32 nan = (vu32)(f != f);
+    const vu32 r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    return (r & ~nan) | (nan & 0x7FC00000u);
+}
+#endif
+static inline void stbf16(uint16_t *p, vf16 f) {
+#if defined(__AVX512BF16__)
+    __m512 x;
+    memcpy(&x, &f, sizeof x);
+    const __m256bh h = _mm512_cvtneps_pbh(x);
+    memcpy(p, &h, sizeof h);
+#else
+    const vu16 h = __builtin_convertvector(rbits(f) >> 16, vu16);
+    memcpy(p, &h, sizeof h);
+#endif
+}
+static inline vf16 round16(vf16 f) { /* f rounded to bf16, as float32 */
+    vf16 r;
+#if defined(__AVX512BF16__)
+    __m512 x;
+    memcpy(&x, &f, sizeof x);
+    const __m256bh h = _mm512_cvtneps_pbh(x);
+    __m256i hi;
+    memcpy(&hi, &h, sizeof hi);
+    const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16);
+    memcpy(&r, &u, sizeof r);
+#else
+    const vu32 u = rbits(f);
+    memcpy(&r, &u, sizeof r);
+#endif
+    return r;
+}
+
+/* kvp_rms_norm on bf16: s = bf16(x + res) (written to sum_out) when res != NULL; then
+ * out = bf16(w * bf16(s / sqrt(mean(s^2) + eps))), mean(s^2) in float32 */
+void kvp_rms_norm_bf16(const uint16_t *x, const uint16_t *res, const uint16_t *w, float eps,
+                       int64_t rows, int64_t n, uint16_t *sum_out, uint16_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * n;
+        uint16_t *restrict o = out + r * n;
+        vf16 acc = (vf16){0};
+        float tail = 0.0f;
+        int64_t j = 0;
+        if (res != NULL) {
+            const uint16_t *restrict rr = res + r * n;
+            uint16_t *sr = sum_out + r * n;
+            for (; j + 16 <= n; j += 16) {
+                const vf16 v = round16(ldbf16(xr + j) + ldbf16(rr + j));
+                stbf16(sr + j, v);
+                acc += v * v;
+            }
+            for (; j < n; j++) {
+                const float v = bf2f(f2bf(bf2f(xr[j]) + bf2f(rr[j])));
+                sr[j] = f2bf(v);
+                tail += v * v;
+            }
+            xr = sr;
+        } else {
+            for (; j + 16 <= n; j += 16) { const vf16 v = ldbf16(xr + j); acc += v * v; }
+            for (; j < n; j++) { const float v = bf2f(xr[j]); tail += v * v; }
+        }
+        const float inv = 1.0f / sqrtf((hsum16(acc) + tail) / (float)n + eps);
+        j = 0;
+        for (; j + 16 <= n; j += 16)
+            stbf16(o + j, round16(ldbf16(xr + j) * inv) * ldbf16(w + j));
+        for (; j < n; j++) o[j] = f2bf(bf2f(f2bf(bf2f(xr[j]) * inv)) * bf2f(w[j]));
+    }
+}
+
+/* kvp_rope_qk on bf16: o = bf16(bf16(x * cos) + bf16(swap_halves(x) * sin_signed)),
+ * the roundings of kvpage.models.rope.apply_rope_qkv's bf16 tensor ops (bit-identical,
+ * tested) */
+void kvp_rope_qk_bf16(const uint16_t *qkv, int64_t qkv_stride, const uint16_t *cos,
+                      const uint16_t *sin, int64_t rows, int64_t nq, int64_t nkv, int64_t d,
+                      uint16_t *q_out, uint16_t *k_out) {
+    const int64_t half = d / 2;
+    for (int64_t t = 0; t < rows; t++) {
+        const uint16_t *restrict c = cos + t * d, *restrict s = sin + t * d;
+        for (int64_t h = 0; h < nq + nkv; h++) {
+            const uint16_t *restrict x = qkv + t * qkv_stride + h * d;
+            uint16_t *restrict o =
+                h < nq ? q_out + (t * nq + h) * d : k_out + (t * nkv + h - nq) * d;
+            int64_t j = 0;
+            if (half % 16 == 0) {
+                for (; j < half; j += 16) {
+                    const vf16 lo = ldbf16(x + j), hi = ldbf16(x + j + half);
+                    stbf16(o + j, round16(lo * ldbf16(c + j)) + round16(hi * ldbf16(s + j)));
+                    stbf16(o + j + half, round16(hi * ldbf16(c + j + half)) +
+                                             round16(lo * ldbf16(s + j + half)));
+                }
+                continue;
+            }
+            for (; j < d; j++) {
+                const float a = bf2f(f2bf(bf2f(x[j]) * bf2f(c[j])));
+                const float b = bf2f(f2bf(bf2f(x[j < half ? j + half : j - half]) * bf2f(s[j])));
+                o[j] = f2bf(a + b);
+            }
+        }
+    }
+}
+
+/* kvp_silu_mul on bf16: out = bf16(bf16(silu(g)) * u), silu as silu_mul16 */
+void kvp_silu_mul_bf16(const uint16_t *gu, int64_t rows, int64_t i, uint16_t *out) {
+    const vf16 one = (vf16){0} + 1.0f;
+    for (int64_t t = 0; t < rows; t++) {
+        const uint16_t *restrict g = gu + t * 2 * i, *restrict u = g + i;
+        uint16_t *restrict o = out + t * i;
+        int64_t j = 0;
+        for (; j + 16 <= i; j += 16)
+            stbf16(o + j, round16(silu_mul16(ldbf16(g + j), one)) * ldbf16(u + j));
+        if (j < i) {
+            uint16_t gt[16] = {0}, ut[16] = {0}, ot[16];
+            memcpy(gt, g + j, sizeof(uint16_t) * (size_t)(i - j));
+            memcpy(ut, u + j, sizeof(uint16_t) * (size_t)(i - j));
+            stbf16(ot, round16(silu_mul16(ldbf16(gt), one)) * ldbf16(ut));
+            memcpy(o + j, ot, sizeof(uint16_t) * (size_t)(i - j));
+        }
+    }
+}
+
+/* ---- greedy argmax of logits rows -------------------------------------------------
+ * out[r] = the index of the first maximum of row r of x ([rows, n], row stride
+ * row_stride elements, float32 when bf16 == 0 else bfloat16 bits): torch.argmax's /
+ * max(dim=-1).indices' answer (the first NaN when the row has one; -0 equals +0; an
+ * all -inf row gives 0). One pass in 16 lanes: each lane keeps its maximum and the
+ * index where it first reached it (a strictly greater value moves it), NaN lanes are
+ * flagged; then the smallest index among the lanes whose maximum equals the row's
+ * (the first occurrence overall), or, with a NaN, a scan for the first NaN. */
+static inline int64_t argmax_row(const float *f, const uint16_t *b, int64_t n) {
+    vf16 m = (vf16){0} - INFINITY;
+    vi16 at = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, nan = (vi16){0};
+    const vi16 iota = at;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const vf16 v = f != NULL ? ld16(f + j) : ldbf16(b + j);
+        nan |= v != v;
+        const vi16 gt = v > m;
+        vi16 vb, mb;
+        memcpy(&vb, &v, sizeof vb);
+        memcpy(&mb, &m, sizeof mb);
+        mb = (vb & gt) | (mb & ~gt);
+        memcpy(&m, &mb, sizeof m);
+        at = ((iota + (int32_t)j) & gt) | (at & ~gt);
+    }
+    int any_nan = 0;
+    float best = -INFINITY;
+    int64_t arg = 0;
+    if (j > 0) {
+        best = hmax16(m);
+        arg = INT64_MAX;
+        for (int l = 0; l < 16; l++) {
+            any_nan |= nan[l] != 0;
+            if (m[l] == best && at[l] < arg) arg = at[l];
+        }
+    }
+    for (; j < n; j++) { /* the tail: later indices, so only a greater value moves */
+        const float v = f != NULL ? f[j] : bf2f(b[j]);
+        any_nan |= v != v;
+        if (v > best) { best = v; arg = j; }
+    }
+    if (any_nan)
+        for (j = 0; j < n; j++) {
+            const float v = f != NULL ? f[j] : bf2f(b[j]);
+            if (v != v) return j;
+        }
+    return arg;
+}
+
+void kvp_argmax_rows(const void *x, int64_t bf16, int64_t rows, int64_t n, int64_t row_stride,
+                     int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        if (bf16)
+            out[r] = argmax_row(NULL, (const uint16_t *)x + r * row_stride, n);
+        else
+            out[r] = argmax_row((const float *)x + r * row_stride, NULL, n);
     }
 }
 

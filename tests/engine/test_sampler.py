@@ -47,3 +47,33 @@ def test_logit_rows_repeat_a_forked_row_and_logprobs_only_where_asked() -> None:
     assert ent is not None
     want = torch.log_softmax(logits[0], dim=-1)[1].item()
     assert abs(ent[0] - want) < 1e-6 and ent[1] == 1 and ent[2] == [1]
+
+
+def test_bfloat16_logits_sample_as_their_float32_cast() -> None:
+    """The runner hands bfloat16 logits through uncast (``float_logits=False``): greedy
+    ids (fast and general path), sampled ids and logprobs equal those of the exact
+    float32 cast, with generators in the same state."""
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(6, 300, generator=g) * 4).to(torch.bfloat16)
+    logits[1, [5, 9]] = 30.0  # a tie in bf16
+    logits[2, [4, 8]] = float("nan")
+    logits[3] = float("-inf")
+    greedy = [_greedy() for _ in range(6)]
+    sampler = Sampler()
+    for all_greedy in (True, False):
+        rows = SamplingRows(greedy, [None] * 6, all_greedy=all_greedy)
+        a = sampler.sample(logits, rows).token_ids
+        assert a == sampler.sample(logits.float(), rows).token_ids
+        assert a == torch.argmax(logits.float(), dim=-1).tolist()
+    params = []
+    for i in range(6):
+        p = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, logprobs=2, seed=i)
+        p.validate()
+        params.append(p)
+    ok = torch.randn(6, 300, generator=g).to(torch.bfloat16)
+    out = []
+    for lg in (ok, ok.float()):
+        gens = [torch.Generator().manual_seed(i) for i in range(6)]
+        res = sampler.sample(lg, SamplingRows(params, gens, all_greedy=False))
+        out.append((res.token_ids, res.logprobs))
+    assert out[0] == out[1]

@@ -13,7 +13,12 @@ from kvpage.attention.metadata import (
     slots_of,
 )
 from kvpage.attention.plan import StepPlan, check_step, plan_step, step_fields
-from kvpage.attention.protocol import AttentionBackend, BackendCapabilities, LayerOps
+from kvpage.attention.protocol import (
+    AttentionBackend,
+    BackendCapabilities,
+    GreedyOps,
+    LayerOps,
+)
 
 __all__ = [
     "PAD_BLOCK",
@@ -21,6 +26,7 @@ __all__ = [
     "AttentionMetadata",
     "BackendCapabilities",
     "KVCache",
+    "GreedyOps",
     "LayerOps",
     "StepPlan",
     "allocate_kv_cache",

@@ -273,3 +273,25 @@ class LayerOps(Protocol):
             ShapeError, DTypeError: shapes or dtypes disagree.
         """
         ...
+
+
+@runtime_checkable
+class GreedyOps(Protocol):
+    """An optional kernel for greedy sampling that a backend's ``LayerOps`` object may
+    also implement: the first maximum of each logits row, computed on the logits'
+    own dtype (bfloat16 logits are not copied to float32: the cast is exact, so it
+    cannot change the answer). The engine's sampler uses it for all-greedy batches
+    (``kvpage.engine.sampler``); without it ``torch`` ops are used.
+    """
+
+    dtype: torch.dtype
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """``torch.argmax(logits, dim=-1)`` for ``logits`` ``[rows, n > 0]`` of
+        :attr:`dtype` (unit column stride): ``[rows]`` int64, the first maximum of
+        each row (the first NaN of a row that has one; 0 for an all ``-inf`` row).
+
+        Raises:
+            ShapeError, DTypeError: shapes or dtypes disagree.
+        """
+        ...

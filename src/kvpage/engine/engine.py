@@ -38,7 +38,7 @@ from kvpage.engine.prompts import parse_prompt
 from kvpage.engine.queue_policy import check_priority
 from kvpage.engine.request import Request
 from kvpage.engine.request_extras import prompt_logprob_spans
-from kvpage.engine.sampler import LogprobEntry, Sampler
+from kvpage.engine.sampler import LogprobEntry, Sampler, greedy_ops
 from kvpage.engine.scheduler import SchedulerOutput
 from kvpage.engine.spec_decode import (
     SpecDecodeStats,
@@ -91,7 +91,7 @@ class LLMEngine:
         self.runner = components.runner
         #: the KV tiers below the pool (None = none configured)
         self.tiers = components.tiers
-        self.sampler = Sampler()
+        self.sampler = Sampler(greedy_ops(self.backend, self.model.dtype, self.runner.device))
         self.outputs = OutputProcessor(self.scheduler, self.tokenizer, config.seed)
         self.vocab_size = int(self.model.config.get("vocab_size", 0))
         self.eos_token_id = getattr(self.tokenizer, "eos_id", None)
@@ -460,9 +460,9 @@ class LLMEngine:
             keep = int(logits.shape[0]) - sum(b for _, _, b in extra)
             mid = keep + sum(b for _, _, b in spans)
             if spans:
-                self.outputs.record_prompt_logprobs(out, spans, logits[keep:mid])
+                self.outputs.record_prompt_logprobs(out, spans, logits[keep:mid].float())
             if drafts:
-                verify = logits[mid:]
+                verify = logits[mid:].float()
             logits = logits[:keep]
         return logits, verify
 

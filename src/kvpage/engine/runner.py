@@ -236,9 +236,12 @@ class ModelRunner:
         ops' CPU threads (:meth:`dense_threads_for`).
 
         Returns:
-            ``[num_sampling_seqs + num_extra, vocab_size]`` logits (float, on
-            ``device``): one row per scheduled sequence with ``samples`` set, in batch
-            order, then the ``extra_spans`` rows in order.
+            ``[num_sampling_seqs + num_extra, vocab_size]`` logits on ``device``, in
+            float32 or, where the model computes them in bfloat16 with nothing after
+            the lm_head, in bfloat16 (``ModelRunnerModel.forward(float_logits=False)``:
+            the float32 copy is exact and left to the consumers that need it): one
+            row per scheduled sequence with ``samples`` set, in batch order, then the
+            ``extra_spans`` rows in order.
         """
         if any(out.copies):
             self.copy_blocks(out.copies)
@@ -296,6 +299,7 @@ class ModelRunner:
             metas,
             self.backend,
             torch.from_numpy(inp.logits_indices).to(dev),
+            float_logits=False,
             **state_kw,
         )
         return logits

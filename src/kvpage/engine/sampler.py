@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvpage.attention.protocol import GreedyOps
 from kvpage.engine.params import SamplingParams
 from kvpage.engine.processing import RowContext, apply_penalties, compute_logprobs
 from kvpage.engine.request import Request
@@ -132,23 +133,43 @@ class SamplerOutput:
     logprobs: list[LogprobEntry | None] | None = None
 
 
+def greedy_ops(backend: object, dtype: torch.dtype, device: torch.device | str) -> GreedyOps | None:
+    """The attention backend's greedy argmax kernel for logits of ``dtype`` on
+    ``device``: its ``layer_ops(dtype, device)`` object when that implements
+    ``kvpage.attention.protocol.GreedyOps``, else None (torch ops)."""
+    get = getattr(backend, "layer_ops", None)
+    ops = get(dtype, torch.device(device)) if get is not None else None
+    return ops if isinstance(ops, GreedyOps) else None
+
+
 class Sampler:
     """Samples one token per row (see the module docstring for the method).
 
     Stateless: the per-sequence random state is the rows' generators.
+
+    Args:
+        greedy: a backend's argmax kernel (:func:`greedy_ops`) for all-greedy batches
+            whose logits have its dtype and are on the CPU; None = ``torch`` ops.
     """
+
+    def __init__(self, greedy: GreedyOps | None = None) -> None:
+        self._greedy = greedy
 
     def sample(self, logits: torch.Tensor, rows: SamplingRows) -> SamplerOutput:
         """Sample one token per row.
 
         Args:
-            logits: ``[num_logit_rows, vocab_size]`` float (any device); not mutated.
+            logits: ``[num_logit_rows, vocab_size]`` float32, or bfloat16 as the model
+                computed them (any device); not mutated. bfloat16 rows are cast to
+                float32 (exactly) before any float math: only the all-greedy argmax
+                reads them as they are, which gives the same ids as on the cast.
             rows: the per-row inputs (``rows.logit_rows`` maps rows to logits rows).
 
         Returns:
             The ``len(rows)`` token ids and, for rows that ask, their logprobs.
             All-greedy batches take ``argmax`` of the raw logits directly (the same ids
-            as the general path, tested).
+            as the general path, tested), through the backend's kernel when there is
+            one for the logits' dtype.
         """
         if rows.logit_rows is not None:
             sel = torch.tensor(rows.logit_rows, dtype=torch.int64, device=logits.device)
@@ -159,9 +180,13 @@ class Sampler:
             if rows.logit_rows is None:
                 logits = logits.clone()  # the caller's logits are not mutated
             apply_token_bitmask(logits, rows.bitmask, rows.grammar_rows)
-        if rows.all_greedy:  # max's indices = argmax's (first max, NaN first), 2.8x faster
+        if rows.all_greedy:
+            g = self._greedy
+            if g is not None and logits.dtype == g.dtype and logits.device.type == "cpu":
+                return SamplerOutput(g.argmax_rows(logits).tolist())
+            # max's indices = argmax's (first max, NaN first), 2.8x faster
             return SamplerOutput(logits.max(dim=-1).indices.tolist())
-        return self._sample_general(logits, rows)
+        return self._sample_general(logits.float(), rows)
 
     def _sample_general(self, logits: torch.Tensor, rows: SamplingRows) -> SamplerOutput:
         params = rows.params
@@ -291,6 +316,7 @@ def _logprob_rows(
 
 
 __all__ = [
+    "greedy_ops",
     "DEAD_END_TOKEN",
     "LogprobEntry",
     "Sampler",

@@ -60,8 +60,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
         """x: ``[num_tokens, dim]``; returns the same shape and dtype. ``ops``: a
-        backend's ``LayerOps``, used for the Llama form (None = torch ops)."""
-        if ops is not None and not self.gemma:
+        backend's ``LayerOps``, used for the Llama form when ``x`` has the weight's
+        dtype (None = torch ops)."""
+        if ops is not None and not self.gemma and x.dtype == self.weight.dtype:
             return ops.rms_norm(x, self.weight, self.eps)[1]
         xf = x.float()
         if self.gemma:
@@ -78,8 +79,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor, ops: LayerOps | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add before the norm: ``(s, norm(s))`` with ``s = residual + x``
-        (both ``[num_tokens, dim]``); one ``ops.rms_norm`` call for the Llama form."""
-        if ops is not None and not self.gemma:
+        (both ``[num_tokens, dim]``); one ``ops.rms_norm`` call for the Llama form
+        when both have the weight's dtype."""
+        if ops is not None and not self.gemma and x.dtype == residual.dtype == self.weight.dtype:
             return ops.rms_norm(x, self.weight, self.eps, residual=residual)
         s = residual + x
         return s, self(s)
@@ -418,6 +420,46 @@ class DecoderLayer(nn.Module):
         x, h = self.post_attention_layernorm.add_forward(a, x, ops)
         mo: torch.Tensor = self.mlp(h, ops)
         return x + (mo * rm if rm is not None else mo)
+
+    @property
+    def defers_residual(self) -> bool:
+        """Whether :meth:`forward_deferred` applies: the ``pre`` block without a
+        residual multiplier and with Llama RMSNorms (the backend's fused add + norm)."""
+        return (
+            self.block == "pre"
+            and self.residual_multiplier is None
+            and isinstance(self.input_layernorm, RMSNorm)
+            and isinstance(self.post_attention_layernorm, RMSNorm)
+            and not self.input_layernorm.gemma
+            and not self.post_attention_layernorm.gemma
+        )
+
+    def forward_deferred(
+        self,
+        x: torch.Tensor,
+        pending: torch.Tensor | None,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        cache: KVCache,
+        plan: StepPlan,
+        backend: AttentionBackend[Any],
+        ops: LayerOps | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` of a :attr:`defers_residual` layer with its last residual
+        add left to the next norm (vLLM's ``fused_add_rms_norm`` chain): the layer's
+        output is ``x + pending`` (``pending`` = the previous layer's MLP output, None
+        for the first layer) and this returns ``(x', mlp_out)``, whose sum is this
+        layer's output. The input norm adds ``pending`` in one ``ops.rms_norm`` call
+        (``s = x + pending``, the same rounding as :meth:`forward`'s add), so a stack of
+        layers makes one add fewer per layer; results equal :meth:`forward`'s."""
+        if pending is None:
+            h = self.input_layernorm(x, ops)
+        else:
+            x, h = self.input_layernorm.add_forward(pending, x, ops)
+        a = self.self_attn(h, cos, sin, cache, plan, backend, ops)
+        x, h = self.post_attention_layernorm.add_forward(a, x, ops)
+        mo: torch.Tensor = self.mlp(h, ops)
+        return x, mo
 
 
 __all__ = [

@@ -8,7 +8,7 @@ mapped by the loader: ``kvpage.models.loader``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from kvpage.attention.state import StateBatch, StateCache
 from kvpage.errors import ShapeError, SpecError
 from kvpage.models.config import ArchConfig, arch_from_hf
 from kvpage.models.hybrid import HybridDecoderLayer
-from kvpage.models.layers import DecoderLayer, PackedWeight, make_norm
+from kvpage.models.layers import DecoderLayer, PackedWeight, RMSNorm, make_norm
 from kvpage.models.rope import RotaryEmbedding
 from kvpage.models.tokenizer import ByteTokenizer, Tokenizer
 from kvpage.specs import CacheSpec, KVCacheDType, ModelDType, ScaleGranularity
@@ -145,6 +145,14 @@ class ModelRunnerModel(nn.Module):
             self.config.get("eos_token_id"),
         )
         self._lm = PackedWeight()
+        #: every layer can leave its last residual add to the next norm
+        #: (``DecoderLayer.forward_deferred``), the final norm included
+        self._defer_residual = (
+            self.mixers is None
+            and all(isinstance(m, DecoderLayer) and m.defers_residual for m in self.model.layers)
+            and isinstance(self.model.norm, RMSNorm)
+            and not self.model.norm.gemma
+        )
         self.requires_grad_(False)
 
     # ---- specs --------------------------------------------------------------------------
@@ -258,6 +266,7 @@ class ModelRunnerModel(nn.Module):
         *,
         state_caches: list[StateCache] | None = None,
         state_batch: StateBatch | None = None,
+        float_logits: bool = True,
     ) -> torch.Tensor:
         """One step over a packed batch of new tokens.
 
@@ -279,10 +288,15 @@ class ModelRunnerModel(nn.Module):
                 new token (read as zeros where ``has_initial_state`` is False).
             state_batch: the step's state slots (the sequences in the packed order of
                 the attention metadata).
+            float_logits: return float32 logits; False = the lm_head's output in the
+                model's dtype when nothing follows it (no logit multiplier, no final
+                soft cap): a bfloat16 model's ``[num_seqs, vocab_size]`` logits are then
+                not copied to float32, a cast that is exact and so adds no information
+                (the engine's sampler casts the rows that need float32 math).
 
         Returns:
             ``[num_seqs, vocab_size]`` logits in float32 (the Gemma-2 final soft cap
-            applied).
+            applied), or in the model's dtype (``float_logits=False``, see there).
 
         Raises:
             ShapeError: list lengths or token counts disagree; state_caches/state_batch
@@ -334,7 +348,21 @@ class ModelRunnerModel(nn.Module):
         get_ops = getattr(backend, "layer_ops", None)
         ops = get_ops(x.dtype, x.device) if get_ops is not None else None
         local = self.layer_local_rope
-        if self.mixers is None:
+        defer = ops is not None and self._defer_residual
+        if defer:
+            # with the backend's fused add + norm: each layer's last residual add is
+            # done by the next norm (the same sums, one op fewer per layer)
+            pending: torch.Tensor | None = None
+            for lid, layer in enumerate(self.model.layers):
+                c, s_ = (cos_l, sin_l) if local[lid] else (cos, sin)
+                g = plans[self.layer_groups[lid]]
+                dl = cast(DecoderLayer, layer)  # _defer_residual: every layer is one
+                x, pending = dl.forward_deferred(x, pending, c, s_, kv_caches[lid], g, backend, ops)
+            if pending is None:
+                x = self.model.norm(x[logits_indices], ops)
+            else:
+                x = self.model.norm.add_forward(pending[logits_indices], x[logits_indices], ops)[1]
+        elif self.mixers is None:
             for lid, layer in enumerate(self.model.layers):
                 c, s_ = (cos_l, sin_l) if local[lid] else (cos, sin)
                 x = layer(x, c, s_, kv_caches[lid], plans[self.layer_groups[lid]], backend, ops)
@@ -347,12 +375,16 @@ class ModelRunnerModel(nn.Module):
                 st = state_caches[si] if si >= 0 and state_caches is not None else None
                 x = layer(x, c, s_, kv, plan, backend, ops, st, state_batch)
             x = x.to(self.dtype)  # Mamba-2's float32 residual stream
-        x = self.model.norm(x[logits_indices], ops)
+        if not defer:
+            x = self.model.norm(x[logits_indices], ops)
         w = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        logits = self._lm(x, w, None).float()
+        logits = self._lm(x, w, None)
+        cap = self.arch.final_logit_softcap
+        if not float_logits and self.arch.logit_multiplier is None and cap is None:
+            return logits
+        logits = logits.float()
         if self.arch.logit_multiplier is not None:  # Cohere logit_scale, Granite 1/scaling
             logits = logits * self.arch.logit_multiplier
-        cap = self.arch.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
