@@ -264,6 +264,37 @@ def simple_formula_bytes(spec: CacheSpec, tokens: int) -> int:
     return spec.num_layers * planes * a.num_kv_heads * a.head_dim * tokens * spec.kv_element_bytes
 
 
+def host_snapshot_rows(
+    host_tier_bytes: int,
+    state_bytes: int,
+    snapshot_share: float,
+    *,
+    num_snapshot_slots: int,
+    prefix_caching: bool = True,
+) -> int:
+    """Host snapshot rows of a hybrid model's ``StatePool`` beside a host KV tier
+    (``kvpage.cache.state_pool``, "Host snapshots"; the engine's ``build_components``,
+    the simulator and :func:`plan_capacity` all size them here):
+    ``floor(host_tier_bytes * snapshot_share) // state_bytes`` rows of ``state_bytes``
+    each, host memory of their own beside the tier's ``host_tier_bytes``. 0 without a
+    host tier, without prefix caching, or without snapshot slots (a host row is filled
+    only by a device snapshot's eviction and read back through a snapshot slot).
+
+    Args:
+        host_tier_bytes: the host KV tier's capacity (``kv_host_tier_bytes``), bytes.
+        state_bytes: ``CacheSpec.state_bytes_per_sequence`` (> 0 where used).
+        snapshot_share: ``state_snapshot_share``, in [0, 1).
+        num_snapshot_slots: the pool's device snapshot slots.
+        prefix_caching: whether prefix caching is on.
+
+    Returns:
+        the row count (>= 0).
+    """
+    if not (host_tier_bytes and prefix_caching and num_snapshot_slots and state_bytes > 0):
+        return 0
+    return int(host_tier_bytes * snapshot_share) // state_bytes
+
+
 @dataclass
 class CapacityPlan:
     """The result of :func:`plan_capacity` (all bytes per rank; tokens per rank = per model
@@ -500,6 +531,7 @@ __all__ = [
     "analyze_workload",
     "blocks_per_sequence",
     "estimate_num_parameters",
+    "host_snapshot_rows",
     "kv_cache_bytes",
     "max_len_for_num_seqs",
     "max_sequence_tokens",
