@@ -329,6 +329,9 @@ class CapacityPlan:
     state_snapshot_slots: int = 0
     state_snapshot_bytes: int = 0
     state_seqs_that_fit: int = 0
+    kv_host_tier_bytes: int = 0
+    state_host_snapshot_rows: int = 0
+    state_host_snapshot_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -353,6 +356,7 @@ def plan_capacity(
     kv_pool: str = "unified",
     max_num_seqs: int = 256,
     state_snapshot_share: float = 0.1,
+    kv_host_tier_bytes: int | str = 0,
 ) -> CapacityPlan:
     """Size the KV cache of ``model`` on one device (one TP rank).
 
@@ -384,11 +388,17 @@ def plan_capacity(
     ``floor((kv_budget - fixed) / (sequence_blocks(L) x bytes_per_block +
     state_bytes_per_sequence))``. A model of recurrent layers only (``mamba2``) has no
     KV blocks (``num_blocks`` 2, ``tokens_unbounded``) and no cap on its snapshots.
+    With a host KV tier (``kv_host_tier_bytes`` > 0, the engine's field; prefix caching
+    assumed on, as the engine requires for a tier) a hybrid model's evicted snapshots
+    go to ``state_host_snapshot_rows`` host rows (:func:`host_snapshot_rows`; 0 without
+    snapshot slots) of ``state_bytes_per_sequence`` each, ``state_host_snapshot_bytes``
+    of host memory beside the tier's own bytes (not in the device budget).
 
     Raises:
         SpecError: bad or unsupported model (``kvpage.specs.architectures``), ``max_model_len``
             above the model's context, a size above 1 PiB, budget below zero, TP
-            sharding refused, bad dtypes; ``weight_bytes`` missing where the parameter
+            sharding refused, bad dtypes, ``kv_host_tier_bytes`` not a size >= 0;
+            ``weight_bytes`` missing where the parameter
             count is unknown; ``tp > 1``, ``max_num_seqs < 1`` or a share outside
             [0, 1) with recurrent state layers.
     """
@@ -431,6 +441,7 @@ def plan_capacity(
     else:
         wb = int(src.num_parameters * wbytes_per)
     ov = parse_bytes(overhead_bytes, "overhead_bytes (--overhead)")
+    host_tier = parse_bytes(kv_host_tier_bytes, "kv_host_tier_bytes (--kv-host-tier-bytes)")
     budget = int(dev * utilization) - -(-wb // tp) - ov
     bpb = kv_cache_bytes(spec, 1) - kv_cache_bytes(spec, 0)
     fixed = kv_cache_bytes(spec, 0)
@@ -442,7 +453,7 @@ def plan_capacity(
         )
     num_blocks = 2 if recurrent_only else (budget - fixed) // bpb
     state_bytes = spec.state_bytes_per_sequence
-    snap_slots = snap_bytes = seqs_fit = 0
+    snap_slots = snap_bytes = seqs_fit = host_rows = 0
     if state_bytes:
         if tp != 1:
             raise SpecError(
@@ -470,6 +481,9 @@ def plan_capacity(
             state_bytes, state_snapshot_share, cap, snapshot_bytes=snap_budget
         )
         snap_bytes = snap_slots * state_bytes
+        host_rows = host_snapshot_rows(
+            host_tier, state_bytes, state_snapshot_share, num_snapshot_slots=snap_slots
+        )
         mml = max_model_len or src.max_model_len
         per_seq = (0 if recurrent_only else int(spec.sequence_blocks(mml)) * bpb) + state_bytes
         seqs_fit = max(0, (budget - fixed) // per_seq)
@@ -514,6 +528,9 @@ def plan_capacity(
         state_snapshot_slots=snap_slots,
         state_snapshot_bytes=snap_bytes,
         state_seqs_that_fit=int(seqs_fit),
+        kv_host_tier_bytes=host_tier,
+        state_host_snapshot_rows=host_rows,
+        state_host_snapshot_bytes=host_rows * state_bytes,
     )
     if workload is not None:
         plan.workload = analyze_workload(
