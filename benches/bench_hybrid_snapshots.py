@@ -34,7 +34,18 @@ Reported: prefix hit ratio (prompt tokens served from the cache at first admissi
 prompt tokens), TTFT p50/p90 and output tok/s (cost model), snapshots taken/hit and the
 snapshot memory share.
 
-Run: ``.venv/bin/python benches/bench_hybrid_snapshots.py [--limit N]`` (Markdown).
+Host tier (``--kv-host-tier-bytes X``, e.g. ``64GiB``): every row runs without and with
+a host KV tier of ``X`` bytes (transfer preset ``pcie5-nvme``, 50 GB/s host link); on the
+hybrid rows the pool then also has the engine's host snapshot rows
+(``kvpage.capacity.host_snapshot_rows``: ``floor(X x state_snapshot_share) // state
+bytes``), where evicted snapshots go. Reported instead: snapshot slots / host rows,
+snapshot hits from the device / the host, prompt tokens whose KV came from the host
+tier, and the state slot copies' share of all step time
+(``kvpage.sim.tiers.StateCopyMeter``: device copies at the achieved HBM bandwidth, host
+rows at the host link).
+
+Run: ``.venv/bin/python benches/bench_hybrid_snapshots.py [--limit N]
+[--kv-host-tier-bytes 64GiB]`` (Markdown).
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpage.capacity import parse_bytes
 from kvpage.sim.simulator import SimConfig, SimResult, simulate
 from kvpage.specs import CacheSpec
 from kvpage.workload.traces import load_trace
@@ -147,12 +159,40 @@ def row(name: str, bs: int, r: SimResult) -> list[Any]:
     ]
 
 
+def host_row(name: str, bs: int, host_b: int, r: SimResult) -> list[Any]:
+    """One row of the host-tier table (module docstring)."""
+    st = r.extra.get("state", {})
+    tier = r.extra.get("tiers", {}).get("host", {})
+    copies = st.get("copies", {})
+    return [
+        name,
+        bs,
+        f"{host_b / (1 << 30):g} GiB" if host_b else "none",
+        f"{r.finished}/{r.requests}",
+        f"{r.prefix_hit_pct:.1f}",
+        f"{r.ttft_s.get('p50', 0.0):.3f}",
+        f"{r.ttft_s.get('p90', 0.0):.3f}",
+        f"{r.throughput_tok_s:,.0f}",
+        f"{st['snapshot_slots']} / {st['host_snapshot_rows']}" if st else "-",
+        f"{st['snapshot_hits_device']} / {st['snapshot_hits_host']}" if st else "-",
+        f"{tier.get('hits_tokens', 0):,}" if host_b else "-",
+        f"{copies['copy_time_share_pct']:.2f}" if copies else "-",
+        r.preemptions,
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--limit", type=int, default=MOONCAKE_N, help="first N trace requests")
     ap.add_argument("--share", type=float, default=0.1, help="state_snapshot_share")
     ap.add_argument("--time-scale", type=float, default=1.0, help="> 1 stretches arrivals")
+    ap.add_argument(
+        "--kv-host-tier-bytes",
+        default="0",
+        help="host KV tier (64GiB, bytes; 0 = none): each row without and with it",
+    )
     args = ap.parse_args()
+    host_b = parse_bytes(args.kv_host_tier_bytes, "--kv-host-tier-bytes")
     trace = load_trace("mooncake-conv", limit=args.limit)
     with tempfile.TemporaryDirectory() as d:
         model = write_preset(Path(d))
@@ -169,18 +209,26 @@ def main() -> None:
             ("vLLM-aligned (emulated)", vbs, "snapshots"),
             ("attention-only bound", 16, "free"),
         ):
-            t0 = time.perf_counter()
-            cfg = config(model, bs, mode, state_snapshot_share=args.share)
-            cfg.time_scale = args.time_scale
-            r = simulate(trace, cfg)
-            print(f"# {name}: {time.perf_counter() - t0:.1f} s {r.extra}", file=sys.stderr)
-            rows.append(row(name, bs, r))
+            for tier in (0, host_b) if host_b else (0,):
+                t0 = time.perf_counter()
+                cfg = config(model, bs, mode, state_snapshot_share=args.share)
+                cfg.time_scale = args.time_scale
+                cfg.kv_host_tier_bytes = tier
+                r = simulate(trace, cfg)
+                took = time.perf_counter() - t0
+                print(f"# {name} host {tier}: {took:.1f} s {r.extra}", file=sys.stderr)
+                rows.append(host_row(name, bs, tier, r) if host_b else row(name, bs, r))
     print(
         f"python {platform.python_version()}, {platform.machine()}; {args.limit} requests, "
         f"time scale {args.time_scale}, snapshot share {args.share}"
+        + (f", host tier {args.kv_host_tier_bytes}" if host_b else "")
     )
-    print("| policy | block size | finished | prefix hit % | TTFT p50 s | TTFT p90 s | output tok/s | snapshot slots | snapshots taken | snapshot hits | snapshot memory % |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    if host_b:
+        print("| policy | block size | host tier | finished | prefix hit % | TTFT p50 s | TTFT p90 s | output tok/s | snapshot slots / host rows | snapshot hits device / host | KV hit tokens from host tier | state copy time % | preemptions |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    else:
+        print("| policy | block size | finished | prefix hit % | TTFT p50 s | TTFT p90 s | output tok/s | snapshot slots | snapshots taken | snapshot hits | snapshot memory % |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
     for x in rows:
         print("| " + " | ".join(str(v) for v in x) + " |")
 

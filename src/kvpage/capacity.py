@@ -264,6 +264,37 @@ def simple_formula_bytes(spec: CacheSpec, tokens: int) -> int:
     return spec.num_layers * planes * a.num_kv_heads * a.head_dim * tokens * spec.kv_element_bytes
 
 
+def host_snapshot_rows(
+    host_tier_bytes: int,
+    state_bytes: int,
+    snapshot_share: float,
+    *,
+    num_snapshot_slots: int,
+    prefix_caching: bool = True,
+) -> int:
+    """Host snapshot rows of a hybrid model's ``StatePool`` beside a host KV tier
+    (``kvpage.cache.state_pool``, "Host snapshots"; the engine's ``build_components``,
+    the simulator and :func:`plan_capacity` all size them here):
+    ``floor(host_tier_bytes * snapshot_share) // state_bytes`` rows of ``state_bytes``
+    each, host memory of their own beside the tier's ``host_tier_bytes``. 0 without a
+    host tier, without prefix caching, or without snapshot slots (a host row is filled
+    only by a device snapshot's eviction and read back through a snapshot slot).
+
+    Args:
+        host_tier_bytes: the host KV tier's capacity (``kv_host_tier_bytes``), bytes.
+        state_bytes: ``CacheSpec.state_bytes_per_sequence`` (> 0 where used).
+        snapshot_share: ``state_snapshot_share``, in [0, 1).
+        num_snapshot_slots: the pool's device snapshot slots.
+        prefix_caching: whether prefix caching is on.
+
+    Returns:
+        the row count (>= 0).
+    """
+    if not (host_tier_bytes and prefix_caching and num_snapshot_slots and state_bytes > 0):
+        return 0
+    return int(host_tier_bytes * snapshot_share) // state_bytes
+
+
 @dataclass
 class CapacityPlan:
     """The result of :func:`plan_capacity` (all bytes per rank; tokens per rank = per model
@@ -298,6 +329,9 @@ class CapacityPlan:
     state_snapshot_slots: int = 0
     state_snapshot_bytes: int = 0
     state_seqs_that_fit: int = 0
+    kv_host_tier_bytes: int = 0
+    state_host_snapshot_rows: int = 0
+    state_host_snapshot_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -322,6 +356,7 @@ def plan_capacity(
     kv_pool: str = "unified",
     max_num_seqs: int = 256,
     state_snapshot_share: float = 0.1,
+    kv_host_tier_bytes: int | str = 0,
 ) -> CapacityPlan:
     """Size the KV cache of ``model`` on one device (one TP rank).
 
@@ -353,11 +388,17 @@ def plan_capacity(
     ``floor((kv_budget - fixed) / (sequence_blocks(L) x bytes_per_block +
     state_bytes_per_sequence))``. A model of recurrent layers only (``mamba2``) has no
     KV blocks (``num_blocks`` 2, ``tokens_unbounded``) and no cap on its snapshots.
+    With a host KV tier (``kv_host_tier_bytes`` > 0, the engine's field; prefix caching
+    assumed on, as the engine requires for a tier) a hybrid model's evicted snapshots
+    go to ``state_host_snapshot_rows`` host rows (:func:`host_snapshot_rows`; 0 without
+    snapshot slots) of ``state_bytes_per_sequence`` each, ``state_host_snapshot_bytes``
+    of host memory beside the tier's own bytes (not in the device budget).
 
     Raises:
         SpecError: bad or unsupported model (``kvpage.specs.architectures``), ``max_model_len``
             above the model's context, a size above 1 PiB, budget below zero, TP
-            sharding refused, bad dtypes; ``weight_bytes`` missing where the parameter
+            sharding refused, bad dtypes, ``kv_host_tier_bytes`` not a size >= 0;
+            ``weight_bytes`` missing where the parameter
             count is unknown; ``tp > 1``, ``max_num_seqs < 1`` or a share outside
             [0, 1) with recurrent state layers.
     """
@@ -400,6 +441,7 @@ def plan_capacity(
     else:
         wb = int(src.num_parameters * wbytes_per)
     ov = parse_bytes(overhead_bytes, "overhead_bytes (--overhead)")
+    host_tier = parse_bytes(kv_host_tier_bytes, "kv_host_tier_bytes (--kv-host-tier-bytes)")
     budget = int(dev * utilization) - -(-wb // tp) - ov
     bpb = kv_cache_bytes(spec, 1) - kv_cache_bytes(spec, 0)
     fixed = kv_cache_bytes(spec, 0)
@@ -411,7 +453,7 @@ def plan_capacity(
         )
     num_blocks = 2 if recurrent_only else (budget - fixed) // bpb
     state_bytes = spec.state_bytes_per_sequence
-    snap_slots = snap_bytes = seqs_fit = 0
+    snap_slots = snap_bytes = seqs_fit = host_rows = 0
     if state_bytes:
         if tp != 1:
             raise SpecError(
@@ -439,6 +481,9 @@ def plan_capacity(
             state_bytes, state_snapshot_share, cap, snapshot_bytes=snap_budget
         )
         snap_bytes = snap_slots * state_bytes
+        host_rows = host_snapshot_rows(
+            host_tier, state_bytes, state_snapshot_share, num_snapshot_slots=snap_slots
+        )
         mml = max_model_len or src.max_model_len
         per_seq = (0 if recurrent_only else int(spec.sequence_blocks(mml)) * bpb) + state_bytes
         seqs_fit = max(0, (budget - fixed) // per_seq)
@@ -483,6 +528,9 @@ def plan_capacity(
         state_snapshot_slots=snap_slots,
         state_snapshot_bytes=snap_bytes,
         state_seqs_that_fit=int(seqs_fit),
+        kv_host_tier_bytes=host_tier,
+        state_host_snapshot_rows=host_rows,
+        state_host_snapshot_bytes=host_rows * state_bytes,
     )
     if workload is not None:
         plan.workload = analyze_workload(
@@ -500,6 +548,7 @@ __all__ = [
     "analyze_workload",
     "blocks_per_sequence",
     "estimate_num_parameters",
+    "host_snapshot_rows",
     "kv_cache_bytes",
     "max_len_for_num_seqs",
     "max_sequence_tokens",

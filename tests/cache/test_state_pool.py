@@ -1,19 +1,23 @@
 """Recurrent state slots (kvpage.cache.state_pool) and their use by KVCacheManager:
 live slots, snapshots keyed by block hash, eviction, the state-aware prefix hit, chunk
 ends at snapshot boundaries, the no_state_snapshot explanation; a Hypothesis state
-machine that tracks what every slot holds."""
+machine that tracks what every slot holds, and one with host snapshot rows and real
+state tensors (eviction to the host, promotion, host LRU, contents)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from kvpage.attention.state import StateCache, run_slot_copies
 from kvpage.cache import KVCacheManager, KVRetention, hash_request_blocks
 from kvpage.cache.free_queue import PRIORITY_HIGH
 from kvpage.cache.snapshot_policy import SnapshotPolicy
 from kvpage.cache.state_pool import StatePool
+from kvpage.capacity import host_snapshot_rows
 from kvpage.errors import AllocationError, IntegrityError, SpecError
 from kvpage.specs import CacheSpec, make_cache_spec
 from kvpage.specs.state import StateSpec
@@ -379,3 +383,283 @@ def test_host_snapshots_copy_order_promotion_and_lru() -> None:
     pool.free_live("b")
     assert pool.reset() and pool.num_host_used == 0
     pool.check_integrity([])
+
+
+class HostStateMachine(RuleBasedStateMachine):
+    """The StatePool with host snapshot rows under a hybrid KVCacheManager, with real
+    state tensors (one device ``StateCache`` and one host ``StateCache`` per state
+    layer, copies run by ``run_slot_copies`` in queue order before each "forward").
+    Each forward writes into the live slot a value that names the token prefix whose
+    state it is (per layer: ``id + 1 + 1000 x layer`` in conv, its negative in ssm).
+    Snapshots are evicted to host rows (few device slots), hit from the host (a prompt
+    re-sent: promotion, then restore), overflow the host rows (LRU) and are freed.
+
+    Checked: a restored live slot holds, in every layer, exactly the state saved for the
+    hit's prefix (tensor contents); every device snapshot slot and every host snapshot
+    (some host row) holds the state its key hashes; slots and rows each owned once
+    (``check_integrity``, distinct slots); host bytes within the budget the rows were
+    sized from (``kvpage.capacity.host_snapshot_rows`` of a host tier's bytes); at
+    teardown every live slot and block free, and a reset empties slots and rows."""
+
+    @initialize(
+        live=st.integers(1, 3),
+        snaps=st.integers(1, 3),
+        host_tier=st.sampled_from([0, 1, 3, 5]),
+        share=st.sampled_from([0.0, 0.5, 1.0]),
+    )
+    def setup(self, live: int, snaps: int, host_tier: int, share: float) -> None:
+        spec = hybrid_spec(num_blocks=40)
+        self.S = spec.state_bytes_per_sequence
+        # a host KV tier of host_tier x 10 states' bytes, a 0.1 snapshot share of it
+        self.host_budget = int(host_tier * 10 * self.S * 0.1)
+        rows = host_snapshot_rows(host_tier * 10 * self.S, self.S, 0.1, num_snapshot_slots=snaps)
+        assert rows == host_tier
+        pol = SnapshotPolicy(BS, share_threshold=2, predicted_share=share)
+        self.pool = StatePool(live, snaps, pol, num_host_snapshots=rows)
+        self.m = KVCacheManager(spec, state_pool=self.pool)
+        cpu = torch.device("cpu")
+        self.dev = [StateCache.allocate(s, self.pool.num_slots, cpu) for s in spec.state_layers]
+        self.host = [StateCache.allocate(s, rows, cpu) for s in spec.state_layers] if rows else None  # fmt: skip
+        self.ids: dict[tuple[int, ...], int] = {(): -1}  # prefix -> id (zeros: none)
+        self.prefixes: list[tuple[int, ...]] = []
+        self.by_hash: dict[bytes, tuple[int, ...]] = {}
+        self.reqs: dict[str, list[int]] = {}
+        self.done: dict[str, int] = {}
+        self.sent: list[list[int]] = []  # prompts admitted so far
+        self.n = 0
+        self.known: set[bytes] = set()  # every full block's hash of every request
+        self.host_order: list[bytes] = []  # host snapshots, least recently used first
+        #: left the host, judged at the next call: (key, its LRU position, the first
+        #: entry when it was second and the first stayed)
+        self.gone: list[tuple[bytes, int, bytes | None]] = []
+        self.pool.listeners.append(self)
+
+    # ---- host LRU, watched at every snapshot stored / removed ----------------------
+    def _know(self, toks: list[int]) -> None:
+        self.known.update(hash_request_blocks(toks, BS))
+
+    def _host_changed(self) -> None:
+        """Called by the pool after each snapshot stored or removed (since the last
+        call: at most one host demotion with its LRU eviction, one promotion, or one
+        host copy freed as redundant by a ``take`` of its key) and by the invariant: a
+        host snapshot gone from the host and not on the device (judged one call later:
+        a redundant one reaches the device by then) was evicted for room, and must
+        have been the least recently demoted one, or the second while the first was
+        being promoted (kept out of its own eviction; on the device by then)."""
+        pool = self.pool
+        cur = {h for h in self.known if pool.has_host_snapshot(h)}
+        for h, i, first in self.gone:
+            if pool.has_snapshot(h):
+                continue  # freed as redundant: taken again on the device
+            promoted = first is not None and first not in cur and pool.has_snapshot(first)
+            assert i == 0 or (i == 1 and promoted), "host row evicted out of LRU order"
+        order = self.host_order
+        self.gone = [
+            (h, i, order[0] if i == 1 and order[0] in cur else None)
+            for i, h in enumerate(order)
+            if h not in cur and not pool.has_snapshot(h)
+        ]
+        self.host_order = [h for h in order if h in cur] + [h for h in cur if h not in order]
+
+    def on_snapshot_stored(self, block_hash: bytes) -> None:
+        self._host_changed()
+
+    def on_snapshot_removed(self, block_hash: bytes) -> None:
+        self._host_changed()
+
+    # ---- tensors -----------------------------------------------------------------
+    def _id(self, prefix: tuple[int, ...]) -> int:
+        if prefix not in self.ids:
+            self.ids[prefix] = len(self.prefixes)
+            self.prefixes.append(prefix)
+        return self.ids[prefix]
+
+    def _write(self, slot: int, prefix: tuple[int, ...]) -> None:
+        i = self._id(prefix)
+        for layer, c in enumerate(self.dev):
+            c.conv[slot].fill_(i + 1 + 1000 * layer)
+            c.ssm[slot].fill_(-(i + 1 + 1000 * layer))
+
+    @staticmethod
+    def _read(caches: list[StateCache], row: int) -> int | None:
+        """The prefix id a slot (row) holds in every layer, None when the layers (or
+        conv and ssm) disagree or the content is no id's."""
+        got = set()
+        for layer, c in enumerate(caches):
+            for t, sign in ((c.conv[row], 1), (c.ssm[row], -1)):
+                v = t.flatten()
+                if not bool((v == v[0]).all()):
+                    return None
+                got.add(int(sign * v[0].item()) - 1 - 1000 * layer)
+        return got.pop() if len(got) == 1 else None
+
+    # ---- scheduler-like rules ----------------------------------------------------
+    def _forward(self, rid: str, start: int, end: int) -> None:
+        run_slot_copies(self.dev, self.m.take_state_copies(), self.host)
+        s = self.m.state_slot(rid)
+        toks = self.reqs[rid]
+        if start:  # a hit (or the previous chunk): the slot holds exactly that state
+            assert self._read(self.dev, s) == self.ids[tuple(toks[:start])], "wrong state"
+        self._write(s, tuple(toks[:end]))
+        self.m.commit(rid, toks, end)
+        self.done[rid] = end
+        for i, h in enumerate(hash_request_blocks(toks[:end], BS)):
+            self.by_hash[h] = tuple(toks[: (i + 1) * BS])
+
+    def _admit(self, toks: list[int], budget: int, finish: int | None) -> None:
+        """Admit ``toks`` (preempting the oldest running requests while it does not
+        fit, as a scheduler under memory pressure), prefill its first chunk; with
+        ``finish``, run it to the end and ``finish`` decode tokens, then free it."""
+        rid = f"r{self.n}"
+        self.n += 1
+        self._know(toks)
+        while True:
+            cached = self.m.get_num_cached_tokens(toks)
+            end = self.m.state_chunk_end(rid, toks, cached, min(len(toks), cached + budget))
+            if self.m.allocate(rid, toks, end - cached, num_cached_tokens=cached) is not None:
+                break
+            if not self.reqs:
+                return
+            self._free(min(self.reqs, key=lambda r: int(r[1:])))
+        self.reqs[rid] = toks
+        self.sent.append(list(toks))
+        self._forward(rid, cached, end)
+        if finish is not None:
+            self._finish(rid, finish)
+
+    # two rules only: Hypothesis' swarm testing switches rules off per example, and a
+    # run without arrivals would test nothing
+    @rule(
+        data=st.data(),
+        resend=st.booleans(),
+        prefix=st.sampled_from([0, 20, 40, 70]),
+        tail=st.integers(1, 40),
+        budget=st.integers(1, 128),
+        finish=st.none() | st.integers(0, 20),
+    )
+    def arrive(
+        self,
+        data: st.DataObject,
+        resend: bool,
+        prefix: int,
+        tail: int,
+        budget: int,
+        finish: int | None,
+    ) -> None:
+        """A new prompt (its snapshots push older ones to the host rows), or one of the
+        last 6 prompts sent, again: it hits its snapshot, often from a host row (its KV
+        is likelier still cached than an older one's)."""
+        if resend and self.sent:
+            toks = list(data.draw(st.sampled_from(self.sent[-6:])))
+        else:
+            toks = list(range(prefix)) + [10_000 + 100 * self.n + i for i in range(tail)]
+        self._admit(toks, budget, finish)
+
+    @rule(
+        data=st.data(),
+        action=st.sampled_from(["step", "step", "free", "finish"]),
+        budget=st.integers(1, 64),
+        decode=st.integers(0, 20),
+    )
+    def advance(self, data: st.DataObject, action: str, budget: int, decode: int) -> None:
+        """A running request: one chunk or decode step (preempted by recompute when it
+        does not fit), freed, or run to its end and ``decode`` tokens."""
+        if not self.reqs:
+            return
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        if action == "free":
+            self._free(rid)
+            return
+        if action == "finish":
+            self._finish(rid, decode)
+            return
+        toks, start = self.reqs[rid], self.done[rid]
+        if start == len(toks):  # decode: sample a token first
+            toks.append(20_000 + len(toks))
+            self._know(toks)
+        end = self.m.state_chunk_end(rid, toks, start, min(len(toks), start + budget))
+        if self.m.allocate(rid, toks, end - start) is None:
+            self._free(rid)
+            return
+        self._forward(rid, start, end)
+
+    def _free(self, rid: str) -> None:
+        self.m.free(rid)
+        del self.reqs[rid]
+        self.done.pop(rid, None)  # (none when its first forward failed)
+
+    def _finish(self, rid: str, decode: int) -> None:
+        """``rid``'s prefill to its end, ``decode`` tokens, then finished (its prompt
+        and rolling decode snapshots stay cached); freed early when it does not fit."""
+        toks = self.reqs[rid]
+        target = len(toks) + decode
+        while self.done[rid] < target:
+            start = self.done[rid]
+            if start == len(toks):
+                toks.append(20_000 + len(toks))
+            self._know(toks)
+            end = self.m.state_chunk_end(rid, toks, start, len(toks))
+            if self.m.allocate(rid, toks, end - start) is None:
+                break
+            self._forward(rid, start, end)
+        self._free(rid)
+
+    # ---- invariants --------------------------------------------------------------
+    @invariant()
+    def slots_and_rows_hold_their_keys(self) -> None:
+        pool = self.pool
+        self._host_changed()
+        self.m.check_integrity()
+        pool.check_integrity(sorted(self.reqs))
+        assert pool.num_host_used <= pool.num_host_snapshots
+        assert pool.num_host_used * self.S <= self.host_budget  # bytes within budget
+        # what the slots and rows hold once the queued copies ran (on copies of them)
+        dev = [StateCache(c.conv.clone(), c.ssm.clone()) for c in self.dev]
+        host = None if self.host is None else [StateCache(c.conv.clone(), c.ssm.clone()) for c in self.host]  # fmt: skip
+        run_slot_copies(dev, pool.pending_copies(), host)
+        slots = [pool.snapshot_slot(h) for h in pool.snapshot_hashes()]
+        assert len(set(slots)) == len(slots)
+        for h, slot in zip(pool.snapshot_hashes(), slots):
+            assert slot is not None
+            assert self._read(dev, slot) == self.ids[self.by_hash[h]], "snapshot slot"
+        on_host = [h for h in self.by_hash if pool.has_host_snapshot(h)]
+        assert len(on_host) == pool.num_host_used
+        if on_host:
+            assert host is not None
+            held = [self._read(host, r) for r in range(pool.num_host_snapshots)]
+            for h in on_host:
+                assert self.ids[self.by_hash[h]] in held, "host snapshot lost its state"
+            assert not any(pool.has_snapshot(h) for h in on_host)  # one place each
+
+    def teardown(self) -> None:
+        if not hasattr(self, "pool"):
+            return
+        for rid in sorted(self.reqs):
+            self._free(rid)
+        self.m.check_integrity()
+        assert self.pool.num_live_used == 0 and self.m.num_used_blocks == 0
+        self.pool.check_integrity([])
+        assert self.m.reset_prefix_cache()
+        assert self.pool.num_snapshots == 0 and self.pool.num_host_used == 0
+        self.pool.check_integrity([])
+
+
+# example counts from the repo's Hypothesis profile (conftest.py: ci 15, thorough 300)
+HostStateMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)
+TestHostStateMachine = HostStateMachine.TestCase
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug, left for the owner of cache/state_pool.py: StatePool.take frees a "
+    "host snapshot of the same key before deciding to skip a predicted snapshot (a zero "
+    "predicted cap), so the host copy is lost uncounted and unannounced",
+)
+def test_skipped_predicted_snapshot_keeps_the_host_copy() -> None:
+    p = StatePool(1, 1, SnapshotPolicy(BS, predicted_share=0.0), num_host_snapshots=1)
+    p.allocate_live("r")
+    p.take("r", b"A", "prompt")
+    p.take("r", b"B", "prompt")  # A to the host row
+    assert p.has_host_snapshot(b"A")
+    assert p.take("r", b"A", "predicted") is None  # skipped: cap 0
+    assert p.has_host_snapshot(b"A") or p.has_snapshot(b"A")

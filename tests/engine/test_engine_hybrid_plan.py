@@ -145,3 +145,86 @@ def test_plan_recurrent_only_model(tmp_path: Any) -> None:
             str(tmp_path), device_bytes="8GiB", weight_bytes="1GiB", max_num_seqs=16,
             workload=Workload.from_percentiles((10, 20, 30), (10, 20, 30)),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, memory, seqs",
+    [
+        ("qwen3-next-80b-a3b", "80GiB", 256),
+        ("nemotron-h-8b", "24GiB", 32),
+        ("granite-4.0-h-tiny", "24GiB", 256),
+    ],  # fmt: skip
+)
+def test_plan_host_snapshot_rows_for_the_hybrid_presets(name: str, memory: str, seqs: int) -> None:
+    """With a host KV tier the plan reports the host snapshot rows the engine gives the
+    StatePool: floor(host tier bytes x state_snapshot_share) // state bytes (by hand from
+    the presets' state bytes), host memory beside the tier, none without a tier."""
+    kw: dict[str, Any] = dict(device_bytes=memory, max_num_seqs=seqs, max_model_len=8192)
+    if name == "qwen3-next-80b-a3b":
+        kw["weight_dtype"] = "int4"
+    off = plan_capacity(name, **kw)
+    assert off.kv_host_tier_bytes == 0 and off.state_host_snapshot_rows == 0
+    on = plan_capacity(name, kv_host_tier_bytes="64GiB", **kw)
+    S = HAND[name][1]
+    rows = int(64 * GIB * 0.1) // S
+    assert on.kv_host_tier_bytes == 64 * GIB and on.state_snapshot_slots > 0
+    assert on.state_host_snapshot_rows == rows and on.state_host_snapshot_bytes == rows * S
+    # the device side does not change: the rows are host memory
+    assert (on.num_blocks, on.state_snapshot_slots) == (off.num_blocks, off.state_snapshot_slots)
+    if name == "qwen3-next-80b-a3b":
+        assert rows == 173  # 6,871,947,673 // 39,518,208
+    half = plan_capacity(name, kv_host_tier_bytes="64GiB", state_snapshot_share=0.05, **kw)
+    assert half.state_host_snapshot_rows == int(64 * GIB * 0.05) // S
+    with pytest.raises(SpecError, match="kv_host_tier_bytes"):
+        plan_capacity(name, kv_host_tier_bytes="-1GiB", **kw)
+
+
+def test_plan_cli_shows_host_snapshot_rows() -> None:
+    args = [sys.executable, "-m", "kvpage", "plan", "--model", "qwen3-next-80b-a3b",
+            "--memory", "80GiB", "--weight-dtype", "int4", "--kv-host-tier-bytes", "64GiB"]  # fmt: skip
+    table = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    assert "host snapshot rows" in table and "173 / 6.37 GiB" in table
+    d = json.loads(subprocess.run(args + ["--json"], capture_output=True, text=True, check=True).stdout)  # fmt: skip
+    assert d["state_host_snapshot_rows"] == 173
+    assert d["state_host_snapshot_bytes"] == 173 * 39_518_208
+    plain = subprocess.run(args[:-2], capture_output=True, text=True, check=True).stdout
+    assert "host snapshot rows" not in plain
+
+
+def test_plan_host_snapshot_rows_equal_the_engines_pool(tmp_path: Any) -> None:
+    """A tiny random qwen3_next: the plan of a budget (utilization 1, no weights) gives
+    the KV blocks, snapshot slots and host snapshot rows the engine builds for the same
+    kv_cache_memory_bytes and host tier, and the rows' bytes equal the engine's host
+    StateCache tensors (exact)."""
+    from test_models_hybrid import make_hf
+
+    from kvpage.engine import LLM
+
+    hf = make_hf("qwen3_next", max_position_embeddings=512)
+    hf.save_pretrained(tmp_path)
+    budget, host = 3_000_000, 1_500_000
+    llm = LLM(
+        model=str(tmp_path),
+        kv_cache_memory_bytes=budget,
+        max_num_seqs=8,
+        block_size=16,
+        kv_host_tier_bytes=host,
+    )
+    eng = llm.llm_engine
+    pool = eng.kv_cache_manager.state
+    assert pool is not None
+    p = plan_capacity(
+        str(tmp_path),
+        device_bytes=budget,
+        utilization=1.0,
+        weight_bytes=0,
+        max_num_seqs=8,
+        kv_host_tier_bytes=host,
+    )
+    S = eng.cache_spec.state_bytes_per_sequence
+    assert p.state_bytes_per_sequence == S and p.num_blocks == eng.cache_spec.num_blocks
+    assert p.state_snapshot_slots == pool.num_snapshot_slots > 0
+    assert p.state_host_snapshot_rows == pool.num_host_snapshots == int(host * 0.1) // S > 0
+    hosts = eng.runner.state_host_caches
+    assert hosts is not None and all(c.conv.device.type == "cpu" for c in hosts)
+    assert sum(c.conv.nbytes + c.ssm.nbytes for c in hosts) == p.state_host_snapshot_bytes

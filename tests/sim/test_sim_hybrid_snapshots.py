@@ -185,3 +185,87 @@ def test_swap_preemption_moves_the_state_too(bench: tuple[ModuleType, str]) -> N
     state_b = spec.state_bytes_per_sequence
     moved = sw["bytes_out"] + sw["bytes_in"] - 2 * sw["swap_outs"] * state_b
     assert moved > 0 and moved % spec.bytes_per_block == 0
+
+
+def _evicting_trace() -> list[TraceRequest]:
+    """Request 0, three other prompts that push its snapshot out of 3 snapshot slots,
+    then request 0's prompt again (10 s apart: one at a time)."""
+    reqs = [TraceRequest(0, 0.0, 1024 + 300, 4, (0, 1, 100))]
+    reqs += [TraceRequest(i, 10.0 * i, 1024 + 300, 4, (10 * i, 10 * i + 1, 10 * i + 2)) for i in (1, 2, 3)]  # fmt: skip
+    return reqs + [TraceRequest(4, 50.0, 1024 + 300, 4, (0, 1, 100))]
+
+
+def test_host_snapshot_rows_serve_an_evicted_snapshot_and_cost_the_copies(
+    bench: tuple[ModuleType, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a host KV tier the simulated pool has the engine's host snapshot rows
+    (floor(host bytes x share) // state bytes, kvpage.capacity.host_snapshot_rows): the
+    snapshot evicted from the 3 device slots is found on the host when its prompt comes
+    back (hit 1,312 tokens vs 0 without), counted as a host hit; each copy costs its
+    state bytes at the host link (host <-> device) or 2x at the device bandwidth, and
+    that time is in the step times."""
+    import kvpage.sim.simulator as simulator
+    from kvpage.capacity import host_snapshot_rows
+    from kvpage.sim.instance import SimInstance
+    from kvpage.sim.tiers import TRANSFER_PRESETS, StateCopyMeter
+
+    b, model = bench
+    kw = dict(num_blocks=800, state_snapshot_share=0.3)
+    off = simulate(_evicting_trace(), b.config(model, 16, "snapshots", **kw))
+    host_b = 4 << 30
+    cfg = b.config(model, 16, "snapshots", kv_host_tier_bytes=host_b, **kw)
+    spec = build_setup(cfg)[0]
+    S = spec.state_bytes_per_sequence
+    assert snapshot_slots(cfg, spec) == 3
+    rows = int(host_b * 0.3) // S
+    assert rows == 32 == host_snapshot_rows(host_b, S, 0.3, num_snapshot_slots=3)
+    seen: list[SimInstance] = []
+    result = simulator.instance_result
+
+    def keep(inst: SimInstance, *a: object) -> object:
+        seen.append(inst)
+        return result(inst, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(simulator, "instance_result", keep)
+    on = simulate(_evicting_trace(), cfg)
+    total = 5 * 1324
+    assert off.prefix_hit_pct == 0.0
+    assert on.prefix_hit_pct == pytest.approx(100 * 1312 / total)  # request 4's prompt boundary
+    st_off, st = off.extra["state"], on.extra["state"]
+    assert st_off["host_snapshot_rows"] == 0 and st_off["snapshot_hits_host"] == 0
+    assert st["host_snapshot_rows"] == 32 and st["host_snapshot_bytes"] == 32 * S
+    assert st["snapshot_hits_host"] == 1 and st["snapshot_hits_device"] == 0
+    assert st["host_snapshots_stored"] == 2  # requests 0 and 1's snapshots went to the host
+    cp = st["copies"]
+    host_bw = TRANSFER_PRESETS[cfg.transfer_preset].host_bandwidth
+    dev_bw = 3.35e12 * 0.8  # H100 datasheet x bandwidth_efficiency
+    assert cp["counts"] == {"device": 5, "host_in": 1, "host_out": 2}
+    # 4 prompt snapshots taken + 1 restore on the device; 1 promotion, 2 demotions
+    assert cp["seconds"]["host_in"] == pytest.approx(S / host_bw)
+    assert cp["seconds"]["host_out"] == pytest.approx(2 * S / host_bw)
+    assert cp["seconds"]["device"] == pytest.approx(5 * 2 * S / dev_bw)
+    assert cp["copy_time_share_pct"] == pytest.approx(100 * cp["total_s"] / seen[0].step_s)
+    # the copies' seconds are in the step times: the same run without charging them
+    monkeypatch.setattr(StateCopyMeter, "step_seconds", lambda self: 0.0)
+    simulate(_evicting_trace(), cfg)
+    charged, free = seen
+    assert charged.steps == free.steps
+    assert charged.step_s - free.step_s == pytest.approx(cp["total_s"], rel=1e-9)
+    # the attention-only bound has no state pool, host tier or not
+    bound = simulate(_evicting_trace(), b.config(model, 16, "free", kv_host_tier_bytes=host_b, **kw))  # fmt: skip
+    assert "state" not in bound.extra and bound.prefix_hit_pct >= on.prefix_hit_pct
+
+
+def test_state_copy_meter_kinds_and_swap_copies() -> None:
+    """StateCopyMeter: a pair with a slot >= num_slots is a host row (direction by which
+    side); seconds are taken once by step_seconds; the NullStateMover hands the copies
+    swap preemption runs early to the meter."""
+    from kvpage.sim.tiers import NullStateMover, StateCopyMeter
+
+    m = StateCopyMeter(100, 4, device_bandwidth=1000.0, host_bandwidth=10.0)
+    NullStateMover(100, m).copy_slots([(0, 3), (3, 4), (5, 1)])
+    assert m.counts == {"device": 1, "host_in": 1, "host_out": 1}
+    assert m.step_seconds() == pytest.approx(0.2 + 10.0 + 10.0)
+    assert m.step_seconds() == 0.0 and m.total_s == pytest.approx(20.2)
+    NullStateMover(100).copy_slots([(0, 1)])  # no meter: nothing counted
+    assert m.counts["device"] == 1

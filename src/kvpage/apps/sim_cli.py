@@ -79,6 +79,12 @@ def add_plan_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         default=0.1,
         help="hybrid models: share of the memory after the live states for state snapshots",
     )
+    p.add_argument(
+        "--kv-host-tier-bytes",
+        default="0",
+        help="host KV tier size (bytes, 64GiB, ...; 0 = none); hybrid models: its "
+        "state_snapshot_share sizes the host snapshot rows",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_plan)
     return p
@@ -130,6 +136,7 @@ def run_plan(args: argparse.Namespace) -> int:
             kv_pool=args.kv_pool,
             max_num_seqs=args.max_num_seqs,
             state_snapshot_share=args.state_snapshot_share,
+            kv_host_tier_bytes=args.kv_host_tier_bytes,
         )
     except KVPageError as e:
         print(f"kvpage plan: {e}", file=sys.stderr)
@@ -174,6 +181,16 @@ def run_plan(args: argparse.Namespace) -> int:
                 f"({d['state_snapshot_share']})",
             ),
             ("snapshot memory", f"{d['state_snapshot_bytes'] / gib:,.2f} GiB"),
+        ]
+        if d["kv_host_tier_bytes"]:
+            rows.append(
+                (
+                    "host snapshot rows / host memory (beside the host KV tier)",
+                    f"{d['state_host_snapshot_rows']:,} / "
+                    f"{d['state_host_snapshot_bytes'] / gib:,.2f} GiB",
+                )
+            )
+        rows += [
             (
                 "sequences that fit at max_model_len (KV + state)",
                 f"{d['state_seqs_that_fit']:,} x {d['model_max_len']:,} tokens",

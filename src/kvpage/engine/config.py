@@ -265,6 +265,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
     from kvpage.cache import KVCacheManager, max_retained_blocks
     from kvpage.cache.snapshot_policy import SnapshotPolicy
     from kvpage.cache.state_pool import StatePool, snapshot_slots_for, split_state_memory
+    from kvpage.capacity import host_snapshot_rows
     from kvpage.engine.kv_transfer import (
         TorchStateMover,
         build_state_disk,
@@ -365,9 +366,13 @@ def build_components(config: EngineConfig) -> EngineComponents:
         )
         # host snapshots: a state_snapshot_share of the host KV tier's bytes, in addition
         # to it (docs/architecture.md "Recurrent state"); none without a host tier
-        n_host = 0
-        if config.kv_host_tier_bytes and config.enable_prefix_caching and n_snap:
-            n_host = int(config.kv_host_tier_bytes * share) // state_bytes
+        n_host = host_snapshot_rows(
+            config.kv_host_tier_bytes,
+            state_bytes,
+            share,
+            num_snapshot_slots=n_snap,
+            prefix_caching=config.enable_prefix_caching,
+        )
         state_pool = StatePool(config.max_num_seqs, n_snap, policy, num_host_snapshots=n_host)
         try:
             state_caches = [

@@ -19,6 +19,8 @@ A roofline model of one forward step over a batch (no weights are needed):
   scheduled sequence (its recurrent state read and written once per step; the
   recurrent layers' own FLOPs, ~4 x heads x key_dim x value_dim per token and layer,
   are not counted: under 2 % of ``2 x active_parameters`` for Qwen3-Next-80B-A3B).
+  Copies of whole state slots (snapshots, restores, host snapshot rows) are not part of
+  the step's roofline: ``kvpage.sim.tiers.StateCopyMeter`` adds them.
   Decode steps are memory-bound.
 * **step time** = ``max(compute, memory) + step_overhead_s`` (the slower of the two rooflines;
   ``step_overhead_s`` stands for kernel launches, sampling and scheduling on the host).

@@ -20,7 +20,7 @@ from kvpage.errors import RequestRejected
 from kvpage.sim.config import SimConfig
 from kvpage.sim.contiguous import ContiguousAllocator
 from kvpage.sim.costmodel import StepCostModel
-from kvpage.sim.tiers import attach_sim_tiers
+from kvpage.sim.tiers import StateCopyMeter, attach_sim_tiers, get_transfer_preset
 from kvpage.specs import CacheSpec
 from kvpage.workload.traces import TokenMapper, TraceRequest
 
@@ -42,10 +42,31 @@ def snapshot_slots(cfg: SimConfig, spec: CacheSpec) -> int:
     return snapshot_slots_for(sb, cfg.state_snapshot_share, spec.num_blocks - 1, kv_bytes=kv)
 
 
+def host_snapshot_rows(cfg: SimConfig, spec: CacheSpec) -> int:
+    """Host snapshot rows of a hybrid model's pool beside the host KV tier (0 without
+    state layers, a host tier or prefix caching): the engine's
+    ``kvpage.capacity.host_snapshot_rows`` of ``cfg.kv_host_tier_bytes`` with
+    :func:`snapshot_slots` device snapshot slots."""
+    from kvpage.capacity import host_snapshot_rows as rows
+
+    sb = spec.state_bytes_per_sequence
+    if not sb:
+        return 0
+    return rows(
+        cfg.kv_host_tier_bytes,
+        sb,
+        cfg.state_snapshot_share,
+        num_snapshot_slots=snapshot_slots(cfg, spec),
+        prefix_caching=cfg.policy == "paged-prefix",
+    )
+
+
 def make_allocator(
     cfg: SimConfig, spec: CacheSpec, mml: int, slots: int, final: dict[str, int]
 ) -> KVAllocator:
-    """The allocator of ``cfg.policy`` (contiguous-* or the paged KVCacheManager)."""
+    """The allocator of ``cfg.policy`` (contiguous-* or the paged KVCacheManager; on a
+    hybrid model with the engine's ``StatePool``: :func:`snapshot_slots` device
+    snapshot slots and :func:`host_snapshot_rows` host rows)."""
     if cfg.policy.startswith("contiguous"):
         return ContiguousAllocator(slots, cfg.policy.split("-")[1], mml, final.__getitem__)
     from kvpage.cache import KVCacheManager
@@ -60,13 +81,35 @@ def make_allocator(
             share_threshold=cfg.state_share_threshold,
             predicted_share=cfg.state_predicted_share,
         )
-        pool = StatePool(cfg.max_num_seqs, snapshot_slots(cfg, spec), policy)
+        pool = StatePool(
+            cfg.max_num_seqs,
+            snapshot_slots(cfg, spec),
+            policy,
+            num_host_snapshots=host_snapshot_rows(cfg, spec),
+        )
     return KVCacheManager(
         spec,
         enable_prefix_caching=cfg.policy == "paged-prefix",
         hash_seed=cfg.seed,
         max_alloc_tokens=cfg.max_num_batched_tokens,
         state_pool=pool,
+    )
+
+
+def _state_copy_meter(
+    cfg: SimConfig, cost: StepCostModel, kv: KVAllocator
+) -> StateCopyMeter | None:
+    """The :class:`~kvpage.sim.tiers.StateCopyMeter` of ``kv``'s state pool (None
+    without one): device copies at the cost model's achieved memory bandwidth, host
+    rows at ``cfg.transfer_preset``'s host link."""
+    pool = getattr(kv, "state", None)
+    if pool is None:
+        return None
+    return StateCopyMeter(
+        kv.spec.state_bytes_per_sequence,  # type: ignore[attr-defined]
+        pool.num_slots,
+        cost.gpu.peak_bandwidth * cost.bandwidth_efficiency,
+        get_transfer_preset(cfg.transfer_preset).host_bandwidth,
     )
 
 
@@ -102,6 +145,10 @@ class SimInstance:
         ttft, tpot: samples in seconds, one per request (TPOT: requests with > 1 output).
         rejected: refusals by reason.
         meter: the KV tiers' and swap's transfer meter (``kvpage.sim.tiers``), or None.
+        state_copies: a hybrid model's state slot copy meter
+            (``kvpage.sim.tiers.StateCopyMeter``: snapshot saves, restores, host
+            demotions and promotions, charged to the step time), or None.
+        step_s: seconds of all steps (the sum of their step times).
         misses: the cache-miss explanation of each finished request.
     """
 
@@ -128,10 +175,13 @@ class SimInstance:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=mml,
         )
+        #: state slot copies of a hybrid model (None without a StatePool)
+        self.state_copies = _state_copy_meter(cfg, cost, self.kv)
         #: transfers of the KV tiers and swap (None without them), charged to step time
-        self.meter = attach_sim_tiers(cfg, spec, self.kv, self.sched, cost)
+        self.meter = attach_sim_tiers(cfg, spec, self.kv, self.sched, cost, self.state_copies)
         self.bs = 1 if isinstance(self.kv, ContiguousAllocator) else cfg.block_size
         self.t = 0.0
+        self.step_s = 0.0
         self.by_id: dict[str, TraceRequest] = {}
         self.arrival_t: dict[str, float] = {}
         self.outputs: dict[str, list[int]] = {}
@@ -216,6 +266,9 @@ class SimInstance:
         tiers = getattr(sched.kv, "tiers", None)
         if tiers is not None:
             tiers.flush()  # the step's batched demotion, as the engine does
+        copies = self.state_copies
+        if copies is not None:  # run before the forward, even of an empty step
+            copies.add(out.state_copies)
         if out.is_empty:
             return False
         q = [s.num_tokens for s in out.scheduled]
@@ -223,7 +276,10 @@ class SimInstance:
         dt = self.cost.step_time(q, c)
         if self.meter is not None:  # tier promotions/demotions and swaps of this step
             dt += self.meter.step_seconds()
+        if copies is not None:
+            dt += copies.step_seconds()
         self.t += dt
+        self.step_s += dt
         t = self.t
         self.steps += 1
         sampled: dict[str, list[int]] = {}
@@ -271,4 +327,10 @@ class SimInstance:
         return True
 
 
-__all__ = ["SimInstance", "make_allocator", "reserved_live", "snapshot_slots"]
+__all__ = [
+    "SimInstance",
+    "host_snapshot_rows",
+    "make_allocator",
+    "reserved_live",
+    "snapshot_slots",
+]

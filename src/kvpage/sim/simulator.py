@@ -329,8 +329,13 @@ def instance_result(inst: SimInstance, num_requests: int, t_first: float, slots:
 
 def _state_extra(inst: SimInstance) -> dict[str, Any]:
     """Recurrent-state counters for ``SimResult.extra`` (empty without state layers):
-    ``state`` = the pool's slot counts, ``StatePoolStats`` and the snapshot memory share
-    (snapshot slots' bytes / (KV blocks + live state slots + snapshot slots bytes))."""
+    ``state`` = the pool's slot counts, ``StatePoolStats``, the snapshot memory share
+    (device snapshot slots' bytes / (KV blocks + live state slots + snapshot slots
+    bytes)), the host snapshot rows (``host_snapshot_rows`` and their bytes, host memory
+    beside the host KV tier), snapshot hits by tier (``snapshot_hits_device``,
+    ``snapshot_hits_host``: restores of a promoted host snapshot), and ``copies``: the
+    state slot copies by kind with their seconds (``kvpage.sim.tiers.StateCopyMeter``)
+    and ``copy_time_share_pct`` = their seconds / all steps' seconds."""
     from kvpage.cache import KVCacheManager
 
     kvm = inst.kv
@@ -341,15 +346,27 @@ def _state_extra(inst: SimInstance) -> dict[str, Any]:
     kv = (spec.num_blocks - 1) * spec.bytes_per_block
     snap = pool.num_snapshot_slots * sb
     total = kv + pool.num_live_slots * sb + snap
-    return {
-        "state": {
-            "live_slots": pool.num_live_slots,
-            "snapshot_slots": pool.num_snapshot_slots,
-            "state_bytes_per_sequence": sb,
-            "snapshot_memory_share_pct": 100.0 * snap / total if total else 0.0,
-            **asdict(pool.stats),
-        }
+    st = pool.stats
+    out: dict[str, Any] = {
+        "live_slots": pool.num_live_slots,
+        "snapshot_slots": pool.num_snapshot_slots,
+        "state_bytes_per_sequence": sb,
+        "snapshot_memory_share_pct": 100.0 * snap / total if total else 0.0,
+        "host_snapshot_rows": pool.num_host_snapshots,
+        "host_snapshot_bytes": pool.num_host_snapshots * sb,
+        "snapshot_hits_device": st.snapshot_hits - st.host_snapshot_hits,
+        "snapshot_hits_host": st.host_snapshot_hits,
+        **asdict(st),
     }
+    meter = inst.state_copies
+    if meter is not None:
+        out["copies"] = {
+            "counts": dict(meter.counts),
+            "seconds": dict(meter.seconds),
+            "total_s": meter.total_s,
+            "copy_time_share_pct": 100.0 * meter.total_s / inst.step_s if inst.step_s else 0.0,
+        }
+    return {"state": out}
 
 
 def _tier_extra(inst: SimInstance) -> dict[str, Any]:

@@ -20,6 +20,12 @@ simulated ``KVCacheManager``, ``kvpage.engine.swap.Swapper`` for swap) with
 is exact and nothing is allocated; the disk tier is :class:`SimDiskTier`, the same LRU
 rules without files.
 
+A hybrid model's state slot copies (snapshots taken and restored, host snapshot rows
+demoted and promoted; ``kvpage.cache.state_pool``) are costed by
+:class:`StateCopyMeter` and charged to the step whose copy queue runs them. With a host
+KV tier the simulated ``StatePool`` has the engine's host snapshot rows
+(``kvpage.capacity.host_snapshot_rows``; ``kvpage.sim.instance.make_allocator``).
+
 :func:`simulate_tiered_eviction` extends ``kvpage.sim.eviction`` (timing-free, whole
 trace, 512-token hash blocks) to a chain of LRU tiers: device (kvpage's order), host,
 disk, exclusive (a block lives in one tier; a hit moves it to the device; each tier's
@@ -125,11 +131,14 @@ class NullMover:
 class NullStateMover:
     """A ``kvpage.engine.swap.StateMover`` without data: a hybrid model's swapped live
     state slot is a zero-copy read-only view of ``slot_nbytes`` bytes
-    (``CacheSpec.state_bytes_per_sequence``), so swap counts its bytes exactly."""
+    (``CacheSpec.state_bytes_per_sequence``), so swap counts its bytes exactly. The
+    queued state slot copies that swap preemption runs early (``copy_slots``) go to
+    ``copies`` (a :class:`StateCopyMeter`, which costs them), when given."""
 
-    def __init__(self, slot_nbytes: int) -> None:
+    def __init__(self, slot_nbytes: int, copies: StateCopyMeter | None = None) -> None:
         self.slot_nbytes = slot_nbytes
         self._payload = np.broadcast_to(np.zeros(1, np.uint8), (slot_nbytes,))
+        self.copies = copies
 
     def read_slot(self, slot: int) -> Payload:
         return self._payload
@@ -138,7 +147,72 @@ class NullStateMover:
         return None
 
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
-        return None
+        if self.copies is not None:
+            self.copies.add(pairs)
+
+
+@dataclass
+class StateCopyMeter:
+    """Seconds of a hybrid model's recurrent-state slot copies (the ``StatePool``'s
+    ordered copy queue, ``kvpage.cache.state_pool``: snapshots taken, prefix-hit
+    restores, forks, host snapshot demotions and promotions), charged to the step in
+    which the engine runs them (before its forward, in queue order, not overlapped).
+
+    Cost of one copy of ``state_bytes`` (``CacheSpec.state_bytes_per_sequence``):
+
+    * device -> device (both slots ``< num_slots``): ``2 x state_bytes /
+      device_bandwidth`` (the slot read and written once, the cost model's memory
+      roofline: ``device_bandwidth`` = the GPU preset's datasheet bandwidth x
+      ``bandwidth_efficiency``, ``kvpage.sim.costmodel``);
+    * device <-> host (a slot ``>= num_slots`` is host row ``slot - num_slots``):
+      ``state_bytes / host_bandwidth`` (one direction of the pinned host link, the
+      transfer preset's ``host_bandwidth`` and its source, :data:`TRANSFER_PRESETS`).
+      Unlike the KV tier's batched demotions (free, on a side stream), a snapshot's
+      demotion is charged: the engine runs it in the copy queue before the slot's reuse.
+
+    Attributes:
+        state_bytes: bytes of one slot.
+        num_slots: the pool's device slots (live + snapshot).
+        device_bandwidth, host_bandwidth: bytes/s.
+        counts: copies by kind (``device``, ``host_in`` = host -> device,
+            ``host_out`` = device -> host).
+        seconds: their seconds by the same kinds.
+    """
+
+    state_bytes: int
+    num_slots: int
+    device_bandwidth: float
+    host_bandwidth: float
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"device": 0, "host_in": 0, "host_out": 0}
+    )
+    seconds: dict[str, float] = field(
+        default_factory=lambda: {"device": 0.0, "host_in": 0.0, "host_out": 0.0}
+    )
+    _pending_s: float = 0.0
+
+    def add(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Count and cost the copies ``pairs`` (``(src, dst)`` slots); their seconds go
+        to the next :meth:`step_seconds`."""
+        n, b = self.num_slots, self.state_bytes
+        for src, dst in pairs:
+            if src < n and dst < n:
+                kind, s = "device", 2 * b / self.device_bandwidth
+            else:
+                kind, s = ("host_in" if src >= n else "host_out"), b / self.host_bandwidth
+            self.counts[kind] += 1
+            self.seconds[kind] += s
+            self._pending_s += s
+
+    def step_seconds(self) -> float:
+        """Seconds of the copies added since the previous call."""
+        s, self._pending_s = self._pending_s, 0.0
+        return s
+
+    @property
+    def total_s(self) -> float:
+        """Seconds of every copy added so far."""
+        return sum(self.seconds.values())
 
 
 class SimDiskTier(_InMemoryTier, DiskTier):
@@ -333,6 +407,7 @@ __all__ = [
     "NullMover",
     "NullStateMover",
     "SimDiskTier",
+    "StateCopyMeter",
     "TieredEvictionResult",
     "TransferMeter",
     "TransferPreset",
@@ -342,7 +417,12 @@ __all__ = [
 
 
 def attach_sim_tiers(
-    cfg: Any, spec: Any, kv: Any, sched: Any, cost: StepCostModel
+    cfg: Any,
+    spec: Any,
+    kv: Any,
+    sched: Any,
+    cost: StepCostModel,
+    state_copies: StateCopyMeter | None = None,
 ) -> TransferMeter | None:
     """Put the engine's tiers and swapper (with :class:`NullMover` payloads of
     ``spec.bytes_per_block`` bytes) under a simulation's cache manager and scheduler, as
@@ -350,7 +430,8 @@ def attach_sim_tiers(
     ``cfg`` asks for neither. Swap's prefill rate is the cost model's for one
     ``max_num_batched_tokens`` chunk; on a hybrid model swap also moves each victim's
     live state (:class:`NullStateMover` of ``spec.state_bytes_per_sequence`` bytes),
-    counted in the swap bytes and their transfer time.
+    counted in the swap bytes and their transfer time; the state copies swap runs early
+    go to ``state_copies`` (:class:`StateCopyMeter`) when given.
 
     Raises:
         SpecError: tiers or swap with a contiguous policy (no block pool), swap on a
@@ -400,7 +481,7 @@ def attach_sim_tiers(
             spec.block_size,
             cfg.swap_space_bytes,
             SwapCostModel(meter.preset.host_bandwidth, rate),
-            state=NullStateMover(state_b) if state_b else None,
+            state=NullStateMover(state_b, state_copies) if state_b else None,
         )
         sched.swapper = sw
         meter.sources.append(sw)
