@@ -590,8 +590,10 @@ class StatePool:
         the step whose last token ends that block; the copy live -> snapshot is
         queued). An existing entry with that key is only marked most recently used (same
         tokens, same state). A ``decode`` snapshot replaces the request's previous
-        rolling one (dropped). Returns the snapshot's slot, or None when none could be
-        taken (no snapshot slots; a predicted one with a zero cap).
+        rolling one (dropped); a host copy of the key is freed as redundant. Returns the
+        snapshot's slot, or None when none was taken (no snapshot slots; a predicted
+        one with a zero cap; a ``decode`` one whose key a host row holds: it stays
+        there, one place per key).
 
         Raises:
             AllocationError: ``request_id`` holds no live slot.
@@ -602,10 +604,6 @@ class StatePool:
             raise SpecError(f"priority: expected 0 .. {NUM_PRIORITY_LEVELS - 1}, got {priority!r}")
         deadline = None if ttl_s is None else self.clock() + ttl_s
         e = self._snaps.get(block_hash)
-        if e is None and block_hash in self._host and self.num_snapshot_slots:
-            # same tokens, same state: the host copy is now redundant
-            self._free_host.append(self._host.pop(block_hash)[0])
-            self._emit_removed(block_hash, "host")
         if e is not None:
             self._snaps.move_to_end(block_hash)
             if priority > e.priority:
@@ -616,7 +614,16 @@ class StatePool:
             return e.slot
         if self.num_snapshot_slots == 0 or (kind == "predicted" and self.predicted_cap == 0):
             self.stats.snapshots_skipped += 1
+            return None  # a host copy of the same key stays where it is
+        if kind == "decode" and block_hash in self._host:
+            # the host keeps this state; a rolling copy would be dropped at the request's
+            # next decode snapshot, never demoted, and the host copy with it
+            self.stats.snapshots_skipped += 1
             return None
+        if block_hash in self._host:
+            # same tokens, same state: the host copy is now redundant
+            self._free_host.append(self._host.pop(block_hash)[0])
+            self._emit_removed(block_hash, "host")
         if kind == "predicted" and self._num_predicted >= self.predicted_cap:
             self._evict(predicted_only=True)
         if not self._free_snap:
