@@ -188,3 +188,28 @@ def test_prefix_index_agrees_with_the_replicas_own_lookup(tmp_path: Path) -> Non
     kv.check_integrity()
     st = pool.stats
     assert st.host_snapshot_hits > 0 and st.disk_snapshot_hits > 0 and only_slots > 0
+
+
+def test_lookup_promotes_no_kv_past_the_deepest_snapshot(tmp_path: Path) -> None:
+    """A hybrid's hit ends at its deepest state snapshot, so a lookup promotes no tier
+    KV block past it: with a's snapshot gone (one slot, no host row, no disk room for
+    state) and a's KV blocks in the host tier, resending a hits 0 and promotes
+    nothing; with its snapshot kept, exactly the hit's blocks come back."""
+    kv, mover = _replica(tmp_path, snaps=1, host_rows=0, disk_rows=0, num_blocks=4)
+    tiers = kv.tiers
+    assert tiers is not None and tiers.host is not None
+    a, b = (list(range(s, s + 40)) for s in (3, 100))  # 2 full blocks, boundary 32
+    _serve(kv, mover, "a", a)
+    _serve(kv, mover, "b", b)  # a's snapshot evicted (nowhere to go), a's KV to the host
+    ha = hash_request_blocks(a, BS)
+    assert kv.state is not None and not kv.state.has_snapshot(ha[1])
+    assert all(h in tiers.host for h in ha[:2])
+    assert _serve(kv, mover, "a2", a) == 0
+    assert tiers.host.stats.promotions == 0
+    kv2, mover2 = _replica(tmp_path / "2", snaps=2, host_rows=0, disk_rows=0, num_blocks=4)
+    t2 = kv2.tiers
+    assert t2 is not None and t2.host is not None
+    _serve(kv2, mover2, "a", a)
+    _serve(kv2, mover2, "b", b)  # both snapshots kept; a's KV to the host
+    assert _serve(kv2, mover2, "a2", a) == 32
+    assert t2.host.stats.promotions == 2

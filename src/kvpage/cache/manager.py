@@ -905,13 +905,18 @@ class KVCacheManager:
         computed token. Call it right before ``allocate`` (another allocation in
         between may evict the blocks). With :attr:`tiers` attached, blocks of the
         prefix found in a tier are first promoted into free pool blocks (that changes
-        the pool: cached blocks, evictions, tier contents; never a table or stat here).
+        the pool: cached blocks, evictions, tier contents; never a table or stat here);
+        with state layers only up to the deepest state snapshot of the prompt, where
+        the hit would end anyway.
         """
         extra = encode_extra_keys(cache_salt, adapter_id)
-        kv = self.prefix_cache.lookup(token_ids, extra)
         if self.state is None:
-            return kv
+            return self.prefix_cache.lookup(token_ids, extra)
         bs = self.block_size
+        cap = None
+        if self.prefix_cache.tiers is not None:  # promote no KV past the deepest snapshot
+            cap = self.state.deepest(self._prompt_hashes(extra, token_ids), (len(token_ids) - 1) // bs)  # fmt: skip
+        kv = self.prefix_cache.lookup(token_ids, extra, cap)
         hashes = self.prefix_cache.block_hashes(extra, token_ids, kv // bs) if kv else []
         hit = self.state.lookup(hashes, kv // bs) * bs  # a disk snapshot is promoted
         self._state_lookup = (extra, list(token_ids[:kv]), kv, hit)

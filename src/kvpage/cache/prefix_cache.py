@@ -124,14 +124,18 @@ class PrefixCache:
         full = [gm.pool for gm in self._groups if gm.window is None]
         return full or [gm.pool for gm in self._groups]
 
-    def lookup(self, token_ids: Sequence[int], extra: bytes) -> int:
+    def lookup(
+        self, token_ids: Sequence[int], extra: bytes, promote_max_blocks: int | None = None
+    ) -> int:
         """The prefix hit of a new request, in tokens (see
-        ``KVCacheManager.get_num_cached_tokens``); remembers the hashes it computed."""
+        ``KVCacheManager.get_num_cached_tokens``); remembers the hashes it computed.
+        With tiers, at most ``promote_max_blocks`` leading blocks are promoted
+        (``TieredCache.promote_prefix``)."""
         bs = self.block_size
         if not self.enabled or len(token_ids) <= bs:
             return 0
         if self.tiers is not None:
-            self.tiers.promote_prefix(self.root, extra, token_ids, bs)
+            self.tiers.promote_prefix(self.root, extra, token_ids, bs, promote_max_blocks)
         nb, hashes = longest_hit(self._groups, self.root, extra, token_ids, bs)
         # remember the hashes for the allocate that normally follows (keyed by content)
         self._memo = (extra, list(token_ids[: len(hashes) * bs]), hashes)

@@ -316,10 +316,12 @@ class TieredCache:
         extra: bytes,
         token_ids: Sequence[int],
         block_size: int,
+        max_blocks: int | None = None,
     ) -> int:
         """Copy the prompt's leading blocks found in a tier into the pool (see the module
         docstring). Considers at most ``(len(token_ids) - 1) // block_size`` blocks (a
-        hit leaves one token to compute). Flushes first when one of the prompt's blocks
+        hit leaves one token to compute) and at most ``max_blocks`` (a hybrid's hit ends
+        at its deepest state snapshot: blocks past it would be promoted for nothing). Flushes first when one of the prompt's blocks
         is pending (evicted earlier in this step), so it is found in its tier. Returns
         the number of blocks promoted (over every group).
 
@@ -330,10 +332,12 @@ class TieredCache:
         blocks can take, and each group's needed tier blocks are copied in (one
         ``write_blocks`` call per group) before any is released, so no group's
         promotion evicts another's."""
-        if len(self.pools) > 1:
-            return self._promote_groups(root, extra, token_ids, block_size)
-        pool = self.pool
         cap = (len(token_ids) - 1) // block_size
+        if max_blocks is not None:
+            cap = min(cap, max_blocks)
+        if len(self.pools) > 1:
+            return self._promote_groups(root, extra, token_ids, block_size, cap)
+        pool = self.pool
         if self._pending_hashes and not self._pending_hashes.isdisjoint(
             iter_block_hashes(root, extra, token_ids, block_size, 0, cap)
         ):
@@ -404,10 +408,9 @@ class TieredCache:
         return [range(min(f(nb * bs), nb), nb) for f in self.first_needed]
 
     def _promote_groups(
-        self, root: BlockHash, extra: bytes, token_ids: Sequence[int], bs: int
+        self, root: BlockHash, extra: bytes, token_ids: Sequence[int], bs: int, cap: int
     ) -> int:
-        """:meth:`promote_prefix` over several KV groups (see there)."""
-        cap = (len(token_ids) - 1) // bs
+        """:meth:`promote_prefix` over several KV groups, the first ``cap`` blocks."""
         hashes = list(iter_block_hashes(root, extra, token_ids, bs, 0, cap))
         groups = range(len(self.pools))
         if self._pending_hashes and any(

@@ -329,37 +329,17 @@ class Ingress:
         logger.info("kvpage ingress: canary traffic fraction now %g", fraction)
 
     async def __serve_build_asgi_app__(self) -> Any:
+        """Serve's hook: the ingress app (the OpenAI server over the replica groups),
+        in named steps: router cores, the replicas' facts, the engine loop and state,
+        the cluster metrics, the KV event pump."""
         from kvpage.cluster.admin import register_admin_routes
         from kvpage.server.app import create_app
 
         cfg = self.config
-        groups: dict[str, ReplicaGroup] = {}
-        engines: dict[str, Any] = {k: v.engine for k, v in cfg.groups.items()}
-        for name, h in self.handles.items():
-            # registered before the first call through the handle, so the group's Serve
-            # router (created by that call, in this process) finds its core at once
-            core = RouterCore(
-                group=name,
-                policy=cfg.router.policy,
-                block_size=engines[name].block_size,
-                seed=cfg.router.seed,
-            )
-            CORES[core_key(cfg.app_name, name)] = core
-            groups[name] = ReplicaGroup(name, h, core, core.block_size)
-        infos = {}
-        for name, h in self.handles.items():
-            infos[name] = await h.info.remote(route=None)
-            core = groups[name].core
-            core.block_size = groups[name].block_size = int(infos[name]["block_size"])
-            core.hash_seed = int(infos[name]["hash_seed"])
+        groups = self._router_groups()
+        infos = await self._replica_infos(groups)
         replicas: dict[str, int] = {k: v.replicas for k, v in cfg.groups.items()}
         total_blocks = sum(int(infos[n]["num_blocks"]) * replicas[n] for n in self.handles)
-        # every request that fits the largest group is routed to a group it fits
-        # (GroupSelector.route), so the largest max_model_len is a true promise
-        self.selector.limits = {
-            n: (int(i["max_model_len"]), int(i.get("max_num_seqs", 1 << 30)))
-            for n, i in infos.items()
-        }
         max_len = max(int(i["max_model_len"]) for i in infos.values())
         policy = cfg.groups["default"].engine.scheduling_policy
         facade = EngineFacade(infos["default"], total_blocks, max_len, policy)
@@ -375,19 +355,7 @@ class Ingress:
         state = ClusterState(
             server_cfg, facade, loop, infos, {n: replicas[n] for n in self.handles}, cfg
         )
-        metrics = ClusterMetrics(
-            state.metrics.registry,
-            cfg.router.policy,
-            server_cfg.model_name,
-            lambda: {
-                (g.name, rid): n for g in groups.values() for rid, n in g.core.view_sizes().items()
-            },
-        )
-        loop.observer = metrics
-        for g in groups.values():
-            g.core.observer = metrics
-        state.cluster_metrics = metrics  # type: ignore[attr-defined]
-        metrics.canary.set(self.selector.canary_fraction)
+        metrics = self._cluster_metrics(state, groups, loop, server_cfg.model_name)
         pump = KVEventPump(
             groups, metrics, loop, cfg.router.kv_event_poll_s, cfg.router.replica_call_timeout_s
         )
@@ -397,3 +365,62 @@ class Ingress:
         register_admin_routes(app, state, self)
         pump.start()
         return app
+
+    def _router_groups(self) -> dict[str, ReplicaGroup]:
+        """One ``RouterCore`` per replica group, registered in ``CORES`` before the
+        first call through the group's handle (the group's Serve router, created by
+        that call in this process, then finds its core at once)."""
+        cfg = self.config
+        groups: dict[str, ReplicaGroup] = {}
+        engines: dict[str, Any] = {k: v.engine for k, v in cfg.groups.items()}
+        for name, h in self.handles.items():
+            core = RouterCore(
+                group=name,
+                policy=cfg.router.policy,
+                block_size=engines[name].block_size,
+                seed=cfg.router.seed,
+            )
+            CORES[core_key(cfg.app_name, name)] = core
+            groups[name] = ReplicaGroup(name, h, core, core.block_size)
+        return groups
+
+    async def _replica_infos(self, groups: dict[str, ReplicaGroup]) -> dict[str, Any]:
+        """Each group's engine facts (``info`` of one replica: block size, hash seed,
+        num_blocks, max_model_len, ...), applied to its router core and the group
+        selector's limits (every request that fits the largest group is routed to a
+        group it fits, so the largest max_model_len is a true promise)."""
+        infos: dict[str, Any] = {}
+        for name, h in self.handles.items():
+            infos[name] = await h.info.remote(route=None)
+            core = groups[name].core
+            core.block_size = groups[name].block_size = int(infos[name]["block_size"])
+            core.hash_seed = int(infos[name]["hash_seed"])
+        self.selector.limits = {
+            n: (int(i["max_model_len"]), int(i.get("max_num_seqs", 1 << 30)))
+            for n, i in infos.items()
+        }
+        return infos
+
+    def _cluster_metrics(
+        self,
+        state: ClusterState,
+        groups: dict[str, ReplicaGroup],
+        loop: RemoteEngineLoop,
+        model_name: str,
+    ) -> ClusterMetrics:
+        """The cluster metrics in the server's registry, observing the engine loop and
+        every router core."""
+        metrics = ClusterMetrics(
+            state.metrics.registry,
+            self.config.router.policy,
+            model_name,
+            lambda: {
+                (g.name, rid): n for g in groups.values() for rid, n in g.core.view_sizes().items()
+            },
+        )
+        loop.observer = metrics
+        for g in groups.values():
+            g.core.observer = metrics
+        state.cluster_metrics = metrics  # type: ignore[attr-defined]
+        metrics.canary.set(self.selector.canary_fraction)
+        return metrics

@@ -106,7 +106,13 @@ class ClusterMetrics(RouterObserver):
         self._lock = threading.Lock()
         #: (group, replica) -> latest engine metrics of that replica
         self.reports: dict[tuple[str, str], dict[str, float]] = {}
-        r = registry
+        self._routing_metrics(registry)
+        self._index_metrics(registry)
+        self._group_metrics(registry)
+        registry.register(_ReplicaCollector(self._reports_copy, index_blocks, model_name))
+
+    def _routing_metrics(self, r: CollectorRegistry) -> None:
+        """Routing decisions and their predicted vs served prefix hits."""
         self.decisions = Counter(
             "kvpage:router_decisions",
             "Requests routed, by policy, group and replica",
@@ -127,6 +133,9 @@ class ClusterMetrics(RouterObserver):
             ["policy", "group"],
             registry=r,
         )
+
+    def _index_metrics(self, r: CollectorRegistry) -> None:
+        """The router's KV index: resyncs, dropped replica views, event lag."""
         self.resyncs = Counter(
             "kvpage:router_resyncs",
             "Snapshot resyncs of a replica's KV index view (gap, restart, new replica)",
@@ -146,6 +155,9 @@ class ClusterMetrics(RouterObserver):
             buckets=_LAG_BUCKETS,
             registry=r,
         )
+
+    def _group_metrics(self, r: CollectorRegistry) -> None:
+        """Replica failures and retries, replica groups, fallbacks, the canary share."""
         self.retries = Counter(
             "kvpage:router_retries",
             "Requests sent again to another replica after a replica failed before the first output",
@@ -173,7 +185,6 @@ class ClusterMetrics(RouterObserver):
             "Configured share of requests sent to the canary group",
             registry=r,
         )
-        r.register(_ReplicaCollector(self._reports_copy, index_blocks, model_name))
 
     def _reports_copy(self) -> dict[tuple[str, str], dict[str, float]]:
         with self._lock:

@@ -118,6 +118,19 @@ class GroupSelector:
         return ("default" if drawn == "canary" else drawn), drawn
 
 
+@dataclass
+class _Attempt:
+    """One try of a request on a replica group (:meth:`RemoteEngineLoop._stream`):
+    where its outputs go and whether any was sent yet."""
+
+    group: ReplicaGroup
+    request_id: str
+    arrival: float | None
+    q: asyncio.Queue[EngineOutput]
+    ack: asyncio.Future[None]
+    got_any: bool = False
+
+
 def _prompt_parts(prompt: PromptInput) -> tuple[list[int], str | None]:
     if isinstance(prompt, dict):
         return list(prompt["prompt_token_ids"]), prompt.get("cache_salt")
@@ -335,62 +348,29 @@ class RemoteEngineLoop:
                     "cache_salt": salt,
                     "exclude": exclude,
                 }
-                got_any = False
-                gen = group.handle.options(stream=True).generate.remote(
-                    request_id, prompt, params, route=route, priority=priority
-                )
+                run = _Attempt(group, request_id, arrival, q, ack)
                 try:
-                    async for item in gen:
-                        if isinstance(item, dict):
-                            if "rejected" in item:
-                                ack.set_exception(
-                                    RequestRejected(item["rejected"], reason=item["reason"])
-                                )
-                                return
-                            self._fail(q, ack, EngineFailure(item["failure"], item["oom"]))
-                            return
-                        out = _shift_times(item, arrival)
-                        if not got_any:
-                            got_any = True
-                            d = group.core.decisions.get(request_id)
-                            if d is not None:
-                                self._place(request_id, d.replica_id)
-                            if d is not None and self._on_first is not None:
-                                self._on_first(group.name, d.replica_id)
-                        q.put_nowait(out)
-                        if not ack.done():
-                            ack.set_result(None)
-                        if out.finished:
-                            self._record_hits(group, request_id, out)
-                            return
-                    self._fail(q, ack, EngineFailure("replica: stream ended without a result"))
+                    await self._stream(run, prompt, params, route, priority)
                     return
                 except asyncio.CancelledError:
-                    gen.cancel()
                     raise
                 except Exception as exc:
-                    d = group.core.finished(request_id)
-                    where = d.replica_id if d is not None else "?"
-                    if d is not None:
-                        self._place(request_id, where)
-                    self.observer.failure(group.name)
-                    if (not got_any or replayable) and attempt == 0:
+                    where = self._replica_failed(group, request_id)
+                    if (not run.got_any or replayable) and attempt == 0:
                         logger.warning(
                             "kvpage ingress: replica %s of group %s failed %s of %s (%s); "
                             "retrying on another replica",
                             where,
                             group.name,
-                            "during the non-streamed run" if got_any else "before the first output",
+                            "during the non-streamed run" if run.got_any else "before the first output",
                             request_id,
                             type(exc).__name__,
-                        )
+                        )  # fmt: skip
                         self.observer.retry(group.name)
                         exclude = [where]
                         continue
-                    msg = (
-                        f"replica {where} of group {group.name} failed "
-                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
-                    )
+                    first = str(exc).splitlines()[0][:200] if str(exc) else ""
+                    msg = f"replica {where} of group {group.name} failed ({type(exc).__name__}: {first})"  # fmt: skip
                     self._fail(q, ack, EngineFailure(msg))
                     return
         except asyncio.CancelledError:
@@ -400,6 +380,63 @@ class RemoteEngineLoop:
             self._fail(q, ack, EngineFailure(f"ingress: {type(exc).__name__}: {exc}"[:300]))
         finally:
             group.core.finished(request_id)
+
+    async def _stream(
+        self,
+        run: _Attempt,
+        prompt: PromptInput,
+        params: SamplingParams,
+        route: dict[str, Any],
+        priority: int,
+    ) -> None:
+        """One attempt: stream the replica's outputs into ``run.q`` until the request
+        ends, is rejected or fails by the replica's own report (all returned); a
+        transport or replica crash raises (``run.got_any`` says whether output was
+        already sent)."""
+        group, request_id, q, ack = run.group, run.request_id, run.q, run.ack
+        gen = group.handle.options(stream=True).generate.remote(
+            request_id, prompt, params, route=route, priority=priority
+        )
+        try:
+            async for item in gen:
+                if isinstance(item, dict):
+                    if "rejected" in item:
+                        ack.set_exception(RequestRejected(item["rejected"], reason=item["reason"]))
+                    else:
+                        self._fail(q, ack, EngineFailure(item["failure"], item["oom"]))
+                    return
+                out = _shift_times(item, run.arrival)
+                if not run.got_any:
+                    run.got_any = True
+                    self._first_output(group, request_id)
+                q.put_nowait(out)
+                if not ack.done():
+                    ack.set_result(None)
+                if out.finished:
+                    self._record_hits(group, request_id, out)
+                    return
+            self._fail(q, ack, EngineFailure("replica: stream ended without a result"))
+        except asyncio.CancelledError:
+            gen.cancel()
+            raise
+
+    def _first_output(self, group: ReplicaGroup, request_id: str) -> None:
+        """Place the request on the replica the router chose, and tell ``on_first``."""
+        d = group.core.decisions.get(request_id)
+        if d is not None:
+            self._place(request_id, d.replica_id)
+            if self._on_first is not None:
+                self._on_first(group.name, d.replica_id)
+
+    def _replica_failed(self, group: ReplicaGroup, request_id: str) -> str:
+        """A replica failed the request: release its routing decision, count the
+        failure; returns the replica's id ("?" when unknown)."""
+        d = group.core.finished(request_id)
+        where = d.replica_id if d is not None else "?"
+        if d is not None:
+            self._place(request_id, where)
+        self.observer.failure(group.name)
+        return where
 
     @staticmethod
     def _fail(
