@@ -943,23 +943,27 @@ class KVCacheManager:
             and look is not None
             and look[0] == extra
             and look[3] == num_cached_tokens
-            and look[2] > num_cached_tokens
             and look[1] == list(token_ids[: look[2]])
         ):
-            if remember_key:
-                self.prefix_cache.explain_miss(token_ids, look[2], extra, True)
             bs = self.block_size
-            full = self._prompt_hashes(extra, token_ids)
-            near = self.state.nearest(full, look[2] // bs)
-            return CacheMissExplanation(
-                "no_state_snapshot",
-                len(token_ids),
-                num_cached_tokens,
-                num_cached_tokens // bs,
-                state_position=look[2],
-                state_nearest=None if near is None else near * bs,
-                state_refused=self.state.refusal(full[look[2] // bs - 1]),
-            )
+            kv = look[2]  # the KV hit; with tiers, what they hold past the promotion cap
+            tiers = self.prefix_cache.tiers
+            if tiers is not None:
+                kv = max(kv, bs * tiers.prefix_blocks(self.prefix_cache.root, extra, token_ids, bs))  # fmt: skip
+            if kv > num_cached_tokens:
+                if remember_key:
+                    self.prefix_cache.explain_miss(token_ids, kv, extra, True)
+                full = self._prompt_hashes(extra, token_ids)
+                near = self.state.nearest(full, kv // bs)
+                return CacheMissExplanation(
+                    "no_state_snapshot",
+                    len(token_ids),
+                    num_cached_tokens,
+                    num_cached_tokens // bs,
+                    state_position=kv,
+                    state_nearest=None if near is None else near * bs,
+                    state_refused=self.state.refusal(full[kv // bs - 1]),
+                )
         return self.prefix_cache.explain_miss(token_ids, num_cached_tokens, extra, remember_key)
 
     def attach_tiers(self, tiers: TieredCache) -> None:

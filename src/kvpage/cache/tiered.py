@@ -403,6 +403,45 @@ class TieredCache:
         finally:
             pool.release(reversed(held))
 
+    def _places(self, hashes: Sequence[BlockHash]) -> list[list[str | None]]:
+        """Per group and block of ``hashes``: "device", "host", "disk", "pending"
+        (evicted this step, on its way to a tier) or None (found nowhere)."""
+        place: list[list[str | None]] = []
+        for g, pool in enumerate(self.pools):
+            row: list[str | None] = []
+            for h in hashes:
+                key = tier_key(g, h)
+                if pool.is_cached(h):
+                    row.append("device")
+                elif self.host is not None and key in self.host:
+                    row.append("host")
+                elif self.disk is not None and key in self.disk:
+                    row.append("disk")
+                elif key in self._pending_hashes:
+                    row.append("pending")
+                else:
+                    row.append(None)
+            place.append(row)
+        return place
+
+    def prefix_blocks(
+        self, root: BlockHash, extra: bytes, token_ids: Sequence[int], block_size: int
+    ) -> int:
+        """The longest prefix, in blocks (at most ``(len(token_ids) - 1) // block_size``),
+        that the pool and the tiers together hold by the hit rule of
+        :meth:`promote_prefix` (every group its needed blocks). Changes nothing: a miss
+        explanation's KV position where a hybrid's promotion stopped at its deepest
+        snapshot."""
+        cap = (len(token_ids) - 1) // block_size
+        hashes = list(iter_block_hashes(root, extra, token_ids, block_size, 0, cap))
+        place = self._places(hashes)
+        groups = range(len(self.pools))
+        for nb in range(cap, 0, -1):
+            need = self._needed(nb, block_size)
+            if all(place[g][i] is not None for g in groups for i in need[g]):
+                return nb
+        return 0
+
     def _needed(self, nb: int, bs: int) -> list[range]:
         """Per group, the block indices a hit of ``nb`` blocks needs."""
         return [range(min(f(nb * bs), nb), nb) for f in self.first_needed]
@@ -417,21 +456,7 @@ class TieredCache:
             tier_key(g, h) in self._pending_hashes for g in groups for h in hashes
         ):
             self.flush()
-        # per group and block: "device", "host", "disk" or None (found nowhere)
-        place: list[list[str | None]] = []
-        for g, pool in enumerate(self.pools):
-            row: list[str | None] = []
-            for h in hashes:
-                key = tier_key(g, h)
-                if pool.is_cached(h):
-                    row.append("device")
-                elif self.host is not None and key in self.host:
-                    row.append("host")
-                elif self.disk is not None and key in self.disk:
-                    row.append("disk")
-                else:
-                    row.append(None)
-            place.append(row)
+        place = self._places(hashes)
         free = self.pools[0].num_free
         for nb in range(cap, 0, -1):
             need = self._needed(nb, bs)
