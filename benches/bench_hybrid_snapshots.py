@@ -44,8 +44,13 @@ tier, and the state slot copies' share of all step time
 (``kvpage.sim.tiers.StateCopyMeter``: device copies at the achieved HBM bandwidth, host
 rows at the host link).
 
+``--no-decode-snapshots`` runs every row with ``state_decode_snapshots=False`` (no
+rolling decode snapshots: in this simulation generated tokens never return in a later
+prompt, so those snapshots cannot hit); ``--policies`` picks the rows.
+
 Run: ``.venv/bin/python benches/bench_hybrid_snapshots.py [--limit N]
-[--kv-host-tier-bytes 64GiB]`` (Markdown).
+[--kv-host-tier-bytes 64GiB] [--no-decode-snapshots] [--policies kvpage,aligned]``
+(Markdown).
 """
 
 from __future__ import annotations
@@ -191,7 +196,20 @@ def main() -> None:
         default="0",
         help="host KV tier (64GiB, bytes; 0 = none): each row without and with it",
     )
+    ap.add_argument(
+        "--no-decode-snapshots",
+        action="store_true",
+        help="state_decode_snapshots=False (no rolling decode snapshots) in every row",
+    )
+    ap.add_argument(
+        "--policies",
+        default="kvpage,aligned,bound",
+        help="rows to run, comma-separated: kvpage, aligned, bound",
+    )
     args = ap.parse_args()
+    wanted = set(args.policies.split(","))
+    if not wanted or not wanted <= {"kvpage", "aligned", "bound"}:
+        ap.error(f"--policies: expected some of kvpage, aligned, bound; got {args.policies!r}")
     host_b = parse_bytes(args.kv_host_tier_bytes, "--kv-host-tier-bytes")
     trace = load_trace("mooncake-conv", limit=args.limit)
     with tempfile.TemporaryDirectory() as d:
@@ -204,16 +222,19 @@ def main() -> None:
             file=sys.stderr,
         )
         rows = []
-        for name, bs, mode in (
-            ("kvpage", 16, "snapshots"),
-            ("vLLM-aligned (emulated)", vbs, "snapshots"),
-            ("attention-only bound", 16, "free"),
+        for key, name, bs, mode in (
+            ("kvpage", "kvpage", 16, "snapshots"),
+            ("aligned", "vLLM-aligned (emulated)", vbs, "snapshots"),
+            ("bound", "attention-only bound", 16, "free"),
         ):
+            if key not in wanted:
+                continue
             for tier in (0, host_b) if host_b else (0,):
                 t0 = time.perf_counter()
                 cfg = config(model, bs, mode, state_snapshot_share=args.share)
                 cfg.time_scale = args.time_scale
                 cfg.kv_host_tier_bytes = tier
+                cfg.state_decode_snapshots = not args.no_decode_snapshots
                 r = simulate(trace, cfg)
                 took = time.perf_counter() - t0
                 print(f"# {name} host {tier}: {took:.1f} s {r.extra}", file=sys.stderr)
@@ -221,6 +242,7 @@ def main() -> None:
     print(
         f"python {platform.python_version()}, {platform.machine()}; {args.limit} requests, "
         f"time scale {args.time_scale}, snapshot share {args.share}"
+        + (", no decode snapshots" if args.no_decode_snapshots else "")
         + (f", host tier {args.kv_host_tier_bytes}" if host_b else "")
     )
     if host_b:

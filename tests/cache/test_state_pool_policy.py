@@ -139,6 +139,7 @@ def test_predicted_cap_and_bad_parameters() -> None:
         {"predicted_share": 1.5},
         {"predicted_share": -0.1},
         {"max_tracked": 0},
+        {"decode_snapshots": 1},
     ):
         with pytest.raises(SpecError):
             SnapshotPolicy(BS, **kw)  # type: ignore[arg-type]

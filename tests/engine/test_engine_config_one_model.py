@@ -55,6 +55,7 @@ NON_DEFAULT: list[dict[str, Any]] = [
         state_snapshot_slots=17,
         state_share_threshold=3,
         state_predicted_share=0.5,
+        state_decode_snapshots=False,
     ),
 ]
 

@@ -91,6 +91,24 @@ def test_second_turn_reuses_first_turns_end_state(q3n: tuple[Any, str]) -> None:
     _all_free(llm)
 
 
+def test_without_decode_snapshots_the_second_turn_hits_at_the_prompt(
+    q3n: tuple[Any, str],
+) -> None:
+    """``state_decode_snapshots=False``: no rolling snapshots, so the second turn hits
+    only at the first turn's prompt boundary (32, not 64), still greedy-equal."""
+    hf, folder = q3n
+    llm = _llm(folder, max_num_batched_tokens=2048, state_decode_snapshots=False)
+    turn1 = [1, *range(40, 80)]
+    (o1,) = _gen(llm, [turn1], 30)
+    turn2 = turn1 + list(o1.outputs[0].token_ids) + [5, 6, 7, 8, 9]
+    (o2,) = _gen(llm, [turn2], 8)
+    assert o2.num_cached_tokens == 32
+    assert list(o2.outputs[0].token_ids) == hf_generate(hf, turn2, 8)
+    kinds = llm.llm_engine.kv_cache_manager.state.stats.snapshots_taken_by_kind  # type: ignore[union-attr]
+    assert kinds.get("decode", 0) == 0 and kinds.get("prompt", 0) == 2
+    _all_free(llm)
+
+
 def test_chunked_prefill_and_predicted_boundary(q3n: tuple[Any, str]) -> None:
     """Budget 24 tokens per step: chunks also end at each snapshot boundary; the third
     request hits at the system prompt's boundary the second one predicted shared."""

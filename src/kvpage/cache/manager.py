@@ -743,7 +743,7 @@ class KVCacheManager:
             p = points.pop(0)
             if p.position == n_done:
                 kind = p.kind
-        if kind is None and n_done == len(token_ids):
+        if kind is None and n_done == len(token_ids) and state.policy.decode_snapshots:
             kind = "decode"
         if kind is None:
             return

@@ -16,7 +16,8 @@ simulator:
 * **decode** (rolling): during decode, each time a sequence's computed tokens reach a
   block boundary; the engine keeps only the newest one of a sequence, so at finish the
   sequence holds a snapshot at the last full-block boundary of its computed tokens (the
-  next turn of a conversation starts there);
+  next turn of a conversation starts there); off with ``decode_snapshots=False``, for
+  traffic whose outputs never come back in a later prompt (single-turn requests);
 * **predicted**: the deepest block boundary of a prompt that at least
   ``share_threshold`` requests have passed (counted per distinct block hash, so salts,
   tenants and adapters keep their own counts), when it lies past the request's hit and
@@ -75,6 +76,7 @@ class SnapshotPolicy:
         predicted_share: most fraction of the snapshot slots predicted snapshots may
             hold, in [0, 1] (0 = no predicted snapshots).
         max_tracked: distinct block hashes whose pass counts are remembered (>= 1).
+        decode_snapshots: take the rolling decode snapshots (default True).
 
     Raises:
         SpecError: a parameter out of range.
@@ -87,6 +89,7 @@ class SnapshotPolicy:
         share_threshold: int = 2,
         predicted_share: float = 0.25,
         max_tracked: int = DEFAULT_MAX_TRACKED,
+        decode_snapshots: bool = True,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise SpecError(f"block_size: expected an int >= 1, got {block_size!r}")
@@ -105,7 +108,10 @@ class SnapshotPolicy:
         self.block_size = block_size
         self.share_threshold = share_threshold
         self.predicted_share = float(predicted_share)
+        if not isinstance(decode_snapshots, bool):
+            raise SpecError(f"decode_snapshots: expected a bool, got {decode_snapshots!r}")
         self.max_tracked = max_tracked
+        self.decode_snapshots = decode_snapshots
         self._passes: OrderedDict[BlockHash, int] = OrderedDict()
 
     # ---- pass counts ----------------------------------------------------------------

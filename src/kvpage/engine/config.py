@@ -363,6 +363,7 @@ def build_components(config: EngineConfig) -> EngineComponents:
             config.block_size,
             share_threshold=config.state_share_threshold,
             predicted_share=config.state_predicted_share,
+            decode_snapshots=config.state_decode_snapshots,
         )
         # host snapshots: a state_snapshot_share of the host KV tier's bytes, in addition
         # to it (docs/architecture.md "Recurrent state"); none without a host tier

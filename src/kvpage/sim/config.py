@@ -42,6 +42,7 @@ ENGINE_DEFAULTS: dict[str, str] = {
     "state_snapshot_share": "state_snapshot_share",
     "state_share_threshold": "state_share_threshold",
     "state_predicted_share": "state_predicted_share",
+    "state_decode_snapshots": "state_decode_snapshots",
 }
 #: shared fields whose simulator default is a GPU server's, not the engine's CPU one:
 #: vLLM's defaults on a GPU (a step budget of 8192 tokens, ``swap_space`` 4 GiB)
@@ -105,6 +106,7 @@ class SimConfig:
         state_share_threshold, state_predicted_share: the snapshot policy's
             ``share_threshold`` and ``predicted_share``
             (``kvpage.cache.snapshot_policy.SnapshotPolicy``).
+        state_decode_snapshots: the policy's ``decode_snapshots``.
     """
 
     model: str = "llama-3-8b"
@@ -137,6 +139,7 @@ class SimConfig:
     state_snapshot_share: float = _engine_default("state_snapshot_share")
     state_share_threshold: int = _engine_default("state_share_threshold")
     state_predicted_share: float = _engine_default("state_predicted_share")
+    state_decode_snapshots: bool = _engine_default("state_decode_snapshots")
 
 
 __all__ = ["ENGINE_DEFAULTS", "GPU_DEFAULTS", "POLICIES", "RECURRENT_STATE_MODES", "SimConfig"]

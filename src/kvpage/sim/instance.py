@@ -80,6 +80,7 @@ def make_allocator(
             spec.block_size,
             share_threshold=cfg.state_share_threshold,
             predicted_share=cfg.state_predicted_share,
+            decode_snapshots=cfg.state_decode_snapshots,
         )
         pool = StatePool(
             cfg.max_num_seqs,

@@ -239,6 +239,7 @@ ENGINE_FIELDS = {
     "state_snapshot_share": "state_snapshot_share",
     "state_share_threshold": "state_share_threshold",
     "state_predicted_share": "state_predicted_share",
+    "state_decode_snapshots": "state_decode_snapshots",
 }
 
 

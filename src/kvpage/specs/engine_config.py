@@ -154,6 +154,7 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "state_snapshot_slots": (_int_in(0, optional=True), "None or an int >= 0"),
     "state_share_threshold": (_int_in(2), "an int >= 2 (requests passing a boundary)"),
     "state_predicted_share": (_share, "a number in [0, 1]"),
+    "state_decode_snapshots": (lambda v: isinstance(v, bool), "a bool"),
     "speculative_config": (
         lambda v: v is None or isinstance(v, dict),
         "None or a dict (vLLM's speculative_config: method, num_speculative_tokens, "
@@ -318,6 +319,12 @@ class EngineConfig(StrictModel):
         0.25,
         description="hybrid models: most share of the snapshot slots that predicted-shared "
         "boundaries may hold, in [0, 1] (0 = only prompt and end-of-sequence snapshots)",
+    )
+    state_decode_snapshots: bool = Field(
+        True,
+        description="hybrid models: take rolling decode snapshots, so a finished sequence "
+        "keeps its state at its last full block (the next turn of a conversation starts "
+        "there); False for traffic whose outputs never come back in a later prompt",
     )
     speculative_config: dict[str, Any] | None = Field(
         None,
