@@ -204,6 +204,12 @@ def test_lookup_promotes_no_kv_past_the_deepest_snapshot(tmp_path: Path) -> None
     ha = hash_request_blocks(a, BS)
     assert kv.state is not None and not kv.state.has_snapshot(ha[1])
     assert all(h in tiers.host for h in ha[:2])
+    # the miss names the KV the tiers hold (not promoted): no state snapshot at 32
+    why = kv.explain_miss(a, kv.get_num_cached_tokens(a))
+    assert why.reason == "no_state_snapshot" and why.state_position == 32
+    other = a[:32] + list(range(150, 170))  # a's 2 blocks, then a third nowhere
+    why = kv.explain_miss(other, kv.get_num_cached_tokens(other))
+    assert why.reason == "no_state_snapshot" and why.state_position == 32
     assert _serve(kv, mover, "a2", a) == 0
     assert tiers.host.stats.promotions == 0
     kv2, mover2 = _replica(tmp_path / "2", snaps=2, host_rows=0, disk_rows=0, num_blocks=4)

@@ -951,8 +951,8 @@ class KVCacheManager:
             if tiers is not None:
                 kv = max(kv, bs * tiers.prefix_blocks(self.prefix_cache.root, extra, token_ids, bs))  # fmt: skip
             if kv > num_cached_tokens:
-                if remember_key:
-                    self.prefix_cache.explain_miss(token_ids, kv, extra, True)
+                if remember_key:  # records the key (the lookup's own hit: hashes known)
+                    self.prefix_cache.explain_miss(token_ids, look[2], extra, True)
                 full = self._prompt_hashes(extra, token_ids)
                 near = self.state.nearest(full, kv // bs)
                 return CacheMissExplanation(
