@@ -7,11 +7,12 @@
 #   then: export KVPAGE_LLAMA_SERVER=WORK_DIR/build/llama.cpp/bin/llama-server
 #
 # Everything (sdist, sources, build tree) goes under WORK_DIR, outside the repository.
-# WORK_DIR must be a real directory, not a path through a symlink: the vendored
+# Configure from a real directory, not a path through a symlink: the vendored
 # vendor/llama.cpp/.git is a *file* ("gitdir: ../../.git/modules/vendor/llama.cpp", a
-# path relative to where it lies), and CMake configured through a symlinked path resolves
-# it from the wrong place and fails; the script therefore resolves WORK_DIR with
-# `realpath` first. Environment: LLAMA_CPP_PYTHON_VERSION (default 0.3.36; another
+# path relative to where it lies) that llama.cpp's common/CMakeLists.txt reads, and
+# issue 28 reports that CMake configured through a symlink breaks on it; the script
+# resolves WORK_DIR with `realpath` first (see benches/peers/README.md for what was and
+# was not reproduced here). Environment: LLAMA_CPP_PYTHON_VERSION (default 0.3.36; another
 # version must come with its LLAMA_CPP_PYTHON_SHA256), JOBS (default 2), PYTHON (default
 # the repo's .venv python, else python3).
 set -euo pipefail
