@@ -326,10 +326,22 @@ def bench_model(name: str, args: argparse.Namespace, work_file: Path, max_new: i
             mine, theirs = ref[0]["first_ids"], runs[0]["first_ids"]
             e["first_ids_equal_to_kvpage"] = sum(a == b for a, b in zip(mine, theirs, strict=False))
             e["first_ids_compared"] = min(len(mine), len(theirs))
+            e["first_divergence_vs_kvpage"] = [
+                first_divergence(a, b) for a, b in zip(mine, theirs, strict=False)
+            ]
         res["engines"][eng] = e
     if ref[0] is not None:
         res["kvpage_first_ids"] = ref[0]["first_ids"]
     return res
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first output token where ``a`` and ``b`` differ (the shorter's
+    length if one is a prefix of the other), ``None`` when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def _median_or_none(xs: list[float | None]) -> float | None:
@@ -479,9 +491,11 @@ def main() -> None:
                 continue
             ttft = f"{e['ttft_p50_s']:.2f}" if e["ttft_p50_s"] is not None else "-"
             eq = f"{e.get('first_ids_equal_to_kvpage', '-')}/{e.get('first_ids_compared', '-')}"
+            div = e.get("first_divergence_vs_kvpage")
             print(
                 f"{eng} | {e['tokens_per_s']:.1f} | {e['tokens_per_cpu_s']:.1f} | {ttft} | "
                 f"{e['peak_rss_mb']:.0f} | {e['ratio_to_kvpage_per_round']} | {eq}"
+                + (f" (first divergence per request: {div})" if div else "")
             )
 
 

@@ -209,3 +209,10 @@ def test_gguf_round_trip(conv: ModuleType, tmp_path: Path, dtype: str) -> None:
     assert f["tokenizer.ggml.tokens"].contents()[:4] == ["<unk>", "<s>", "</s>", "t3"]
     assert len(f["tokenizer.ggml.tokens"].contents()) == 40
     assert f["tokenizer.ggml.add_bos_token"].contents() is False
+
+
+def test_first_divergence(bench: ModuleType) -> None:
+    assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert bench.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert bench.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert bench.first_divergence([], []) is None
