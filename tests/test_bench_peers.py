@@ -216,3 +216,18 @@ def test_first_divergence(bench: ModuleType) -> None:
     assert bench.first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert bench.first_divergence([1, 2], [1, 2, 3]) == 2
     assert bench.first_divergence([], []) is None
+
+
+def test_workload_bound_of_one_short_request() -> None:
+    """One request, prompt 1, output 2: the prefill's FLOP at the peak plus one decode
+    step, bandwidth-bound (weights + 2 tokens of KV at the given bandwidth)."""
+    sys.path.insert(0, str(BENCHES))
+    try:
+        wb = _load("workload_bound", BENCHES / "peers" / "workload_bound.py")
+    finally:
+        sys.path.remove(str(BENCHES))
+    peak, bw, wbytes = 1e11, 1e10, 4e8
+    pre = (2 * wb.LAYER_LINEAR + 2 * wb.HEAD_LINEAR + 4 * 12 * 64 * 12) / peak
+    step = (wbytes + 2 * (2 * 12 * 4 * 64 * 4)) / bw
+    assert wb.group_bound_s([(1, 2)], wbytes, 4, bw, peak) == pytest.approx(pre + step)
+    assert wb.LAYER_LINEAR + wb.HEAD_LINEAR == 100_073_472  # roofline's 400.3 MB / 4 B
