@@ -345,6 +345,15 @@ def llama_server_argv(spec: dict[str, Any], port: int) -> list[str]:
     ]  # fmt: skip
 
 
+def _die_with_parent() -> None:
+    """In the forked child before exec: ask Linux to SIGTERM it when this worker dies
+    (``prctl(PR_SET_PDEATHSIG)``), so a killed worker leaves no llama-server behind."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+
+
 class LlamaCppRunner:
     """llama.cpp's ``llama-server`` as a child process, fed over HTTP (``/completion``).
 
@@ -367,7 +376,10 @@ class LlamaCppRunner:
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(spec.get("server_log") or os.devnull, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            llama_server_argv(spec, port), stdout=self.log, stderr=subprocess.STDOUT
+            llama_server_argv(spec, port),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
         )
         n = int(spec.get("concurrency") or spec["num_requests"])
         self.client = httpx.Client(
