@@ -427,7 +427,6 @@ class HostStateMachine(RuleBasedStateMachine):
         self.done: dict[str, int] = {}
         self.sent: list[list[int]] = []  # prompts admitted so far
         self.n = 0
-        self.known: set[bytes] = set()  # every full block's hash of every request
         self.host_order: list[bytes] = []  # host snapshots, least recently used first
         #: host rows evicted out of plain LRU order, pending: (key, the first entry while
         #: it was second); cleared when that first entry's promotion is heard
@@ -438,9 +437,6 @@ class HostStateMachine(RuleBasedStateMachine):
         self.pool.listeners.append(self)
 
     # ---- host LRU, watched at every host snapshot stored / removed -------------------
-    def _know(self, toks: list[int]) -> None:
-        self.known.update(hash_request_blocks(toks, BS))
-
     def on_snapshot_stored(self, block_hash: bytes, where: str) -> None:
         if where == "host":
             assert block_hash not in self.host_order
@@ -522,7 +518,6 @@ class HostStateMachine(RuleBasedStateMachine):
         ``finish``, run it to the end and ``finish`` decode tokens, then free it."""
         rid = f"r{self.n}"
         self.n += 1
-        self._know(toks)
         while True:
             cached = self.m.get_num_cached_tokens(toks)
             end = self.m.state_chunk_end(rid, toks, cached, min(len(toks), cached + budget))
@@ -586,7 +581,6 @@ class HostStateMachine(RuleBasedStateMachine):
         toks, start = self.reqs[rid], self.done[rid]
         if start == len(toks):  # decode: sample a token first
             toks.append(20_000 + len(toks))
-            self._know(toks)
         end = self.m.state_chunk_end(rid, toks, start, min(len(toks), start + budget))
         if self.m.allocate(rid, toks, end - start) is None:
             self._free(rid)
@@ -607,7 +601,6 @@ class HostStateMachine(RuleBasedStateMachine):
             start = self.done[rid]
             if start == len(toks):
                 toks.append(20_000 + len(toks))
-            self._know(toks)
             end = self.m.state_chunk_end(rid, toks, start, len(toks))
             if self.m.allocate(rid, toks, end - start) is None:
                 break

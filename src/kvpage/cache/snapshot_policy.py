@@ -105,11 +105,11 @@ class SnapshotPolicy:
             )
         if isinstance(max_tracked, bool) or not isinstance(max_tracked, int) or max_tracked < 1:
             raise SpecError(f"max_tracked: expected an int >= 1, got {max_tracked!r}")
+        if not isinstance(decode_snapshots, bool):
+            raise SpecError(f"decode_snapshots: expected a bool, got {decode_snapshots!r}")
         self.block_size = block_size
         self.share_threshold = share_threshold
         self.predicted_share = float(predicted_share)
-        if not isinstance(decode_snapshots, bool):
-            raise SpecError(f"decode_snapshots: expected a bool, got {decode_snapshots!r}")
         self.max_tracked = max_tracked
         self.decode_snapshots = decode_snapshots
         self._passes: OrderedDict[BlockHash, int] = OrderedDict()

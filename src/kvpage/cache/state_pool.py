@@ -612,14 +612,15 @@ class StatePool:
                 e.kind = kind
                 self._num_predicted -= 1
             return e.slot
-        if self.num_snapshot_slots == 0 or (kind == "predicted" and self.predicted_cap == 0):
+        if (
+            self.num_snapshot_slots == 0
+            or (kind == "predicted" and self.predicted_cap == 0)
+            # the host keeps this state; a rolling copy would be dropped at the request's
+            # next decode snapshot, never demoted, and the freed host copy with it
+            or (kind == "decode" and block_hash in self._host)
+        ):
             self.stats.snapshots_skipped += 1
             return None  # a host copy of the same key stays where it is
-        if kind == "decode" and block_hash in self._host:
-            # the host keeps this state; a rolling copy would be dropped at the request's
-            # next decode snapshot, never demoted, and the host copy with it
-            self.stats.snapshots_skipped += 1
-            return None
         if block_hash in self._host:
             # same tokens, same state: the host copy is now redundant
             self._free_host.append(self._host.pop(block_hash)[0])

@@ -321,9 +321,10 @@ class TieredCache:
         """Copy the prompt's leading blocks found in a tier into the pool (see the module
         docstring). Considers at most ``(len(token_ids) - 1) // block_size`` blocks (a
         hit leaves one token to compute) and at most ``max_blocks`` (a hybrid's hit ends
-        at its deepest state snapshot: blocks past it would be promoted for nothing). Flushes first when one of the prompt's blocks
-        is pending (evicted earlier in this step), so it is found in its tier. Returns
-        the number of blocks promoted (over every group).
+        at its deepest state snapshot: blocks past it would be promoted for nothing).
+        Flushes first when one of the prompt's blocks is pending (evicted earlier in
+        this step), so it is found in its tier. Returns the number of blocks promoted
+        (over every group).
 
         With several KV groups (a unified pool) a block counts as available to group
         ``g`` when its pool or a tier holds key ``tier_key(g, hash)``; the longest

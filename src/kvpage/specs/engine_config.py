@@ -107,6 +107,7 @@ def _device(v: Any) -> bool:
 
 _BYTES = (_int_in(0), "an int >= 0 (bytes)")
 _POSITIVE = (_int_in(1), "an int >= 1")
+_BOOL: tuple[Callable[[Any], bool], str] = (lambda v: isinstance(v, bool), "a bool")
 
 #: field -> (accepts(value), the "expected ..." phrase of its error): the one place each
 #: engine field's rule is written (the pydantic model, the CLI flags and the simulator
@@ -122,7 +123,7 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_num_seqs": _POSITIVE,
     "max_num_batched_tokens": _POSITIVE,
     "max_model_len": (_int_in(1, optional=True), "None or an int >= 1"),
-    "enable_prefix_caching": (lambda v: isinstance(v, bool), "a bool"),
+    "enable_prefix_caching": _BOOL,
     "kv_cache_dtype": _one_of("auto", "int8", "fp8_e4m3", "fp8_e5m2"),
     "backend": (lambda v: isinstance(v, str) and bool(v), "'auto' or a backend name"),
     "dtype": _one_of("float32", "float16", "bfloat16"),
@@ -154,7 +155,7 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "state_snapshot_slots": (_int_in(0, optional=True), "None or an int >= 0"),
     "state_share_threshold": (_int_in(2), "an int >= 2 (requests passing a boundary)"),
     "state_predicted_share": (_share, "a number in [0, 1]"),
-    "state_decode_snapshots": (lambda v: isinstance(v, bool), "a bool"),
+    "state_decode_snapshots": _BOOL,
     "speculative_config": (
         lambda v: v is None or isinstance(v, dict),
         "None or a dict (vLLM's speculative_config: method, num_speculative_tokens, "
