@@ -435,10 +435,10 @@ def main() -> None:
     for m in args.models.split(","):
         if m not in MODELS:
             ap.error(f"--models: expected names from {MODELS}, got {m!r}")
-    for e in args.engines.split(","):
+    engines = args.engines.split(",")
+    for e in engines:
         if e not in ENGINES:
             ap.error(f"--engines: expected names from {ENGINES}, got {e!r}")
-    engines = args.engines.split(",")
     if "llamacpp" in engines:
         try:
             args.llama_server = llama_server_path(args.llama_server)
